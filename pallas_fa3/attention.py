@@ -1,0 +1,68 @@
+"""The public entry point: validate -> canonical spec -> choose backend -> custom_vjp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import backends, vjp
+from pallas_fa3.spec import check_implementation, make_spec
+
+# Jitted once per static call, so that eager (un-jitted) use compiles each
+# shape once instead of dispatching the tiled loops op by op.
+_attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
+                    return_lse=False, implementation=None, config=None):
+  """Scaled dot-product attention, computed FlashAttention-style.
+
+  `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
+  with `g = heads_q // heads_kv` query heads per key/value head (MHA when
+  g = 1, MQA when heads_kv = 1, GQA otherwise; K/V are never repeated).
+
+  Causal masking is **bottom-right aligned** as in FlashAttention-2/3: query i
+  sees key j iff `j <= i + seq_kv - seq_q`. With `seq_q > seq_kv` the first
+  `seq_q - seq_kv` queries see no key: their output is 0 and their lse is
+  `-inf`, and their gradients are finite (zero).
+
+  Args:
+    q: `[batch, seq_q, heads_q, head_dim]`, float16, bfloat16 or float32.
+    k: `[batch, seq_kv, heads_kv, head_dim]`, same dtype, `heads_q % heads_kv == 0`.
+    v: `[batch, seq_kv, heads_kv, head_dim_v]`, same dtype; head dims <= 256.
+    causal: apply the bottom-right aligned causal mask.
+    softmax_scale: positive finite scale of the scores; default `1/sqrt(head_dim)`.
+    return_lse: also return the log-sum-exp of the scaled scores.
+    implementation: None (automatic: the fastest backend that supports the
+      call among those computing the kernels' function -- `mosaic` on a Hopper
+      GPU, else `blockwise`), or one of "mosaic", "interpret", "blockwise",
+      "reference".
+    config: backend-specific tiling, e.g. `pallas_fa3.BlockwiseConfig`;
+      None picks the backend's default.
+
+  Returns:
+    out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
+    `return_lse`, `(out, lse)` where lse is float32 `[batch, heads_q, seq_q]`
+    in natural log.
+
+  Raises:
+    TypeError / ValueError: bad inputs; the message names the argument.
+    NotImplementedError: the requested implementation cannot serve the call.
+
+  Example:
+    >>> import jax, pallas_fa3
+    >>> q = jax.random.normal(jax.random.key(0), (2, 128, 8, 64), "bfloat16")
+    >>> k = jax.random.normal(jax.random.key(1), (2, 128, 2, 64), "bfloat16")
+    >>> out, lse = pallas_fa3.flash_attention(q, k, k, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 128, 8, 64), (2, 8, 128))
+  """
+  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  implementation = check_implementation(implementation)
+  if not isinstance(return_lse, bool):
+    raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+  backend, config = backends.resolve(spec, implementation, config)
+  call = vjp.StaticCall(spec, backend.name, config)
+  out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
+                            jnp.asarray(v))
+  return (out, lse) if return_lse else out

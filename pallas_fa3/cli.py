@@ -1,0 +1,125 @@
+"""`pallas-fa3`: the command line.
+
+Subcommands:
+  info   the machine, JAX, whether a Hopper GPU is present, which backend the
+         automatic choice picks for a sample call and why, and (unless
+         --no-run) that sample call checked against the float64 golden.
+
+Later issues add `bench`, `numerics` and `train` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+_SAMPLE_HELP = "sample call used to show the automatic choice"
+
+
+def _add_info_parser(sub) -> None:
+  p = sub.add_parser(
+      "info",
+      help="environment, devices and the automatic backend choice",
+      description=(
+          "Print the JAX version, backend and devices, whether a Hopper (sm90)"
+          " GPU is present, which implementation flash_attention(...,"
+          " implementation=None) picks for a sample call and why, then run"
+          " that call and compare it with a float64 golden."),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--batch", type=int, default=1, help=_SAMPLE_HELP)
+  p.add_argument("--seq-q", type=int, default=256, help=_SAMPLE_HELP)
+  p.add_argument("--seq-kv", type=int, default=256, help=_SAMPLE_HELP)
+  p.add_argument("--heads-q", type=int, default=4, help=_SAMPLE_HELP)
+  p.add_argument("--heads-kv", type=int, default=2, help=_SAMPLE_HELP)
+  p.add_argument("--head-dim", type=int, default=64, help=_SAMPLE_HELP)
+  p.add_argument("--dtype", default="bfloat16",
+                 choices=("bfloat16", "float16", "float32"), help=_SAMPLE_HELP)
+  p.add_argument("--causal", action=argparse.BooleanOptionalAction,
+                 default=True, help=_SAMPLE_HELP)
+  p.add_argument("--no-run", action="store_true",
+                 help="only report the choice; do not run the sample call")
+  p.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(args) -> int:
+  # Imported here so that `pallas-fa3 --help` answers without loading JAX.
+  import jax
+  import jaxlib
+  import numpy as np
+
+  from pallas_fa3 import backends, flash_attention
+  from pallas_fa3.reference import golden_attention
+  from pallas_fa3.spec import make_spec
+
+  import pallas_fa3
+
+  devices = jax.devices()
+  print(f"pallas-fa3 {pallas_fa3.__version__}  (Python {platform.python_version()},"
+        f" {platform.machine()})")
+  print(f"JAX {jax.__version__}, jaxlib {jaxlib.__version__};"
+        f" default backend: {jax.default_backend()}")
+  for d in devices:
+    cc = getattr(d, "compute_capability", None)
+    extra = f", compute capability {cc}" if cc else ""
+    print(f"  device {d.id}: {d.platform} {d.device_kind}{extra}")
+  hopper = backends._hopper_reason()  # pylint: disable=protected-access
+  print("Hopper (sm90) GPU: " + ("yes" if hopper is None else f"no ({hopper})"))
+
+  shape_q = (args.batch, args.seq_q, args.heads_q, args.head_dim)
+  shape_kv = (args.batch, args.seq_kv, args.heads_kv, args.head_dim)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], shape_q, args.dtype)
+  k = jax.random.normal(keys[1], shape_kv, args.dtype)
+  v = jax.random.normal(keys[2], shape_kv, args.dtype)
+  spec = make_spec(q, k, v, causal=args.causal)
+  print(f"\nSample call: q {shape_q}, k/v {shape_kv}, {args.dtype},"
+        f" causal={args.causal} (bottom-right aligned)")
+  print("Automatic choice (fastest first):")
+  chosen = None
+  for name, reason in backends.explain_choice(spec):
+    if reason is None and chosen is None:
+      chosen = name
+      print(f"  -> {name}: supported; picked ({backends.get(name).summary})")
+    else:
+      print(f"     {name}: " + ("supported" if reason is None else f"skipped: {reason}"))
+  if args.no_run:
+    return 0
+
+  start = time.perf_counter()
+  out = jax.block_until_ready(flash_attention(q, k, v, causal=args.causal))
+  first = time.perf_counter() - start
+  start = time.perf_counter()
+  out = jax.block_until_ready(flash_attention(q, k, v, causal=args.causal))
+  again = time.perf_counter() - start
+  gold, _ = golden_attention(q, k, v, causal=args.causal)
+  err = float(np.max(np.abs(np.asarray(out, np.float64) - gold)))
+  eps = float(jax.numpy.finfo(args.dtype).eps)
+  print(f"\nRan it with {chosen}: output {tuple(out.shape)} {out.dtype};"
+        f" first call {first:.2f} s (includes compilation), second {again * 1e3:.1f} ms")
+  print(f"max |out - float64 golden| = {err:.3g}  ({err / eps:.1f} x {args.dtype} eps;"
+        " a few eps is rounding, not error)")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="pallas-fa3",
+      description=(
+          "FlashAttention-3 for Hopper GPUs in JAX Pallas Mosaic GPU, with a"
+          " portable blockwise twin and numerics tooling."),
+      epilog="Run 'pallas-fa3 <command> --help' for a command's options.")
+  sub = parser.add_subparsers(dest="command", metavar="<command>")
+  sub.required = True
+  _add_info_parser(sub)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

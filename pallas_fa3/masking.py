@@ -1,0 +1,60 @@
+"""Which (query, key) pairs are visible, and which tiles can be skipped.
+
+One mask function serves every backend: the reference applies it to the whole
+score matrix, the blockwise twin (and later the kernels) to one tile at a
+time. Block skipping is derived from the same rule, per tile, so the two can
+never disagree. Later masks (sliding window, segment ids) extend these two
+functions.
+
+Causal attention is **bottom-right aligned** (as in FlashAttention-2/3): with
+`offset = seq_kv - seq_q`, query i sees key j iff `j <= i + offset`. When
+`seq_q > seq_kv` the first `seq_q - seq_kv` queries see no key at all.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3.spec import AttentionSpec
+
+
+def visible(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+  """Boolean mask of visible pairs, broadcasting `q_pos[:, None]` vs `kv_pos[None, :]`.
+
+  Positions are absolute indices into the unpadded sequences; keys at or past
+  `spec.seq_kv` (tile padding) are never visible.
+  """
+  q = q_pos[:, None]
+  kv = kv_pos[None, :]
+  mask = kv < spec.seq_kv
+  if spec.causal:
+    mask = mask & (kv <= q + spec.causal_offset)
+  return mask
+
+
+def num_kv_blocks_visible(spec: AttentionSpec, q_block_end, block_kv: int,
+                          num_kv_blocks: int):
+  """Number of leading kv blocks a query tile ending at `q_block_end` needs.
+
+  `q_block_end` is one past the tile's last query row (may be traced). Blocks
+  after this count are fully masked for every row of the tile and are skipped.
+  """
+  if not spec.causal:
+    return num_kv_blocks
+  last_row = jnp.minimum(q_block_end, spec.seq_q) - 1
+  last_key = last_row + spec.causal_offset  # last visible key of the tile
+  return jnp.clip(last_key // block_kv + 1, 0, num_kv_blocks)
+
+
+def first_q_block_visible(spec: AttentionSpec, kv_block_start, block_q: int,
+                          num_q_blocks: int):
+  """Index of the first query tile that sees any key of a kv tile.
+
+  Query tiles before it are fully masked for the whole kv tile (causal) and
+  are skipped by the backward pass.
+  """
+  if not spec.causal:
+    return 0
+  first_row = kv_block_start - spec.causal_offset  # first query seeing the tile
+  return jnp.clip(first_row // block_q, 0, num_q_blocks)

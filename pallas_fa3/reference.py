@@ -1,0 +1,159 @@
+"""Materialized baseline attention (the oracle) and float64 golden helpers.
+
+"Baseline attention" in the numerics literature materializes the full score
+matrix: S = scale * Q K^T, P = softmax(S), O = P V. `reference_attention`
+keeps every intermediate in `intermediate_dtype` (float32 by default, with
+`Precision.HIGHEST`), which makes it both the oracle for the other backends
+and, with a low `intermediate_dtype`, the "naive low-precision" attention of
+the tolerance rule and the numerics study.
+
+LSE convention (shared by every backend): `lse[b, h, i]` is the float32
+natural log of `sum_j exp(scale * q_i . k_j)` over the keys query i sees. A row
+that sees no key (bottom-right causal with `seq_q > seq_kv`) has output 0 and
+`lse = -inf` (the log of an empty sum, and the identity element when partial
+results are merged by log-sum-exp).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from pallas_fa3.reference import reference_attention, golden_attention
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+  >>> out, lse = reference_attention(q, k, v, causal=True, return_lse=True)
+  >>> gold_out, gold_lse = golden_attention(q, k, v, causal=True)
+  >>> bool(abs(out - gold_out).max() < 1e-5)
+  True
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa3 import masking
+from pallas_fa3.spec import AttentionSpec, make_spec
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _grouped(q: jax.Array, heads_kv: int) -> jax.Array:
+  """[b, s, hq, d] -> [b, s, hk, g, d]: query heads grouped by their kv head."""
+  b, s, hq, d = q.shape
+  return q.reshape(b, s, heads_kv, hq // heads_kv, d)
+
+
+def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
+                      v: jax.Array, intermediate_dtype=jnp.float32
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Materialized attention for a validated spec; returns (out, lse).
+
+  Every intermediate (scores, softmax, P V accumulation) is kept in
+  `intermediate_dtype`; out is cast to `spec.dtype`, lse is float32.
+  """
+  dt = jnp.dtype(intermediate_dtype)
+  qg = _grouped(q.astype(dt), spec.heads_kv)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(dt),
+                 preferred_element_type=dt, precision=_HIGHEST)
+  s = s * jnp.asarray(spec.softmax_scale, dt)
+  mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
+  s = jnp.where(mask, s, -jnp.inf)
+  # The row max only stabilizes exp; it carries no gradient. Rows with no
+  # visible key use 0 so that exp(-inf - 0) = 0 instead of NaN.
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+  e = jnp.exp(s - m)
+  l = jnp.sum(e, axis=-1, keepdims=True)
+  empty = l == 0
+  l_safe = jnp.where(empty, jnp.ones_like(l), l)
+  p = e / l_safe
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(dt),
+                 preferred_element_type=dt, precision=_HIGHEST)
+  out = o.reshape(spec.out_shape).astype(spec.dtype)
+  lse = (m + jnp.log(l_safe)).astype(jnp.float32)
+  lse = jnp.where(empty, -jnp.inf, lse)[..., 0]
+  return out, lse.reshape(spec.lse_shape)
+
+
+def reference_attention(q, k, v, *, causal=False, softmax_scale=None,
+                        return_lse=False, intermediate_dtype=jnp.float32):
+  """Materialized baseline attention, differentiable by plain JAX autodiff.
+
+  Args:
+    q: `[batch, seq_q, heads_q, head_dim]`.
+    k: `[batch, seq_kv, heads_kv, head_dim]`, `heads_q % heads_kv == 0`.
+    v: `[batch, seq_kv, heads_kv, head_dim_v]`.
+    causal: bottom-right aligned causal mask (see `pallas_fa3.masking`).
+    softmax_scale: defaults to `1/sqrt(head_dim)`.
+    return_lse: also return the float32 natural-log LSE `[batch, heads_q, seq_q]`.
+    intermediate_dtype: dtype of every intermediate (scores, softmax, P V).
+      float32 (default) is the oracle; the input dtype gives the naive
+      low-precision baseline of the tolerance rule and the numerics study.
+
+  Returns:
+    out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype, and the lse
+    if `return_lse`.
+  """
+  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  out, lse = reference_forward(spec, q, k, v, intermediate_dtype)
+  return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------
+# Float64 golden (numpy, independent of JAX's x64 flag and of JAX autodiff).
+
+
+def _golden_parts(q, k, v, causal, softmax_scale):
+  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  f64 = lambda x: np.asarray(x).astype(np.float64)
+  q64, k64, v64 = f64(q), f64(k), f64(v)
+  qg = q64.reshape(spec.batch, spec.seq_q, spec.heads_kv, spec.group_size,
+                   spec.head_dim)
+  s = np.einsum("bqhgd,bkhd->bhgqk", qg, k64) * spec.softmax_scale
+  mask = np.asarray(masking.visible(spec, np.arange(spec.seq_q),
+                                    np.arange(spec.seq_kv)))
+  s = np.where(mask, s, -np.inf)
+  m = s.max(axis=-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.exp(s - m)
+  l = e.sum(axis=-1, keepdims=True)
+  empty = l == 0
+  p = e / np.where(empty, 1.0, l)
+  with np.errstate(divide="ignore"):
+    lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))
+  return spec, qg, k64, v64, p, lse[..., 0]
+
+
+def golden_attention(q, k, v, *, causal=False, softmax_scale=None):
+  """Float64 attention in numpy; returns (out, lse) as float64 numpy arrays.
+
+  Same conventions as `reference_attention` (layout, bottom-right causal,
+  natural-log lse, -inf for rows that see no key).
+  """
+  spec, _, _, v64, p, lse = _golden_parts(q, k, v, causal, softmax_scale)
+  o = np.einsum("bhgqk,bkhd->bqhgd", p, v64)
+  return o.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
+
+
+def golden_attention_vjp(q, k, v, dout, dlse=None, *, causal=False,
+                         softmax_scale=None):
+  """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse).
+
+  Analytic backward in numpy: dV = P^T dO, dP = dO V^T,
+  dS = P * (dP - delta + dlse) with delta = rowsum(dO * O), dQ = scale dS K,
+  dK = scale dS^T Q; GQA gradients are summed over each query-head group.
+  """
+  spec, qg, k64, v64, p, _ = _golden_parts(q, k, v, causal, softmax_scale)
+  g = spec.group_size
+  do = np.asarray(dout).astype(np.float64).reshape(
+      spec.batch, spec.seq_q, spec.heads_kv, g, spec.head_dim_v)
+  o = np.einsum("bhgqk,bkhd->bqhgd", p, v64)
+  delta = np.einsum("bqhgd,bqhgd->bhgq", do, o)
+  if dlse is not None:
+    dl = np.asarray(dlse).astype(np.float64).reshape(
+        spec.batch, spec.heads_kv, g, spec.seq_q)
+    delta = delta - dl
+  dv = np.einsum("bhgqk,bqhgd->bkhd", p, do)
+  dp = np.einsum("bqhgd,bkhd->bhgqk", do, v64)
+  ds = p * (dp - delta[..., None])
+  dq = np.einsum("bhgqk,bkhd->bqhgd", ds, k64) * spec.softmax_scale
+  dk = np.einsum("bhgqk,bqhgd->bkhd", ds, qg) * spec.softmax_scale
+  return dq.reshape(np.shape(q)), dk, dv

@@ -1,0 +1,208 @@
+"""One frozen description of an attention call, and the one validation helper.
+
+Every public entry point turns its arguments into an `AttentionSpec` through
+`make_spec`; backends receive the spec and never re-validate. Errors name the
+offending argument and its shape or value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Implementation = Literal["mosaic", "interpret", "blockwise", "reference"]
+IMPLEMENTATIONS: tuple[str, ...] = ("mosaic", "interpret", "blockwise", "reference")
+
+# Input dtypes every backend must accept. float64 is refused on purpose: it is
+# the golden's precision, and JAX silently truncates it without jax_enable_x64.
+SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+)
+
+# FlashAttention-3 (and Hopper's wgmma tiling with 227 KiB of shared memory)
+# supports head dims up to 256; we hold every backend to the same limit so that
+# the automatic choice never changes which calls are accepted.
+MAX_HEAD_DIM = 256
+
+_LAYOUT = "[batch, seq, heads, head_dim]"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Canonical, hashable description of one attention call.
+
+  Shapes use fixed letters: q `[b, sq, hq, d]`, k `[b, skv, hk, d]`,
+  v `[b, skv, hk, dv]`, output `[b, sq, hq, dv]`, lse `[b, hq, sq]`.
+  """
+
+  batch: int
+  seq_q: int
+  seq_kv: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  head_dim_v: int
+  dtype: Any  # a jnp.dtype
+  causal: bool
+  softmax_scale: float
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per key/value head (1: MHA, hq: MQA, else GQA)."""
+    return self.heads_q // self.heads_kv
+
+  @property
+  def causal_offset(self) -> int:
+    """Bottom-right causal alignment: query i sees keys j <= i + offset."""
+    return self.seq_kv - self.seq_q
+
+  @property
+  def out_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seq_q, self.heads_q, self.head_dim_v)
+
+  @property
+  def lse_shape(self) -> tuple[int, int, int]:
+    return (self.batch, self.heads_q, self.seq_q)
+
+
+def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
+  """Checks one attention operand: array-like, rank 4, supported dtype."""
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+        f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
+    )
+  shape = tuple(int(s) for s in x.shape)
+  dtype = jnp.dtype(x.dtype)
+  if len(shape) != 4:
+    raise ValueError(
+        f"{name} must have rank 4 with layout {_LAYOUT}; got shape {shape}"
+        f" (rank {len(shape)})"
+    )
+  if dtype not in SUPPORTED_DTYPES:
+    names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    raise TypeError(
+        f"{name} has dtype {dtype}; supported dtypes are {names}"
+    )
+  for axis, (dim, what) in enumerate(
+      zip(shape, ("batch", "seq", "heads", "head_dim"))
+  ):
+    if dim == 0:
+      raise ValueError(
+          f"{name} has an empty {what} axis (axis {axis}): shape {shape};"
+          " every axis must be non-empty"
+      )
+  if shape[3] > MAX_HEAD_DIM:
+    raise ValueError(
+        f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM};"
+        f" shape {shape}"
+    )
+  return shape, dtype
+
+
+def check_softmax_scale(softmax_scale: Any, head_dim: int) -> float:
+  """Returns the softmax scale as a float, defaulting to 1/sqrt(head_dim)."""
+  if softmax_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(softmax_scale, jax.core.Tracer):
+    raise TypeError(
+        "softmax_scale must be a concrete Python number, not a traced value"
+        f" ({softmax_scale}); pass it as a static argument"
+    )
+  if isinstance(softmax_scale, (np.ndarray, jax.Array)):
+    if softmax_scale.size != 1:
+      raise TypeError(
+          "softmax_scale must be a scalar; got an array of shape"
+          f" {tuple(softmax_scale.shape)}"
+      )
+    softmax_scale = softmax_scale.item()
+  if isinstance(softmax_scale, bool) or not isinstance(
+      softmax_scale, numbers.Real
+  ):
+    raise TypeError(
+        "softmax_scale must be a real number or None; got"
+        f" {softmax_scale!r} of type {type(softmax_scale).__name__}"
+    )
+  value = float(softmax_scale)
+  if not math.isfinite(value) or value <= 0.0:
+    raise ValueError(
+        f"softmax_scale must be finite and positive; got {softmax_scale!r}"
+    )
+  return value
+
+
+def check_implementation(implementation: Any) -> str | None:
+  """Validates the `implementation` argument (None means automatic)."""
+  if implementation is None:
+    return None
+  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be None or one of {IMPLEMENTATIONS}; got"
+        f" {implementation!r}"
+    )
+  return implementation
+
+
+def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
+              softmax_scale: Any = None) -> AttentionSpec:
+  """Validates q, k, v and the call options; returns the canonical spec.
+
+  Raises:
+    TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool
+      `causal`, or a non-numeric `softmax_scale`.
+    ValueError: wrong rank, mismatched batch/sequence/head_dim/heads, an empty
+      axis, head_dim over `MAX_HEAD_DIM`, or a non-finite/non-positive scale.
+  """
+  q_shape, q_dtype = _check_tensor("q", q)
+  k_shape, k_dtype = _check_tensor("k", k)
+  v_shape, v_dtype = _check_tensor("v", v)
+  if not (q_dtype == k_dtype == v_dtype):
+    raise TypeError(
+        "q, k and v must have the same dtype; got q.dtype="
+        f"{q_dtype}, k.dtype={k_dtype}, v.dtype={v_dtype}"
+    )
+  shapes = f"q.shape={q_shape}, k.shape={k_shape}, v.shape={v_shape}"
+  if not q_shape[0] == k_shape[0] == v_shape[0]:
+    raise ValueError(f"q, k and v must have the same batch size; got {shapes}")
+  if k_shape[1] != v_shape[1]:
+    raise ValueError(
+        f"k and v must have the same sequence length (axis 1); got {shapes}"
+    )
+  if k_shape[2] != v_shape[2]:
+    raise ValueError(
+        f"k and v must have the same number of heads (axis 2); got {shapes}"
+    )
+  if q_shape[3] != k_shape[3]:
+    raise ValueError(
+        f"q and k must have the same head_dim (axis 3); got {shapes}"
+    )
+  if q_shape[2] % k_shape[2]:
+    raise ValueError(
+        f"q heads ({q_shape[2]}) must be a multiple of k/v heads"
+        f" ({k_shape[2]}) for grouped-query attention; got {shapes}"
+    )
+  if not isinstance(causal, (bool, np.bool_)):
+    raise TypeError(
+        f"causal must be a Python bool; got {causal!r} of type"
+        f" {type(causal).__name__}"
+    )
+  scale = check_softmax_scale(softmax_scale, q_shape[3])
+  return AttentionSpec(
+      batch=q_shape[0],
+      seq_q=q_shape[1],
+      seq_kv=k_shape[1],
+      heads_q=q_shape[2],
+      heads_kv=k_shape[2],
+      head_dim=q_shape[3],
+      head_dim_v=v_shape[3],
+      dtype=q_dtype,
+      causal=bool(causal),
+      softmax_scale=scale,
+  )
