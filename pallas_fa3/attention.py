@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
-from pallas_fa3.spec import check_implementation, make_spec
+from pallas_fa3.spec import check_bool, check_implementation, make_spec
 
 # Jitted once per static call, so that eager (un-jitted) use compiles each
 # shape once instead of dispatching the tiled loops op by op.
@@ -59,8 +59,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   """
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
-  if not isinstance(return_lse, bool):
-    raise TypeError(f"return_lse must be a bool; got {return_lse!r}")
+  return_lse = check_bool("return_lse", return_lse)
   backend, config = backends.resolve(spec, implementation, config)
   call = vjp.StaticCall(spec, backend.name, config)
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),

@@ -76,7 +76,8 @@ def _hopper_reason() -> str | None:
 
 def _mosaic_unsupported(spec: AttentionSpec) -> str | None:
   del spec
-  return _hopper_reason() or _KERNEL_PENDING
+  hopper = _hopper_reason()
+  return f"{hopper}; and {_KERNEL_PENDING}" if hopper else _KERNEL_PENDING
 
 
 def _interpret_unsupported(spec: AttentionSpec) -> str | None:

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa3 import masking
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec
 
-_LOG2E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)): the kernels use exp2
 _LN2 = math.log(2.0)  # converts the base-2 LSE back to the natural-log convention
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
@@ -66,7 +67,8 @@ class BlockwiseConfig:
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int):
+      if isinstance(value, (bool, np.bool_)) or not isinstance(
+          value, numbers.Integral):
         raise TypeError(
             f"BlockwiseConfig.{name} must be an int; got {value!r} of type"
             f" {type(value).__name__}"
@@ -75,6 +77,7 @@ class BlockwiseConfig:
         raise ValueError(
             f"BlockwiseConfig.{name} must be in [1, {_MAX_BLOCK}]; got {value}"
         )
+      object.__setattr__(self, name, int(value))  # numpy ints -> int (hashing)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -121,7 +124,7 @@ def _scores_log2(spec, q_tile, k_tile, q_pos, kv_pos):
   """Masked base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`."""
   s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
                  preferred_element_type=jnp.float32, precision=_HIGHEST)
-  s = s * jnp.float32(spec.softmax_scale * _LOG2E)
+  s = s * jnp.float32(spec.softmax_scale * LOG2E)
   return jnp.where(masking.visible(spec, q_pos, kv_pos), s, -jnp.inf)
 
 
@@ -194,7 +197,7 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
   delta = stat(delta - dlse.astype(jnp.float32))
   # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
   # rows get +inf so that their P is exactly 0 (finite gradients).
-  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E))
+  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E))
   delta = _pad_seq(jnp.moveaxis(delta, 3, 1), sq_pad)
   lse2 = _pad_seq(jnp.moveaxis(lse2, 3, 1), sq_pad, value=jnp.inf)
   qp = _grouped(_pad_seq(q, sq_pad), hk)

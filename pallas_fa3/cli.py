@@ -40,11 +40,10 @@ def _add_info_parser(sub) -> None:
                  default=True, help=_SAMPLE_HELP)
   p.add_argument("--no-run", action="store_true",
                  help="only report the choice; do not run the sample call")
-  p.set_defaults(func=_cmd_info)
+  p.set_defaults(func=_cmd_info, parser=p)
 
 
 def _cmd_info(args) -> int:
-  # Imported here so that `pallas-fa3 --help` answers without loading JAX.
   import jax
   import jaxlib
   import numpy as np
@@ -67,13 +66,23 @@ def _cmd_info(args) -> int:
   hopper = backends._hopper_reason()  # pylint: disable=protected-access
   print("Hopper (sm90) GPU: " + ("yes" if hopper is None else f"no ({hopper})"))
 
+  for flag in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"):
+    if getattr(args, flag) < 1:
+      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got"
+                        f" {getattr(args, flag)}")
+  if args.heads_q % args.heads_kv:
+    args.parser.error(f"--heads-q ({args.heads_q}) must be a multiple of"
+                      f" --heads-kv ({args.heads_kv})")
   shape_q = (args.batch, args.seq_q, args.heads_q, args.head_dim)
   shape_kv = (args.batch, args.seq_kv, args.heads_kv, args.head_dim)
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], shape_q, args.dtype)
   k = jax.random.normal(keys[1], shape_kv, args.dtype)
   v = jax.random.normal(keys[2], shape_kv, args.dtype)
-  spec = make_spec(q, k, v, causal=args.causal)
+  try:
+    spec = make_spec(q, k, v, causal=args.causal)
+  except (TypeError, ValueError) as e:
+    args.parser.error(f"the sample call is invalid: {e}")
   print(f"\nSample call: q {shape_q}, k/v {shape_kv}, {args.dtype},"
         f" causal={args.causal} (bottom-right aligned)")
   print("Automatic choice (fastest first):")

@@ -32,6 +32,11 @@ SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
 # the automatic choice never changes which calls are accepted.
 MAX_HEAD_DIM = 256
 
+# exp(x) = exp2(x * log2(e)): the kernels and the blockwise twin use exp2.
+LOG2E = math.log2(math.e)
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+
 _LAYOUT = "[batch, seq, heads, head_dim]"
 
 
@@ -75,7 +80,8 @@ class AttentionSpec:
 
 def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
   """Checks one attention operand: array-like, rank 4, supported dtype."""
-  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+  if isinstance(x, jax.ShapeDtypeStruct) or not (
+      hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
         f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
     )
@@ -135,14 +141,36 @@ def check_softmax_scale(softmax_scale: Any, head_dim: int) -> float:
     raise ValueError(
         f"softmax_scale must be finite and positive; got {softmax_scale!r}"
     )
+  # Scores are scaled in float32 (times log2(e) in the kernels): a scale that
+  # overflows or underflows there would silently give NaN or a zero scale.
+  if not _F32_TINY <= value * LOG2E <= _F32_MAX:
+    raise ValueError(
+        f"softmax_scale must be representable in float32 after folding in"
+        f" log2(e) (between {_F32_TINY / LOG2E:.3g} and"
+        f" {_F32_MAX / LOG2E:.3g}); got {softmax_scale!r}"
+    )
   return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+  """Accepts a Python or numpy bool; raises TypeError naming `name` otherwise."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"{name} must be a bool; got {value!r} of type {type(value).__name__}"
+    )
+  return bool(value)
 
 
 def check_implementation(implementation: Any) -> str | None:
   """Validates the `implementation` argument (None means automatic)."""
   if implementation is None:
     return None
-  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+  if not isinstance(implementation, str):
+    raise TypeError(
+        f"implementation must be None or a string, one of {IMPLEMENTATIONS};"
+        f" got {implementation!r} of type {type(implementation).__name__}"
+    )
+  if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None or one of {IMPLEMENTATIONS}; got"
         f" {implementation!r}"
@@ -188,11 +216,7 @@ def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
         f"q heads ({q_shape[2]}) must be a multiple of k/v heads"
         f" ({k_shape[2]}) for grouped-query attention; got {shapes}"
     )
-  if not isinstance(causal, (bool, np.bool_)):
-    raise TypeError(
-        f"causal must be a Python bool; got {causal!r} of type"
-        f" {type(causal).__name__}"
-    )
+  causal = check_bool("causal", causal)
   scale = check_softmax_scale(softmax_scale, q_shape[3])
   return AttentionSpec(
       batch=q_shape[0],
@@ -203,6 +227,6 @@ def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
       head_dim=q_shape[3],
       head_dim_v=v_shape[3],
       dtype=q_dtype,
-      causal=bool(causal),
+      causal=causal,
       softmax_scale=scale,
   )

@@ -1,0 +1,116 @@
+"""Test helpers shared by every backend's tests: inputs and the tolerance rule.
+
+Tolerance rule (from the FlashAttention-3 test suite, see STYLE.md): an
+implementation's error against the float64 golden may be at most twice the
+error of the same attention computed naively with every intermediate in the
+input's low dtype, plus a small floor:
+
+    max|got - golden| <= 2 * max|naive - golden| + floor,
+    floor = FLOOR_ULPS * eps(float32) * max(max|golden|, 1).
+
+The floor only matters for float32 inputs, where the naive computation is
+itself float32 and both errors are a few float32 ulps, and for tensors whose
+golden value is exactly 0 (e.g. dq when each query sees a single key: the
+error is then the rounding of dP - delta, two equal sums taken in different
+orders). Its unit scale suits the O(1) inputs the tests use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa3.reference import (golden_attention, golden_attention_vjp,
+                                  reference_attention)
+
+# Floor of the rule in float32 ulps of the tensor's largest golden entry (at
+# least 1). A
+# float32 blockwise pass accumulates a few ulps more than the materialized
+# softmax (the online rescaling); 64 ulps is ~7.6e-6 relative, far below any
+# bf16/fp16 error, so the floor never hides a low-precision bug.
+FLOOR_ULPS = 64
+_F32_EPS = float(np.finfo(np.float32).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """An attention problem size: q `[b, sq, hq, d]`, k/v `[b, skv, hk, d|dv]`."""
+
+  batch: int
+  seq_q: int
+  seq_kv: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  head_dim_v: int | None = None
+
+  @property
+  def dv(self) -> int:
+    return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+  def __str__(self) -> str:
+    dv = "" if self.head_dim_v is None else f"v{self.head_dim_v}"
+    return (f"b{self.batch}_q{self.seq_q}_kv{self.seq_kv}_h{self.heads_q}"
+            f"/{self.heads_kv}_d{self.head_dim}{dv}")
+
+
+def random_inputs(key: jax.Array, shape: Shape, dtype) -> tuple[jax.Array, ...]:
+  """Fresh standard-normal (q, k, v, dout) for `shape` (never zeros)."""
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  b, sq, skv = shape.batch, shape.seq_q, shape.seq_kv
+  return (
+      jax.random.normal(kq, (b, sq, shape.heads_q, shape.head_dim), dtype),
+      jax.random.normal(kk, (b, skv, shape.heads_kv, shape.head_dim), dtype),
+      jax.random.normal(kv, (b, skv, shape.heads_kv, shape.dv), dtype),
+      jax.random.normal(kd, (b, sq, shape.heads_q, shape.dv), dtype),
+  )
+
+
+def max_abs_err(got, golden) -> float:
+  """max |got - golden| over finite golden entries; inf if `got` is not finite there."""
+  got = np.asarray(got).astype(np.float64)
+  golden = np.asarray(golden, np.float64)
+  finite = np.isfinite(golden)
+  if not np.all(np.isfinite(got[finite])):
+    return float("inf")
+  return float(np.max(np.abs(got[finite] - golden[finite]), initial=0.0))
+
+
+def tolerance(naive, golden, floor_ulps: int = FLOOR_ULPS) -> float:
+  """The rule's bound for one tensor: 2 x naive error + floor."""
+  golden = np.asarray(golden, np.float64)
+  scale = float(np.max(np.abs(golden[np.isfinite(golden)]), initial=1.0))
+  return 2.0 * max_abs_err(naive, golden) + floor_ulps * _F32_EPS * scale
+
+
+def assert_within_tolerance(name: str, got, naive, golden,
+                            floor_ulps: int = FLOOR_ULPS) -> None:
+  """Asserts the tolerance rule for one tensor, with a readable message."""
+  err = max_abs_err(got, golden)
+  bound = tolerance(naive, golden, floor_ulps)
+  assert err <= bound, (
+      f"{name}: max|got - golden| = {err:.3g} exceeds 2 x naive error"
+      f" ({max_abs_err(naive, golden):.3g}) + floor = {bound:.3g}")
+
+
+def golden_and_naive(q, k, v, dout, *, causal=False, softmax_scale=None,
+                     dlse=None):
+  """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem.
+
+  The naive attention keeps every intermediate in the inputs' dtype (float32
+  for float32 inputs) and is differentiated by plain JAX autodiff.
+  """
+  g_out, g_lse = golden_attention(q, k, v, causal=causal,
+                                  softmax_scale=softmax_scale)
+  g_grads = golden_attention_vjp(q, k, v, dout, dlse, causal=causal,
+                                 softmax_scale=softmax_scale)
+  naive = lambda q, k, v: reference_attention(
+      q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+      intermediate_dtype=q.dtype)
+  (n_out, n_lse), pullback = jax.vjp(naive, q, k, v)
+  n_dlse = jnp.zeros_like(n_lse) if dlse is None else dlse
+  n_grads = pullback((dout, n_dlse))
+  return (g_out, g_lse) + tuple(g_grads), (n_out, n_lse) + tuple(n_grads)

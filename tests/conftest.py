@@ -1,0 +1,52 @@
+"""Shared fixtures: the backends under test, fresh keys, and one call helper."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_fa3
+from pallas_fa3 import backends
+from pallas_fa3.spec import make_spec
+
+# Every backend runs the same suite; one that cannot serve a call is skipped
+# with its own reason (the kernels' backends until their issues land, or
+# `mosaic` without a Hopper GPU), so the suite switches them on by itself.
+ALL_IMPLEMENTATIONS = ("blockwise", "reference", "interpret", "mosaic")
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def key(request):
+  """A fresh PRNG key per test, derived from the test's id (reproducible)."""
+  seed = zlib.crc32(request.node.nodeid.encode()) + next(_counter)
+  return jax.random.key(seed % (2**31))
+
+
+def skip_if_unsupported(implementation: str, q, k, v, causal=False,
+                        softmax_scale=None):
+  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  reason = backends.get(implementation).unsupported(spec)
+  if reason:
+    pytest.skip(f"{implementation}: {reason}")
+
+
+def forward_and_grads(implementation, q, k, v, dout, *, causal=False,
+                      softmax_scale=None, config=None, dlse=None):
+  """Jitted (out, lse, dq, dk, dv) of `flash_attention` for cotangents (dout, dlse)."""
+
+  @jax.jit
+  def run(q, k, v, dout, dlse):
+    f = lambda q, k, v: pallas_fa3.flash_attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+        implementation=implementation, config=config)
+    (out, lse), pullback = jax.vjp(f, q, k, v)
+    dlse = jnp.zeros_like(lse) if dlse is None else dlse
+    return (out, lse) + tuple(pullback((dout, dlse)))
+
+  return run(q, k, v, dout, dlse)
