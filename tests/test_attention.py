@@ -191,3 +191,16 @@ def test_blockwise_memory_is_linear_in_sequence_length():
     # The full float32 score matrix alone would be 4096^2 * 4 bytes = 64 MiB.
     assert big < 4096 * 4096 * 4 / 8, (grad, big)
     assert ref_big >= 4096 * 4096 * 4, (grad, ref_big)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [Shape(1, 2048, 2048, 4, 1, 128),
+                                   Shape(1, 4096, 3000, 2, 2, 64),
+                                   Shape(2, 1500, 4096, 8, 2, 256)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", ALL_IMPLEMENTATIONS)
+def test_slow_long_sequences(implementation, dtype, shape, causal, key):
+  """Long sequences (more online-softmax rescaling steps): `pytest -m slow`."""
+  _check_case(implementation, key, shape, dtype, causal)
