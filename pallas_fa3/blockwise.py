@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import masking
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
 
 _LN2 = math.log(2.0)  # converts the base-2 LSE back to the natural-log convention
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -114,12 +114,6 @@ def _seq_tile(x: jax.Array, index, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
-def _grouped(x: jax.Array, heads_kv: int) -> jax.Array:
-  """[b, s, hq, d] -> [b, s, hk, g, d] (a free reshape, no copy of K/V)."""
-  b, s, h, d = x.shape
-  return x.reshape(b, s, heads_kv, h // heads_kv, d)
-
-
 def _scores_log2(spec, q_tile, k_tile, q_pos, kv_pos):
   """Masked base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`."""
   s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
@@ -133,7 +127,7 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
                       ) -> tuple[jax.Array, jax.Array]:
   """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`)."""
   t = _Tiling.of(spec, config)
-  qp = _grouped(_pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
+  qp = group_heads(_pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
   kp = _pad_seq(k, t.num_kv * t.block_kv)
   vp = _pad_seq(v, t.num_kv * t.block_kv)
   stat_shape = (spec.batch, spec.heads_kv, spec.group_size, t.block_q)
@@ -200,8 +194,8 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
   lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E))
   delta = _pad_seq(jnp.moveaxis(delta, 3, 1), sq_pad)
   lse2 = _pad_seq(jnp.moveaxis(lse2, 3, 1), sq_pad, value=jnp.inf)
-  qp = _grouped(_pad_seq(q, sq_pad), hk)
-  dop = _grouped(_pad_seq(dout, sq_pad), hk)
+  qp = group_heads(_pad_seq(q, sq_pad), hk)
+  dop = group_heads(_pad_seq(dout, sq_pad), hk)
   kp, vp = _pad_seq(k, skv_pad), _pad_seq(v, skv_pad)
 
   def kv_tile_fn(dq_acc, jk):

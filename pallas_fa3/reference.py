@@ -30,15 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import masking
-from pallas_fa3.spec import AttentionSpec, make_spec
+from pallas_fa3.spec import AttentionSpec, group_heads, make_spec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _grouped(q: jax.Array, heads_kv: int) -> jax.Array:
-  """[b, s, hq, d] -> [b, s, hk, g, d]: query heads grouped by their kv head."""
-  b, s, hq, d = q.shape
-  return q.reshape(b, s, heads_kv, hq // heads_kv, d)
 
 
 def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
@@ -50,7 +44,7 @@ def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
   `intermediate_dtype`; out is cast to `spec.dtype`, lse is float32.
   """
   dt = jnp.dtype(intermediate_dtype)
-  qg = _grouped(q.astype(dt), spec.heads_kv)
+  qg = group_heads(q.astype(dt), spec.heads_kv)
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(dt),
                  preferred_element_type=dt, precision=_HIGHEST)
   s = s * jnp.asarray(spec.softmax_scale, dt)

@@ -78,6 +78,15 @@ class AttentionSpec:
     return (self.batch, self.heads_q, self.seq_q)
 
 
+def group_heads(x: jax.Array, heads_kv: int) -> jax.Array:
+  """[b, s, hq, d] -> [b, s, hk, g, d]: query heads grouped by their kv head.
+
+  A free reshape: GQA/MQA never repeat K/V, they broadcast over the group axis.
+  """
+  b, s, h, d = x.shape
+  return x.reshape(b, s, heads_kv, h // heads_kv, d)
+
+
 def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
   """Checks one attention operand: array-like, rank 4, supported dtype."""
   if isinstance(x, jax.ShapeDtypeStruct) or not (
