@@ -1,0 +1,100 @@
+"""The attention step shared by the nnx and linen modules: RoPE, then flash_attention.
+
+Both modules project with Flax's own layers (so their parameters are Flax's)
+and call `attend` on the projected `[batch..., seq, heads, head_dim]` tensors;
+what happens between the projections lives here once.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+
+from pallas_fa3.attention import flash_attention
+from pallas_fa3.flax import _layout, rope as rope_lib
+
+
+def _check_positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    raise ValueError(f"{name} must be a positive integer; got {value!r}")
+  return int(value)
+
+
+def head_layout(num_heads, num_kv_heads, qkv_features) -> tuple[int, int, int]:
+  """Validates the head configuration; returns (num_heads, num_kv_heads, head_dim).
+
+  Args:
+    num_heads: query heads.
+    num_kv_heads: key/value heads (None: `num_heads`, i.e. MHA); fewer heads
+      give grouped-query attention and must divide `num_heads`.
+    qkv_features: total query features, split evenly over `num_heads`.
+
+  Raises:
+    ValueError: naming the argument and its value.
+  """
+  num_heads = _check_positive_int("num_heads", num_heads)
+  num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int(
+      "num_kv_heads", num_kv_heads)
+  qkv_features = _check_positive_int("qkv_features", qkv_features)
+  if num_heads % num_kv_heads:
+    raise ValueError(
+        f"num_heads ({num_heads}) must be divisible by num_kv_heads"
+        f" ({num_kv_heads})")
+  if qkv_features % num_heads:
+    raise ValueError(
+        f"qkv_features ({qkv_features}) must be divisible by num_heads"
+        f" ({num_heads})")
+  return num_heads, num_kv_heads, qkv_features // num_heads
+
+
+def self_attention_inputs(inputs_q, inputs_k, inputs_v):
+  """Flax's defaulting: k defaults to q, v defaults to k."""
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError(
+          "inputs_k cannot be None when inputs_v is given; pass the same array"
+          " as inputs_k and leave inputs_v as None")
+    inputs_k = inputs_q
+  if inputs_v is None:
+    inputs_v = inputs_k
+  return inputs_q, inputs_k, inputs_v
+
+
+def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
+           causal: bool, rope: bool, rope_base: float, positions,
+           implementation, config) -> jax.Array:
+  """RoPE (optional) on q and k, then `flash_attention` over the folded batch.
+
+  Args:
+    query: `[batch..., seq_q, heads_q, head_dim]`.
+    key: `[batch..., seq_kv, heads_kv, head_dim]`.
+    value: `[batch..., seq_kv, heads_kv, head_dim]`.
+    causal: bottom-right aligned causal mask (the core's convention; for
+      self-attention, seq_q == seq_kv, this is the usual lower triangle).
+    rope: rotate q and k by `positions` first.
+    rope_base: RoPE frequency base.
+    positions: None or integers `[seq]` / `[batch..., seq]`; only with rope.
+    implementation: forwarded to `flash_attention`.
+    config: forwarded to `flash_attention`.
+
+  Returns:
+    `[batch..., seq_q, heads_q, head_dim]` in the dtype of the inputs.
+  """
+  _layout.check_qkv(query, key, value)
+  if rope:
+    if query.shape[-3] != key.shape[-3]:
+      raise ValueError(
+          "rope=True shares positions between queries and keys and needs"
+          f" seq_q == seq_kv; got query.shape={tuple(query.shape)},"
+          f" key.shape={tuple(key.shape)}")
+    positions = rope_lib.rope_positions(positions, tuple(query.shape[:-2]))
+    query = rope_lib.apply_rope(query, positions, rope_base)
+    key = rope_lib.apply_rope(key, positions, rope_base)
+  elif positions is not None:
+    raise ValueError("positions is only used with rope=True; got rope=False")
+  out = flash_attention(
+      _layout.fold_batch(query), _layout.fold_batch(key),
+      _layout.fold_batch(value), causal=causal,
+      implementation=implementation, config=config)
+  return _layout.unfold_batch(out, query)

@@ -1,0 +1,328 @@
+"""`make_attention_fn`: flash_attention as the `attention_fn` of Flax's attention modules.
+
+`flax.nnx.MultiHeadAttention(..., attention_fn=make_attention_fn())` and
+`flax.linen.MultiHeadDotProductAttention(..., attention_fn=make_attention_fn())`
+then run `pallas_fa3.flash_attention` for every call it can serve, with
+Flax's semantics: softmax scale `1/sqrt(head_dim)`, Flax's dtype promotion
+(`dtype` casts q, k, v), any number of leading batch axes, GQA, and Flax's
+**top-left** aligned `is_causal` (query i sees keys j <= i, also when
+seq_q != seq_kv; translated exactly onto the core's bottom-right mask).
+
+What flash attention cannot compute is *unsupported*: an attention `bias`,
+dropout (`dropout_rate > 0` and not `deterministic`), sowing the attention
+weights (`module` given, i.e. `sow_weights=True`), custom einsums, a dtype
+other than float16/bfloat16/float32, head_dim > 256, and a dense mask that
+is not recognised (below). `on_unsupported` says what happens then:
+
+* `"raise"` (the default): `NotImplementedError` naming the feature. The
+  default because the house rule is that nothing falls back silently, and a
+  fallback is never free: Flax's attention materializes the `[seq_q, seq_kv]`
+  scores, so a model that fits with flash attention can run out of memory
+  with the fallback. Asking for flash attention and not getting it should be
+  a decision, not a surprise.
+* `"fallback"`: Flax's own `dot_product_attention` (nnx's, or linen's for
+  linen modules and linen-only arguments) computes the call, with a
+  `FlashAttentionFallbackWarning` emitted once per attention function and
+  feature.
+
+Masks. A mask handed to the function is a dense boolean (or 0/1) array
+broadcastable to `[batch..., heads, seq_q, seq_kv]`. The rule:
+
+* a *concrete* mask (outside `jit`) is inspected: all True means no mask;
+  exactly `tril(ones(seq_q, seq_kv))` (Flax's causal mask, e.g.
+  `nnx.make_causal_mask`) means causal; anything else is unsupported.
+* a *traced* mask (under `jit`, `grad` of a jitted function, `nnx.jit` ...)
+  cannot be inspected, so it is unsupported -- unless the caller declared
+  `make_attention_fn(causal=True)`: then every call is causal, and a mask,
+  if given, is promised to be the causal mask. The promise is checked: a
+  concrete mask that breaks it raises `ValueError`; a traced one that breaks
+  it turns the output into NaN (checked on device; the check reads the mask,
+  which costs far less than the attention).
+
+`precision` is accepted and not used: the kernels choose their own matmul
+precision (float32 accumulation). `force_fp32_for_softmax` is accepted: the
+softmax statistics are always float32.
+
+Example:
+  >>> import jax
+  >>> from flax import nnx
+  >>> from pallas_fa3.flax import make_attention_fn
+  >>> layer = nnx.MultiHeadAttention(
+  ...     num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0),
+  ...     attention_fn=make_attention_fn())
+  >>> x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  >>> layer(x, is_causal=True).shape
+  (2, 16, 32)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen, nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+
+from pallas_fa3.attention import flash_attention
+from pallas_fa3.flax import _layout
+from pallas_fa3.spec import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool,
+                             check_implementation, check_softmax_scale)
+
+OnUnsupported = Literal["raise", "fallback"]
+ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
+# Options forwarded to flash_attention. `causal`, `return_lse` and
+# `implementation` are not: the first is the adapter's own declaration, an
+# attention_fn returns only the output, and the backend is the first argument.
+_FORWARDED_OPTIONS: tuple[str, ...] = ("softmax_scale", "config")
+
+
+# Default of the keywords only Linen's MultiHeadDotProductAttention passes: a
+# call that passes any of them (even with Flax's default value) comes from
+# Linen, and its fallback is Linen's dot_product_attention.
+_LINEN_ONLY = object()
+
+
+class FlashAttentionFallbackWarning(UserWarning):
+  """A call ran Flax's dot_product_attention instead of flash attention."""
+
+
+def _top_left_causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
+  """Flax's causal mask (`is_causal`, `make_causal_mask`): key j <= query i."""
+  return np.tril(np.ones((seq_q, seq_kv), dtype=bool))
+
+
+def _flash_top_left(q, k, v, causal: bool, options: dict[str, Any],
+                    implementation):
+  """flash_attention on rank-4 inputs with Flax's top-left causal alignment.
+
+  The core aligns causal masks bottom-right. Top-left, query i sees keys
+  j <= i: with seq_q < seq_kv the keys past seq_q are never seen (slice them
+  off, then the mask is square); with seq_q > seq_kv the first seq_kv queries
+  see a square causal mask and the others see every key.
+  """
+  call = lambda q, k, v, causal: flash_attention(
+      q, k, v, causal=causal, implementation=implementation, **options)
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  if not causal or seq_q == seq_kv:
+    return call(q, k, v, causal)
+  if seq_q < seq_kv:
+    return call(q, k[:, :seq_q], v[:, :seq_q], True)
+  head = call(q[:, :seq_kv], k, v, True)
+  tail = call(q[:, seq_kv:], k, v, False)
+  return jnp.concatenate([head, tail], axis=1)
+
+
+def _mask_kind(mask, weights_shape: tuple[int, ...]) -> str:
+  """'none', 'causal', 'other' for a concrete mask; 'traced' for a tracer.
+
+  Raises:
+    ValueError: the mask does not broadcast to the attention weights' shape.
+  """
+  if mask is None:
+    return "none"
+  try:
+    broadcast_ok = np.broadcast_shapes(
+        tuple(mask.shape), weights_shape) == weights_shape
+  except ValueError:
+    broadcast_ok = False
+  if not broadcast_ok:
+    raise ValueError(
+        f"mask of shape {tuple(mask.shape)} does not broadcast to the attention"
+        f" weights [batch..., heads, seq_q, seq_kv] = {weights_shape}")
+  if isinstance(mask, jax.core.Tracer):
+    return "traced"
+  visible = np.asarray(mask).astype(bool)
+  # Causal first: with seq_kv = 1 the causal mask is all True as well.
+  if np.all(visible == _top_left_causal_mask(*weights_shape[-2:])):
+    return "causal"
+  return "none" if visible.all() else "other"
+
+
+def _poison_unless_causal(out, mask, seq_q: int, seq_kv: int):
+  """NaN output unless the traced mask is the causal mask it was declared to be."""
+  causal = jnp.asarray(_top_left_causal_mask(seq_q, seq_kv))
+  ok = jnp.all(mask.astype(bool) == causal)
+  return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _unsupported_feature(query, bias, dropout_rate, deterministic, module,
+                         custom_einsums, mask_kind: str, declared_causal: bool
+                         ) -> tuple[str, str] | None:
+  """(feature key, description) of the first unsupported feature, else None."""
+  if bias is not None:
+    return "bias", "an attention bias (bias=...)"
+  if dropout_rate > 0.0 and not deterministic:
+    return "dropout", (f"attention dropout (dropout_rate={dropout_rate} with"
+                       " deterministic=False)")
+  if module is not None:
+    return "sow", ("sowing the attention weights (sow_weights=True, i.e. a"
+                   " module passed as module=...)")
+  if custom_einsums:
+    return "einsum", f"custom einsums ({', '.join(custom_einsums)})"
+  if jnp.dtype(query.dtype) not in SUPPORTED_DTYPES:
+    return "dtype", (f"dtype {jnp.dtype(query.dtype)} (flash attention takes"
+                     f" {', '.join(str(d) for d in SUPPORTED_DTYPES)})")
+  if query.shape[-1] > MAX_HEAD_DIM:
+    return "head_dim", (f"head_dim {query.shape[-1]} (flash attention takes at"
+                        f" most {MAX_HEAD_DIM})")
+  if mask_kind == "other":
+    return "mask", ("a dense attention mask that is neither all True nor the"
+                    " causal mask tril(ones(seq_q, seq_kv))")
+  if mask_kind == "traced" and not declared_causal:
+    return "traced_mask", (
+        "an attention mask under a JAX transformation (a traced mask cannot be"
+        " inspected; for the causal mask pass is_causal=True and no mask, or"
+        " declare make_attention_fn(causal=True))")
+  return None
+
+
+def _refuse_or_warn(unsupported: tuple[str, str], on_unsupported: str,
+                    warned: set[str]) -> None:
+  """Raises for "raise"; else warns once per feature (recorded in `warned`)."""
+  feature, description = unsupported
+  if on_unsupported == "raise":
+    raise NotImplementedError(
+        f"pallas_fa3 flash attention does not support {description};"
+        " make_attention_fn(on_unsupported='fallback') runs Flax's"
+        " dot_product_attention for such calls instead")
+  if feature not in warned:
+    warned.add(feature)
+    warnings.warn(
+        f"pallas_fa3 flash attention does not support {description}; running"
+        " Flax's dot_product_attention instead (it materializes the attention"
+        " scores). Warned once per attention_fn and feature.",
+        FlashAttentionFallbackWarning, stacklevel=3)
+
+
+def _check_options(implementation, causal, on_unsupported, options):
+  implementation = check_implementation(implementation)
+  causal = check_bool("causal", causal)
+  if on_unsupported not in ON_UNSUPPORTED:
+    raise ValueError(
+        f"on_unsupported must be one of {ON_UNSUPPORTED}; got"
+        f" {on_unsupported!r}")
+  unknown = sorted(set(options) - set(_FORWARDED_OPTIONS))
+  if unknown:
+    raise TypeError(
+        f"make_attention_fn got unknown option(s) {unknown}; options forwarded"
+        f" to flash_attention are {_FORWARDED_OPTIONS}")
+  if options.get("softmax_scale") is not None:
+    # head_dim only matters for the default scale, which this is not.
+    check_softmax_scale(options["softmax_scale"], head_dim=1)
+  return implementation, causal
+
+
+def make_attention_fn(implementation: str | None = None, *,
+                      causal: bool = False,
+                      on_unsupported: OnUnsupported = "raise",
+                      **options) -> Callable[..., jax.Array]:
+  """Returns an `attention_fn` for Flax's attention modules that runs flash_attention.
+
+  Args:
+    implementation: `flash_attention` backend (None: automatic).
+    causal: declare every call causal (Flax's top-left `tril` mask); a mask
+      handed to the function is then promised to be that causal mask, which
+      is what lets a traced mask (under `jit`) use flash attention.
+    on_unsupported: `"raise"` (default) raises `NotImplementedError` naming
+      the feature flash attention cannot compute; `"fallback"` runs Flax's
+      `dot_product_attention` with a one-time `FlashAttentionFallbackWarning`.
+    **options: forwarded to `flash_attention`: `softmax_scale` (default
+      `1/sqrt(head_dim)`, Flax's; the fallback applies the same scale) and
+      `config`.
+
+  Returns:
+    `attention_fn(query, key, value, bias=None, mask=None, ...)` with the
+    signature of Flax's `dot_product_attention` (nnx and linen keywords);
+    q `[batch..., seq_q, heads_q, head_dim]`, k/v `[batch..., seq_kv,
+    heads_kv, head_dim]`, output `[batch..., seq_q, heads_q, head_dim]`.
+
+  Raises:
+    TypeError / ValueError: a bad argument, named.
+  """
+  implementation, declared_causal = _check_options(
+      implementation, causal, on_unsupported, options)
+  options = {k: v for k, v in options.items() if v is not None}
+  warned: set[str] = set()
+
+  def attention_fn(query, key, value, bias=None, mask=None,
+                   broadcast_dropout=True, dropout_rng=None, dropout_rate=0.0,
+                   deterministic=False, dtype=None, precision=None,
+                   module=None, *, promote_dtype=None, is_causal=False,
+                   force_fp32_for_softmax=_LINEN_ONLY,
+                   einsum_dot_general=_LINEN_ONLY,
+                   qk_attn_weights_einsum=_LINEN_ONLY,
+                   attn_weights_value_einsum=_LINEN_ONLY):
+    linen_kwargs = {name: arg for name, arg in (
+        ("force_fp32_for_softmax", force_fp32_for_softmax),
+        ("einsum_dot_general", einsum_dot_general),
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ) if arg is not _LINEN_ONLY}
+    query, key, value = (promote_dtype or nnx_dtypes.promote_dtype)(
+        (query, key, value), dtype=dtype)
+    _layout.check_qkv(query, key, value)
+    seq_q, seq_kv = query.shape[-3], key.shape[-3]
+    kind = _mask_kind(
+        mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv))
+    if declared_causal and kind in ("none", "other") and mask is not None:
+      raise ValueError(
+          "make_attention_fn(causal=True) declared every mask causal, but the"
+          f" mask of shape {tuple(mask.shape)} is not the causal mask"
+          " tril(ones(seq_q, seq_kv))")
+    custom_einsums = [name for name, fn in linen_kwargs.items()
+                      if name != "force_fp32_for_softmax" and fn is not None]
+    unsupported = _unsupported_feature(
+        query, bias, dropout_rate, deterministic, module, custom_einsums,
+        kind, declared_causal)
+    if unsupported is not None:
+      _refuse_or_warn(unsupported, on_unsupported, warned)
+      return _fallback(
+          query, key, value, bias=bias, mask=mask,
+          broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+          dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
+          precision=precision, module=module,
+          is_causal=is_causal or declared_causal,
+          softmax_scale=options.get("softmax_scale"),
+          linen_kwargs=linen_kwargs)
+    causal = declared_causal or is_causal or kind in ("causal", "traced")
+    out = _flash_top_left(_layout.fold_batch(query), _layout.fold_batch(key),
+                          _layout.fold_batch(value), causal, options,
+                          implementation)
+    out = _layout.unfold_batch(out, query)
+    if kind == "traced":
+      out = _poison_unless_causal(out, mask, seq_q, seq_kv)
+    return out
+
+  attention_fn.__doc__ = (
+      "Flax-compatible attention_fn running pallas_fa3.flash_attention"
+      f" (implementation={implementation!r}, causal={declared_causal},"
+      f" on_unsupported={on_unsupported!r}); see"
+      " pallas_fa3.flax.make_attention_fn.")
+  return attention_fn
+
+
+def _fallback(query, key, value, *, bias, mask, broadcast_dropout,
+              dropout_rng, dropout_rate, deterministic, dtype, precision,
+              module, is_causal, softmax_scale, linen_kwargs):
+  """Flax's own dot_product_attention: linen's for linen callers, else nnx's."""
+  if softmax_scale is not None:
+    # Flax divides q by sqrt(head_dim); pre-scale so the product is the scale.
+    query = query * jnp.asarray(softmax_scale * math.sqrt(query.shape[-1]),
+                                query.dtype)
+  common = dict(bias=bias, broadcast_dropout=broadcast_dropout,
+                dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                deterministic=deterministic, dtype=dtype, precision=precision,
+                module=module)
+  if isinstance(module, linen.Module) or linen_kwargs:
+    if is_causal:  # linen's function has no is_causal; fold it into the mask
+      causal = jnp.asarray(_top_left_causal_mask(query.shape[-3],
+                                                 key.shape[-3]))
+      mask = causal if mask is None else jnp.logical_and(mask, causal)
+    return linen.dot_product_attention(query, key, value, mask=mask,
+                                       **common, **linen_kwargs)
+  return nnx.dot_product_attention(query, key, value, mask=mask,
+                                   is_causal=is_causal, **common)

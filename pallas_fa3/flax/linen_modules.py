@@ -1,0 +1,129 @@
+"""`FlashMultiHeadDotProductAttention`: a Flax Linen attention layer backed by flash_attention.
+
+Its parameters are those of `flax.linen.MultiHeadDotProductAttention`:
+`DenseGeneral` submodules named `query`, `key`, `value` (kernels
+`[in_features, heads, head_dim]`, biases `[heads, head_dim]`) and `out`
+(kernel `[heads, head_dim, out_features]`, bias `[out_features]`), so a Linen
+params dict loads as it is. `num_kv_heads` (GQA) is an addition: with it the
+`key`/`value` kernels are `[in_features, num_kv_heads, head_dim]`.
+
+Example:
+  >>> import jax
+  >>> from pallas_fa3.flax import FlashMultiHeadDotProductAttention
+  >>> layer = FlashMultiHeadDotProductAttention(num_heads=4, causal=True)
+  >>> x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  >>> params = layer.init(jax.random.key(0), x)
+  >>> layer.apply(params, x).shape
+  (2, 16, 32)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen.linear import default_kernel_init
+from flax.typing import Dtype, Initializer, PrecisionLike
+
+from pallas_fa3.flax import _attend
+from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
+                                  check_rope_head_dim)
+from pallas_fa3.spec import check_bool, check_implementation
+
+
+class FlashMultiHeadDotProductAttention(nn.Module):
+  """Linen multi-head (MHA/GQA/MQA) attention whose attention step is flash_attention.
+
+  Same fields (first ones in the same order) and parameters as
+  `flax.linen.MultiHeadDotProductAttention`, minus dropout, masks, decoding
+  and weight sowing (use `make_attention_fn` with Flax's module for those),
+  plus `num_kv_heads`, `causal`, `rope`, `implementation` and `config`. The
+  softmax scale is `1/sqrt(head_dim)`, Flax's.
+
+  Attributes:
+    num_heads: number of query heads.
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: dtype of the parameters.
+    qkv_features: total q/k/v features (default: the inputs' features).
+    out_features: output features (default: the inputs' features).
+    precision: matmul precision of the projections.
+    kernel_init: initializer of the projection kernels.
+    out_kernel_init: initializer of the output kernel (default `kernel_init`).
+    bias_init: initializer of the biases.
+    out_bias_init: initializer of the output bias (default `bias_init`).
+    use_bias: whether the projections have biases.
+    num_kv_heads: key/value heads (default `num_heads`); must divide it.
+    causal: causal self-attention; bottom-right aligned when seq_q != seq_kv.
+    rope: apply rotary position embeddings (float32) to q and k.
+    rope_base: RoPE frequency base.
+    implementation: `flash_attention` backend (None: automatic).
+    config: backend tiling config, e.g. `pallas_fa3.BlockwiseConfig`.
+  """
+
+  num_heads: int
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  qkv_features: int | None = None
+  out_features: int | None = None
+  precision: PrecisionLike = None
+  kernel_init: Initializer = default_kernel_init
+  out_kernel_init: Initializer | None = None
+  bias_init: Initializer = nn.initializers.zeros_init()
+  out_bias_init: Initializer | None = None
+  use_bias: bool = True
+  num_kv_heads: int | None = None
+  causal: bool = False
+  rope: bool = False
+  rope_base: float = DEFAULT_ROPE_BASE
+  implementation: str | None = None
+  config: Any = None
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
+
+    Args:
+      inputs_q: `[batch..., seq_q, features]`.
+      inputs_k: `[batch..., seq_kv, features_kv]`; default `inputs_q`.
+      inputs_v: `[batch..., seq_kv, features_kv]`; default `inputs_k`.
+      positions: RoPE positions, integers `[seq]` or `[batch..., seq]`
+        (default `arange(seq)`); only with `rope=True`.
+
+    Returns:
+      `[batch..., seq_q, out_features]`.
+    """
+    inputs_q, inputs_k, inputs_v = _attend.self_attention_inputs(
+        inputs_q, inputs_k, inputs_v)
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    num_heads, num_kv_heads, head_dim = _attend.head_layout(
+        self.num_heads, self.num_kv_heads, qkv_features)
+    causal = check_bool("causal", self.causal)
+    rope = check_bool("rope", self.rope)
+    if rope:
+      check_rope_head_dim(head_dim)
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision)
+    x = _attend.attend(
+        dense(features=(num_heads, head_dim), name="query")(inputs_q),
+        dense(features=(num_kv_heads, head_dim), name="key")(inputs_k),
+        dense(features=(num_kv_heads, head_dim), name="value")(inputs_v),
+        causal=causal, rope=rope, rope_base=check_rope_base(self.rope_base),
+        positions=positions,
+        implementation=check_implementation(self.implementation),
+        config=self.config)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1),
+        kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init,
+        use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        name="out")(x)

@@ -1,0 +1,147 @@
+"""`FlashMultiHeadAttention`: a Flax NNX attention layer backed by flash_attention.
+
+Its parameters are those of `flax.nnx.MultiHeadAttention` (flax 0.12): the
+`query`, `key`, `value` and `out` submodules are `nnx.LinearGeneral` with
+kernels `[in_features, heads, head_dim]` (key/value: `num_kv_heads` heads)
+and `[heads, head_dim, out_features]`, biases `[heads, head_dim]` and
+`[out_features]`, created in Flax's order. A Flax checkpoint therefore loads
+as it is (`nnx.update(layer, nnx.state(flax_layer, nnx.Param))`), and the
+same `nnx.Rngs` seed initializes both to the same values.
+
+Example:
+  >>> import jax
+  >>> from flax import nnx
+  >>> from pallas_fa3.flax import FlashMultiHeadAttention
+  >>> layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, causal=True,
+  ...                                 rope=True, rngs=nnx.Rngs(0))
+  >>> x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  >>> layer(x).shape
+  (2, 16, 32)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn.linear import default_kernel_init
+from flax.typing import Dtype, Initializer
+
+from pallas_fa3.flax import _attend
+from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
+                                  check_rope_head_dim)
+from pallas_fa3.spec import check_bool, check_implementation
+
+
+class FlashMultiHeadAttention(nnx.Module):
+  """Multi-head (MHA/GQA/MQA) attention whose attention step is flash_attention.
+
+  Projects the inputs to q `[batch..., seq, num_heads, head_dim]` and k/v
+  `[batch..., seq, num_kv_heads, head_dim]`, optionally applies RoPE to q and k
+  (`pallas_fa3.flax.rope`, float32), runs `pallas_fa3.flash_attention` with
+  the softmax scale `1/sqrt(head_dim)` (Flax's), and projects back. K/V are
+  never repeated for GQA. No attention dropout, mask or bias: use
+  `make_attention_fn` with `flax.nnx.MultiHeadAttention` for those.
+
+  Args:
+    num_heads: number of query heads.
+    in_features: features of the inputs (query, and key/value inputs).
+    qkv_features: total q/k/v features (default `in_features`), split evenly
+      over the heads: `head_dim = qkv_features // num_heads`.
+    out_features: features of the output (default `in_features`).
+    num_kv_heads: key/value heads (default `num_heads`); must divide
+      `num_heads` (GQA; 1 is MQA).
+    causal: causal self-attention. With `seq_q != seq_kv` the mask is
+      bottom-right aligned (pallas_fa3's convention, FlashAttention-2/3).
+    rope: apply rotary position embeddings to q and k.
+    rope_base: RoPE frequency base.
+    dtype: computation dtype (default: inferred from inputs and params, as
+      in Flax); the attention runs in the projections' dtype.
+    param_dtype: dtype of the parameters.
+    use_bias: whether the projections have biases.
+    implementation: `flash_attention` backend (None: automatic).
+    config: backend tiling config, e.g. `pallas_fa3.BlockwiseConfig`.
+    kernel_init: initializer of the projection kernels.
+    out_kernel_init: initializer of the output kernel (default `kernel_init`).
+    bias_init: initializer of the biases.
+    rngs: `nnx.Rngs` for the parameter initializers.
+  """
+
+  def __init__(self, num_heads: int, in_features: int,
+               qkv_features: int | None = None,
+               out_features: int | None = None, *,
+               num_kv_heads: int | None = None, causal: bool = False,
+               rope: bool = False, rope_base: float = DEFAULT_ROPE_BASE,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               use_bias: bool = True, implementation: str | None = None,
+               config: Any = None,
+               kernel_init: Initializer = default_kernel_init,
+               out_kernel_init: Initializer | None = None,
+               bias_init: Initializer = nnx.initializers.zeros_init(),
+               rngs: nnx.Rngs):
+    qkv_features = in_features if qkv_features is None else qkv_features
+    out_features = in_features if out_features is None else out_features
+    self.num_heads, self.num_kv_heads, self.head_dim = _attend.head_layout(
+        num_heads, num_kv_heads, qkv_features)
+    self.in_features = in_features
+    self.qkv_features = qkv_features
+    self.out_features = out_features
+    self.causal = check_bool("causal", causal)
+    self.rope = check_bool("rope", rope)
+    self.rope_base = check_rope_base(rope_base)
+    if self.rope:
+      check_rope_head_dim(self.head_dim)
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.use_bias = use_bias
+    self.implementation = check_implementation(implementation)
+    self.config = config
+
+    def projection(in_feats, out_feats, **kwargs):
+      return nnx.LinearGeneral(
+          in_feats, out_feats, dtype=dtype, param_dtype=param_dtype,
+          bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kwargs)
+
+    # Same order as flax.nnx.MultiHeadAttention, so one seed gives one init.
+    self.query = projection(in_features, (self.num_heads, self.head_dim),
+                            kernel_init=kernel_init)
+    self.key = projection(in_features, (self.num_kv_heads, self.head_dim),
+                          kernel_init=kernel_init)
+    self.value = projection(in_features, (self.num_kv_heads, self.head_dim),
+                            kernel_init=kernel_init)
+    self.out = projection((self.num_heads, self.head_dim), out_features,
+                          axis=(-2, -1),
+                          kernel_init=out_kernel_init or kernel_init)
+
+  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
+
+    Args:
+      inputs_q: `[batch..., seq_q, in_features]`.
+      inputs_k: `[batch..., seq_kv, in_features]`; default `inputs_q`.
+      inputs_v: `[batch..., seq_kv, in_features]`; default `inputs_k`.
+      positions: RoPE positions, integers `[seq]` or `[batch..., seq]`
+        (default `arange(seq)`); only with `rope=True`.
+
+    Returns:
+      `[batch..., seq_q, out_features]`.
+    """
+    inputs_q, inputs_k, inputs_v = _attend.self_attention_inputs(
+        inputs_q, inputs_k, inputs_v)
+    for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
+                    ("inputs_v", inputs_v)):
+      if x.shape[-1] != self.in_features:
+        raise ValueError(
+            f"{name} has {x.shape[-1]} features (last axis of shape"
+            f" {tuple(x.shape)}); the layer expects in_features="
+            f"{self.in_features}")
+    x = _attend.attend(
+        self.query(inputs_q), self.key(inputs_k), self.value(inputs_v),
+        causal=self.causal, rope=self.rope, rope_base=self.rope_base,
+        positions=positions, implementation=self.implementation,
+        config=self.config)
+    return self.out(x)
