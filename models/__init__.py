@@ -1,5 +1,12 @@
-"""Models trained with pallas-fa3 attention.
+"""Models trained with pallas-fa3 attention (issue 5).
 
-The GPT-style decoder and its jit-compiled training loop arrive with issue 5;
-this package exists now so that the layout (and the packaging) is settled.
+  gpt         GPTConfig and GPT: a byte-level decoder-only transformer whose
+              attention is pallas_fa3.flax.FlashMultiHeadAttention
+  data        the Python standard library's sources as a byte corpus;
+              deterministic batches
+  train       TrainConfig, build_program (the jitted step), train()
+  checkpoint  orbax checkpoints of the training state
+  report      progress bar and metrics log
+
+The command line is `pallas-fa3 train` (pallas_fa3/cli.py).
 """
