@@ -261,11 +261,10 @@ def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
   from pallas_fa3 import backends  # pylint: disable=g-import-not-at-top
   from pallas_fa3.spec import make_spec  # pylint: disable=g-import-not-at-top
 
-  # make_spec validates concrete arrays; these are tiny (batch 1).
-  q = jnp.zeros((1, train_cfg.seq_len, model_cfg.num_heads,
-                 model_cfg.head_dim), model_cfg.dtype)
-  kv = jnp.zeros((1, train_cfg.seq_len, model_cfg.kv_heads,
-                  model_cfg.head_dim), model_cfg.dtype)
+  q = jax.ShapeDtypeStruct((1, train_cfg.seq_len, model_cfg.num_heads,
+                            model_cfg.head_dim), model_cfg.dtype)
+  kv = jax.ShapeDtypeStruct((1, train_cfg.seq_len, model_cfg.kv_heads,
+                             model_cfg.head_dim), model_cfg.dtype)
   spec = make_spec(q, kv, kv, causal=True)
   backend, _ = backends.resolve(spec, model_cfg.attention_implementation, None)
   return backend.name

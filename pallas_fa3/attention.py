@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
-from pallas_fa3.spec import check_bool, check_implementation, make_spec
+from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
+                             make_spec)
 
 # Jitted once per static call, so that eager (un-jitted) use compiles each
 # shape once instead of dispatching the tiled loops op by op.
@@ -57,6 +58,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
     >>> out.shape, lse.shape
     ((2, 128, 8, 64), (2, 8, 128))
   """
+  check_arrays(q=q, k=k, v=v)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)

@@ -62,7 +62,7 @@ def _reference_backward(spec, config, q, k, v, out, lse, dout, dlse):
   return pullback((dout, dlse))
 
 
-def _hopper_reason() -> str | None:
+def hopper_reason() -> str | None:
   """None when the default JAX backend is an sm90 (Hopper) GPU."""
   devices = jax.devices()
   kind = devices[0].platform
@@ -76,7 +76,7 @@ def _hopper_reason() -> str | None:
 
 def _mosaic_unsupported(spec: AttentionSpec) -> str | None:
   del spec
-  hopper = _hopper_reason()
+  hopper = hopper_reason()
   return f"{hopper}; and {_KERNEL_PENDING}" if hopper else _KERNEL_PENDING
 
 

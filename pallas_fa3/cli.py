@@ -83,7 +83,7 @@ def _cmd_info(args) -> int:
     cc = getattr(d, "compute_capability", None)
     extra = f", compute capability {cc}" if cc else ""
     print(f"  device {d.id}: {d.platform} {d.device_kind}{extra}")
-  hopper = backends._hopper_reason()  # pylint: disable=protected-access
+  hopper = backends.hopper_reason()
   print("Hopper (sm90) GPU: " + ("yes" if hopper is None else f"no ({hopper})"))
 
   for flag in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"):

@@ -88,9 +88,9 @@ def group_heads(x: jax.Array, heads_kv: int) -> jax.Array:
 
 
 def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
-  """Checks one attention operand: array-like, rank 4, supported dtype."""
-  if isinstance(x, jax.ShapeDtypeStruct) or not (
-      hasattr(x, "shape") and hasattr(x, "dtype")):
+  """Checks one attention operand: shape and dtype (an array, or a shape
+  descriptor such as `jax.ShapeDtypeStruct`), rank 4, supported dtype."""
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
         f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
     )
@@ -187,9 +187,22 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
+def check_arrays(**operands: Any) -> None:
+  """Refuses shape descriptors where values are needed (`flash_attention`)."""
+  for name, x in operands.items():
+    if isinstance(x, jax.ShapeDtypeStruct):
+      raise TypeError(
+          f"{name} must be an array of shape {_LAYOUT}; got ShapeDtypeStruct"
+          f" {x} (a shape descriptor: use jax.eval_shape or jax.jit(...).lower"
+          " to work with shapes only)")
+
+
 def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
               softmax_scale: Any = None) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
+
+  q, k and v may be arrays or shape descriptors (`jax.ShapeDtypeStruct`):
+  only their shapes and dtypes are read.
 
   Raises:
     TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool

@@ -536,3 +536,14 @@ def test_blockwise_config_accepts_numpy_ints():
   cfg = BlockwiseConfig(block_q=np.int64(32), block_kv=np.int32(16))
   assert cfg == BlockwiseConfig(32, 16) and type(cfg.block_q) is int
   assert hash(cfg) == hash(BlockwiseConfig(32, 16))
+
+
+def test_make_spec_reads_shape_descriptors():
+  """make_spec only reads shapes and dtypes: ShapeDtypeStructs describe a call."""
+  sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  spec = make_spec(sds((2, 10, 4, 64)), sds((2, 12, 2, 64)), sds((2, 12, 2, 32)),
+                   causal=True)
+  assert (spec.group_size, spec.causal_offset, spec.out_shape) == (
+      2, 2, (2, 10, 4, 32))
+  with pytest.raises(ValueError, match=r"^k must have rank 4"):
+    make_spec(sds((2, 10, 4, 64)), sds((12, 2, 64)), sds((2, 12, 2, 32)))
