@@ -9,7 +9,12 @@ Subcommands:
          library's sources (CPU default: a small model, about 3 minutes on
          2 idle cores); checkpoints, --resume, a summary JSON.
 
-Later issues add `bench` and `numerics` here.
+  bench  the performance harness (pallas_fa3/bench/): named benchmark shapes,
+         our backends against the reference, jax.nn.dot_product_attention
+         (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
+         Without a GPU: a small CPU sweep (under 2 minutes).
+
+A later issue adds `numerics` here.
 """
 
 from __future__ import annotations
@@ -268,6 +273,77 @@ def _cmd_train(args) -> int:
   return 0
 
 
+_BENCH_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+_BENCH_IMPLS = ("mosaic", "interpret", "blockwise", "reference", "cudnn",
+                "xla", "mgpu")
+_BENCH_MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _add_bench_parser(sub) -> None:
+  p = sub.add_parser(
+      "bench",
+      help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
+      description=(
+          "Time attention implementations over a grid of named shapes"
+          " (compile excluded, warm-up, median/min/max of --runs calls,"
+          " random inputs rotated). On a GPU the default grid is the FA3"
+          " paper's (16k tokens, hidden 2048, d 64/128/256, seq 512..16k,"
+          " causal and not, fwd/bwd/fwd+bwd) and the run also measures the"
+          " bf16 matmul rate for %% of peak. Without a GPU: a small CPU sweep"
+          " of blockwise vs reference vs XLA (under 2 minutes). Unset flags"
+          " keep the platform default; every skipped case is reported with"
+          " its reason."),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--impl", nargs="+", choices=_BENCH_IMPLS,
+                 help="implementations (default: platform dependent)")
+  p.add_argument("--ours", choices=_BENCH_IMPLS,
+                 help="the implementation ratios are taken against baselines"
+                 " (default: mosaic on a GPU, blockwise on the CPU)")
+  p.add_argument("--dtype", nargs="+", choices=_BENCH_DTYPES,
+                 help="input dtypes (fp8: listed, skipped until it lands)")
+  p.add_argument("--head-dim", nargs="+", type=int, help="head dims")
+  p.add_argument("--seq", nargs="+", type=int, help="sequence lengths")
+  causal = p.add_mutually_exclusive_group()
+  causal.add_argument("--causal", dest="causal", action="store_const",
+                      const=True, help="causal only (default: both)")
+  causal.add_argument("--no-causal", dest="causal", action="store_const",
+                      const=False, help="non-causal only (default: both)")
+  p.add_argument("--mode", nargs="+", choices=_BENCH_MODES,
+                 help="passes to time")
+  p.add_argument("--gqa", nargs="+", type=int,
+                 help="query heads per key/value head (1: MHA)")
+  p.add_argument("--tokens", type=int,
+                 help="batch x seq per case (batch = tokens // seq)")
+  p.add_argument("--hidden", type=int,
+                 help="heads_q x head_dim per case")
+  p.add_argument("--runs", type=int, help="timed calls per case")
+  p.add_argument("--warmup", type=int, help="untimed calls before timing")
+  p.add_argument("--input-sets", type=int, default=3,
+                 help="random input sets rotated between calls")
+  p.add_argument("--seed", type=int, default=0, help="input seed")
+  p.add_argument("--time-budget", type=float,
+                 help="seconds; cases not started by then are reported as"
+                 " skipped (files are still written)")
+  p.add_argument("--out", default="bench_out/bench",
+                 help="output folder (results.csv/json, summary.md, plots/)")
+  p.add_argument("--plots", action=argparse.BooleanOptionalAction,
+                 default=True, help="write PNG plots")
+  p.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                 default=True, help="progress bar")
+  p.add_argument("--strict", action="store_true",
+                 help="exit 1 if any case failed with an error")
+  p.set_defaults(func=_cmd_bench, parser=p)
+
+
+def _cmd_bench(args) -> int:
+  for flag in ("runs", "tokens", "hidden", "input_sets"):
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+  from pallas_fa3.bench import command  # pylint: disable=g-import-not-at-top
+  return command.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pallas-fa3",
@@ -279,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub.required = True
   _add_info_parser(sub)
   _add_train_parser(sub)
+  _add_bench_parser(sub)
   return parser
 
 

@@ -1,0 +1,162 @@
+"""What the harness benchmarks: our backends and JAX's attention baselines.
+
+Each `Impl` turns a `BenchSpec` into a function `(q, k, v) -> out` with our
+conventions (layout `[batch, seq, heads, head_dim]`, scale `1/sqrt(d)`,
+bottom-right causal), or gives the reason it cannot serve the spec. A
+backend that raises `NotImplementedError` while being traced is reported as
+skipped with that message by the runner, so a backend starts being measured
+by itself as soon as it is implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import flash_attention
+from pallas_fa3.spec import IMPLEMENTATIONS
+
+OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
+BASELINES: tuple[str, ...] = ("cudnn", "xla", "mgpu")
+ALL: tuple[str, ...] = OURS + BASELINES
+# The implementation every other one is compared with, per platform.
+OURS_ON = {"gpu": "mosaic", "cpu": "blockwise"}
+
+# jax.experimental.pallas.ops.gpu.attention_mgpu tiling: 64-row query tiles
+# per consumer warpgroup (two of them, so q tiles of 128 rows), 128-row key
+# tiles (64 at head dim 256 to fit 227 KiB of shared memory), two stages.
+_MGPU_BLOCK_Q = 64
+_MGPU_Q_MULTIPLE = 2 * _MGPU_BLOCK_Q
+_MGPU_BLOCK_KV = {64: 128, 128: 128, 256: 64}
+_MGPU_STAGES = 2
+_HALF_DTYPES = ("bf16", "fp16")
+_TOP_LEFT = ("jax.nn.dot_product_attention's is_causal is top-left aligned;"
+             " it equals our bottom-right mask only when seq_q == seq_kv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """One benchmarked implementation.
+
+  Attributes:
+    name: the `--impl` string.
+    kind: "ours" or "baseline".
+    summary: one line for reports.
+    unsupported: `(spec, platform) -> reason or None`, checked before building.
+    build: `spec -> fn(q, k, v) -> out`.
+    prepare: `(spec, q, k, v) -> (q, k, v)`, applied to the inputs outside
+      the timed function (e.g. pre-scaling q).
+  """
+
+  name: str
+  kind: str
+  summary: str
+  unsupported: Callable[[Any, str], str | None]
+  build: Callable[[Any], Callable]
+  prepare: Callable = lambda spec, q, k, v: (q, k, v)
+
+
+def _ours_unsupported(name):
+  def check(spec, platform):
+    del platform
+    if name == "interpret" and not spec.correctness_only:
+      return ("interpret mode emulates the kernels on the CPU; it runs only"
+              " the tiny correctness case, never a speed figure")
+    return None
+  return check
+
+
+def _ours_build(name):
+  def build(spec):
+    return lambda q, k, v: flash_attention(q, k, v, causal=spec.causal,
+                                           implementation=name)
+  return build
+
+
+def _dpa_unsupported(implementation):
+  def check(spec, platform):
+    if implementation == "cudnn":
+      if platform != "gpu":
+        return f"cuDNN attention needs a GPU (default backend: {platform})"
+      if spec.dtype not in _HALF_DTYPES:
+        return f"cuDNN flash attention takes bf16/fp16, not {spec.dtype}"
+    if spec.causal and spec.seq_q != spec.seq_kv:
+      return _TOP_LEFT
+    return None
+  return check
+
+
+def _dpa_build(implementation):
+  def build(spec):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=spec.causal, implementation=implementation)
+  return build
+
+
+def _import_mgpu():
+  """The attention_mgpu module, or the reason it cannot be imported."""
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"cannot import attention_mgpu: {type(e).__name__}: {e}"
+  return attention_mgpu, None
+
+
+def _mgpu_unsupported(spec, platform):
+  if platform != "gpu":
+    return f"attention_mgpu needs a Hopper GPU (default backend: {platform})"
+  _, reason = _import_mgpu()
+  if reason:
+    return reason
+  if spec.dtype not in _HALF_DTYPES:
+    return f"attention_mgpu takes bf16/fp16, not {spec.dtype}"
+  if spec.head_dim not in _MGPU_BLOCK_KV:
+    return f"attention_mgpu needs head_dim in {tuple(_MGPU_BLOCK_KV)}"
+  if spec.seq_q % _MGPU_Q_MULTIPLE or spec.seq_kv % _MGPU_BLOCK_KV[spec.head_dim]:
+    return (f"attention_mgpu needs seq_q % {_MGPU_Q_MULTIPLE} == 0 and seq_kv"
+            f" % {_MGPU_BLOCK_KV[spec.head_dim]} == 0")
+  if spec.causal and spec.seq_q != spec.seq_kv:
+    return "attention_mgpu's causal mask is top-left aligned: needs seq_q == seq_kv"
+  return None
+
+
+def _mgpu_build(spec):
+  mod, _ = _import_mgpu()
+  config = mod.TuningConfig(
+      block_q=_MGPU_BLOCK_Q, block_kv=_MGPU_BLOCK_KV[spec.head_dim],
+      max_concurrent_steps=_MGPU_STAGES, causal=spec.causal)
+  # Returns only the output: its lse (base 2, of pre-scaled scores) is unused.
+  return lambda q, k, v: mod.attention(q, k, v, config)
+
+
+def _mgpu_prepare(spec, q, k, v):
+  # attention_mgpu applies no softmax scale: fold 1/sqrt(d) into q, outside
+  # the timed function.
+  scale = 1.0 / math.sqrt(spec.head_dim)
+  return (q * jnp.asarray(scale, q.dtype)).astype(q.dtype), k, v
+
+
+_SUMMARIES = {
+    "mosaic": "ours: Pallas Mosaic GPU kernels (Hopper)",
+    "interpret": "ours: the kernels in Pallas interpret mode (correctness only)",
+    "blockwise": "ours: pure-JAX blockwise FlashAttention",
+    "reference": "materialized float32 reference (baseline)",
+}
+
+REGISTRY: dict[str, Impl] = {
+    **{n: Impl(n, "baseline" if n == "reference" else "ours", _SUMMARIES[n],
+               _ours_unsupported(n), _ours_build(n)) for n in OURS},
+    "cudnn": Impl("cudnn", "baseline",
+                  'jax.nn.dot_product_attention(implementation="cudnn")',
+                  _dpa_unsupported("cudnn"), _dpa_build("cudnn")),
+    "xla": Impl("xla", "baseline",
+                'jax.nn.dot_product_attention(implementation="xla")',
+                _dpa_unsupported("xla"), _dpa_build("xla")),
+    "mgpu": Impl("mgpu", "baseline",
+                 "jax.experimental.pallas.ops.gpu.attention_mgpu",
+                 _mgpu_unsupported, _mgpu_build, _mgpu_prepare),
+}

@@ -1,0 +1,178 @@
+"""Reports made from the sweep's records: ratios, tables, CSV, JSON, markdown."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import os
+
+CSV_FILE = "results.csv"
+JSON_FILE = "results.json"
+MARKDOWN_FILE = "summary.md"
+_FILE_WIDTH = 180  # columns of the table when stdout is not a terminal
+
+
+def ratios(records: list[dict], ours: str) -> list[dict]:
+  """Per spec and baseline: ours TFLOPs/s / baseline TFLOPs/s (> 1: ours faster).
+
+  Equal to baseline time / our time, as both count the same FLOPs.
+  """
+  by_spec = collections.defaultdict(dict)
+  for r in records:
+    if r["status"] == "ok" and not r["note"]:
+      by_spec[r["spec"]][r["impl"]] = r
+  out = []
+  for spec, got in by_spec.items():
+    if ours not in got:
+      continue
+    for impl, r in got.items():
+      if impl != ours:
+        out.append(dict(spec=spec, ours=ours, baseline=impl,
+                        speedup=got[ours]["tflops"] / r["tflops"]))
+  return out
+
+
+def _cell(r: dict, show_peak: bool) -> str:
+  if r["status"] != "ok":
+    return "skip" if r["status"] == "skipped" else "error"
+  if r["note"]:
+    return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
+  peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
+  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms)"
+
+
+def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
+  """Header and rows of the summary table: one row per spec."""
+  records = result["records"]
+  show_peak = bool(result.get("matmul_peak_tflops"))
+  impl_names = list(dict.fromkeys(r["impl"] for r in records))
+  specs = list(dict.fromkeys(r["spec"] for r in records))
+  cell = {(r["spec"], r["impl"]): r for r in records}
+  speed = collections.defaultdict(list)
+  for x in ratios(records, ours):
+    speed[x["spec"]].append(f"{x['baseline']} {x['speedup']:.2f}x")
+  header = (["mode", "dtype", "d", "causal", "seq", "b x hq/hk"]
+            + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)"
+               for n in impl_names]
+            + [f"{ours} temp MiB", f"{ours} / baseline"])
+  rows = []
+  for s in specs:
+    first = next(r for r in records if r["spec"] == s)
+    ours_rec = cell.get((s, ours))
+    temp = ours_rec and ours_rec["temp_mib"]
+    rows.append(
+        [first["mode"], first["dtype"], str(first["head_dim"]),
+         "yes" if first["causal"] else "no",
+         str(first["seq_q"]) if first["seq_q"] == first["seq_kv"]
+         else f"{first['seq_q']}x{first['seq_kv']}",
+         f"{first['batch']} x {first['heads_q']}/{first['heads_kv']}"]
+        + [_cell(cell[(s, n)], show_peak) if (s, n) in cell else ""
+           for n in impl_names]
+        + ["" if temp is None else f"{temp:.1f}",
+           first["note"] or ", ".join(speed[s])])
+  return header, rows
+
+
+def skipped(records: list[dict]) -> list[tuple[str, str, int, str]]:
+  """(impl, reason, count, first case) for every skipped or failed group."""
+  groups = collections.OrderedDict()
+  for r in records:
+    if r["status"] != "ok":
+      key = (r["impl"], f"[{r['status']}] {r['reason']}")
+      n, first = groups.get(key, (0, r["spec"]))
+      groups[key] = (n + 1, first)
+  return [(i, why, n, first) for (i, why), (n, first) in groups.items()]
+
+
+def markdown(result: dict, ours: str) -> str:
+  """The summary table and the skipped cases, as markdown."""
+  env = result["environment"]
+  header, rows = pivot(result, ours)
+  lines = [f"# pallas-fa3 bench: {env['device']}", "",
+           f"- date: {env['date']}; JAX {env['jax']} / jaxlib {env['jaxlib']};"
+           f" platform {env['platform_version']}; commit {env['git_commit']}",
+           f"- command: `{env['command']}`",
+           f"- cells: TFLOPs/s (median ms of {result['settings']['runs']} runs,"
+           " compile excluded); ratios = ours TFLOPs/s / baseline TFLOPs/s",
+           f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
+           + (" TFLOPs/s" if result["matmul_peak_tflops"] else ""),
+           f"- sweep wall time: {result['sweep_wall_s']:.1f} s",
+           "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
+           " the matmul peak (GPU) and peak_mib: the device's"
+           " peak_bytes_in_use after the case (the process's high-water mark"
+           " so far; GPU only)", "",
+           "| " + " | ".join(header) + " |",
+           "|" + "|".join("---" for _ in header) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  lines += ["", "Skipped or failed (impl, reason, cases, first case):", ""]
+  lines += [f"- {i}: {why} ({n} cases, e.g. {first})"
+            for i, why, n, first in skipped(result["records"])] or ["- none"]
+  return "\n".join(lines) + "\n"
+
+
+class _PlainConsole:
+  """Stands in for rich's Console where rich is not installed."""
+
+  def print(self, *objects, **kwargs):
+    del kwargs
+    print(*objects, flush=True)
+
+
+def make_console():
+  """A rich Console (wide when not on a terminal), or a plain printer."""
+  try:
+    from rich.console import Console  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return _PlainConsole()
+  console = Console()
+  if not console.is_terminal:
+    console.width = max(console.width, _FILE_WIDTH)
+  return console
+
+
+def print_table(result: dict, ours: str, console=None) -> None:
+  """Rich terminal table plus the skipped reasons (markdown without rich)."""
+  console = console or make_console()
+  if isinstance(console, _PlainConsole):
+    console.print(markdown(result, ours))
+    return
+  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  header, rows = pivot(result, ours)
+  table = Table(title=f"pallas-fa3 bench on {result['environment']['device']}"
+                " (TFLOPs/s, median ms; compile excluded)")
+  for h in header:
+    table.add_column(h, overflow="fold")
+  for row in rows:
+    table.add_row(*row)
+  console.print(table)
+  for i, why, n, first in skipped(result["records"]):
+    console.print(f"[yellow]skipped[/] {i} x{n} (e.g. {first}): {why}",
+                  highlight=False)
+
+
+def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
+  """Writes CSV, JSON and markdown into `out_dir`; returns their paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {k: os.path.join(out_dir, f) for k, f in
+           (("csv", CSV_FILE), ("json", JSON_FILE), ("md", MARKDOWN_FILE))}
+  records = result["records"]
+  with open(paths["csv"], "w", newline="") as f:
+    env = result["environment"]
+    for key in ("date", "device", "platform_version", "jax", "command"):
+      f.write(f"# {key}: {env[key]}\n")
+    writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else [])
+    writer.writeheader()
+    writer.writerows(records)
+  with open(paths["json"], "w") as f:
+    json.dump(dict(result, ratios=ratios(records, ours), ours=ours), f,
+              indent=1)
+  with open(paths["md"], "w") as f:
+    f.write(markdown(result, ours))
+  return paths
+
+
+def read_csv(path: str) -> list[dict]:
+  """Rows of a results CSV (the '#' environment lines skipped)."""
+  with open(path, newline="") as f:
+    return list(csv.DictReader(line for line in f if not line.startswith("#")))

@@ -1,0 +1,167 @@
+"""Benchmark shapes as data: one frozen spec per case, and the default grids.
+
+The GPU grid is the FlashAttention-3 paper's (Shah et al. 2024, section 4.1):
+batch x seq = 16k tokens, hidden 2048, so 32/16/8 query heads for head dims
+64/128/256, seq 512..16k, causal and not. The CPU grid is a small copy of it
+that finishes in well under two minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable
+
+MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
+# Short names used on the command line; fp8 is listed so that it shows up as
+# a skipped case until the FP8 kernels land. fp32 is accepted for CPU runs.
+DTYPES: dict[str, str | None] = {
+    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": None}
+FP8_PENDING = "fp8 not available yet (FP8 kernels arrive with their own issue)"
+
+# FA3 paper benchmark grid (section 4.1 / NUMERICS.md "Performance anchors").
+PAPER_TOKENS = 16 * 1024
+PAPER_HIDDEN = 2048
+PAPER_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+PAPER_SEQS: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+
+# CPU default: small enough for < 2 min on 2 cores (measured, see RESULTS.md).
+CPU_TOKENS = 2048
+CPU_HIDDEN = 128
+CPU_HEAD_DIMS: tuple[int, ...] = (64, 128)
+CPU_SEQS: tuple[int, ...] = (512, 1024, 2048)
+CPU_MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
+
+# The one tiny case run by the interpret backend: correctness only.
+TINY_TAG = "correctness-only"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+  """One benchmark shape.
+
+  Attributes:
+    name: unique, human-readable identifier (also used in files).
+    batch, seq_q, seq_kv, heads_q, heads_kv, head_dim: q `[batch, seq_q,
+      heads_q, head_dim]`, k/v `[batch, seq_kv, heads_kv, head_dim]`.
+    causal: bottom-right aligned causal mask.
+    dtype: a key of `DTYPES` ("bf16", "fp16", "fp32", "fp8").
+    mode: "fwd", "bwd" (the backward pass alone) or "fwd+bwd".
+    tags: free labels for selection and reports.
+  """
+
+  name: str
+  batch: int
+  seq_q: int
+  seq_kv: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  causal: bool
+  dtype: str
+  mode: str
+  tags: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    for field in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv",
+                  "head_dim"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"BenchSpec {self.name!r}: {field} must be a positive"
+                         f" int; got {value!r}")
+    if self.heads_q % self.heads_kv:
+      raise ValueError(f"BenchSpec {self.name!r}: heads_q ({self.heads_q})"
+                       f" must be a multiple of heads_kv ({self.heads_kv})")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"BenchSpec {self.name!r}: dtype {self.dtype!r} not in"
+                       f" {tuple(DTYPES)}")
+    if self.mode not in MODES:
+      raise ValueError(f"BenchSpec {self.name!r}: mode {self.mode!r} not in"
+                       f" {MODES}")
+
+  @property
+  def gqa(self) -> int:
+    """Query heads per key/value head."""
+    return self.heads_q // self.heads_kv
+
+  @property
+  def jax_dtype(self) -> str | None:
+    """The JAX dtype name, or None where none is available yet (fp8)."""
+    return DTYPES[self.dtype]
+
+  @property
+  def correctness_only(self) -> bool:
+    return TINY_TAG in self.tags
+
+
+@dataclasses.dataclass(frozen=True)
+class GridAxes:
+  """The axes of a grid; every combination becomes one `BenchSpec`.
+
+  `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
+  query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
+  """
+
+  tokens: int
+  hidden: int
+  head_dims: tuple[int, ...]
+  seqs: tuple[int, ...]
+  causals: tuple[bool, ...] = (False, True)
+  dtypes: tuple[str, ...] = ("bf16",)
+  modes: tuple[str, ...] = ("fwd",)
+  gqa: tuple[int, ...] = (1,)
+  tags: tuple[str, ...] = ()
+
+
+PAPER_AXES = GridAxes(PAPER_TOKENS, PAPER_HIDDEN, PAPER_HEAD_DIMS, PAPER_SEQS,
+                      modes=MODES, tags=("paper",))
+CPU_AXES = GridAxes(CPU_TOKENS, CPU_HIDDEN, CPU_HEAD_DIMS, CPU_SEQS,
+                    modes=CPU_MODES, tags=("cpu",))
+
+
+def spec_name(mode, dtype, batch, seq_q, seq_kv, heads_q, heads_kv, head_dim,
+              causal) -> str:
+  seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
+  return (f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
+          f"{'causal' if causal else 'full'}")
+
+
+def make_grid(axes: GridAxes) -> list[BenchSpec]:
+  """Every combination of `axes`, in a stable order (mode, dtype, d, causal, seq).
+
+  Raises:
+    ValueError: a head dim does not divide the hidden size, or a GQA ratio
+      does not divide the number of query heads.
+  """
+  specs = []
+  for mode, dtype, d, causal, gqa, seq in itertools.product(
+      axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa,
+      axes.seqs):
+    if axes.hidden % d:
+      raise ValueError(f"head dim {d} does not divide hidden {axes.hidden}")
+    heads_q = axes.hidden // d
+    if heads_q % gqa:
+      raise ValueError(f"--gqa {gqa} does not divide {heads_q} query heads"
+                       f" (head dim {d})")
+    batch = max(1, axes.tokens // seq)
+    tags = axes.tags + (f"d{d}", "causal" if causal else "full", mode,
+                        dtype) + (("gqa",) if gqa > 1 else ())
+    specs.append(BenchSpec(
+        spec_name(mode, dtype, batch, seq, seq, heads_q, heads_q // gqa, d,
+                  causal),
+        batch, seq, seq, heads_q, heads_q // gqa, d, causal, dtype, mode,
+        tags))
+  return specs
+
+
+def tiny_spec(dtype: str = "bf16") -> BenchSpec:
+  """The one small case for the interpret backend (correctness, not speed)."""
+  return BenchSpec(spec_name("fwd", dtype, 1, 128, 128, 2, 2, 64, True),
+                   1, 128, 128, 2, 2, 64, True, dtype, "fwd", (TINY_TAG,))
+
+
+def select(specs: Iterable[BenchSpec], tags: Iterable[str] = ()
+           ) -> list[BenchSpec]:
+  """The specs carrying every one of `tags`."""
+  wanted = set(tags)
+  return [s for s in specs if wanted <= set(s.tags)]

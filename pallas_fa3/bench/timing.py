@@ -1,0 +1,133 @@
+"""Timing and memory of one compiled case, and the device's matmul rate.
+
+Compilation is excluded (`jit(...).lower(...).compile()`); then warm-up
+calls, then timed calls each ending in `block_until_ready`, cycling through
+several independent random input sets (never zeros). Median, min and max.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# The matmul used to measure the device's dense bf16 rate (FLOPs = 2 n^3).
+MATMUL_N_GPU = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Seconds per call and the compiled function's memory."""
+
+  median_s: float
+  min_s: float
+  max_s: float
+  compile_s: float
+  temp_bytes: int | None
+
+
+def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
+  """`num_sets` independent standard-normal `(q, k, v, dout)` tuples."""
+  q_shape = (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim)
+  kv_shape = (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim)
+  sets = []
+  for i in range(num_sets):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
+    sets.append(tuple(
+        jax.random.normal(key, shape, dtype)
+        for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape))))
+  return jax.block_until_ready(sets)
+
+
+def mode_function(fn: Callable, mode: str, input_sets: Sequence[tuple]
+                  ) -> tuple[Callable, list[tuple]]:
+  """The jitted function timed for `mode`, and its argument tuples.
+
+  "fwd": `fn(q, k, v)`. "fwd+bwd": the forward and the pullback of a random
+  cotangent, in one function. "bwd": the pullback alone; the forward's
+  residuals are computed beforehand (`jax.vjp` returns them inside a pytree
+  that is passed to the timed function as an argument).
+  """
+  if mode == "fwd":
+    return jax.jit(fn), [s[:3] for s in input_sets]
+  if mode == "fwd+bwd":
+    def fwd_bwd(q, k, v, dout):
+      _, pullback = jax.vjp(fn, q, k, v)
+      return pullback(dout)
+    return jax.jit(fwd_bwd), list(input_sets)
+  if mode == "bwd":
+    # Each jax.vjp call gives a pullback whose pytree metadata differs (it
+    # holds a fresh closure), so pass only the residual leaves and rebuild
+    # the pullback from the first call's structure.
+    args, treedef = [], None
+    forward = jax.jit(fn)
+    for q, k, v, dout in input_sets:
+      _, pullback = jax.vjp(forward, q, k, v)
+      leaves, this_def = jax.tree.flatten(pullback)
+      treedef = treedef or this_def
+      args.append((leaves, dout))
+    return jax.jit(lambda leaves, dout: jax.tree.unflatten(treedef, leaves)(
+        dout)), args
+  raise ValueError(f"mode must be fwd, bwd or fwd+bwd; got {mode!r}")
+
+
+def compile_only(jitted: Callable, args: tuple) -> tuple[Any, float]:
+  """`jitted` lowered and compiled for `args`, and the seconds it took."""
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def temp_bytes(compiled) -> int | None:
+  """XLA's scratch bytes of a compiled function (None if not reported)."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def time_calls(compiled, arg_sets: Sequence[tuple], warmup: int, runs: int
+               ) -> list[float]:
+  """Seconds of `runs` calls after `warmup` ones, rotating the inputs."""
+  for i in range(warmup):
+    jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
+  times = []
+  for i in range(runs):
+    args = arg_sets[i % len(arg_sets)]
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def measure(jitted: Callable, arg_sets: Sequence[tuple], warmup: int,
+            runs: int) -> tuple[Timing, Any]:
+  """Compiles, warms up and times one case; returns (Timing, compiled)."""
+  compiled, compile_s = compile_only(jitted, arg_sets[0])
+  times = time_calls(compiled, arg_sets, warmup, runs)
+  return Timing(statistics.median(times), min(times), max(times), compile_s,
+                temp_bytes(compiled)), compiled
+
+
+def peak_device_bytes() -> int | None:
+  """The default device's peak bytes in use so far (GPU), else None."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def matmul_tflops(n: int, dtype: str = "bfloat16", warmup: int = 3,
+                  runs: int = 10, seed: int = 0) -> float:
+  """Measured TFLOPs/s of an `n x n @ n x n` matmul (median time)."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  sets = [(jax.random.normal(keys[2 * i], (n, n), dtype),
+           jax.random.normal(keys[2 * i + 1], (n, n), dtype)) for i in range(2)]
+  timing, _ = measure(jax.jit(jnp.dot), sets, warmup, runs)
+  return 2 * n ** 3 / timing.median_s / 1e12

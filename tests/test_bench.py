@@ -1,0 +1,184 @@
+"""Tests of the benchmark harness (pallas_fa3/bench): FLOPs model, grids,
+flag selection, skip reasons, and one tiny end-to-end sweep writing files."""
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pallas_fa3 import cli
+from pallas_fa3.bench import command, flops, impls, report, runner, specs
+
+
+def _spec(sq, skv, causal=True, mode="fwd", b=2, hq=3, d=16):
+  return specs.BenchSpec("t", b, sq, skv, hq, hq, d, causal, "bf16", mode)
+
+
+def _brute_force_pairs(sq, skv):
+  i = np.arange(sq)[:, None]
+  j = np.arange(skv)[None, :]
+  return int(np.sum(j <= i + skv - sq))  # bottom-right aligned
+
+
+@pytest.mark.parametrize("sq,skv", [(1, 1), (7, 7), (128, 128), (5, 9),
+                                    (9, 5), (1, 100), (100, 1), (113, 203),
+                                    (1023, 1024), (300, 17)])
+def test_causal_pairs_match_brute_force(sq, skv):
+  assert flops.causal_pairs(sq, skv) == _brute_force_pairs(sq, skv)
+
+
+@pytest.mark.parametrize("sq,skv", [(64, 64), (33, 80), (80, 33)])
+def test_attention_flops(sq, skv):
+  b, hq, d = 2, 3, 16
+  full = flops.attention_flops(_spec(sq, skv, causal=False))
+  assert full == 4 * b * sq * skv * hq * d
+  causal = flops.attention_flops(_spec(sq, skv))
+  assert causal == 4 * b * _brute_force_pairs(sq, skv) * hq * d
+  assert flops.attention_flops(_spec(sq, skv, mode="bwd")) * 2 == 5 * causal
+  assert flops.attention_flops(_spec(sq, skv, mode="fwd+bwd")) * 2 == 7 * causal
+  # dv != d: 2 * b * pairs * hq * (d + dv)
+  assert flops.attention_flops(_spec(sq, skv, False), head_dim_v=48) == (
+      2 * b * sq * skv * hq * (16 + 48))
+
+
+def test_square_causal_is_about_half():
+  n = 4096
+  assert flops.causal_pairs(n, n) == n * (n + 1) // 2
+
+
+def test_paper_grid_head_counts():
+  grid = specs.make_grid(specs.PAPER_AXES)
+  heads = {s.head_dim: s.heads_q for s in grid}
+  assert heads == {64: 32, 128: 16, 256: 8}
+  assert {s.seq_q for s in grid} == {512, 1024, 2048, 4096, 8192, 16384}
+  assert all(s.batch * s.seq_q == 16 * 1024 for s in grid)
+  assert {s.causal for s in grid} == {False, True}
+  assert {s.mode for s in grid} == set(specs.MODES)
+  assert len(grid) == len({s.name for s in grid}) == 3 * 6 * 2 * 3
+
+
+def _parse(argv):
+  return cli.build_parser().parse_args(["bench"] + argv)
+
+
+def test_flags_select_specs():
+  args = _parse(["--head-dim", "128", "--seq", "1024", "4096", "--no-causal",
+                 "--mode", "bwd", "--gqa", "1", "4", "--dtype", "fp16"])
+  grid = specs.make_grid(command.grid_axes(args, "gpu"))
+  assert len(grid) == 2 * 2
+  assert {(s.seq_q, s.gqa) for s in grid} == set(
+      itertools.product((1024, 4096), (1, 4)))
+  assert all(s.head_dim == 128 and s.heads_q == 16 and not s.causal
+             and s.mode == "bwd" and s.dtype == "fp16" for s in grid)
+  assert {s.heads_kv for s in grid} == {16, 4}
+  causal = specs.make_grid(command.grid_axes(_parse(["--causal"]), "cpu"))
+  assert causal and all(s.causal for s in causal)
+  assert specs.select(causal, ["d64"]) == [s for s in causal
+                                           if s.head_dim == 64]
+
+
+def test_bad_gqa_is_an_error():
+  with pytest.raises(ValueError, match="gqa 3"):
+    specs.make_grid(command.grid_axes(_parse(["--gqa", "3"]), "gpu"))
+
+
+def test_baselines_skip_with_reasons():
+  rect = _spec(64, 128)
+  assert "top-left" in impls.REGISTRY["xla"].unsupported(rect, "cpu")
+  assert impls.REGISTRY["xla"].unsupported(_spec(64, 64), "cpu") is None
+  assert "GPU" in impls.REGISTRY["cudnn"].unsupported(_spec(64, 64), "cpu")
+  assert "GPU" in impls.REGISTRY["mgpu"].unsupported(_spec(64, 64), "cpu")
+  assert "correctness" in impls.REGISTRY["interpret"].unsupported(
+      _spec(64, 64), "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("bench"))
+  argv = ["--impl", "blockwise", "reference", "xla", "cudnn", "mosaic",
+          "interpret", "--dtype", "bf16", "fp8", "--head-dim", "32",
+          "--seq", "64", "128", "--mode", "fwd", "bwd", "fwd+bwd",
+          "--tokens", "128", "--hidden", "64", "--runs", "2", "--warmup", "1",
+          "--input-sets", "2", "--out", out, "--no-progress"]
+  assert cli.main(["bench"] + argv) == 0
+  return out
+
+
+def test_sweep_writes_files(tiny_sweep):
+  rows = report.read_csv(os.path.join(tiny_sweep, report.CSV_FILE))
+  ok = [r for r in rows if r["status"] == "ok"]
+  assert {r["impl"] for r in ok} == {"blockwise", "reference", "xla"}
+  # 2 seqs x 2 causal x 3 modes, each for blockwise/reference/xla.
+  assert len(ok) == 2 * 2 * 3 * 3
+  for r in ok:
+    assert float(r["tflops"]) > 0
+    assert float(r["time_min_ms"]) <= float(r["time_median_ms"]) <= float(
+        r["time_max_ms"])
+    assert float(r["temp_mib"]) >= 0
+  with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
+    data = json.load(f)
+  for key in ("device", "jax", "date", "command", "platform_version"):
+    assert data["environment"][key]
+  assert data["ours"] == "blockwise"
+  assert {r["baseline"] for r in data["ratios"]} == {"reference", "xla"}
+  pngs = os.listdir(os.path.join(tiny_sweep, "plots"))
+  assert {"tflops_fwd_bf16.png", "tflops_bwd_bf16.png",
+          "tflops_fwd_bwd_bf16.png"} <= set(pngs)
+  with open(os.path.join(tiny_sweep, "plots", pngs[0]), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert "| mode |" in open(os.path.join(tiny_sweep,
+                                         report.MARKDOWN_FILE)).read()
+
+
+def test_sweep_lists_every_skip_with_reason(tiny_sweep):
+  rows = report.read_csv(os.path.join(tiny_sweep, report.CSV_FILE))
+  skipped = [r for r in rows if r["status"] != "ok"]
+  assert all(r["reason"] for r in skipped)
+  assert all(r["status"] == "skipped" for r in skipped)
+  by_impl = {}
+  for r in skipped:
+    if r["dtype"] == "fp8":
+      continue
+    by_impl.setdefault(r["impl"], set()).add(r["reason"].split(":")[0])
+  assert "cuDNN attention needs a GPU (default backend" in by_impl["cudnn"]
+  assert by_impl["mosaic"] == {"NotImplementedError"}
+  fp8 = [r for r in rows if r["dtype"] == "fp8"]
+  assert fp8 and all(r["reason"] == specs.FP8_PENDING for r in fp8)
+  tiny = [r for r in rows if r["impl"] == "interpret"]
+  assert len(tiny) == 1 and tiny[0]["note"] == (
+      "correctness only, not a speed figure")
+  # Until the kernels land; then it runs and reports its error instead.
+  assert tiny[0]["status"] == "ok" or "NotImplementedError" in tiny[0]["reason"]
+
+
+def test_time_budget_skips_remaining_cases():
+  grid = [_spec(32, 32, causal=False, b=1, hq=1, d=16)]
+  cases = runner.plan(grid, ["blockwise", "xla"])
+  result = runner.run_sweep(cases, dict(platform="cpu", runs=1, warmup=0,
+                                        input_sets=1, seed=0,
+                                        time_budget_s=0.0), progress=False)
+  assert all("time budget" in r["reason"] for r in result["records"])
+
+
+def test_correctness_only_case_reports_error_not_speed():
+  # The path the interpret backend takes once it works, exercised here with
+  # blockwise on the tiny spec.
+  spec = specs.tiny_spec()
+  inputs = runner.timing.make_inputs(spec, spec.jax_dtype, 1, 0)
+  rec = runner.run_case(impls.REGISTRY["blockwise"], spec, inputs,
+                        dict(platform="cpu", runs=1, warmup=0), None)
+  assert rec["status"] == "ok"
+  assert rec["note"] == "correctness only, not a speed figure"
+  assert 0 < rec["max_abs_err"] < 0.05
+  assert report.ratios([rec], "blockwise") == []  # never a speed figure
+
+
+def test_bench_help_lists_flags(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["bench", "--help"])
+  text = capsys.readouterr().out
+  for flag in ("--impl", "--dtype", "--head-dim", "--seq", "--no-causal",
+               "--mode", "--gqa", "--runs", "--warmup", "--out"):
+    assert flag in text
