@@ -43,6 +43,14 @@ _TRAIN_DEFAULTS = dict(
     max_bytes=None, eval_interval=100, eval_batches=8, checkpoint_interval=200)
 
 
+def _require_positive(args, *flags: str) -> None:
+  """Usage error (exit 2) naming the first of `flags` set to a value below 1."""
+  for flag in flags:
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+
+
 def _add_info_parser(sub) -> None:
   p = sub.add_parser(
       "info",
@@ -91,10 +99,8 @@ def _cmd_info(args) -> int:
   hopper = backends.hopper_reason()
   print("Hopper (sm90) GPU: " + ("yes" if hopper is None else f"no ({hopper})"))
 
-  for flag in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"):
-    if getattr(args, flag) < 1:
-      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got"
-                        f" {getattr(args, flag)}")
+  _require_positive(args, "batch", "seq_q", "seq_kv", "heads_q", "heads_kv",
+                    "head_dim")
   if args.heads_q % args.heads_kv:
     args.parser.error(f"--heads-q ({args.heads_q}) must be a multiple of"
                       f" --heads-kv ({args.heads_kv})")
@@ -336,10 +342,7 @@ def _add_bench_parser(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
-  for flag in ("runs", "tokens", "hidden", "input_sets"):
-    value = getattr(args, flag)
-    if value is not None and value < 1:
-      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+  _require_positive(args, "runs", "tokens", "hidden", "input_sets")
   from pallas_fa3.bench import command  # pylint: disable=g-import-not-at-top
   return command.run(args)
 
