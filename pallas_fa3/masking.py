@@ -25,11 +25,19 @@ def visible(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Arr
   Positions are absolute indices into the unpadded sequences; keys at or past
   `spec.seq_kv` (tile padding) are never visible.
   """
-  q = q_pos[:, None]
-  kv = kv_pos[None, :]
-  mask = kv < spec.seq_kv
+  return visible_tile(spec, q_pos[:, None], kv_pos[None, :])
+
+
+def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
+                 ) -> jax.Array:
+  """The same rule on positions that already broadcast against each other.
+
+  The kernels call this on one `[rows, cols]` tile of positions (built with
+  their register layout); `visible` is the 1-D convenience form.
+  """
+  mask = kv_pos < spec.seq_kv
   if spec.causal:
-    mask = mask & (kv <= q + spec.causal_offset)
+    mask = mask & (kv_pos <= q_pos + spec.causal_offset)
   return mask
 
 

@@ -1,0 +1,164 @@
+"""Kernel configs for the sm90 kernels: validated data, one shared-memory estimate.
+
+`Sm90ForwardConfig` is the tiling of the Hopper forward kernel
+(`pallas_fa3/kernels/sm90_fwd.py`). It is frozen and hashable (a static
+argument of `jax.jit` and `custom_vjp`) and validates itself. Whether a config
+fits a call is decided by one function, `forward_unsupported`, built on one
+shared-memory estimate against one limit; the heuristic default is chosen
+from the same estimate, so the two can never disagree.
+
+Tiles (FA3 terms): each CTA owns `2 * block_q` query rows, split between the
+two consumer warpgroups (`block_q` rows each, the M of their wgmma); the
+producer warpgroup streams `block_kv`-row K and V tiles through a ring of
+`num_stages` shared-memory slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import numpy as np
+
+from pallas_fa3.spec import AttentionSpec
+
+# Hardware facts (sm90), each named once.
+MAX_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
+WGMMA_M = 64                 # rows of one warpgroup MMA instruction
+TMA_ROW_ALIGN = 64           # K/V tile rows: a multiple of the 128-byte swizzle span
+NUM_CONSUMERS = 2            # consumer warpgroups per CTA (pingpong needs two)
+_BARRIER_BYTES = 8           # one mbarrier
+# Pallas Mosaic GPU aligns every shared-memory allocation to 1024 bytes and
+# reserves `CompilerParams.reduction_scratch_bytes` (default 128 * 4 * 4) for
+# cross-warp reductions; measured against its "exceeds available shared
+# memory" check, the estimate below is exact.
+_SMEM_ALIGN = 1024
+_RESERVED_SMEM = 128 * 4 * 4
+
+KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)  # multiples of 32 the tiling serves
+KERNEL_DTYPES = ("bfloat16", "float16")
+_BLOCK_Q_CHOICES = (64, 128)
+# The P V wgmma takes block_kv as its K dimension, which must be a multiple
+# of the 128-byte swizzle span (64 bf16/fp16 elements).
+_BLOCK_KV_CHOICES = (64, 128, 192, 256)
+_STAGE_CHOICES = (2, 3, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90ForwardConfig:
+  """Tiling of the sm90 forward kernel.
+
+  Attributes:
+    block_q: query rows per consumer warpgroup (the CTA holds 2 * block_q).
+    block_kv: key/value rows per pipeline stage.
+    num_stages: shared-memory slots in the K/V ring (2-4).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name, choices in (("block_q", _BLOCK_Q_CHOICES),
+                          ("block_kv", _BLOCK_KV_CHOICES),
+                          ("num_stages", _STAGE_CHOICES)):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(
+          value, numbers.Integral):
+        raise TypeError(f"Sm90ForwardConfig.{name} must be an int; got"
+                        f" {value!r} of type {type(value).__name__}")
+      if int(value) not in choices:
+        raise ValueError(f"Sm90ForwardConfig.{name} must be one of {choices};"
+                         f" got {value}")
+      object.__setattr__(self, name, int(value))
+
+  @property
+  def rows_per_cta(self) -> int:
+    return NUM_CONSUMERS * self.block_q
+
+
+def forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
+                       itemsize: int) -> int:
+  """Shared memory the forward kernel allocates for one CTA, in bytes.
+
+  Q tiles (reused for O on the way out) for both consumers, the K and V
+  rings, the lse staging rows and the barriers (K full/empty, V full/empty
+  per stage, one Q barrier per consumer, one schedule barrier).
+  """
+  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+  qo = align(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
+  ring = align(config.num_stages * config.block_kv * head_dim * itemsize)
+  lse = align(NUM_CONSUMERS * config.block_q * 4)
+  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
+  return qo + 2 * ring + lse + _RESERVED_SMEM + barriers
+
+
+def forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
+                               itemsize: int) -> str | None:
+  """Why this config cannot run at this head_dim, or None."""
+  need = forward_smem_bytes(config, head_dim, itemsize)
+  if need > MAX_SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory at head_dim"
+            f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
+  # Register budget of a consumer (128 threads): the float32 O accumulator
+  # (block_q x d), and the S tile (block_q x block_kv) counted twice: S and
+  # its exponentials are live together during the softmax.
+  regs = config.block_q * (head_dim + 2 * config.block_kv) // 128
+  if regs > _CONSUMER_ACC_REGS:
+    return (f"{config} keeps {regs} float32 accumulator registers per thread"
+            f" at head_dim {head_dim}; a consumer warpgroup has room for"
+            f" {_CONSUMER_ACC_REGS}")
+  return None
+
+
+# Of the consumer's 232 registers (see kernels/sm90_fwd.py), the tiles may
+# take at most this many; the rest hold P, the statistics and addresses.
+# Measured with the deviceless sm_90a compile (ptxas): every config within
+# this budget compiles with 0 spill bytes; d=64 with 64 x 256 tiles (288)
+# spills 2 KB, 128 x 128 tiles (320) spill 3.4 KB.
+_CONSUMER_ACC_REGS = 192
+
+
+def forward_unsupported(spec: AttentionSpec,
+                        config: Sm90ForwardConfig | None = None) -> str | None:
+  """Why the sm90 forward kernel cannot compute `spec` (with `config`), or None."""
+  if str(spec.dtype) not in KERNEL_DTYPES:
+    return (f"dtype {spec.dtype} is not served by the kernel (it takes"
+            f" {', '.join(KERNEL_DTYPES)}; fp8 arrives with the FP8 issue)")
+  if spec.head_dim != spec.head_dim_v:
+    return (f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
+            " the kernel needs equal q/k and v head dims")
+  if spec.head_dim not in KERNEL_HEAD_DIMS:
+    return (f"head_dim {spec.head_dim} is not one of the kernel's"
+            f" {KERNEL_HEAD_DIMS}")
+  config = default_forward_config(spec) if config is None else config
+  return forward_config_unsupported(config, spec.head_dim, spec.dtype.itemsize)
+
+
+# The heuristic default per head dim (bf16/fp16 have the same size): the
+# largest K/V tile and deepest ring that fit, as FA3 picks 128 x 128 tiles at
+# d = 128 and 128 x 64 at d = 256 (paper, section 4).
+_DEFAULTS = {
+    64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3),
+    96: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    192: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
+    256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+}
+
+
+def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig:
+  """The heuristic forward config for `spec` (checked against the estimate)."""
+  config = _DEFAULTS.get(spec.head_dim, Sm90ForwardConfig())
+  assert forward_config_unsupported(config, spec.head_dim, 2) is None, config
+  return config
+
+
+def forward_config_space(head_dim: int, itemsize: int = 2
+                         ) -> tuple[Sm90ForwardConfig, ...]:
+  """Every config that fits at this head_dim (the autotuning space)."""
+  return tuple(
+      c for c in (Sm90ForwardConfig(bq, bkv, st)
+                  for bq in _BLOCK_Q_CHOICES for bkv in _BLOCK_KV_CHOICES
+                  for st in _STAGE_CHOICES)
+      if forward_config_unsupported(c, head_dim, itemsize) is None)

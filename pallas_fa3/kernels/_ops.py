@@ -1,0 +1,94 @@
+"""The few kernel operations whose form depends on where the kernel runs.
+
+The Hopper kernels are one body of code; only these leaf operations differ
+between the variant compiled for sm90 (`COMPILED`) and the variant run by
+JAX 0.10.2's GPU interpreter on a CPU (`INTERPRETED`), because that
+interpreter rejects transposed and register wgmma operands, accumulator
+stores (`pl.run_state` / `acc[...] = x`) and register layouts
+(`plgpu.layout_cast`, iota with a layout). Everything else (grid, warpgroup
+roles, TMA copies, the shared-memory ring, every barrier, masking, the
+online softmax, the epilogue) is shared, so interpret mode checks the
+synchronization and the arithmetic of the kernel that the lowering tier
+compiles.
+
+The two variants compute the same values: a wgmma multiplies bf16/fp16
+operands exactly and accumulates in float32, which is what
+`jnp.dot(..., preferred_element_type=float32)` does on the interpreted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOps:
+  """Leaf operations of the sm90 kernels; `interpreted` picks the variant."""
+
+  interpreted: bool
+
+  # -- register layouts ------------------------------------------------------
+  def rows(self, x: jax.Array) -> jax.Array:
+    """A per-row vector in the layout of a wgmma accumulator's row reduction."""
+    if self.interpreted:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+  def tile(self, x: jax.Array) -> jax.Array:
+    """A 2-D array in the wgmma accumulator layout."""
+    if self.interpreted:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def iota(self, shape: tuple[int, int], dim: int) -> jax.Array:
+    """int32 indices along `dim` of an accumulator-shaped tile."""
+    if self.interpreted:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim,
+                                  layout=plgpu.Layout.WGMMA)
+
+  # -- matmuls -----------------------------------------------------------------
+  def with_scores(self, q_smem, k_smem, body: Callable[[Callable[[], jax.Array]], object]):
+    """Starts S = Q K^T (float32) and runs `body(read_s)` while it computes.
+
+    On the GPU the wgmma is issued asynchronously into a scoped accumulator;
+    `body` overlaps its own work with it and calls `read_s()` (which waits)
+    when it needs S. Returns what `body` returns.
+    """
+    if self.interpreted:
+      s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
+      return body(lambda: s)
+
+    def scoped(acc):
+      plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+      return body(lambda: acc[...])
+
+    shape = (q_smem.shape[0], k_smem.shape[0])
+    return pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
+
+  def scores(self, q_smem, k_smem) -> jax.Array:
+    """S = Q K^T in float32, waited for."""
+    return self.with_scores(q_smem, k_smem, lambda read: read())
+
+  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem) -> jax.Array:
+    """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
+    if self.interpreted:
+      return o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
+
+    def pv(acc):
+      plgpu.wgmma(acc, p, v_smem)
+
+    return pl.run_state(pv)(plgpu.ACC.init(o))
+
+
+COMPILED = KernelOps(interpreted=False)
+INTERPRETED = KernelOps(interpreted=True)

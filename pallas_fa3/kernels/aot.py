@@ -1,0 +1,145 @@
+"""Deviceless ahead-of-time compile of the sm90 kernels: Mosaic + ptxas on a CPU.
+
+The third correctness tier without a GPU (after interpret mode and
+`jax.export` lowering): compiles every supported kernel config for an H200
+(sm_90a) from a compile-only target description and reads ptxas's report,
+so register spills are caught before any GPU time is spent.
+
+Needs, at the installed JAX's version: `jax-cuda12-plugin`,
+`jax-cuda12-pjrt` and `nvidia-cuda-nvcc-cu12` (no driver, no cuDNN). One
+command runs the sweep and fails on any spill:
+
+    JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
+
+(`pip install "jax-cuda12-plugin==$V" "jax-cuda12-pjrt==$V"
+nvidia-cuda-nvcc-cu12` with `V` the installed jax version first.) The
+optional test `tests/test_sm90_aot.py` runs the same sweep and is skipped,
+saying why, where the packages are absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+_TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
+_REQUIRED = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def missing_packages() -> str | None:
+  """Why this tier cannot run here (a missing package), or None."""
+  for module in _REQUIRED:
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+      found = False
+    if not found:
+      return (f"the deviceless sm_90a compile needs {module!r} (pip packages"
+              " jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12 at"
+              " the installed jax version)")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """What ptxas said about one kernel."""
+
+  name: str
+  registers: int
+  spill_store_bytes: int
+  spill_load_bytes: int
+
+
+def _parse_ptxas(text: str) -> tuple[int, int, int]:
+  spills = _SPILL.findall(text)
+  regs = _REGS.findall(text)
+  if not spills or not regs:
+    raise RuntimeError(f"no ptxas report found in:\n{text[-2000:]}")
+  return (max(int(r) for r in regs), sum(int(s) for s, _ in spills),
+          sum(int(l) for _, l in spills))
+
+
+def _mesh():
+  import jax
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(
+      platform="cuda", target_config=_TARGET.read_text(), topology="1x1x1")
+  return jax.sharding.Mesh(topo.devices, ("x",))
+
+
+def compile_forward(spec, config, mesh=None) -> CompileReport:
+  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+  from pallas_fa3.kernels import sm90_fwd
+
+  mesh = _mesh() if mesh is None else mesh
+  sharding = NamedSharding(mesh, PartitionSpec())
+  shapes = [jax.ShapeDtypeStruct(s, spec.dtype, sharding=sharding) for s in (
+      (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
+      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim),
+      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim_v))]
+  with tempfile.TemporaryDirectory() as dump:
+    # Read by Mosaic at compile time: one fresh folder per kernel.
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+    try:
+      fn = jax.jit(lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v))
+      fn.lower(*shapes).compile()
+    finally:
+      os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
+      os.environ.pop("MOSAIC_GPU_DUMP_TO")
+    text = "".join(p.read_text() for p in pathlib.Path(dump).glob("*.ptxas"))
+  regs, stores, loads = _parse_ptxas(text)
+  return CompileReport(f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+                       f" {config}", regs, stores, loads)
+
+
+def forward_sweep():
+  """(spec, config) for every supported forward config, both dtypes, causal GQA."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.spec import make_spec
+
+  for dtype in (jnp.bfloat16, jnp.float16):
+    for d in kernel_config.KERNEL_HEAD_DIMS:
+      q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
+      kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
+      spec = make_spec(q, kv, kv, causal=True)
+      for config in kernel_config.forward_config_space(d, jnp.dtype(dtype).itemsize):
+        yield spec, config
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--max-configs", type=int, default=None,
+                      help="stop after this many configs")
+  args = parser.parse_args(argv)
+  reason = missing_packages()
+  if reason:
+    print(f"skipped: {reason}")
+    return 2
+  mesh, failures = _mesh(), 0
+  for i, (spec, config) in enumerate(forward_sweep()):
+    if args.max_configs is not None and i >= args.max_configs:
+      break
+    report = compile_forward(spec, config, mesh)
+    bad = report.spill_store_bytes or report.spill_load_bytes
+    failures += bool(bad)
+    print(f"{'SPILL' if bad else 'ok':5} regs={report.registers:3d}"
+          f" spill_st={report.spill_store_bytes} spill_ld="
+          f"{report.spill_load_bytes}  {report.name}", flush=True)
+  print(f"{failures} config(s) spill")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

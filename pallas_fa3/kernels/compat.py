@@ -1,0 +1,69 @@
+"""Every JAX-version difference the kernels touch, in one place.
+
+The kernels must run on JAX 0.10.2 (the CPU machines and CI) and 0.11.x (the
+Hopper test machine). What differs, as far as the kernels are concerned:
+
+- `plgpu.CompilerParams.lowering_semantics`: the default changed from Lane to
+  Warpgroup in later versions; our kernels are written for Lane semantics,
+  so it is always set explicitly.
+- GPU interpret mode lives under a private path
+  (`jax._src.pallas.mosaic_gpu.interpret`); its parameters class, the race
+  report and the state reset are imported here only.
+- `plgpu.copy_gmem_to_smem` grew `predicate=` and changed the `oob_mode`
+  default after 0.10.2; we pass only `(src, dst, barrier)`, the form both
+  accept. Out-of-bounds rows never reach a TMA: the wrapper pads ragged
+  sequences to whole tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any, Iterator
+
+import jax
+from jax.experimental.mosaic import gpu as _mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def compiler_params(*, approx_math: bool) -> Any:
+  """CompilerParams with the lowering semantics pinned (the default moved)."""
+  return plgpu.CompilerParams(
+      approx_math=approx_math,
+      lowering_semantics=_mgpu.LoweringSemantics.Lane,
+  )
+
+
+def _interpret_module():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  return interpret_pallas_call
+
+
+def interpret_params(*, detect_races: bool) -> Any:
+  """Parameters that make `plgpu.kernel` run in GPU interpret mode on a CPU."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError:  # pragma: no cover - later layouts re-export it here
+    from jax._src.pallas.mosaic_gpu.interpret import InterpretGPUParams
+  return InterpretGPUParams(detect_races=detect_races)
+
+
+def reset_interpret_state() -> None:
+  """Clears the interpreter's global state (required after an exception)."""
+  _interpret_module().reset_gpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+  """Whether the last interpret-mode call (with detect_races) found a race."""
+  races = _interpret_module().get_races()
+  return bool(races.races_found)
+
+
+@contextlib.contextmanager
+def capture_race_report() -> Iterator[io.StringIO]:
+  """Captures what the interpreter prints (race details go to stdout)."""
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    yield buf

@@ -1,0 +1,343 @@
+"""FlashAttention-3 forward kernel for Hopper (sm90) in Pallas Mosaic GPU.
+
+Design (FA3 paper, section 3; our own code):
+
+- **Warp specialization.** A CTA owns `2 * block_q` query rows of one
+  (batch, query head) and runs three warpgroups: two consumers (`block_q`
+  rows each) and one producer. The producer only issues TMA copies of K and
+  V tiles into a ring of `num_stages` shared-memory slots; each slot has a
+  "full" barrier (TMA completion) and an "empty" barrier (both consumers have
+  read it). Registers are moved from the producer to the consumers with
+  `setmaxnreg` (`_PRODUCER_REGS`, `_CONSUMER_REGS`).
+- **Pingpong.** A schedule barrier shared by the two consumers is met twice
+  per K/V step; consumer 1 meets it once more at the start and consumer 0
+  once more at the end, so one consumer's softmax runs while the other's
+  GEMMs occupy the tensor cores.
+- **Intra-warpgroup overlap.** Within a consumer, step j issues the wgmma
+  S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the exponentials of
+  one tile overlap the tensor-core work of the next; P_j V_j follows.
+- **Softmax** in float32 with exp2, the scale folded with log2(e), P rounded
+  to the input dtype for the P V wgmma, O rescaled in registers, normalized
+  once at the end; O leaves through shared memory by TMA, with the lse
+  (float32, natural log; -inf for rows that see no key).
+- **Masking** is one function per tile (`pallas_fa3.masking.visible`), and
+  block skipping is decided per query tile: fully masked K/V tiles are never
+  loaded, fully visible ones are never masked, so only diagonal (causal) and
+  ragged-edge tiles pay for the mask. Causal is bottom-right aligned.
+- **GQA/MQA**: the query heads of a group index the same K/V head; K and V
+  are never repeated.
+- **Any sequence length**: the wrapper pads ragged sequences to whole tiles
+  (a copy, only when ragged); padded keys are masked, padded query rows are
+  computed on zeros and sliced off. No TMA ever leaves its array.
+
+The operations that the 0.10.2 interpreter cannot run are isolated in
+`_ops.KernelOps`; `interpret=True` runs this same kernel in GPU interpret
+mode on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3 import masking
+from pallas_fa3.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels import compat
+from pallas_fa3.kernels._ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.spec import LOG2E, AttentionSpec
+
+# Register budgets per warpgroup role (setmaxnreg). An SM has 64K 32-bit
+# registers, 128 threads per warpgroup: 2 * 232 + 40 = 504 <= 512 per thread
+# slot. The producer only computes addresses; the consumers hold O, S and P.
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+_LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
+_SWIZZLE_BYTES = 128  # widest shared-memory swizzle (conflict-free wgmma reads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel instance."""
+
+  spec: AttentionSpec
+  config: Sm90ForwardConfig
+  seq_q_pad: int
+  seq_kv_pad: int
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return self.seq_kv_pad // self.config.block_kv
+
+  @property
+  def num_q_tiles(self) -> int:
+    return self.seq_q_pad // self.config.rows_per_cta
+
+  @property
+  def needs_mask(self) -> bool:
+    return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
+
+
+def _kv_steps(plan: _Plan, row0, rows: int):
+  """(steps, unmasked steps) for the query rows [row0, row0 + rows).
+
+  `steps` counts the leading K/V tiles any row sees (at least 1, so that a
+  tile that sees nothing still runs one fully masked step and writes
+  out = 0, lse = -inf); the first `unmasked` of them are visible to every
+  row and skip the mask.
+  """
+  spec, bkv = plan.spec, plan.config.block_kv
+  n = masking.num_kv_blocks_visible(spec, row0 + rows, bkv, plan.num_kv_blocks)
+  n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+  full = spec.seq_kv // bkv  # tiles with no padded key
+  if spec.causal:
+    # Row row0 (the tile's first) sees keys up to row0 + offset.
+    seen = row0 + spec.causal_offset + 1
+    full = jnp.minimum(jnp.maximum(seen, 0) // bkv, full)
+  return n, jnp.minimum(jnp.asarray(full, jnp.int32), n)
+
+
+def _smem_transforms(dtype, head_dim: int):
+  itemsize_bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(head_dim * itemsize_bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _online_softmax(s, m, l, *, scale_log2, mask):
+  """One online-softmax step in base 2; returns (p, alpha, m_new, l_new)."""
+  s = s * scale_log2
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  # A row with no visible key yet has max -inf: exponentiate against 0 so
+  # that exp2(-inf) = 0 rather than NaN.
+  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_ref)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_ref, s.shape, [0]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def _consumer(refs, plan: _Plan, ops: KernelOps):
+  """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
+  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, k_full, v_full,
+   k_empty, v_empty, q_bar, sched) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+  wg = lax.axis_index("wg")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  row0 = cta_row0 + wg * cfg.block_q
+  q_smem = qo_smem.at[wg]
+  stages = cfg.num_stages
+
+  def rendezvous():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
+                          q_smem, q_bar.at[wg])
+  plgpu.barrier_wait(q_bar.at[wg])
+
+  steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  shape = (cfg.block_q, cfg.block_kv)
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+
+  def mask_for(j):  # built per masked step: no index tile lives in registers
+    return masking.visible_tile(spec, row0 + ops.iota(shape, 0),
+                                j * cfg.block_kv + ops.iota(shape, 1))
+
+  def step(j, carry, *, has_next: bool, masked: bool):
+    o, m, l, s = carry
+    slot = lax.rem(j, stages)
+    nslot = lax.rem(j + 1, stages)
+
+    def body(read_next):
+      plgpu.barrier_arrive(sched)  # pingpong: my S_{j+1} is issued
+      plgpu.barrier_wait(sched)
+      p, alpha, m_new, l_new = _online_softmax(
+          s, m, l, scale_log2=scale_log2, mask=mask_for(j) if masked else None)
+      o_scaled = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+      p = p.astype(spec.dtype)
+      plgpu.barrier_arrive(sched)  # pingpong: softmax done, tensor cores next
+      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_wait(sched)
+      o_new = ops.accumulate_pv(o_scaled, p, v_smem.at[slot])
+      plgpu.barrier_arrive(v_empty.at[slot])
+      return o_new, m_new, l_new, read_next()
+
+    if has_next:
+      plgpu.barrier_wait(k_full.at[nslot])
+      out = ops.with_scores(q_smem, k_smem.at[nslot], body)
+      plgpu.barrier_arrive(k_empty.at[nslot])
+      return out
+    return body(lambda: s)
+
+  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
+  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  plgpu.barrier_wait(k_full.at[0])
+  s0 = ops.scores(q_smem, k_smem.at[0])
+  plgpu.barrier_arrive(k_empty.at[0])
+  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
+
+  carry = (o0, m0, l0, s0)
+  split = jnp.minimum(unmasked, steps - 1)
+  carry = lax.fori_loop(0, split, functools.partial(
+      step, has_next=True, masked=False), carry)
+  carry = lax.fori_loop(split, steps - 1, functools.partial(
+      step, has_next=True, masked=plan.needs_mask), carry)
+  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    # The other consumer needs more K/V tiles (causal): observe the tiles the
+    # producer filled for it (every barrier phase is waited on by every
+    # warpgroup that uses the barrier), release them, and keep the pingpong
+    # in step.
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    rendezvous()
+    rendezvous()
+
+  pl.when(wg == 0)(rendezvous)
+  _epilogue(plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref,
+            batch, head, row0)
+
+
+def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0):
+  """Normalizes O, writes it and the lse through shared memory by TMA."""
+  cfg = plan.config
+  empty = l == 0.0
+  inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+  o_smem[...] = (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(
+      plan.spec.dtype)
+  log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
+  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(_LN2))
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _producer(refs, plan: _Plan):
+  """The producer warpgroup: streams K and V tiles into the ring by TMA."""
+  (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
+  cfg = plan.config
+  plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
+  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  stages = cfg.num_stages
+
+  @pl.loop(0, steps)
+  def _load(j):
+    slot = lax.rem(j, stages)
+    rows = (batch, pl.ds(j * cfg.block_kv, cfg.block_kv), kv_head)
+
+    @pl.when(j >= stages)
+    def _wait_k():  # the slot's previous tile has been read by both consumers
+      plgpu.barrier_wait(k_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+
+    @pl.when(j >= stages)
+    def _wait_v():
+      plgpu.barrier_wait(v_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _drain(j):
+    # Wait until the last tiles are consumed: the CTA must not retire (and
+    # its shared memory be reused) under a TMA or a read in flight.
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
+
+
+def _build(plan: _Plan, ops: KernelOps, interpret):
+  spec, cfg = plan.spec, plan.config
+  transforms = _smem_transforms(spec.dtype, spec.head_dim)
+  d = spec.head_dim
+
+  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
+             lse_smem, k_full, v_full, k_empty, v_empty, q_bar, sched):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _():
+      _consumer((q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,
+                 k_full, v_full, k_empty, v_empty, q_bar, sched), plan, ops)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _():
+      _producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty,
+                 v_empty), plan)
+
+  ring = lambda: plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), spec.dtype,
+                            transforms=transforms)
+  scratch = (
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
+                 transforms=transforms),
+      ring(), ring(),
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
+      plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
+      plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS),   # Q tile per consumer
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),   # pingpong schedule
+  )
+  out_type = (
+      jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
+      jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compat.compiler_params(approx_math=True),
+      interpret=interpret,
+  )
+
+
+def _pad_seq(x: jax.Array, length: int) -> jax.Array:
+  pad = length - x.shape[1]
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
+                 q: jax.Array, k: jax.Array, v: jax.Array, *,
+                 interpret=None) -> tuple[jax.Array, jax.Array]:
+  """Runs the forward kernel; returns (out `[b, sq, hq, d]`, lse `[b, hq, sq]`).
+
+  `interpret`: None compiles for sm90; interpret-mode parameters
+  (`compat.interpret_params(...)`) run the same kernel on a CPU.
+  """
+  tile_q = config.rows_per_cta
+  plan = _Plan(spec, config,
+               seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
+               seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
+  ops = COMPILED if interpret is None else INTERPRETED
+  out, lse = _build(plan, ops, interpret)(
+      _pad_seq(q, plan.seq_q_pad), _pad_seq(k, plan.seq_kv_pad),
+      _pad_seq(v, plan.seq_kv_pad))
+  return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]
