@@ -5,7 +5,8 @@
 # Assumes JAX (with CUDA) is installed and this checkout is the working
 # directory. Every result goes under $OUT (default: ./device_out):
 #   $OUT/env.txt               nvidia-smi, `pallas-fa3 info`
-#   $OUT/pytest_*.txt          GPU correctness tests (mosaic backend, bench)
+#   $OUT/pytest_*.txt          GPU correctness tests (every kernel config,
+#                              the shared suite on mosaic, the harness)
 #   $OUT/bench/                forward grid: results.csv/json, summary.md, plots/
 #   $OUT/bench_bwd/            backward and fwd+bwd at head dim 128
 # and a short table (16k-token rows of both sweeps) is printed last.
@@ -26,33 +27,38 @@ START=$(date +%s)
 step() { echo "== [$(( $(date +%s) - START )) s] $*"; }
 
 step "environment"
-{ nvidia-smi || true; timeout 60 "$PY" -m pallas_fa3.cli info --no-run; } \
+{ nvidia-smi || true; timeout 30 "$PY" -m pallas_fa3.cli info --no-run; } \
   > "$OUT/env.txt" 2>&1
 tail -n 12 "$OUT/env.txt"
 
-step "GPU correctness: tests/test_attention.py -k mosaic"
-timeout 100 "$PY" -m pytest tests/test_attention.py -q -k "mosaic" -x \
+step "GPU correctness: every forward kernel config (tests/test_sm90_gpu.py)"
+timeout 110 "$PY" -m pytest tests/test_sm90_gpu.py -q -x -p no:cacheprovider \
+  > "$OUT/pytest_sm90_gpu.txt" 2>&1
+echo "exit $?"; tail -n 3 "$OUT/pytest_sm90_gpu.txt"
+
+step "GPU correctness: the shared suite, tests/test_attention.py -k mosaic"
+timeout 60 "$PY" -m pytest tests/test_attention.py -q -k "mosaic" -x \
   -p no:cacheprovider > "$OUT/pytest_mosaic.txt" 2>&1
 echo "exit $?"; tail -n 3 "$OUT/pytest_mosaic.txt"
 
 step "harness tests: tests/test_bench.py"
-timeout 60 "$PY" -m pytest tests/test_bench.py -q -p no:cacheprovider \
+timeout 30 "$PY" -m pytest tests/test_bench.py -q -p no:cacheprovider \
   > "$OUT/pytest_bench.txt" 2>&1
 echo "exit $?"; tail -n 3 "$OUT/pytest_bench.txt"
 
 # Forward over the whole paper grid (d 64/128/256, seq 512..16k, causal and
 # not), ours against cuDNN, XLA and attention_mgpu.
 step "bench: forward grid"
-timeout 210 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench" \
+timeout 190 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench" \
   --impl mosaic cudnn mgpu xla blockwise --mode fwd --dtype bf16 \
-  --runs 10 --warmup 3 --time-budget 160 --no-progress \
+  --runs 20 --warmup 3 --time-budget 150 --no-progress \
   > "$OUT/bench.txt" 2>&1
 echo "exit $?"
 
 step "bench: bwd and fwd+bwd, head dim 128"
-timeout 100 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench_bwd" \
+timeout 60 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench_bwd" \
   --impl mosaic cudnn mgpu xla --mode bwd fwd+bwd --head-dim 128 \
-  --dtype bf16 --runs 10 --warmup 3 --time-budget 60 --no-progress \
+  --dtype bf16 --runs 20 --warmup 3 --time-budget 40 --no-progress \
   > "$OUT/bench_bwd.txt" 2>&1
 echo "exit $?"
 

@@ -267,6 +267,7 @@ def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
                              model_cfg.head_dim), model_cfg.dtype)
   spec = make_spec(q, kv, kv, causal=True)
   backend, _ = backends.resolve(spec, model_cfg.attention_implementation, None)
+  backends.require_runnable_here(backend)
   return backend.name
 
 

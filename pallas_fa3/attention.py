@@ -63,7 +63,20 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
   backend, config = backends.resolve(spec, implementation, config)
+  _check_device_for_eager_call(backend, q, k, v)
   call = vjp.StaticCall(spec, backend.name, config)
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
                             jnp.asarray(v))
   return (out, lse) if return_lse else out
+
+
+def _check_device_for_eager_call(backend, *arrays) -> None:
+  """An eager call of a backend the devices cannot run raises, saying why.
+
+  Traced calls (under `jit`, `export`, ...) pass: lowering for another
+  platform, e.g. `jax.export(..., platforms=['cuda'])` of `mosaic` on a
+  machine without a GPU, is legitimate (run under `jit` on a CPU, Pallas
+  itself refuses: "Only interpret mode is supported on CPU backend").
+  """
+  if not any(isinstance(a, jax.core.Tracer) for a in arrays):
+    backends.require_runnable_here(backend)

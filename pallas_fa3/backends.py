@@ -15,18 +15,12 @@ from typing import Any, Callable
 import jax
 
 from pallas_fa3 import blockwise, reference
+from pallas_fa3 import config as kernel_config
 from pallas_fa3.spec import AttentionSpec
 
 # Fastest first. `reference` is deliberately absent: it is the oracle, with
 # float32 P, not the kernels' function (P rounded to the input dtype).
 AUTO_ORDER: tuple[str, ...] = ("mosaic", "blockwise")
-
-_KERNEL_PENDING = (
-    "the Pallas Mosaic GPU kernels are not implemented yet (forward: issue 4,"
-    " backward: issue 7); implementation='blockwise' computes the same"
-    " function in pure JAX on any device"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
@@ -40,6 +34,10 @@ class Backend:
     unsupported: `spec -> reason or None`.
     config_type: the config class it takes, or None if it takes none.
     default_config: `spec -> config` when `config=None`.
+    device_reason: `() -> reason or None`: whether the devices present can
+      run it. Only the automatic choice (and an eager call) consults it, so
+      an explicit backend still traces and lowers for another platform
+      (`jax.export(..., platforms=['cuda'])` on a machine without a GPU).
   """
 
   name: str
@@ -49,6 +47,7 @@ class Backend:
   unsupported: Callable[[AttentionSpec], str | None]
   config_type: type | None = None
   default_config: Callable[[AttentionSpec], Any] = lambda spec: None
+  device_reason: Callable[[], str | None] = lambda: None
 
 
 def _reference_forward(spec, config, q, k, v):
@@ -74,29 +73,43 @@ def hopper_reason() -> str | None:
   return None
 
 
-def _mosaic_unsupported(spec: AttentionSpec) -> str | None:
-  del spec
-  hopper = hopper_reason()
-  return f"{hopper}; and {_KERNEL_PENDING}" if hopper else _KERNEL_PENDING
+def _kernel_forward(interpret: bool):
+  def forward(spec, config, q, k, v):
+    from pallas_fa3.kernels import compat, sm90_fwd
+    params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
+    return sm90_fwd.sm90_forward(spec, config, q, k, v, interpret=params)
+  return forward
 
 
-def _interpret_unsupported(spec: AttentionSpec) -> str | None:
-  del spec
-  return _KERNEL_PENDING
+# Race detection in interpret mode costs little at the small shapes the
+# interpreter is for, and a race is exactly what it exists to find.
+INTERPRET_DETECT_RACES = True
 
 
-def _not_implemented(*args, **kwargs):
-  raise NotImplementedError(_KERNEL_PENDING)
+def _kernel_backward(spec, config, q, k, v, out, lse, dout, dlse):
+  # Until the backward kernels land (issue 7): the blockwise FA2
+  # recomputation, which computes the same gradients from the same residuals.
+  del config
+  return blockwise.blockwise_backward(spec, blockwise.BlockwiseConfig(), q, k,
+                                      v, out, lse, dout, dlse)
+
+
+def _kernel_unsupported(spec: AttentionSpec) -> str | None:
+  return kernel_config.forward_unsupported(spec)
 
 
 _BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
-                _not_implemented, _not_implemented, _mosaic_unsupported),
+                _kernel_forward(interpret=False), _kernel_backward,
+                _kernel_unsupported, kernel_config.Sm90ForwardConfig,
+                kernel_config.default_forward_config, device_reason=hopper_reason),
         Backend("interpret", "the same kernels in Pallas GPU interpret mode"
                 " (CPU, small shapes, tests)",
-                _not_implemented, _not_implemented, _interpret_unsupported),
+                _kernel_forward(interpret=True), _kernel_backward,
+                _kernel_unsupported, kernel_config.Sm90ForwardConfig,
+                kernel_config.default_forward_config),
         Backend("blockwise", "pure-JAX FlashAttention (tiled online softmax),"
                 " any device; the kernels' numerics twin",
                 blockwise.blockwise_forward, blockwise.blockwise_backward,
@@ -132,6 +145,7 @@ def explain_choice(spec: AttentionSpec, config: Any = None
                    ) -> list[tuple[str, str | None]]:
   """The automatic candidates in order, each with its reason to be skipped (or None)."""
   return [(name, _config_mismatch(_BACKENDS[name], config)
+           or _BACKENDS[name].device_reason()
            or _BACKENDS[name].unsupported(spec)) for name in AUTO_ORDER]
 
 
@@ -161,3 +175,20 @@ def resolve(spec: AttentionSpec, implementation: str | None, config: Any
       raise NotImplementedError(
           f"implementation={implementation!r} cannot run this call: {reason}")
   return backend, backend.default_config(spec) if config is None else config
+
+
+def require_runnable_here(backend: Backend) -> None:
+  """Raises NotImplementedError, saying why, if the devices present cannot run it.
+
+  For callers that are about to execute locally (an eager call, the training
+  loop, the benchmark). Tracing and lowering for another platform
+  (`jax.export(..., platforms=['cuda'])`) does not call this.
+  """
+  reason = backend.device_reason()
+  if reason:
+    raise NotImplementedError(
+        f"implementation={backend.name!r} cannot run here: {reason}. It needs"
+        " an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda']) lowers it"
+        " on any machine, and implementation='interpret' runs the same kernel"
+        " on a CPU")
+

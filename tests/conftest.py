@@ -28,12 +28,30 @@ def key(request):
   return jax.random.key(seed % (2**31))
 
 
+# GPU interpret mode simulates every warpgroup, barrier and copy in Python:
+# each call costs a compile of the emulation plus seconds per CTA on a CPU.
+# The shared suite runs it on the shapes with at most this many CTAs; the
+# kernel's own interpret tests (test_sm90_fwd.py) cover ragged, causal, GQA,
+# head dims and ring wrapping at small sizes.
+_INTERPRET_MAX_CTAS = 4
+
+
+def _interpret_ctas(spec) -> int:
+  config = backends.get("interpret").default_config(spec)
+  return spec.batch * spec.heads_q * -(-spec.seq_q // config.rows_per_cta)
+
+
 def skip_if_unsupported(implementation: str, q, k, v, causal=False,
                         softmax_scale=None):
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
-  reason = backends.get(implementation).unsupported(spec)
+  backend = backends.get(implementation)
+  reason = backend.device_reason() or backend.unsupported(spec)
   if reason:
     pytest.skip(f"{implementation}: {reason}")
+  if implementation == "interpret" and (
+      ctas := _interpret_ctas(spec)) > _INTERPRET_MAX_CTAS:
+    pytest.skip(f"interpret: {ctas} CTAs is minutes of CPU emulation (the"
+                f" shared suite runs at most {_INTERPRET_MAX_CTAS})")
 
 
 def forward_and_grads(implementation, q, k, v, dout, *, causal=False,

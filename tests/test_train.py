@@ -158,7 +158,7 @@ def test_cli_train_unavailable_backend_fails_loudly(tmp_path, capsys):
   assert cli.main(["train", *TINY_FLAGS, "--implementation", "mosaic",
                    "--out", str(tmp_path)]) == 1
   err = capsys.readouterr().err
-  assert "implementation='mosaic' cannot run this call" in err, err
+  assert "implementation='mosaic' cannot run here: no GPU" in err, err
 
 
 def test_data_used_by_training_is_the_stdlib():

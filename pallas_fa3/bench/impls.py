@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import flash_attention
+from pallas_fa3 import backends, flash_attention
 from pallas_fa3.spec import IMPLEMENTATIONS
 
 OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
@@ -66,7 +66,7 @@ def _ours_unsupported(name):
     if name == "interpret" and not spec.correctness_only:
       return ("interpret mode emulates the kernels on the CPU; it runs only"
               " the tiny correctness case, never a speed figure")
-    return None
+    return backends.get(name).device_reason()
   return check
 
 
