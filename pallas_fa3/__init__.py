@@ -5,11 +5,13 @@ Public API (everything else is private or lives in a submodule):
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
   Sm90ForwardConfig    tiling of the Hopper forward kernel (mosaic/interpret)
+  Sm90BackwardConfig   tiling of the Hopper backward kernels
   AttentionSpec        the validated, canonical description of a call
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
 from pallas_fa3.blockwise import BlockwiseConfig as BlockwiseConfig
+from pallas_fa3.config import Sm90BackwardConfig as Sm90BackwardConfig
 from pallas_fa3.config import Sm90ForwardConfig as Sm90ForwardConfig
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec

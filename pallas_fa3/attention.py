@@ -15,7 +15,8 @@ _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
-                    return_lse=False, implementation=None, config=None):
+                    return_lse=False, implementation=None, config=None,
+                    deterministic=False):
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -40,6 +41,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       "reference".
     config: backend-specific tiling, e.g. `pallas_fa3.BlockwiseConfig`;
       None picks the backend's default.
+    deterministic: require bitwise run-to-run reproducible gradients. Every
+      backend already guarantees it at no cost: the Hopper backward sums dQ
+      in a fixed order in its own kernel (no atomics), the blockwise twin
+      accumulates dQ in a fixed loop order, and the reference is plain XLA.
+      A future faster non-deterministic path must honour this flag.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -62,6 +68,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
+  check_bool("deterministic", deterministic)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)
   call = vjp.StaticCall(spec, backend.name, config)

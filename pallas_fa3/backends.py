@@ -10,6 +10,7 @@ twin); the materialized `reference` is never chosen automatically.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -86,12 +87,25 @@ def _kernel_forward(interpret: bool):
 INTERPRET_DETECT_RACES = True
 
 
-def _kernel_backward(spec, config, q, k, v, out, lse, dout, dlse):
-  # Until the backward kernels land (issue 7): the blockwise FA2
-  # recomputation, which computes the same gradients from the same residuals.
-  del config
-  return blockwise.blockwise_backward(spec, blockwise.BlockwiseConfig(), q, k,
-                                      v, out, lse, dout, dlse)
+def _kernel_backward(interpret: bool):
+  def backward(spec, config, q, k, v, out, lse, dout, dlse):
+    del config  # the forward tiling; the backward has its own heuristic
+    reason = kernel_config.backward_unsupported(spec)
+    if reason:
+      # Same gradients from the same residuals, by the blockwise twin; said
+      # once per trace, never silently.
+      warnings.warn(
+          f"the sm90 backward kernels cannot differentiate this call ({reason});"
+          " its gradients use the blockwise recomputation (the same function)",
+          stacklevel=2)
+      return blockwise.blockwise_backward(
+          spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse)
+    from pallas_fa3.kernels import compat, sm90_bwd
+    params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
+    return sm90_bwd.sm90_backward(
+        spec, kernel_config.default_backward_config(spec), q, k, v, out, lse,
+        dout, dlse, interpret=params)
+  return backward
 
 
 def _kernel_unsupported(spec: AttentionSpec) -> str | None:
@@ -102,12 +116,12 @@ _BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
-                _kernel_forward(interpret=False), _kernel_backward,
+                _kernel_forward(interpret=False), _kernel_backward(interpret=False),
                 _kernel_unsupported, kernel_config.Sm90ForwardConfig,
                 kernel_config.default_forward_config, device_reason=hopper_reason),
         Backend("interpret", "the same kernels in Pallas GPU interpret mode"
                 " (CPU, small shapes, tests)",
-                _kernel_forward(interpret=True), _kernel_backward,
+                _kernel_forward(interpret=True), _kernel_backward(interpret=True),
                 _kernel_unsupported, kernel_config.Sm90ForwardConfig,
                 kernel_config.default_forward_config),
         Backend("blockwise", "pure-JAX FlashAttention (tiled online softmax),"

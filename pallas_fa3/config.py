@@ -162,3 +162,127 @@ def forward_config_space(head_dim: int, itemsize: int = 2
                   for bq in _BLOCK_Q_CHOICES for bkv in _BLOCK_KV_CHOICES
                   for st in _STAGE_CHOICES)
       if forward_config_unsupported(c, head_dim, itemsize) is None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90BackwardConfig:
+  """Tiling of the sm90 backward kernels (dK/dV kernel and dQ kernel).
+
+  Attributes:
+    block_q: query rows per tile streamed through the dK/dV kernel's ring,
+      and per consumer warpgroup in the dQ kernel.
+    block_kv: key/value rows per consumer warpgroup in the dK/dV kernel,
+      and per tile streamed through the dQ kernel's ring.
+    num_stages: shared-memory slots of both kernels' rings (2-4).
+    dkdv_consumers: consumer warpgroups of the dK/dV kernel (1 or 2). With
+      one, the CTA has 256 threads and ptxas may give each up to 255
+      registers (168 with three warpgroups): the dK, dV accumulators of
+      d > 64 need it.
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+  dkdv_consumers: int = 2
+
+  def __post_init__(self):
+    for name, choices in (("block_q", (64, 128)), ("block_kv", (64, 128)),
+                          ("num_stages", _STAGE_CHOICES),
+                          ("dkdv_consumers", (1, 2))):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(
+          value, numbers.Integral):
+        raise TypeError(f"Sm90BackwardConfig.{name} must be an int; got"
+                        f" {value!r} of type {type(value).__name__}")
+      if int(value) not in choices:
+        raise ValueError(f"Sm90BackwardConfig.{name} must be one of {choices};"
+                         f" got {value}")
+      object.__setattr__(self, name, int(value))
+
+  @property
+  def dq_config(self) -> Sm90ForwardConfig:
+    """The dQ kernel walks K/V like the forward kernel: the same tiling."""
+    return Sm90ForwardConfig(self.block_q, self.block_kv, self.num_stages)
+
+
+def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
+                        itemsize: int) -> int:
+  """Shared memory of the larger of the two backward kernels, per CTA."""
+  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+  st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
+  c = config.dkdv_consumers
+  # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta rows.
+  dkdv = (2 * align(c * bkv * d * itemsize)
+          + 2 * align(st * bq * d * itemsize) + 2 * align(st * bq * 4)
+          + (5 * st + 2 * c) * _BARRIER_BYTES)
+  # dQ: Q, dO tiles and lse, delta rows per consumer; ring of K and V tiles.
+  dq = (2 * align(NUM_CONSUMERS * bq * d * itemsize)
+        + 2 * align(NUM_CONSUMERS * bq * 4)
+        + 2 * align(st * bkv * d * itemsize)
+        + (4 * st + 4 * NUM_CONSUMERS) * _BARRIER_BYTES)
+  return max(dkdv, dq) + _RESERVED_SMEM
+
+
+# Register budgets of the backward consumers, in float32 tile registers per
+# thread, measured with the deviceless sm_90a compile. ptxas allocates at
+# most 168 registers per thread in a three-warpgroup CTA and 232 (the
+# consumers' setmaxnreg) in a two-warpgroup one.
+_DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96 with 2 consumers (160) spills 48 B
+_DQ_TILE_REGS = 128                 # d=64 with 64x128 tiles (160) spills 956 B
+
+
+def backward_config_unsupported(config: Sm90BackwardConfig, head_dim: int,
+                                itemsize: int) -> str | None:
+  """Why this backward config cannot run at this head_dim, or None."""
+  need = backward_smem_bytes(config, head_dim, itemsize)
+  if need > MAX_SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory at head_dim"
+            f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
+  # dK/dV consumer: two float32 accumulators (block_kv x d) plus the S^T and
+  # dP^T tiles (block_kv x block_q); dQ consumer: dQ plus S and dP.
+  dkdv = config.block_kv * (2 * head_dim + 2 * config.block_q) // 128
+  dq = config.block_q * (head_dim + 2 * config.block_kv) // 128
+  room = _DKDV_TILE_REGS[config.dkdv_consumers]
+  if dkdv > room:
+    return (f"{config}: the dK/dV kernel keeps {dkdv} float32 tile registers"
+            f" per thread at head_dim {head_dim}; room for {room}")
+  if dq > _DQ_TILE_REGS:
+    return (f"{config}: the dQ kernel keeps {dq} float32 tile registers per"
+            f" thread at head_dim {head_dim}; room for {_DQ_TILE_REGS}")
+  return None
+
+
+def backward_unsupported(spec: AttentionSpec,
+                         config: Sm90BackwardConfig | None = None) -> str | None:
+  """Why the sm90 backward kernels cannot differentiate `spec`, or None."""
+  reason = forward_unsupported(spec)
+  if reason:
+    return reason
+  space = backward_config_space(spec.head_dim, spec.dtype.itemsize)
+  if config is None and not space:
+    return (f"no backward tiling fits head_dim {spec.head_dim}: dK and dV of"
+            " one 64-row tile alone take"
+            f" {64 * 2 * spec.head_dim // 128} float32 registers per thread")
+  if config is not None:
+    return backward_config_unsupported(config, spec.head_dim, spec.dtype.itemsize)
+  return None
+
+
+def backward_config_space(head_dim: int, itemsize: int = 2
+                          ) -> tuple[Sm90BackwardConfig, ...]:
+  """Every backward config that fits at this head_dim (two dK/dV consumers first)."""
+  return tuple(
+      c for c in (Sm90BackwardConfig(bq, bkv, st, consumers)
+                  for consumers in (2, 1) for bq in (64, 128)
+                  for bkv in (64, 128) for st in _STAGE_CHOICES)
+      if backward_config_unsupported(c, head_dim, itemsize) is None)
+
+
+def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
+  """64 x 64 tiles, 2 stages; one dK/dV consumer where two do not fit (d > 64)."""
+  for consumers in (2, 1):
+    config = Sm90BackwardConfig(dkdv_consumers=consumers)
+    if backward_config_unsupported(config, spec.head_dim,
+                                   spec.dtype.itemsize) is None:
+      return config
+  raise ValueError(f"no backward config fits head_dim {spec.head_dim}")

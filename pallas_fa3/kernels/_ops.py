@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_fa3.kernels import compat
+
 _F32 = jnp.float32
 
 
@@ -48,6 +50,18 @@ class KernelOps:
     if self.interpreted:
       return x
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def load_rows(self, ref) -> jax.Array:
+    """A 1-D float32 `ref` (one value per accumulator row) into registers."""
+    if self.interpreted:
+      return ref[...]
+    return compat.load_with_layout(ref, plgpu.Layout.WGMMA.reduce(1))
+
+  def load_cols(self, ref) -> jax.Array:
+    """A 1-D float32 `ref` (one value per accumulator column) into registers."""
+    if self.interpreted:
+      return ref[...]
+    return compat.load_with_layout(ref, plgpu.Layout.WGMMA.reduce(0))
 
   def iota(self, shape: tuple[int, int], dim: int) -> jax.Array:
     """int32 indices along `dim` of an accumulator-shaped tile."""

@@ -75,68 +75,102 @@ def _mesh():
   return jax.sharding.Mesh(topo.devices, ("x",))
 
 
-def compile_forward(spec, config, mesh=None) -> CompileReport:
-  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+def _compile(name: str, fn, shapes) -> CompileReport:
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-  from pallas_fa3.kernels import sm90_fwd
-
-  mesh = _mesh() if mesh is None else mesh
-  sharding = NamedSharding(mesh, PartitionSpec())
-  shapes = [jax.ShapeDtypeStruct(s, spec.dtype, sharding=sharding) for s in (
-      (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
-      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim),
-      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim_v))]
   with tempfile.TemporaryDirectory() as dump:
-    # Read by Mosaic at compile time: one fresh folder per kernel.
+    # Read by Mosaic at compile time: one fresh folder per compile.
     os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
     try:
-      fn = jax.jit(lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v))
-      fn.lower(*shapes).compile()
+      jax.jit(fn).lower(*shapes).compile()
     finally:
       os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
       os.environ.pop("MOSAIC_GPU_DUMP_TO")
     text = "".join(p.read_text() for p in pathlib.Path(dump).glob("*.ptxas"))
   regs, stores, loads = _parse_ptxas(text)
-  return CompileReport(f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
-                       f" {config}", regs, stores, loads)
+  return CompileReport(name, regs, stores, loads)
 
 
-def forward_sweep():
-  """(spec, config) for every supported forward config, both dtypes, causal GQA."""
+def _operands(spec, mesh, backward: bool):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  sharding = NamedSharding(mesh, PartitionSpec())
+  arr = lambda shape, dtype=spec.dtype: jax.ShapeDtypeStruct(
+      shape, dtype, sharding=sharding)
+  q = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim))
+  kv = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim))
+  if not backward:
+    return [q, kv, kv]
+  stats = arr((spec.batch, spec.heads_q, spec.seq_q), jnp.float32)
+  return [q, kv, kv, q, stats, q, stats]
+
+
+def compile_forward(spec, config, mesh=None) -> CompileReport:
+  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+  from pallas_fa3.kernels import sm90_fwd
+  mesh = _mesh() if mesh is None else mesh
+  return _compile(
+      f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
+      lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
+      _operands(spec, mesh, backward=False))
+
+
+def compile_backward(spec, config, mesh=None) -> CompileReport:
+  """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
+  from pallas_fa3.kernels import sm90_bwd
+  mesh = _mesh() if mesh is None else mesh
+  return _compile(
+      f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
+      lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
+      _operands(spec, mesh, backward=True))
+
+
+def sweep():
+  """(compile function, spec, config) for every supported config of every
+  kernel: both dtypes, causal with GQA and ragged lengths."""
   import jax
   import jax.numpy as jnp
   from pallas_fa3 import config as kernel_config
   from pallas_fa3.spec import make_spec
 
   for dtype in (jnp.bfloat16, jnp.float16):
+    size = jnp.dtype(dtype).itemsize
     for d in kernel_config.KERNEL_HEAD_DIMS:
       q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
       kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
       spec = make_spec(q, kv, kv, causal=True)
-      for config in kernel_config.forward_config_space(d, jnp.dtype(dtype).itemsize):
-        yield spec, config
+      for config in kernel_config.forward_config_space(d, size):
+        yield compile_forward, spec, config
+      for config in kernel_config.backward_config_space(d, size):
+        yield compile_backward, spec, config
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--max-configs", type=int, default=None,
                       help="stop after this many configs")
+  parser.add_argument("--json", default=None,
+                      help="also write every report to this JSON file")
   args = parser.parse_args(argv)
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")
     return 2
-  mesh, failures = _mesh(), 0
-  for i, (spec, config) in enumerate(forward_sweep()):
+  mesh, reports = _mesh(), []
+  for i, (compile_fn, spec, config) in enumerate(sweep()):
     if args.max_configs is not None and i >= args.max_configs:
       break
-    report = compile_forward(spec, config, mesh)
+    report = compile_fn(spec, config, mesh)
+    reports.append(report)
     bad = report.spill_store_bytes or report.spill_load_bytes
-    failures += bool(bad)
     print(f"{'SPILL' if bad else 'ok':5} regs={report.registers:3d}"
           f" spill_st={report.spill_store_bytes} spill_ld="
           f"{report.spill_load_bytes}  {report.name}", flush=True)
+  failures = sum(bool(r.spill_store_bytes or r.spill_load_bytes) for r in reports)
+  if args.json:
+    import json
+    pathlib.Path(args.json).write_text(json.dumps(
+        [dataclasses.asdict(r) for r in reports], indent=1))
   print(f"{failures} config(s) spill")
   return 1 if failures else 0
 

@@ -9,6 +9,8 @@ Hopper test machine). What differs, as far as the kernels are concerned:
 - GPU interpret mode lives under a private path
   (`jax._src.pallas.mosaic_gpu.interpret`); its parameters class, the race
   report and the state reset are imported here only.
+- `plgpu.load(ref, idx, layout=...)`: `idx` is required in 0.10.2 and
+  optional (deprecated in favour of `ref.at[...]`) later: `load_with_layout`.
 - `plgpu.copy_gmem_to_smem` grew `predicate=` and changed the `oob_mode`
   default after 0.10.2; we pass only `(src, dst, barrier)`, the form both
   accept. Out-of-bounds rows never reach a TMA: the wrapper pads ragged
@@ -18,6 +20,7 @@ Hopper test machine). What differs, as far as the kernels are concerned:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 from typing import Any, Iterator
 
@@ -67,3 +70,16 @@ def capture_race_report() -> Iterator[io.StringIO]:
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
     yield buf
+
+
+_LOAD_NEEDS_IDX = (
+    inspect.signature(plgpu.load).parameters["idx"].default
+    is inspect.Parameter.empty)
+
+
+def load_with_layout(ref, layout) -> Any:
+  """The whole of a shared-memory `ref` in registers, in `layout`."""
+  if _LOAD_NEEDS_IDX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
