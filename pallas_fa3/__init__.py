@@ -5,6 +5,7 @@ Public API (everything else is private or lives in a submodule):
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
   AttentionSpec        the validated, canonical description of a call
+  StableMax            settings of flash_attention(stable_max=...)
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
@@ -12,5 +13,6 @@ from pallas_fa3.blockwise import BlockwiseConfig as BlockwiseConfig
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS
+from pallas_fa3.stable_max import StableMax as StableMax
 
 __version__ = "0.1.0"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
+from pallas_fa3.blockwise import BlockwiseConfig
+from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
 
@@ -15,7 +19,8 @@ _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
-                    return_lse=False, implementation=None, config=None):
+                    return_lse=False, implementation=None, config=None,
+                    stable_max=None):
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -40,6 +45,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       "reference".
     config: backend-specific tiling, e.g. `pallas_fa3.BlockwiseConfig`;
       None picks the backend's default.
+    stable_max: the repeated-max fix of arXiv 2510.04212 (see
+      `pallas_fa3.stable_max`): None/False (off), True (defaults) or a
+      `pallas_fa3.StableMax`. Implemented by `blockwise` (the automatic
+      choice then runs blockwise); other backends raise NotImplementedError.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -62,8 +71,24 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
+  config = _with_stable_max(check_stable_max(stable_max), implementation,
+                            config)
   backend, config = backends.resolve(spec, implementation, config)
   call = vjp.StaticCall(spec, backend.name, config)
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
                             jnp.asarray(v))
   return (out, lse) if return_lse else out
+
+
+def _with_stable_max(stable_max, implementation, config):
+  """Puts `stable_max` into a BlockwiseConfig (the one backend that has it)."""
+  if stable_max is None:
+    return config
+  if implementation not in (None, "blockwise") or not (
+      config is None or isinstance(config, BlockwiseConfig)):
+    raise NotImplementedError(
+        f"stable_max={stable_max!r} is implemented by implementation="
+        f"'blockwise' only (the kernels later); got implementation="
+        f"{implementation!r}, config={config!r}")
+  return dataclasses.replace(config or BlockwiseConfig(),
+                             stable_max=stable_max)
