@@ -4,6 +4,7 @@ end at a tiny size, and `pallas-fa3 numerics` flag errors."""
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import itertools
 import json
 import math
@@ -19,6 +20,13 @@ from pallas_fa3.reference import golden_attention
 
 # --------------------------------------------------------------------------
 # Metrics against hand-computed values and brute force.
+
+
+@pytest.mark.parametrize("module", [metrics, inputs, lowprec],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
 
 
 def test_deviation_stats_by_hand():
@@ -107,6 +115,8 @@ def test_float32_study_attention_is_accurate():
   q, k, v = _qkv((1, 100, 2, 32), jnp.float32)
   gold = lowprec.golden(q, k, v)
   for out in (lowprec.flash_all(q, k, v, block_q=16, block_kv=24),
+              lowprec.flash_all(q, k, v, block_q=16, block_kv=24,
+                                algorithm="fa1"),
               lowprec.baseline(q, k, v, mode="all"),
               lowprec.baseline(q, k, v, mode="kernel")):
     assert metrics.deviation_stats(out, gold)["max_abs"] < 1e-5

@@ -53,6 +53,9 @@ _FLAGS = {
         ("--interpret-max-seq", "interpret_max_seq",
          dict(type=int, help="longest sequence run through interpret")),
         ("--seed", "seed", dict(type=int, help="input seed")),
+        ("--flash-algorithm", "flash_algorithm",
+         dict(choices=("fa2", "fa1"), help="the all-in-F flash: fa2"
+              " (normalize at the end) or fa1 (after every tile)")),
     ],
     "fp8": [
         ("--batch", "batch", dict(type=int, help="batch")),

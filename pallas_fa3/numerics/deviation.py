@@ -84,6 +84,9 @@ class DeviationConfig:
     seed: input seed (each case draws from its own derived generator).
     kernels: kernel backends tried in the sequence sweep (kernel-like mode).
     interpret_max_seq: longest sequence run through `interpret` (slow).
+    flash_algorithm: the all-in-F flash: "fa2" (normalize once at the end,
+      as our kernels) or "fa1" (FlashAttention-1: normalize after every
+      tile, each tile against its own max).
   """
 
   seqs: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
@@ -101,6 +104,7 @@ class DeviationConfig:
   seed: int = 0
   kernels: tuple[str, ...] = KERNELS
   interpret_max_seq: int = 256
+  flash_algorithm: str = "fa2"
 
   def __post_init__(self):
     for name in ("seqs", "head_dims", "distributions", "dtypes", "modes",
@@ -130,6 +134,7 @@ class DeviationConfig:
     _check_ints("heads", (self.heads,))
     _check_ints("seed", (self.seed,), low=0)
     _check_ints("interpret_max_seq", (self.interpret_max_seq,), low=0)
+    _check_choices("flash_algorithm", (self.flash_algorithm,), lowprec.ALGORITHMS)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -217,12 +222,13 @@ def _skip_reason(cand: Candidate, q, cfg: DeviationConfig) -> str | None:
   return None
 
 
-def _compute(cand: Candidate, q, k, v) -> jax.Array:
+def _compute(cand: Candidate, q, k, v, cfg: DeviationConfig) -> jax.Array:
   if cand.algorithm == "baseline":
     return lowprec.baseline(q, k, v, mode=cand.mode)
   if cand.impl == "study":
     return lowprec.flash_all(q, k, v, block_q=cand.tile[0],
-                             block_kv=cand.tile[1])
+                             block_kv=cand.tile[1],
+                             algorithm=cfg.flash_algorithm)
   config = BlockwiseConfig(*cand.tile) if cand.impl == "blockwise" else None
   return flash_attention(q, k, v, implementation=cand.impl, config=config)
 
@@ -268,7 +274,7 @@ def run(cfg: DeviationConfig, *, progress: bool = True) -> dict:
           rec.update(status="skipped", reason=reason)
         else:
           try:
-            out = np.asarray(jax.block_until_ready(_compute(cand, *arrays)))
+            out = np.asarray(jax.block_until_ready(_compute(cand, *arrays, cfg)))
             rec.update(metrics.deviation_stats(out, golden))
           except NotImplementedError as e:
             rec.update(status="skipped", reason=f"NotImplementedError: {e}")

@@ -301,6 +301,9 @@ def markdown(result: dict) -> str:
       [f"- inputs: batch {cfg['batch']}, heads {cfg['heads']}, seq_q = seq_kv,"
        " non-causal; q, k, v drawn in float64 and rounded to F; golden ="
        " float64 attention of the rounded values",
+       f"- all-in-F flash: {cfg['flash_algorithm']} ("
+       + ("normalized once at the end" if cfg["flash_algorithm"] == "fa2"
+          else "FlashAttention-1: normalized after every tile") + ")",
        f"- sequence sweep at tile Br x Bc = {cfg['tile'][0]}x{cfg['tile'][1]};"
        f" tile sweep at seq {cfg['tile_seq']}, d {cfg['tile_head_dim']}",
        f"- wall time {result['wall_s']:.0f} s"])

@@ -47,6 +47,7 @@ from pallas_fa3 import stable_max as stable_max_lib
 
 Mode = Literal["all", "kernel"]
 MODES: tuple[str, ...] = ("all", "kernel")
+ALGORITHMS: tuple[str, ...] = ("fa2", "fa1")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -94,30 +95,40 @@ def _pad_seq(x: jax.Array, multiple: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
-                                             "softmax_scale", "stable_max"))
+                                             "softmax_scale", "stable_max",
+                                             "algorithm"))
 def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
               softmax_scale=None,
-              stable_max: stable_max_lib.StableMax | None = None
-              ) -> jax.Array:
-  """FlashAttention-2 forward with every intermediate in the inputs' format F.
+              stable_max: stable_max_lib.StableMax | None = None,
+              algorithm: str = "fa2") -> jax.Array:
+  """FlashAttention forward with every intermediate in the inputs' format F.
 
-  Per kv tile j (natural exp, as in the FlashAttention papers):
-  `S = R(R(Q K_j^T) * scale)`, `m' = max(m, rowmax S)` (exact),
-  `alpha = R(exp(R(m - m')))`, `P = R(exp(R(S - m')))`,
-  `l = R(R(alpha l) + R(rowsum P))`, `acc = R(R(alpha acc) + R(P V_j))`;
-  finally `out = R(acc / l)`, where R rounds to F. Tiles larger than the
-  sequence are clamped to it.
+  FlashAttention-2 (`algorithm="fa2"`), per kv tile j (natural exp, as in
+  the FlashAttention papers): `S = R(R(Q K_j^T) * scale)`,
+  `m' = max(m, rowmax S)` (exact), `alpha = R(exp(R(m - m')))`,
+  `P = R(exp(R(S - m')))`, `l = R(R(alpha l) + R(rowsum P))`,
+  `acc = R(R(alpha acc) + R(P V_j))`; finally `out = R(acc / l)`, where R
+  rounds to F. FlashAttention-1 (`"fa1"`, its Algorithm 1) exponentiates
+  each tile against its own max m_t and keeps the output normalized after
+  every tile: `P = R(exp(R(S - m_t)))`, `a = R(exp(R(m - m')))`,
+  `b = R(exp(R(m_t - m')))`, `l' = R(R(a l) + R(b rowsum P))`,
+  `O = R(R(R(R(a l) O) + R(b R(P V_j))) / l')`: more roundings per tile.
+  Tiles larger than the sequence are clamped to it.
 
   Args:
     q, k, v: `[batch, seq, heads, head_dim]` in F.
     block_q: Br, query rows per tile.
     block_kv: Bc, key columns per tile.
     softmax_scale: default `1/sqrt(head_dim)`.
-    stable_max: apply the repeated-max fix to each tile's max.
+    stable_max: apply the repeated-max fix to each tile's max (fa2 only).
+    algorithm: "fa2" (normalize at the end) or "fa1" (after every tile).
 
   Returns:
     out `[batch, seq_q, heads, head_dim_v]` in F.
   """
+  if algorithm not in ALGORITHMS or (algorithm == "fa1" and stable_max):
+    raise ValueError(f"algorithm must be one of {ALGORITHMS} (stable_max"
+                     f" with fa2 only); got {algorithm!r}")
   dt = q.dtype
   r = lambda x: x.astype(dt)
   scale = jnp.asarray(_scale(q.shape[-1], softmax_scale), dt)
@@ -133,6 +144,8 @@ def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
     q_t = jax.lax.dynamic_slice_in_dim(qh, iq * bq, bq, axis=2)
 
     def kv_step(carry, j):
+      if algorithm == "fa1":
+        return fa1_step(carry, j)
       m, l, acc = carry
       k_t = jax.lax.dynamic_slice_in_dim(kh, j * bkv, bkv, axis=2)
       v_t = jax.lax.dynamic_slice_in_dim(vh, j * bkv, bkv, axis=2)
@@ -149,9 +162,29 @@ def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
       acc = r(r(alpha[..., None] * acc) + r(_mm("bhqk,bhkd->bhqd", p, v_t)))
       return (m_new, l, acc), None
 
+    def fa1_step(carry, j):
+      m, l, out = carry
+      k_t = jax.lax.dynamic_slice_in_dim(kh, j * bkv, bkv, axis=2)
+      v_t = jax.lax.dynamic_slice_in_dim(vh, j * bkv, bkv, axis=2)
+      s = r(r(_mm("bhqd,bhkd->bhqk", q_t, k_t)) * scale)
+      s = jnp.where(j * bkv + jnp.arange(bkv) < skv, s, -jnp.inf)
+      m_t = s.max(axis=-1)
+      p = r(jnp.exp(r(s - m_t[..., None])))
+      l_t = r(p.astype(_F32).sum(axis=-1))
+      m_new = jnp.maximum(m, m_t)
+      a = r(jnp.exp(r(m - m_new)))
+      b_ = r(jnp.exp(r(m_t - m_new)))
+      l_new = r(r(a * l) + r(b_ * l_t))
+      kept = r(r(a * l)[..., None] * out)
+      fresh = r(b_[..., None] * r(_mm("bhqk,bhkd->bhqd", p, v_t)))
+      out = r(r(kept + fresh) / l_new[..., None])
+      return (m_new, l_new, out), None
+
     init = (jnp.full((b, h, bq), -jnp.inf, dt), jnp.zeros((b, h, bq), dt),
             jnp.zeros((b, h, bq, dv), dt))
     (_, l, acc), _ = jax.lax.scan(kv_step, init, jnp.arange(nkv))
+    if algorithm == "fa1":
+      return acc  # already normalized
     return r(acc / jnp.where(l == 0, jnp.ones_like(l), l)[..., None])
 
   tiles = jax.lax.map(q_tile, jnp.arange(nq))  # [nq, b, h, bq, dv]
