@@ -195,7 +195,7 @@ def _argv(args) -> list[str]:
     value = getattr(args, field, None)
     if value is None:
       continue
-    values = value if isinstance(value, (list, tuple)) else [value]
+    values = value if isinstance(value, list) else [value]
     out.append(flag)
     out += [f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v)
             for v in values]
@@ -212,6 +212,5 @@ def run(args) -> int:
   argv = _argv(args)
   for study, cfg in cfgs.items():
     command.run(study, cfg, args.out, progress=args.progress,
-                plots=args.plots,
-                argv=argv if args.study != "all" else ["(all)"] + argv)
+                plots=args.plots, argv=argv, invoked_as=args.study)
   return 0

@@ -56,8 +56,13 @@ def _deviation_extras(result: dict) -> None:
 
 
 def run(study: str, cfg, out_root: str, *, progress: bool = True,
-        plots: bool = True, argv=None, quiet: bool = False) -> dict:
-  """Runs one study into `out_root/<study>`; returns its result (as written)."""
+        plots: bool = True, argv=None, quiet: bool = False,
+        invoked_as: str | None = None) -> dict:
+  """Runs one study into `out_root/<study>`; returns its result (as written).
+
+  `invoked_as` names the subcommand in the report's command line when it
+  is not `study` (`pallas-fa3 numerics all`).
+  """
   start = time.perf_counter()
   module = _module(study)
   out_dir = os.path.join(out_root, study)
@@ -68,7 +73,8 @@ def run(study: str, cfg, out_root: str, *, progress: bool = True,
     markdown, plot = deviation_checks.markdown, deviation_checks.plot
   else:
     markdown, plot = module.markdown, module.plot
-  result = {"study": study, "environment": report.environment(study, argv),
+  result = {"study": study,
+            "environment": report.environment(invoked_as or study, argv),
             "config": cfg.to_dict(), **result}
   text = markdown(result)
   paths = [report.write_markdown(out_dir, text)]
