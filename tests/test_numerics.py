@@ -79,6 +79,15 @@ def test_wasserstein_matches_brute_force(seed):
   assert math.isclose(metrics.wasserstein_1(a + 2.5, a), 2.5)
 
 
+def test_wasserstein_matches_scipy_where_installed():
+  stats = pytest.importorskip("scipy.stats")
+  rng = np.random.default_rng(7)
+  for m, n in ((100, 100), (37, 91)):
+    a, b = rng.standard_normal(m), 0.5 + 2 * rng.standard_normal(n)
+    assert math.isclose(metrics.wasserstein_1(a, b),
+                        stats.wasserstein_distance(a, b), rel_tol=1e-10)
+
+
 def test_slopes_and_ratios():
   assert np.allclose(metrics.fit_line([0, 1, 2, 3], [1, 3, 5, 7]), (2.0, 1.0))
   assert math.isclose(metrics.loglog_slope([1, 2, 4], [3, 12, 48]), 2.0)
