@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, vjp
-from pallas_fa3.blockwise import BlockwiseConfig
+from pallas_fa3 import backends, blockwise, vjp
 from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
@@ -70,25 +67,12 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   check_arrays(q=q, k=k, v=v)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
+  config = blockwise.with_stable_max(check_stable_max(stable_max),
+                                     implementation, config)
   return_lse = check_bool("return_lse", return_lse)
-  config = _with_stable_max(check_stable_max(stable_max), implementation,
-                            config)
   backend, config = backends.resolve(spec, implementation, config)
   call = vjp.StaticCall(spec, backend.name, config)
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
                             jnp.asarray(v))
   return (out, lse) if return_lse else out
 
-
-def _with_stable_max(stable_max, implementation, config):
-  """Puts `stable_max` into a BlockwiseConfig (the one backend that has it)."""
-  if stable_max is None:
-    return config
-  if implementation not in (None, "blockwise") or not (
-      config is None or isinstance(config, BlockwiseConfig)):
-    raise NotImplementedError(
-        f"stable_max={stable_max!r} is implemented by implementation="
-        f"'blockwise' only (the kernels later); got implementation="
-        f"{implementation!r}, config={config!r}")
-  return dataclasses.replace(config or BlockwiseConfig(),
-                             stable_max=stable_max)

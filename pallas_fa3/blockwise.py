@@ -89,6 +89,24 @@ class BlockwiseConfig:
                       f" pallas_fa3.StableMax; got {self.stable_max!r}")
 
 
+def with_stable_max(stable_max, implementation, config):
+  """`config` with `stable_max` set (None: unchanged), for flash_attention.
+
+  Only this backend has the fix: another implementation, or another
+  backend's config, raises NotImplementedError.
+  """
+  if stable_max is None:
+    return config
+  if implementation not in (None, "blockwise") or not (
+      config is None or isinstance(config, BlockwiseConfig)):
+    raise NotImplementedError(
+        f"stable_max={stable_max!r} is implemented by implementation="
+        f"'blockwise' only (the kernels later); got implementation="
+        f"{implementation!r}, config={config!r}")
+  return dataclasses.replace(config or BlockwiseConfig(),
+                             stable_max=stable_max)
+
+
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
