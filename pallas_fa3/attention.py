@@ -75,4 +75,3 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
                             jnp.asarray(v))
   return (out, lse) if return_lse else out
-
