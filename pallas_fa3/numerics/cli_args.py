@@ -68,6 +68,8 @@ _FLAGS = {
                                         " quantization")),
         ("--kernels", "kernels", dict(nargs="*", choices=("interpret", "mosaic"),
                                       help="kernel backends to try")),
+        ("--interpret-max-seq", "interpret_max_seq",
+         dict(type=int, help="longest sequence run through interpret")),
         ("--seed", "seed", dict(type=int, help="input and rotation seed")),
     ],
     "divergence": [

@@ -69,7 +69,9 @@ class FP8StudyConfig:
     block_q, block_kv: the tiles of block quantization (and of the
       simulated FP8 flash).
     seed: input seed (also the rotation's sign seed).
-    kernels: kernel backends tried for the flash FP16 row.
+    kernels: kernel backends tried for the flash rows.
+    interpret_max_seq: longest sequence run through `interpret` (the
+      interpreter is slow: tens of seconds per call at seq 256 on a CPU).
   """
 
   batch: int = 1
@@ -80,13 +82,14 @@ class FP8StudyConfig:
   block_kv: int = 128
   seed: int = 0
   kernels: tuple[str, ...] = ("interpret", "mosaic")
+  interpret_max_seq: int = 256
 
   def __post_init__(self):
     object.__setattr__(self, "kernels", tuple(self.kernels))
     for name in ("batch", "seq", "heads", "head_dim", "block_q", "block_kv",
-                 "seed"):
+                 "seed", "interpret_max_seq"):
       value = getattr(self, name)
-      low = 0 if name == "seed" else 1
+      low = 0 if name in ("seed", "interpret_max_seq") else 1
       if isinstance(value, bool) or not isinstance(
           value, numbers.Integral) or value < low:
         raise ValueError(f"FP8StudyConfig.{name} must be an int >= {low};"
@@ -104,7 +107,7 @@ class FP8StudyConfig:
     return dataclasses.asdict(self)
 
 
-GPU_DEFAULT = FP8StudyConfig(batch=4, seq=4096, heads=16)
+GPU_DEFAULT = FP8StudyConfig(batch=4, seq=4096, heads=16, interpret_max_seq=0)
 
 
 def to_e4m3(x: np.ndarray) -> np.ndarray:
@@ -229,6 +232,14 @@ def _fp8_config(config_cls, block_quant: bool, rotate: bool):
   return config_cls(**{block[0]: block_quant, rot[0]: rotate})
 
 
+def _kernel_reason(impl: str, spec, cfg: FP8StudyConfig) -> str | None:
+  reason = backends.get(impl).unsupported(spec)
+  if reason is None and impl == "interpret" and cfg.seq > cfg.interpret_max_seq:
+    reason = (f"interpret runs only up to seq {cfg.interpret_max_seq}"
+              " (--interpret-max-seq): the interpreter is slow")
+  return reason
+
+
 def _row(method: str, impl: str, got=None, golden=None, status="ok",
          reason="", kind="measured") -> dict:
   row = dict(method=method, impl=impl, kind=kind, status=status,
@@ -270,13 +281,14 @@ def run(cfg: FP8StudyConfig, *, progress: bool = True) -> dict:
   for kern in cfg.kernels:
     steps.append(("flash FP16", kern, lambda kern=kern: flash_attention(
         q16, k16, v16, implementation=kern),
-                  backends.get(kern).unsupported(spec)))
+                  _kernel_reason(kern, spec, cfg)))
   steps.append(("baseline FP8 per-tensor", "simulated",
                 lambda: baseline_fp8(q, k, v), None))
   for name, bq, rot in _FP8_VARIANTS:
     # Until the FP8 issue lands: one pending row per variant.
     for impl in ("blockwise",) + (cfg.kernels if config_cls else ()):
-      reason = fp8_reason or backends.get(impl).unsupported(spec)
+      reason = fp8_reason or (None if impl == "blockwise"
+                              else _kernel_reason(impl, spec, cfg))
       steps.append((name, impl if config_cls else "flash_attention(fp8=...)",
                     lambda impl=impl, bq=bq, rot=rot: flash_attention(
                         q16, k16, v16, implementation=impl,
