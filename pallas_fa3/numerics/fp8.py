@@ -367,8 +367,8 @@ def markdown(result: dict) -> str:
   lines += ["", "Rows marked `simulated` / `study simulation` are numpy"
             " simulations of the method (e4m3 rounding exact, matmuls in"
             " float64 rounded to float32), not a kernel. The FA3 FP8 rows of"
-            " our implementation appear by themselves once `pallas_fa3.fp8`"
-            " exists."]
+            " our implementation (`flash_attention(fp8=...)`) are measured"
+            " wherever `pallas_fa3.fp8` exists, and pending otherwise."]
   return "\n".join(lines) + "\n"
 
 
