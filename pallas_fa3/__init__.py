@@ -7,6 +7,7 @@ Public API (everything else is private or lives in a submodule):
   Sm90ForwardConfig    tiling of the Hopper forward kernel (mosaic/interpret)
   Sm90BackwardConfig   tiling of the Hopper backward kernels
   AttentionSpec        the validated, canonical description of a call
+  StableMax            settings of flash_attention(stable_max=...)
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
@@ -16,5 +17,6 @@ from pallas_fa3.config import Sm90ForwardConfig as Sm90ForwardConfig
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS
+from pallas_fa3.stable_max import StableMax as StableMax
 
 __version__ = "0.1.0"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, vjp
+from pallas_fa3 import backends, blockwise, vjp
+from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
 
@@ -16,7 +17,7 @@ _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
                     return_lse=False, implementation=None, config=None,
-                    deterministic=False):
+                    deterministic=False, stable_max=None):
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -46,6 +47,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       in a fixed order in its own kernel (no atomics), the blockwise twin
       accumulates dQ in a fixed loop order, and the reference is plain XLA.
       A future faster non-deterministic path must honour this flag.
+    stable_max: the repeated-max fix of arXiv 2510.04212 (see
+      `pallas_fa3.stable_max`): None/False (off), True (defaults) or a
+      `pallas_fa3.StableMax`. Implemented by `blockwise` (the automatic
+      choice then runs blockwise); other backends raise NotImplementedError.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -67,6 +72,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   check_arrays(q=q, k=k, v=v)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
+  config = blockwise.with_stable_max(check_stable_max(stable_max),
+                                     implementation, config)
   return_lse = check_bool("return_lse", return_lse)
   check_bool("deterministic", deterministic)
   backend, config = backends.resolve(spec, implementation, config)

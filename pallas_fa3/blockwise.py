@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import masking
+from pallas_fa3 import stable_max as stable_max_lib
 from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
 
 _LN2 = math.log(2.0)  # converts the base-2 LSE back to the natural-log convention
@@ -56,6 +57,9 @@ class BlockwiseConfig:
   Attributes:
     block_q: query rows per tile (the kernels' Br).
     block_kv: key/value columns per tile (the kernels' Bc).
+    stable_max: the repeated-max fix of the forward's stabilizing max
+      (`pallas_fa3.StableMax`), or None; `flash_attention(stable_max=...)`
+      sets it.
 
   A tile larger than its sequence is clamped to the sequence length, which
   computes the same values as padding it.
@@ -63,6 +67,7 @@ class BlockwiseConfig:
 
   block_q: int = 128
   block_kv: int = 128
+  stable_max: stable_max_lib.StableMax | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
@@ -78,6 +83,28 @@ class BlockwiseConfig:
             f"BlockwiseConfig.{name} must be in [1, {_MAX_BLOCK}]; got {value}"
         )
       object.__setattr__(self, name, int(value))  # numpy ints -> int (hashing)
+    if not (self.stable_max is None
+            or isinstance(self.stable_max, stable_max_lib.StableMax)):
+      raise TypeError("BlockwiseConfig.stable_max must be None or a"
+                      f" pallas_fa3.StableMax; got {self.stable_max!r}")
+
+
+def with_stable_max(stable_max, implementation, config):
+  """`config` with `stable_max` set (None: unchanged), for flash_attention.
+
+  Only this backend has the fix: another implementation, or another
+  backend's config, raises NotImplementedError.
+  """
+  if stable_max is None:
+    return config
+  if implementation not in (None, "blockwise") or not (
+      config is None or isinstance(config, BlockwiseConfig)):
+    raise NotImplementedError(
+        f"stable_max={stable_max!r} is implemented by implementation="
+        f"'blockwise' only (the kernels later); got implementation="
+        f"{implementation!r}, config={config!r}")
+  return dataclasses.replace(config or BlockwiseConfig(),
+                             stable_max=stable_max)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -140,7 +167,12 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
       m, l, acc = carry
       s = _scores_log2(spec, q_tile, _seq_tile(kp, j, t.block_kv), q_pos,
                        j * t.block_kv + jnp.arange(t.block_kv))
-      m_new = jnp.maximum(m, s.max(axis=-1))
+      if config.stable_max is None:
+        m_new = jnp.maximum(m, s.max(axis=-1))
+      else:  # scores are base 2 here: one natural-log unit is log2(e)
+        m_new = jnp.maximum(m, stable_max_lib.tile_max(
+            s, config.stable_max, unit=LOG2E,
+            max_shift=stable_max_lib.max_shift_log2(spec.dtype)))
       # Until a row has seen a visible key its max is -inf; exponentiate
       # against 0 instead so that exp2(-inf) = 0 rather than NaN.
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)

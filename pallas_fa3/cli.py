@@ -14,7 +14,10 @@ Subcommands:
          (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
          Without a GPU: a small CPU sweep (under 2 minutes).
 
-A later issue adds `numerics` here.
+  numerics  the numerics studies (pallas_fa3/numerics/): forward deviation
+         against a float64 golden, the FP8 error table, weight divergence of
+         training runs, the repeated-max bias; report folders with JSON,
+         markdown and PNG. CPU defaults finish in minutes.
 """
 
 from __future__ import annotations
@@ -347,6 +350,11 @@ def _cmd_bench(args) -> int:
   return command.run(args)
 
 
+def _add_numerics_parser(sub) -> None:
+  from pallas_fa3.numerics import cli_args  # pylint: disable=g-import-not-at-top
+  cli_args.add_parser(sub)  # flags and the run live with the studies
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pallas-fa3",
@@ -359,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_info_parser(sub)
   _add_train_parser(sub)
   _add_bench_parser(sub)
+  _add_numerics_parser(sub)
   return parser
 
 

@@ -1,0 +1,132 @@
+"""`stable_max`: the repeated-max fix of Qiu and Yao (arXiv 2510.04212).
+
+When a row of a score tile has its maximum more than once, the unnormalized
+P = exp(S - rowmax) holds several entries exactly 1.0. Where the matching V
+values share a sign, rounding P V to bf16 then errs in one direction (the
+products sit on or half-way between bf16 values and the small remaining
+terms all push the same way), and the biased output biases
+`delta = rowsum(dO * O)` in the backward pass step after step.
+
+The fix changes only the stabilizing maximum of each tile, which cancels
+exactly in real arithmetic (out = sum exp(s - m) v / sum exp(s - m) for any
+m): with `r_m` the tile's row max and `r_s` the number of entries within
+`tie_tolerance` of it,
+
+  m = beta * r_m   if r_m > 0 and r_s > 1,
+  m = 0            if r_m < 0 and r_s > 1,
+  m = r_m          otherwise,
+
+and the running max then proceeds as usual. Every exponent stays <= 0 (m is
+never below the tile's max), so nothing overflows; the shift `m - r_m` is
+capped (`max_shift_log2` below) so that the largest P does not sink towards
+the underflow range of P's dtype. Rows without ties are untouched bit for
+bit, and gradients are unchanged: the backward recomputes P from the lse,
+which is the same number in real arithmetic.
+
+Example:
+  >>> import jax, pallas_fa3
+  >>> q = jax.random.normal(jax.random.key(0), (1, 64, 2, 32), "bfloat16")
+  >>> out = pallas_fa3.flash_attention(q, q, q, stable_max=True)
+  >>> out2 = pallas_fa3.flash_attention(
+  ...     q, q, q, stable_max=pallas_fa3.StableMax(beta=4.0))
+  >>> out.shape == out2.shape == q.shape
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+# The paper's beta range is [2, 8] (its figure uses 7); the authors' code
+# uses beta = 2 with ties counted within 1e-3 of the max (in units of the
+# scaled scores, natural log).
+DEFAULT_BETA = 2.0
+DEFAULT_TIE_TOLERANCE = 1e-3
+
+# Cap on the shift m - r_m, in powers of two, per dtype of P. bf16 and f32
+# share float32's exponent range: 2^-64 is far from underflow (2^-126). In
+# fp16 P's smallest normal is 2^-14 and the subnormals end at 2^-24, so a
+# shift of 8 keeps the largest P normal while losing only entries below
+# 2^-16 of it (less than fp16's epsilon 2^-10 relative to the row sum).
+_MAX_SHIFT_LOG2 = {
+    jnp.dtype(jnp.bfloat16): 64.0,
+    jnp.dtype(jnp.float32): 64.0,
+    jnp.dtype(jnp.float16): 8.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StableMax:
+  """Settings of the repeated-max fix (hashable: part of a static config).
+
+  Attributes:
+    beta: the multiplier of a positive repeated max, > 1 (paper: 2..8).
+    tie_tolerance: entries within this of the tile's max (in units of the
+      scaled scores, `softmax_scale * q . k`) count as ties; >= 0.
+  """
+
+  beta: float = DEFAULT_BETA
+  tie_tolerance: float = DEFAULT_TIE_TOLERANCE
+
+  def __post_init__(self):
+    for name, low, strict in (("beta", 1.0, True), ("tie_tolerance", 0.0,
+                                                    False)):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(
+          value, numbers.Real):
+        raise TypeError(f"StableMax.{name} must be a real number; got"
+                        f" {value!r} of type {type(value).__name__}")
+      value = float(value)
+      if not math.isfinite(value) or value < low or (strict and value == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ValueError(f"StableMax.{name} must be finite and {bound}; got"
+                         f" {getattr(self, name)!r}")
+      object.__setattr__(self, name, value)
+
+
+def check_stable_max(stable_max: Any) -> StableMax | None:
+  """Validates `flash_attention(stable_max=...)`: None/False, True or a StableMax."""
+  if stable_max is None or stable_max is False or (
+      isinstance(stable_max, np.bool_) and not stable_max):
+    return None
+  if stable_max is True or isinstance(stable_max, np.bool_):
+    return StableMax()
+  if isinstance(stable_max, StableMax):
+    return stable_max
+  raise TypeError(
+      "stable_max must be None, a bool or a pallas_fa3.StableMax; got"
+      f" {stable_max!r} of type {type(stable_max).__name__}")
+
+
+def max_shift_log2(p_dtype) -> float:
+  """The cap on `m - r_m` in powers of two for P stored in `p_dtype`."""
+  return _MAX_SHIFT_LOG2[jnp.dtype(p_dtype)]
+
+
+def tile_max(s, settings: StableMax, *, unit: float, max_shift: float):
+  """The stabilizing max of each row of a score tile, per the fix.
+
+  Args:
+    s: scores `[..., block_kv]` (masked entries -inf), in any unit where the
+      scaled score x is `s / unit` (1 for natural-log scores, log2(e) for the
+      base-2 scores of the exp2 kernels).
+    settings: beta and the tie tolerance (natural-log units).
+    unit: see `s`.
+    max_shift: cap on `m - r_m`, in the units of `s`.
+
+  Returns:
+    m `[...]`, >= the row max, equal to it where the row has no tie, and -inf
+    for rows whose every entry is masked.
+  """
+  r_m = s.max(axis=-1)
+  ties = (s >= (r_m - settings.tie_tolerance * unit)[..., None]).sum(axis=-1)
+  repeated = (ties > 1) & jnp.isfinite(r_m)
+  shift = jnp.where(r_m > 0, (settings.beta - 1.0) * r_m, -r_m)
+  shift = jnp.where(repeated, jnp.minimum(shift, max_shift), 0.0)
+  return r_m + shift.astype(r_m.dtype)
