@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, vjp
+from pallas_fa3 import backends, partitioning, vjp
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
 
@@ -48,6 +48,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
 
   Raises:
     TypeError / ValueError: bad inputs; the message names the argument.
+      That includes a sharding that cannot run shard-locally (see
+      `pallas_fa3.partitioning`); when the sharding is only known at compile
+      time, XLA raises it as a `jax.errors.JaxRuntimeError`.
     NotImplementedError: the requested implementation cannot serve the call.
 
   Example:
@@ -62,6 +65,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
+  partitioning.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   call = vjp.StaticCall(spec, backend.name, config)
   out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
