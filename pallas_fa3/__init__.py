@@ -5,6 +5,8 @@ Public API (everything else is private or lives in a submodule):
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
   AttentionSpec        the validated, canonical description of a call
+  ring_attention       context parallelism: the sequence sharded over a mesh axis
+  zigzag_order         the token order of ring_attention's causal zig-zag layout
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
@@ -12,5 +14,7 @@ from pallas_fa3.blockwise import BlockwiseConfig as BlockwiseConfig
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS
+from pallas_fa3.ring import ring_attention as ring_attention
+from pallas_fa3.ring_steps import zigzag_order as zigzag_order
 
 __version__ = "0.1.0"
