@@ -9,8 +9,8 @@ operand shardings; `_plan` keeps q's batch and head sharding, checks that it
 can be honoured, and the op runs the backend on the local shard. So no
 collective is emitted for q, k, v or the output, whatever the backend (the
 kernels are custom calls that XLA could not split by itself). The Shardy
-rule below tells propagation which dimensions correspond: batch `b`, query
-heads `(k g)` = kv heads `k` times the group `g`, so a kv head and its query
+rules (`_FWD_RULE`) tell propagation which dimensions correspond: batch, and
+query heads = kv heads times the group, so that a kv head and its query
 heads move together.
 
 What can be honoured:
@@ -56,12 +56,29 @@ _AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
 # are only resharded to match.
 _CHECKED = ("q", "k", "v")
 
-# Shardy rules: b batch, s/t query/key positions, k kv heads, g the query
-# heads of one kv head, d/e head dims of q/k and v.
-_Q, _KV, _V, _O, _L = ("b s (k g) d", "b t k d", "b t k e", "b s (k g) e",
-                       "b (k g) s")
+# Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
+# d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).
+_Q, _KV, _V, _O, _L = ("b s {h} d", "b t k d", "b t k e", "b s {h} e",
+                       "b {h} s")
 _FWD_RULE = f"{_Q}, {_KV}, {_V} -> {_O}, {_L}"
 _BWD_RULE = f"{_Q}, {_KV}, {_V}, {_O}, {_L}, {_O}, {_L} -> {_Q}, {_KV}, {_V}"
+
+
+def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
+  """The query-head factor of the rules, and the factor sizes it needs.
+
+  Query heads are kv heads times the group: the compound factor `(k g)`
+  makes a kv head and its query heads move together. Shardy refuses a
+  compound with a size-1 part, so MHA (g = 1) uses `k` itself and MQA
+  (heads_kv = 1: nothing to keep together) a factor `g` of its own.
+  """
+  if spec.group_size == 1:
+    return "k", {}
+  if spec.heads_kv == 1:
+    return "g", {}
+  return "(k g)", {"g": spec.group_size}
+
+
 _FWD_NAMES = ("q", "k", "v")
 _BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
 
@@ -195,9 +212,10 @@ class _Op:
   rule: str
 
   def sharding_rule(self, call, mesh, operand_types, result_types):
-    """The Shardy rule, with the size of the compound factor's group `g`."""
+    """The Shardy rule of this call (its query-head factor), with sizes."""
     del mesh, operand_types, result_types
-    return self.rule, {"g": call.spec.group_size}
+    heads, sizes = _heads_factor(call.spec)
+    return self.rule.format(h=heads), sizes
 
   def plan(self, call, mesh, arg_specs: Sequence[tuple]):
     """(batch axes, head axes, arg specs, result specs) for these operands."""
