@@ -107,6 +107,31 @@ def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
+# Transfers.
+
+# Floating types sent as their raw bits (an unsigned int of the same width).
+# XLA's CPU backend has no 16-bit-float collective-permute and would convert
+# bf16/f16 payloads to float32 around it: twice the bytes on the wire and in
+# memory. Bits are bits on every backend, and a bitcast costs nothing.
+_WIRE_TYPES = {jnp.dtype(jnp.bfloat16): jnp.uint16,
+               jnp.dtype(jnp.float16): jnp.uint16}
+
+
+def ppermute(tree, axis_name: str, perm):
+  """`jax.lax.ppermute` of a pytree, 16-bit floats sent as their bits."""
+
+  def send(x):
+    wire = _WIRE_TYPES.get(jnp.dtype(x.dtype))
+    if wire is None:
+      return jax.lax.ppermute(x, axis_name, perm)
+    bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, wire), axis_name,
+                            perm)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+  return jax.tree.map(send, tree)
+
+
+# ---------------------------------------------------------------------------
 # Zig-zag permutation of the local shards (natural layout, causal).
 
 
@@ -125,8 +150,8 @@ def to_zigzag(x, axis: int, axis_name: str, n: int):
   """Local natural shard -> local zig-zag shard (sequence along `axis`)."""
   perm0, perm1 = _zigzag_perms(n)
   h0, h1 = jnp.split(x, 2, axis=axis)
-  r0 = jax.lax.ppermute(h0, axis_name, perm0)
-  r1 = jax.lax.ppermute(h1, axis_name, perm1)
+  r0 = ppermute(h0, axis_name, perm0)
+  r1 = ppermute(h1, axis_name, perm1)
   # An even device receives its chunk i through perm0, an odd one its
   # chunk 2n-1-i; see _zigzag_perms.
   even = jax.lax.axis_index(axis_name) % 2 == 0
@@ -140,8 +165,8 @@ def from_zigzag(x, axis: int, axis_name: str, n: int):
   inverse = lambda perm: [(dst, src) for src, dst in perm]
   a, b = jnp.split(x, 2, axis=axis)
   even = jax.lax.axis_index(axis_name) % 2 == 0
-  h0 = jax.lax.ppermute(jnp.where(even, a, b), axis_name, inverse(perm0))
-  h1 = jax.lax.ppermute(jnp.where(even, b, a), axis_name, inverse(perm1))
+  h0 = ppermute(jnp.where(even, a, b), axis_name, inverse(perm0))
+  h1 = ppermute(jnp.where(even, b, a), axis_name, inverse(perm1))
   return jnp.concatenate([h0, h1], axis=axis)
 
 
@@ -198,37 +223,60 @@ def _visiting_blocks(plan: RingPlan, owner, me):
   return c, ((c, 0), (second, second))
 
 
+def _run_ring(n: int, first, visit, send, carry):
+  """Drives one pass around the ring: `first`, then `visit` steps 1..n-1.
+
+  `carry` is `(block, state)`. Every step first issues `send(block)` -- the
+  transfer of the block the next step needs -- and only then computes on the
+  current block: they do not depend on each other, so XLA, which turns each
+  `ppermute` into an async collective-permute-start/-done pair on GPU,
+  schedules the copy under the step's attention (the latency-hiding
+  scheduler; on CPU the collective-permute is synchronous and nothing
+  overlaps). Steps 1..n-2 are one `fori_loop` body, so the compiled program
+  does not grow with the ring; the last step is peeled off because it has
+  nothing left to send.
+  """
+  block, state = carry
+  if n == 1:
+    return first(block, state)
+  incoming = send(block)
+  state = first(block, state)
+
+  def body(step, carry):
+    block, state = carry
+    incoming = send(block)
+    return incoming, visit(step, block, state)
+
+  block, state = jax.lax.fori_loop(1, n - 1, body, (incoming, state))
+  return visit(n - 1, block, state)
+
+
 def ring_forward(plan: RingPlan, q, k, v):
   """Local shards (zig-zag order if causal) -> (out float32, lse)."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
-  to_next = [(j, (j + 1) % n) for j in range(n)]
-  acc = None
-  kv = (k, v)
-  for step in range(n):
-    # Issue the transfer of the block for the next step before attending to
-    # this one: they do not depend on each other, so XLA (which turns each
-    # ppermute into an async collective-permute-start/-done pair on GPU)
-    # schedules the copy to run under this step's attention. On CPU the
-    # collective-permute is synchronous and nothing overlaps.
-    next_kv = jax.lax.ppermute(kv, axis, to_next) if step + 1 < n else None
+  # Step s: device i holds the K/V block of device i - s (from i - 1).
+  send = lambda kv: ppermute(kv, axis, [(j, (j + 1) % n) for j in range(n)])
+
+  def first(kv, acc):
+    del acc  # step 0: the own block, causal on the diagonal if causal
+    out, lse = partitioning.forward(plan.steps[0], q, *kv)
+    return out.astype(jnp.float32), lse
+
+  def visit(step, kv, acc):
     k_blk, v_blk = kv
     if not plan.spec.causal:
-      part = partitioning.forward(plan.steps[0], q, k_blk, v_blk)
-      acc = part if acc is None else _merge(*acc, *part)
-    elif step == 0:
-      out, lse = partitioning.forward(plan.steps[0], q, k_blk, v_blk)
-      acc = (out.astype(jnp.float32), lse)
-    else:
-      c, blocks = _visiting_blocks(plan, (me - step) % n, me)
-      for q_start, kv_start in blocks:
-        part = partitioning.forward(plan.steps[1], _rows(q, q_start, c),
-                                    _rows(k_blk, kv_start, c),
-                                    _rows(v_blk, kv_start, c))
-        acc = _merge_rows(acc, part, q_start)
-    kv = next_kv
-  out, lse = acc
-  return out, lse
+      return _merge(*acc, *partitioning.forward(plan.steps[0], q, k_blk,
+                                                v_blk))
+    c, blocks = _visiting_blocks(plan, (me - step) % n, me)
+    for q_start, kv_start in blocks:
+      part = partitioning.forward(plan.steps[1], _rows(q, q_start, c),
+                                  _rows(k_blk, kv_start, c),
+                                  _rows(v_blk, kv_start, c))
+      acc = _merge_rows(acc, part, q_start)
+    return acc
+
+  return _run_ring(n, first, visit, send, ((k, v), None))
 
 
 # ---------------------------------------------------------------------------
@@ -246,36 +294,42 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, dout, dlse):
   """Local shards (zig-zag order if causal) -> (dq, dk, dv) in float32."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
-  # The reverse ring: receive from i+1, send to i-1. At step s device i
-  # holds the block of device i+s, with that block's dK/dV accumulators.
+  # The reverse ring: step s, device i holds the block of device i + s (from
+  # i + 1) together with that block's float32 dK/dV accumulators.
   to_prev = [(j, (j - 1) % n) for j in range(n)]
-  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, dkv = f32(q), (f32(k), f32(v))
-  kv = (k, v)
-  for step in range(n):
-    # As in the forward: the next block's transfer is issued first.
-    next_kv = jax.lax.ppermute(kv, axis, to_prev) if step + 1 < n else None
-    k_blk, v_blk = kv
-    dk_acc, dv_acc = dkv
-    if not plan.spec.causal or step == 0:
-      dq_p, dk_p, dv_p = partitioning.backward(
-          plan.steps[0], q, k_blk, v_blk, out, lse, dout, dlse)
-      dq, dk_acc, dv_acc = dq + dq_p, dk_acc + dk_p, dv_acc + dv_p
-    else:
-      c, blocks = _visiting_blocks(plan, (me + step) % n, me)
-      for q_start, kv_start in blocks:
-        lse_rows = jax.lax.dynamic_slice_in_dim(lse, q_start, c, axis=2)
-        dlse_rows = jax.lax.dynamic_slice_in_dim(dlse, q_start, c, axis=2)
-        dq_p, dk_p, dv_p = partitioning.backward(
-            plan.steps[1], _rows(q, q_start, c), _rows(k_blk, kv_start, c),
-            _rows(v_blk, kv_start, c), _rows(out, q_start, c), lse_rows,
-            _rows(dout, q_start, c), dlse_rows)
-        dq = _add_rows(dq, dq_p, q_start)
-        dk_acc = _add_rows(dk_acc, dk_p, kv_start)
-        dv_acc = _add_rows(dv_acc, dv_p, kv_start)
+  send = lambda kv: ppermute(kv, axis, to_prev)
+
+  def pass_on(dq, dk, dv):
     # The accumulators follow their block; after the last step this hop
-    # delivers them to the block's owner. XLA can start it as soon as this
-    # step's gradients are summed and finish it under the next step.
-    dkv = jax.lax.ppermute((dk_acc, dv_acc), axis, to_prev)
-    kv = next_kv
-  return dq, dkv[0], dkv[1]
+    # delivers them to the block's owner. XLA can start it once this step's
+    # gradients are summed and let it finish under the next step.
+    return dq, send((dk, dv))
+
+  def first(kv, grads):
+    dq, (dk, dv) = grads
+    dq_p, dk_p, dv_p = partitioning.backward(plan.steps[0], q, *kv, out, lse,
+                                             dout, dlse)
+    return pass_on(dq + dq_p, dk + dk_p, dv + dv_p)
+
+  def visit(step, kv, grads):
+    if not plan.spec.causal:
+      return first(kv, grads)
+    k_blk, v_blk = kv
+    dq, (dk, dv) = grads
+    c, blocks = _visiting_blocks(plan, (me + step) % n, me)
+    for q_start, kv_start in blocks:
+      rows = lambda x: _rows(x, q_start, c)
+      lse_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, q_start, c, axis=2)
+      dq_p, dk_p, dv_p = partitioning.backward(
+          plan.steps[1], rows(q), _rows(k_blk, kv_start, c),
+          _rows(v_blk, kv_start, c), rows(out), lse_rows(lse), rows(dout),
+          lse_rows(dlse))
+      dq = _add_rows(dq, dq_p, q_start)
+      dk = _add_rows(dk, dk_p, kv_start)
+      dv = _add_rows(dv, dv_p, kv_start)
+    return pass_on(dq, dk, dv)
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  grads = (zeros(q), (zeros(k), zeros(v)))
+  dq, (dk, dv) = _run_ring(n, first, visit, send, ((k, v), grads))
+  return dq, dk, dv
