@@ -13,6 +13,8 @@ all-to-all or reduce-scatter of the sequence).
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -278,3 +280,13 @@ def test_head_dim_split_is_refused():
 def test_long_sequence_on_8_devices(causal, key):
   """Longer chunks (128 tokens per zig-zag chunk), several tiles per step."""
   _check(mh.mesh((8,), ("seq",)), Shape(1, 2048, 2048, 4, 2, 64), causal, key)
+
+
+def test_readme_scale_out_examples_run():
+  """The README's 8-device examples (fenced as "```python multidevice")."""
+  readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+  blocks = re.findall(r"```python multidevice\n(.*?)```", readme.read_text(),
+                      re.S)
+  assert len(blocks) == 2, "README's scale-out examples moved?"
+  for block in blocks:
+    exec(compile(block, str(readme), "exec"), {})  # pylint: disable=exec-used
