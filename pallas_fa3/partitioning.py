@@ -62,6 +62,8 @@ _Q, _KV, _V, _O, _L = ("b s {h} d", "b t k d", "b t k e", "b s {h} e",
                        "b {h} s")
 _FWD_RULE = f"{_Q}, {_KV}, {_V} -> {_O}, {_L}"
 _BWD_RULE = f"{_Q}, {_KV}, {_V}, {_O}, {_L}, {_O}, {_L} -> {_Q}, {_KV}, {_V}"
+_FWD_NAMES = ("q", "k", "v")
+_BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
 
 
 def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
@@ -77,10 +79,6 @@ def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
   if spec.heads_kv == 1:
     return "g", {}
   return "(k g)", {"g": spec.group_size}
-
-
-_FWD_NAMES = ("q", "k", "v")
-_BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
 
 
 def mesh_axes(entry) -> tuple[str, ...]:

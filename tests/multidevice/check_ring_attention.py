@@ -84,7 +84,11 @@ def _check(mesh, shape, causal, key, *, seq_spec=P(None, "seq"),
 @pytest.mark.parametrize("ring", [2, 4, 8])
 def test_ring_matches_single_device(ring, causal, key):
   shape = _CAUSAL_SHAPE if causal else _CROSS_SHAPE
-  _check(mh.mesh((ring,), ("seq",)), shape, causal, key)
+  compiled, sharded, first = _check(mh.mesh((ring,), ("seq",)), shape, causal,
+                                    key)
+  if ring == 4:  # determinism: a second run is bit-identical
+    for a, b in zip(first, compiled(*sharded)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("axes", ["batch", "heads"])
@@ -103,13 +107,6 @@ def test_ring_with_batch_or_head_axes(axes, key):
 def test_ring_float32_mqa(key):
   _check(mh.mesh((4,), ("seq",)), Shape(1, 64, 64, 4, 1, 16), True, key,
          dtype=jnp.float32)
-
-
-def test_ring_is_deterministic(key):
-  compiled, sharded, first = _check(mh.mesh((4,), ("seq",)), _CAUSAL_SHAPE,
-                                    True, key)
-  for a, b in zip(first, compiled(*sharded)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_zigzag_layout_skips_the_permutation(key):
