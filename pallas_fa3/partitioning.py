@@ -34,12 +34,15 @@ layout in the traced types, so there the same plan runs through a
 fully manual `shard_map` of the caller's) the custom_partitioning op lowers
 to the plain backend call. `custom_partitioning` has no batching rule, so
 each op is wrapped in `jax.custom_batching.custom_vmap`: a vmapped axis is
-folded into the batch axis.
+folded into the batch axis. A backend call with side effects (the Pallas
+interpreter's callbacks) cannot be a custom_partitioning op and runs
+unpartitioned.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -332,7 +335,20 @@ _FORWARD = _partitioned(_FORWARD_OP)
 _BACKWARD = _partitioned(_BACKWARD_OP)
 
 
+@functools.lru_cache(maxsize=256)
+def _effectful(op: _Op, call, avals: tuple) -> bool:
+  """Whether the backend call has side effects (the Pallas interpreter's
+  callbacks, say). custom_partitioning neither declares nor lowers effects
+  (the lowering fails on the effect tokens), so such a call -- a test
+  backend, never a multi-device one -- runs as it is, unpartitioned."""
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+  return bool(jax.make_jaxpr(functools.partial(op.run, call))(*args).effects)
+
+
 def _dispatch(op: _Op, partitioned, call, *args):
+  avals = tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in args)
+  if _effectful(op, call, avals):
+    return op.run(call, *args)
   sharding = _explicit_sharding(args[0])
   if sharding is not None and any(mesh_axes(e) for e in _spec_of(sharding, 4)):
     return op.shard_map(call, sharding, *args)
