@@ -8,6 +8,8 @@ Public API (everything else is private or lives in a submodule):
   Sm90BackwardConfig   tiling of the Hopper backward kernels
   AttentionSpec        the validated, canonical description of a call
   StableMax            settings of flash_attention(stable_max=...)
+  ring_attention       context parallelism: the sequence sharded over a mesh axis
+  zigzag_order         the token order of ring_attention's causal zig-zag layout
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
@@ -18,5 +20,7 @@ from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS
 from pallas_fa3.stable_max import StableMax as StableMax
+from pallas_fa3.ring import ring_attention as ring_attention
+from pallas_fa3.ring_steps import zigzag_order as zigzag_order
 
 __version__ = "0.1.0"

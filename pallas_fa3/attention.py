@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, blockwise, vjp
+from pallas_fa3 import backends, blockwise, partitioning, vjp
 from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
@@ -59,6 +59,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
 
   Raises:
     TypeError / ValueError: bad inputs; the message names the argument.
+      That includes a sharding that cannot run shard-locally (see
+      `pallas_fa3.partitioning`); when the sharding is only known at compile
+      time, XLA raises it as a `jax.errors.JaxRuntimeError`.
     NotImplementedError: the requested implementation cannot serve the call.
 
   Example:
@@ -76,6 +79,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
                                      implementation, config)
   return_lse = check_bool("return_lse", return_lse)
   check_bool("deterministic", deterministic)
+  partitioning.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)
   call = vjp.StaticCall(spec, backend.name, config)

@@ -34,8 +34,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +139,22 @@ def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+def _varying_like(tree, *operands):
+  """Gives fresh loop carries the manual-axis type of `operands` (shard_map).
+
+  Inside `jax.shard_map` (default `check_vma=True`) the operands vary over
+  the manual mesh axes while a fresh `jnp.zeros` does not, and a loop whose
+  body mixes the two would change its carry's type. Adding a zero that
+  varies like every operand (built from zero-size slices: no values, only
+  their type) fixes the type and leaves the values, -inf included, as they
+  are. Outside shard_map nothing varies and this only adds 0.
+  """
+  empty = [x.reshape(-1)[:0].astype(jnp.float32) for x in operands]
+  ref = functools.reduce(operator.add, empty)
+  return jax.tree.map(
+      lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree)
+
+
 def _seq_tile(x: jax.Array, index, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
@@ -184,9 +202,10 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
                       preferred_element_type=jnp.float32, precision=_HIGHEST)
       return m_new, l, alpha[..., None] * acc + pv
 
-    init = (jnp.full(stat_shape, -jnp.inf, jnp.float32),
-            jnp.zeros(stat_shape, jnp.float32),
-            jnp.zeros(stat_shape + (spec.head_dim_v,), jnp.float32))
+    init = _varying_like((jnp.full(stat_shape, -jnp.inf, jnp.float32),
+                          jnp.zeros(stat_shape, jnp.float32),
+                          jnp.zeros(stat_shape + (spec.head_dim_v,),
+                                    jnp.float32)), q, k, v)
     n_kv = masking.num_kv_blocks_visible(spec, (iq + 1) * t.block_q,
                                          t.block_kv, t.num_kv)
     m, l, acc = jax.lax.fori_loop(0, n_kv, kv_step, init)
@@ -258,15 +277,18 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
           dq_acc, _seq_tile(dq_acc, i, t.block_q) + dq_tile, start, axis=1)
       return dq_acc, dk, dv
 
-    init = (dq_acc,
-            jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
-            jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32))
+    init = (dq_acc,) + _varying_like(
+        (jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
+         jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32)),
+        q, k, v, dout)
     first = masking.first_q_block_visible(spec, jk * t.block_kv, t.block_q,
                                           t.num_q)
     dq_acc, dk, dv = jax.lax.fori_loop(first, t.num_q, q_step, init)
     return dq_acc, (dk, dv)
 
-  dq0 = jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32)
+  dq0 = _varying_like(
+      jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32),
+      q, k, v, dout)
   dq_acc, (dks, dvs) = jax.lax.scan(kv_tile_fn, dq0, jnp.arange(t.num_kv))
   scale = jnp.float32(spec.softmax_scale)
   dq = (dq_acc[:, :spec.seq_q] * scale).reshape(q.shape)

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from pallas_fa3 import backends
+from pallas_fa3 import partitioning
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -30,9 +30,12 @@ class StaticCall:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention_with_lse(call: StaticCall, q, k, v):
-  """Returns (out, lse) of `call.backend`; differentiable through both."""
-  backend = backends.get(call.backend)
-  return backend.forward(call.spec, call.config, q, k, v)
+  """Returns (out, lse) of `call.backend`; differentiable through both.
+
+  Both passes go through `partitioning`, so that under SPMD sharding each
+  device runs the backend on its own batch/head shard.
+  """
+  return partitioning.forward(call, q, k, v)
 
 
 def _fwd(call: StaticCall, q, k, v):
@@ -43,8 +46,7 @@ def _fwd(call: StaticCall, q, k, v):
 def _bwd(call: StaticCall, residuals, cotangents):
   q, k, v, out, lse = residuals
   dout, dlse = cotangents
-  backend = backends.get(call.backend)
-  return backend.backward(call.spec, call.config, q, k, v, out, lse, dout, dlse)
+  return partitioning.backward(call, q, k, v, out, lse, dout, dlse)
 
 
 attention_with_lse.defvjp(_fwd, _bwd)

@@ -1,0 +1,366 @@
+"""Batch/head parallelism: the attention forward and backward under SPMD sharding.
+
+`flash_attention` under `jax.jit` with q, k, v sharded (`NamedSharding` on a
+`Mesh`) over batch and/or heads runs every device's shard locally: each
+backend call (forward `(q, k, v) -> (out, lse)` and backward
+`(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`) is a
+`jax.experimental.custom_partitioning` op. XLA's partitioner hands it the
+operand shardings; `_plan` keeps q's batch and head sharding, checks that it
+can be honoured, and the op runs the backend on the local shard. So no
+collective is emitted for q, k, v or the output, whatever the backend (the
+kernels are custom calls that XLA could not split by itself). The Shardy
+rules (`_FWD_RULE`) tell propagation which dimensions correspond: batch, and
+query heads = kv heads times the group, so that a kv head and its query
+heads move together.
+
+What can be honoured:
+  * batch sharded over any mesh axes;
+  * heads sharded over mesh axes of total size n when `heads_kv % n == 0`
+    (GQA groups stay whole: kv head j and query heads `j*g .. j*g+g-1` on
+    one device);
+  * k, v (and the backward's cotangents) sharded differently from q are
+    resharded to q's layout (a local slice when they are replicated).
+What is refused, with a `ValueError` naming the argument: a sharded
+sequence axis (that is context parallelism: `pallas_fa3.ring_attention`), a
+sharded head_dim, and a head sharding that would split a GQA group. The
+check runs at trace time when the sharding is known then (concrete arrays,
+or `Explicit` mesh axes); otherwise the partitioner runs it at compile time
+and XLA reports it as a `jax.errors.JaxRuntimeError` carrying the same
+message.
+
+`Explicit` mesh axes (the default of `jax.make_mesh` since JAX 0.7) put the
+layout in the traced types, so there the same plan runs through a
+`jax.shard_map` instead, decided at trace time. On one device (or inside a
+fully manual `shard_map` of the caller's) the custom_partitioning op lowers
+to the plain backend call. `custom_partitioning` has no batching rule, so
+each op is wrapped in `jax.custom_batching.custom_vmap`: a vmapped axis is
+folded into the batch axis. A backend call with side effects (the Pallas
+interpreter's callbacks) cannot be a custom_partitioning op and runs
+unpartitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from pallas_fa3 import backends
+from pallas_fa3.spec import AttentionSpec
+
+_BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
+_AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
+# The tensors whose layout the user chose; the others (out, lse, cotangents)
+# are only resharded to match.
+_CHECKED = ("q", "k", "v")
+
+# Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
+# d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).
+_Q, _KV, _V, _O, _L = ("b s {h} d", "b t k d", "b t k e", "b s {h} e",
+                       "b {h} s")
+_FWD_RULE = f"{_Q}, {_KV}, {_V} -> {_O}, {_L}"
+_BWD_RULE = f"{_Q}, {_KV}, {_V}, {_O}, {_L}, {_O}, {_L} -> {_Q}, {_KV}, {_V}"
+_FWD_NAMES = ("q", "k", "v")
+_BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
+
+
+def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
+  """The query-head factor of the rules, and the factor sizes it needs.
+
+  Query heads are kv heads times the group: the compound factor `(k g)`
+  makes a kv head and its query heads move together. Shardy refuses a
+  compound with a size-1 part, so MHA (g = 1) uses `k` itself and MQA
+  (heads_kv = 1: nothing to keep together) a factor `g` of its own.
+  """
+  if spec.group_size == 1:
+    return "k", {}
+  if spec.heads_kv == 1:
+    return "g", {}
+  return "(k g)", {"g": spec.group_size}
+
+
+def mesh_axes(entry) -> tuple[str, ...]:
+  """Mesh axes of one PartitionSpec entry (None, a name, or a tuple)."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def axes_entry(axes: tuple[str, ...]):
+  """The PartitionSpec entry for mesh axes `axes` (inverse of `mesh_axes`)."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _spec_of(sharding: Any, ndim: int) -> tuple:
+  spec = tuple(getattr(sharding, "spec", ()))
+  return spec + (None,) * (ndim - len(spec))
+
+
+def check_shardings(spec: AttentionSpec, axis_sizes: dict[str, int],
+                    shardings: dict[str, tuple]) -> tuple[tuple, tuple]:
+  """Checks that q, k, v shardings can run shard-locally.
+
+  Args:
+    spec: the global call.
+    axis_sizes: mesh axis name -> size.
+    shardings: "q"/"k"/"v" -> PartitionSpec entries of that `[b, s, h, d]`
+      operand (missing names are taken as replicated).
+
+  Returns:
+    (batch axes, head axes): the mesh axes of q's batch and head dimensions,
+    the layout every operand and result gets.
+
+  Raises:
+    ValueError: a sharded sequence or head_dim axis, or a head sharding that
+      would split a group of query heads sharing a kv head; the message names
+      the argument.
+  """
+  for name in _CHECKED:
+    entries = shardings.get(name, (None,) * 4)
+    for axis in (_SEQ, _HEAD_DIM):
+      split = mesh_axes(entries[axis])
+      if not split:
+        continue
+      hint = (" Sequence (context) parallelism is pallas_fa3.ring_attention;"
+              " or replicate the axis first (jax.reshard, or"
+              " jax.lax.with_sharding_constraint)"
+              if axis == _SEQ else
+              " A head_dim split would need a reduction inside every score;"
+              " shard batch or heads instead")
+      raise ValueError(
+          f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
+          f" {axis}) over mesh axes {split}; flash_attention runs each"
+          f" device's shard locally and can only split batch (axis 0) and"
+          f" heads (axis 2).{hint}")
+  q = shardings.get("q", (None,) * 4)
+  batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
+  ways = math.prod(axis_sizes[a] for a in head_axes)
+  if spec.heads_kv % ways:
+    raise ValueError(
+        f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
+        f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
+        f" {ways}: every device must hold whole groups (a kv head and its"
+        f" {spec.group_size} query heads). Shard heads at most"
+        f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead")
+  return batch_axes, head_axes
+
+
+def known_sharding(x: Any) -> NamedSharding | None:
+  """The `NamedSharding` of `x` if it is known at trace time, else None.
+
+  Known means a concrete `jax.Array` with a `NamedSharding`, or a traced
+  value whose type carries `Explicit` mesh axes (`jax.typeof(x).sharding`).
+  Under `jax.jit` with automatic axes only the partitioner knows the layout.
+  """
+  sharding = (jax.typeof(x).sharding if isinstance(x, jax.core.Tracer)
+              else getattr(x, "sharding", None))
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def spec_entries(sharding: NamedSharding, ndim: int = 4) -> tuple:
+  """The PartitionSpec of `sharding`, padded with None to `ndim` entries."""
+  return _spec_of(sharding, ndim)
+
+
+def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
+  """Runs `check_shardings` at trace time on the layouts known then.
+
+  The partitioner runs the same check at compile time for the others.
+  """
+  sizes: dict[str, int] = {}
+  shardings: dict[str, tuple] = {}
+  for name, x in arrays.items():
+    sharding = known_sharding(x)
+    if sharding is not None:
+      sizes.update(dict(sharding.mesh.shape))
+      shardings[name] = spec_entries(sharding)
+  if shardings:
+    check_shardings(spec, sizes, shardings)
+
+
+def _local_call(call, batch_ways: int, head_ways: int):
+  """`call` for one device's shard: batch and heads divided."""
+  spec = call.spec
+  local = dataclasses.replace(spec, batch=spec.batch // batch_ways,
+                              heads_q=spec.heads_q // head_ways,
+                              heads_kv=spec.heads_kv // head_ways)
+  return dataclasses.replace(call, spec=local)
+
+
+def _layout_specs(names: Sequence[str], batch_axes, head_axes) -> tuple[P, ...]:
+  """PartitionSpecs with batch and heads split, for operands named `names`."""
+  b, h = axes_entry(batch_axes), axes_entry(head_axes)
+  by_name = {"lse": P(b, h, None), "dlse": P(b, h, None)}
+  return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
+
+
+def _ways(mesh, axes) -> int:
+  return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """One backend entry point (forward or backward), run shard-locally."""
+
+  arg_names: tuple[str, ...]
+  result_names: tuple[str, ...]
+  run: Callable[..., Any]  # (call, *arrays) -> tuple of arrays
+  rule: str
+
+  def sharding_rule(self, call, mesh, operand_types, result_types):
+    """The Shardy rule of this call (its query-head factor), with sizes."""
+    del mesh, operand_types, result_types
+    heads, sizes = _heads_factor(call.spec)
+    return self.rule.format(h=heads), sizes
+
+  def plan(self, call, mesh, arg_specs: Sequence[tuple]):
+    """(batch axes, head axes, arg specs, result specs) for these operands."""
+    shardings = {n: spec for n, spec in zip(self.arg_names, arg_specs)
+                 if n in _CHECKED}
+    batch_axes, head_axes = check_shardings(call.spec, dict(mesh.shape),
+                                            shardings)
+    return (batch_axes, head_axes,
+            _layout_specs(self.arg_names, batch_axes, head_axes),
+            _layout_specs(self.result_names, batch_axes, head_axes))
+
+  def partition(self, call, mesh, arg_shapes, result_shape):
+    """custom_partitioning: the local computation and the layouts it needs."""
+    del result_shape
+    batch_axes, head_axes, args, results = self.plan(
+        call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes])
+    local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
+    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
+    return (mesh, lambda *a: self.run(local, *a), named(results), named(args))
+
+  def infer(self, call, mesh, arg_shapes, result_shape):
+    """Result shardings for the GSPMD partitioner (Shardy uses `rule`)."""
+    del result_shape
+    results = self.plan(
+        call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes])[3]
+    return tuple(NamedSharding(mesh, s) for s in results)
+
+  def shard_map(self, call, sharding: NamedSharding, *args):
+    """`Explicit` mesh axes: the layout is in the types, so a shard_map runs
+    the local computation (operands whose layout differs are resharded)."""
+    mesh = sharding.mesh
+    specs = [_spec_of(jax.typeof(x).sharding, x.ndim) for x in args]
+    batch_axes, head_axes, arg_specs, result_specs = self.plan(call, mesh,
+                                                               specs)
+    args = [fit_explicit(x, NamedSharding(mesh, want))
+            for x, want in zip(args, arg_specs)]
+    local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
+    return tuple(jax.shard_map(
+        lambda *a: self.run(local, *a), mesh=mesh, in_specs=tuple(arg_specs),
+        out_specs=tuple(result_specs), check_vma=False)(*args))
+
+
+def _partitioned(op: _Op):
+  fn = custom_partitioning(op.run, static_argnums=(0,))
+  fn.def_partition(partition=op.partition, infer_sharding_from_operands=op.infer,
+                   sharding_rule=op.sharding_rule)
+  return fn
+
+
+def _fold_batch(x, axis_size, batched):
+  """[n, b, ...] (or unbatched [b, ...], broadcast) -> [n * b, ...]."""
+  if not batched:
+    x = jax.numpy.broadcast_to(x, (axis_size,) + x.shape)
+  return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+
+
+def _with_vmap(partitioned, call, *args):
+  """Calls `partitioned(call, *args)`; a vmapped axis is folded into batch."""
+
+  @jax.custom_batching.custom_vmap
+  def apply(*args):
+    return tuple(partitioned(call, *args))
+
+  @apply.def_vmap
+  def rule(axis_size, in_batched, *args):
+    folded = [_fold_batch(x, axis_size, b) for x, b in zip(args, in_batched)]
+    spec = dataclasses.replace(call.spec, batch=axis_size * call.spec.batch)
+    outs = _with_vmap(partitioned, dataclasses.replace(call, spec=spec),
+                      *folded)
+    unfold = lambda y: y.reshape((axis_size, y.shape[0] // axis_size)
+                                 + y.shape[1:])
+    return tuple(unfold(y) for y in outs), (True,) * len(outs)
+
+  return apply(*args)
+
+
+def _explicit_sharding(x) -> NamedSharding | None:
+  """x's type sharding if x is traced on a mesh with `Explicit` axes."""
+  if not isinstance(x, jax.core.Tracer):
+    return None
+  sharding = known_sharding(x)
+  if sharding is None or AxisType.Explicit not in sharding.mesh.axis_types:
+    return None
+  return sharding
+
+
+def fit_explicit(x, target: NamedSharding):
+  """Reshards x to `target` when `target`'s mesh has `Explicit` axes.
+
+  `jax.shard_map` on such a mesh insists that its operands' types already
+  carry its `in_specs`; under automatic axes XLA reshards by itself, and x is
+  returned as is.
+  """
+  if AxisType.Explicit not in target.mesh.axis_types:
+    return x
+  current = known_sharding(x) if isinstance(x, jax.core.Tracer) else None
+  if current is not None and _spec_of(current, x.ndim) == _spec_of(target,
+                                                                   x.ndim):
+    return x
+  return jax.reshard(x, target)
+
+
+def _run_forward(call, q, k, v):
+  return tuple(backends.get(call.backend).forward(call.spec, call.config,
+                                                  q, k, v))
+
+
+def _run_backward(call, q, k, v, out, lse, dout, dlse):
+  return tuple(backends.get(call.backend).backward(
+      call.spec, call.config, q, k, v, out, lse, dout, dlse))
+
+
+_FORWARD_OP = _Op(_FWD_NAMES, ("out", "lse"), _run_forward, _FWD_RULE)
+_BACKWARD_OP = _Op(_BWD_NAMES, ("q", "k", "v"), _run_backward, _BWD_RULE)
+_FORWARD = _partitioned(_FORWARD_OP)
+_BACKWARD = _partitioned(_BACKWARD_OP)
+
+
+@functools.lru_cache(maxsize=256)
+def _effectful(op: _Op, call, avals: tuple) -> bool:
+  """Whether the backend call has side effects (the Pallas interpreter's
+  callbacks, say). custom_partitioning neither declares nor lowers effects
+  (the lowering fails on the effect tokens), so such a call -- a test
+  backend, never a multi-device one -- runs as it is, unpartitioned."""
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+  return bool(jax.make_jaxpr(functools.partial(op.run, call))(*args).effects)
+
+
+def _dispatch(op: _Op, partitioned, call, *args):
+  avals = tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in args)
+  if _effectful(op, call, avals):
+    return op.run(call, *args)
+  sharding = _explicit_sharding(args[0])
+  if sharding is not None and any(mesh_axes(e) for e in _spec_of(sharding, 4)):
+    return op.shard_map(call, sharding, *args)
+  return _with_vmap(partitioned, call, *args)
+
+
+def forward(call, q, k, v) -> tuple[jax.Array, jax.Array]:
+  """The backend's `(out, lse)`, computed shard-locally under SPMD sharding."""
+  return _dispatch(_FORWARD_OP, _FORWARD, call, q, k, v)
+
+
+def backward(call, q, k, v, out, lse, dout, dlse):
+  """The backend's `(dq, dk, dv)`, computed shard-locally under SPMD sharding."""
+  return _dispatch(_BACKWARD_OP, _BACKWARD, call, q, k, v, out, lse, dout,
+                   dlse)

@@ -1,0 +1,151 @@
+"""Scale-out (issue 9): the multi-device suites on 8 simulated CPU devices, and
+the ring helpers that need no mesh.
+
+JAX fixes its number of CPU devices when its backend starts, and this pytest
+process has started it with one. So the multi-device suites in
+`tests/multidevice/` (named `check_*.py`, which this run does not collect
+by itself) each run in a fresh `python -m pytest` subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. A
+failure here lists the failing cases with their messages, read from the
+subprocess's JUnit XML report. To run a suite directly:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python -m pytest tests/multidevice/check_ring_attention.py
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa3
+from pallas_fa3 import ring_steps
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SUITE_DIR = REPO_ROOT / "tests" / "multidevice"
+SUITES = ("check_sharded_attention.py", "check_ring_attention.py")
+SIMULATED_DEVICES = 8
+# Each suite takes 1-2 minutes on 2 busy cores; the slow sweep longer.
+_TIMEOUT_S = {"not slow": 540, "slow": 1800}
+
+
+def _env() -> dict[str, str]:
+  env = dict(os.environ)
+  flag = f"--xla_force_host_platform_device_count={SIMULATED_DEVICES}"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                          if p])
+  return env
+
+
+def _failures(report: pathlib.Path) -> tuple[int, int, list[str]]:
+  """(tests run, tests skipped, ["name: message", ...] of failures/errors)."""
+  cases = list(ET.parse(report).getroot().iter("testcase"))
+  failed, skipped = [], 0
+  for case in cases:
+    for child in case:
+      if child.tag in ("failure", "error"):
+        message = (child.get("message") or child.text or "").strip()
+        failed.append(f"{case.get('name')}: {message[:2000]}")
+      elif child.tag == "skipped":
+        skipped += 1
+  return len(cases), skipped, failed
+
+
+def _run_suite(suite: str, markexpr: str, tmp_path: pathlib.Path) -> None:
+  report = tmp_path / "report.xml"
+  cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR / suite), "-q",
+         "-p", "no:cacheprovider", "-o", "addopts=", "-m", markexpr,
+         f"--junitxml={report}", "--timeout", str(_TIMEOUT_S[markexpr])]
+  proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=_TIMEOUT_S[markexpr] + 60,
+                        check=False)
+  tail = (proc.stdout + proc.stderr)[-4000:]
+  if proc.returncode == 5 and markexpr == "slow":
+    pytest.skip(f"{suite} has no slow cases")
+  assert report.exists(), f"{suite} wrote no report (rc {proc.returncode}):\n{tail}"
+  ran, skipped, failed = _failures(report)
+  assert not failed, f"{suite}: {len(failed)} failed:\n" + "\n".join(failed)
+  assert proc.returncode == 0, f"{suite} exited with {proc.returncode}:\n{tail}"
+  assert ran > 0 and skipped == 0, (
+      f"{suite}: {ran} collected, {skipped} skipped (did JAX see"
+      f" {SIMULATED_DEVICES} devices?):\n{tail}")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_on_8_simulated_devices(suite, tmp_path):
+  _run_suite(suite, "not slow", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", SUITES)
+def test_slow_cases_on_8_simulated_devices(suite, tmp_path):
+  _run_suite(suite, "slow", tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# The ring's building blocks that need no mesh.
+
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 8])
+def test_zigzag_order(ring):
+  """Device i's contiguous shard of the permuted sequence is chunks i, 2n-1-i."""
+  chunk = 3
+  order = pallas_fa3.zigzag_order(2 * ring * chunk, ring)
+  assert sorted(order.tolist()) == list(range(2 * ring * chunk))
+  shards = order.reshape(ring, 2, chunk)
+  for i in range(ring):
+    np.testing.assert_array_equal(shards[i, 0] // chunk, i)
+    np.testing.assert_array_equal(shards[i, 1] // chunk, 2 * ring - 1 - i)
+
+
+def test_zigzag_order_needs_whole_chunks():
+  with pytest.raises(ValueError, match=r"seq_len=12 must be a positive"
+                     r" multiple of 2 \* ring_size = 8"):
+    pallas_fa3.zigzag_order(12, 4)
+
+
+def test_zigzag_perms_deliver_every_chunk_once():
+  """Half-shard destinations of `to_zigzag` are two permutations of devices."""
+  for n in (1, 2, 3, 4, 8):
+    first, second = ring_steps._zigzag_perms(n)
+    for perm in (first, second):
+      assert sorted(dst for _, dst in perm) == list(range(n))
+
+
+def test_merge_is_exact_and_ignores_empty_parts():
+  """Merging two halves of the keys equals attention over all of them;
+  a part with lse = -inf has weight 0, and two empty parts give 0, not NaN."""
+  rng = np.random.default_rng(0)
+  scores = rng.standard_normal((1, 2, 3, 8))  # [b, h, q, keys]
+  values = rng.standard_normal((1, 8, 2, 4))  # [b, keys, h, d]
+
+  def attend(cols):
+    s = scores[..., cols]
+    lse = np.log(np.exp(s).sum(-1))
+    p = np.exp(s - lse[..., None])
+    out = np.einsum("bhqk,bkhd->bqhd", p, values[:, cols])
+    return jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32)
+
+  full_out, full_lse = attend(slice(0, 8))
+  out, lse = ring_steps._merge(*attend(slice(0, 3)), *attend(slice(3, 8)))
+  np.testing.assert_allclose(out, full_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse, full_lse, rtol=1e-6)
+
+  empty_out = jnp.full(full_out.shape, 7.0)  # any value: its weight is 0
+  empty_lse = jnp.full(full_lse.shape, -jnp.inf)
+  out, lse = ring_steps._merge(empty_out, empty_lse, full_out, full_lse)
+  np.testing.assert_allclose(out, full_out, rtol=1e-6)
+  np.testing.assert_array_equal(lse, full_lse)
+  out, lse = ring_steps._merge(jnp.zeros_like(full_out), empty_lse,
+                               jnp.zeros_like(full_out), empty_lse)
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
