@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
+from pallas_fa3 import fp8 as fp8_lib
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
 
@@ -15,7 +16,8 @@ _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
-                    return_lse=False, implementation=None, config=None):
+                    return_lse=False, implementation=None, config=None,
+                    fp8=False):
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -40,6 +42,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       "reference".
     config: backend-specific tiling, e.g. `pallas_fa3.BlockwiseConfig`;
       None picks the backend's default.
+    fp8: False (default), True or a `pallas_fa3.FP8Config`: quantize Q, K, V
+      to e4m3 (block quantization and randomized-Hadamard rotation unless
+      the config turns them off) and run the FP8 forward on "mosaic",
+      "interpret" or "blockwise" (see `pallas_fa3.fp8`). The output keeps the
+      input dtype. Not differentiable: gradients raise NotImplementedError.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -59,6 +66,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
     ((2, 128, 8, 64), (2, 8, 128))
   """
   check_arrays(q=q, k=k, v=v)
+  if (fp8_config := fp8_lib.check_fp8(fp8)) is not None:
+    return fp8_lib.attention_fp8(
+        q, k, v, fp8=fp8_config, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, implementation=implementation, config=config)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
