@@ -163,6 +163,7 @@ def _hadamard_block(n: int) -> int:
   return n & -n
 
 
+@jax.jit
 def hadamard_transform(x: jax.Array) -> jax.Array:
   """`x @ H / sqrt(p)` along the last axis by the fast Walsh-Hadamard transform.
 
@@ -188,6 +189,7 @@ def rotation_signs(key: jax.Array, head_dim: int) -> jax.Array:
   return jax.random.rademacher(key, (head_dim,), dtype=jnp.float32)
 
 
+@jax.jit
 def rotate(x: jax.Array, signs: jax.Array) -> jax.Array:
   """`x @ M` along the last axis with `M = D H / sqrt(d)` (orthogonal), float32."""
   return hadamard_transform(x.astype(jnp.float32) * signs)
@@ -244,10 +246,9 @@ def quantize_tiles(x: jax.Array, rows: int, per_tensor: bool = False
   return x8, jnp.transpose(scale, (0, 2, 1))
 
 
-def dequantize_tiles(x8: jax.Array, scale: jax.Array) -> jax.Array:
-  """float32 `[b, s, h, d]` from `quantize_tiles`'s output (for tests/analysis)."""
-  b, s, h, d = x8.shape
-  rows = -(-s // scale.shape[-1])
+def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
+  """float32 `[b, s, h, d]` from `quantize_tiles(x, rows)`'s output (tests, analysis)."""
+  s = x8.shape[1]
   per_row = jnp.repeat(jnp.transpose(scale, (0, 2, 1)), rows, axis=1)[:, :s]
   return x8.astype(jnp.float32) * per_row[..., None]
 

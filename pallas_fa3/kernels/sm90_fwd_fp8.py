@@ -170,7 +170,7 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
   # column index: one compare per element, fewer live registers than
   # evaluating the rule on two index tiles.
   rows = (row0 + ops.iota(shape, 0)).max(axis=1)
-  keys_end = masking.visible_keys_end(spec, rows)
+  keys_end = ops.rows(masking.visible_keys_end(spec, rows))
 
   def mask_for(j):
     return ops.iota(shape, 1) < lax.broadcast_in_dim(
