@@ -122,3 +122,45 @@ def error_table(key: jax.Array, batch: int, seq: int, heads: int, head_dim: int,
   q, k, v = outlier_inputs(k_in, batch, seq, heads, head_dim)
   golden = golden_f64(q, k, v)
   return {m: rmse(run_method(m, q, k, v, k_rot), golden) for m in methods}
+
+
+def error_sources(key: jax.Array, batch: int, seq: int, heads: int,
+                  head_dim: int, block_q: int = 64, block_kv: int = 128
+                  ) -> dict[str, float]:
+  """RMSE of "ours FP8" with one error source at a time (float64 otherwise).
+
+  Materialized attention on the same outlier inputs where only Q and K are
+  rotated and block-quantized to e4m3 (with and without the rotation), only
+  V is, or only P is rounded to e4m3 (2^8 offset, global row max): what
+  limits the FP8 error.
+  """
+  k_in, k_rot = jax.random.split(key)
+  q, k, v = outlier_inputs(k_in, batch, seq, heads, head_dim)
+  golden = golden_f64(q, k, v)
+  f64 = lambda x: np.asarray(x, np.float64)
+  signs = fp8.rotation_signs(k_rot, head_dim)
+
+  def qk(rotation: bool):
+    qq, kk = (fp8.rotate(q, signs), fp8.rotate(k, signs)) if rotation else (q, k)
+    return (f64(fp8.dequantize_tiles(*fp8.quantize_tiles(qq, block_q), block_q)),
+            f64(fp8.dequantize_tiles(*fp8.quantize_tiles(kk, block_kv), block_kv)))
+
+  v8 = f64(fp8.dequantize_tiles(*fp8.quantize_tiles(v, block_kv), block_kv))
+  out = {}
+  for name, (qq, kk, vv, p_fp8) in {
+      "Q, K quantized (rotated)": qk(True) + (f64(v), False),
+      "Q, K quantized (not rotated)": qk(False) + (f64(v), False),
+      "V quantized": (f64(q), f64(k), v8, False),
+      "P in e4m3": (f64(q), f64(k), f64(v), True),
+  }.items():
+    o = np.empty_like(golden)
+    for bi in range(batch):
+      for hi in range(heads):
+        s = (qq[bi, :, hi] @ kk[bi, :, hi].T) / np.sqrt(head_dim)
+        p = np.exp2((s - s.max(axis=-1, keepdims=True)) / np.log(2) + 8.0)
+        l = p.sum(axis=-1, keepdims=True)
+        if p_fp8:
+          p = f64(jnp.asarray(p, jnp.float32).astype(fp8.FP8_DTYPE))
+        o[bi, :, hi] = (p @ vv[bi, :, hi]) / l
+    out[name] = rmse(o, golden)
+  return out

@@ -471,3 +471,10 @@ def test_quantize_validation_names_the_argument(kwargs, error, match):
   x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(error, match=match):
     fp8.quantize(x, x, x, **kwargs)
+
+
+@pytest.mark.parametrize("module", [fp8, blockwise_fp8], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+  import doctest
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
