@@ -62,9 +62,10 @@ _F32 = jnp.float32
 # Register budgets per warpgroup role (setmaxnreg): FA3's 240 per consumer
 # and 32 for the producer (2 * 240 + 32 = 512 per thread slot, the whole
 # 64K-register file for 3 x 128 threads). The FP8 consumer holds what the
-# bf16 one does plus the addresses of P's shared-memory store; the extra 8
-# registers over the bf16 kernel's 232/40 removed ptxas spills measured with
-# the deviceless sm_90a compile (`pallas_fa3.kernels.aot --fp8`).
+# bf16 one does plus the addresses of P's shared-memory store; with 240/32
+# ptxas spilled less than with the bf16 kernel's 232/40 in the deviceless
+# sm_90a compile (`pallas_fa3.kernels.aot --fp8`), a measurement, not a
+# model of its allocator.
 CONSUMER_REGS = 240
 PRODUCER_REGS = 32
 
