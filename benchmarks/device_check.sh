@@ -9,8 +9,9 @@
 #                              the shared suite on mosaic, the harness)
 #   $OUT/bench/                forward grid: results.csv/json, summary.md, plots/
 #   $OUT/bench_bwd/            backward and fwd+bwd at head dim 128
+#   $OUT/pytest_fp8_gpu.txt, $OUT/fp8/fp8.json   FP8 configs, RMSE, speed
 # and a short table (16k-token rows of both sweeps) is printed last.
-# Total under 8 minutes: each step has its own `timeout`, and the sweeps
+# Total under 12 minutes (FP8 steps: up to 4): each step has its own `timeout`, and the sweeps
 # have a --time-budget after which remaining cases are listed as skipped
 # (their files are still written).
 #
@@ -40,6 +41,17 @@ step "GPU correctness: the shared suite, tests/test_attention.py -k mosaic"
 timeout 45 "$PY" -m pytest tests/test_attention.py -q -k "mosaic" -x \
   -p no:cacheprovider > "$OUT/pytest_mosaic.txt" 2>&1
 echo "exit $?"; tail -n 3 "$OUT/pytest_mosaic.txt"
+
+# FP8 (issue 8): every FP8 kernel config against its blockwise twin and the
+# golden, then Table-3 RMSE on the GPU vs the CPU twin, and 16k-token speed
+# (quantization pass, FP8 kernel, total, bf16 kernel) into $OUT/fp8/.
+step "FP8: every FP8 kernel config (tests/test_sm90_fp8_gpu.py), RMSE and speed"
+timeout 100 "$PY" -m pytest tests/test_sm90_fp8_gpu.py -q -x -p no:cacheprovider \
+  > "$OUT/pytest_fp8_gpu.txt" 2>&1
+echo "exit $?"; tail -n 3 "$OUT/pytest_fp8_gpu.txt"
+timeout 120 "$PY" benchmarks/fp8_device_check.py --out "$OUT/fp8" --time-budget 50 \
+  > "$OUT/fp8.txt" 2>&1
+echo "exit $?"; tail -n 8 "$OUT/fp8.txt"
 
 step "harness tests: tests/test_bench.py"
 timeout 25 "$PY" -m pytest tests/test_bench.py -q -p no:cacheprovider \

@@ -10,12 +10,14 @@ Public API (everything else is private or lives in a submodule):
   StableMax            settings of flash_attention(stable_max=...)
   ring_attention       context parallelism: the sequence sharded over a mesh axis
   zigzag_order         the token order of ring_attention's causal zig-zag layout
+  FP8Config            FP8 quantization options of flash_attention(fp8=...)
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
 from pallas_fa3.blockwise import BlockwiseConfig as BlockwiseConfig
 from pallas_fa3.config import Sm90BackwardConfig as Sm90BackwardConfig
 from pallas_fa3.config import Sm90ForwardConfig as Sm90ForwardConfig
+from pallas_fa3.fp8 import FP8Config as FP8Config
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, blockwise, partitioning, vjp
+from pallas_fa3 import fp8 as fp8_lib
 from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
@@ -17,7 +18,7 @@ _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
                     return_lse=False, implementation=None, config=None,
-                    deterministic=False, stable_max=None):
+                    deterministic=False, stable_max=None, fp8=False):
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -51,6 +52,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       `pallas_fa3.stable_max`): None/False (off), True (defaults) or a
       `pallas_fa3.StableMax`. Implemented by `blockwise` (the automatic
       choice then runs blockwise); other backends raise NotImplementedError.
+    fp8: False (default), True or a `pallas_fa3.FP8Config`: quantize Q, K, V
+      to e4m3 (block quantization and randomized-Hadamard rotation unless
+      the config turns them off) and run the FP8 forward on "mosaic",
+      "interpret" or "blockwise" (see `pallas_fa3.fp8`). The output keeps the
+      input dtype. Not differentiable: gradients raise NotImplementedError.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -73,12 +79,19 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
     ((2, 128, 8, 64), (2, 8, 128))
   """
   check_arrays(q=q, k=k, v=v)
+  check_bool("deterministic", deterministic)  # every path is deterministic
+  if (fp8_config := fp8_lib.check_fp8(fp8)) is not None:
+    if check_stable_max(stable_max) is not None:
+      raise NotImplementedError(
+          f"stable_max={stable_max!r} is not implemented for fp8 attention")
+    return fp8_lib.attention_fp8(
+        q, k, v, fp8=fp8_config, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, implementation=implementation, config=config)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   implementation = check_implementation(implementation)
   config = blockwise.with_stable_max(check_stable_max(stable_max),
                                      implementation, config)
   return_lse = check_bool("return_lse", return_lse)
-  check_bool("deterministic", deterministic)
   partitioning.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)

@@ -286,3 +286,107 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
                                    spec.dtype.itemsize) is None:
       return config
   raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
+# -- FP8 (e4m3) forward: same tiling dataclass, its own footprint -------------
+# (kernels/sm90_fwd_fp8.py; quantization tiles = kernel tiles, pallas_fa3.fp8)
+
+FP8_HEAD_DIMS = (64, 128, 256)  # the randomized Hadamard needs a power of two
+FP8_OUT_DTYPES = ("bfloat16", "float16")
+_FP8_ITEMSIZE = 1
+
+
+def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
+                           out_itemsize: int = 2) -> int:
+  """Shared memory the FP8 forward kernel allocates for one CTA, in bytes.
+
+  As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus a separate output
+  tile per consumer (in the output dtype) and one e4m3 P tile per consumer
+  (P is staged through shared memory for the P V wgmma).
+  """
+  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+  rows = NUM_CONSUMERS * config.block_q
+  q = align(rows * head_dim * _FP8_ITEMSIZE)
+  out = align(rows * head_dim * out_itemsize)
+  p = align(rows * config.block_kv * _FP8_ITEMSIZE)
+  ring = align(config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE)
+  lse = align(rows * 4)
+  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
+  return q + out + p + 2 * ring + lse + _RESERVED_SMEM + barriers
+
+
+# Register model of the FP8 consumer, calibrated with the deviceless sm_90a
+# compile (`python -m pallas_fa3.kernels.aot --fp8`): the float32 O and S
+# tiles as in the bf16 kernel, plus one register per 8 columns of P (the
+# addresses of its shared-memory store, which the compiler keeps live across
+# the loop). Within the budget, every config compiles with 0 spill bytes
+# except the two below, which ptxas spills (8 bytes, causal only; the
+# 3-stage ring's slot index is a division by 3) and are therefore excluded,
+# as measured, rather than modelled.
+_FP8_CONSUMER_ACC_REGS = 208
+_FP8_MEASURED_SPILLS = frozenset({
+    (64, Sm90ForwardConfig(block_q=128, block_kv=64, num_stages=3)),
+    (128, Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3)),
+})
+
+
+def fp8_forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
+                                   out_itemsize: int = 2) -> str | None:
+  """Why this config cannot run the FP8 kernel at this head_dim, or None."""
+  if head_dim not in FP8_HEAD_DIMS:
+    return (f"head_dim {head_dim} is not one of the FP8 kernel's"
+            f" {FP8_HEAD_DIMS}")
+  need = fp8_forward_smem_bytes(config, head_dim, out_itemsize)
+  if need > MAX_SMEM_BYTES:
+    return (f"{config} needs {need} bytes of shared memory for FP8 at"
+            f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
+  regs = (config.block_q * (head_dim + 2 * config.block_kv) // 128
+          + config.block_kv // 8)
+  if regs > _FP8_CONSUMER_ACC_REGS:
+    return (f"{config} keeps about {regs} registers of tiles per thread in"
+            f" the FP8 consumer at head_dim {head_dim}; the budget is"
+            f" {_FP8_CONSUMER_ACC_REGS}")
+  if (head_dim, config) in _FP8_MEASURED_SPILLS:
+    return (f"{config} spills registers in the FP8 kernel at head_dim"
+            f" {head_dim} (measured with the sm_90a compile)")
+  return None
+
+
+def fp8_forward_config_space(head_dim: int, out_itemsize: int = 2
+                             ) -> tuple[Sm90ForwardConfig, ...]:
+  """Every FP8 config that fits at this head_dim (the autotuning space)."""
+  return tuple(
+      c for c in (Sm90ForwardConfig(bq, bkv, st)
+                  for bq in _BLOCK_Q_CHOICES for bkv in _BLOCK_KV_CHOICES
+                  for st in _STAGE_CHOICES)
+      if fp8_forward_config_unsupported(c, head_dim, out_itemsize) is None)
+
+
+_FP8_DEFAULTS = {
+    64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+}
+
+
+def default_fp8_forward_config(head_dim: int) -> Sm90ForwardConfig:
+  """The heuristic FP8 forward config (also the default quantization tiles)."""
+  config = _FP8_DEFAULTS.get(head_dim, Sm90ForwardConfig())
+  assert fp8_forward_config_unsupported(config, head_dim) is None, config
+  return config
+
+
+def fp8_forward_unsupported(spec: AttentionSpec,
+                            config: Sm90ForwardConfig | None = None
+                            ) -> str | None:
+  """Why the FP8 kernel cannot compute `spec` (output dtype `spec.dtype`), or None."""
+  if str(spec.dtype) not in FP8_OUT_DTYPES:
+    return (f"the FP8 kernel writes {', '.join(FP8_OUT_DTYPES)}; got output"
+            f" dtype {spec.dtype}")
+  if spec.head_dim != spec.head_dim_v:
+    return (f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
+            " the FP8 kernel needs equal q/k and v head dims")
+  if spec.head_dim not in FP8_HEAD_DIMS:
+    return (f"head_dim {spec.head_dim} is not one of the FP8 kernel's"
+            f" {FP8_HEAD_DIMS}")
+  config = default_fp8_forward_config(spec.head_dim) if config is None else config
+  return fp8_forward_config_unsupported(config, spec.head_dim,
+                                        spec.dtype.itemsize)

@@ -66,3 +66,15 @@ def first_q_block_visible(spec: AttentionSpec, kv_block_start, block_q: int,
     return 0
   first_row = kv_block_start - spec.causal_offset  # first query seeing the tile
   return jnp.clip(first_row // block_q, 0, num_q_blocks)
+
+
+def visible_keys_end(spec: AttentionSpec, q_pos: jax.Array) -> jax.Array:
+  """One past the last key query `q_pos` sees: `visible(q, j)` iff `j < end`.
+
+  The same rule as `visible_tile` as one bound per row, for kernels that
+  compare a column index against it.
+  """
+  end = jnp.full_like(q_pos, spec.seq_kv)
+  if spec.causal:
+    end = jnp.minimum(end, jnp.maximum(q_pos + spec.causal_offset + 1, 0))
+  return end

@@ -145,19 +145,76 @@ def sweep():
         yield compile_backward, spec, config
 
 
+def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
+  """Compiles the FP8 forward kernel for sm_90a; ptxas's report.
+
+  `spec.dtype` is the output dtype; the operands are e4m3 with float32
+  scales, in the layouts `pallas_fa3.fp8.quantize` writes.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  from pallas_fa3.kernels import sm90_fwd_fp8
+
+  mesh = _mesh() if mesh is None else mesh
+  sharding = NamedSharding(mesh, PartitionSpec())
+  f8, f32 = sm90_fwd_fp8.FP8_DTYPE, jnp.float32
+  b, hq, hk, d = spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim
+  n_q = -(-spec.seq_q // config.block_q)
+  n_kv = -(-spec.seq_kv // config.block_kv)
+  shapes = [jax.ShapeDtypeStruct(s, t, sharding=sharding) for s, t in (
+      ((b, spec.seq_q, hq, d), f8), ((b, spec.seq_kv, hk, d), f8),
+      ((b, hk, d, spec.seq_kv), f8), ((b, hq, n_q), f32),
+      ((b, hk, n_kv), f32), ((b, hk, n_kv), f32))]
+  fn = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a))
+  with tempfile.TemporaryDirectory() as dump:
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+    try:
+      fn.lower(*shapes).compile()
+    finally:
+      os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
+      os.environ.pop("MOSAIC_GPU_DUMP_TO")
+    text = "".join(p.read_text() for p in pathlib.Path(dump).glob("*.ptxas"))
+  regs, stores, loads = _parse_ptxas(text)
+  return CompileReport(f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal}"
+                       f" {config}", regs, stores, loads)
+
+
+def fp8_forward_sweep():
+  """(spec, config) for every supported FP8 forward config, both output dtypes.
+
+  GQA with a ragged K/V length, causal (masked diagonal tiles with a
+  successor) and non-causal (one masked edge tile, the last).
+  """
+  import jax.numpy as jnp
+  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.spec import AttentionSpec
+
+  for dtype in kernel_config.FP8_OUT_DTYPES:
+    for d in kernel_config.FP8_HEAD_DIMS:
+      for config in kernel_config.fp8_forward_config_space(d):
+        for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
+          yield AttentionSpec(1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal,
+                              d ** -0.5), config
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--max-configs", type=int, default=None,
                       help="stop after this many configs")
   parser.add_argument("--json", default=None,
                       help="also write every report to this JSON file")
+  parser.add_argument("--fp8", action="store_true",
+                      help="sweep the FP8 forward kernel instead")
   args = parser.parse_args(argv)
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")
     return 2
   mesh, reports = _mesh(), []
-  for i, (compile_fn, spec, config) in enumerate(sweep()):
+  items = (((compile_forward_fp8, spec, config)
+            for spec, config in fp8_forward_sweep()) if args.fp8 else sweep())
+  for i, (compile_fn, spec, config) in enumerate(items):
     if args.max_configs is not None and i >= args.max_configs:
       break
     report = compile_fn(spec, config, mesh)

@@ -1,0 +1,124 @@
+"""FP8 forward on a Hopper GPU: RMSE against the CPU twin, then speed.
+
+1. The FA3 Table 3 error ("ours FP8", seq 4096, 2 heads, d 128) computed by
+   the kernel (`mosaic`) and by its twin (`blockwise`, on this machine's
+   CPU): they should agree within rounding.
+2. Speed at the paper's grid point of 16k tokens (batch 1, seq 16384,
+   hidden 2048: 16 heads at d 128, 8 at d 256), non-causal and causal: the
+   quantization pass alone, the FP8 kernel alone (pre-quantized inputs), the
+   total (`flash_attention(..., fp8=True)`), and the bf16 kernel for
+   comparison. TFLOPs/s count the attention FLOPs only (4 b s^2 h d, halved
+   for causal), also for the total. Targets (issue 8, H200): FP8 forward
+   16k non-causal d256 >= 1100 TFLOPs/s, d128 >= 900.
+
+Writes `$OUT/fp8.json` and prints a table. Stops timing when --time-budget
+seconds have passed (the remaining rows are listed as skipped).
+
+    python benchmarks/fp8_device_check.py --out device_out/fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+
+import pallas_fa3
+from pallas_fa3 import _fp8_study as study
+from pallas_fa3 import config as kernel_config
+from pallas_fa3 import fp8
+from pallas_fa3.bench import flops, timing
+
+
+def _rmse_check() -> dict:
+  k_in, k_rot = jax.random.split(jax.random.key(0))
+  q, k, v = study.outlier_inputs(k_in, 1, 4096, 2, 128)
+  golden = study.golden_f64(q, k, v)
+  cfg = pallas_fa3.FP8Config(key=k_rot)
+  gpu = pallas_fa3.flash_attention(q, k, v, fp8=cfg, implementation="mosaic")
+  cpu_dev = jax.devices("cpu")[0]
+  with jax.default_device(cpu_dev):
+    qc, kc, vc = (jax.device_put(x, cpu_dev) for x in (q, k, v))
+    twin = pallas_fa3.flash_attention(qc, kc, vc, fp8=cfg,
+                                      implementation="blockwise")
+  return dict(rmse_gpu=study.rmse(gpu, golden), rmse_twin=study.rmse(twin, golden),
+              rmse_gpu_vs_twin=study.rmse(gpu, jax.device_get(twin).astype("float64")))
+
+
+def _timings(args) -> list[dict]:
+  rows, start = [], time.time()
+  for d, causal in ((256, False), (128, False), (256, True), (128, True)):
+    heads = 2048 // d
+    shape = (1, 16384, heads, d)
+    if time.time() - start > args.time_budget:
+      rows.append(dict(head_dim=d, causal=causal, skipped="time budget"))
+      continue
+    sets = []
+    for i in range(2):
+      keys = jax.random.split(jax.random.key(i), 3)
+      sets.append(tuple(jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys))
+    cfg = kernel_config.default_fp8_forward_config(d)
+    quant = jax.jit(lambda q, k, v: fp8.quantize(
+        q, k, v, block_q=cfg.block_q, block_kv=cfg.block_kv))
+    qsets = [jax.block_until_ready(quant(*s)) for s in sets]
+    fns = {
+        "quantize": (quant, sets),
+        "fp8 kernel": (jax.jit(lambda *x: fp8.flash_attention_fp8(
+            *x, causal=causal, implementation="mosaic", config=cfg)), qsets),
+        "fp8 total": (jax.jit(lambda q, k, v: pallas_fa3.flash_attention(
+            q, k, v, causal=causal, fp8=True, implementation="mosaic")), sets),
+        "bf16 kernel": (jax.jit(lambda q, k, v: pallas_fa3.flash_attention(
+            q, k, v, causal=causal, implementation="mosaic")), sets),
+    }
+    bench_spec = types.SimpleNamespace(batch=1, seq_q=16384, seq_kv=16384,
+                                       heads_q=heads, head_dim=d,
+                                       causal=causal, mode="fwd")
+    work = flops.attention_flops(bench_spec)
+    row = dict(head_dim=d, causal=causal, heads=heads, config=str(cfg))
+    for name, (fn, arg_sets) in fns.items():
+      try:
+        t, _ = timing.measure(fn, arg_sets, warmup=2, runs=args.runs)
+        row[name + " ms"] = t.median_s * 1e3
+        if name != "quantize":
+          row[name + " TFLOPs/s"] = work / t.median_s / 1e12
+      except Exception as e:  # pylint: disable=broad-except
+        row[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("device_out/fp8"))
+  parser.add_argument("--runs", type=int, default=10)
+  parser.add_argument("--time-budget", type=float, default=60.0)
+  args = parser.parse_args(argv)
+  args.out.mkdir(parents=True, exist_ok=True)
+  result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+  try:
+    result["rmse"] = _rmse_check()
+  except Exception as e:  # pylint: disable=broad-except
+    result["rmse"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+  print("RMSE (Table 3, ours FP8, 1x4096x2x128):", result["rmse"], flush=True)
+  result["timings"] = _timings(args)
+  (args.out / "fp8.json").write_text(json.dumps(result, indent=1))
+  cols = ("quantize ms", "fp8 kernel TFLOPs/s", "fp8 total TFLOPs/s",
+          "bf16 kernel TFLOPs/s")
+  print("| d | causal | " + " | ".join(cols) + " |")
+  print("|---|---|" + "---:|" * len(cols))
+  for r in result["timings"]:
+    cells = [r.get(c, r.get(c.rsplit(" ", 1)[0], r.get("skipped", "-")))
+             for c in cols]
+    cells = [f"{c:.1f}" if isinstance(c, float) else str(c)[:60] for c in cells]
+    print(f"| {r['head_dim']} | {r['causal']} | " + " | ".join(cells) + " |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

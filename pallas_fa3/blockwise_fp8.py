@@ -1,0 +1,108 @@
+"""The FP8 kernel's pure-JAX twin: the same tiles, scales and P rounding, any device.
+
+`blockwise_forward_fp8` walks the same `block_q x block_kv` tiles as
+`kernels/sm90_fwd_fp8.py` and performs the same float32 steps in the same
+order, reusing the kernel's own softmax step and epilogue
+(`online_softmax_fp8`, `finalize_fp8`) and its V-scale ratios:
+
+    s      = q8_i . k8_j                       (e4m3 products, float32 sums)
+    p      = exp2(s * (scale log2e sq_i sk_j) - (m - 8))       P <= 2^8
+    O      = O * alpha * (sv_{j-1} / sv_j) + e4m3(p) . v8_j
+    out    = O * sv_last / l,   lse = (m + log2 l - 8) ln 2
+
+What differs from the GPU: the summation order inside the dot products and
+the exp2 (approximate on the GPU, `approx_math`), so a P value next to an
+e4m3 rounding boundary can round the other way; results agree to about the
+e4m3 resolution of single P entries, not bit for bit.
+
+Example:
+  >>> import jax, pallas_fa3
+  >>> from pallas_fa3 import fp8
+  >>> q = jax.random.normal(jax.random.key(0), (1, 200, 2, 64), "bfloat16")
+  >>> x = fp8.quantize(q, q, q, block_q=64, block_kv=128)
+  >>> out = fp8.flash_attention_fp8(*x, implementation="blockwise",
+  ...                               config=pallas_fa3.BlockwiseConfig(64, 128))
+  >>> out.shape
+  (1, 200, 2, 64)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90_fwd_fp8 import (FP8_DTYPE, finalize_fp8,
+                                             online_softmax_fp8,
+                                             v_scale_ratios)
+from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _pad(x: jax.Array, axis: int, length: int) -> jax.Array:
+  pad = length - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
+                          q8, k8, v8_t, q_scale, k_scale, v_scale
+                          ) -> tuple[jax.Array, jax.Array]:
+  """Tiled FP8 forward; returns (out `[b, sq, hq, d]` in `spec.dtype`, lse `[b, hq, sq]`).
+
+  Operands as `pallas_fa3.fp8.quantize` writes them (`FP8Inputs`), quantized
+  with tiles `block_q` x `block_kv`.
+  """
+  b, hk, g = spec.batch, spec.heads_kv, spec.group_size
+  nq, nkv = -(-spec.seq_q // block_q), -(-spec.seq_kv // block_kv)
+  qp = group_heads(_pad(q8, 1, nq * block_q).astype(_F32), hk)
+  kp = _pad(k8, 1, nkv * block_kv).astype(_F32)
+  vp = _pad(v8_t, 3, nkv * block_kv).astype(_F32)  # [b, hk, d, skv]
+  qs = q_scale.astype(_F32).reshape(b, hk, g, nq)
+  ks = k_scale.astype(_F32)
+  vs = v_scale.astype(_F32)
+  vr = v_scale_ratios(vs)
+  stat_shape = (b, hk, g, block_q)
+
+  def q_tile_fn(iq):
+    q_tile = jax.lax.dynamic_slice_in_dim(qp, iq * block_q, block_q, axis=1)
+    q_pos = iq * block_q + jnp.arange(block_q)
+    # As the kernel: float32(scale * log2 e) * sq, then * sk_j per step.
+    scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * qs[..., iq]
+
+    def kv_step(j, carry):
+      o, m, l = carry
+      k_tile = jax.lax.dynamic_slice_in_dim(kp, j * block_kv, block_kv, axis=1)
+      vt_tile = jax.lax.dynamic_slice_in_dim(vp, j * block_kv, block_kv, axis=3)
+      s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
+                     preferred_element_type=_F32, precision=_HIGHEST)
+      step_scale = scale_log2 * ks[:, :, None, j]
+      mask = masking.visible(spec, q_pos, j * block_kv + jnp.arange(block_kv))
+      p, alpha, m, l = online_softmax_fp8(
+          s, m, l, scale_log2=step_scale[..., None, None], mask=mask)
+      p8 = p.astype(FP8_DTYPE).astype(_F32)
+      o = o * (alpha * vr[:, :, None, j, None])[..., None]
+      o = o + jnp.einsum("bhgqk,bhdk->bhgqd", p8, vt_tile,
+                         preferred_element_type=_F32, precision=_HIGHEST)
+      return o, m, l
+
+    init = (jnp.zeros(stat_shape + (spec.head_dim,), _F32),
+            jnp.full(stat_shape, -jnp.inf, _F32), jnp.zeros(stat_shape, _F32))
+    n_kv = masking.num_kv_blocks_visible(spec, (iq + 1) * block_q, block_kv, nkv)
+    o, m, l = jax.lax.fori_loop(0, n_kv, kv_step, init)
+    last = jnp.maximum(n_kv - 1, 0)
+    sv = jax.lax.dynamic_index_in_dim(vs, last, axis=2, keepdims=False)
+    out, lse = finalize_fp8(o, m, l, sv[:, :, None, None])
+    return out.astype(spec.dtype), lse
+
+  outs, lses = jax.lax.map(q_tile_fn, jnp.arange(nq))
+  # outs: [nq, b, hk, g, bq, d] -> [b, nq * bq, hq, d]; lses: [nq, b, hk, g, bq].
+  out = jnp.moveaxis(outs, (0, 4), (1, 2)).reshape(
+      b, nq * block_q, spec.heads_q, spec.head_dim)
+  lse = jnp.moveaxis(lses, 0, 3).reshape(b, spec.heads_q, nq * block_q)
+  return out[:, :spec.seq_q], lse[..., :spec.seq_q]

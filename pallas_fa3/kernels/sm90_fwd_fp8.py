@@ -1,0 +1,416 @@
+"""FP8 (e4m3) FlashAttention-3 forward kernel for Hopper (sm90), Pallas Mosaic GPU.
+
+The pipeline is the bf16 kernel's (`sm90_fwd.py`: a producer warpgroup
+streaming K/V tiles by TMA into a `num_stages` ring, two consumer warpgroups
+in pingpong, S_{j+1} = Q K_{j+1}^T issued before the softmax of S_j); what
+changes for FP8 (FA3 paper, section 3.3; our own code):
+
+- **Operands.** Q, K and V arrive quantized by `pallas_fa3.fp8.quantize`:
+  e4m3 tiles with one float32 scale per `block_q x d` tile of Q and per
+  `block_kv x d` tile of K and of V (Q and K already rotated by the
+  randomized Hadamard transform when that is on). FP8 wgmma wants both
+  operands k-major, so V comes transposed, `[b, hk, d, skv]`
+  (sequence-contiguous), and is read as the (N, K) operand through
+  `transpose_ref`, like K in Q K^T.
+- **Descales.** The Q and K scales of a tile multiply the scores, so they are
+  folded into the softmax scale (`scale * log2(e) * sq * sk_j`, one scalar
+  per K/V step). The V scale of tile j cannot be folded into the wgmma that
+  accumulates P_j V_j into O, so O is kept in units of the current V scale:
+  the rescale O *= alpha becomes O *= alpha * sv_{j-1} / sv_j (a per-row
+  vector the online softmax computes anyway), and the epilogue multiplies by
+  the last sv.
+- **P in FP8.** P is computed as `exp2(s - (m - 8))`, i.e. scaled by 2^8
+  into the e4m3 range (P <= 256 < 448) as in the reference CUDA code, so
+  small probabilities keep their precision; the row sum `l` is accumulated
+  in the same units, which cancels the 2^8 in the normalization, and the
+  lse subtracts it. P is cast to e4m3 and staged through shared memory
+  (0.10.2 does not lower an f32 accumulator cast straight to an FP8 register
+  operand), then `commit_smem` and the P V wgmma read it from there.
+- **Output** in `spec.dtype` (bf16 or fp16), with the float32 lse, through a
+  separate shared-memory tile (the FP8 Q tile is too small to stage it).
+
+Scales are read as scalars from global memory (`ref[b, h, i]`) by each
+consumer: one per query tile and two per K/V step, a few bytes next to the
+K/V tiles. Every numeric step has an exact counterpart in the blockwise twin
+(`pallas_fa3/blockwise_fp8.py`), which CPU tests compare against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3 import masking
+from pallas_fa3.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels import compat
+from pallas_fa3.kernels._ops import KernelOps
+from pallas_fa3.kernels.sm90_fwd import (_LN2, _kv_steps, _Plan,
+                                         _smem_transforms)
+from pallas_fa3.spec import LOG2E, AttentionSpec
+
+FP8_DTYPE = jnp.float8_e4m3fn
+# P is exponentiated against (row max - 8): P <= 2^8 = 256, inside e4m3's
+# finite range (448), as FA3's reference CUDA code does for FP8.
+P_LOG2_OFFSET = 8.0
+_F32 = jnp.float32
+# Register budgets per warpgroup role (setmaxnreg): FA3's 240 per consumer
+# and 32 for the producer (2 * 240 + 32 = 512 per thread slot, the whole
+# 64K-register file for 3 x 128 threads). The FP8 consumer holds what the
+# bf16 one does plus the addresses of P's shared-memory store; with 240/32
+# ptxas spilled less than with the bf16 kernel's 232/40 in the deviceless
+# sm_90a compile (`pallas_fa3.kernels.aot --fp8`), a measurement, not a
+# model of its allocator.
+CONSUMER_REGS = 240
+PRODUCER_REGS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Ops(KernelOps):
+  """The FP8 kernel's leaf matmuls (the register-layout ops are inherited).
+
+  Interpreted: e4m3 operands are upcast to float32 before the dot (exact:
+  a product of two e4m3 values is exact in float32), float32 accumulation,
+  as the wgmma does.
+  """
+
+  def with_scores(self, q_smem, k_smem, body):
+    if self.interpreted:
+      s = jnp.dot(q_smem[...].astype(_F32), k_smem[...].astype(_F32).T,
+                  preferred_element_type=_F32)
+      return body(lambda: s)
+    return super().with_scores(q_smem, k_smem, body)
+
+  def accumulate_pv_t(self, o: jax.Array, p_smem, vt_smem) -> jax.Array:
+    """o + P V with P `[bq, bkv]` and V^T `[d, bkv]` in shared memory (FP8).
+
+    Both operands are k-major (the contraction runs over their minor,
+    sequence axis), which FP8 wgmma requires; waits for all wgmma.
+    """
+    if self.interpreted:
+      return o + jnp.dot(p_smem[...].astype(_F32), vt_smem[...].astype(_F32).T,
+                         preferred_element_type=_F32)
+
+    def pv(acc):
+      plgpu.wgmma(acc, p_smem, plgpu.transpose_ref(vt_smem, (1, 0)))
+
+    return pl.run_state(pv)(plgpu.ACC.init(o))
+
+
+COMPILED_FP8 = Fp8Ops(interpreted=False)
+INTERPRETED_FP8 = Fp8Ops(interpreted=True)
+
+
+def online_softmax_fp8(s, m, l, *, scale_log2, mask):
+  """One online-softmax step in base 2 with P offset by 2^8 (l in the same units).
+
+  Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. Shared by the kernel
+  and, through `pallas_fa3.blockwise_fp8`, its twin.
+  """
+  s = s * scale_log2
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  # A row with no visible key yet has max -inf: exponentiate against 0.
+  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_ref)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_ref - P_LOG2_OFFSET, s.shape,
+                                        tuple(range(s.ndim - 1))))
+  return p, alpha, m_new, l * alpha + p.sum(axis=-1)
+
+
+def finalize_fp8(o, m, l, sv):
+  """(normalized O, natural-log lse) from the running statistics.
+
+  `o` is in units of the last V scale `sv` and of P's 2^8, as is `l`.
+  """
+  empty = l == 0.0
+  inv_l = jnp.where(empty, 0.0, sv / jnp.where(empty, 1.0, l))
+  o = o * lax.broadcast_in_dim(inv_l, o.shape, tuple(range(o.ndim - 1)))
+  log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
+  lse = jnp.where(empty, -jnp.inf,
+                  (m + log2_l - P_LOG2_OFFSET) * jnp.float32(_LN2))
+  return o, lse
+
+
+def _consumer(refs, plan: _Plan, ops: Fp8Ops):
+  """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
+  (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem_all,
+   o_smem_all, p_smem_all, k_smem, vt_smem, lse_smem, k_full, v_full, k_empty,
+   v_empty, q_bar, sched) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  wg = lax.axis_index("wg")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(spec.group_size))
+  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  row0 = cta_row0 + wg * cfg.block_q
+  q_smem, p_smem = q_smem_all.at[wg], p_smem_all.at[wg]
+  stages = cfg.num_stages
+
+  def rendezvous():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
+                          q_smem, q_bar.at[wg])
+  # The Q tile's descale, folded into the softmax scale.
+  q_scale = qs_ref[batch, head, lax.div(row0, jnp.int32(cfg.block_q))]
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * q_scale
+  plgpu.barrier_wait(q_bar.at[wg])
+
+  steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  shape = (cfg.block_q, cfg.block_kv)
+  # The mask as one per-row bound (`masking.visible_keys_end`) against the
+  # column index: one compare per element, fewer live registers than
+  # evaluating the rule on two index tiles.
+  rows = (row0 + ops.iota(shape, 0)).max(axis=1)
+  keys_end = ops.rows(masking.visible_keys_end(spec, rows))
+
+  def mask_for(j):
+    return ops.iota(shape, 1) < lax.broadcast_in_dim(
+        keys_end - j * cfg.block_kv, shape, [0])
+
+  def softmax_to_smem(j, o, m, l, s, masked):
+    """Softmax of S_j; P_j (e4m3) into shared memory; O rescaled."""
+    k_scale = ks_ref[batch, kv_head, j]
+    v_ratio = vr_ref[batch, kv_head, j]  # sv_{j-1} / sv_j
+    p, alpha, m_new, l_new = online_softmax_fp8(
+        s, m, l, scale_log2=scale_log2 * k_scale,
+        mask=mask_for(j) if masked else None)
+    p_smem[...] = p.astype(FP8_DTYPE)
+    plgpu.commit_smem()  # P visible to the wgmma (async proxy)
+    # O stays in units of the current V tile's scale.
+    o = o * lax.broadcast_in_dim(alpha * v_ratio, o.shape, [0])
+    return o, m_new, l_new
+
+  def step(j, carry, *, has_next: bool, masked: bool):
+    o, m, l, s = carry
+    slot = lax.rem(j, stages)
+    nslot = lax.rem(j + 1, stages)
+
+    def body(read_next):
+      plgpu.barrier_arrive(sched)  # pingpong: my S_{j+1} is issued
+      plgpu.barrier_wait(sched)
+      o_scaled, m_new, l_new = softmax_to_smem(j, o, m, l, s, masked)
+      plgpu.barrier_arrive(sched)  # pingpong: softmax done, tensor cores next
+      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_wait(sched)
+      o_new = ops.accumulate_pv_t(o_scaled, p_smem, vt_smem.at[slot])
+      plgpu.barrier_arrive(v_empty.at[slot])
+      return o_new, m_new, l_new, read_next()
+
+    if not has_next:
+      return body(lambda: s)
+    if not masked:
+      plgpu.barrier_wait(k_full.at[nslot])
+      out = ops.with_scores(q_smem, k_smem.at[nslot], body)
+      plgpu.barrier_arrive(k_empty.at[nslot])
+      return out
+    # Masked steps with a successor (the causal diagonal, a tile or two per
+    # query tile) issue S_{j+1} after their softmax, next to P_j V_j: the
+    # mask, P's shared-memory store and an S tile in flight together exceed
+    # the consumer's registers (ptxas spills), and the pingpong still
+    # overlaps this softmax with the other consumer's GEMMs.
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+    o_scaled, m_new, l_new = softmax_to_smem(j, o, m, l, s, masked)
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(k_full.at[nslot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_wait(sched)
+    s_next = ops.scores(q_smem, k_smem.at[nslot])
+    plgpu.barrier_arrive(k_empty.at[nslot])
+    o_new = ops.accumulate_pv_t(o_scaled, p_smem, vt_smem.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    return o_new, m_new, l_new, s_next
+
+  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), _F32))
+  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, _F32))
+  l0 = ops.rows(jnp.zeros((cfg.block_q,), _F32))
+  plgpu.barrier_wait(k_full.at[0])
+  s0 = ops.scores(q_smem, k_smem.at[0])
+  plgpu.barrier_arrive(k_empty.at[0])
+  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
+
+  carry = (o0, m0, l0, s0)
+  split = jnp.minimum(unmasked, steps - 1)
+  carry = lax.fori_loop(0, split, functools.partial(
+      step, has_next=True, masked=False), carry)
+  carry = lax.fori_loop(split, steps - 1, functools.partial(
+      step, has_next=True, masked=plan.needs_mask), carry)
+  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    # As in the bf16 kernel: observe and release the tiles loaded for the
+    # other consumer, and keep the pingpong in step.
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    rendezvous()
+    rendezvous()
+
+  pl.when(wg == 0)(rendezvous)
+  out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
+  o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
+  o_smem[...] = out.astype(spec.dtype)
+  lse_wg[...] = lse
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head])
+  plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _producer(refs, plan: _Plan):
+  """The producer warpgroup: streams K and V^T tiles into the ring by TMA."""
+  (k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty, v_empty) = refs
+  cfg = plan.config
+  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
+  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  stages = cfg.num_stages
+
+  @pl.loop(0, steps)
+  def _load(j):
+    slot = lax.rem(j, stages)
+    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
+
+    @pl.when(j >= stages)
+    def _wait_k():
+      plgpu.barrier_wait(k_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
+                            k_full.at[slot])
+
+    @pl.when(j >= stages)
+    def _wait_v():
+      plgpu.barrier_wait(v_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, cols],
+                            vt_smem.at[slot], v_full.at[slot])
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _drain(j):
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
+
+
+def _build(plan: _Plan, ops: Fp8Ops, interpret):
+  spec, cfg = plan.spec, plan.config
+  d = spec.head_dim
+  qk_transforms = _smem_transforms(FP8_DTYPE, d)
+  seq_transforms = _smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
+
+  def kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref,
+             lse_ref, q_smem, o_smem, p_smem, k_smem, vt_smem, lse_smem, k_full,
+             v_full, k_empty, v_empty, q_bar, sched):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _():
+      _consumer((q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem,
+                 o_smem, p_smem, k_smem, vt_smem, lse_smem, k_full, v_full,
+                 k_empty, v_empty, q_bar, sched), plan, ops)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _():
+      _producer((k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty,
+                 v_empty), plan)
+
+  scratch = (
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE,
+                 transforms=qk_transforms),
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
+                 transforms=_smem_transforms(spec.dtype, d)),
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, cfg.block_kv), FP8_DTYPE,
+                 transforms=seq_transforms),
+      plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), FP8_DTYPE,
+                 transforms=qk_transforms),
+      plgpu.SMEM((cfg.num_stages, d, cfg.block_kv), FP8_DTYPE,
+                 transforms=seq_transforms),
+      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), _F32),
+      plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
+      plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS),   # Q tile per consumer
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),   # pingpong schedule
+  )
+  out_type = (
+      jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
+      jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compat.compiler_params(approx_math=True),
+      interpret=interpret,
+  )
+
+
+def _pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
+  pad = length - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def v_scale_ratios(v_scale: jax.Array) -> jax.Array:
+  """`sv_{j-1} / sv_j` along the last (K/V tile) axis, 1 for the first tile.
+
+  The factor that moves O from the units of one V tile's scale to the
+  next's. Computed once outside the kernel (exact IEEE division, shared with
+  the blockwise twin) rather than per step inside it.
+  """
+  v_scale = v_scale.astype(_F32)
+  prev = jnp.concatenate([v_scale[..., :1], v_scale[..., :-1]], axis=-1)
+  return prev / v_scale
+
+
+def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
+                     q8, k8, v8t, q_scale, k_scale, v_scale, *,
+                     interpret=None) -> tuple[jax.Array, jax.Array]:
+  """Runs the FP8 forward kernel; returns (out `[b, sq, hq, d]`, lse `[b, hq, sq]`).
+
+  Args:
+    spec: the call; `spec.dtype` is the output dtype (bf16 or fp16).
+    config: the tiling; its block_q / block_kv are the quantization tiles.
+    q8: `[b, sq, hq, d]` e4m3.  k8: `[b, skv, hk, d]` e4m3.
+    v8t: `[b, hk, d, skv]` e4m3 (V transposed: sequence-contiguous).
+    q_scale: `[b, hq, ceil(sq / block_q)]` float32.
+    k_scale, v_scale: `[b, hk, ceil(skv / block_kv)]` float32, positive.
+    interpret: None compiles for sm90; interpret-mode parameters run the same
+      kernel on a CPU.
+  """
+  tile_q = config.rows_per_cta
+  plan = _Plan(spec, config,
+               seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
+               seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
+  ops = COMPILED_FP8 if interpret is None else INTERPRETED_FP8
+  n_q_tiles = plan.seq_q_pad // config.block_q
+  v_scale = v_scale.astype(_F32)
+  out, lse = _build(plan, ops, interpret)(
+      _pad_axis(q8, 1, plan.seq_q_pad), _pad_axis(k8, 1, plan.seq_kv_pad),
+      _pad_axis(v8t, 3, plan.seq_kv_pad),
+      _pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
+      k_scale.astype(_F32), v_scale, v_scale_ratios(v_scale))
+  return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]

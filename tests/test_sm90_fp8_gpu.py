@@ -1,0 +1,81 @@
+"""The FP8 kernel on a real Hopper GPU: every FP8 config against its twin and the golden.
+
+Skipped without an sm90 GPU (the CPU tiers are in test_fp8.py). What only a
+GPU shows: FP8 wgmma (its accumulation), the P staging through shared memory
+under real asynchrony, approximate exp2, the barrier protocol under real
+concurrency (a hang is a timeout). Run by `benchmarks/device_check.sh`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fa3 import backends, blockwise_fp8, fp8
+from pallas_fa3 import config as kernel_config
+from pallas_fa3.kernels import sm90_fwd_fp8
+from pallas_fa3.reference import golden_attention
+from pallas_fa3.spec import make_spec
+from pallas_fa3.testing import Shape, max_abs_err, random_inputs
+
+pytestmark = [
+    pytest.mark.skipif(backends.hopper_reason() is not None,
+                       reason=f"needs an sm90 GPU: {backends.hopper_reason()}"),
+    pytest.mark.timeout(120),
+]
+
+
+def _configs():
+  for d in kernel_config.FP8_HEAD_DIMS:
+    for config in kernel_config.fp8_forward_config_space(d):
+      yield pytest.param(d, config, id=f"d{d}-{config.block_q}x"
+                         f"{config.block_kv}x{config.num_stages}")
+
+
+def _rms(x) -> float:
+  return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+
+
+@pytest.mark.parametrize("head_dim,config", list(_configs()))
+def test_every_fp8_config_matches_its_twin(head_dim, config):
+  key = jax.random.key(head_dim * 1000 + config.block_kv + config.num_stages)
+  default = config == kernel_config.default_fp8_forward_config(head_dim)
+  cases = [(True, Shape(2, 777, 1000, 4, 2, head_dim))]
+  if default:
+    cases.append((False, Shape(1, 300, 513, 2, 1, head_dim)))
+  for causal, shape in cases:
+    key, sub = jax.random.split(key)
+    q, k, v, _ = random_inputs(sub, shape, jnp.bfloat16)
+    spec = make_spec(q, k, v, causal=causal)
+    x = fp8.quantize(q, k, v, block_q=config.block_q, block_kv=config.block_kv)
+    out, lse = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(
+        spec, config, *a))(*x)
+    twin_out, twin_lse = jax.jit(lambda *a: blockwise_fp8.blockwise_forward_fp8(
+        spec, config.block_q, config.block_kv, *a))(*x)
+    golden, golden_lse = golden_attention(q, k, v, causal=causal)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)),
+                                  np.isneginf(golden_lse))
+    # The GPU and the twin differ by exp2 (approximate), the wgmma's
+    # accumulation and P entries that round to the other e4m3 neighbour:
+    # small against the FP8 error itself.
+    err_twin = _rms(np.float32(twin_out) - golden)
+    assert _rms(np.float32(out) - np.float32(twin_out)) <= 0.1 * err_twin
+    assert abs(_rms(np.float32(out) - golden) - err_twin) <= 0.05 * err_twin
+    assert max_abs_err(lse, twin_lse) <= 1e-3
+
+
+def test_fp8_rows_without_keys_and_determinism():
+  shape = Shape(1, 600, 200, 2, 1, 128)
+  q, k, v, _ = random_inputs(jax.random.key(1), shape, jnp.bfloat16)
+  spec = make_spec(q, k, v, causal=True)
+  config = kernel_config.default_fp8_forward_config(128)
+  x = fp8.quantize(q, k, v, block_q=config.block_q, block_kv=config.block_kv)
+  f = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a))
+  out, lse = f(*x)
+  assert np.all(np.asarray(out[:, :400]) == 0)
+  assert np.all(np.isneginf(np.asarray(lse[..., :400])))
+  again = f(*x)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(again[0]))
