@@ -158,7 +158,9 @@ def test_cli_train_unavailable_backend_fails_loudly(tmp_path, capsys):
   assert cli.main(["train", *TINY_FLAGS, "--implementation", "mosaic",
                    "--out", str(tmp_path)]) == 1
   err = capsys.readouterr().err
-  assert "implementation='mosaic' cannot run here: no GPU" in err, err
+  # The tiny model's head_dim 16 is not a kernel head dim; on a CPU with a
+  # served shape the message is "cannot run here: no GPU ...".
+  assert "implementation='mosaic' cannot run" in err, err
 
 
 def test_data_used_by_training_is_the_stdlib():
