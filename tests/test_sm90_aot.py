@@ -23,7 +23,9 @@ _needs_packages = pytest.mark.skipif(aot.missing_packages() is not None,
 
 
 def test_ptxas_report_parser():
-  text = ("ptxas info    : Function properties for k\n"
+  text = ("ptxas warning : Registers are spilled to local memory in function"
+          " 'k', 24 bytes spill stores, 16 bytes spill loads\n"
+          "ptxas info    : Function properties for k\n"
           "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
           "ptxas info    : Used 168 registers, used 16 barriers\n")
   assert aot._parse_ptxas(text) == (168, 24, 16)
@@ -60,7 +62,7 @@ def test_every_forward_config_compiles_without_spills(sweep_reports):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("head_dim", [64, 96, pytest.param(128, marks=pytest.mark.xfail(
     strict=True, reason="issue 7 open: the d=128 dK/dV kernel (one consumer,"
-    " 232 registers) spills 16 B stores / 48 B loads"))])
+    " 232 registers) spills 8-16 B stores / 16-48 B loads"))])
 def test_every_backward_config_compiles_without_spills(sweep_reports, head_dim):
   prefix = f"bwd d={head_dim} "
   assert any(n.startswith(prefix) for n in sweep_reports)

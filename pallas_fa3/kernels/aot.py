@@ -30,7 +30,8 @@ import tempfile
 
 _TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
 _REQUIRED = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc")
-_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# The properties line only: ptxas repeats the figures in a warning line.
+_SPILL = re.compile(r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
 
