@@ -44,6 +44,29 @@ _BLOCK_KV_CHOICES = (64, 128, 192, 256)
 _STAGE_CHOICES = (2, 3, 4)
 
 
+def _align(nbytes: int) -> int:
+  """One shared-memory allocation's size as Mosaic places it."""
+  return -(-nbytes // _SMEM_ALIGN) * _SMEM_ALIGN
+
+
+def _check_int_choices(config, **choices) -> None:
+  """Validates int fields of a frozen config against their allowed values.
+
+  Raises TypeError / ValueError naming `Class.field` and the value; stores
+  numpy ints as `int` (so configs hash and compare as plain data).
+  """
+  cls = type(config).__name__
+  for name, allowed in choices.items():
+    value = getattr(config, name)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, numbers.Integral):
+      raise TypeError(f"{cls}.{name} must be an int; got {value!r} of type"
+                      f" {type(value).__name__}")
+    if int(value) not in allowed:
+      raise ValueError(f"{cls}.{name} must be one of {allowed}; got {value}")
+    object.__setattr__(config, name, int(value))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90ForwardConfig:
   """Tiling of the sm90 forward kernel.
@@ -59,18 +82,8 @@ class Sm90ForwardConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name, choices in (("block_q", _BLOCK_Q_CHOICES),
-                          ("block_kv", _BLOCK_KV_CHOICES),
-                          ("num_stages", _STAGE_CHOICES)):
-      value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(
-          value, numbers.Integral):
-        raise TypeError(f"Sm90ForwardConfig.{name} must be an int; got"
-                        f" {value!r} of type {type(value).__name__}")
-      if int(value) not in choices:
-        raise ValueError(f"Sm90ForwardConfig.{name} must be one of {choices};"
-                         f" got {value}")
-      object.__setattr__(self, name, int(value))
+    _check_int_choices(self, block_q=_BLOCK_Q_CHOICES,
+                       block_kv=_BLOCK_KV_CHOICES, num_stages=_STAGE_CHOICES)
 
   @property
   def rows_per_cta(self) -> int:
@@ -85,10 +98,9 @@ def forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
   rings, the lse staging rows and the barriers (K full/empty, V full/empty
   per stage, one Q barrier per consumer, one schedule barrier).
   """
-  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
-  qo = align(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
-  ring = align(config.num_stages * config.block_kv * head_dim * itemsize)
-  lse = align(NUM_CONSUMERS * config.block_q * 4)
+  qo = _align(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
+  ring = _align(config.num_stages * config.block_kv * head_dim * itemsize)
+  lse = _align(NUM_CONSUMERS * config.block_q * 4)
   barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
   return qo + 2 * ring + lse + _RESERVED_SMEM + barriers
 
@@ -186,18 +198,8 @@ class Sm90BackwardConfig:
   dkdv_consumers: int = 2
 
   def __post_init__(self):
-    for name, choices in (("block_q", (64, 128)), ("block_kv", (64, 128)),
-                          ("num_stages", _STAGE_CHOICES),
-                          ("dkdv_consumers", (1, 2))):
-      value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(
-          value, numbers.Integral):
-        raise TypeError(f"Sm90BackwardConfig.{name} must be an int; got"
-                        f" {value!r} of type {type(value).__name__}")
-      if int(value) not in choices:
-        raise ValueError(f"Sm90BackwardConfig.{name} must be one of {choices};"
-                         f" got {value}")
-      object.__setattr__(self, name, int(value))
+    _check_int_choices(self, block_q=(64, 128), block_kv=(64, 128),
+                       num_stages=_STAGE_CHOICES, dkdv_consumers=(1, 2))
 
   @property
   def dq_config(self) -> Sm90ForwardConfig:
@@ -208,17 +210,16 @@ class Sm90BackwardConfig:
 def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
                         itemsize: int) -> int:
   """Shared memory of the larger of the two backward kernels, per CTA."""
-  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
   st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
   c = config.dkdv_consumers
   # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta rows.
-  dkdv = (2 * align(c * bkv * d * itemsize)
-          + 2 * align(st * bq * d * itemsize) + 2 * align(st * bq * 4)
+  dkdv = (2 * _align(c * bkv * d * itemsize)
+          + 2 * _align(st * bq * d * itemsize) + 2 * _align(st * bq * 4)
           + (5 * st + 2 * c) * _BARRIER_BYTES)
   # dQ: Q, dO tiles and lse, delta rows per consumer; ring of K and V tiles.
-  dq = (2 * align(NUM_CONSUMERS * bq * d * itemsize)
-        + 2 * align(NUM_CONSUMERS * bq * 4)
-        + 2 * align(st * bkv * d * itemsize)
+  dq = (2 * _align(NUM_CONSUMERS * bq * d * itemsize)
+        + 2 * _align(NUM_CONSUMERS * bq * 4)
+        + 2 * _align(st * bkv * d * itemsize)
         + (4 * st + 4 * NUM_CONSUMERS) * _BARRIER_BYTES)
   return max(dkdv, dq) + _RESERVED_SMEM
 
@@ -302,13 +303,12 @@ def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
   tile per consumer (in the output dtype) and one e4m3 P tile per consumer
   (P is staged through shared memory for the P V wgmma).
   """
-  align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
   rows = NUM_CONSUMERS * config.block_q
-  q = align(rows * head_dim * _FP8_ITEMSIZE)
-  out = align(rows * head_dim * out_itemsize)
-  p = align(rows * config.block_kv * _FP8_ITEMSIZE)
-  ring = align(config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE)
-  lse = align(rows * 4)
+  q = _align(rows * head_dim * _FP8_ITEMSIZE)
+  out = _align(rows * head_dim * out_itemsize)
+  p = _align(rows * config.block_kv * _FP8_ITEMSIZE)
+  ring = _align(config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE)
+  lse = _align(rows * 4)
   barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
   return q + out + p + 2 * ring + lse + _RESERVED_SMEM + barriers
 

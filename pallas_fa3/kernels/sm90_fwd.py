@@ -180,7 +180,26 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
       return out
     return body(lambda: s)
 
-  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  o, m, l = run_kv_steps(plan, ops, step, q_smem, k_smem,
+                         (k_full, v_full, k_empty, v_empty), steps, unmasked,
+                         cta_steps, wg, rendezvous)
+  _epilogue(plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref,
+            batch, head, row0)
+
+
+def run_kv_steps(plan: _Plan, ops: KernelOps, step, q_smem, k_smem, ring,
+                 steps, unmasked, cta_steps, wg, rendezvous):
+  """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
+
+  S_0 first; consumer 1 starts half a pingpong step behind; then the
+  unmasked steps, the masked ones and the last step (which issues no next
+  S), each by `step(j, (o, m, l, s), has_next=, masked=)`; then the drain of
+  tiles loaded only for the other consumer; consumer 0 meets the schedule
+  barrier once more at the end. Returns the final (o, m, l).
+  """
+  cfg = plan.config
+  k_full, v_full, k_empty, v_empty = ring
+  o0 = ops.tile(jnp.zeros((cfg.block_q, plan.spec.head_dim), jnp.float32))
   m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
   l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
   plgpu.barrier_wait(k_full.at[0])
@@ -202,7 +221,7 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
     # producer filled for it (every barrier phase is waited on by every
     # warpgroup that uses the barrier), release them, and keep the pingpong
     # in step.
-    slot = lax.rem(j, stages)
+    slot = lax.rem(j, cfg.num_stages)
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
@@ -211,8 +230,7 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
     rendezvous()
 
   pl.when(wg == 0)(rendezvous)
-  _epilogue(plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref,
-            batch, head, row0)
+  return o, m, l
 
 
 def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0):
@@ -230,11 +248,21 @@ def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0
   plgpu.wait_smem_to_gmem(0)
 
 
-def _producer(refs, plan: _Plan):
-  """The producer warpgroup: streams K and V tiles into the ring by TMA."""
+def _v_rows(v_ref, batch, kv_head, cols):
+  """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
+  return v_ref.at[batch, cols, kv_head]
+
+
+def _producer(refs, plan: _Plan, *, registers: int = _PRODUCER_REGS,
+              v_tile=_v_rows):
+  """The producer warpgroup: streams K and V tiles into the ring by TMA.
+
+  `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
+  tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
+  """
   (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
   cfg = plan.config
-  plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+  plgpu.set_max_registers(registers, action="decrease")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
   cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
@@ -244,19 +272,21 @@ def _producer(refs, plan: _Plan):
   @pl.loop(0, steps)
   def _load(j):
     slot = lax.rem(j, stages)
-    rows = (batch, pl.ds(j * cfg.block_kv, cfg.block_kv), kv_head)
+    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
 
     @pl.when(j >= stages)
     def _wait_k():  # the slot's previous tile has been read by both consumers
       plgpu.barrier_wait(k_empty.at[slot])
 
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
+                            k_full.at[slot])
 
     @pl.when(j >= stages)
     def _wait_v():
       plgpu.barrier_wait(v_empty.at[slot])
 
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+    plgpu.copy_gmem_to_smem(v_tile(v_ref, batch, kv_head, cols),
+                            v_smem.at[slot], v_full.at[slot])
 
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
   def _drain(j):

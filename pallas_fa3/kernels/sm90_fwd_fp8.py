@@ -38,7 +38,6 @@ K/V tiles. Every numeric step has an exact counterpart in the blockwise twin
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +49,8 @@ from pallas_fa3 import masking
 from pallas_fa3.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels import compat
 from pallas_fa3.kernels._ops import KernelOps
-from pallas_fa3.kernels.sm90_fwd import (_LN2, _kv_steps, _Plan,
-                                         _smem_transforms)
+from pallas_fa3.kernels.sm90_fwd import (_LN2, _kv_steps, _Plan, _producer,
+                                         _smem_transforms, run_kv_steps)
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -231,35 +230,9 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
     plgpu.barrier_arrive(v_empty.at[slot])
     return o_new, m_new, l_new, s_next
 
-  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), _F32))
-  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, _F32))
-  l0 = ops.rows(jnp.zeros((cfg.block_q,), _F32))
-  plgpu.barrier_wait(k_full.at[0])
-  s0 = ops.scores(q_smem, k_smem.at[0])
-  plgpu.barrier_arrive(k_empty.at[0])
-  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
-
-  carry = (o0, m0, l0, s0)
-  split = jnp.minimum(unmasked, steps - 1)
-  carry = lax.fori_loop(0, split, functools.partial(
-      step, has_next=True, masked=False), carry)
-  carry = lax.fori_loop(split, steps - 1, functools.partial(
-      step, has_next=True, masked=plan.needs_mask), carry)
-  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
-
-  @pl.loop(steps, cta_steps)
-  def _drain(j):
-    # As in the bf16 kernel: observe and release the tiles loaded for the
-    # other consumer, and keep the pingpong in step.
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
-    rendezvous()
-    rendezvous()
-
-  pl.when(wg == 0)(rendezvous)
+  o, m, l = run_kv_steps(plan, ops, step, q_smem, k_smem,
+                         (k_full, v_full, k_empty, v_empty), steps, unmasked,
+                         cta_steps, wg, rendezvous)
   out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
   o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
   o_smem[...] = out.astype(spec.dtype)
@@ -270,41 +243,9 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _producer(refs, plan: _Plan):
-  """The producer warpgroup: streams K and V^T tiles into the ring by TMA."""
-  (k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty, v_empty) = refs
-  cfg = plan.config
-  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
-  steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
-  stages = cfg.num_stages
-
-  @pl.loop(0, steps)
-  def _load(j):
-    slot = lax.rem(j, stages)
-    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
-
-    @pl.when(j >= stages)
-    def _wait_k():
-      plgpu.barrier_wait(k_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
-                            k_full.at[slot])
-
-    @pl.when(j >= stages)
-    def _wait_v():
-      plgpu.barrier_wait(v_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, cols],
-                            vt_smem.at[slot], v_full.at[slot])
-
-  @pl.loop(jnp.maximum(steps - stages, 0), steps)
-  def _drain(j):
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_empty.at[slot])
-    plgpu.barrier_wait(v_empty.at[slot])
+def _vt_cols(vt_ref, batch, kv_head, cols):
+  """One V^T tile: `[d, block_kv]` columns of the transposed `[b, h, d, s]` V."""
+  return vt_ref.at[batch, kv_head, :, cols]
 
 
 def _build(plan: _Plan, ops: Fp8Ops, interpret):
@@ -327,7 +268,7 @@ def _build(plan: _Plan, ops: Fp8Ops, interpret):
     @pl.when(wg == NUM_CONSUMERS)
     def _():
       _producer((k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty,
-                 v_empty), plan)
+                 v_empty), plan, registers=PRODUCER_REGS, v_tile=_vt_cols)
 
   scratch = (
       plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE,
