@@ -8,7 +8,7 @@
 #   $OUT/pytest_*.txt          GPU correctness tests (every kernel config,
 #                              the shared suite on mosaic, the harness)
 #   $OUT/bench/                forward grid: results.csv/json, summary.md, plots/
-#   $OUT/bench_bwd/            backward and fwd+bwd at head dim 128
+#   $OUT/bench_bwd/            backward and fwd+bwd at head dims 128, 256
 #   $OUT/pytest_fp8_gpu.txt, $OUT/fp8/fp8.json   FP8 configs, RMSE, speed
 # and a short table (16k-token rows of both sweeps) is printed last.
 # Total under 12 minutes (FP8 steps: up to 4): each step has its own `timeout`, and the sweeps
@@ -67,10 +67,10 @@ timeout 170 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench" \
   > "$OUT/bench.txt" 2>&1
 echo "exit $?"
 
-step "bench: bwd and fwd+bwd, head dim 128"
-timeout 60 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench_bwd" \
-  --impl mosaic cudnn mgpu xla --mode bwd fwd+bwd --head-dim 128 \
-  --dtype bf16 --runs 20 --warmup 3 --time-budget 40 --no-progress \
+step "bench: bwd and fwd+bwd, head dims 128 and 256"
+timeout 75 "$PY" -m pallas_fa3.cli bench --out "$OUT/bench_bwd" \
+  --impl mosaic cudnn mgpu xla --mode bwd fwd+bwd --head-dim 128 256 \
+  --dtype bf16 --runs 20 --warmup 3 --time-budget 55 --no-progress \
   > "$OUT/bench_bwd.txt" 2>&1
 echo "exit $?"
 

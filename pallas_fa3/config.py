@@ -187,19 +187,29 @@ class Sm90BackwardConfig:
       and per tile streamed through the dQ kernel's ring.
     num_stages: shared-memory slots of both kernels' rings (2-4).
     dkdv_consumers: consumer warpgroups of the dK/dV kernel (1 or 2). With
-      one, the CTA has 256 threads and ptxas may give each up to 255
-      registers (168 with three warpgroups): the dK, dV accumulators of
-      d > 64 need it.
+      one, the CTA has 256 threads and its consumer may hold 255 registers
+      per thread (232 with two): the dK, dV accumulators of d > 64 need it.
+    dkdv_head_splits: CTAs that share one K/V tile, each accumulating
+      `head_dim / dkdv_head_splits` columns of dK and dV (1 or 2). Each of
+      them recomputes S^T and dP^T over the whole head dim (two more GEMMs
+      per tile) and takes the query tile in halves of `block_q / 2` rows;
+      it is how d = 192, 256 fit in registers.
+    dq_consumers: consumer warpgroups of the dQ kernel (1 or 2). A lone
+      consumer takes each K/V tile in halves of `block_kv / 2` keys; it is
+      how d = 192, 256 fit in registers.
   """
 
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
   dkdv_consumers: int = 2
+  dkdv_head_splits: int = 1
+  dq_consumers: int = NUM_CONSUMERS
 
   def __post_init__(self):
     _check_int_choices(self, block_q=(64, 128), block_kv=(64, 128),
-                       num_stages=_STAGE_CHOICES, dkdv_consumers=(1, 2))
+                       num_stages=_STAGE_CHOICES, dkdv_consumers=(1, 2),
+                       dkdv_head_splits=(1, 2), dq_consumers=(1, 2))
 
   @property
   def dq_config(self) -> Sm90ForwardConfig:
@@ -211,45 +221,60 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
                         itemsize: int) -> int:
   """Shared memory of the larger of the two backward kernels, per CTA."""
   st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
-  c = config.dkdv_consumers
-  # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta rows.
+  c, qc = config.dkdv_consumers, config.dq_consumers
+  # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta
+  # rows (head-dim chunks are slices of the same buffers).
   dkdv = (2 * _align(c * bkv * d * itemsize)
           + 2 * _align(st * bq * d * itemsize) + 2 * _align(st * bq * 4)
           + (5 * st + 2 * c) * _BARRIER_BYTES)
   # dQ: Q, dO tiles and lse, delta rows per consumer; ring of K and V tiles.
-  dq = (2 * _align(NUM_CONSUMERS * bq * d * itemsize)
-        + 2 * _align(NUM_CONSUMERS * bq * 4)
+  dq = (2 * _align(qc * bq * d * itemsize)
+        + 2 * _align(qc * bq * 4)
         + 2 * _align(st * bkv * d * itemsize)
-        + (4 * st + 4 * NUM_CONSUMERS) * _BARRIER_BYTES)
+        + (4 * st + 4 * qc) * _BARRIER_BYTES)
   return max(dkdv, dq) + _RESERVED_SMEM
 
 
 # Register budgets of the backward consumers, in float32 tile registers per
-# thread, measured with the deviceless sm_90a compile. ptxas allocates at
-# most 168 registers per thread in a three-warpgroup CTA and 232 (the
-# consumers' setmaxnreg) in a two-warpgroup one.
+# thread, by consumer warpgroups per CTA, measured with the deviceless sm_90a
+# compile (`python -m pallas_fa3.kernels.aot`). Two consumers get 232
+# registers a thread (setmaxnreg), a lone one 256 (ptxas: 255).
 _DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96 with 2 consumers (160) spills 48 B
-_DQ_TILE_REGS = 128                 # d=64 with 64x128 tiles (160) spills 956 B
+_DQ_TILE_REGS = {2: 128, 1: 192}    # d=64 with 64x128 tiles (160) spills 956 B
+
+
+def _dkdv_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
+  # dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles.
+  cols = head_dim // config.dkdv_head_splits
+  return config.block_kv * (2 * cols + 2 * config.block_q) // 128
+
+
+def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
+  # dQ accumulator (block_q x d) plus S and dP tiles.
+  return config.block_q * (head_dim + 2 * config.block_kv) // 128
 
 
 def backward_config_unsupported(config: Sm90BackwardConfig, head_dim: int,
                                 itemsize: int) -> str | None:
   """Why this backward config cannot run at this head_dim, or None."""
+  cols = head_dim // config.dkdv_head_splits
+  if config.dkdv_head_splits > 1 and cols % 32:
+    return (f"{config}: dkdv_head_splits={config.dkdv_head_splits} leaves"
+            f" {cols}-column chunks of head_dim {head_dim}; a split needs"
+            " multiples of 32 (one 64-byte swizzle row)")
   need = backward_smem_bytes(config, head_dim, itemsize)
   if need > MAX_SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at head_dim"
             f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
-  # dK/dV consumer: two float32 accumulators (block_kv x d) plus the S^T and
-  # dP^T tiles (block_kv x block_q); dQ consumer: dQ plus S and dP.
-  dkdv = config.block_kv * (2 * head_dim + 2 * config.block_q) // 128
-  dq = config.block_q * (head_dim + 2 * config.block_kv) // 128
+  dkdv = _dkdv_tile_regs(config, head_dim)
   room = _DKDV_TILE_REGS[config.dkdv_consumers]
   if dkdv > room:
     return (f"{config}: the dK/dV kernel keeps {dkdv} float32 tile registers"
             f" per thread at head_dim {head_dim}; room for {room}")
-  if dq > _DQ_TILE_REGS:
+  dq, room = _dq_tile_regs(config, head_dim), _DQ_TILE_REGS[config.dq_consumers]
+  if dq > room:
     return (f"{config}: the dQ kernel keeps {dq} float32 tile registers per"
-            f" thread at head_dim {head_dim}; room for {_DQ_TILE_REGS}")
+            f" thread at head_dim {head_dim}; room for {room}")
   return None
 
 
@@ -259,34 +284,58 @@ def backward_unsupported(spec: AttentionSpec,
   reason = forward_unsupported(spec)
   if reason:
     return reason
-  space = backward_config_space(spec.head_dim, spec.dtype.itemsize)
-  if config is None and not space:
-    return (f"no backward tiling fits head_dim {spec.head_dim}: dK and dV of"
-            " one 64-row tile alone take"
-            f" {64 * 2 * spec.head_dim // 128} float32 registers per thread")
+  if config is None and not backward_config_space(spec.head_dim,
+                                                  spec.dtype.itemsize):
+    return f"no backward tiling fits head_dim {spec.head_dim}"
   if config is not None:
     return backward_config_unsupported(config, spec.head_dim, spec.dtype.itemsize)
   return None
 
 
+def _fit(block_q: int, block_kv: int, num_stages: int, dkdv_consumers: int,
+         head_splits: int, head_dim: int, itemsize: int
+         ) -> Sm90BackwardConfig | None:
+  """The tiling with two dQ consumers if it fits, else one; None if neither."""
+  for dq_consumers in (NUM_CONSUMERS, 1):
+    config = Sm90BackwardConfig(block_q, block_kv, num_stages, dkdv_consumers,
+                                head_splits, dq_consumers)
+    if backward_config_unsupported(config, head_dim, itemsize) is None:
+      return config
+  return None
+
+
+def _tilings(head_dim: int, itemsize: int, splits: int, block_choices=(64, 128),
+             stage_choices=_STAGE_CHOICES):
+  found = (_fit(bq, bkv, st, consumers, splits, head_dim, itemsize)
+           for consumers in (2, 1) for bq in block_choices
+           for bkv in block_choices for st in stage_choices)
+  return tuple(c for c in found if c is not None)
+
+
 def backward_config_space(head_dim: int, itemsize: int = 2
                           ) -> tuple[Sm90BackwardConfig, ...]:
-  """Every backward config that fits at this head_dim (two dK/dV consumers first)."""
-  return tuple(
-      c for c in (Sm90BackwardConfig(bq, bkv, st, consumers)
-                  for consumers in (2, 1) for bq in (64, 128)
-                  for bkv in (64, 128) for st in _STAGE_CHOICES)
-      if backward_config_unsupported(c, head_dim, itemsize) is None)
+  """Every backward tiling that fits at this head_dim, two dK/dV consumers
+  first, with head-dim splits only where nothing fits without (d = 192,
+  256: a split recomputes S^T and dP^T) and one dQ consumer only where two
+  do not fit."""
+  for splits in (1, 2):
+    space = _tilings(head_dim, itemsize, splits)
+    if space:
+      return space
+  return ()
 
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
-  """64 x 64 tiles, 2 stages; one dK/dV consumer where two do not fit (d > 64)."""
-  for consumers in (2, 1):
-    config = Sm90BackwardConfig(dkdv_consumers=consumers)
-    if backward_config_unsupported(config, spec.head_dim,
-                                   spec.dtype.itemsize) is None:
-      return config
+  """64 x 64 tiles, 2 stages, in the first form that fits: two dK/dV
+  consumers at d = 64, one at d = 96, 128; split head dims and one dQ
+  consumer at d = 192, 256."""
+  for splits in (1, 2):
+    space = _tilings(spec.head_dim, spec.dtype.itemsize, splits, (64,), (2,))
+    if space:
+      return space[0]
   raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
+
+
 # -- FP8 (e4m3) forward: same tiling dataclass, its own footprint -------------
 # (kernels/sm90_fwd_fp8.py; quantization tiles = kernel tiles, pallas_fa3.fp8)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_fa3.spec import AttentionSpec
 
@@ -39,6 +40,31 @@ def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
   if spec.causal:
     mask = mask & (kv_pos <= q_pos + spec.causal_offset)
   return mask
+
+
+def visible_tile_at(spec: AttentionSpec, q0, kv0, q_idx: jax.Array,
+                    kv_idx: jax.Array, shape: tuple[int, int], q_dim: int, *,
+                    check_seq_kv: bool = True) -> jax.Array:
+  """`visible_tile` of a `shape` tile whose query positions are
+  `q0 + q_idx` along `q_dim` and key positions `kv0 + kv_idx` along the
+  other dim (`q_idx`, `kv_idx`: 1-D index vectors; `q0`, `kv0` scalars).
+
+  The same rule with only 1-D index arithmetic before the broadcast
+  comparison, so a kernel keeps no index tile in registers: the causal test
+  is `kv_idx <= q_idx + (q0 + offset - kv0)`. `check_seq_kv=False` skips
+  the padded-key test where padded keys cannot matter (with bottom-right
+  causal alignment no query sees a key at or past `seq_kv` anyway).
+  """
+  kv_dim = 1 - q_dim
+  keys = lax.broadcast_in_dim(kv_idx, shape, [kv_dim])
+  mask = None
+  if spec.causal:
+    last = q_idx + (q0 + spec.causal_offset - kv0)  # last visible key per row
+    mask = keys <= lax.broadcast_in_dim(last, shape, [q_dim])
+  if check_seq_kv:
+    in_seq = keys < (spec.seq_kv - kv0)
+    mask = in_seq if mask is None else mask & in_seq
+  return jnp.ones(shape, bool) if mask is None else mask
 
 
 def num_kv_blocks_visible(spec: AttentionSpec, q_block_end, block_kv: int,

@@ -55,6 +55,16 @@ _CASES = [
     (Shape(1, 200, 70, 1, 1, 64), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2)),
     # d 128 (one dK/dV consumer: two do not fit the registers), MQA.
     (Shape(1, 100, 128, 2, 1, 128), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2, 1)),
+    # d 256: two CTAs per K/V tile, each with half of dK/dV's head dim and
+    # query tiles in halves; one dQ consumer taking K/V tiles in halves; MQA.
+    (Shape(1, 100, 130, 2, 1, 256), jnp.bfloat16, True,
+     Sm90BackwardConfig(64, 64, 2, 1, 2, 1)),
+    # d 192 (96-column chunks), causal sq > skv, fp16, 3 stages.
+    (Shape(1, 130, 70, 1, 1, 192), jnp.float16, True,
+     Sm90BackwardConfig(64, 64, 3, 1, 2, 1)),
+    # block_q 128 at d 64: one dQ consumer (128 rows) taking K/V in halves.
+    (Shape(1, 200, 260, 2, 1, 64), jnp.bfloat16, True,
+     Sm90BackwardConfig(128, 64, 2, 1, 1, 1)),
 ]
 
 
@@ -98,7 +108,8 @@ def _backward_configs():
     for d in kernel_config.KERNEL_HEAD_DIMS:
       for config in kernel_config.backward_config_space(d):
         yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
-                           f"{config.block_kv}x{config.num_stages}")
+                           f"{config.block_kv}x{config.num_stages}-c{config.dkdv_consumers}"
+                           f"h{config.dkdv_head_splits}q{config.dq_consumers}")
 
 
 @pytest.mark.parametrize("dtype,head_dim,config", list(_backward_configs()))
@@ -141,11 +152,33 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     assert kernels >= 1 and fallback and reason in str(fallback[0].message)
 
 
+def test_every_head_dim_has_a_backward_kernel_config():
+  for d in kernel_config.KERNEL_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16)
+    spec = make_spec(q, q, q)
+    assert kernel_config.backward_unsupported(spec) is None, d
+    config = kernel_config.default_backward_config(spec)
+    assert config in kernel_config.backward_config_space(d)
+    # Splits and one dQ consumer only where nothing else fits (they cost).
+    assert (config.dkdv_head_splits == 2) == (d >= 192), (d, config)
+    assert (config.dq_consumers == 1) == (d >= 192), (d, config)
+
+
+def test_head_split_needs_32_column_chunks():
+  reason = kernel_config.backward_config_unsupported(
+      Sm90BackwardConfig(64, 64, 2, 1, 2, 2), 96, 2)
+  assert reason and "48-column chunks" in reason and "multiples of 32" in reason
+
+
 def test_backward_config_validation_names_the_field():
   with pytest.raises(ValueError, match=r"Sm90BackwardConfig\.block_kv .* 32"):
     Sm90BackwardConfig(block_kv=32)
   with pytest.raises(TypeError, match=r"Sm90BackwardConfig\.num_stages"):
     Sm90BackwardConfig(num_stages="2")
+  with pytest.raises(ValueError, match=r"Sm90BackwardConfig\.dkdv_head_splits .* 4"):
+    Sm90BackwardConfig(dkdv_head_splits=4)
+  with pytest.raises(ValueError, match=r"Sm90BackwardConfig\.dq_consumers .* 3"):
+    Sm90BackwardConfig(dq_consumers=3)
 
 
 def test_deterministic_flag_is_validated():

@@ -70,7 +70,8 @@ def _bwd_configs():
     for d in kernel_config.KERNEL_HEAD_DIMS:
       for config in kernel_config.backward_config_space(d):
         yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
-                           f"{config.block_kv}x{config.num_stages}")
+                           f"{config.block_kv}x{config.num_stages}-c{config.dkdv_consumers}"
+                           f"h{config.dkdv_head_splits}q{config.dq_consumers}")
 
 
 @pytest.mark.parametrize("dtype,head_dim,config", list(_bwd_configs()))

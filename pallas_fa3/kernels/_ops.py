@@ -63,6 +63,18 @@ class KernelOps:
       return ref[...]
     return compat.load_with_layout(ref, plgpu.Layout.WGMMA.reduce(0))
 
+  def row_index(self, n: int) -> jax.Array:
+    """int32 0..n-1 laid out as the rows of a wgmma accumulator."""
+    if self.interpreted:
+      return lax.iota(jnp.int32, n)
+    return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(1))
+
+  def col_index(self, n: int) -> jax.Array:
+    """int32 0..n-1 laid out as the columns of a wgmma accumulator."""
+    if self.interpreted:
+      return lax.iota(jnp.int32, n)
+    return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(0))
+
   def iota(self, shape: tuple[int, int], dim: int) -> jax.Array:
     """int32 indices along `dim` of an accumulator-shaped tile."""
     if self.interpreted:
@@ -76,21 +88,25 @@ class KernelOps:
 
     On the GPU the wgmma is issued asynchronously into a scoped accumulator;
     `body` overlaps its own work with it and calls `read_s()` (which waits)
-    when it needs S. Returns what `body` returns.
+    when it needs S. Returns what `body` returns. `q_smem` and `k_smem` may
+    be equal-length sequences of head-dim chunks: S = sum_c Q_c K_c^T.
     """
+    q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
-      s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
+      s = sum(jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
+              for q, k in zip(q_chunks, k_chunks))
       return body(lambda: s)
 
     def scoped(acc):
-      plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+      for q, k in zip(q_chunks, k_chunks):
+        plgpu.wgmma(acc, q, plgpu.transpose_ref(k, (1, 0)))
       return body(lambda: acc[...])
 
-    shape = (q_smem.shape[0], k_smem.shape[0])
+    shape = (q_chunks[0].shape[0], k_chunks[0].shape[0])
     return pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
 
   def scores(self, q_smem, k_smem) -> jax.Array:
-    """S = Q K^T in float32, waited for."""
+    """S = Q K^T in float32, waited for (chunks as in `with_scores`)."""
     return self.with_scores(q_smem, k_smem, lambda read: read())
 
   def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem) -> jax.Array:
@@ -102,6 +118,12 @@ class KernelOps:
       plgpu.wgmma(acc, p, v_smem)
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
+
+
+def _chunks(ref_or_refs) -> tuple:
+  if isinstance(ref_or_refs, (list, tuple)):
+    return tuple(ref_or_refs)
+  return (ref_or_refs,)
 
 
 COMPILED = KernelOps(interpreted=False)

@@ -11,11 +11,25 @@ consumer warpgroups computing with wgmma):
   holds its own `block_kv` rows of K and V and float32 dK, dV accumulators;
   the producer streams Q, dO, lse and delta tiles of every query head of the
   GQA group and every query tile that sees the keys (causal: earlier query
-  tiles are never loaded; only the diagonal ones are masked). dK/dV of the
-  group are summed in registers: no repeated K/V, no atomics. The dP^T wgmma
-  is issued before the exponentials of P^T, so they overlap.
+  tiles are never loaded). dK/dV of the group are summed in registers: no
+  repeated K/V, no atomics.
 - **dQ kernel**, parallel over query tiles: the forward's structure (its
   producer streams K and V), accumulating dQ in float32 registers.
+
+Registers decide the form (`Sm90BackwardConfig`): at d = 192, 256 the dK, dV
+of one 64-row tile alone would take 192-256 registers a thread, so
+`dkdv_head_splits=2` CTAs share each K/V tile, each accumulating half of the
+head-dim columns (tiles are kept as head-dim chunks; S^T and dP^T, which
+contract over the whole head dim, are recomputed by both), and take each
+query tile in halves of `block_q / 2` rows; a lone dQ consumer takes K/V
+tiles in halves of `block_kv / 2` keys. Halves need 64-byte-swizzled
+buffers (a wgmma K step is 32 rows there, 64 with the 128-byte swizzle). A
+lone consumer warpgroup gets 256 registers (setmaxnreg; ptxas then
+allocates 255), two get 232. Masks are built from 1-D index vectors
+compared after broadcasting (`masking.visible_tile_at`), and the dK/dV
+kernel masks causal tiles in the same loop as the others: two index tiles,
+or a one-step masked loop that the compiler straightens, cost up to 336 B
+of spills at d = 256.
 
 Why a separate dQ kernel rather than FA3's float32 atomic adds of dQ from
 the dK/dV kernel: it costs two more GEMMs per tile (S and dP are recomputed:
@@ -43,16 +57,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.config import NUM_CONSUMERS, Sm90BackwardConfig
+from pallas_fa3.config import Sm90BackwardConfig
 from pallas_fa3.kernels import compat, sm90_fwd
 from pallas_fa3.kernels._ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 _PRODUCER_REGS = sm90_fwd._PRODUCER_REGS
 _CONSUMER_REGS = sm90_fwd._CONSUMER_REGS
-# With one consumer warpgroup the producer gives up all it can: 232 + 24 =
-# 256 registers per thread slot of 2 x 128 threads (24 is setmaxnreg's minimum).
+# With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
+# registers a thread slot has (ptxas then allocates 255, the ISA's limit;
+# at 232 the d=128 dK/dV consumer spilled 16 B) and the producer gives up
+# all it can (24 is setmaxnreg's minimum).
+_LONE_CONSUMER_REGS = 256
 _LONE_PRODUCER_REGS = 24
+
+
+def _consumer_regs(consumers: int) -> int:
+  return _CONSUMER_REGS if consumers == 2 else _LONE_CONSUMER_REGS
 
 
 def _producer_regs(consumers: int) -> int:
@@ -74,86 +95,138 @@ class _Plan:
   def kv_rows_per_cta(self) -> int:
     return self.config.dkdv_consumers * self.config.block_kv
 
+  @property
+  def splits(self) -> int:
+    return self.config.dkdv_head_splits
 
-def _q_range(plan: _Plan, kv0):
-  """(first, first unmasked) query tile for the CTA's keys [kv0, kv0 + rows).
+  @property
+  def q_halves(self) -> int:
+    """Query tiles are taken in 2 halves by split (register-tight) configs."""
+    return 2 if self.splits > 1 else 1
 
-  Query tiles before `first` see none of the keys (skipped); tiles from
-  `first` to `full` see some (masked); later ones see all of them.
-  """
+  @property
+  def chunk(self) -> int:
+    """Head-dim columns of dK, dV one CTA accumulates."""
+    return self.spec.head_dim // self.splits
+
+
+def _cta_position(plan: _Plan):
+  """(first key row of the CTA, head-dim chunk it accumulates)."""
+  index = lax.axis_index("kv_tiles")
+  tile, chunk = lax.div(index, plan.splits), lax.rem(index, plan.splits)
+  return tile * plan.kv_rows_per_cta, chunk
+
+
+def _copy_chunks(ref, tile, dst, barrier, plan: _Plan):
+  """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
+  chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
+  for c in range(plan.splits):
+    cols = pl.ds(c * plan.chunk, plan.chunk)
+    plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
+
+
+def _swizzle64(dtype):
+  """Shared-memory transforms with a 64-byte swizzle: a wgmma reading such a
+  tile as its K operand steps 32 rows (16-bit types) at a time, where the
+  128-byte swizzle steps 64."""
+  cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
+
+
+def _first_q_tile(plan: _Plan, kv0):
+  """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
+  (earlier ones are skipped: causal)."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
   first = masking.first_q_block_visible(spec, kv0, bq, nq)
-  if not spec.causal:
-    return jnp.int32(0), jnp.int32(0)
-  # Row r sees every CTA key iff r + offset >= kv0 + rows - 1.
-  need = kv0 + plan.kv_rows_per_cta - 1 - spec.causal_offset
-  full = jnp.clip(-(-jnp.maximum(need, 0) // bq), first, nq)
-  return jnp.asarray(first, jnp.int32), jnp.asarray(full, jnp.int32)
+  return jnp.asarray(first, jnp.int32)
 
 
 def _dkdv_consumer(refs, plan: _Plan, ops: KernelOps):
   (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
    dl_smem, full, empty, kv_bar) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
   consumers = cfg.dkdv_consumers
+  plgpu.set_max_registers(_consumer_regs(consumers), action="increase")
   wg = lax.axis_index("wg")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_kv0 = lax.axis_index("kv_tiles") * plan.kv_rows_per_cta
+  cta_kv0, chunk = _cta_position(plan)
   kv0 = cta_kv0 + wg * cfg.block_kv
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
+  # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
+  # contract over all of them, dK and dV are accumulated for chunk `chunk`.
   my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-  plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, kv_bar.at[wg])
-  plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, kv_bar.at[consumers + wg])
+  _copy_chunks(k_ref, rows, my_k, kv_bar.at[wg], plan)
+  _copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + wg], plan)
   plgpu.barrier_wait(kv_bar.at[wg])
   plgpu.barrier_wait(kv_bar.at[consumers + wg])
+  k_chunks = [my_k.at[c] for c in range(plan.splits)]
+  v_chunks = [my_v.at[c] for c in range(plan.splits)]
 
-  first, full_from = _q_range(plan, cta_kv0)
+  first = _first_q_tile(plan, cta_kv0)
   per_head = plan.num_q_blocks - first
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
-  shape = (cfg.block_kv, cfg.block_q)
+  # Split head dims (d >= 192): each query tile is taken in halves of
+  # `block_q / 2` rows, so S^T, dP^T and the per-column lse and delta are
+  # half as wide next to the dK, dV accumulators (the buffers are 64-byte
+  # swizzled so that a half is a whole wgmma K step).
+  halves = plan.q_halves
+  sub = cfg.block_q // halves
+  shape = (cfg.block_kv, sub)
+
+  def part(qi, h, slot, carry, masked):
+    dk, dv = carry
+    rows_h = pl.ds(h * sub, sub)
+    q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
+    do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
+    # S^T = K Q^T, [block_kv, sub]
+    s_t = ops.scores(k_chunks, q_parts)
+    s_t = s_t * scale_log2 - lax.broadcast_in_dim(
+        ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1])
+    p_t = jnp.exp2(s_t)
+    if masked:
+      # Causal only: padded keys' rows of dK, dV are sliced off.
+      mask = masking.visible_tile_at(
+          spec, qi * cfg.block_q + h * sub, kv0, ops.col_index(sub),
+          ops.row_index(cfg.block_kv), shape, 1, check_seq_kv=False)
+      p_t = jnp.where(mask, p_t, 0.0)
+    p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
+    dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
+    # dP^T = V dO^T
+    dp_t = ops.scores(v_chunks, do_parts)
+    # Loaded only now: a column vector costs block_q / 4 registers per
+    # thread in the wgmma layout, and the dK, dV accumulators leave few.
+    delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
+    ds_t = p_t.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+    dk = ops.accumulate_pv(dk, ds_t.astype(spec.dtype),
+                           q_smem.at[slot, chunk].at[rows_h])
+    return dk, dv
 
   def step(qi, carry, *, base, masked):
-    dk, dv = carry
     slot = lax.rem(base + qi - first, cfg.num_stages)
     for i in range(4):
       plgpu.barrier_wait(full[i].at[slot])
-    s_t = ops.scores(my_k, q_smem.at[slot])  # S^T = K Q^T, [block_kv, block_q]
-    s_t = s_t * scale_log2 - lax.broadcast_in_dim(
-        ops.load_cols(lse_smem.at[slot]), shape, [1])
-
-    p_t = jnp.exp2(s_t)
-    if masked:
-      mask = masking.visible_tile(spec, qi * cfg.block_q + ops.iota(shape, 1),
-                                  kv0 + ops.iota(shape, 0))
-      p_t = jnp.where(mask, p_t, 0.0)
-    p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
-    dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot])
-    dp_t = ops.scores(my_v, do_smem.at[slot])  # dP^T = V dO^T
-    # Loaded only now: a column vector costs 16 registers per thread in the
-    # wgmma layout, and the dK, dV accumulators leave few to spare.
-    delta = ops.load_cols(dl_smem.at[slot])
-    ds_t = p_t.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-    dk = ops.accumulate_pv(dk, ds_t.astype(spec.dtype), q_smem.at[slot])
-    out = (dk, dv)
+    for h in range(halves):
+      carry = part(qi, h, slot, carry, masked)
     plgpu.barrier_arrive(empty.at[slot])
-    return out
+    return carry
 
   def per_group_head(h, carry):
+    # Causal: every step masks (the mask is exact on fully visible tiles
+    # too). A separate loop over the masked tiles, often one step that the
+    # compiler straightens, cost up to 336 B of spills at d = 256.
     base = h * per_head
-    if spec.causal:  # only causal needs a mask here (padded keys: see below)
-      carry = lax.fori_loop(first, full_from, functools.partial(
-          step, base=base, masked=True), carry)
-    return lax.fori_loop(full_from, plan.num_q_blocks, functools.partial(
-        step, base=base, masked=False), carry)
+    return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
+        step, base=base, masked=spec.causal), carry)
 
-  zeros = ops.tile(jnp.zeros((cfg.block_kv, spec.head_dim), jnp.float32))
+  zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
   dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
-  my_v[...] = dv.astype(spec.dtype)  # K and V tiles are done: reuse them
-  my_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  out_k, out_v = my_k.at[chunk], my_v.at[chunk]  # K, V are done: reuse them
+  out_v[...] = dv.astype(spec.dtype)
+  out_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
-  plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+  cols = pl.ds(chunk * plan.chunk, plan.chunk)
+  plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
+  plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -163,8 +236,8 @@ def _dkdv_producer(refs, plan: _Plan):
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(_producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_kv0 = lax.axis_index("kv_tiles") * plan.kv_rows_per_cta
-  first, _ = _q_range(plan, cta_kv0)
+  cta_kv0, _ = _cta_position(plan)
+  first = _first_q_tile(plan, cta_kv0)
   per_head = plan.num_q_blocks - first
   steps = spec.group_size * per_head
   stages = cfg.num_stages
@@ -181,8 +254,8 @@ def _dkdv_producer(refs, plan: _Plan):
 
     tile = (batch, pl.ds(q0, cfg.block_q), head)
     row = (batch, head, pl.ds(q0, cfg.block_q))
-    plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], full[0].at[slot])
-    plgpu.copy_gmem_to_smem(do_ref.at[tile], do_smem.at[slot], full[1].at[slot])
+    _copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan)
+    _copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan)
     plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[slot], full[2].at[slot])
     plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
 
@@ -193,8 +266,9 @@ def _dkdv_producer(refs, plan: _Plan):
 
 def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
   spec, cfg = plan.spec, plan.config
-  d, st, consumers = spec.head_dim, cfg.num_stages, cfg.dkdv_consumers
-  tf = sm90_fwd._smem_transforms(spec.dtype, d)
+  st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
+  tf = (_swizzle64(spec.dtype) if plan.q_halves > 1
+        else sm90_fwd._smem_transforms(spec.dtype, plan.chunk))
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, q_full,
@@ -212,25 +286,28 @@ def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
       _dkdv_producer((q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem,
                       lse_smem, dl_smem, full, empty), plan)
 
+  chunked = lambda n, rows: plgpu.SMEM((n, splits, rows, plan.chunk),
+                                       spec.dtype, transforms=tf)
   scratch = (
-      plgpu.SMEM((consumers, cfg.block_kv, d), spec.dtype, transforms=tf),
-      plgpu.SMEM((consumers, cfg.block_kv, d), spec.dtype, transforms=tf),
-      plgpu.SMEM((st, cfg.block_q, d), spec.dtype, transforms=tf),
-      plgpu.SMEM((st, cfg.block_q, d), spec.dtype, transforms=tf),
+      chunked(consumers, cfg.block_kv), chunked(consumers, cfg.block_kv),
+      chunked(st, cfg.block_q), chunked(st, cfg.block_q),
       plgpu.SMEM((st, cfg.block_q), jnp.float32),
       plgpu.SMEM((st, cfg.block_q), jnp.float32),
-      # "full" barriers per slot: Q, dO, lse, delta (one TMA each).
-      plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
+      # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse, delta.
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
       plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
       plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      plgpu.Barrier(num_barriers=2 * consumers),  # K, V tile per consumer
+      # K, V tile per consumer
+      plgpu.Barrier(num_arrivals=splits, num_barriers=2 * consumers),
   )
-  kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, d)
+  kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
+  kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
       scratch_types=scratch,
-      grid=(spec.heads_kv, plan.seq_kv_pad // plan.kv_rows_per_cta, spec.batch),
+      grid=(spec.heads_kv, kv_ctas * splits, spec.batch),
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=consumers + 1,
       thread_name="wg",
@@ -243,10 +320,10 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
    k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(_consumer_regs(plan.consumers), action="increase")
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
   row0 = cta_row0 + wg * cfg.block_q
   my_q, my_do = q_smem.at[wg], do_smem.at[wg]
   tile = (batch, pl.ds(row0, cfg.block_q), head)
@@ -262,26 +339,39 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   delta = ops.load_rows(dl_smem.at[wg])
 
   steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = sm90_fwd._kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  cta_steps, _ = sm90_fwd._kv_steps(plan, cta_row0, plan.rows_per_cta)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
-  shape = (cfg.block_q, cfg.block_kv)
+  # One consumer (d >= 192): each K/V tile is taken in halves of
+  # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
+  # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
+  # whole wgmma K step).
+  halves = 2 if plan.consumers == 1 else 1
+  sub = cfg.block_kv // halves
+  shape = (cfg.block_q, sub)
+
+  def part(j, h, slot, dq, masked):
+    keys = pl.ds(h * sub, sub)
+    k_tile, v_tile = k_smem.at[slot].at[keys], v_smem.at[slot].at[keys]
+    s = ops.scores(my_q, k_tile)
+
+    def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
+      if masked:
+        mask = masking.visible_tile_at(
+            spec, row0, j * cfg.block_kv + h * sub, ops.row_index(cfg.block_q),
+            ops.col_index(sub), shape, 0)
+        p = jnp.where(mask, p, 0.0)
+      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
+
+    return ops.with_scores(my_do, v_tile, accumulate)
 
   def step(j, dq, *, masked):
     slot = lax.rem(j, cfg.num_stages)
     plgpu.barrier_wait(k_full.at[slot])
-    s = ops.scores(my_q, k_smem.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
-
-    def body(read_dp):  # dP = dO V^T is in flight meanwhile
-      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
-      if masked:
-        mask = masking.visible_tile(spec, row0 + ops.iota(shape, 0),
-                                    j * cfg.block_kv + ops.iota(shape, 1))
-        p = jnp.where(mask, p, 0.0)
-      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
-      return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_smem.at[slot])
-
-    dq = ops.with_scores(my_do, v_smem.at[slot], body)
+    for h in range(halves):
+      dq = part(j, h, slot, dq, masked)
     plgpu.barrier_arrive(k_empty.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
     return dq
@@ -307,37 +397,41 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
 
 def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret):
   spec, cfg = plan.spec, plan.config
-  d, st = spec.head_dim, cfg.num_stages
-  tf = sm90_fwd._smem_transforms(spec.dtype, d)
+  d, st, consumers = spec.head_dim, cfg.num_stages, plan.consumers
+  # A lone consumer takes K/V tiles in halves (see _dq_consumer); both wgmma
+  # operands of S and dP must share the swizzle.
+  tf = (_swizzle64(spec.dtype) if consumers == 1
+        else sm90_fwd._smem_transforms(spec.dtype, d))
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
              do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
              k_empty, v_empty, tile_bar):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg < NUM_CONSUMERS)
+    @pl.when(wg < consumers)
     def _():
       _dq_consumer((q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem,
                     lse_smem, dl_smem, k_smem, v_smem, k_full, v_full, k_empty,
                     v_empty, tile_bar), plan, ops)
 
-    @pl.when(wg == NUM_CONSUMERS)
+    @pl.when(wg == consumers)
     def _():
       sm90_fwd._producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full,
-                          k_empty, v_empty), plan)
+                          k_empty, v_empty), plan,
+                         registers=_producer_regs(consumers))
 
-  per_consumer = lambda: plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
+  per_consumer = lambda: plgpu.SMEM((consumers, cfg.block_q, d), spec.dtype,
                                     transforms=tf)
   ring = lambda: plgpu.SMEM((st, cfg.block_kv, d), spec.dtype, transforms=tf)
   scratch = (
       per_consumer(), per_consumer(),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
+      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
+      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
       ring(), ring(),
       plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st),
-      plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),  # Q, dO, lse, delta
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+      plgpu.Barrier(num_barriers=4 * consumers),  # Q, dO, lse, delta
   )
   return plgpu.kernel(
       kernel,
@@ -346,7 +440,7 @@ def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret):
       scratch_types=scratch,
       grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=NUM_CONSUMERS + 1,
+      num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=compat.compiler_params(approx_math=True),
       interpret=interpret,
@@ -386,6 +480,7 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   kp, vp = _pad_axis(k, 1, skv_pad), _pad_axis(v, 1, skv_pad)
   dkdv_plan = _Plan(spec, config, sq_pad, skv_pad)
   dk, dv = _dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
-  dq_plan = sm90_fwd._Plan(spec, config.dq_config, sq_pad, skv_pad)
+  dq_plan = sm90_fwd._Plan(spec, config.dq_config, sq_pad, skv_pad,
+                           consumers=config.dq_consumers)
   dq = _dq_kernel(dq_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
   return (dq[:, :spec.seq_q], dk[:, :spec.seq_kv], dv[:, :spec.seq_kv])

@@ -70,6 +70,13 @@ class _Plan:
   config: Sm90ForwardConfig
   seq_q_pad: int
   seq_kv_pad: int
+  # Consumer warpgroups per CTA: the forward kernels always run two
+  # (pingpong); the backward's dQ kernel, which reuses this walk, may run one.
+  consumers: int = NUM_CONSUMERS
+
+  @property
+  def rows_per_cta(self) -> int:
+    return self.consumers * self.config.block_q
 
   @property
   def num_kv_blocks(self) -> int:
@@ -77,7 +84,7 @@ class _Plan:
 
   @property
   def num_q_tiles(self) -> int:
-    return self.seq_q_pad // self.config.rows_per_cta
+    return self.seq_q_pad // self.rows_per_cta
 
   @property
   def needs_mask(self) -> bool:
@@ -132,7 +139,7 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
   plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
   row0 = cta_row0 + wg * cfg.block_q
   q_smem = qo_smem.at[wg]
   stages = cfg.num_stages
@@ -146,7 +153,7 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
   plgpu.barrier_wait(q_bar.at[wg])
 
   steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  cta_steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
 
@@ -265,8 +272,8 @@ def _producer(refs, plan: _Plan, *, registers: int = _PRODUCER_REGS,
   plgpu.set_max_registers(registers, action="decrease")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
-  steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
+  steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
   stages = cfg.num_stages
 
   @pl.loop(0, steps)

@@ -147,7 +147,7 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * cfg.rows_per_cta
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
   row0 = cta_row0 + wg * cfg.block_q
   q_smem, p_smem = q_smem_all.at[wg], p_smem_all.at[wg]
   stages = cfg.num_stages
@@ -164,7 +164,7 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
   plgpu.barrier_wait(q_bar.at[wg])
 
   steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = _kv_steps(plan, cta_row0, cfg.rows_per_cta)
+  cta_steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
   # The mask as one per-row bound (`masking.visible_keys_end`) against the
   # column index: one compare per element, fewer live registers than
