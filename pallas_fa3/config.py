@@ -217,9 +217,9 @@ class Sm90BackwardConfig:
     return Sm90ForwardConfig(self.block_q, self.block_kv, self.num_stages)
 
 
-def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
-                        itemsize: int) -> int:
-  """Shared memory of the larger of the two backward kernels, per CTA."""
+def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
+                               itemsize: int) -> dict[str, int]:
+  """Shared memory per CTA of each backward kernel ("dkdv", "dq"), in bytes."""
   st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
   c, qc = config.dkdv_consumers, config.dq_consumers
   # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta
@@ -232,7 +232,15 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
         + 2 * _align(qc * bq * 4)
         + 2 * _align(st * bkv * d * itemsize)
         + (4 * st + 4 * qc) * _BARRIER_BYTES)
-  return max(dkdv, dq) + _RESERVED_SMEM
+  # No _RESERVED_SMEM: Mosaic reserves it for cross-warp reductions, which
+  # neither backward kernel has (measured: the estimate is then exact).
+  return {"dkdv": dkdv, "dq": dq}
+
+
+def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
+                        itemsize: int) -> int:
+  """Shared memory of the larger of the two backward kernels, per CTA."""
+  return max(backward_kernel_smem_bytes(config, head_dim, itemsize).values())
 
 
 # Register budgets of the backward consumers, in float32 tile registers per

@@ -8,6 +8,7 @@ supported config. The deviceless sm_90a compile is in test_sm90_aot.py.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -150,6 +151,28 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     assert kernels >= 3 and not fallback  # forward, dK/dV, dQ
   else:  # d 192/256: said, not silent, and the forward is still the kernel
     assert kernels >= 1 and fallback and reason in str(fallback[0].message)
+
+
+@pytest.mark.parametrize("head_dim,config,kernel", [
+    (256, Sm90BackwardConfig(64, 64, 3, 1, 2, 1), "dkdv"),
+    (128, Sm90BackwardConfig(128, 128, 4, 1, 1, 2), "dkdv"),
+    (96, Sm90BackwardConfig(64, 128, 4, 1, 1, 2), "dq"),
+])
+def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, config,
+                                                                 kernel):
+  """A config rejected for shared memory fails lowering with the estimate's
+  number for the first kernel over the limit (dK/dV is lowered first)."""
+  reason = kernel_config.backward_config_unsupported(config, head_dim, 2)
+  assert reason and "shared memory" in reason
+  q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+  stats = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+  spec = make_spec(q, q, q)
+  fn = jax.jit(lambda *a: sm90_bwd.sm90_backward(spec, config, *a))
+  with pytest.raises(ValueError, match="exceeds available shared memory") as e:
+    export.export(fn, platforms=["cuda"])(q, q, q, q, stats, q, stats)
+  used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
+  sizes = kernel_config.backward_kernel_smem_bytes(config, head_dim, 2)
+  assert used == sizes[kernel] > kernel_config.MAX_SMEM_BYTES
 
 
 def test_every_head_dim_has_a_backward_kernel_config():
