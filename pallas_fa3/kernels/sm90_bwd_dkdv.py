@@ -1,0 +1,277 @@
+"""The sm90 dK/dV kernel (see `sm90_bwd` for the backward's design).
+
+Parallel over (kv head, K/V tile, batch, head-dim chunk): consumer
+warpgroups hold K/V tiles and float32 dK, dV; the producer streams Q, dO,
+lse and delta tiles of every query head of the GQA group. Also the register
+and swizzle helpers the dQ kernel shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3 import masking
+from pallas_fa3.config import Sm90BackwardConfig
+from pallas_fa3.kernels import compat, sm90_fwd
+from pallas_fa3.kernels._ops import KernelOps
+from pallas_fa3.spec import LOG2E, AttentionSpec
+
+_PRODUCER_REGS = sm90_fwd._PRODUCER_REGS
+_CONSUMER_REGS = sm90_fwd._CONSUMER_REGS
+# With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
+# registers a thread slot has (ptxas then allocates 255, the ISA's limit;
+# at 232 the d=128 dK/dV consumer spilled 16 B) and the producer gives up
+# all it can (24 is setmaxnreg's minimum).
+_LONE_CONSUMER_REGS = 256
+_LONE_PRODUCER_REGS = 24
+
+
+def _consumer_regs(consumers: int) -> int:
+  return _CONSUMER_REGS if consumers == 2 else _LONE_CONSUMER_REGS
+
+
+def _producer_regs(consumers: int) -> int:
+  return _PRODUCER_REGS if consumers == 2 else _LONE_PRODUCER_REGS
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  spec: AttentionSpec
+  config: Sm90BackwardConfig
+  seq_q_pad: int
+  seq_kv_pad: int
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.seq_q_pad // self.config.block_q
+
+  @property
+  def kv_rows_per_cta(self) -> int:
+    return self.config.dkdv_consumers * self.config.block_kv
+
+  @property
+  def splits(self) -> int:
+    return self.config.dkdv_head_splits
+
+  @property
+  def q_halves(self) -> int:
+    """Query tiles are taken in 2 halves by split (register-tight) configs."""
+    return 2 if self.splits > 1 else 1
+
+  @property
+  def chunk(self) -> int:
+    """Head-dim columns of dK, dV one CTA accumulates."""
+    return self.spec.head_dim // self.splits
+
+
+def _cta_position(plan: _Plan):
+  """(first key row of the CTA, head-dim chunk it accumulates)."""
+  index = lax.axis_index("kv_tiles")
+  tile, chunk = lax.div(index, plan.splits), lax.rem(index, plan.splits)
+  return tile * plan.kv_rows_per_cta, chunk
+
+
+def _copy_chunks(ref, tile, dst, barrier, plan: _Plan):
+  """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
+  chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
+  for c in range(plan.splits):
+    cols = pl.ds(c * plan.chunk, plan.chunk)
+    plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
+
+
+def _swizzle64(dtype):
+  """Shared-memory transforms with a 64-byte swizzle: a wgmma reading such a
+  tile as its K operand steps 32 rows (16-bit types) at a time, where the
+  128-byte swizzle steps 64."""
+  cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
+
+
+def _first_q_tile(plan: _Plan, kv0):
+  """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
+  (earlier ones are skipped: causal)."""
+  spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
+  first = masking.first_q_block_visible(spec, kv0, bq, nq)
+  return jnp.asarray(first, jnp.int32)
+
+
+def _dkdv_consumer(refs, plan: _Plan, ops: KernelOps):
+  (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+   dl_smem, full, empty, kv_bar) = refs
+  spec, cfg = plan.spec, plan.config
+  consumers = cfg.dkdv_consumers
+  plgpu.set_max_registers(_consumer_regs(consumers), action="increase")
+  wg = lax.axis_index("wg")
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, chunk = _cta_position(plan)
+  kv0 = cta_kv0 + wg * cfg.block_kv
+  rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
+  # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
+  # contract over all of them, dK and dV are accumulated for chunk `chunk`.
+  my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+  _copy_chunks(k_ref, rows, my_k, kv_bar.at[wg], plan)
+  _copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + wg], plan)
+  plgpu.barrier_wait(kv_bar.at[wg])
+  plgpu.barrier_wait(kv_bar.at[consumers + wg])
+  k_chunks = [my_k.at[c] for c in range(plan.splits)]
+  v_chunks = [my_v.at[c] for c in range(plan.splits)]
+
+  first = _first_q_tile(plan, cta_kv0)
+  per_head = plan.num_q_blocks - first
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+  # Split head dims (d >= 192): each query tile is taken in halves of
+  # `block_q / 2` rows, so S^T, dP^T and the per-column lse and delta are
+  # half as wide next to the dK, dV accumulators (the buffers are 64-byte
+  # swizzled so that a half is a whole wgmma K step).
+  halves = plan.q_halves
+  sub = cfg.block_q // halves
+  shape = (cfg.block_kv, sub)
+
+  def part(qi, h, slot, carry, masked):
+    dk, dv = carry
+    rows_h = pl.ds(h * sub, sub)
+    q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
+    do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
+    # S^T = K Q^T, [block_kv, sub]
+    s_t = ops.scores(k_chunks, q_parts)
+    s_t = s_t * scale_log2 - lax.broadcast_in_dim(
+        ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1])
+    p_t = jnp.exp2(s_t)
+    if masked:
+      # Causal only: padded keys' rows of dK, dV are sliced off.
+      mask = masking.visible_tile_at(
+          spec, qi * cfg.block_q + h * sub, kv0, ops.col_index(sub),
+          ops.row_index(cfg.block_kv), shape, 1, check_seq_kv=False)
+      p_t = jnp.where(mask, p_t, 0.0)
+    p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
+    dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
+    # dP^T = V dO^T
+    dp_t = ops.scores(v_chunks, do_parts)
+    # Loaded only now: a column vector costs block_q / 4 registers per
+    # thread in the wgmma layout, and the dK, dV accumulators leave few.
+    delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
+    ds_t = p_t.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+    dk = ops.accumulate_pv(dk, ds_t.astype(spec.dtype),
+                           q_smem.at[slot, chunk].at[rows_h])
+    return dk, dv
+
+  def step(qi, carry, *, base, masked):
+    slot = lax.rem(base + qi - first, cfg.num_stages)
+    for i in range(4):
+      plgpu.barrier_wait(full[i].at[slot])
+    for h in range(halves):
+      carry = part(qi, h, slot, carry, masked)
+    plgpu.barrier_arrive(empty.at[slot])
+    return carry
+
+  def per_group_head(h, carry):
+    # Causal: every step masks (the mask is exact on fully visible tiles
+    # too). A separate loop over the masked tiles, often one step that the
+    # compiler straightens, cost up to 336 B of spills at d = 256.
+    base = h * per_head
+    return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
+        step, base=base, masked=spec.causal), carry)
+
+  zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
+  dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
+  out_k, out_v = my_k.at[chunk], my_v.at[chunk]  # K, V are done: reuse them
+  out_v[...] = dv.astype(spec.dtype)
+  out_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  plgpu.commit_smem()
+  cols = pl.ds(chunk * plan.chunk, plan.chunk)
+  plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
+  plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_producer(refs, plan: _Plan):
+  (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem, full,
+   empty) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(_producer_regs(cfg.dkdv_consumers), action="decrease")
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, _ = _cta_position(plan)
+  first = _first_q_tile(plan, cta_kv0)
+  per_head = plan.num_q_blocks - first
+  steps = spec.group_size * per_head
+  stages = cfg.num_stages
+
+  @pl.loop(0, steps)
+  def _load(t):
+    slot = lax.rem(t, stages)
+    head = kv_head * spec.group_size + lax.div(t, per_head)
+    q0 = (first + lax.rem(t, per_head)) * cfg.block_q
+
+    @pl.when(t >= stages)
+    def _():
+      plgpu.barrier_wait(empty.at[slot])
+
+    tile = (batch, pl.ds(q0, cfg.block_q), head)
+    row = (batch, head, pl.ds(q0, cfg.block_q))
+    _copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan)
+    _copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan)
+    plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[slot], full[2].at[slot])
+    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _drain(t):
+    plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
+
+
+def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
+  spec, cfg = plan.spec, plan.config
+  st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
+  tf = (_swizzle64(spec.dtype) if plan.q_halves > 1
+        else sm90_fwd._smem_transforms(spec.dtype, plan.chunk))
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
+             k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, q_full,
+             do_full, lse_full, dl_full, empty, kv_bar):
+    wg = lax.axis_index("wg")
+    full = (q_full, do_full, lse_full, dl_full)
+
+    @pl.when(wg < consumers)
+    def _():
+      _dkdv_consumer((k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
+                      do_smem, lse_smem, dl_smem, full, empty, kv_bar), plan, ops)
+
+    @pl.when(wg == consumers)
+    def _():
+      _dkdv_producer((q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem,
+                      lse_smem, dl_smem, full, empty), plan)
+
+  chunked = lambda n, rows: plgpu.SMEM((n, splits, rows, plan.chunk),
+                                       spec.dtype, transforms=tf)
+  scratch = (
+      chunked(consumers, cfg.block_kv), chunked(consumers, cfg.block_kv),
+      chunked(st, cfg.block_q), chunked(st, cfg.block_q),
+      plgpu.SMEM((st, cfg.block_q), jnp.float32),
+      plgpu.SMEM((st, cfg.block_q), jnp.float32),
+      # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse, delta.
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+      # K, V tile per consumer
+      plgpu.Barrier(num_arrivals=splits, num_barriers=2 * consumers),
+  )
+  kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
+  kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
+      scratch_types=scratch,
+      grid=(spec.heads_kv, kv_ctas * splits, spec.batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=compat.compiler_params(approx_math=True),
+      interpret=interpret,
+  )

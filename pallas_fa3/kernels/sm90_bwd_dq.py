@@ -1,0 +1,150 @@
+"""The sm90 dQ kernel (see `sm90_bwd` for the backward's design): the
+forward kernel's structure (its producer streams K and V tiles), dQ
+accumulated in float32 registers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3 import masking
+from pallas_fa3.kernels import compat, sm90_fwd
+from pallas_fa3.kernels._ops import KernelOps
+from pallas_fa3.kernels.sm90_bwd_dkdv import (_consumer_regs, _producer_regs,
+                                              _swizzle64)
+from pallas_fa3.spec import LOG2E
+
+def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
+  (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
+   k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(_consumer_regs(plan.consumers), action="increase")
+  wg = lax.axis_index("wg")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
+  row0 = cta_row0 + wg * cfg.block_q
+  my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+  tile = (batch, pl.ds(row0, cfg.block_q), head)
+  row = (batch, head, pl.ds(row0, cfg.block_q))
+  bars = [tile_bar.at[4 * wg + i] for i in range(4)]
+  plgpu.copy_gmem_to_smem(q_ref.at[tile], my_q, bars[0])
+  plgpu.copy_gmem_to_smem(do_ref.at[tile], my_do, bars[1])
+  plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[wg], bars[2])
+  plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[wg], bars[3])
+  for bar in bars:
+    plgpu.barrier_wait(bar)
+  lse2 = ops.load_rows(lse_smem.at[wg])
+  delta = ops.load_rows(dl_smem.at[wg])
+
+  steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = sm90_fwd._kv_steps(plan, cta_row0, plan.rows_per_cta)
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+  # One consumer (d >= 192): each K/V tile is taken in halves of
+  # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
+  # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
+  # whole wgmma K step).
+  halves = 2 if plan.consumers == 1 else 1
+  sub = cfg.block_kv // halves
+  shape = (cfg.block_q, sub)
+
+  def part(j, h, slot, dq, masked):
+    keys = pl.ds(h * sub, sub)
+    k_tile, v_tile = k_smem.at[slot].at[keys], v_smem.at[slot].at[keys]
+    s = ops.scores(my_q, k_tile)
+
+    def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
+      if masked:
+        mask = masking.visible_tile_at(
+            spec, row0, j * cfg.block_kv + h * sub, ops.row_index(cfg.block_q),
+            ops.col_index(sub), shape, 0)
+        p = jnp.where(mask, p, 0.0)
+      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
+
+    return ops.with_scores(my_do, v_tile, accumulate)
+
+  def step(j, dq, *, masked):
+    slot = lax.rem(j, cfg.num_stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    for h in range(halves):
+      dq = part(j, h, slot, dq, masked)
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    return dq
+
+  dq = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
+  dq = lax.fori_loop(unmasked, steps, functools.partial(
+      step, masked=plan.needs_mask), dq)
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):  # tiles loaded for the other consumer's rows (causal)
+    slot = lax.rem(j, cfg.num_stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+
+  my_q[...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(my_q, dq_ref.at[tile])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret):
+  spec, cfg = plan.spec, plan.config
+  d, st, consumers = spec.head_dim, cfg.num_stages, plan.consumers
+  # A lone consumer takes K/V tiles in halves (see _dq_consumer); both wgmma
+  # operands of S and dP must share the swizzle.
+  tf = (_swizzle64(spec.dtype) if consumers == 1
+        else sm90_fwd._smem_transforms(spec.dtype, d))
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
+             do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
+             k_empty, v_empty, tile_bar):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < consumers)
+    def _():
+      _dq_consumer((q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem,
+                    lse_smem, dl_smem, k_smem, v_smem, k_full, v_full, k_empty,
+                    v_empty, tile_bar), plan, ops)
+
+    @pl.when(wg == consumers)
+    def _():
+      sm90_fwd._producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full,
+                          k_empty, v_empty), plan,
+                         registers=_producer_regs(consumers))
+
+  per_consumer = lambda: plgpu.SMEM((consumers, cfg.block_q, d), spec.dtype,
+                                    transforms=tf)
+  ring = lambda: plgpu.SMEM((st, cfg.block_kv, d), spec.dtype, transforms=tf)
+  scratch = (
+      per_consumer(), per_consumer(),
+      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
+      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
+      ring(), ring(),
+      plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+      plgpu.Barrier(num_barriers=4 * consumers),  # Q, dO, lse, delta
+  )
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(
+          (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
+      scratch_types=scratch,
+      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=compat.compiler_params(approx_math=True),
+      interpret=interpret,
+  )
