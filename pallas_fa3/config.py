@@ -189,11 +189,12 @@ class Sm90BackwardConfig:
     dkdv_consumers: consumer warpgroups of the dK/dV kernel (1 or 2). With
       one, the CTA has 256 threads and its consumer may hold 255 registers
       per thread (232 with two): the dK, dV accumulators of d > 64 need it.
-    dkdv_head_splits: CTAs that share one K/V tile, each accumulating
-      `head_dim / dkdv_head_splits` columns of dK and dV (1 or 2). Each of
-      them recomputes S^T and dP^T over the whole head dim (two more GEMMs
-      per tile) and takes the query tile in halves of `block_q / 2` rows;
-      it is how d = 192, 256 fit in registers.
+    dkdv_head_splits: ways dK and dV's head dim is split (1 or 2). With two
+      consumers, they share one K/V tile and each accumulates half of the
+      head dim, exchanging P and dS through shared memory (FA3's layout
+      for d = 192, 256; no GEMM repeated). With one, two CTAs share each
+      K/V tile, each recomputing S^T and dP^T over the whole head dim (two
+      more GEMMs per tile) and taking the query tile in halves.
     dq_consumers: consumer warpgroups of the dQ kernel (1 or 2). A lone
       consumer takes each K/V tile in halves of `block_kv / 2` keys; it is
       how d = 192, 256 fit in registers.
@@ -222,11 +223,16 @@ def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
   """Shared memory per CTA of each backward kernel ("dkdv", "dq"), in bytes."""
   st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
   c, qc = config.dkdv_consumers, config.dq_consumers
-  # dK/dV: K and V tiles per consumer; ring of Q, dO tiles and lse, delta
-  # rows (head-dim chunks are slices of the same buffers).
-  dkdv = (2 * _align(c * bkv * d * itemsize)
+  shared = _dkdv_shared(config)
+  tiles = 1 if shared else c
+  # dK/dV: K and V tiles (one shared, or one per consumer); ring of Q, dO
+  # tiles and lse, delta rows (head-dim chunks are slices of the same
+  # buffers); shared: P and dS tiles by step parity and a rendezvous barrier.
+  dkdv = (2 * _align(tiles * bkv * d * itemsize)
           + 2 * _align(st * bq * d * itemsize) + 2 * _align(st * bq * 4)
-          + (5 * st + 2 * c) * _BARRIER_BYTES)
+          + (5 * st + 2 * tiles) * _BARRIER_BYTES)
+  if shared:
+    dkdv += 2 * _align(2 * bq * bkv * itemsize) + _BARRIER_BYTES
   # dQ: Q, dO tiles and lse, delta rows per consumer; ring of K and V tiles.
   dq = (2 * _align(qc * bq * d * itemsize)
         + 2 * _align(qc * bq * 4)
@@ -249,12 +255,20 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
 # registers a thread (setmaxnreg), a lone one 256 (ptxas: 255).
 _DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96 with 2 consumers (160) spills 48 B
 _DQ_TILE_REGS = {2: 128, 1: 192}    # d=64 with 64x128 tiles (160) spills 956 B
+_DKDV_SHARED_TILE_REGS = 160
+
+
+def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
+  """Two dK/dV consumers sharing one K/V tile, splitting its head dim."""
+  return config.dkdv_consumers == 2 and config.dkdv_head_splits == 2
 
 
 def _dkdv_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
-  # dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles.
+  # dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles
+  # (shared: each consumer computes half of the key columns of S and dP).
   cols = head_dim // config.dkdv_head_splits
-  return config.block_kv * (2 * cols + 2 * config.block_q) // 128
+  sdp = config.block_q * (1 if _dkdv_shared(config) else 2)
+  return config.block_kv * (2 * cols + sdp) // 128
 
 
 def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
@@ -275,7 +289,8 @@ def backward_config_unsupported(config: Sm90BackwardConfig, head_dim: int,
     return (f"{config} needs {need} bytes of shared memory at head_dim"
             f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
   dkdv = _dkdv_tile_regs(config, head_dim)
-  room = _DKDV_TILE_REGS[config.dkdv_consumers]
+  room = (_DKDV_SHARED_TILE_REGS if _dkdv_shared(config)
+          else _DKDV_TILE_REGS[config.dkdv_consumers])
   if dkdv > room:
     return (f"{config}: the dK/dV kernel keeps {dkdv} float32 tile registers"
             f" per thread at head_dim {head_dim}; room for {room}")
@@ -312,36 +327,45 @@ def _fit(block_q: int, block_kv: int, num_stages: int, dkdv_consumers: int,
   return None
 
 
-def _tilings(head_dim: int, itemsize: int, splits: int, block_choices=(64, 128),
+# dK/dV layouts as (consumers, head splits): own K/V tiles; two consumers
+# sharing a tile's head dim; one consumer per CTA with the head dim split
+# across CTAs (S^T and dP^T recomputed: only where nothing else fits).
+_OWN_TILES, _SHARED_TILE, _CTA_SPLIT = ((2, 1), (1, 1)), ((2, 2),), ((1, 2),)
+
+
+def _tilings(head_dim: int, itemsize: int, layouts, block_choices=(64, 128),
              stage_choices=_STAGE_CHOICES):
   found = (_fit(bq, bkv, st, consumers, splits, head_dim, itemsize)
-           for consumers in (2, 1) for bq in block_choices
+           for consumers, splits in layouts for bq in block_choices
            for bkv in block_choices for st in stage_choices)
   return tuple(c for c in found if c is not None)
 
 
 def backward_config_space(head_dim: int, itemsize: int = 2
                           ) -> tuple[Sm90BackwardConfig, ...]:
-  """Every backward tiling that fits at this head_dim, two dK/dV consumers
-  first, with head-dim splits only where nothing fits without (d = 192,
-  256: a split recomputes S^T and dP^T) and one dQ consumer only where two
-  do not fit."""
-  for splits in (1, 2):
-    space = _tilings(head_dim, itemsize, splits)
-    if space:
-      return space
-  return ()
+  """Every backward tiling that fits at this head_dim, in order of
+  preference: consumers owning whole K/V tiles, then two consumers sharing
+  a tile's head dim; the head dim split across CTAs (S^T and dP^T
+  recomputed) only where neither fits, which no supported head dim needs
+  (it stays selectable); one dQ consumer only where two do not fit."""
+  return _space(head_dim, itemsize)
+
+
+def _space(head_dim, itemsize, **choices):
+  space = (_tilings(head_dim, itemsize, _OWN_TILES, **choices)
+           + _tilings(head_dim, itemsize, _SHARED_TILE, **choices))
+  return space or _tilings(head_dim, itemsize, _CTA_SPLIT, **choices)
 
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   """64 x 64 tiles, 2 stages, in the first form that fits: two dK/dV
-  consumers at d = 64, one at d = 96, 128; split head dims and one dQ
-  consumer at d = 192, 256."""
-  for splits in (1, 2):
-    space = _tilings(spec.head_dim, spec.dtype.itemsize, splits, (64,), (2,))
-    if space:
-      return space[0]
-  raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
+  consumers at d = 64, one at d = 96, 128; at d = 192, 256 two consumers
+  sharing each K/V tile's head dim, one dQ consumer."""
+  space = _space(spec.head_dim, spec.dtype.itemsize, block_choices=(64,),
+                 stage_choices=(2,))
+  if not space:
+    raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
+  return space[0]
 
 
 # -- FP8 (e4m3) forward: same tiling dataclass, its own footprint -------------

@@ -56,10 +56,22 @@ _CASES = [
     (Shape(1, 200, 70, 1, 1, 64), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2)),
     # d 128 (one dK/dV consumer: two do not fit the registers), MQA.
     (Shape(1, 100, 128, 2, 1, 128), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2, 1)),
-    # d 256: two CTAs per K/V tile, each with half of dK/dV's head dim and
-    # query tiles in halves; one dQ consumer taking K/V tiles in halves; MQA.
+    # d 256 (the default): two consumers sharing each K/V tile, each with
+    # half of dK/dV's head dim, exchanging P and dS through shared memory;
+    # one dQ consumer taking K/V tiles in halves; MQA.
+    (Shape(1, 100, 130, 2, 1, 256), jnp.bfloat16, True,
+     Sm90BackwardConfig(64, 64, 2, 2, 2, 1)),
+    # d 256 with the head dim split across two CTAs per K/V tile (query
+    # tiles in halves).
     (Shape(1, 100, 130, 2, 1, 256), jnp.bfloat16, True,
      Sm90BackwardConfig(64, 64, 2, 1, 2, 1)),
+    # The shared-tile layout at d 128, fp16, 3 stages (ring and the P/dS
+    # parity buffers wrap), GQA.
+    (Shape(1, 200, 260, 2, 1, 128), jnp.float16, True,
+     Sm90BackwardConfig(64, 64, 3, 2, 2, 2)),
+    # ... at d 64 with 128-key tiles (64-column halves of S), non-causal.
+    (Shape(1, 130, 300, 2, 1, 64), jnp.bfloat16, False,
+     Sm90BackwardConfig(64, 128, 2, 2, 2, 1)),
     # d 192 (96-column chunks), causal sq > skv, fp16, 3 stages.
     (Shape(1, 130, 70, 1, 1, 192), jnp.float16, True,
      Sm90BackwardConfig(64, 64, 3, 1, 2, 1)),
@@ -87,12 +99,16 @@ def test_interpret_gradients_match_golden(shape, dtype, causal, config, key):
 
 
 @pytest.mark.timeout(2 * _TIMEOUT_S)
-def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(key):
-  shape = Shape(1, 70, 100, 1, 1, 64)
+@pytest.mark.parametrize("head_dim,config", [
+    (64, Sm90BackwardConfig(64, 64, 2)),
+    (256, Sm90BackwardConfig(64, 64, 2, 2, 2, 1)),  # P/dS exchange
+])
+def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(
+    key, head_dim, config):
+  shape = Shape(1, 70, 100, 1, 1, head_dim)
   q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
   dlse = jax.random.normal(jax.random.fold_in(key, 1), (1, 1, 70))
   spec = make_spec(q, k, v, causal=True)
-  config = Sm90BackwardConfig(64, 64, 2)
   first = _interpret_grads(spec, config, q, k, v, dout, dlse)
   second = _interpret_grads(spec, config, q, k, v, dout, dlse)
   for name, a, b in zip(("dq", "dk", "dv"), first, second):

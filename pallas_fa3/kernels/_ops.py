@@ -119,6 +119,17 @@ class KernelOps:
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
 
+  def accumulate_tn(self, acc: jax.Array, a_smem, b_smem) -> jax.Array:
+    """acc + A^T B with A `[k, m]` and B `[k, n]` in shared memory (the
+    wgmma reads A transposed), float32 accumulation; waits for all wgmma."""
+    if self.interpreted:
+      return acc + jnp.dot(a_smem[...].T, b_smem[...], preferred_element_type=_F32)
+
+    def tn(ref):
+      plgpu.wgmma(ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+
+    return pl.run_state(tn)(plgpu.ACC.init(acc))
+
 
 def _chunks(ref_or_refs) -> tuple:
   if isinstance(ref_or_refs, (list, tuple)):

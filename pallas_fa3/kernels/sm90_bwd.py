@@ -16,20 +16,24 @@ consumer warpgroups computing with wgmma):
 - **dQ kernel**, parallel over query tiles: the forward's structure (its
   producer streams K and V), accumulating dQ in float32 registers.
 
-Registers decide the form (`Sm90BackwardConfig`): at d = 192, 256 the dK, dV
-of one 64-row tile alone would take 192-256 registers a thread, so
-`dkdv_head_splits=2` CTAs share each K/V tile, each accumulating half of the
-head-dim columns (tiles are kept as head-dim chunks; S^T and dP^T, which
-contract over the whole head dim, are recomputed by both), and take each
-query tile in halves of `block_q / 2` rows; a lone dQ consumer takes K/V
-tiles in halves of `block_kv / 2` keys. Halves need 64-byte-swizzled
-buffers (a wgmma K step is 32 rows there, 64 with the 128-byte swizzle). A
-lone consumer warpgroup gets 256 registers (setmaxnreg; ptxas then
-allocates 255), two get 232. Masks are built from 1-D index vectors
-compared after broadcasting (`masking.visible_tile_at`), and the dK/dV
-kernel masks causal tiles in the same loop as the others: two index tiles,
-or a one-step masked loop that the compiler straightens, cost up to 336 B
-of spills at d = 256.
+Registers decide the form (`Sm90BackwardConfig`). A lone consumer
+warpgroup gets 256 registers a thread (setmaxnreg; ptxas allocates 255),
+two get 232 each. At d = 192, 256 the float32 dK, dV of one 64-row tile
+alone take 192-256 registers a thread, so (FA3's layout for large head
+dims) **two consumers share each K/V tile**, each accumulating half of
+dK/dV's head-dim columns: each computes half of the key columns of S and
+dP, writes that half of P and dS to shared memory, meets the other, and
+both read all of P and dS (transposed by the wgmma) for their halves of dV
+and dK. No GEMM is repeated. An alternative kept selectable (not in the
+config space): the head dim split across two CTAs per K/V tile, which
+recompute S^T and dP^T (two more GEMMs per tile). A lone dQ consumer takes
+K/V tiles in halves of `block_kv / 2` keys. Column halves and halves of
+tiles need 64-byte-swizzled buffers (a wgmma K step is 32 rows there, 64
+with the 128-byte swizzle). Masks are built from 1-D index vectors compared
+after broadcasting (`masking.visible_tile_at`), and the dK/dV kernel masks
+causal tiles in the same loop as the others: two index tiles, or a
+one-step masked loop that the compiler straightens, cost up to 336 B of
+spills at d = 256.
 
 Why a separate dQ kernel rather than FA3's float32 atomic adds of dQ from
 the dK/dV kernel: it costs two more GEMMs per tile (S and dP are recomputed:
@@ -79,7 +83,7 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   """
   ops = COMPILED if interpret is None else INTERPRETED
   sq_pad = _round_up(spec.seq_q, 2 * config.block_q)
-  skv_pad = _round_up(spec.seq_kv, config.dkdv_consumers * config.block_kv)
+  skv_pad = _round_up(spec.seq_kv, _Plan(spec, config, 0, 0).kv_rows_per_cta)
   delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
                      out.astype(jnp.float32)) - dlse.astype(jnp.float32)
   # Rows that see no key (lse = -inf) and padded rows: lse2 = +inf, P = 0.

@@ -27,10 +27,11 @@ _PRODUCER_REGS = sm90_fwd._PRODUCER_REGS
 _CONSUMER_REGS = sm90_fwd._CONSUMER_REGS
 # With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
 # registers a thread slot has (ptxas then allocates 255, the ISA's limit;
-# at 232 the d=128 dK/dV consumer spilled 16 B) and the producer gives up
-# all it can (24 is setmaxnreg's minimum).
+# at 232 the d=128 dK/dV consumer spilled 16 B). Two warpgroups fit 256 each
+# in the register file, so the producer keeps more than it needs (at 24, the
+# minimum, the dQ kernel's producer spilled 4 B at some shapes).
 _LONE_CONSUMER_REGS = 256
-_LONE_PRODUCER_REGS = 24
+_LONE_PRODUCER_REGS = 64
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -53,8 +54,19 @@ class _Plan:
     return self.seq_q_pad // self.config.block_q
 
   @property
+  def shared(self) -> bool:
+    """Two consumers share one K/V tile, each owning half of dK/dV's head
+    dim; else each consumer owns its K/V tile (and a split is across CTAs)."""
+    return self.config.dkdv_consumers == 2 and self.splits == 2
+
+  @property
   def kv_rows_per_cta(self) -> int:
-    return self.config.dkdv_consumers * self.config.block_kv
+    return self.config.block_kv * (1 if self.shared else self.config.dkdv_consumers)
+
+  @property
+  def cta_splits(self) -> int:
+    """CTAs per K/V tile (head-dim chunks split across CTAs)."""
+    return 1 if self.shared else self.splits
 
   @property
   def splits(self) -> int:
@@ -62,8 +74,8 @@ class _Plan:
 
   @property
   def q_halves(self) -> int:
-    """Query tiles are taken in 2 halves by split (register-tight) configs."""
-    return 2 if self.splits > 1 else 1
+    """Query tiles are taken in 2 halves by CTA-split (register-tight) configs."""
+    return 2 if self.cta_splits > 1 else 1
 
   @property
   def chunk(self) -> int:
@@ -74,7 +86,7 @@ class _Plan:
 def _cta_position(plan: _Plan):
   """(first key row of the CTA, head-dim chunk it accumulates)."""
   index = lax.axis_index("kv_tiles")
-  tile, chunk = lax.div(index, plan.splits), lax.rem(index, plan.splits)
+  tile, chunk = lax.div(index, plan.cta_splits), lax.rem(index, plan.cta_splits)
   return tile * plan.kv_rows_per_cta, chunk
 
 
@@ -191,6 +203,88 @@ def _dkdv_consumer(refs, plan: _Plan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
+def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
+  """Consumer `w` of a CTA whose two consumers share one K/V tile: it
+  accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
+
+  Per step it computes its half of the key columns of S = Q K^T and
+  dP = dO V^T (`[block_q, block_kv / 2]`, query rows as wgmma rows, so lse
+  and delta are per-row vectors), writes that half of P and dS to shared
+  memory, meets the other consumer, and then both read all of P and dS
+  (transposed by the wgmma) for dV_w += P^T dO_w and dK_w += dS^T Q_w. No
+  GEMM is repeated. P/dS buffers alternate by step parity: a consumer
+  rewrites one only after the other has passed the next rendezvous, hence
+  finished the wgmmas that read it.
+  """
+  (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+   dl_smem, p_smem, ds_smem, full, empty, kv_bar, xchg) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(_consumer_regs(2), action="increase")
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv0, _ = _cta_position(plan)
+  rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
+  cols = pl.ds(w * plan.chunk, plan.chunk)
+  k_tile, v_tile = k_smem.at[0], v_smem.at[0]  # [splits, block_kv, chunk]
+  plgpu.copy_gmem_to_smem(k_ref.at[rows + (cols,)], k_tile.at[w], kv_bar.at[0])
+  plgpu.copy_gmem_to_smem(v_ref.at[rows + (cols,)], v_tile.at[w], kv_bar.at[1])
+  plgpu.barrier_wait(kv_bar.at[0])
+  plgpu.barrier_wait(kv_bar.at[1])
+  half = cfg.block_kv // 2
+  mine = pl.ds(w * half, half)  # my key columns of S, dP
+  k_mine = [k_tile.at[c].at[mine] for c in range(plan.splits)]
+  v_mine = [v_tile.at[c].at[mine] for c in range(plan.splits)]
+
+  first = _first_q_tile(plan, kv0)
+  per_head = plan.num_q_blocks - first
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+  shape = (cfg.block_q, half)
+
+  def step(qi, carry, *, base):
+    dk, dv = carry
+    t = base + qi - first
+    slot, buf = lax.rem(t, cfg.num_stages), lax.rem(t, 2)
+    for i in range(4):
+      plgpu.barrier_wait(full[i].at[slot])
+    q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+    s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(
+        ops.load_rows(lse_smem.at[slot]), shape, [0]))
+    if spec.causal:  # exact on every tile (padded keys: rows sliced off)
+      mask = masking.visible_tile_at(
+          spec, qi * cfg.block_q, kv0 + w * half, ops.row_index(cfg.block_q),
+          ops.col_index(half), shape, 0, check_seq_kv=False)
+      p = jnp.where(mask, p, 0.0)
+    p = p.astype(spec.dtype)
+    dp = ops.scores([do_tile.at[c] for c in range(plan.splits)], v_mine)
+    ds = p.astype(jnp.float32) * (dp - lax.broadcast_in_dim(
+        ops.load_rows(dl_smem.at[slot]), shape, [0]))
+    p_smem.at[buf].at[:, mine][...] = p
+    ds_smem.at[buf].at[:, mine][...] = ds.astype(spec.dtype)
+    plgpu.commit_smem()  # my halves visible to both consumers' wgmmas
+    plgpu.barrier_arrive(xchg)
+    plgpu.barrier_wait(xchg)
+    dv = ops.accumulate_tn(dv, p_smem.at[buf], do_tile.at[w])   # P^T dO_w
+    dk = ops.accumulate_tn(dk, ds_smem.at[buf], q_tile.at[w])   # dS^T Q_w
+    plgpu.barrier_arrive(empty.at[slot])
+    return dk, dv
+
+  def per_group_head(h, carry):
+    return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
+        step, base=h * per_head), carry)
+
+  zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
+  dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
+  # My K, V chunks were last read by the other consumer before our last
+  # rendezvous: reuse them for dK, dV.
+  out_k, out_v = k_tile.at[w], v_tile.at[w]
+  out_v[...] = dv.astype(spec.dtype)
+  out_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
+  plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _dkdv_producer(refs, plan: _Plan):
   (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem, full,
    empty) = refs
@@ -228,19 +322,26 @@ def _dkdv_producer(refs, plan: _Plan):
 def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
-  tf = (_swizzle64(spec.dtype) if plan.q_halves > 1
+  tf = (_swizzle64(spec.dtype) if plan.q_halves > 1 or plan.shared
         else sm90_fwd._smem_transforms(spec.dtype, plan.chunk))
+  kv_tiles = 1 if plan.shared else consumers
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, q_full,
-             do_full, lse_full, dl_full, empty, kv_bar):
+             do_full, lse_full, dl_full, empty, kv_bar, *exchange):
     wg = lax.axis_index("wg")
     full = (q_full, do_full, lse_full, dl_full)
-
-    @pl.when(wg < consumers)
-    def _():
-      _dkdv_consumer((k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
-                      do_smem, lse_smem, dl_smem, full, empty, kv_bar), plan, ops)
+    refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
+            lse_smem, dl_smem)
+    if plan.shared:
+      p_smem, ds_smem, xchg = exchange
+      for w in range(consumers):
+        pl.when(wg == w)(functools.partial(
+            _dkdv_shared_consumer, refs + (p_smem, ds_smem, full, empty,
+                                           kv_bar, xchg), plan, ops, w))
+    else:
+      pl.when(wg < consumers)(functools.partial(
+          _dkdv_consumer, refs + (full, empty, kv_bar), plan, ops))
 
     @pl.when(wg == consumers)
     def _():
@@ -250,7 +351,7 @@ def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
   chunked = lambda n, rows: plgpu.SMEM((n, splits, rows, plan.chunk),
                                        spec.dtype, transforms=tf)
   scratch = (
-      chunked(consumers, cfg.block_kv), chunked(consumers, cfg.block_kv),
+      chunked(kv_tiles, cfg.block_kv), chunked(kv_tiles, cfg.block_kv),
       chunked(st, cfg.block_q), chunked(st, cfg.block_q),
       plgpu.SMEM((st, cfg.block_q), jnp.float32),
       plgpu.SMEM((st, cfg.block_q), jnp.float32),
@@ -259,16 +360,20 @@ def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
       plgpu.Barrier(num_arrivals=splits, num_barriers=st),
       plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
       plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      # K, V tile per consumer
-      plgpu.Barrier(num_arrivals=splits, num_barriers=2 * consumers),
+      # K, V of each K/V tile (one TMA per head-dim chunk)
+      plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
   )
+  if plan.shared:  # P and dS by step parity, and the consumers' rendezvous
+    exchange = lambda: plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype,
+                                  transforms=tf)
+    scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
   kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
   kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
       scratch_types=scratch,
-      grid=(spec.heads_kv, kv_ctas * splits, spec.batch),
+      grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=consumers + 1,
       thread_name="wg",
