@@ -196,8 +196,12 @@ class Sm90BackwardConfig:
       K/V tile, each recomputing S^T and dP^T over the whole head dim (two
       more GEMMs per tile) and taking the query tile in halves.
     dq_consumers: consumer warpgroups of the dQ kernel (1 or 2). A lone
-      consumer takes each K/V tile in halves of `block_kv / 2` keys; it is
-      how d = 192, 256 fit in registers.
+      consumer takes each K/V tile in halves of `block_kv / 2` keys.
+    dq_head_splits: 2 makes the dQ kernel's two consumers share each query
+      tile, each accumulating half of dQ's head dim and computing half of
+      the key columns of S and dP, exchanging dS through shared memory
+      (no GEMM repeated): how d = 192, 256 fit in registers. Needs
+      `dq_consumers=2`.
   """
 
   block_q: int = 64
@@ -206,11 +210,17 @@ class Sm90BackwardConfig:
   dkdv_consumers: int = 2
   dkdv_head_splits: int = 1
   dq_consumers: int = NUM_CONSUMERS
+  dq_head_splits: int = 1
 
   def __post_init__(self):
     _check_int_choices(self, block_q=(64, 128), block_kv=(64, 128),
                        num_stages=_STAGE_CHOICES, dkdv_consumers=(1, 2),
-                       dkdv_head_splits=(1, 2), dq_consumers=(1, 2))
+                       dkdv_head_splits=(1, 2), dq_consumers=(1, 2),
+                       dq_head_splits=(1, 2))
+    if self.dq_head_splits == 2 and self.dq_consumers != 2:
+      raise ValueError("Sm90BackwardConfig.dq_head_splits=2 needs dq_consumers=2"
+                       f" (the two consumers split the head dim); got"
+                       f" dq_consumers={self.dq_consumers}")
 
   @property
   def dq_config(self) -> Sm90ForwardConfig:
@@ -233,11 +243,16 @@ def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
           + (5 * st + 2 * tiles) * _BARRIER_BYTES)
   if shared:
     dkdv += 2 * _align(2 * bq * bkv * itemsize) + _BARRIER_BYTES
-  # dQ: Q, dO tiles and lse, delta rows per consumer; ring of K and V tiles.
-  dq = (2 * _align(qc * bq * d * itemsize)
-        + 2 * _align(qc * bq * 4)
+  # dQ: Q, dO tiles and lse, delta rows per row block (one block when the
+  # consumers share the rows); ring of K and V tiles; shared: dS tiles by
+  # step parity and a rendezvous barrier.
+  blocks = 1 if config.dq_head_splits == 2 else qc
+  dq = (2 * _align(blocks * bq * d * itemsize)
+        + 2 * _align(blocks * bq * 4)
         + 2 * _align(st * bkv * d * itemsize)
-        + (4 * st + 4 * qc) * _BARRIER_BYTES)
+        + (4 * st + 4 * blocks) * _BARRIER_BYTES)
+  if config.dq_head_splits == 2:
+    dq += _align(2 * bq * bkv * itemsize) + _BARRIER_BYTES
   # No _RESERVED_SMEM: Mosaic reserves it for cross-warp reductions, which
   # neither backward kernel has (measured: the estimate is then exact).
   return {"dkdv": dkdv, "dq": dq}
@@ -272,18 +287,22 @@ def _dkdv_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
 
 
 def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
-  # dQ accumulator (block_q x d) plus S and dP tiles.
-  return config.block_q * (head_dim + 2 * config.block_kv) // 128
+  # dQ accumulator (block_q x d / splits) plus S and dP tiles (shared rows:
+  # each consumer computes half of their key columns).
+  splits = config.dq_head_splits
+  return config.block_q * (head_dim // splits + 2 * config.block_kv // splits) // 128
 
 
 def backward_config_unsupported(config: Sm90BackwardConfig, head_dim: int,
                                 itemsize: int) -> str | None:
   """Why this backward config cannot run at this head_dim, or None."""
-  cols = head_dim // config.dkdv_head_splits
-  if config.dkdv_head_splits > 1 and cols % 32:
-    return (f"{config}: dkdv_head_splits={config.dkdv_head_splits} leaves"
-            f" {cols}-column chunks of head_dim {head_dim}; a split needs"
-            " multiples of 32 (one 64-byte swizzle row)")
+  for field in ("dkdv_head_splits", "dq_head_splits"):
+    splits = getattr(config, field)
+    cols = head_dim // splits
+    if splits > 1 and cols % 32:
+      return (f"{config}: {field}={splits} leaves {cols}-column chunks of"
+              f" head_dim {head_dim}; a split needs multiples of 32 (one"
+              " 64-byte swizzle row)")
   need = backward_smem_bytes(config, head_dim, itemsize)
   if need > MAX_SMEM_BYTES:
     return (f"{config} needs {need} bytes of shared memory at head_dim"
@@ -318,10 +337,11 @@ def backward_unsupported(spec: AttentionSpec,
 def _fit(block_q: int, block_kv: int, num_stages: int, dkdv_consumers: int,
          head_splits: int, head_dim: int, itemsize: int
          ) -> Sm90BackwardConfig | None:
-  """The tiling with two dQ consumers if it fits, else one; None if neither."""
-  for dq_consumers in (NUM_CONSUMERS, 1):
+  """The first dQ layout that fits (two consumers with their own rows, two
+  sharing the rows' head dim, one); None if none does."""
+  for dq_consumers, dq_splits in ((NUM_CONSUMERS, 1), (NUM_CONSUMERS, 2), (1, 1)):
     config = Sm90BackwardConfig(block_q, block_kv, num_stages, dkdv_consumers,
-                                head_splits, dq_consumers)
+                                head_splits, dq_consumers, dq_splits)
     if backward_config_unsupported(config, head_dim, itemsize) is None:
       return config
   return None

@@ -56,13 +56,13 @@ _CASES = [
     (Shape(1, 200, 70, 1, 1, 64), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2)),
     # d 128 (one dK/dV consumer: two do not fit the registers), MQA.
     (Shape(1, 100, 128, 2, 1, 128), jnp.bfloat16, True, Sm90BackwardConfig(64, 64, 2, 1)),
-    # d 256 (the default): two consumers sharing each K/V tile, each with
-    # half of dK/dV's head dim, exchanging P and dS through shared memory;
-    # one dQ consumer taking K/V tiles in halves; MQA.
+    # d 256 (the default): two dK/dV consumers sharing each K/V tile, each
+    # with half of dK/dV's head dim, exchanging P and dS through shared
+    # memory; two dQ consumers sharing each query tile the same way; MQA.
     (Shape(1, 100, 130, 2, 1, 256), jnp.bfloat16, True,
-     Sm90BackwardConfig(64, 64, 2, 2, 2, 1)),
+     Sm90BackwardConfig(64, 64, 2, 2, 2, 2, 2)),
     # d 256 with the head dim split across two CTAs per K/V tile (query
-    # tiles in halves).
+    # tiles in halves) and one dQ consumer taking K/V tiles in halves.
     (Shape(1, 100, 130, 2, 1, 256), jnp.bfloat16, True,
      Sm90BackwardConfig(64, 64, 2, 1, 2, 1)),
     # The shared-tile layout at d 128, fp16, 3 stages (ring and the P/dS
@@ -72,9 +72,10 @@ _CASES = [
     # ... at d 64 with 128-key tiles (64-column halves of S), non-causal.
     (Shape(1, 130, 300, 2, 1, 64), jnp.bfloat16, False,
      Sm90BackwardConfig(64, 128, 2, 2, 2, 1)),
-    # d 192 (96-column chunks), causal sq > skv, fp16, 3 stages.
+    # d 192 (96-column halves), the default layout, causal sq > skv, fp16,
+    # 3 stages.
     (Shape(1, 130, 70, 1, 1, 192), jnp.float16, True,
-     Sm90BackwardConfig(64, 64, 3, 1, 2, 1)),
+     Sm90BackwardConfig(64, 64, 3, 2, 2, 2, 2)),
     # block_q 128 at d 64: one dQ consumer (128 rows) taking K/V in halves.
     (Shape(1, 200, 260, 2, 1, 64), jnp.bfloat16, True,
      Sm90BackwardConfig(128, 64, 2, 1, 1, 1)),
@@ -101,7 +102,7 @@ def test_interpret_gradients_match_golden(shape, dtype, causal, config, key):
 @pytest.mark.timeout(2 * _TIMEOUT_S)
 @pytest.mark.parametrize("head_dim,config", [
     (64, Sm90BackwardConfig(64, 64, 2)),
-    (256, Sm90BackwardConfig(64, 64, 2, 2, 2, 1)),  # P/dS exchange
+    (256, Sm90BackwardConfig(64, 64, 2, 2, 2, 2, 2)),  # P/dS exchanges
 ])
 def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(
     key, head_dim, config):
@@ -173,6 +174,7 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     (256, Sm90BackwardConfig(64, 64, 3, 1, 2, 1), "dkdv"),
     (128, Sm90BackwardConfig(128, 128, 4, 1, 1, 2), "dkdv"),
     (96, Sm90BackwardConfig(64, 128, 4, 1, 1, 2), "dq"),
+    (128, Sm90BackwardConfig(64, 128, 3, 1, 1, 2, 2), "dq"),  # shared rows
 ])
 def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, config,
                                                                  kernel):
@@ -198,9 +200,11 @@ def test_every_head_dim_has_a_backward_kernel_config():
     assert kernel_config.backward_unsupported(spec) is None, d
     config = kernel_config.default_backward_config(spec)
     assert config in kernel_config.backward_config_space(d)
-    # Splits and one dQ consumer only where nothing else fits (they cost).
+    # Head-dim splits only where nothing else fits; never recomputation.
     assert (config.dkdv_head_splits == 2) == (d >= 192), (d, config)
-    assert (config.dq_consumers == 1) == (d >= 192), (d, config)
+    assert (config.dq_head_splits == 2) == (d >= 192), (d, config)
+    assert config.dkdv_consumers == 2 or config.dkdv_head_splits == 1
+    assert config.dq_consumers == 2
 
 
 def test_head_split_needs_32_column_chunks():
@@ -218,6 +222,8 @@ def test_backward_config_validation_names_the_field():
     Sm90BackwardConfig(dkdv_head_splits=4)
   with pytest.raises(ValueError, match=r"Sm90BackwardConfig\.dq_consumers .* 3"):
     Sm90BackwardConfig(dq_consumers=3)
+  with pytest.raises(ValueError, match=r"dq_head_splits=2 needs dq_consumers=2"):
+    Sm90BackwardConfig(dq_consumers=1, dq_head_splits=2)
 
 
 def test_deterministic_flag_is_validated():

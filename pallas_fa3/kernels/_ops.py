@@ -119,6 +119,17 @@ class KernelOps:
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
 
+  def accumulate_ss(self, acc: jax.Array, a_smem, b_smem) -> jax.Array:
+    """acc + A B with A `[m, k]` and B `[k, n]` in shared memory, float32
+    accumulation; waits for all wgmma."""
+    if self.interpreted:
+      return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32)
+
+    def ss(ref):
+      plgpu.wgmma(ref, a_smem, b_smem)
+
+    return pl.run_state(ss)(plgpu.ACC.init(acc))
+
   def accumulate_tn(self, acc: jax.Array, a_smem, b_smem) -> jax.Array:
     """acc + A^T B with A `[k, m]` and B `[k, n]` in shared memory (the
     wgmma reads A transposed), float32 accumulation; waits for all wgmma."""

@@ -23,7 +23,7 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
    k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_consumer_regs(plan.consumers), action="increase")
+  plgpu.set_max_registers(_consumer_regs(plan.row_blocks), action="increase")
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
@@ -48,7 +48,7 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
   # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
   # whole wgmma K step).
-  halves = 2 if plan.consumers == 1 else 1
+  halves = 2 if plan.row_blocks == 1 else 1
   sub = cfg.block_kv // halves
   shape = (cfg.block_q, sub)
 
@@ -98,24 +98,111 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret):
+def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
+  """Consumer `w` of a dQ CTA whose two consumers share one query tile: it
+  accumulates dQ for head-dim half `w`.
+
+  Per K/V step it computes its half of the key columns of S = Q K^T and
+  dP = dO V^T, writes that half of dS to shared memory, meets the other
+  consumer, and then reads all of dS for dQ_w += dS K[:, half w]. No GEMM is
+  repeated. The dS buffers alternate by step parity (as in the dK/dV
+  kernel's shared layout).
+  """
+  (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
+   k_smem, v_smem, ds_smem, k_full, v_full, k_empty, v_empty, tile_bar,
+   xchg) = refs
   spec, cfg = plan.spec, plan.config
-  d, st, consumers = spec.head_dim, cfg.num_stages, plan.consumers
-  # A lone consumer takes K/V tiles in halves (see _dq_consumer); both wgmma
-  # operands of S and dP must share the swizzle.
-  tf = (_swizzle64(spec.dtype) if consumers == 1
+  plgpu.set_max_registers(_consumer_regs(2), action="increase")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  row0 = lax.axis_index("q_tiles") * cfg.block_q
+  my_q, my_do = q_smem.at[0], do_smem.at[0]
+  tile = (batch, pl.ds(row0, cfg.block_q), head)
+  row = (batch, head, pl.ds(row0, cfg.block_q))
+  if w == 0:  # one consumer loads the shared tiles; both wait for them
+    plgpu.copy_gmem_to_smem(q_ref.at[tile], my_q, tile_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[tile], my_do, tile_bar.at[1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[0], tile_bar.at[2])
+    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[0], tile_bar.at[3])
+  for i in range(4):
+    plgpu.barrier_wait(tile_bar.at[i])
+  lse2 = ops.load_rows(lse_smem.at[0])
+  delta = ops.load_rows(dl_smem.at[0])
+
+  steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
+  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+  half, dc = cfg.block_kv // 2, spec.head_dim // 2
+  mine = pl.ds(w * half, half)  # my key columns of S, dP
+  cols = pl.ds(w * dc, dc)      # my head-dim columns of dQ
+  shape = (cfg.block_q, half)
+
+  def step(j, dq, *, masked):
+    slot, buf = lax.rem(j, cfg.num_stages), lax.rem(j, 2)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+    s = ops.scores(my_q, k_tile.at[mine])
+
+    def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
+      if masked:
+        mask = masking.visible_tile_at(
+            spec, row0, j * cfg.block_kv + w * half, ops.row_index(cfg.block_q),
+            ops.col_index(half), shape, 0)
+        p = jnp.where(mask, p, 0.0)
+      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      return ds.astype(spec.dtype)
+
+    ds_smem.at[buf].at[:, mine][...] = ops.with_scores(my_do, v_tile.at[mine],
+                                                       gradient)
+    plgpu.commit_smem()  # my half of dS visible to both consumers' wgmmas
+    plgpu.barrier_arrive(xchg)
+    plgpu.barrier_wait(xchg)
+    dq = ops.accumulate_ss(dq, ds_smem.at[buf], k_tile.at[:, cols])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    return dq
+
+  dq = ops.tile(jnp.zeros((cfg.block_q, dc), jnp.float32))
+  dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
+  dq = lax.fori_loop(unmasked, steps, functools.partial(
+      step, masked=plan.needs_mask), dq)
+  # Both consumers passed the last rendezvous after their last read of Q:
+  # each writes its half of dQ into the Q tile, and consumer 0 stores it.
+  my_q.at[:, cols][...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(xchg)
+  plgpu.barrier_wait(xchg)
+  if w == 0:
+    plgpu.copy_smem_to_gmem(my_q, dq_ref.at[tile])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret, *,
+               consumers: int, shared: bool):
+  """`consumers` warpgroups, each with its own `block_q` rows, or (`shared`)
+  two sharing one query tile's head dim; `plan.row_blocks` matches."""
+  spec, cfg = plan.spec, plan.config
+  d, st = spec.head_dim, cfg.num_stages
+  blocks = plan.row_blocks
+  # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
+  # need the 64-byte swizzle; both wgmma operands of a GEMM share it.
+  tf = (_swizzle64(spec.dtype) if consumers == 1 or shared
         else sm90_fwd._smem_transforms(spec.dtype, d))
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
              do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
-             k_empty, v_empty, tile_bar):
+             k_empty, v_empty, tile_bar, *exchange):
     wg = lax.axis_index("wg")
-
-    @pl.when(wg < consumers)
-    def _():
-      _dq_consumer((q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem,
-                    lse_smem, dl_smem, k_smem, v_smem, k_full, v_full, k_empty,
-                    v_empty, tile_bar), plan, ops)
+    refs = (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem,
+            dl_smem, k_smem, v_smem)
+    ring = (k_full, v_full, k_empty, v_empty, tile_bar)
+    if shared:
+      ds_smem, xchg = exchange
+      for w in range(consumers):
+        pl.when(wg == w)(functools.partial(
+            _dq_shared_consumer, refs + (ds_smem,) + ring + (xchg,), plan, ops, w))
+    else:
+      pl.when(wg < consumers)(functools.partial(_dq_consumer, refs + ring, plan, ops))
 
     @pl.when(wg == consumers)
     def _():
@@ -123,19 +210,23 @@ def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret):
                           k_empty, v_empty), plan,
                          registers=_producer_regs(consumers))
 
-  per_consumer = lambda: plgpu.SMEM((consumers, cfg.block_q, d), spec.dtype,
-                                    transforms=tf)
+  per_block = lambda: plgpu.SMEM((blocks, cfg.block_q, d), spec.dtype,
+                                 transforms=tf)
   ring = lambda: plgpu.SMEM((st, cfg.block_kv, d), spec.dtype, transforms=tf)
   scratch = (
-      per_consumer(), per_consumer(),
-      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
-      plgpu.SMEM((consumers, cfg.block_q), jnp.float32),
+      per_block(), per_block(),
+      plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
+      plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
       ring(), ring(),
       plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
       plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
       plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      plgpu.Barrier(num_barriers=4 * consumers),  # Q, dO, lse, delta
+      plgpu.Barrier(num_barriers=4 * blocks),  # Q, dO, lse, delta
   )
+  if shared:  # dS by step parity, and the consumers' rendezvous
+    scratch += (plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype,
+                           transforms=tf),
+                plgpu.Barrier(num_arrivals=consumers))
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(

@@ -70,13 +70,14 @@ class _Plan:
   config: Sm90ForwardConfig
   seq_q_pad: int
   seq_kv_pad: int
-  # Consumer warpgroups per CTA: the forward kernels always run two
-  # (pingpong); the backward's dQ kernel, which reuses this walk, may run one.
-  consumers: int = NUM_CONSUMERS
+  # Query-row blocks of `block_q` per CTA: one per consumer warpgroup in the
+  # forward kernels (two, pingpong); the backward's dQ kernel, which reuses
+  # this walk, may have one (one consumer, or two sharing the rows).
+  row_blocks: int = NUM_CONSUMERS
 
   @property
   def rows_per_cta(self) -> int:
-    return self.consumers * self.config.block_q
+    return self.row_blocks * self.config.block_q
 
   @property
   def num_kv_blocks(self) -> int:
