@@ -121,7 +121,8 @@ def compile_backward(spec, config, mesh=None) -> CompileReport:
   from pallas_fa3.kernels import sm90_bwd
   mesh = _mesh() if mesh is None else mesh
   return _compile(
-      f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
+      f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+      f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
       lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
       _operands(spec, mesh, backward=True))
 
@@ -144,6 +145,31 @@ def sweep():
         yield compile_forward, spec, config
       for config in kernel_config.backward_config_space(d, size):
         yield compile_backward, spec, config
+
+
+# (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
+# MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
+# and the causal offset are compiled in).
+BACKWARD_SHAPES = ((1000, 1100, 4, 2), (1024, 1024, 2, 2), (4096, 4096, 1, 1),
+                   (100, 300, 2, 1), (2048, 1024, 2, 2))
+
+
+def backward_shapes_sweep():
+  """Every backward config of the space at every head dim over
+  `BACKWARD_SHAPES`, causal and not, bf16."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.spec import make_spec
+
+  for d in kernel_config.KERNEL_HEAD_DIMS:
+    for (sq, skv, hq, hk) in BACKWARD_SHAPES:
+      for causal in (True, False):
+        q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
+        spec = make_spec(q, kv, kv, causal=causal)
+        for config in kernel_config.backward_config_space(d):
+          yield compile_backward, spec, config
 
 
 def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
@@ -205,16 +231,23 @@ def main(argv: list[str] | None = None) -> int:
                       help="stop after this many configs")
   parser.add_argument("--json", default=None,
                       help="also write every report to this JSON file")
-  parser.add_argument("--fp8", action="store_true",
+  sweeps = parser.add_mutually_exclusive_group()
+  sweeps.add_argument("--fp8", action="store_true",
                       help="sweep the FP8 forward kernel instead")
+  sweeps.add_argument("--backward-shapes", action="store_true",
+                      help="sweep every backward config over more shapes"
+                      " (BACKWARD_SHAPES, causal and not, bf16) instead")
   args = parser.parse_args(argv)
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")
     return 2
   mesh, reports = _mesh(), []
-  items = (((compile_forward_fp8, spec, config)
-            for spec, config in fp8_forward_sweep()) if args.fp8 else sweep())
+  if args.fp8:
+    items = ((compile_forward_fp8, spec, config)
+             for spec, config in fp8_forward_sweep())
+  else:
+    items = backward_shapes_sweep() if args.backward_shapes else sweep()
   for i, (compile_fn, spec, config) in enumerate(items):
     if args.max_configs is not None and i >= args.max_configs:
       break

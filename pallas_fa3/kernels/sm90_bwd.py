@@ -24,16 +24,17 @@ dims) **two consumers share each K/V tile**, each accumulating half of
 dK/dV's head-dim columns: each computes half of the key columns of S and
 dP, writes that half of P and dS to shared memory, meets the other, and
 both read all of P and dS (transposed by the wgmma) for their halves of dV
-and dK. No GEMM is repeated. An alternative kept selectable (not in the
-config space): the head dim split across two CTAs per K/V tile, which
-recompute S^T and dP^T (two more GEMMs per tile). A lone dQ consumer takes
-K/V tiles in halves of `block_kv / 2` keys. Column halves and halves of
-tiles need 64-byte-swizzled buffers (a wgmma K step is 32 rows there, 64
-with the 128-byte swizzle). Masks are built from 1-D index vectors compared
-after broadcasting (`masking.visible_tile_at`), and the dK/dV kernel masks
-causal tiles in the same loop as the others: two index tiles, or a
-one-step masked loop that the compiler straightens, cost up to 336 B of
-spills at d = 256.
+and dK. The dQ kernel does the same with two consumers sharing each query
+tile (dS exchanged, dQ_w += dS K[:, half w]). No GEMM is repeated.
+Alternatives kept selectable (outside the config space): the dK/dV head
+dim split across two CTAs per K/V tile, which recompute S^T and dP^T (two
+more GEMMs per tile), and one dQ consumer taking K/V tiles in halves of
+`block_kv / 2` keys. Column halves and halves of tiles need
+64-byte-swizzled buffers (a wgmma K step is 32 rows there, 64 with the
+128-byte swizzle). Masks are built from 1-D index vectors compared after
+broadcasting (`masking.visible_tile_at`), and the dK/dV kernel masks causal
+tiles in the same loop as the others: two index tiles, or a one-step masked
+loop that the compiler straightens, cost up to 336 B of spills at d = 256.
 
 Why a separate dQ kernel rather than FA3's float32 atomic adds of dQ from
 the dK/dV kernel: it costs two more GEMMs per tile (S and dP are recomputed:
