@@ -71,7 +71,7 @@ def _bwd_configs():
       for config in kernel_config.backward_config_space(d):
         yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
                            f"{config.block_kv}x{config.num_stages}-c{config.dkdv_consumers}"
-                           f"h{config.dkdv_head_splits}q{config.dq_consumers}")
+                           f"h{config.dkdv_head_splits}q{config.dq_consumers}h{config.dq_head_splits}")
 
 
 @pytest.mark.parametrize("dtype,head_dim,config", list(_bwd_configs()))
