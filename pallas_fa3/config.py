@@ -268,9 +268,9 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
 # thread, by consumer warpgroups per CTA, measured with the deviceless sm_90a
 # compile (`python -m pallas_fa3.kernels.aot`). Two consumers get 232
 # registers a thread (setmaxnreg), a lone one 256 (ptxas: 255).
-_DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96 with 2 consumers (160) spills 48 B
-_DQ_TILE_REGS = {2: 128, 1: 192}    # d=64 with 64x128 tiles (160) spills 956 B
-_DKDV_SHARED_TILE_REGS = 160
+_DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96, 2 consumers (160): 48 B (first pass)
+_DQ_TILE_REGS = {2: 128, 1: 192}    # d=64, 64x128 tiles (160): 956 B (first pass)
+_DKDV_SHARED_TILE_REGS = 160       # d=256 shared (160): 0 B over 5 shapes
 
 
 def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
