@@ -114,3 +114,10 @@ def golden_and_naive(q, k, v, dout, *, causal=False, softmax_scale=None,
   n_dlse = jnp.zeros_like(n_lse) if dlse is None else dlse
   n_grads = pullback((dout, n_dlse))
   return (g_out, g_lse) + tuple(g_grads), (n_out, n_lse) + tuple(n_grads)
+
+
+def backward_config_id(dtype: str, head_dim: int, config) -> str:
+  """A pytest id for one `Sm90BackwardConfig` at one dtype and head dim."""
+  return (f"{dtype}-d{head_dim}-{config.block_q}x{config.block_kv}x"
+          f"{config.num_stages}-c{config.dkdv_consumers}h{config.dkdv_head_splits}"
+          f"q{config.dq_consumers}h{config.dq_head_splits}")

@@ -23,7 +23,7 @@ from pallas_fa3 import reference
 from pallas_fa3.config import Sm90BackwardConfig
 from pallas_fa3.kernels import compat, sm90_bwd
 from pallas_fa3.spec import make_spec
-from pallas_fa3.testing import (Shape, assert_within_tolerance,
+from pallas_fa3.testing import (Shape, assert_within_tolerance, backward_config_id,
                                 golden_and_naive, random_inputs)
 
 _TIMEOUT_S = 300
@@ -127,9 +127,7 @@ def _backward_configs():
   for dtype in ("bfloat16", "float16"):
     for d in kernel_config.KERNEL_HEAD_DIMS:
       for config in kernel_config.backward_config_space(d):
-        yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
-                           f"{config.block_kv}x{config.num_stages}-c{config.dkdv_consumers}"
-                           f"h{config.dkdv_head_splits}q{config.dq_consumers}h{config.dq_head_splits}")
+        yield pytest.param(dtype, d, config, id=backward_config_id(dtype, d, config))
 
 
 @pytest.mark.parametrize("dtype,head_dim,config", list(_backward_configs()))

@@ -17,7 +17,7 @@ from pallas_fa3 import backends
 from pallas_fa3 import config as kernel_config
 from pallas_fa3.kernels import sm90_fwd
 from pallas_fa3.spec import make_spec
-from pallas_fa3.testing import (Shape, assert_within_tolerance,
+from pallas_fa3.testing import (Shape, assert_within_tolerance, backward_config_id,
                                 golden_and_naive, random_inputs)
 
 pytestmark = [
@@ -69,9 +69,7 @@ def _bwd_configs():
   for dtype in ("bfloat16", "float16"):
     for d in kernel_config.KERNEL_HEAD_DIMS:
       for config in kernel_config.backward_config_space(d):
-        yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
-                           f"{config.block_kv}x{config.num_stages}-c{config.dkdv_consumers}"
-                           f"h{config.dkdv_head_splits}q{config.dq_consumers}h{config.dq_head_splits}")
+        yield pytest.param(dtype, d, config, id=backward_config_id(dtype, d, config))
 
 
 @pytest.mark.parametrize("dtype,head_dim,config", list(_bwd_configs()))

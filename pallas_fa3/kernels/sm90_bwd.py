@@ -55,7 +55,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_fa3.config import Sm90BackwardConfig
-from pallas_fa3.kernels import sm90_fwd
 from pallas_fa3.kernels._ops import COMPILED, INTERPRETED
 from pallas_fa3.kernels.sm90_bwd_dkdv import _dkdv_kernel, _Plan
 from pallas_fa3.kernels.sm90_bwd_dq import _dq_kernel
@@ -95,9 +94,6 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   kp, vp = _pad_axis(k, 1, skv_pad), _pad_axis(v, 1, skv_pad)
   dkdv_plan = _Plan(spec, config, sq_pad, skv_pad)
   dk, dv = _dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
-  shared = config.dq_head_splits == 2
-  dq_plan = sm90_fwd._Plan(spec, config.dq_config, sq_pad, skv_pad,
-                           row_blocks=1 if shared else config.dq_consumers)
-  dq = _dq_kernel(dq_plan, ops, interpret, consumers=config.dq_consumers,
-                  shared=shared)(qp, kp, vp, dop, lse2, delta)
+  dq = _dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
+      qp, kp, vp, dop, lse2, delta)
   return (dq[:, :spec.seq_q], dk[:, :spec.seq_kv], dv[:, :spec.seq_kv])

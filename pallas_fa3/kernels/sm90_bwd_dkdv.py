@@ -106,6 +106,23 @@ def _swizzle64(dtype):
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
 
 
+def _row_probabilities(ops: KernelOps, spec: AttentionSpec, s, lse2, q0, kv0,
+                       *, masked: bool, check_seq_kv: bool = True):
+  """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
+  rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
+  entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
+  dK/dV consumer."""
+  shape = s.shape
+  p = jnp.exp2(s * jnp.float32(spec.softmax_scale * LOG2E)
+               - lax.broadcast_in_dim(lse2, shape, [0]))
+  if masked:
+    mask = masking.visible_tile_at(spec, q0, kv0, ops.row_index(shape[0]),
+                                   ops.col_index(shape[1]), shape, 0,
+                                   check_seq_kv=check_seq_kv)
+    p = jnp.where(mask, p, 0.0)
+  return p
+
+
 def _first_q_tile(plan: _Plan, kv0):
   """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
   (earlier ones are skipped: causal)."""
@@ -236,7 +253,6 @@ def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
 
   first = _first_q_tile(plan, kv0)
   per_head = plan.num_q_blocks - first
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
   shape = (cfg.block_q, half)
 
   def step(qi, carry, *, base):
@@ -247,13 +263,11 @@ def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
       plgpu.barrier_wait(full[i].at[slot])
     q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
     s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
-    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(
-        ops.load_rows(lse_smem.at[slot]), shape, [0]))
-    if spec.causal:  # exact on every tile (padded keys: rows sliced off)
-      mask = masking.visible_tile_at(
-          spec, qi * cfg.block_q, kv0 + w * half, ops.row_index(cfg.block_q),
-          ops.col_index(half), shape, 0, check_seq_kv=False)
-      p = jnp.where(mask, p, 0.0)
+    # Causal: masked on every tile (exact there too); padded keys' rows of
+    # dK, dV are sliced off.
+    p = _row_probabilities(ops, spec, s, ops.load_rows(lse_smem.at[slot]),
+                           qi * cfg.block_q, kv0 + w * half,
+                           masked=spec.causal, check_seq_kv=False)
     p = p.astype(spec.dtype)
     dp = ops.scores([do_tile.at[c] for c in range(plan.splits)], v_mine)
     ds = p.astype(jnp.float32) * (dp - lax.broadcast_in_dim(

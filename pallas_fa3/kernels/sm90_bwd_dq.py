@@ -12,12 +12,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3 import masking
+from pallas_fa3.config import Sm90BackwardConfig
 from pallas_fa3.kernels import compat, sm90_fwd
 from pallas_fa3.kernels._ops import KernelOps
 from pallas_fa3.kernels.sm90_bwd_dkdv import (_consumer_regs, _producer_regs,
-                                              _swizzle64)
-from pallas_fa3.spec import LOG2E
+                                              _row_probabilities, _swizzle64)
+from pallas_fa3.spec import AttentionSpec
 
 def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
@@ -43,7 +43,6 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
 
   steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
   cta_steps, _ = sm90_fwd._kv_steps(plan, cta_row0, plan.rows_per_cta)
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
   # One consumer (d >= 192): each K/V tile is taken in halves of
   # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
   # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
@@ -58,12 +57,8 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
     s = ops.scores(my_q, k_tile)
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
-      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
-      if masked:
-        mask = masking.visible_tile_at(
-            spec, row0, j * cfg.block_kv + h * sub, ops.row_index(cfg.block_q),
-            ops.col_index(sub), shape, 0)
-        p = jnp.where(mask, p, 0.0)
+      p = _row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub,
+                             masked=masked)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
 
@@ -129,7 +124,6 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
   delta = ops.load_rows(dl_smem.at[0])
 
   steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)      # my head-dim columns of dQ
@@ -143,12 +137,8 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
     s = ops.scores(my_q, k_tile.at[mine])
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse2, shape, [0]))
-      if masked:
-        mask = masking.visible_tile_at(
-            spec, row0, j * cfg.block_kv + w * half, ops.row_index(cfg.block_q),
-            ops.col_index(half), shape, 0)
-        p = jnp.where(mask, p, 0.0)
+      p = _row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + w * half,
+                             masked=masked)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)
 
@@ -177,13 +167,16 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(plan: sm90_fwd._Plan, ops: KernelOps, interpret, *,
-               consumers: int, shared: bool):
-  """`consumers` warpgroups, each with its own `block_q` rows, or (`shared`)
-  two sharing one query tile's head dim; `plan.row_blocks` matches."""
-  spec, cfg = plan.spec, plan.config
+def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
+               seq_kv_pad: int, ops: KernelOps, interpret):
+  """`config.dq_consumers` warpgroups, each with its own `block_q` rows, or
+  (`dq_head_splits=2`) two sharing one query tile's head dim."""
+  consumers, shared = config.dq_consumers, config.dq_head_splits == 2
+  blocks = 1 if shared else consumers  # query-row blocks per CTA
+  plan = sm90_fwd._Plan(spec, config.dq_config, seq_q_pad, seq_kv_pad,
+                        row_blocks=blocks)
+  cfg = plan.config
   d, st = spec.head_dim, cfg.num_stages
-  blocks = plan.row_blocks
   # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
   # need the 64-byte swizzle; both wgmma operands of a GEMM share it.
   tf = (_swizzle64(spec.dtype) if consumers == 1 or shared
