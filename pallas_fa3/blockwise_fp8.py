@@ -84,7 +84,7 @@ def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
       step_scale = scale_log2 * ks[:, :, None, j]
       mask = masking.visible(spec, q_pos, j * block_kv + jnp.arange(block_kv))
       p, alpha, m, l = online_softmax_fp8(
-          s, m, l, scale_log2=step_scale[..., None, None], mask=mask)
+          s, m, l, scale_log2=step_scale[..., None], mask=mask)
       p8 = p.astype(FP8_DTYPE).astype(_F32)
       o = o * (alpha * vr[:, :, None, j, None])[..., None]
       o = o + jnp.einsum("bhgqk,bhdk->bhgqd", p8, vt_tile,

@@ -188,7 +188,7 @@ class Sm90BackwardConfig:
     num_stages: shared-memory slots of both kernels' rings (2-4).
     dkdv_consumers: consumer warpgroups of the dK/dV kernel (1 or 2). With
       one, the CTA has 256 threads and its consumer may hold 255 registers
-      per thread (232 with two): the dK, dV accumulators of d > 64 need it.
+      per thread (240 with two): the dK, dV accumulators of d > 64 need it.
     dkdv_head_splits: ways dK and dV's head dim is split (1 or 2). With two
       consumers, they share one K/V tile and each accumulates half of the
       head dim, exchanging P and dS through shared memory (FA3's layout

@@ -2,10 +2,9 @@
 
 The Hopper kernels are one body of code; only these leaf operations differ
 between the variant compiled for sm90 (`COMPILED`) and the variant run by
-JAX 0.10.2's GPU interpreter on a CPU (`INTERPRETED`), because that
-interpreter rejects transposed and register wgmma operands, accumulator
-stores (`pl.run_state` / `acc[...] = x`) and register layouts
-(`plgpu.layout_cast`, iota with a layout). Everything else (grid, warpgroup
+JAX's GPU interpreter on a CPU (`INTERPRETED`), because that interpreter
+runs no register wgmma operand and no accumulator state (`pl.run_state`),
+and has no register layouts to cast to. Everything else (grid, warpgroup
 roles, TMA copies, the shared-memory ring, every barrier, masking, the
 online softmax, the epilogue) is shared, so interpret mode checks the
 synchronization and the arithmetic of the kernel that the lowering tier
@@ -14,6 +13,14 @@ compiles.
 The two variants compute the same values: a wgmma multiplies bf16/fp16
 operands exactly and accumulates in float32, which is what
 `jnp.dot(..., preferred_element_type=float32)` does on the interpreted path.
+
+They also touch shared memory through the same proxy: a wgmma reads its
+shared-memory operands through the async proxy (as TMA does), so a ring
+slot it read may be refilled by TMA once the wgmma is waited and the slot
+released, with no proxy fence. The interpreted stand-in reads the operands
+with ordinary (generic-proxy) loads; `async_proxy_read` follows them with the
+proxy fence that makes them what the wgmma's reads are, so the
+interpreter's race detector judges the compiled kernel's protocol.
 """
 
 from __future__ import annotations
@@ -93,13 +100,13 @@ class KernelOps:
     """
     q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
-      s = sum(jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
-              for q, k in zip(q_chunks, k_chunks))
+      s = async_proxy_read(sum(jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
+                          for q, k in zip(q_chunks, k_chunks)))
       return body(lambda: s)
 
     def scoped(acc):
       for q, k in zip(q_chunks, k_chunks):
-        plgpu.wgmma(acc, q, plgpu.transpose_ref(k, (1, 0)))
+        plgpu.wgmma(acc, q, k.transpose((1, 0)))
       return body(lambda: acc[...])
 
     shape = (q_chunks[0].shape[0], k_chunks[0].shape[0])
@@ -112,7 +119,7 @@ class KernelOps:
   def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem) -> jax.Array:
     """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
     if self.interpreted:
-      return o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
+      return async_proxy_read(o + jnp.dot(p, v_smem[...], preferred_element_type=_F32))
 
     def pv(acc):
       plgpu.wgmma(acc, p, v_smem)
@@ -123,7 +130,8 @@ class KernelOps:
     """acc + A B with A `[m, k]` and B `[k, n]` in shared memory, float32
     accumulation; waits for all wgmma."""
     if self.interpreted:
-      return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32)
+      return async_proxy_read(
+          acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32))
 
     def ss(ref):
       plgpu.wgmma(ref, a_smem, b_smem)
@@ -134,12 +142,20 @@ class KernelOps:
     """acc + A^T B with A `[k, m]` and B `[k, n]` in shared memory (the
     wgmma reads A transposed), float32 accumulation; waits for all wgmma."""
     if self.interpreted:
-      return acc + jnp.dot(a_smem[...].T, b_smem[...], preferred_element_type=_F32)
+      return async_proxy_read(
+          acc + jnp.dot(a_smem[...].T, b_smem[...], preferred_element_type=_F32))
 
     def tn(ref):
-      plgpu.wgmma(ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+      plgpu.wgmma(ref, a_smem.transpose((1, 0)), b_smem)
 
     return pl.run_state(tn)(plgpu.ACC.init(acc))
+
+
+def async_proxy_read(result: jax.Array) -> jax.Array:
+  """`result`, computed from ordinary shared-memory reads that stand in for a
+  wgmma's async-proxy reads, after the proxy fence that makes them so."""
+  plgpu.commit_smem()
+  return result
 
 
 def _chunks(ref_or_refs) -> tuple:

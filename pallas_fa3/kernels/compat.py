@@ -1,7 +1,7 @@
 """Every JAX-version difference the kernels touch, in one place.
 
-The kernels must run on JAX 0.10.2 (the CPU machines and CI) and 0.11.x (the
-Hopper test machine). What differs, as far as the kernels are concerned:
+The kernels are tested on JAX 0.11.2 (the H200's version, and CI's) and the
+newest release (0.12.x). What the kernels must not take from the defaults:
 
 - `plgpu.CompilerParams.lowering_semantics`: the default changed from Lane to
   Warpgroup in later versions; our kernels are written for Lane semantics,
@@ -9,26 +9,21 @@ Hopper test machine). What differs, as far as the kernels are concerned:
 - GPU interpret mode lives under a private path
   (`jax._src.pallas.mosaic_gpu.interpret`); its parameters class, the race
   report and the state reset are imported here only.
-- `plgpu.load(ref, idx, layout=...)`: `idx` is required in 0.10.2 and
-  optional (deprecated in favour of `ref.at[...]`) later: `load_with_layout`.
-- `plgpu.copy_gmem_to_smem` grew `predicate=` and changed the `oob_mode`
-  default after 0.10.2; we pass only `(src, dst, barrier)`, the form both
-  accept. Out-of-bounds rows never reach a TMA: the wrapper pads ragged
-  sequences to whole tiles.
+- `plgpu.load(ref, idx, layout=...)`: `idx` is deprecated in 0.11 (in
+  favour of `ref.at[...]`) and gone in 0.12: `load_with_layout` passes none.
+- `plgpu.copy_gmem_to_smem`'s `oob_mode` default is version-dependent; we
+  pass only `(src, dst, barrier)`. Out-of-bounds rows never reach a TMA: the
+  wrapper pads ragged sequences to whole tiles.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 from typing import Any, Iterator
 
-import jax
 from jax.experimental.mosaic import gpu as _mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
 def compiler_params(*, approx_math: bool) -> Any:
@@ -46,10 +41,7 @@ def _interpret_module():
 
 def interpret_params(*, detect_races: bool) -> Any:
   """Parameters that make `plgpu.kernel` run in GPU interpret mode on a CPU."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  except ImportError:  # pragma: no cover - later layouts re-export it here
-    from jax._src.pallas.mosaic_gpu.interpret import InterpretGPUParams
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   return InterpretGPUParams(detect_races=detect_races)
 
 
@@ -72,14 +64,6 @@ def capture_race_report() -> Iterator[io.StringIO]:
     yield buf
 
 
-_LOAD_NEEDS_IDX = (
-    inspect.signature(plgpu.load).parameters["idx"].default
-    is inspect.Parameter.empty)
-
-
 def load_with_layout(ref, layout) -> Any:
   """The whole of a shared-memory `ref` in registers, in `layout`."""
-  if _LOAD_NEEDS_IDX:
-    return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
-

@@ -18,7 +18,7 @@ consumer warpgroups computing with wgmma):
 
 Registers decide the form (`Sm90BackwardConfig`). A lone consumer
 warpgroup gets 256 registers a thread (setmaxnreg; ptxas allocates 255),
-two get 232 each. At d = 192, 256 the float32 dK, dV of one 64-row tile
+two get 240 each. At d = 192, 256 the float32 dK, dV of one 64-row tile
 alone take 192-256 registers a thread, so (FA3's layout for large head
 dims) **two consumers share each K/V tile**, each accumulating half of
 dK/dV's head-dim columns: each computes half of the key columns of S and
@@ -41,7 +41,7 @@ the dK/dV kernel: it costs two more GEMMs per tile (S and dP are recomputed:
 7 instead of 5), but dQ is then summed in a fixed order, so every gradient is
 bitwise reproducible on every run (`deterministic=True` costs nothing
 extra), it needs no dQ accumulator in HBM and no conversion pass, and it
-runs in JAX 0.10.2's GPU interpreter, which has no atomics. FA3 itself
+runs in JAX's GPU interpreter without atomics. FA3 itself
 pays a similar price for its deterministic mode (ordered semaphores). To be
 measured against an atomic variant when a GPU is available.
 

@@ -182,9 +182,9 @@ def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
   tf = (_swizzle64(spec.dtype) if consumers == 1 or shared
         else sm90_fwd._smem_transforms(spec.dtype, d))
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
-             do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
-             k_empty, v_empty, tile_bar, *exchange):
+  def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
+                 do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
+                 k_empty, v_empty, tile_bar, *exchange):
     wg = lax.axis_index("wg")
     refs = (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem,
             dl_smem, k_smem, v_smem)
@@ -221,7 +221,7 @@ def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
                            transforms=tf),
                 plgpu.Barrier(num_arrivals=consumers))
   return plgpu.kernel(
-      kernel,
+      fa3_bwd_dq,  # named: Mosaic dumps and profiles use the name
       out_type=jax.ShapeDtypeStruct(
           (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
       scratch_types=scratch,

@@ -30,7 +30,7 @@ Design (FA3 paper, section 3; our own code):
   (a copy, only when ragged); padded keys are masked, padded query rows are
   computed on zeros and sliced off. No TMA ever leaves its array.
 
-The operations that the 0.10.2 interpreter cannot run are isolated in
+The operations that JAX's GPU interpreter cannot run are isolated in
 `_ops.KernelOps`; `interpret=True` runs this same kernel in GPU interpret
 mode on a CPU.
 """
@@ -53,11 +53,12 @@ from pallas_fa3.kernels import compat
 from pallas_fa3.kernels._ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
-# Register budgets per warpgroup role (setmaxnreg). An SM has 64K 32-bit
-# registers, 128 threads per warpgroup: 2 * 232 + 40 = 504 <= 512 per thread
-# slot. The producer only computes addresses; the consumers hold O, S and P.
-_PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
+# Register budgets per warpgroup role (setmaxnreg), FA3's split: an SM has
+# 64K 32-bit registers, 128 threads per warpgroup: 2 * 240 + 24 = 504 <= 512
+# per thread slot. The producer only computes addresses; the consumers hold
+# O, S and P.
+_PRODUCER_REGS = 24
+_CONSUMER_REGS = 240
 _LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
 _SWIZZLE_BYTES = 128  # widest shared-memory swizzle (conflict-free wgmma reads)
 
@@ -119,16 +120,21 @@ def _smem_transforms(dtype, head_dim: int):
 
 
 def _online_softmax(s, m, l, *, scale_log2, mask):
-  """One online-softmax step in base 2; returns (p, alpha, m_new, l_new)."""
-  s = s * scale_log2
+  """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
+
+  `s` holds raw scores; `m` is the running max of the scaled base-2 scores.
+  With a positive scale, max(s) * scale is the max of the scaled scores, so
+  the scale is applied once per element inside the exp2 argument (one FFMA:
+  s * scale - m) rather than to the whole tile first.
+  """
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=1))
+  m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   # A row with no visible key yet has max -inf: exponentiate against 0 so
   # that exp2(-inf) = 0 rather than NaN.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
-  p = jnp.exp2(s - lax.broadcast_in_dim(m_ref, s.shape, [0]))
+  p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
@@ -158,9 +164,14 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
   shape = (cfg.block_q, cfg.block_kv)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
 
-  def mask_for(j):  # built per masked step: no index tile lives in registers
-    return masking.visible_tile(spec, row0 + ops.iota(shape, 0),
-                                j * cfg.block_kv + ops.iota(shape, 1))
+  # Padded keys matter only without causal masking (bottom-right causal rows
+  # never see a key at or past seq_kv).
+  check_seq_kv = not spec.causal
+
+  def mask_for(j):  # 1-D index vectors: no index tile lives in registers
+    return masking.visible_tile_at(
+        spec, row0, j * cfg.block_kv, ops.row_index(cfg.block_q),
+        ops.col_index(cfg.block_kv), shape, 0, check_seq_kv=check_seq_kv)
 
   def step(j, carry, *, has_next: bool, masked: bool):
     o, m, l, s = carry
@@ -310,8 +321,8 @@ def _build(plan: _Plan, ops: KernelOps, interpret):
   transforms = _smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
-  def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
-             lse_smem, k_full, v_full, k_empty, v_empty, q_bar, sched):
+  def fa3_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
+              lse_smem, k_full, v_full, k_empty, v_empty, q_bar, sched):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -343,7 +354,7 @@ def _build(plan: _Plan, ops: KernelOps, interpret):
       jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32),
   )
   return plgpu.kernel(
-      kernel,
+      fa3_fwd,  # named: Mosaic dumps and profiles use the name
       out_type=out_type,
       scratch_types=scratch,
       grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
