@@ -18,6 +18,10 @@ Subcommands:
          against a float64 golden, the FP8 error table, weight divergence of
          training runs, the repeated-max bias; report folders with JSON,
          markdown and PNG. CPU defaults finish in minutes.
+
+  aot    the deviceless sm_90a compile of the kernels (Mosaic + ptxas on a
+         CPU, needs the CUDA plugin packages): spills per config, and with
+         --profile a static profile of each kernel's PTX.
 """
 
 from __future__ import annotations
@@ -355,6 +359,26 @@ def _add_numerics_parser(sub) -> None:
   cli_args.add_parser(sub)  # flags and the run live with the studies
 
 
+def _add_aot_parser(sub) -> None:
+  from pallas_fa3.kernels import aot  # pylint: disable=g-import-not-at-top
+  p = sub.add_parser(
+      "aot", help="compile the sm90 kernels for sm_90a on a CPU: spills and"
+      " a static profile of the PTX",
+      description=aot.__doc__.split("\n\n")[0])
+  aot.add_arguments(p)
+  p.set_defaults(func=_cmd_aot, parser=p)
+
+
+def _cmd_aot(args) -> int:
+  # A deviceless compile: no GPU is used even where one is present (the CUDA
+  # plugin would otherwise claim it at start-up).
+  import jax  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.kernels import aot  # pylint: disable=g-import-not-at-top
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
+  return aot.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pallas-fa3",
@@ -368,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_train_parser(sub)
   _add_bench_parser(sub)
   _add_numerics_parser(sub)
+  _add_aot_parser(sub)
   return parser
 
 

@@ -1,10 +1,12 @@
-"""Tier 3: the deviceless sm_90a compile of every supported kernel config.
+"""Tier 3: the deviceless sm_90a compile (Mosaic + ptxas on a CPU, no driver).
 
-Runs Mosaic GPU and ptxas on the CPU (no driver) and asserts zero register
-spill bytes for every config the heuristics may pick. Needs
-jax-cuda12-plugin, jax-cuda12-pjrt and nvidia-cuda-nvcc-cu12 at the installed
-jax version; skipped, saying so, where they are absent. The same sweep as a
-command: `JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot`.
+Needs the CUDA plugin, PJRT and ptxas at the installed jax version (the
+`aot` extra: `jax[cuda13-local]` and the H200's ptxas, CUDA 13.0); skipped,
+saying why, where they are absent. The default run compiles the default
+config of every kernel at every head dim (`pallas-fa3 aot --defaults`) and
+checks its spills and static profile; every config of every kernel space is
+the `slow` sweep (`pallas-fa3 aot`, `--fp8`, `--backward-shapes`). The PTX
+profile parser itself is tested on a small hand-written PTX here, always.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 import pytest
 
-from pallas_fa3.kernels import aot
+from pallas_fa3.kernels import aot, ptx_profile
 
 _needs_packages = pytest.mark.skipif(aot.missing_packages() is not None,
                                      reason=str(aot.missing_packages()))
@@ -33,35 +35,122 @@ def test_ptxas_report_parser():
     aot._parse_ptxas("nothing here")
 
 
-@pytest.fixture(scope="module")
-def sweep_reports(tmp_path_factory):
-  # A fresh process: the CUDA plugin must see JAX_PLATFORMS=cpu at start-up.
-  out = tmp_path_factory.mktemp("aot") / "reports.json"
+# A consumer loop in the shape Mosaic writes it: inline-assembly wgmma and
+# mbarrier spin loops (local labels), a wait, the softmax, a backward branch.
+_PTX = """
+.visible .entry fa3_fwd_mosaic_gpu_kernel(
+.maxntid 384, 1, 1
+{
+\tmov.b32 \t%r1, 256;
+\t@%p3 mbarrier.init.shared.b64 [%r9], %r1;
+\tmov.b32 \t%r2, 1;
+\tmbarrier.init.shared.b64 [%r8], %r2;
+\tsetmaxnreg.inc.sync.aligned.u32 240;
+\tcp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%r3], [%rd1, {%r4} ], [%r5];
+$L__BB0_5:
+\t// begin inline asm
+\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r10}, %rd2, %rd3, p, 1, 1, 0, 0; }
+\t// end inline asm
+\t{ .reg .pred P1; LAB_WAIT: mbarrier.try_wait.parity.shared.b64 P1, [%r6], %r7; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
+\twgmma.commit_group.sync.aligned;
+\twgmma.wait_group.sync.aligned 1;
+\tfma.rn.f32 \t%f1, %f2, %f3, %f4;
+\tex2.approx.ftz.f32 \t%f5, %f1;
+\tmul.f32 \t%f6, %f5, %f7;
+\tshfl.sync.bfly.b32 \t%r11, %r12, 1, 31, -1;
+\tbar.sync \t1, 256;
+\tmbarrier.arrive.release.cta.shared::cta.b64 %rd4, [%r6];
+\t@%p1 bra \t$L__BB0_5;
+\twgmma.wait_group.sync.aligned 0;
+\tcp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%rd5, {%r4}], [%r3];
+\tcp.reduce.async.bulk.tensor.5d.global.shared::cta.add.f32.bulk_group [%rd5, {%r4}], [%r3];
+\tret;
+}
+"""
+
+
+def test_ptx_profile_reads_the_loop_and_the_sync():
+  p = ptx_profile.profile_ptx("k", _PTX, registers=168, spill_store_bytes=0,
+                              spill_load_bytes=0, smem_bytes=2048)
+  assert p.threads == 384
+  assert p.setmaxnreg == ("inc 240",)
+  assert p.wgmma == {"m64n128k16 f32.bf16.bf16": 1}
+  assert p.wait_group == {0: 1, 1: 1}
+  assert p.mbarrier_arrival_counts == (1, 256) and p.max_mbarrier_arrivals == 256
+  assert p.named_barrier_ops == {"bar.sync": 1}
+  assert p.tma == {"load": 1, "store": 1, "reduce": 1}
+  assert p.loop == {"wgmma": 1, "wait_group": 1, "ex2": 1, "ffma": 1,
+                    "fmul": 1, "shfl": 1, "mbarrier": 2, "bar": 1,
+                    "total": p.loop["total"]}
+  # The loop: setp, wgmma, try_wait and its two branches, commit, wait, fma,
+  # ex2, mul, shfl, bar, arrive, the back branch.
+  assert p.loop["total"] == 14
+  row = ptx_profile.table([p]).splitlines()[2]
+  assert row.startswith("| k | 384 | 168 | 0/0 | 2.0 | 1x m64n128k16")
+
+
+def test_ptx_profile_without_a_loop():
+  p = ptx_profile.profile_ptx("k", "ret;", registers=1, spill_store_bytes=0,
+                              spill_load_bytes=0, smem_bytes=None)
+  assert p.loop["total"] == 0 and p.wgmma == {} and p.threads == 0
+
+
+def _run_aot(*flags: str, timeout: int) -> tuple[subprocess.CompletedProcess, list]:
+  # A fresh process: the CUDA plugin must not claim a GPU for a deviceless run.
+  out = f"/tmp/pallas_fa3_aot_{os.getpid()}_{'_'.join(flags) or 'all'}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, "-m", "pallas_fa3.kernels.aot",
-                        "--json", str(out)], env=env, capture_output=True,
-                       text=True, timeout=1700)
-  assert out.exists(), run.stdout[-4000:] + run.stderr[-4000:]
-  return {r["name"]: r for r in json.loads(out.read_text())}
+  run = subprocess.run([sys.executable, "-m", "pallas_fa3.cli", "aot", "--json",
+                        out, *flags], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+  reports = json.loads(open(out).read()) if os.path.exists(out) else []
+  return run, reports
 
 
-def _spills(reports, prefix):
-  return {n: (r["spill_store_bytes"], r["spill_load_bytes"])
-          for n, r in reports.items() if n.startswith(prefix)
-          and (r["spill_store_bytes"] or r["spill_load_bytes"])}
+@pytest.fixture(scope="module")
+def default_reports():
+  run, reports = _run_aot("--defaults", "--profile", timeout=1700)
+  assert reports, run.stdout[-4000:] + run.stderr[-4000:]
+  return run, reports
+
+
+def _spills(reports):
+  return {r["name"]: (r["spill_store_bytes"], r["spill_load_bytes"])
+          for r in reports if r["spill_store_bytes"] or r["spill_load_bytes"]}
 
 
 @_needs_packages
 @pytest.mark.timeout(1800)
-def test_every_forward_config_compiles_without_spills(sweep_reports):
-  assert any(n.startswith("fwd") for n in sweep_reports)
-  assert _spills(sweep_reports, "fwd") == {}
+def test_default_configs_compile_without_spills(default_reports):
+  run, reports = default_reports
+  assert _spills(reports) == {}
+  assert run.returncode == 0 and "0 config(s) spill" in run.stdout
+  kinds = {k["name"].split()[0] for r in reports for k in r["kernels"]}
+  assert kinds == {"fa3_fwd", "fa3_fwd_fp8", "fa3_bwd_dkdv", "fa3_bwd_dq"}
 
 
 @_needs_packages
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
-def test_every_backward_config_compiles_without_spills(sweep_reports, head_dim):
-  prefix = f"bwd d={head_dim} "
-  assert any(n.startswith(prefix) for n in sweep_reports)
-  assert _spills(sweep_reports, prefix) == {}
+def test_default_profiles_describe_warp_specialized_wgmma_kernels(default_reports):
+  run, reports = default_reports
+  assert "| kernel | threads |" in run.stdout  # the --profile table
+  for r in reports:
+    for k in r["kernels"]:
+      assert k["threads"] in (256, 384), k["name"]
+      assert k["smem_bytes"] and k["smem_bytes"] <= 227 * 1024, k["name"]
+      assert k["wgmma"] and k["tma"]["load"] > 0, k["name"]
+      assert any(s.startswith("dec") for s in k["setmaxnreg"]), k["name"]
+      # The steady-state loop issues wgmma and synchronizes by mbarrier.
+      assert k["loop"]["wgmma"] > 0 and k["loop"]["mbarrier"] > 0, k["name"]
+      if k["name"].startswith("fa3_fwd"):
+        # Online softmax: one exp2 per score, the scale inside its argument.
+        assert k["loop"]["ex2"] >= k["loop"]["ffma"] - 8 > 0, k["name"]
+
+
+@_needs_packages
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("flags", [(), ("--fp8",)], ids=["bf16", "fp8"])
+def test_every_config_of_the_spaces_compiles_without_spills(flags):
+  run, reports = _run_aot(*flags, timeout=3500)
+  assert reports, run.stdout[-4000:] + run.stderr[-4000:]
+  assert _spills(reports) == {}

@@ -28,35 +28,47 @@ import re
 import sys
 import tempfile
 
+from pallas_fa3.kernels import ptx_profile
+from pallas_fa3.kernels.ptx_profile import KernelProfile
+
 _TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
-_REQUIRED = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc")
+# Either CUDA major's plugin, PJRT and ptxas (the H200 runs CUDA 13).
+_REQUIRED = {
+    13: ("jax_cuda13_plugin", "jax_plugins.xla_cuda13", "nvidia.cu13"),
+    12: ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"),
+}
 # The properties line only: ptxas repeats the figures in a warning line.
 _SPILL = re.compile(r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+
+
+def _found(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
 
 
 def missing_packages() -> str | None:
   """Why this tier cannot run here (a missing package), or None."""
-  for module in _REQUIRED:
-    try:
-      found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-      found = False
-    if not found:
-      return (f"the deviceless sm_90a compile needs {module!r} (pip packages"
-              " jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12 at"
-              " the installed jax version)")
-  return None
+  for modules in _REQUIRED.values():
+    if all(_found(m) for m in modules):
+      return None
+  return ("the deviceless sm_90a compile needs the CUDA plugin, PJRT and"
+          " ptxas at the installed jax version: pip install"
+          ' "jax-cuda13-plugin[with-cuda]==$V" "jax-cuda13-pjrt==$V"')
 
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-  """What ptxas said about one kernel."""
+  """What ptxas said about one call's kernels, and each kernel's profile."""
 
   name: str
-  registers: int
-  spill_store_bytes: int
+  registers: int            # the most of any kernel of the call
+  spill_store_bytes: int    # summed over the call's kernels
   spill_load_bytes: int
+  kernels: tuple[KernelProfile, ...] = ()
 
 
 def _parse_ptxas(text: str) -> tuple[int, int, int]:
@@ -76,19 +88,52 @@ def _mesh():
   return jax.sharding.Mesh(topo.devices, ("x",))
 
 
-def _compile(name: str, fn, shapes) -> CompileReport:
+def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
+  """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`)."""
+  profiles = []
+  for ptxas in sorted(dump.glob("*.ptxas")):
+    stem = ptxas.name[:-len(".ptxas")]
+    regs, stores, loads = _parse_ptxas(ptxas.read_text())
+    resources = dump / f"{stem}.resources.txt"
+    smem = _SMEM.search(resources.read_text()) if resources.exists() else None
+    ptx = dump / f"{stem}.ptx"
+    profiles.append(ptx_profile.profile_ptx(
+        f"{stem.rsplit('_', 1)[0]} {label}",
+        ptx.read_text() if ptx.exists() else "", registers=regs,
+        spill_store_bytes=stores, spill_load_bytes=loads,
+        smem_bytes=int(smem.group(1)) if smem else None))
+  if not profiles:
+    raise RuntimeError(f"Mosaic dumped no ptxas report for {label}")
+  return profiles
+
+
+def short_label(spec, config) -> str:
+  """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
+  dK/dV and dQ consumers/head splits): the profile table's row label."""
+  tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
+  if hasattr(config, "dkdv_consumers"):
+    tiles += (f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
+              f" q{config.dq_consumers}/{config.dq_head_splits}")
+  return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
+
+
+def _compile(name: str, fn, shapes, label: str | None = None) -> CompileReport:
   import jax
   with tempfile.TemporaryDirectory() as dump:
     # Read by Mosaic at compile time: one fresh folder per compile.
-    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+    flags = dict(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
+                 MOSAIC_GPU_DUMP_RESOURCES="1", MOSAIC_GPU_DUMP_TO=dump)
+    os.environ.update(flags)
     try:
       jax.jit(fn).lower(*shapes).compile()
     finally:
-      os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
-      os.environ.pop("MOSAIC_GPU_DUMP_TO")
-    text = "".join(p.read_text() for p in pathlib.Path(dump).glob("*.ptxas"))
-  regs, stores, loads = _parse_ptxas(text)
-  return CompileReport(name, regs, stores, loads)
+      for flag in flags:
+        os.environ.pop(flag)
+    kernels = _kernel_profiles(pathlib.Path(dump), label or name)
+  return CompileReport(
+      name, max(k.registers for k in kernels),
+      sum(k.spill_store_bytes for k in kernels),
+      sum(k.spill_load_bytes for k in kernels), tuple(kernels))
 
 
 def _operands(spec, mesh, backward: bool):
@@ -113,7 +158,7 @@ def compile_forward(spec, config, mesh=None) -> CompileReport:
   return _compile(
       f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
       lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
-      _operands(spec, mesh, backward=False))
+      _operands(spec, mesh, backward=False), short_label(spec, config))
 
 
 def compile_backward(spec, config, mesh=None) -> CompileReport:
@@ -124,7 +169,7 @@ def compile_backward(spec, config, mesh=None) -> CompileReport:
       f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
       f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
       lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
-      _operands(spec, mesh, backward=True))
+      _operands(spec, mesh, backward=True), short_label(spec, config))
 
 
 def sweep():
@@ -193,18 +238,9 @@ def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
       ((b, spec.seq_q, hq, d), f8), ((b, spec.seq_kv, hk, d), f8),
       ((b, hk, d, spec.seq_kv), f8), ((b, hq, n_q), f32),
       ((b, hk, n_kv), f32), ((b, hk, n_kv), f32))]
-  fn = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a))
-  with tempfile.TemporaryDirectory() as dump:
-    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
-    try:
-      fn.lower(*shapes).compile()
-    finally:
-      os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
-      os.environ.pop("MOSAIC_GPU_DUMP_TO")
-    text = "".join(p.read_text() for p in pathlib.Path(dump).glob("*.ptxas"))
-  regs, stores, loads = _parse_ptxas(text)
-  return CompileReport(f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal}"
-                       f" {config}", regs, stores, loads)
+  return _compile(f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal}"
+                  f" {config}", lambda *a: sm90_fwd_fp8.sm90_forward_fp8(
+                      spec, config, *a), shapes, short_label(spec, config))
 
 
 def fp8_forward_sweep():
@@ -225,30 +261,70 @@ def fp8_forward_sweep():
                               d ** -0.5), config
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+# The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
+PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
+
+
+def defaults_sweep():
+  """(compile function, spec, config): the default config of every kernel at
+  every head dim, at `PROFILE_SHAPE`, causal and not."""
+  import jax.numpy as jnp
+  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.spec import AttentionSpec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in kernel_config.KERNEL_HEAD_DIMS:
+    for causal in (True, False):
+      spec = AttentionSpec(b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16),
+                           causal, d ** -0.5)
+      yield compile_forward, spec, kernel_config.default_forward_config(spec)
+      yield compile_backward, spec, kernel_config.default_backward_config(spec)
+      if d in kernel_config.FP8_HEAD_DIMS:
+        yield (compile_forward_fp8, spec,
+               kernel_config.default_fp8_forward_config(d))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The flags of `pallas-fa3 aot` / `python -m pallas_fa3.kernels.aot`."""
   parser.add_argument("--max-configs", type=int, default=None,
                       help="stop after this many configs")
-  parser.add_argument("--json", default=None,
-                      help="also write every report to this JSON file")
+  parser.add_argument("--json", default=None, metavar="PATH",
+                      help="also write every report (and profile) to PATH")
+  parser.add_argument("--profile", action="store_true",
+                      help="print each kernel's static profile (a Markdown"
+                      " table: threads, registers, spills, shared memory,"
+                      " wgmma shapes, wait_group depths, barriers, TMA, the"
+                      " steady-state loop's instruction mix)")
   sweeps = parser.add_mutually_exclusive_group()
+  sweeps.add_argument("--defaults", action="store_true",
+                      help="only the default config of each kernel at every"
+                      f" head dim, bf16 at {PROFILE_SHAPE} (b, s, hq, hk),"
+                      " causal and not")
   sweeps.add_argument("--fp8", action="store_true",
                       help="sweep the FP8 forward kernel instead")
   sweeps.add_argument("--backward-shapes", action="store_true",
                       help="sweep every backward config over more shapes"
                       " (BACKWARD_SHAPES, causal and not, bf16) instead")
-  args = parser.parse_args(argv)
+
+
+def _items(args):
+  if args.fp8:
+    return ((compile_forward_fp8, spec, config)
+            for spec, config in fp8_forward_sweep())
+  if args.defaults:
+    return defaults_sweep()
+  return backward_shapes_sweep() if args.backward_shapes else sweep()
+
+
+def run(args: argparse.Namespace) -> int:
+  """Compiles the selected sweep; 0 without spills, 1 with, 2 if the CUDA
+  packages are missing."""
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")
     return 2
   mesh, reports = _mesh(), []
-  if args.fp8:
-    items = ((compile_forward_fp8, spec, config)
-             for spec, config in fp8_forward_sweep())
-  else:
-    items = backward_shapes_sweep() if args.backward_shapes else sweep()
-  for i, (compile_fn, spec, config) in enumerate(items):
+  for i, (compile_fn, spec, config) in enumerate(_items(args)):
     if args.max_configs is not None and i >= args.max_configs:
       break
     report = compile_fn(spec, config, mesh)
@@ -258,12 +334,20 @@ def main(argv: list[str] | None = None) -> int:
           f" spill_st={report.spill_store_bytes} spill_ld="
           f"{report.spill_load_bytes}  {report.name}", flush=True)
   failures = sum(bool(r.spill_store_bytes or r.spill_load_bytes) for r in reports)
+  if args.profile:
+    print(ptx_profile.table([k for r in reports for k in r.kernels]))
   if args.json:
     import json
     pathlib.Path(args.json).write_text(json.dumps(
         [dataclasses.asdict(r) for r in reports], indent=1))
   print(f"{failures} config(s) spill")
   return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_arguments(parser)
+  return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

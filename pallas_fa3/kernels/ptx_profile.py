@@ -1,0 +1,193 @@
+"""A static profile of one compiled kernel, read off its PTX and ptxas report.
+
+What the kernel issues say a schedule change moves, counted before any GPU:
+threads, registers, spills, shared memory, the wgmma instructions and their
+shapes, `wgmma.wait_group` sites by depth, mbarrier arrival counts,
+named-barrier operations, TMA copies, and the instruction mix of the
+steady-state loop (per thread and K/V step).
+
+The steady-state loop is the innermost PTX loop (a label and the backward
+branch to it) holding the most `wgmma.mma_async` instructions; the
+mbarrier-wait spin loops Mosaic writes as inline assembly are not loops here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+_LABEL = re.compile(r"^(\$L__\w+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+_OPCODE = re.compile(r"^\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)")
+_WGMMA = re.compile(r"wgmma\.mma_async[\w.]*?\.(m\d+n\d+k\d+)\.(\w+)\.(\w+)\.(\w+)")
+_WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
+_MOV_IMM = re.compile(r"mov\.[bsu]32\s+(%r\d+),\s*(\d+);")
+_MBAR_INIT = re.compile(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);")
+_THREADS = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+),\s*(\d+),\s*(\d+)")
+_SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")
+
+# Loop-mix columns: a name and the opcode prefixes it counts.
+LOOP_COLUMNS = {
+    "wgmma": ("wgmma.mma_async",),
+    "wait_group": ("wgmma.wait_group",),
+    "ex2": ("ex2.",),
+    "ffma": ("fma.rn.f32", "fma.rn.ftz.f32"),
+    "fmul": ("mul.f32", "mul.rn.f32", "mul.ftz.f32"),
+    "shfl": ("shfl.",),
+    "mbarrier": ("mbarrier.",),
+    "bar": ("bar.", "barrier."),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelProfile:
+  """The static profile of one compiled kernel."""
+
+  name: str
+  threads: int
+  registers: int
+  spill_store_bytes: int
+  spill_load_bytes: int
+  smem_bytes: int | None
+  setmaxnreg: tuple[str, ...]
+  wgmma: dict[str, int]           # "m64n128k16 f32.bf16.bf16" -> count
+  wait_group: dict[int, int]      # depth -> static sites
+  max_mbarrier_arrivals: int
+  mbarrier_arrival_counts: tuple[int, ...]
+  named_barrier_ops: dict[str, int]
+  tma: dict[str, int]             # load / store / reduce -> static sites
+  loop: dict[str, int]            # steady-state loop: column -> count
+  instructions: int
+
+
+def _instructions(lines):
+  """(line index, opcode) of every PTX instruction; inline-assembly lines
+  (`{ .reg .pred p; setp...; wgmma...; }`) hold several."""
+  for i, line in enumerate(lines):
+    code = line.split("//", 1)[0]
+    for stmt in code.replace("{", ";").replace("}", ";").split(";"):
+      stmt = stmt.strip()
+      if ":" in stmt.split(" ", 1)[0] and stmt.split(" ", 1)[0].endswith(":"):
+        stmt = stmt.split(":", 1)[1].strip()  # a label before the instruction
+      match = _OPCODE.match(stmt)
+      if match and not stmt.startswith("."):
+        yield i, match.group(1)
+
+
+def _loops(lines) -> list[tuple[int, int]]:
+  """(first, last) line of every natural loop: a label and a later branch
+  back to it."""
+  where = {}
+  loops = []
+  for i, line in enumerate(lines):
+    label = _LABEL.match(line.strip())
+    if label:
+      where[label.group(1)] = i
+    branch = _BRANCH.search(line)
+    if branch and branch.group(1) in where:
+      loops.append((where[branch.group(1)], i))
+  return loops
+
+
+def _innermost(loops):
+  return [(a, b) for a, b in loops
+          if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+
+
+def loop_mix(ops) -> dict[str, int]:
+  """Counts of `LOOP_COLUMNS` (and all instructions) among opcodes `ops`."""
+  mix = {name: sum(op.startswith(prefixes) for op in ops)
+         for name, prefixes in LOOP_COLUMNS.items()}
+  mix["total"] = len(ops)
+  return mix
+
+
+def steady_state_loop(ptx: str) -> dict[str, int]:
+  """The instruction mix of the innermost loop with the most wgmma (empty
+  counts if the kernel has no loop)."""
+  lines = ptx.splitlines()
+  instrs = list(_instructions(lines))
+  best = []
+  for first, last in _innermost(_loops(lines)):
+    ops = [op for i, op in instrs if first <= i <= last]
+    if sum(op.startswith("wgmma.mma_async") for op in ops) > sum(
+        op.startswith("wgmma.mma_async") for op in best):
+      best = ops
+  return loop_mix(best)
+
+
+def _arrival_counts(ptx: str) -> tuple[int, ...]:
+  consts: dict[str, int] = {}
+  counts = []
+  for line in ptx.splitlines():
+    mov = _MOV_IMM.search(line)
+    if mov:
+      consts[mov.group(1)] = int(mov.group(2))
+    init = _MBAR_INIT.search(line)
+    if init:
+      arg = init.group(1)
+      counts.append(int(arg) if arg.isdigit() else consts.get(arg, -1))
+  return tuple(sorted(set(counts)))
+
+
+def _tma(op: str) -> str | None:
+  if op.startswith("cp.reduce.async.bulk"):
+    return "reduce"
+  if op.startswith("cp.async.bulk.tensor") or op.startswith("cp.async.bulk.global") \
+      or op.startswith("cp.async.bulk.shared"):
+    return "load" if ".shared::cluster.global" in op or ".shared::cta.global" in op \
+        else "store"
+  return None
+
+
+def profile_ptx(name: str, ptx: str, *, registers: int, spill_store_bytes: int,
+                spill_load_bytes: int, smem_bytes: int | None) -> KernelProfile:
+  """The profile of one kernel from its PTX text and ptxas's figures."""
+  lines = ptx.splitlines()
+  ops = [op for _, op in _instructions(lines)]
+  wgmma = collections.Counter(
+      f"{m.group(1)} {m.group(2)}.{m.group(3)}.{m.group(4)}"
+      for m in _WGMMA.finditer(ptx))
+  waits = collections.Counter(int(d) for d in _WAIT.findall(ptx))
+  threads = _THREADS.search(ptx)
+  named = collections.Counter(op for op in ops if op.startswith(("bar.", "barrier.")))
+  tma = collections.Counter(kind for kind in map(_tma, ops) if kind)
+  arrivals = _arrival_counts(ptx)
+  return KernelProfile(
+      name=name,
+      threads=int(threads.group(1)) if threads else 0,
+      registers=registers,
+      spill_store_bytes=spill_store_bytes,
+      spill_load_bytes=spill_load_bytes,
+      smem_bytes=smem_bytes,
+      setmaxnreg=tuple(f"{a} {n}" for a, n in _SETMAXNREG.findall(ptx)),
+      wgmma=dict(sorted(wgmma.items())),
+      wait_group=dict(sorted(waits.items())),
+      max_mbarrier_arrivals=max(arrivals, default=0),
+      mbarrier_arrival_counts=arrivals,
+      named_barrier_ops=dict(sorted(named.items())),
+      tma={k: tma.get(k, 0) for k in ("load", "store", "reduce")},
+      loop=steady_state_loop(ptx),
+      instructions=len(ops),
+  )
+
+
+def table(profiles) -> str:
+  """A Markdown table of profiles, one row per kernel."""
+  loop_cols = (*LOOP_COLUMNS, "total")
+  head = ("| kernel | threads | regs | spill st/ld B | smem KiB | wgmma |"
+          " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
+          " loop " + " ".join(loop_cols) + " |")
+  rows = [head, "|" + "---|" * (head.count("|") - 1)]
+  for p in profiles:
+    shapes = ", ".join(f"{n}x {s}" for s, n in p.wgmma.items())
+    waits = " ".join(f"{d}:{n}" for d, n in p.wait_group.items()) or "-"
+    smem = "?" if p.smem_bytes is None else f"{p.smem_bytes / 1024:.1f}"
+    loop = " ".join(str(p.loop[c]) for c in loop_cols)
+    rows.append(
+        f"| {p.name} | {p.threads} | {p.registers} | {p.spill_store_bytes}/"
+        f"{p.spill_load_bytes} | {smem} | {shapes} | {waits} |"
+        f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
+        f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |")
+  return "\n".join(rows)
