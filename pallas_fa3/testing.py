@@ -18,6 +18,7 @@ orders). Its unit scale suits the O(1) inputs the tests use.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,16 @@ def golden_and_naive(q, k, v, dout, *, causal=False, softmax_scale=None,
   n_dlse = jnp.zeros_like(n_lse) if dlse is None else dlse
   n_grads = pullback((dout, n_dlse))
   return (g_out, g_lse) + tuple(g_grads), (n_out, n_lse) + tuple(n_grads)
+
+
+def gpu_tier() -> str:
+  """How much of each kernel's config space the GPU tests cover, from
+  `PALLAS_FA3_GPU_TIER`: "full" (the default: every config) or "quick" (the
+  default config of each head dim; `device_check.sh --quick`)."""
+  tier = os.environ.get("PALLAS_FA3_GPU_TIER", "full")
+  if tier not in ("full", "quick"):
+    raise ValueError(f"PALLAS_FA3_GPU_TIER must be 'full' or 'quick'; got {tier!r}")
+  return tier
 
 
 def backward_config_id(dtype: str, head_dim: int, config) -> str:

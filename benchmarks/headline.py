@@ -1,0 +1,85 @@
+"""The device check's headline table, from the files its steps wrote.
+
+    python benchmarks/headline.py DIR      # writes DIR/headline.md
+
+Reads DIR/bench_fwd/results.json and DIR/bench_bwd/results.json (from
+`pallas-fa3 bench`) and DIR/fp8/fp8.json (from fp8_device_check.py); any
+of them may be missing (a step that timed out): its rows say so. One row
+per (pass, head dim, causal) at 16k tokens: TFLOPs/s of ours (mosaic), the
+blockwise twin on the GPU, cuDNN, XLA and attention_mgpu, and ours over the
+best baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+IMPLS = ("mosaic", "blockwise", "cudnn", "xla", "mgpu")
+BASELINES = ("cudnn", "xla", "mgpu")
+
+
+def _load(path: pathlib.Path):
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def _cell(rec) -> str:
+  if rec is None:
+    return "-"
+  if rec.get("status") == "ok" and rec.get("tflops") is not None:
+    return f"{rec['tflops']:.0f}"
+  return rec.get("status", "?")
+
+
+def bench_rows(result: dict | None, label: str) -> list[str]:
+  if result is None:
+    return [f"| {label} | (missing: the step did not finish) |"]
+  cases: dict[tuple, dict] = {}
+  for rec in result.get("records", []):
+    key = (rec["mode"], rec["dtype"], rec["head_dim"], rec["causal"], rec["seq_q"])
+    cases.setdefault(key, {})[rec["impl"]] = rec
+  rows = []
+  for (mode, dtype, d, causal, seq), by_impl in sorted(cases.items()):
+    ours = by_impl.get("mosaic", {}).get("tflops")
+    best = max((by_impl[b]["tflops"] for b in BASELINES
+                if by_impl.get(b, {}).get("tflops")), default=None)
+    ratio = f"{ours / best:.2f}" if ours and best else "-"
+    rows.append(f"| {mode} {dtype} d{d} {'causal' if causal else 'full'}"
+                f" s{seq} | " + " | ".join(_cell(by_impl.get(i)) for i in IMPLS)
+                + f" | {ratio} |")
+  return rows
+
+
+def fp8_rows(result: dict | None) -> list[str]:
+  if result is None:
+    return ["| fwd fp8 | (missing: the step did not finish) |"]
+  rows = []
+  for r in result.get("timings", []):
+    total = r.get("fp8 total TFLOPs/s")
+    kernel = r.get("fp8 kernel TFLOPs/s")
+    fmt = lambda x: f"{x:.0f}" if isinstance(x, float) else "-"
+    rows.append(f"| fwd fp8 d{r['head_dim']} {'causal' if r['causal'] else 'full'}"
+                f" s16384 | {fmt(total)} (kernel {fmt(kernel)}) | - | - | - | - |"
+                f" - |")
+  return rows
+
+
+def main(argv=None) -> int:
+  out = pathlib.Path((argv or sys.argv[1:])[0])
+  lines = ["| case (16k tokens) | " + " | ".join(IMPLS) + " | ours / best baseline |",
+           "|---|" + "---:|" * (len(IMPLS) + 1)]
+  lines += bench_rows(_load(out / "bench_fwd" / "results.json"), "fwd")
+  lines += bench_rows(_load(out / "bench_bwd" / "results.json"), "bwd")
+  lines += fp8_rows(_load(out / "fp8" / "fp8.json"))
+  text = "TFLOPs/s (median; attention_mgpu on float16 copies)\n\n" + "\n".join(lines) + "\n"
+  (out / "headline.md").write_text(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
