@@ -86,7 +86,7 @@ def test_ptx_profile_reads_the_loop_and_the_sync():
   # ex2, mul, shfl, bar, arrive, the back branch.
   assert p.loop["total"] == 14
   row = ptx_profile.table([p]).splitlines()[2]
-  assert row.startswith("| k | 384 | 168 | 0/0 | 2.0 | 1x m64n128k16")
+  assert row.startswith("| k | 384 | 168 | inc 240 | 0/0 | 2.0 | 1x m64n128k16")
 
 
 def test_ptx_profile_without_a_loop():

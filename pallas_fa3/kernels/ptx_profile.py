@@ -176,7 +176,7 @@ def profile_ptx(name: str, ptx: str, *, registers: int, spill_store_bytes: int,
 def table(profiles) -> str:
   """A Markdown table of profiles, one row per kernel."""
   loop_cols = (*LOOP_COLUMNS, "total")
-  head = ("| kernel | threads | regs | spill st/ld B | smem KiB | wgmma |"
+  head = ("| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"
           " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
           " loop " + " ".join(loop_cols) + " |")
   rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -186,7 +186,8 @@ def table(profiles) -> str:
     smem = "?" if p.smem_bytes is None else f"{p.smem_bytes / 1024:.1f}"
     loop = " ".join(str(p.loop[c]) for c in loop_cols)
     rows.append(
-        f"| {p.name} | {p.threads} | {p.registers} | {p.spill_store_bytes}/"
+        f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
+        f" {p.spill_store_bytes}/"
         f"{p.spill_load_bytes} | {smem} | {shapes} | {waits} |"
         f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
         f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |")
