@@ -53,6 +53,7 @@ dO, memory-bound and small next to the kernels).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_fa3.config import Sm90BackwardConfig
 from pallas_fa3.kernels._ops import COMPILED, INTERPRETED
@@ -94,6 +95,11 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   kp, vp = _pad_axis(k, 1, skv_pad), _pad_axis(v, 1, skv_pad)
   dkdv_plan = _Plan(spec, config, sq_pad, skv_pad)
   dk, dv = _dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
+  if interpret is not None:
+    # The interpreter runs each kernel's warpgroups as threads that block on
+    # each other inside a host callback; two independent kernels running at
+    # once on a 2-core CPU stalled the test suite. Make the dQ kernel wait.
+    (dk, dv), qp = lax.optimization_barrier(((dk, dv), qp))
   dq = _dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
       qp, kp, vp, dop, lse2, delta)
   return (dq[:, :spec.seq_q], dk[:, :spec.seq_kv], dv[:, :spec.seq_kv])
