@@ -88,7 +88,7 @@ def _check(name, got, naive, golden) -> dict:
   return {f"{name}_err": err, f"{name}_bound": bound}
 
 
-def _bf16_item(head_dim: int, backward: bool, dtype=jnp.bfloat16,
+def _kernel_item(head_dim: int, backward: bool, dtype=jnp.bfloat16,
                causal=True, shape=None):
   shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
@@ -119,9 +119,9 @@ def _fp8_item():
 
 
 def _smoke_items():
-  yield "fwd bf16 d128", lambda: _bf16_item(128, False)
-  yield "fwd+bwd bf16 d128", lambda: _bf16_item(128, True)
-  yield "fwd+bwd bf16 d256", lambda: _bf16_item(256, True)
+  yield "fwd bf16 d128", lambda: _kernel_item(128, False)
+  yield "fwd+bwd bf16 d128", lambda: _kernel_item(128, True)
+  yield "fwd+bwd bf16 d256", lambda: _kernel_item(256, True)
   yield "fwd fp8 d128", _fp8_item
 
 
@@ -142,7 +142,7 @@ def _causal_items():
     for dtype in (jnp.bfloat16, jnp.float16):
       for sq, skv in ((512, 512), (384, 640), (640, 384)):
         yield (f"ours causal {jnp.dtype(dtype).name} d{d} q{sq} kv{skv}",
-               lambda d=d, dtype=dtype, sq=sq, skv=skv: _bf16_item(
+               lambda d=d, dtype=dtype, sq=sq, skv=skv: _kernel_item(
                    d, False, dtype, True, Shape(1, sq, skv, 2, 1, d)))
   for d in (64, 128, 256):
     yield f"attention_mgpu causal float16 d{d}", lambda d=d: _mgpu_causal_item(d)

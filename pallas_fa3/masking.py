@@ -33,8 +33,8 @@ def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
                  ) -> jax.Array:
   """The same rule on positions that already broadcast against each other.
 
-  The kernels call this on one `[rows, cols]` tile of positions (built with
-  their register layout); `visible` is the 1-D convenience form.
+  `visible` is the 1-D convenience form; the kernels use `visible_tile_at`,
+  the same rule from 1-D index vectors.
   """
   mask = kv_pos < spec.seq_kv
   if spec.causal:

@@ -82,13 +82,6 @@ class KernelOps:
       return lax.iota(jnp.int32, n)
     return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(0))
 
-  def iota(self, shape: tuple[int, int], dim: int) -> jax.Array:
-    """int32 indices along `dim` of an accumulator-shaped tile."""
-    if self.interpreted:
-      return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim,
-                                  layout=plgpu.Layout.WGMMA)
-
   # -- matmuls -----------------------------------------------------------------
   def with_scores(self, q_smem, k_smem, body: Callable[[Callable[[], jax.Array]], object]):
     """Starts S = Q K^T (float32) and runs `body(read_s)` while it computes.
@@ -100,8 +93,9 @@ class KernelOps:
     """
     q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
-      s = async_proxy_read(sum(jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
-                          for q, k in zip(q_chunks, k_chunks)))
+      s = async_proxy_read(sum(
+          jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
+          for q, k in zip(q_chunks, k_chunks)))
       return body(lambda: s)
 
     def scoped(acc):
@@ -119,7 +113,8 @@ class KernelOps:
   def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem) -> jax.Array:
     """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
     if self.interpreted:
-      return async_proxy_read(o + jnp.dot(p, v_smem[...], preferred_element_type=_F32))
+      return async_proxy_read(
+          o + jnp.dot(p, v_smem[...], preferred_element_type=_F32))
 
     def pv(acc):
       plgpu.wgmma(acc, p, v_smem)

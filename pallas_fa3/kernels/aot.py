@@ -5,16 +5,16 @@ The third correctness tier without a GPU (after interpret mode and
 (sm_90a) from a compile-only target description and reads ptxas's report,
 so register spills are caught before any GPU time is spent.
 
-Needs, at the installed JAX's version: `jax-cuda12-plugin`,
-`jax-cuda12-pjrt` and `nvidia-cuda-nvcc-cu12` (no driver, no cuDNN). One
-command runs the sweep and fails on any spill:
+Needs the CUDA plugin and PJRT at the installed JAX's version and ptxas (no
+driver, no cuDNN): the package's `aot` extra (`jax[cuda13-local]` and the
+H200's ptxas, CUDA 13.0; CUDA 12's plugin works too). One command runs the
+sweep and fails on any spill; `--profile` adds each kernel's static profile
+(`ptx_profile`):
 
-    JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
+    pallas-fa3 aot            # or: JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
 
-(`pip install "jax-cuda12-plugin==$V" "jax-cuda12-pjrt==$V"
-nvidia-cuda-nvcc-cu12` with `V` the installed jax version first.) The
-optional test `tests/test_sm90_aot.py` runs the same sweep and is skipped,
-saying why, where the packages are absent.
+`tests/test_sm90_aot.py` runs the default configs (and, with `-m slow`,
+every config) and is skipped, saying why, where the packages are absent.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def missing_packages() -> str | None:
     if all(_found(m) for m in modules):
       return None
   return ("the deviceless sm_90a compile needs the CUDA plugin, PJRT and"
-          " ptxas at the installed jax version: pip install"
-          ' "jax-cuda13-plugin[with-cuda]==$V" "jax-cuda13-pjrt==$V"')
+          " ptxas at the installed jax version: pip install -e '.[aot]'"
+          " (jax[cuda13-local] and nvidia-cuda-nvcc)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Every JAX-version difference the kernels touch, in one place.
 
 The kernels are tested on JAX 0.11.2 (the H200's version, and CI's) and the
-newest release (0.12.x). What the kernels must not take from the defaults:
+newest release (0.12.x). What the kernels pin or avoid, as far as the
+versions differ:
 
 - `plgpu.CompilerParams.lowering_semantics`: the default changed from Lane to
   Warpgroup in later versions; our kernels are written for Lane semantics,

@@ -68,8 +68,8 @@ def _instructions(lines):
     code = line.split("//", 1)[0]
     for stmt in code.replace("{", ";").replace("}", ";").split(";"):
       stmt = stmt.strip()
-      if ":" in stmt.split(" ", 1)[0] and stmt.split(" ", 1)[0].endswith(":"):
-        stmt = stmt.split(":", 1)[1].strip()  # a label before the instruction
+      if stmt.split(" ", 1)[0].endswith(":"):  # a label before the instruction
+        stmt = stmt.split(" ", 1)[1] if " " in stmt else ""
       match = _OPCODE.match(stmt)
       if match and not stmt.startswith("."):
         yield i, match.group(1)
@@ -132,13 +132,14 @@ def _arrival_counts(ptx: str) -> tuple[int, ...]:
 
 
 def _tma(op: str) -> str | None:
+  """"load" (to shared memory), "store", "reduce" or None (not a bulk copy)."""
   if op.startswith("cp.reduce.async.bulk"):
     return "reduce"
-  if op.startswith("cp.async.bulk.tensor") or op.startswith("cp.async.bulk.global") \
-      or op.startswith("cp.async.bulk.shared"):
-    return "load" if ".shared::cluster.global" in op or ".shared::cta.global" in op \
-        else "store"
-  return None
+  if not op.startswith(("cp.async.bulk.tensor", "cp.async.bulk.global",
+                        "cp.async.bulk.shared")):
+    return None
+  to_smem = ".shared::cluster.global" in op or ".shared::cta.global" in op
+  return "load" if to_smem else "store"
 
 
 def profile_ptx(name: str, ptx: str, *, registers: int, spill_store_bytes: int,

@@ -24,7 +24,8 @@ changes for FP8 (FA3 paper, section 3.3; our own code):
   small probabilities keep their precision; the row sum `l` is accumulated
   in the same units, which cancels the 2^8 in the normalization, and the
   lse subtracts it. P is cast to e4m3 and staged through shared memory
-  (Pallas Mosaic GPU has no 8-bit register A operand), then `commit_smem` and the P V wgmma read it from there.
+  (Pallas Mosaic GPU has no 8-bit register A operand), then `commit_smem`
+  and the P V wgmma read it from there.
 - **Output** in `spec.dtype` (bf16 or fp16), with the float32 lse, through a
   separate shared-memory tile (the FP8 Q tile is too small to stage it).
 
@@ -259,8 +260,8 @@ def _build(plan: _Plan, ops: Fp8Ops, interpret):
   seq_transforms = _smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
 
   def fa3_fwd_fp8(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref,
-                  lse_ref, q_smem, o_smem, p_smem, k_smem, vt_smem, lse_smem, k_full,
-                  v_full, k_empty, v_empty, q_bar, sched):
+                  lse_ref, q_smem, o_smem, p_smem, k_smem, vt_smem, lse_smem,
+                  k_full, v_full, k_empty, v_empty, q_bar, sched):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
