@@ -36,7 +36,7 @@ import numpy as np
 
 import pallas_fa3
 from pallas_fa3 import backends
-from pallas_fa3 import config as kernel_config
+from pallas_fa3.kernels.sm90 import config as sm90_config
 from pallas_fa3.testing import (Shape, golden_and_naive, max_abs_err,
                                 random_inputs, tolerance)
 
@@ -138,7 +138,7 @@ def _mgpu_causal_item(head_dim: int):
 
 
 def _causal_items():
-  for d in kernel_config.KERNEL_HEAD_DIMS:
+  for d in sm90_config.KERNEL_HEAD_DIMS:
     for dtype in (jnp.bfloat16, jnp.float16):
       for sq, skv in ((512, 512), (384, 640), (640, 384)):
         yield (f"ours causal {jnp.dtype(dtype).name} d{d} q{sq} kv{skv}",

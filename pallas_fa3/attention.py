@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, blockwise, partitioning, vjp
+from pallas_fa3 import backends, vjp
+from pallas_fa3.backends import blockwise
+from pallas_fa3.parallel import partitioning
 from pallas_fa3 import fp8 as fp8_lib
 from pallas_fa3.stable_max import check_stable_max
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
@@ -66,7 +68,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   Raises:
     TypeError / ValueError: bad inputs; the message names the argument.
       That includes a sharding that cannot run shard-locally (see
-      `pallas_fa3.partitioning`); when the sharding is only known at compile
+      `pallas_fa3.parallel.partitioning`); when the sharding is only known at compile
       time, XLA raises it as a `jax.errors.JaxRuntimeError`.
     NotImplementedError: the requested implementation cannot serve the call.
 

@@ -56,9 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import backends
-from pallas_fa3 import config as kernel_config
-from pallas_fa3.blockwise import BlockwiseConfig
-from pallas_fa3.config import Sm90ForwardConfig
+from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.backends.blockwise import BlockwiseConfig
+from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
 from pallas_fa3.spec import (AttentionSpec, check_bool, check_implementation,
                              make_spec)
 
@@ -315,14 +315,14 @@ def quantize(q, k, v, *, block_q: int, block_kv: int,
 def _default_tiles(spec: AttentionSpec) -> tuple[int, int]:
   """The FP8 kernel's default tiles for the head dim (so the blockwise twin
   quantizes and rounds as the kernel would), else `_FALLBACK_TILES`."""
-  if spec.head_dim in kernel_config.FP8_HEAD_DIMS:
-    c = kernel_config.default_fp8_forward_config(spec.head_dim)
+  if spec.head_dim in sm90_config.FP8_HEAD_DIMS:
+    c = sm90_config.default_fp8_forward_config(spec.head_dim)
     return c.block_q, c.block_kv
   return _FALLBACK_TILES
 
 
 def _kernel_reason(spec: AttentionSpec, config) -> str | None:
-  return kernel_config.fp8_forward_unsupported(spec, config)
+  return sm90_config.fp8_forward_unsupported(spec, config)
 
 
 def _config_mismatch(implementation: str, config) -> str | None:
@@ -368,7 +368,7 @@ def resolve(spec: AttentionSpec, implementation: str | None, config
       raise NotImplementedError(
           f"implementation={implementation!r} cannot run this FP8 call: {reason}")
     if config is None:
-      config = kernel_config.default_fp8_forward_config(spec.head_dim)
+      config = sm90_config.default_fp8_forward_config(spec.head_dim)
   elif config is None:
     config = BlockwiseConfig(*_default_tiles(spec))
   return implementation, config
@@ -387,10 +387,11 @@ class _Fp8Call:
 
 def _forward_quantized(call: _Fp8Call, x: FP8Inputs):
   if call.implementation == "blockwise":
-    from pallas_fa3 import blockwise_fp8
+    from pallas_fa3.backends import blockwise_fp8
     return blockwise_fp8.blockwise_forward_fp8(
         call.spec, call.config.block_q, call.config.block_kv, *x)
-  from pallas_fa3.kernels import compat, sm90_fwd_fp8
+  from pallas_fa3.kernels.sm90 import compat
+  from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
   interpret = None
   if call.implementation == "interpret":
     interpret = compat.interpret_params(

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from pallas_fa3 import partitioning
+from pallas_fa3.parallel import partitioning
 from pallas_fa3.spec import AttentionSpec
 
 

@@ -9,13 +9,13 @@ import re
 import pytest
 
 import pallas_fa3.attention
-import pallas_fa3.blockwise
+import pallas_fa3.backends.blockwise
 import pallas_fa3.reference
 
 _README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.parametrize("module", [pallas_fa3.attention, pallas_fa3.blockwise,
+@pytest.mark.parametrize("module", [pallas_fa3.attention, pallas_fa3.backends.blockwise,
                                     pallas_fa3.reference],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):

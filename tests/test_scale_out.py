@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import pallas_fa3
-from pallas_fa3 import ring_steps
+from pallas_fa3.parallel import ring_steps
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUITE_DIR = REPO_ROOT / "tests" / "multidevice"

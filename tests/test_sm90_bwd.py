@@ -18,10 +18,11 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3 import config as kernel_config
+from pallas_fa3.kernels.sm90 import config as sm90_config
 from pallas_fa3 import reference
-from pallas_fa3.config import Sm90BackwardConfig
-from pallas_fa3.kernels import compat, sm90_bwd
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (Shape, assert_within_tolerance, backward_config_id,
                                 golden_and_naive, random_inputs)
@@ -90,7 +91,7 @@ _CASES = [
 def test_interpret_gradients_match_golden(shape, dtype, causal, config, key):
   q, k, v, dout = random_inputs(key, shape, dtype)
   spec = make_spec(q, k, v, causal=causal)
-  assert kernel_config.backward_config_unsupported(config, shape.head_dim, 2) is None
+  assert sm90_config.backward_config_unsupported(config, shape.head_dim, 2) is None
   dq, dk, dv = _interpret_grads(spec, config, q, k, v, dout)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
   for name, x, arg, n, g in zip(("dq", "dk", "dv"), (dq, dk, dv), (q, k, v),
@@ -125,8 +126,8 @@ def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(
 
 def _backward_configs():
   for dtype in ("bfloat16", "float16"):
-    for d in kernel_config.KERNEL_HEAD_DIMS:
-      for config in kernel_config.backward_config_space(d):
+    for d in sm90_config.KERNEL_HEAD_DIMS:
+      for config in sm90_config.backward_config_space(d):
         yield pytest.param(dtype, d, config, id=backward_config_id(dtype, d, config))
 
 
@@ -144,7 +145,7 @@ def test_every_backward_config_lowers_for_cuda(dtype, head_dim, config):
     assert exported.mlir_module().count("mosaic_gpu") >= 2  # dK/dV and dQ
 
 
-@pytest.mark.parametrize("head_dim", kernel_config.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", sm90_config.KERNEL_HEAD_DIMS)
 def test_grad_of_mosaic_exports_for_cuda(head_dim):
   """`jax.grad` through `implementation="mosaic"`: kernels where they fit."""
   q = jax.ShapeDtypeStruct((2, 384, 4, head_dim), jnp.bfloat16)
@@ -157,7 +158,7 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     return out.astype(jnp.float32).sum() + lse.sum()
 
   spec = make_spec(q, kv, kv, causal=True)
-  reason = kernel_config.backward_unsupported(spec)
+  reason = sm90_config.backward_unsupported(spec)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
@@ -180,7 +181,7 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, confi
                                                                  kernel):
   """A config rejected for shared memory fails lowering with the estimate's
   number for the first kernel over the limit (dK/dV is lowered first)."""
-  reason = kernel_config.backward_config_unsupported(config, head_dim, 2)
+  reason = sm90_config.backward_config_unsupported(config, head_dim, 2)
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
   stats = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
@@ -189,17 +190,17 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, confi
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     export.export(fn, platforms=["cuda"])(q, q, q, q, stats, q, stats)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  sizes = kernel_config.backward_kernel_smem_bytes(config, head_dim, 2)
-  assert used == sizes[kernel] > kernel_config.MAX_SMEM_BYTES
+  sizes = sm90_config.backward_kernel_smem_bytes(config, head_dim, 2)
+  assert used == sizes[kernel] > sm90_config.MAX_SMEM_BYTES
 
 
 def test_every_head_dim_has_a_backward_kernel_config():
-  for d in kernel_config.KERNEL_HEAD_DIMS:
+  for d in sm90_config.KERNEL_HEAD_DIMS:
     q = jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16)
     spec = make_spec(q, q, q)
-    assert kernel_config.backward_unsupported(spec) is None, d
-    config = kernel_config.default_backward_config(spec)
-    assert config in kernel_config.backward_config_space(d)
+    assert sm90_config.backward_unsupported(spec) is None, d
+    config = sm90_config.default_backward_config(spec)
+    assert config in sm90_config.backward_config_space(d)
     # Head-dim splits only where nothing else fits; never recomputation.
     assert (config.dkdv_head_splits == 2) == (d >= 192), (d, config)
     assert (config.dq_head_splits == 2) == (d >= 192), (d, config)
@@ -208,7 +209,7 @@ def test_every_head_dim_has_a_backward_kernel_config():
 
 
 def test_head_split_needs_32_column_chunks():
-  reason = kernel_config.backward_config_unsupported(
+  reason = sm90_config.backward_config_unsupported(
       Sm90BackwardConfig(64, 64, 2, 1, 2, 2), 96, 2)
   assert reason and "48-column chunks" in reason and "multiples of 32" in reason
 

@@ -18,9 +18,10 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3 import config as kernel_config
-from pallas_fa3.config import Sm90ForwardConfig
-from pallas_fa3.kernels import compat, sm90_fwd
+from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (Shape, assert_within_tolerance,
                                 golden_and_naive, random_inputs)
@@ -45,7 +46,7 @@ def _interpret(spec, config, q, k, v):
 def _check(key, shape, dtype, causal, config):
   q, k, v, dout = random_inputs(key, shape, dtype)
   spec = make_spec(q, k, v, causal=causal)
-  assert kernel_config.forward_unsupported(spec, config) is None
+  assert sm90_config.forward_unsupported(spec, config) is None
   out, lse = _interpret(spec, config, q, k, v)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
   assert out.dtype == dtype and out.shape == q.shape
@@ -143,8 +144,8 @@ def _lower(spec, config):
 
 def _every_supported_config():
   for dtype in ("bfloat16", "float16"):
-    for d in kernel_config.KERNEL_HEAD_DIMS:
-      for config in kernel_config.forward_config_space(d):
+    for d in sm90_config.KERNEL_HEAD_DIMS:
+      for config in sm90_config.forward_config_space(d):
         yield pytest.param(dtype, d, config, id=f"{dtype}-d{d}-{config.block_q}x"
                            f"{config.block_kv}x{config.num_stages}")
 
@@ -166,13 +167,13 @@ def test_every_supported_config_lowers_for_cuda(dtype, head_dim, config):
 ])
 def test_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, config):
   """Configs the estimate rejects for shared memory fail lowering with that very number."""
-  reason = kernel_config.forward_config_unsupported(config, head_dim, 2)
+  reason = sm90_config.forward_config_unsupported(config, head_dim, 2)
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     _lower(make_spec(q, q, q), config)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  assert used == kernel_config.forward_smem_bytes(config, head_dim, 2)
+  assert used == sm90_config.forward_smem_bytes(config, head_dim, 2)
 
 
 def test_mosaic_through_flash_attention_exports_with_grad():
@@ -209,12 +210,12 @@ def test_config_is_hashable_static_data():
     a.block_q = 128
 
 
-@pytest.mark.parametrize("head_dim", kernel_config.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", sm90_config.KERNEL_HEAD_DIMS)
 def test_default_config_is_in_the_space(head_dim):
   q = jax.ShapeDtypeStruct((1, 128, 2, head_dim), jnp.bfloat16)
   spec = make_spec(q, q, q)
-  assert kernel_config.default_forward_config(spec) in \
-      kernel_config.forward_config_space(head_dim)
+  assert sm90_config.default_forward_config(spec) in \
+      sm90_config.forward_config_space(head_dim)
 
 
 @pytest.mark.parametrize("shapes,dtype,match", [
@@ -225,7 +226,7 @@ def test_default_config_is_in_the_space(head_dim):
 ])
 def test_unsupported_calls_say_why(shapes, dtype, match):
   q, k, v = (jax.ShapeDtypeStruct(s, dtype) for s in shapes)
-  assert re.search(match, kernel_config.forward_unsupported(make_spec(q, k, v)))
+  assert re.search(match, sm90_config.forward_unsupported(make_spec(q, k, v)))
   with pytest.raises(NotImplementedError, match=match):
     pallas_fa3.flash_attention(jnp.ones(shapes[0], dtype), jnp.ones(shapes[1], dtype),
                                jnp.ones(shapes[2], dtype), implementation="interpret")

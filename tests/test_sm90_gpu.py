@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from pallas_fa3 import backends, reference
-from pallas_fa3 import config as kernel_config
-from pallas_fa3.kernels import sm90_bwd, sm90_fwd
+from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import backward as sm90_bwd
+from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (Shape, assert_within_tolerance, backward_config_id,
                                 golden_and_naive, gpu_tier, random_inputs)
@@ -50,7 +51,7 @@ def _spec(shape: Shape, dtype: str, causal: bool):
 
 
 def _cases(space, default_of, ident):
-  for d in kernel_config.KERNEL_HEAD_DIMS:
+  for d in sm90_config.KERNEL_HEAD_DIMS:
     q = jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)
     default = default_of(make_spec(q, q, q))
     for config in space(d):
@@ -67,7 +68,7 @@ def _fwd_id(dtype, d, config):
 
 
 @pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    kernel_config.forward_config_space, kernel_config.default_forward_config,
+    sm90_config.forward_config_space, sm90_config.default_forward_config,
     _fwd_id)))
 def test_forward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 1000 + config.block_kv + config.num_stages)
@@ -88,7 +89,7 @@ def test_rows_without_keys_and_determinism():
   shape = Shape(1, 600, 200, 2, 1, 128)
   q, k, v, _ = random_inputs(jax.random.key(1), shape, jnp.bfloat16)
   spec = make_spec(q, k, v, causal=True)
-  config = kernel_config.default_forward_config(spec)
+  config = sm90_config.default_forward_config(spec)
   f = jax.jit(lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v))
   out, lse = f(q, k, v)
   assert np.all(np.asarray(out[:, :400]) == 0)
@@ -98,7 +99,7 @@ def test_rows_without_keys_and_determinism():
 
 
 @pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    kernel_config.backward_config_space, kernel_config.default_backward_config,
+    sm90_config.backward_config_space, sm90_config.default_backward_config,
     backward_config_id)))
 def test_backward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 7 + config.block_q + config.num_stages)

@@ -153,7 +153,7 @@ def _operands(spec, mesh, backward: bool):
 
 def compile_forward(spec, config, mesh=None) -> CompileReport:
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
-  from pallas_fa3.kernels import sm90_fwd
+  from pallas_fa3.kernels.sm90 import forward as sm90_fwd
   mesh = _mesh() if mesh is None else mesh
   return _compile(
       f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
@@ -163,7 +163,7 @@ def compile_forward(spec, config, mesh=None) -> CompileReport:
 
 def compile_backward(spec, config, mesh=None) -> CompileReport:
   """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
-  from pallas_fa3.kernels import sm90_bwd
+  from pallas_fa3.kernels.sm90 import backward as sm90_bwd
   mesh = _mesh() if mesh is None else mesh
   return _compile(
       f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
@@ -177,18 +177,18 @@ def sweep():
   kernel: both dtypes, causal with GQA and ragged lengths."""
   import jax
   import jax.numpy as jnp
-  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import make_spec
 
   for dtype in (jnp.bfloat16, jnp.float16):
     size = jnp.dtype(dtype).itemsize
-    for d in kernel_config.KERNEL_HEAD_DIMS:
+    for d in sm90_config.KERNEL_HEAD_DIMS:
       q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
       kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
       spec = make_spec(q, kv, kv, causal=True)
-      for config in kernel_config.forward_config_space(d, size):
+      for config in sm90_config.forward_config_space(d, size):
         yield compile_forward, spec, config
-      for config in kernel_config.backward_config_space(d, size):
+      for config in sm90_config.backward_config_space(d, size):
         yield compile_backward, spec, config
 
 
@@ -204,16 +204,16 @@ def backward_shapes_sweep():
   `BACKWARD_SHAPES`, causal and not, bf16."""
   import jax
   import jax.numpy as jnp
-  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import make_spec
 
-  for d in kernel_config.KERNEL_HEAD_DIMS:
+  for d in sm90_config.KERNEL_HEAD_DIMS:
     for (sq, skv, hq, hk) in BACKWARD_SHAPES:
       for causal in (True, False):
         q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
         spec = make_spec(q, kv, kv, causal=causal)
-        for config in kernel_config.backward_config_space(d):
+        for config in sm90_config.backward_config_space(d):
           yield compile_backward, spec, config
 
 
@@ -226,7 +226,7 @@ def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
-  from pallas_fa3.kernels import sm90_fwd_fp8
+  from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
 
   mesh = _mesh() if mesh is None else mesh
   sharding = NamedSharding(mesh, PartitionSpec())
@@ -250,12 +250,12 @@ def fp8_forward_sweep():
   successor) and non-causal (one masked edge tile, the last).
   """
   import jax.numpy as jnp
-  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import AttentionSpec
 
-  for dtype in kernel_config.FP8_OUT_DTYPES:
-    for d in kernel_config.FP8_HEAD_DIMS:
-      for config in kernel_config.fp8_forward_config_space(d):
+  for dtype in sm90_config.FP8_OUT_DTYPES:
+    for d in sm90_config.FP8_HEAD_DIMS:
+      for config in sm90_config.fp8_forward_config_space(d):
         for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
           yield AttentionSpec(1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal,
                               d ** -0.5), config
@@ -269,19 +269,19 @@ def defaults_sweep():
   """(compile function, spec, config): the default config of every kernel at
   every head dim, at `PROFILE_SHAPE`, causal and not."""
   import jax.numpy as jnp
-  from pallas_fa3 import config as kernel_config
+  from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import AttentionSpec
 
   b, s, hq, hk = PROFILE_SHAPE
-  for d in kernel_config.KERNEL_HEAD_DIMS:
+  for d in sm90_config.KERNEL_HEAD_DIMS:
     for causal in (True, False):
       spec = AttentionSpec(b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16),
                            causal, d ** -0.5)
-      yield compile_forward, spec, kernel_config.default_forward_config(spec)
-      yield compile_backward, spec, kernel_config.default_backward_config(spec)
-      if d in kernel_config.FP8_HEAD_DIMS:
+      yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      yield compile_backward, spec, sm90_config.default_backward_config(spec)
+      if d in sm90_config.FP8_HEAD_DIMS:
         yield (compile_forward_fp8, spec,
-               kernel_config.default_fp8_forward_config(d))
+               sm90_config.default_fp8_forward_config(d))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from pallas_fa3 import backends
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.blockwise import BlockwiseConfig
+from pallas_fa3.backends.blockwise import BlockwiseConfig
 from pallas_fa3.numerics import inputs, lowprec, metrics
 from pallas_fa3.spec import SUPPORTED_DTYPES, make_spec
 

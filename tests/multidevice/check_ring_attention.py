@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
-from pallas_fa3 import ring_steps
+from pallas_fa3.parallel import ring_steps
 from pallas_fa3.testing import (Shape, assert_within_tolerance,
                                 golden_and_naive, random_inputs)
 

@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 import jax
 
-from pallas_fa3 import blockwise, reference
-from pallas_fa3 import config as kernel_config
+from pallas_fa3.backends import blockwise
+from pallas_fa3 import reference
+from pallas_fa3.kernels.sm90 import config as sm90_config
 from pallas_fa3.spec import AttentionSpec
 
 # Fastest first. `reference` is deliberately absent: it is the oracle, with
@@ -76,7 +77,8 @@ def hopper_reason() -> str | None:
 
 def _kernel_forward(interpret: bool):
   def forward(spec, config, q, k, v):
-    from pallas_fa3.kernels import compat, sm90_fwd
+    from pallas_fa3.kernels.sm90 import compat
+    from pallas_fa3.kernels.sm90 import forward as sm90_fwd
     params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
     return sm90_fwd.sm90_forward(spec, config, q, k, v, interpret=params)
   return forward
@@ -90,7 +92,7 @@ INTERPRET_DETECT_RACES = True
 def _kernel_backward(interpret: bool):
   def backward(spec, config, q, k, v, out, lse, dout, dlse):
     del config  # the forward tiling; the backward has its own heuristic
-    reason = kernel_config.backward_unsupported(spec)
+    reason = sm90_config.backward_unsupported(spec)
     if reason:
       # Same gradients from the same residuals, by the blockwise twin; said
       # once per trace, never silently.
@@ -100,16 +102,17 @@ def _kernel_backward(interpret: bool):
           stacklevel=2)
       return blockwise.blockwise_backward(
           spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse)
-    from pallas_fa3.kernels import compat, sm90_bwd
+    from pallas_fa3.kernels.sm90 import compat
+    from pallas_fa3.kernels.sm90 import backward as sm90_bwd
     params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
     return sm90_bwd.sm90_backward(
-        spec, kernel_config.default_backward_config(spec), q, k, v, out, lse,
+        spec, sm90_config.default_backward_config(spec), q, k, v, out, lse,
         dout, dlse, interpret=params)
   return backward
 
 
 def _kernel_unsupported(spec: AttentionSpec) -> str | None:
-  return kernel_config.forward_unsupported(spec)
+  return sm90_config.forward_unsupported(spec)
 
 
 _BACKENDS: dict[str, Backend] = {
@@ -117,13 +120,13 @@ _BACKENDS: dict[str, Backend] = {
     for b in (
         Backend("mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
                 _kernel_forward(interpret=False), _kernel_backward(interpret=False),
-                _kernel_unsupported, kernel_config.Sm90ForwardConfig,
-                kernel_config.default_forward_config, device_reason=hopper_reason),
+                _kernel_unsupported, sm90_config.Sm90ForwardConfig,
+                sm90_config.default_forward_config, device_reason=hopper_reason),
         Backend("interpret", "the same kernels in Pallas GPU interpret mode"
                 " (CPU, small shapes, tests)",
                 _kernel_forward(interpret=True), _kernel_backward(interpret=True),
-                _kernel_unsupported, kernel_config.Sm90ForwardConfig,
-                kernel_config.default_forward_config),
+                _kernel_unsupported, sm90_config.Sm90ForwardConfig,
+                sm90_config.default_forward_config),
         Backend("blockwise", "pure-JAX FlashAttention (tiled online softmax),"
                 " any device; the kernels' numerics twin",
                 blockwise.blockwise_forward, blockwise.blockwise_backward,

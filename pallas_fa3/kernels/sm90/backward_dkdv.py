@@ -18,32 +18,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.config import Sm90BackwardConfig
-from pallas_fa3.kernels import compat, sm90_fwd
-from pallas_fa3.kernels._ops import KernelOps
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.common import (build_kernel, consumer_regs,
+                                            producer_regs, row_probabilities,
+                                            smem_transforms, swizzle64)
+from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
-_PRODUCER_REGS = sm90_fwd._PRODUCER_REGS
-_CONSUMER_REGS = sm90_fwd._CONSUMER_REGS
-# With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
-# registers a thread slot has (ptxas then allocates 255, the ISA's limit;
-# at 232 the d=128 dK/dV consumer spilled 16 B). Two warpgroups fit 256 each
-# in the register file, so the producer keeps more than it needs (at 24, the
-# minimum, the dQ kernel's producer spilled 4 B at some shapes).
-_LONE_CONSUMER_REGS = 256
-_LONE_PRODUCER_REGS = 64
-
-
-def _consumer_regs(consumers: int) -> int:
-  return _CONSUMER_REGS if consumers == 2 else _LONE_CONSUMER_REGS
-
-
-def _producer_regs(consumers: int) -> int:
-  return _PRODUCER_REGS if consumers == 2 else _LONE_PRODUCER_REGS
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class DkdvPlan:
   spec: AttentionSpec
   config: Sm90BackwardConfig
   seq_q_pad: int
@@ -83,14 +68,14 @@ class _Plan:
     return self.spec.head_dim // self.splits
 
 
-def _cta_position(plan: _Plan):
+def _cta_position(plan: DkdvPlan):
   """(first key row of the CTA, head-dim chunk it accumulates)."""
   index = lax.axis_index("kv_tiles")
   tile, chunk = lax.div(index, plan.cta_splits), lax.rem(index, plan.cta_splits)
   return tile * plan.kv_rows_per_cta, chunk
 
 
-def _copy_chunks(ref, tile, dst, barrier, plan: _Plan):
+def _copy_chunks(ref, tile, dst, barrier, plan: DkdvPlan):
   """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
   chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
   for c in range(plan.splits):
@@ -98,32 +83,7 @@ def _copy_chunks(ref, tile, dst, barrier, plan: _Plan):
     plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
 
 
-def _swizzle64(dtype):
-  """Shared-memory transforms with a 64-byte swizzle: a wgmma reading such a
-  tile as its K operand steps 32 rows (16-bit types) at a time, where the
-  128-byte swizzle steps 64."""
-  cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
-
-
-def _row_probabilities(ops: KernelOps, spec: AttentionSpec, s, lse2, q0, kv0,
-                       *, masked: bool, check_seq_kv: bool = True):
-  """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
-  rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
-  entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
-  dK/dV consumer."""
-  shape = s.shape
-  p = jnp.exp2(s * jnp.float32(spec.softmax_scale * LOG2E)
-               - lax.broadcast_in_dim(lse2, shape, [0]))
-  if masked:
-    mask = masking.visible_tile_at(spec, q0, kv0, ops.row_index(shape[0]),
-                                   ops.col_index(shape[1]), shape, 0,
-                                   check_seq_kv=check_seq_kv)
-    p = jnp.where(mask, p, 0.0)
-  return p
-
-
-def _first_q_tile(plan: _Plan, kv0):
+def _first_q_tile(plan: DkdvPlan, kv0):
   """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
   (earlier ones are skipped: causal)."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
@@ -131,12 +91,12 @@ def _first_q_tile(plan: _Plan, kv0):
   return jnp.asarray(first, jnp.int32)
 
 
-def _dkdv_consumer(refs, plan: _Plan, ops: KernelOps):
+def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
   (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
    dl_smem, full, empty, kv_bar) = refs
   spec, cfg = plan.spec, plan.config
   consumers = cfg.dkdv_consumers
-  plgpu.set_max_registers(_consumer_regs(consumers), action="increase")
+  plgpu.set_max_registers(consumer_regs(consumers), action="increase")
   wg = lax.axis_index("wg")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, chunk = _cta_position(plan)
@@ -224,7 +184,7 @@ def _dkdv_consumer(refs, plan: _Plan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
+def _dkdv_shared_consumer(refs, plan: DkdvPlan, ops: KernelOps, w: int):
   """Consumer `w` of a CTA whose two consumers share one K/V tile: it
   accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
 
@@ -240,7 +200,7 @@ def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
   (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
    dl_smem, p_smem, ds_smem, full, empty, kv_bar, xchg) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_consumer_regs(2), action="increase")
+  plgpu.set_max_registers(consumer_regs(2), action="increase")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   kv0, _ = _cta_position(plan)
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
@@ -269,7 +229,7 @@ def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
     s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
     # Causal: masked on every tile (exact there too); padded keys' rows of
     # dK, dV are sliced off.
-    p = _row_probabilities(ops, spec, s, ops.load_rows(lse_smem.at[slot]),
+    p = row_probabilities(ops, spec, s, ops.load_rows(lse_smem.at[slot]),
                            qi * cfg.block_q, kv0 + w * half,
                            masked=spec.causal, check_seq_kv=False)
     p = p.astype(spec.dtype)
@@ -303,11 +263,11 @@ def _dkdv_shared_consumer(refs, plan: _Plan, ops: KernelOps, w: int):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_producer(refs, plan: _Plan):
+def _dkdv_producer(refs, plan: DkdvPlan):
   (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem, full,
    empty) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_producer_regs(cfg.dkdv_consumers), action="decrease")
+  plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = _cta_position(plan)
   first = _first_q_tile(plan, cta_kv0)
@@ -337,11 +297,11 @@ def _dkdv_producer(refs, plan: _Plan):
     plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
 
-def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
+def dkdv_kernel(plan: DkdvPlan, ops: KernelOps, interpret):
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
-  tf = (_swizzle64(spec.dtype) if plan.q_halves > 1 or plan.shared
-        else sm90_fwd._smem_transforms(spec.dtype, plan.chunk))
+  tf = (swizzle64(spec.dtype) if plan.q_halves > 1 or plan.shared
+        else smem_transforms(spec.dtype, plan.chunk))
   kv_tiles = 1 if plan.shared else consumers
 
   def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
@@ -387,14 +347,8 @@ def _dkdv_kernel(plan: _Plan, ops: KernelOps, interpret):
     scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
   kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
   kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
-  return plgpu.kernel(
-      fa3_bwd_dkdv,  # named: Mosaic dumps and profiles use the name
-      out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
-      scratch_types=scratch,
-      grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=consumers + 1,
-      thread_name="wg",
-      compiler_params=compat.compiler_params(approx_math=True),
-      interpret=interpret,
-  )
+  return build_kernel(
+      fa3_bwd_dkdv, out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
+      scratch=scratch, grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
+      grid_names=("heads", "kv_tiles", "batch"), warpgroups=consumers + 1,
+      interpret=interpret)

@@ -7,7 +7,7 @@ block with the backend `flash_attention` would use, and merges the partial
 results by log-sum-exp; the backward pass runs the ring in reverse through
 a custom_vjp. Nothing gathers the full sequence, so memory per device falls
 as 1/n. The per-device algorithm and the causal zig-zag load balancing are
-described in `pallas_fa3.ring_steps`.
+described in `pallas_fa3.parallel.ring_steps`.
 
 `layout` says which order the caller's sequence is in:
 
@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from pallas_fa3 import backends, partitioning, ring_steps
-from pallas_fa3.ring_steps import RingPlan
+from pallas_fa3 import backends
+from pallas_fa3.parallel import partitioning, ring_steps
+from pallas_fa3.parallel.ring_steps import RingPlan
 from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
                              make_spec)
 from pallas_fa3.vjp import StaticCall

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels import compat
+from pallas_fa3.kernels.sm90 import compat
 
 _F32 = jnp.float32
 

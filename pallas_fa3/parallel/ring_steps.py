@@ -3,7 +3,7 @@
 Algorithm. Each of the `n` devices of the ring keeps its query shard and
 passes key/value shards around the ring with `jax.lax.ppermute`; at every
 step it attends its queries to the visiting block with the backend
-`flash_attention` would use (`pallas_fa3.partitioning.forward`, the same
+`flash_attention` would use (`pallas_fa3.parallel.partitioning.forward`, the same
 `(out, lse)` residuals), and the partial results are merged exactly by
 log-sum-exp. No device holds more than two K/V shards at a time.
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pallas_fa3 import partitioning
+from pallas_fa3.parallel import partitioning
 from pallas_fa3.vjp import StaticCall
 
 

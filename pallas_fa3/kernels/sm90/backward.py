@@ -55,24 +55,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.config import Sm90BackwardConfig
-from pallas_fa3.kernels._ops import COMPILED, INTERPRETED
-from pallas_fa3.kernels.sm90_bwd_dkdv import _dkdv_kernel, _Plan
-from pallas_fa3.kernels.sm90_bwd_dq import _dq_kernel
+from pallas_fa3.kernels.sm90.common import pad_axis, round_up
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
+from pallas_fa3.kernels.sm90.backward_dkdv import dkdv_kernel, DkdvPlan
+from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
 from pallas_fa3.spec import LOG2E, AttentionSpec
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def _pad_axis(x, axis: int, length: int, value=0.0):
-  pad = length - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
@@ -83,23 +71,23 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   same kernels on a CPU.
   """
   ops = COMPILED if interpret is None else INTERPRETED
-  sq_pad = _round_up(spec.seq_q, 2 * config.block_q)
-  skv_pad = _round_up(spec.seq_kv, _Plan(spec, config, 0, 0).kv_rows_per_cta)
+  sq_pad = round_up(spec.seq_q, 2 * config.block_q)
+  skv_pad = round_up(spec.seq_kv, DkdvPlan(spec, config, 0, 0).kv_rows_per_cta)
   delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
                      out.astype(jnp.float32)) - dlse.astype(jnp.float32)
   # Rows that see no key (lse = -inf) and padded rows: lse2 = +inf, P = 0.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(LOG2E))
-  lse2 = _pad_axis(lse2, 2, sq_pad, jnp.inf)
-  delta = _pad_axis(delta, 2, sq_pad)
-  qp, dop = _pad_axis(q, 1, sq_pad), _pad_axis(dout, 1, sq_pad)
-  kp, vp = _pad_axis(k, 1, skv_pad), _pad_axis(v, 1, skv_pad)
-  dkdv_plan = _Plan(spec, config, sq_pad, skv_pad)
-  dk, dv = _dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
+  lse2 = pad_axis(lse2, 2, sq_pad, jnp.inf)
+  delta = pad_axis(delta, 2, sq_pad)
+  qp, dop = pad_axis(q, 1, sq_pad), pad_axis(dout, 1, sq_pad)
+  kp, vp = pad_axis(k, 1, skv_pad), pad_axis(v, 1, skv_pad)
+  dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad)
+  dk, dv = dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
   if interpret is not None:
     # The interpreter runs each kernel's warpgroups as threads that block on
     # each other inside a host callback; two independent kernels running at
     # once on a 2-core CPU stalled the test suite. Make the dQ kernel wait.
     (dk, dv), qp = lax.optimization_barrier(((dk, dv), qp))
-  dq = _dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
+  dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
       qp, kp, vp, dop, lse2, delta)
   return (dq[:, :spec.seq_q], dk[:, :spec.seq_kv], dv[:, :spec.seq_kv])

@@ -32,9 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90_fwd_fp8 import (FP8_DTYPE, finalize_fp8,
-                                             online_softmax_fp8,
-                                             v_scale_ratios)
+from pallas_fa3.quant.e4m3 import (FP8_DTYPE, finalize_fp8, online_softmax_fp8,
+                                    v_scale_ratios)
 from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
 
 _F32 = jnp.float32

@@ -8,7 +8,7 @@ Design (FA3 paper, section 3; our own code):
   V tiles into a ring of `num_stages` shared-memory slots; each slot has a
   "full" barrier (TMA completion) and an "empty" barrier (both consumers have
   read it). Registers are moved from the producer to the consumers with
-  `setmaxnreg` (`_PRODUCER_REGS`, `_CONSUMER_REGS`).
+  `setmaxnreg` (`PRODUCER_REGS`, `CONSUMER_REGS`).
 - **Pingpong.** A schedule barrier shared by the two consumers is met twice
   per K/V step; consumer 1 meets it once more at the start and consumer 0
   once more at the end, so one consumer's softmax runs while the other's
@@ -37,9 +37,6 @@ mode on a CPU.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,75 +45,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.config import NUM_CONSUMERS, Sm90ForwardConfig
-from pallas_fa3.kernels import compat
-from pallas_fa3.kernels._ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.kernels.sm90.common import (CONSUMER_REGS, LN2, QueryPlan,
+                                            build_kernel, kv_producer,
+                                            kv_steps, pad_axis, run_kv_steps,
+                                            smem_transforms)
+from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
-# Register budgets per warpgroup role (setmaxnreg), FA3's split: an SM has
-# 64K 32-bit registers, 128 threads per warpgroup: 2 * 240 + 24 = 504 <= 512
-# per thread slot. The producer only computes addresses; the consumers hold
-# O, S and P.
-_PRODUCER_REGS = 24
-_CONSUMER_REGS = 240
-_LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
-_SWIZZLE_BYTES = 128  # widest shared-memory swizzle (conflict-free wgmma reads)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Static facts of one kernel instance."""
-
-  spec: AttentionSpec
-  config: Sm90ForwardConfig
-  seq_q_pad: int
-  seq_kv_pad: int
-  # Query-row blocks of `block_q` per CTA: one per consumer warpgroup in the
-  # forward kernels (two, pingpong); the backward's dQ kernel, which reuses
-  # this walk, may have one (one consumer, or two sharing the rows).
-  row_blocks: int = NUM_CONSUMERS
-
-  @property
-  def rows_per_cta(self) -> int:
-    return self.row_blocks * self.config.block_q
-
-  @property
-  def num_kv_blocks(self) -> int:
-    return self.seq_kv_pad // self.config.block_kv
-
-  @property
-  def num_q_tiles(self) -> int:
-    return self.seq_q_pad // self.rows_per_cta
-
-  @property
-  def needs_mask(self) -> bool:
-    return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
-
-
-def _kv_steps(plan: _Plan, row0, rows: int):
-  """(steps, unmasked steps) for the query rows [row0, row0 + rows).
-
-  `steps` counts the leading K/V tiles any row sees (at least 1, so that a
-  tile that sees nothing still runs one fully masked step and writes
-  out = 0, lse = -inf); the first `unmasked` of them are visible to every
-  row and skip the mask.
-  """
-  spec, bkv = plan.spec, plan.config.block_kv
-  n = masking.num_kv_blocks_visible(spec, row0 + rows, bkv, plan.num_kv_blocks)
-  n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
-  full = spec.seq_kv // bkv  # tiles with no padded key
-  if spec.causal:
-    # Row row0 (the tile's first) sees keys up to row0 + offset.
-    seen = row0 + spec.causal_offset + 1
-    full = jnp.minimum(jnp.maximum(seen, 0) // bkv, full)
-  return n, jnp.minimum(jnp.asarray(full, jnp.int32), n)
-
-
-def _smem_transforms(dtype, head_dim: int):
-  itemsize_bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(head_dim * itemsize_bits)
-  return (plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def _online_softmax(s, m, l, *, scale_log2, mask):
@@ -138,12 +74,12 @@ def _online_softmax(s, m, l, *, scale_log2, mask):
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def _consumer(refs, plan: _Plan, ops: KernelOps):
+def _consumer(refs, plan: QueryPlan, ops: KernelOps):
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
   (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, k_full, v_full,
    k_empty, v_empty, q_bar, sched) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
@@ -159,8 +95,8 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
                           q_smem, q_bar.at[wg])
   plgpu.barrier_wait(q_bar.at[wg])
 
-  steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
+  steps, unmasked = kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
 
@@ -206,52 +142,6 @@ def _consumer(refs, plan: _Plan, ops: KernelOps):
             batch, head, row0)
 
 
-def run_kv_steps(plan: _Plan, ops: KernelOps, step, q_smem, k_smem, ring,
-                 steps, unmasked, cta_steps, wg, rendezvous):
-  """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
-
-  S_0 first; consumer 1 starts half a pingpong step behind; then the
-  unmasked steps, the masked ones and the last step (which issues no next
-  S), each by `step(j, (o, m, l, s), has_next=, masked=)`; then the drain of
-  tiles loaded only for the other consumer; consumer 0 meets the schedule
-  barrier once more at the end. Returns the final (o, m, l).
-  """
-  cfg = plan.config
-  k_full, v_full, k_empty, v_empty = ring
-  o0 = ops.tile(jnp.zeros((cfg.block_q, plan.spec.head_dim), jnp.float32))
-  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
-  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
-  plgpu.barrier_wait(k_full.at[0])
-  s0 = ops.scores(q_smem, k_smem.at[0])
-  plgpu.barrier_arrive(k_empty.at[0])
-  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
-
-  carry = (o0, m0, l0, s0)
-  split = jnp.minimum(unmasked, steps - 1)
-  carry = lax.fori_loop(0, split, functools.partial(
-      step, has_next=True, masked=False), carry)
-  carry = lax.fori_loop(split, steps - 1, functools.partial(
-      step, has_next=True, masked=plan.needs_mask), carry)
-  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
-
-  @pl.loop(steps, cta_steps)
-  def _drain(j):
-    # The other consumer needs more K/V tiles (causal): observe the tiles the
-    # producer filled for it (every barrier phase is waited on by every
-    # warpgroup that uses the barrier), release them, and keep the pingpong
-    # in step.
-    slot = lax.rem(j, cfg.num_stages)
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
-    rendezvous()
-    rendezvous()
-
-  pl.when(wg == 0)(rendezvous)
-  return o, m, l
-
-
 def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0):
   """Normalizes O, writes it and the lse through shared memory by TMA."""
   cfg = plan.config
@@ -260,65 +150,16 @@ def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0
   o_smem[...] = (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(
       plan.spec.dtype)
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
-  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(_LN2))
+  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(LN2))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _v_rows(v_ref, batch, kv_head, cols):
-  """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
-  return v_ref.at[batch, cols, kv_head]
-
-
-def _producer(refs, plan: _Plan, *, registers: int = _PRODUCER_REGS,
-              v_tile=_v_rows):
-  """The producer warpgroup: streams K and V tiles into the ring by TMA.
-
-  `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
-  tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
-  """
-  (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
-  cfg = plan.config
-  plgpu.set_max_registers(registers, action="decrease")
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
-  steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
-  stages = cfg.num_stages
-
-  @pl.loop(0, steps)
-  def _load(j):
-    slot = lax.rem(j, stages)
-    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
-
-    @pl.when(j >= stages)
-    def _wait_k():  # the slot's previous tile has been read by both consumers
-      plgpu.barrier_wait(k_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
-                            k_full.at[slot])
-
-    @pl.when(j >= stages)
-    def _wait_v():
-      plgpu.barrier_wait(v_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(v_tile(v_ref, batch, kv_head, cols),
-                            v_smem.at[slot], v_full.at[slot])
-
-  @pl.loop(jnp.maximum(steps - stages, 0), steps)
-  def _drain(j):
-    # Wait until the last tiles are consumed: the CTA must not retire (and
-    # its shared memory be reused) under a TMA or a read in flight.
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_empty.at[slot])
-    plgpu.barrier_wait(v_empty.at[slot])
-
-
-def _build(plan: _Plan, ops: KernelOps, interpret):
+def _build(plan: QueryPlan, ops: KernelOps, interpret):
   spec, cfg = plan.spec, plan.config
-  transforms = _smem_transforms(spec.dtype, spec.head_dim)
+  transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
   def fa3_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
@@ -332,7 +173,7 @@ def _build(plan: _Plan, ops: KernelOps, interpret):
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      _producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty,
+      kv_producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty,
                  v_empty), plan)
 
   ring = lambda: plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), spec.dtype,
@@ -353,24 +194,11 @@ def _build(plan: _Plan, ops: KernelOps, interpret):
       jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
       jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32),
   )
-  return plgpu.kernel(
-      fa3_fwd,  # named: Mosaic dumps and profiles use the name
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compat.compiler_params(approx_math=True),
-      interpret=interpret,
-  )
-
-
-def _pad_seq(x: jax.Array, length: int) -> jax.Array:
-  pad = length - x.shape[1]
-  if pad == 0:
-    return x
-  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  return build_kernel(
+      fa3_fwd, out_type=out_type,
+      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"), warpgroups=NUM_CONSUMERS + 1,
+      interpret=interpret)
 
 
 def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
@@ -382,11 +210,11 @@ def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
   (`compat.interpret_params(...)`) run the same kernel on a CPU.
   """
   tile_q = config.rows_per_cta
-  plan = _Plan(spec, config,
+  plan = QueryPlan(spec, config,
                seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
                seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
   ops = COMPILED if interpret is None else INTERPRETED
   out, lse = _build(plan, ops, interpret)(
-      _pad_seq(q, plan.seq_q_pad), _pad_seq(k, plan.seq_kv_pad),
-      _pad_seq(v, plan.seq_kv_pad))
+      pad_axis(q, 1, plan.seq_q_pad), pad_axis(k, 1, plan.seq_kv_pad),
+      pad_axis(v, 1, plan.seq_kv_pad))
   return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]

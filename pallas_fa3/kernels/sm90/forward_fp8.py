@@ -46,17 +46,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.config import NUM_CONSUMERS, Sm90ForwardConfig
-from pallas_fa3.kernels import compat
-from pallas_fa3.kernels._ops import KernelOps, async_proxy_read
-from pallas_fa3.kernels.sm90_fwd import (_LN2, _kv_steps, _Plan, _producer,
-                                         _smem_transforms, run_kv_steps)
+from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.ops import KernelOps, async_proxy_read
+from pallas_fa3.kernels.sm90.common import (QueryPlan, build_kernel,
+                                            kv_producer, kv_steps, pad_axis,
+                                            run_kv_steps, smem_transforms)
+from pallas_fa3.quant.e4m3 import (FP8_DTYPE, finalize_fp8, online_softmax_fp8,
+                                    v_scale_ratios)
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
-FP8_DTYPE = jnp.float8_e4m3fn
-# P is exponentiated against (row max - 8): P <= 2^8 = 256, inside e4m3's
-# finite range (448), as FA3's reference CUDA code does for FP8.
-P_LOG2_OFFSET = 8.0
 _F32 = jnp.float32
 # Register budgets per warpgroup role (setmaxnreg): FA3's 240 per consumer
 # and 32 for the producer (2 * 240 + 32 = 512 per thread slot, the whole
@@ -107,42 +105,7 @@ COMPILED_FP8 = Fp8Ops(interpreted=False)
 INTERPRETED_FP8 = Fp8Ops(interpreted=True)
 
 
-def online_softmax_fp8(s, m, l, *, scale_log2, mask):
-  """One online-softmax step in base 2 with P offset by 2^8 (l in the same units).
-
-  Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. `scale_log2` is a
-  scalar or broadcasts against the row statistics (`s.shape[:-1]`). Shared
-  by the kernel and, through `pallas_fa3.blockwise_fp8`, its twin.
-  """
-  # `s` holds raw scores, `m` the running max of scaled ones: the scale is
-  # positive, so it is applied inside the exp2 argument (one FFMA).
-  if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=-1) * scale_log2)
-  tile_scale = scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
-  # A row with no visible key yet has max -inf: exponentiate against 0.
-  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_ref)
-  p = jnp.exp2(s * tile_scale - lax.broadcast_in_dim(
-      m_ref - P_LOG2_OFFSET, s.shape, tuple(range(s.ndim - 1))))
-  return p, alpha, m_new, l * alpha + p.sum(axis=-1)
-
-
-def finalize_fp8(o, m, l, sv):
-  """(normalized O, natural-log lse) from the running statistics.
-
-  `o` is in units of the last V scale `sv` and of P's 2^8, as is `l`.
-  """
-  empty = l == 0.0
-  inv_l = jnp.where(empty, 0.0, sv / jnp.where(empty, 1.0, l))
-  o = o * lax.broadcast_in_dim(inv_l, o.shape, tuple(range(o.ndim - 1)))
-  log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
-  lse = jnp.where(empty, -jnp.inf,
-                  (m + log2_l - P_LOG2_OFFSET) * jnp.float32(_LN2))
-  return o, lse
-
-
-def _consumer(refs, plan: _Plan, ops: Fp8Ops):
+def _consumer(refs, plan: QueryPlan, ops: Fp8Ops):
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
   (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem_all,
    o_smem_all, p_smem_all, k_smem, vt_smem, lse_smem, k_full, v_full, k_empty,
@@ -168,8 +131,8 @@ def _consumer(refs, plan: _Plan, ops: Fp8Ops):
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * q_scale
   plgpu.barrier_wait(q_bar.at[wg])
 
-  steps, unmasked = _kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = _kv_steps(plan, cta_row0, plan.rows_per_cta)
+  steps, unmasked = kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
   # The mask as one per-row bound (`masking.visible_keys_end`) against the
   # column index: one compare per element, fewer live registers than
@@ -253,11 +216,11 @@ def _vt_cols(vt_ref, batch, kv_head, cols):
   return vt_ref.at[batch, kv_head, :, cols]
 
 
-def _build(plan: _Plan, ops: Fp8Ops, interpret):
+def _build(plan: QueryPlan, ops: Fp8Ops, interpret):
   spec, cfg = plan.spec, plan.config
   d = spec.head_dim
-  qk_transforms = _smem_transforms(FP8_DTYPE, d)
-  seq_transforms = _smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
+  qk_transforms = smem_transforms(FP8_DTYPE, d)
+  seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
 
   def fa3_fwd_fp8(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref,
                   lse_ref, q_smem, o_smem, p_smem, k_smem, vt_smem, lse_smem,
@@ -272,14 +235,14 @@ def _build(plan: _Plan, ops: Fp8Ops, interpret):
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      _producer((k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty,
+      kv_producer((k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty,
                  v_empty), plan, registers=PRODUCER_REGS, v_tile=_vt_cols)
 
   scratch = (
       plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE,
                  transforms=qk_transforms),
       plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
-                 transforms=_smem_transforms(spec.dtype, d)),
+                 transforms=smem_transforms(spec.dtype, d)),
       plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, cfg.block_kv), FP8_DTYPE,
                  transforms=seq_transforms),
       plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), FP8_DTYPE,
@@ -298,38 +261,11 @@ def _build(plan: _Plan, ops: Fp8Ops, interpret):
       jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
       jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
   )
-  return plgpu.kernel(
-      fa3_fwd_fp8,  # named: Mosaic dumps and profiles use the name
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compat.compiler_params(approx_math=True),
-      interpret=interpret,
-  )
-
-
-def _pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
-  pad = length - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def v_scale_ratios(v_scale: jax.Array) -> jax.Array:
-  """`sv_{j-1} / sv_j` along the last (K/V tile) axis, 1 for the first tile.
-
-  The factor that moves O from the units of one V tile's scale to the
-  next's. Computed once outside the kernel (exact IEEE division, shared with
-  the blockwise twin) rather than per step inside it.
-  """
-  v_scale = v_scale.astype(_F32)
-  prev = jnp.concatenate([v_scale[..., :1], v_scale[..., :-1]], axis=-1)
-  return prev / v_scale
+  return build_kernel(
+      fa3_fwd_fp8, out_type=out_type,
+      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"), warpgroups=NUM_CONSUMERS + 1,
+      interpret=interpret)
 
 
 def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
@@ -348,15 +284,15 @@ def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
       kernel on a CPU.
   """
   tile_q = config.rows_per_cta
-  plan = _Plan(spec, config,
+  plan = QueryPlan(spec, config,
                seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
                seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
   ops = COMPILED_FP8 if interpret is None else INTERPRETED_FP8
   n_q_tiles = plan.seq_q_pad // config.block_q
   v_scale = v_scale.astype(_F32)
   out, lse = _build(plan, ops, interpret)(
-      _pad_axis(q8, 1, plan.seq_q_pad), _pad_axis(k8, 1, plan.seq_kv_pad),
-      _pad_axis(v8t, 3, plan.seq_kv_pad),
-      _pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
+      pad_axis(q8, 1, plan.seq_q_pad), pad_axis(k8, 1, plan.seq_kv_pad),
+      pad_axis(v8t, 3, plan.seq_kv_pad),
+      pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
       k_scale.astype(_F32), v_scale, v_scale_ratios(v_scale))
   return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]

@@ -12,18 +12,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.config import Sm90BackwardConfig
-from pallas_fa3.kernels import compat, sm90_fwd
-from pallas_fa3.kernels._ops import KernelOps
-from pallas_fa3.kernels.sm90_bwd_dkdv import (_consumer_regs, _producer_regs,
-                                              _row_probabilities, _swizzle64)
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90 import common
+from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import AttentionSpec
 
-def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
+def _dq_consumer(refs, plan: common.QueryPlan, ops: KernelOps):
   (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
    k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_consumer_regs(plan.row_blocks), action="increase")
+  plgpu.set_max_registers(common.consumer_regs(plan.row_blocks), action="increase")
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
@@ -41,8 +39,8 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   lse2 = ops.load_rows(lse_smem.at[wg])
   delta = ops.load_rows(dl_smem.at[wg])
 
-  steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = sm90_fwd._kv_steps(plan, cta_row0, plan.rows_per_cta)
+  steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
+  cta_steps, _ = common.kv_steps(plan, cta_row0, plan.rows_per_cta)
   # One consumer (d >= 192): each K/V tile is taken in halves of
   # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
   # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
@@ -57,7 +55,7 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
     s = ops.scores(my_q, k_tile)
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
-      p = _row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub,
+      p = common.row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub,
                              masked=masked)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
@@ -93,7 +91,7 @@ def _dq_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
+def _dq_shared_consumer(refs, plan: common.QueryPlan, ops: KernelOps, w: int):
   """Consumer `w` of a dQ CTA whose two consumers share one query tile: it
   accumulates dQ for head-dim half `w`.
 
@@ -107,7 +105,7 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
    k_smem, v_smem, ds_smem, k_full, v_full, k_empty, v_empty, tile_bar,
    xchg) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(_consumer_regs(2), action="increase")
+  plgpu.set_max_registers(common.consumer_regs(2), action="increase")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   row0 = lax.axis_index("q_tiles") * cfg.block_q
   my_q, my_do = q_smem.at[0], do_smem.at[0]
@@ -123,7 +121,7 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
   lse2 = ops.load_rows(lse_smem.at[0])
   delta = ops.load_rows(dl_smem.at[0])
 
-  steps, unmasked = sm90_fwd._kv_steps(plan, row0, cfg.block_q)
+  steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)      # my head-dim columns of dQ
@@ -137,7 +135,7 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
     s = ops.scores(my_q, k_tile.at[mine])
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      p = _row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + w * half,
+      p = common.row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + w * half,
                              masked=masked)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)
@@ -167,20 +165,20 @@ def _dq_shared_consumer(refs, plan: sm90_fwd._Plan, ops: KernelOps, w: int):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
+def dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
                seq_kv_pad: int, ops: KernelOps, interpret):
   """`config.dq_consumers` warpgroups, each with its own `block_q` rows, or
   (`dq_head_splits=2`) two sharing one query tile's head dim."""
   consumers, shared = config.dq_consumers, config.dq_head_splits == 2
   blocks = 1 if shared else consumers  # query-row blocks per CTA
-  plan = sm90_fwd._Plan(spec, config.dq_config, seq_q_pad, seq_kv_pad,
+  plan = common.QueryPlan(spec, config.dq_config, seq_q_pad, seq_kv_pad,
                         row_blocks=blocks)
   cfg = plan.config
   d, st = spec.head_dim, cfg.num_stages
   # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
   # need the 64-byte swizzle; both wgmma operands of a GEMM share it.
-  tf = (_swizzle64(spec.dtype) if consumers == 1 or shared
-        else sm90_fwd._smem_transforms(spec.dtype, d))
+  tf = (common.swizzle64(spec.dtype) if consumers == 1 or shared
+        else common.smem_transforms(spec.dtype, d))
 
   def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
                  do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
@@ -199,9 +197,9 @@ def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
 
     @pl.when(wg == consumers)
     def _():
-      sm90_fwd._producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full,
+      common.kv_producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full,
                           k_empty, v_empty), plan,
-                         registers=_producer_regs(consumers))
+                         registers=common.producer_regs(consumers))
 
   per_block = lambda: plgpu.SMEM((blocks, cfg.block_q, d), spec.dtype,
                                  transforms=tf)
@@ -220,15 +218,9 @@ def _dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
     scratch += (plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype,
                            transforms=tf),
                 plgpu.Barrier(num_arrivals=consumers))
-  return plgpu.kernel(
-      fa3_bwd_dq,  # named: Mosaic dumps and profiles use the name
-      out_type=jax.ShapeDtypeStruct(
+  return common.build_kernel(
+      fa3_bwd_dq, out_type=jax.ShapeDtypeStruct(
           (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
-      scratch_types=scratch,
-      grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=consumers + 1,
-      thread_name="wg",
-      compiler_params=compat.compiler_params(approx_math=True),
-      interpret=interpret,
-  )
+      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+      grid_names=("heads", "q_tiles", "batch"), warpgroups=consumers + 1,
+      interpret=interpret)

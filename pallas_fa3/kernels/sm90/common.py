@@ -1,0 +1,252 @@
+"""What the sm90 kernels share: register budgets, the query-tile plan and its
+K/V walk, the K/V producer, shared-memory layouts, padding and the kernel
+build settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.spec import LOG2E, AttentionSpec
+
+# Register budgets per warpgroup role (setmaxnreg), FA3's split: an SM has
+# 64K 32-bit registers, 128 threads per warpgroup: 2 * 240 + 24 = 504 <= 512
+# per thread slot. The producer only computes addresses; the consumers hold
+# O, S and P.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
+
+
+# With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
+# registers a thread slot has (ptxas then allocates 255, the ISA's limit;
+# at 232 the d=128 dK/dV consumer spilled 16 B). Two warpgroups fit 256 each
+# in the register file, so the producer keeps more than it needs (at 24, the
+# minimum, the dQ kernel's producer spilled 4 B at some shapes).
+LONE_CONSUMER_REGS = 256
+LONE_PRODUCER_REGS = 64
+
+
+def consumer_regs(consumers: int) -> int:
+  return CONSUMER_REGS if consumers == 2 else LONE_CONSUMER_REGS
+
+
+def producer_regs(consumers: int) -> int:
+  return PRODUCER_REGS if consumers == 2 else LONE_PRODUCER_REGS
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryPlan:
+  """Static facts of one kernel instance."""
+
+  spec: AttentionSpec
+  config: Sm90ForwardConfig
+  seq_q_pad: int
+  seq_kv_pad: int
+  # Query-row blocks of `block_q` per CTA: one per consumer warpgroup in the
+  # forward kernels (two, pingpong); the backward's dQ kernel, which reuses
+  # this walk, may have one (one consumer, or two sharing the rows).
+  row_blocks: int = NUM_CONSUMERS
+
+  @property
+  def rows_per_cta(self) -> int:
+    return self.row_blocks * self.config.block_q
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return self.seq_kv_pad // self.config.block_kv
+
+  @property
+  def num_q_tiles(self) -> int:
+    return self.seq_q_pad // self.rows_per_cta
+
+  @property
+  def needs_mask(self) -> bool:
+    return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
+
+
+def kv_steps(plan: QueryPlan, row0, rows: int):
+  """(steps, unmasked steps) for the query rows [row0, row0 + rows).
+
+  `steps` counts the leading K/V tiles any row sees (at least 1, so that a
+  tile that sees nothing still runs one fully masked step and writes
+  out = 0, lse = -inf); the first `unmasked` of them are visible to every
+  row and skip the mask.
+  """
+  spec, bkv = plan.spec, plan.config.block_kv
+  n = masking.num_kv_blocks_visible(spec, row0 + rows, bkv, plan.num_kv_blocks)
+  n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+  full = spec.seq_kv // bkv  # tiles with no padded key
+  if spec.causal:
+    # Row row0 (the tile's first) sees keys up to row0 + offset.
+    seen = row0 + spec.causal_offset + 1
+    full = jnp.minimum(jnp.maximum(seen, 0) // bkv, full)
+  return n, jnp.minimum(jnp.asarray(full, jnp.int32), n)
+
+
+def smem_transforms(dtype, head_dim: int):
+  itemsize_bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(head_dim * itemsize_bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def swizzle64(dtype):
+  """Shared-memory transforms with a 64-byte swizzle: a wgmma reading such a
+  tile as its K operand steps 32 rows (16-bit types) at a time, where the
+  128-byte swizzle steps 64."""
+  cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
+
+
+def v_rows(v_ref, batch, kv_head, cols):
+  """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
+  return v_ref.at[batch, cols, kv_head]
+
+
+def kv_producer(refs, plan: QueryPlan, *, registers: int = PRODUCER_REGS,
+              v_tile=v_rows):
+  """The producer warpgroup: streams K and V tiles into the ring by TMA.
+
+  `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
+  tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
+  """
+  (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
+  cfg = plan.config
+  plgpu.set_max_registers(registers, action="decrease")
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
+  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
+  steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
+  stages = cfg.num_stages
+
+  @pl.loop(0, steps)
+  def _load(j):
+    slot = lax.rem(j, stages)
+    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
+
+    @pl.when(j >= stages)
+    def _wait_k():  # the slot's previous tile has been read by both consumers
+      plgpu.barrier_wait(k_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
+                            k_full.at[slot])
+
+    @pl.when(j >= stages)
+    def _wait_v():
+      plgpu.barrier_wait(v_empty.at[slot])
+
+    plgpu.copy_gmem_to_smem(v_tile(v_ref, batch, kv_head, cols),
+                            v_smem.at[slot], v_full.at[slot])
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _drain(j):
+    # Wait until the last tiles are consumed: the CTA must not retire (and
+    # its shared memory be reused) under a TMA or a read in flight.
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
+
+
+def run_kv_steps(plan: QueryPlan, ops: KernelOps, step, q_smem, k_smem, ring,
+                 steps, unmasked, cta_steps, wg, rendezvous):
+  """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
+
+  S_0 first; consumer 1 starts half a pingpong step behind; then the
+  unmasked steps, the masked ones and the last step (which issues no next
+  S), each by `step(j, (o, m, l, s), has_next=, masked=)`; then the drain of
+  tiles loaded only for the other consumer; consumer 0 meets the schedule
+  barrier once more at the end. Returns the final (o, m, l).
+  """
+  cfg = plan.config
+  k_full, v_full, k_empty, v_empty = ring
+  o0 = ops.tile(jnp.zeros((cfg.block_q, plan.spec.head_dim), jnp.float32))
+  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
+  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  plgpu.barrier_wait(k_full.at[0])
+  s0 = ops.scores(q_smem, k_smem.at[0])
+  plgpu.barrier_arrive(k_empty.at[0])
+  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
+
+  carry = (o0, m0, l0, s0)
+  split = jnp.minimum(unmasked, steps - 1)
+  carry = lax.fori_loop(0, split, functools.partial(
+      step, has_next=True, masked=False), carry)
+  carry = lax.fori_loop(split, steps - 1, functools.partial(
+      step, has_next=True, masked=plan.needs_mask), carry)
+  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    # The other consumer needs more K/V tiles (causal): observe the tiles the
+    # producer filled for it (every barrier phase is waited on by every
+    # warpgroup that uses the barrier), release them, and keep the pingpong
+    # in step.
+    slot = lax.rem(j, cfg.num_stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    rendezvous()
+    rendezvous()
+
+  pl.when(wg == 0)(rendezvous)
+  return o, m, l
+
+
+def row_probabilities(ops: KernelOps, spec: AttentionSpec, s, lse2, q0, kv0,
+                       *, masked: bool, check_seq_kv: bool = True):
+  """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
+  rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
+  entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
+  dK/dV consumer."""
+  shape = s.shape
+  p = jnp.exp2(s * jnp.float32(spec.softmax_scale * LOG2E)
+               - lax.broadcast_in_dim(lse2, shape, [0]))
+  if masked:
+    mask = masking.visible_tile_at(spec, q0, kv0, ops.row_index(shape[0]),
+                                   ops.col_index(shape[1]), shape, 0,
+                                   check_seq_kv=check_seq_kv)
+    p = jnp.where(mask, p, 0.0)
+  return p
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
+  """x padded with `value` to `length` along `axis` (no copy if already there)."""
+  pad = length - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def build_kernel(body, *, out_type, scratch, grid, grid_names, warpgroups,
+                 interpret):
+  """`plgpu.kernel` with the settings every sm90 kernel here shares.
+
+  `warpgroups` threads named "wg" (consumers first, the producer last),
+  approximate math for exp2 and the reciprocal, and `interpret` (None, or
+  interpret-mode parameters).
+  """
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=grid,
+      grid_names=grid_names, num_threads=warpgroups, thread_name="wg",
+      compiler_params=compat.compiler_params(approx_math=True),
+      interpret=interpret)

@@ -1,0 +1,1 @@
+"""Scale-out: batch/head sharding (`partitioning`) and context parallelism (`ring`)."""

@@ -1,0 +1,142 @@
+"""e4m3 block quantization, and the FP8 softmax steps shared by the Hopper
+FP8 kernel and its blockwise twin (same float32 operations, same order).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_fa3.quant.hadamard import rotate, rotation_signs
+from pallas_fa3.spec import LOG2E
+
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+E4M3_MAX = 448.0  # largest finite e4m3fn value
+_TINY = float(np.finfo(np.float32).tiny)
+_F32 = jnp.float32
+LN2 = float(np.log(2.0))  # base-2 statistics -> natural-log lse
+# P is exponentiated against (row max - 8): P <= 2^8 = 256, inside e4m3's
+# finite range (448), as FA3's reference CUDA code does for FP8.
+P_LOG2_OFFSET = 8.0
+
+
+class FP8Inputs(NamedTuple):
+  """Quantized attention operands (a pytree), as `quantize` writes them.
+
+  Attributes:
+    q: `[batch, seq_q, heads_q, head_dim]` e4m3 (rotated when rotation is on).
+    k: `[batch, seq_kv, heads_kv, head_dim]` e4m3 (rotated likewise).
+    v_t: `[batch, heads_kv, head_dim, seq_kv]` e4m3: V transposed
+      (sequence-contiguous), never rotated.
+    q_scale: `[batch, heads_q, ceil(seq_q / block_q)]` float32: Q ~ q * scale.
+    k_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
+    v_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
+  """
+
+  q: jax.Array
+  k: jax.Array
+  v_t: jax.Array
+  q_scale: jax.Array
+  k_scale: jax.Array
+  v_scale: jax.Array
+
+
+def scale_of(amax: jax.Array) -> jax.Array:
+  """amax / 448, kept positive and finite (an all-zero tile gets scale 1)."""
+  return jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, _TINY), 1.0)
+
+
+def quantize_tiles(x: jax.Array, rows: int, per_tensor: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Quantizes `[b, s, h, d]` to e4m3 with one scale per `rows x d` tile.
+
+  Returns (x8 `[b, s, h, d]` e4m3, scale `[b, h, ceil(s / rows)]` float32) with
+  `x ~ x8 * scale` tile by tile; `per_tensor` uses one scale (the amax of the
+  whole tensor) for every tile instead. Values are rounded to nearest
+  (even) after clipping to +-448.
+  """
+  b, s, h, d = x.shape
+  n = -(-s // rows)
+  xf = x.astype(jnp.float32)
+  xt = jnp.pad(xf, [(0, 0), (0, n * rows - s), (0, 0), (0, 0)]).reshape(
+      b, n, rows, h, d)
+  amax = jnp.max(jnp.abs(xt), axis=(2, 4))  # [b, n, h]
+  if per_tensor:
+    amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
+  scale = scale_of(amax)
+  x8 = jnp.clip(xt / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX)
+  x8 = x8.astype(FP8_DTYPE).reshape(b, n * rows, h, d)[:, :s]
+  return x8, jnp.transpose(scale, (0, 2, 1))
+
+
+def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
+  """float32 `[b, s, h, d]` from `quantize_tiles(x, rows)`'s output (tests, analysis)."""
+  s = x8.shape[1]
+  per_row = jnp.repeat(jnp.transpose(scale, (0, 2, 1)), rows, axis=1)[:, :s]
+  return x8.astype(jnp.float32) * per_row[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
+                                             "block_quantization", "rotation"))
+def quantize_inputs(q, k, v, key, *, block_q, block_kv, block_quantization, rotation):
+  if rotation:
+    signs = rotation_signs(key, q.shape[-1])
+    q, k = rotate(q, signs), rotate(k, signs)
+  per_tensor = not block_quantization
+  q8, q_scale = quantize_tiles(q, block_q, per_tensor)
+  k8, k_scale = quantize_tiles(k, block_kv, per_tensor)
+  v8, v_scale = quantize_tiles(v, block_kv, per_tensor)
+  return FP8Inputs(q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), q_scale, k_scale,
+                   v_scale)
+
+
+def online_softmax_fp8(s, m, l, *, scale_log2, mask):
+  """One online-softmax step in base 2 with P offset by 2^8 (l in the same units).
+
+  Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. `scale_log2` is a
+  scalar or broadcasts against the row statistics (`s.shape[:-1]`). Shared
+  by the kernel and, through `pallas_fa3.backends.blockwise_fp8`, its twin.
+  """
+  # `s` holds raw scores, `m` the running max of scaled ones: the scale is
+  # positive, so it is applied inside the exp2 argument (one FFMA).
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=-1) * scale_log2)
+  tile_scale = scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
+  # A row with no visible key yet has max -inf: exponentiate against 0.
+  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_ref)
+  p = jnp.exp2(s * tile_scale - lax.broadcast_in_dim(
+      m_ref - P_LOG2_OFFSET, s.shape, tuple(range(s.ndim - 1))))
+  return p, alpha, m_new, l * alpha + p.sum(axis=-1)
+
+
+def finalize_fp8(o, m, l, sv):
+  """(normalized O, natural-log lse) from the running statistics.
+
+  `o` is in units of the last V scale `sv` and of P's 2^8, as is `l`.
+  """
+  empty = l == 0.0
+  inv_l = jnp.where(empty, 0.0, sv / jnp.where(empty, 1.0, l))
+  o = o * lax.broadcast_in_dim(inv_l, o.shape, tuple(range(o.ndim - 1)))
+  log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
+  lse = jnp.where(empty, -jnp.inf,
+                  (m + log2_l - P_LOG2_OFFSET) * jnp.float32(LN2))
+  return o, lse
+
+
+def v_scale_ratios(v_scale: jax.Array) -> jax.Array:
+  """`sv_{j-1} / sv_j` along the last (K/V tile) axis, 1 for the first tile.
+
+  The factor that moves O from the units of one V tile's scale to the
+  next's. Computed once outside the kernel (exact IEEE division, shared with
+  the blockwise twin) rather than per step inside it.
+  """
+  v_scale = v_scale.astype(_F32)
+  prev = jnp.concatenate([v_scale[..., :1], v_scale[..., :-1]], axis=-1)
+  return prev / v_scale
