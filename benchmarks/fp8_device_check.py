@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import pallas_fa3
 from pallas_fa3 import _fp8_study as study
-from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3 import fp8
 from pallas_fa3.bench import flops, timing
 
@@ -66,7 +66,7 @@ def _timings(args, on_row) -> list[dict]:
     for i in range(2):
       keys = jax.random.split(jax.random.key(i), 3)
       sets.append(tuple(jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys))
-    cfg = sm90_config.default_fp8_forward_config(d)
+    cfg = sm90_fp8_config.default_fp8_forward_config(d)
     quant = jax.jit(lambda q, k, v: fp8.quantize(
         q, k, v, block_q=cfg.block_q, block_kv=cfg.block_kv))
     qsets = [jax.block_until_ready(quant(*s)) for s in sets]

@@ -4,9 +4,12 @@ Public API (everything else is private or lives in a submodule):
   flash_attention      attention with a choice of backend and custom_vjp
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
-  Sm90ForwardConfig    tiling of the Hopper forward kernel (mosaic/interpret)
+  Sm90Config           the Hopper kernels' tilings (mosaic/interpret):
+                       Sm90Config(forward=..., backward=...)
+  Sm90ForwardConfig    tiling of the Hopper forward kernel
   Sm90BackwardConfig   tiling of the Hopper backward kernels
   AttentionSpec        the validated, canonical description of a call
+  IMPLEMENTATIONS      the backend names; `Implementation` is their Literal
   StableMax            settings of flash_attention(stable_max=...)
   ring_attention       context parallelism: the sequence sharded over a mesh axis
   zigzag_order         the token order of ring_attention's causal zig-zag layout
@@ -15,12 +18,14 @@ Public API (everything else is private or lives in a submodule):
 
 from pallas_fa3.attention import flash_attention as flash_attention
 from pallas_fa3.backends.blockwise import BlockwiseConfig as BlockwiseConfig
+from pallas_fa3.backends import IMPLEMENTATIONS as IMPLEMENTATIONS
+from pallas_fa3.backends import Implementation as Implementation
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig as Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config import Sm90Config as Sm90Config
 from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig as Sm90ForwardConfig
 from pallas_fa3.fp8 import FP8Config as FP8Config
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
-from pallas_fa3.spec import IMPLEMENTATIONS as IMPLEMENTATIONS
 from pallas_fa3.stable_max import StableMax as StableMax
 from pallas_fa3.parallel.ring import ring_attention as ring_attention
 from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order

@@ -6,12 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
-from pallas_fa3.backends import blockwise
+from pallas_fa3.fp8 import check_fp8
 from pallas_fa3.parallel import partitioning
-from pallas_fa3 import fp8 as fp8_lib
+from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import check_stable_max
-from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
-                             make_spec)
 
 # Jitted once per static call, so that eager (un-jitted) use compiles each
 # shape once instead of dispatching the tiled loops op by op.
@@ -43,13 +41,15 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       call among those computing the kernels' function -- `mosaic` on a Hopper
       GPU, else `blockwise`), or one of "mosaic", "interpret", "blockwise",
       "reference".
-    config: backend-specific tiling, e.g. `pallas_fa3.BlockwiseConfig`;
-      None picks the backend's default.
+    config: backend-specific tiling: `pallas_fa3.BlockwiseConfig` for
+      blockwise; `pallas_fa3.Sm90Config(forward=Sm90ForwardConfig(...),
+      backward=Sm90BackwardConfig(...))` for mosaic/interpret (a bare
+      `Sm90ForwardConfig` means `Sm90Config(forward=...)`; a None part is the
+      heuristic default). None picks the backend's default.
     deterministic: require bitwise run-to-run reproducible gradients. Every
-      backend already guarantees it at no cost: the Hopper backward sums dQ
-      in a fixed order in its own kernel (no atomics), the blockwise twin
-      accumulates dQ in a fixed loop order, and the reference is plain XLA.
-      A future faster non-deterministic path must honour this flag.
+      backend guarantees it today: the Hopper backward sums dQ in a fixed
+      order in its own kernel (no atomics), the blockwise twin accumulates
+      dQ in a fixed loop order, and the reference is plain XLA.
     stable_max: the repeated-max fix of arXiv 2510.04212 (see
       `pallas_fa3.stable_max`): None/False (off), True (defaults) or a
       `pallas_fa3.StableMax`. Implemented by `blockwise` (the automatic
@@ -70,7 +70,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       That includes a sharding that cannot run shard-locally (see
       `pallas_fa3.parallel.partitioning`); when the sharding is only known at compile
       time, XLA raises it as a `jax.errors.JaxRuntimeError`.
-    NotImplementedError: the requested implementation cannot serve the call.
+    NotImplementedError: the requested implementation cannot serve the call;
+      also on a second derivative (`jax.grad` of `jax.grad`): flash_attention
+      has first derivatives only.
 
   Example:
     >>> import jax, pallas_fa3
@@ -82,24 +84,17 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   """
   check_arrays(q=q, k=k, v=v)
   check_bool("deterministic", deterministic)  # every path is deterministic
-  if (fp8_config := fp8_lib.check_fp8(fp8)) is not None:
-    if check_stable_max(stable_max) is not None:
-      raise NotImplementedError(
-          f"stable_max={stable_max!r} is not implemented for fp8 attention")
-    return fp8_lib.attention_fp8(
-        q, k, v, fp8=fp8_config, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, implementation=implementation, config=config)
-  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
-  implementation = check_implementation(implementation)
-  config = blockwise.with_stable_max(check_stable_max(stable_max),
-                                     implementation, config)
+  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                   fp8=check_fp8(fp8), stable_max=check_stable_max(stable_max))
+  if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
+    raise ValueError(f"fp8 needs v's head_dim equal to q's; got q.shape="
+                     f"{tuple(q.shape)}, v.shape={tuple(v.shape)}")
   return_lse = check_bool("return_lse", return_lse)
   partitioning.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)
-  call = vjp.StaticCall(spec, backend.name, config)
-  out, lse = _attention_jit(call, jnp.asarray(q), jnp.asarray(k),
-                            jnp.asarray(v))
+  out, lse = _attention_jit(vjp.StaticCall(spec, backend, config),
+                            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
   return (out, lse) if return_lse else out
 
 

@@ -18,9 +18,8 @@ public CUDA kernel leaves out and ours carry:
   contraction runs over the sequence, so V is written transposed,
   `[batch, heads_kv, head_dim, seq_kv]` (sequence-contiguous).
 
-The quantization pass is a jitted pure-JAX function (XLA fuses the rotation,
-the tile amax and the cast into a few passes over Q, K and V); it runs on any
-device. A Pallas kernel for it is not written yet.
+The quantization pass is a jitted pure-JAX function (`pallas_fa3.quant`);
+it runs on any device.
 
 Entry points:
   `pallas_fa3.flash_attention(q, k, v, fp8=True | FP8Config(...))`
@@ -28,10 +27,11 @@ Entry points:
   `quantize(q, k, v, block_q=..., block_kv=...)` -> `FP8Inputs`, and
   `flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale, ...)`
       for callers that keep activations in FP8.
-Backends: `mosaic` (the Hopper kernel, `kernels/sm90_fwd_fp8.py`),
+Backends: `mosaic` (the Hopper kernel, `kernels/sm90/forward_fp8.py`),
 `interpret` (the same kernel in GPU interpret mode) and `blockwise` (its
 pure-JAX twin with the identical quantization and P rounding,
-`blockwise_fp8.py`). Gradients through FP8 raise `NotImplementedError`.
+`backends/blockwise_fp8.py`), chosen like any other call
+(`pallas_fa3.backends`). Gradients through FP8 raise `NotImplementedError`.
 
 Example:
   >>> import jax, pallas_fa3
@@ -47,32 +47,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import backends
-from pallas_fa3.kernels.sm90 import config as sm90_config
-from pallas_fa3.backends.blockwise import BlockwiseConfig
-from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
-from pallas_fa3.spec import (AttentionSpec, check_bool, check_implementation,
-                             make_spec)
+from pallas_fa3.backends.base import NO_FP8_GRADIENT
+from pallas_fa3.quant.e4m3 import E4M3_MAX as E4M3_MAX
+from pallas_fa3.quant.e4m3 import FP8_DTYPE as FP8_DTYPE
+from pallas_fa3.quant.e4m3 import FP8Inputs as FP8Inputs
+from pallas_fa3.quant.e4m3 import dequantize_tiles as dequantize_tiles
+from pallas_fa3.quant.e4m3 import quantize_inputs
+from pallas_fa3.quant.e4m3 import quantize_tiles as quantize_tiles
+from pallas_fa3.quant.hadamard import hadamard_transform as hadamard_transform
+from pallas_fa3.quant.hadamard import rotate as rotate
+from pallas_fa3.quant.hadamard import rotation_signs as rotation_signs
+from pallas_fa3.spec import check_bool, check_int, make_spec
+from pallas_fa3.vjp import StaticCall
 
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-E4M3_MAX = 448.0  # largest finite e4m3fn value
-_TINY = float(np.finfo(np.float32).tiny)
-FP8_IMPLEMENTATIONS = ("mosaic", "interpret", "blockwise")
 _OUT_DTYPES = tuple(jnp.dtype(d) for d in ("bfloat16", "float16", "float32"))
-# Tiles of the blockwise twin when neither a config nor a kernel default
-# applies (head dims the FP8 kernel does not serve).
-_FALLBACK_TILES = (64, 128)
 
-
-# -- configuration -------------------------------------------------------------
 
 def _normalize_key(value: Any) -> tuple:
   """An int seed or a concrete JAX PRNG key -> hashable ("seed", n) / (impl, data)."""
@@ -151,131 +148,6 @@ def check_fp8(fp8: Any) -> FP8Config | None:
                   f" {fp8!r} of type {type(fp8).__name__}")
 
 
-# -- the randomized Hadamard transform -----------------------------------------
-
-def _hadamard_block(n: int) -> int:
-  """Size of the Walsh-Hadamard blocks used along an axis of length n.
-
-  The largest power of two dividing n: H_n itself when n is a power of two
-  (every head dim the FP8 kernel serves), else the block-diagonal
-  I_(n/p) (x) H_p, still orthogonal (e.g. d = 96: three H_32 blocks).
-  """
-  return n & -n
-
-
-@jax.jit
-def hadamard_transform(x: jax.Array) -> jax.Array:
-  """`x @ H / sqrt(p)` along the last axis by the fast Walsh-Hadamard transform.
-
-  H is the Sylvester-ordered Hadamard matrix of size p = the largest power of
-  two dividing `x.shape[-1]` (block-diagonal when that is not the whole
-  axis); symmetric and, with the 1/sqrt(p), orthogonal. O(n log p) additions
-  per row, computed in float32.
-  """
-  n = x.shape[-1]
-  p = _hadamard_block(n)
-  y = x.astype(jnp.float32).reshape(x.shape[:-1] + (n // p, p))
-  h = 1
-  while h < p:
-    y = y.reshape(y.shape[:-1] + (p // (2 * h), 2, h))
-    a, b = y[..., 0, :], y[..., 1, :]
-    y = jnp.stack([a + b, a - b], axis=-2).reshape(y.shape[:-3] + (p,))
-    h *= 2
-  return (y * jnp.float32(1.0 / math.sqrt(p))).reshape(x.shape)
-
-
-def rotation_signs(key: jax.Array, head_dim: int) -> jax.Array:
-  """The random +-1 diagonal D (float32 `[head_dim]`) drawn from `key`."""
-  return jax.random.rademacher(key, (head_dim,), dtype=jnp.float32)
-
-
-@jax.jit
-def rotate(x: jax.Array, signs: jax.Array) -> jax.Array:
-  """`x @ M` along the last axis with `M = D H / sqrt(d)` (orthogonal), float32."""
-  return hadamard_transform(x.astype(jnp.float32) * signs)
-
-
-# -- quantization --------------------------------------------------------------
-
-class FP8Inputs(NamedTuple):
-  """Quantized attention operands (a pytree), as `quantize` writes them.
-
-  Attributes:
-    q: `[batch, seq_q, heads_q, head_dim]` e4m3 (rotated when rotation is on).
-    k: `[batch, seq_kv, heads_kv, head_dim]` e4m3 (rotated likewise).
-    v_t: `[batch, heads_kv, head_dim, seq_kv]` e4m3: V transposed
-      (sequence-contiguous), never rotated.
-    q_scale: `[batch, heads_q, ceil(seq_q / block_q)]` float32: Q ~ q * scale.
-    k_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
-    v_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
-  """
-
-  q: jax.Array
-  k: jax.Array
-  v_t: jax.Array
-  q_scale: jax.Array
-  k_scale: jax.Array
-  v_scale: jax.Array
-
-
-def _scale_of(amax: jax.Array) -> jax.Array:
-  """amax / 448, kept positive and finite (an all-zero tile gets scale 1)."""
-  return jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, _TINY), 1.0)
-
-
-def quantize_tiles(x: jax.Array, rows: int, per_tensor: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
-  """Quantizes `[b, s, h, d]` to e4m3 with one scale per `rows x d` tile.
-
-  Returns (x8 `[b, s, h, d]` e4m3, scale `[b, h, ceil(s / rows)]` float32) with
-  `x ~ x8 * scale` tile by tile; `per_tensor` uses one scale (the amax of the
-  whole tensor) for every tile instead. Values are rounded to nearest
-  (even) after clipping to +-448.
-  """
-  b, s, h, d = x.shape
-  n = -(-s // rows)
-  xf = x.astype(jnp.float32)
-  xt = jnp.pad(xf, [(0, 0), (0, n * rows - s), (0, 0), (0, 0)]).reshape(
-      b, n, rows, h, d)
-  amax = jnp.max(jnp.abs(xt), axis=(2, 4))  # [b, n, h]
-  if per_tensor:
-    amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
-  scale = _scale_of(amax)
-  x8 = jnp.clip(xt / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX)
-  x8 = x8.astype(FP8_DTYPE).reshape(b, n * rows, h, d)[:, :s]
-  return x8, jnp.transpose(scale, (0, 2, 1))
-
-
-def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
-  """float32 `[b, s, h, d]` from `quantize_tiles(x, rows)`'s output (tests, analysis)."""
-  s = x8.shape[1]
-  per_row = jnp.repeat(jnp.transpose(scale, (0, 2, 1)), rows, axis=1)[:, :s]
-  return x8.astype(jnp.float32) * per_row[..., None]
-
-
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
-                                             "block_quantization", "rotation"))
-def _quantize(q, k, v, key, *, block_q, block_kv, block_quantization, rotation):
-  if rotation:
-    signs = rotation_signs(key, q.shape[-1])
-    q, k = rotate(q, signs), rotate(k, signs)
-  per_tensor = not block_quantization
-  q8, q_scale = quantize_tiles(q, block_q, per_tensor)
-  k8, k_scale = quantize_tiles(k, block_kv, per_tensor)
-  v8, v_scale = quantize_tiles(v, block_kv, per_tensor)
-  return FP8Inputs(q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), q_scale, k_scale,
-                   v_scale)
-
-
-def _check_block(name: str, value: Any) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an int; got {value!r} of type"
-                    f" {type(value).__name__}")
-  if value < 1:
-    raise ValueError(f"{name} must be positive; got {value}")
-  return int(value)
-
-
 def quantize(q, k, v, *, block_q: int, block_kv: int,
              config: FP8Config | None = None, key: jax.Array | None = None
              ) -> FP8Inputs:
@@ -303,166 +175,28 @@ def quantize(q, k, v, *, block_q: int, block_kv: int,
     raise ValueError(f"v must have q's head_dim for FP8; got q.shape="
                      f"{tuple(q.shape)}, v.shape={tuple(v.shape)}")
   key = config.prng_key() if key is None else key
-  return _quantize(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), key,
-                   block_q=_check_block("block_q", block_q),
-                   block_kv=_check_block("block_kv", block_kv),
+  return quantize_inputs(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), key,
+                   block_q=check_int("block_q", block_q, minimum=1),
+                   block_kv=check_int("block_kv", block_kv, minimum=1),
                    block_quantization=config.block_quantization,
                    rotation=config.rotation)
 
 
-# -- backend choice ------------------------------------------------------------
-
-def _default_tiles(spec: AttentionSpec) -> tuple[int, int]:
-  """The FP8 kernel's default tiles for the head dim (so the blockwise twin
-  quantizes and rounds as the kernel would), else `_FALLBACK_TILES`."""
-  if spec.head_dim in sm90_config.FP8_HEAD_DIMS:
-    c = sm90_config.default_fp8_forward_config(spec.head_dim)
-    return c.block_q, c.block_kv
-  return _FALLBACK_TILES
-
-
-def _kernel_reason(spec: AttentionSpec, config) -> str | None:
-  return sm90_config.fp8_forward_unsupported(spec, config)
-
-
-def _config_mismatch(implementation: str, config) -> str | None:
-  if config is None:
-    return None
-  want = BlockwiseConfig if implementation == "blockwise" else Sm90ForwardConfig
-  if not isinstance(config, want):
-    return f"implementation={implementation!r} with fp8 takes a {want.__name__}"
-  return None
-
-
-def resolve(spec: AttentionSpec, implementation: str | None, config
-            ) -> tuple[str, Any]:
-  """The FP8 backend and its (filled-in) config for a call; `spec.dtype` = out dtype.
-
-  Raises:
-    NotImplementedError: the requested backend cannot serve the call.
-    TypeError: `config` does not belong to the backend.
-  """
-  if implementation is None:
-    reasons = []
-    for name in ("mosaic", "blockwise"):
-      reason = (_config_mismatch(name, config)
-                or backends.get(name).device_reason()
-                or (_kernel_reason(spec, config) if name == "mosaic" else None))
-      if reason is None:
-        implementation = name
-        break
-      reasons.append(f"{name}: {reason}")
-    else:
-      raise TypeError(f"config={config!r} fits no automatically chosen FP8"
-                      f" backend ({'; '.join(reasons)})")
-  elif implementation not in FP8_IMPLEMENTATIONS:
-    raise NotImplementedError(
-        f"implementation={implementation!r} has no FP8 path; fp8 runs on"
-        f" {FP8_IMPLEMENTATIONS} (the float64 golden is the oracle)")
-  mismatch = _config_mismatch(implementation, config)
-  if mismatch:
-    raise TypeError(f"config={config!r} does not fit: {mismatch}")
-  if implementation != "blockwise":
-    reason = _kernel_reason(spec, config)
-    if reason:
-      raise NotImplementedError(
-          f"implementation={implementation!r} cannot run this FP8 call: {reason}")
-    if config is None:
-      config = sm90_config.default_fp8_forward_config(spec.head_dim)
-  elif config is None:
-    config = BlockwiseConfig(*_default_tiles(spec))
-  return implementation, config
-
-
-# -- the forward, with a gradient that refuses ----------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Fp8Call:
-  """Static half of an FP8 call (hashable)."""
-
-  spec: AttentionSpec  # dtype = output dtype
-  implementation: str
-  config: Any
-
-
-def _forward_quantized(call: _Fp8Call, x: FP8Inputs):
-  if call.implementation == "blockwise":
-    from pallas_fa3.backends import blockwise_fp8
-    return blockwise_fp8.blockwise_forward_fp8(
-        call.spec, call.config.block_q, call.config.block_kv, *x)
-  from pallas_fa3.kernels.sm90 import compat
-  from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
-  interpret = None
-  if call.implementation == "interpret":
-    interpret = compat.interpret_params(
-        detect_races=backends.INTERPRET_DETECT_RACES)
-  return sm90_fwd_fp8.sm90_forward_fp8(call.spec, call.config, *x,
-                                       interpret=interpret)
-
-
-_NO_GRAD = ("gradients through FP8 attention are not implemented (the FP8"
-            " backward is a later issue); differentiate the bf16/fp16 path"
-            " (fp8=False) or wrap the FP8 call in jax.lax.stop_gradient")
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_from_quantized(call: _Fp8Call, x: FP8Inputs):
-  return _forward_quantized(call, x)
+def _from_quantized(call: StaticCall, x: FP8Inputs):
+  return call.backend.fp8_forward(call.spec, call.config, x)
 
 
-def _raise_fwd(call, x):
-  return _fp8_from_quantized(call, x), None
+def _from_quantized_fwd(call, x):
+  return _from_quantized(call, x), None
 
 
-def _raise_bwd(call, residuals, cotangents):
-  raise NotImplementedError(_NO_GRAD)
+def _from_quantized_bwd(call, residuals, cotangents):
+  raise NotImplementedError(NO_FP8_GRADIENT)
 
 
-_fp8_from_quantized.defvjp(_raise_fwd, _raise_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_from_high_precision(call: _Fp8Call, fp8: FP8Config, q, k, v):
-  x = _quantize(q, k, v, fp8.prng_key(), block_q=call.config.block_q,
-                block_kv=call.config.block_kv,
-                block_quantization=fp8.block_quantization,
-                rotation=fp8.rotation)
-  return _forward_quantized(call, x)
-
-
-def _raise_fwd_hp(call, fp8, q, k, v):
-  return _fp8_from_high_precision(call, fp8, q, k, v), None
-
-
-def _raise_bwd_hp(call, fp8, residuals, cotangents):
-  raise NotImplementedError(_NO_GRAD)
-
-
-_fp8_from_high_precision.defvjp(_raise_fwd_hp, _raise_bwd_hp)
-
-_high_precision_jit = jax.jit(_fp8_from_high_precision, static_argnums=(0, 1))
-_quantized_jit = jax.jit(_fp8_from_quantized, static_argnums=0)
-
-
-def _check_device(implementation: str, *arrays) -> None:
-  if not any(isinstance(a, jax.core.Tracer) for a in arrays):
-    backends.require_runnable_here(backends.get(implementation))
-
-
-def attention_fp8(q, k, v, *, fp8: FP8Config, causal, softmax_scale,
-                  return_lse, implementation, config):
-  """`flash_attention(..., fp8=...)`: quantize, then the FP8 forward."""
-  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
-  if spec.head_dim != spec.head_dim_v:
-    raise ValueError(f"fp8 needs v's head_dim equal to q's; got q.shape="
-                     f"{tuple(q.shape)}, v.shape={tuple(v.shape)}")
-  implementation = check_implementation(implementation)
-  return_lse = check_bool("return_lse", return_lse)
-  implementation, config = resolve(spec, implementation, config)
-  _check_device(implementation, q, k, v)
-  out, lse = _high_precision_jit(_Fp8Call(spec, implementation, config), fp8,
-                                 jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-  return (out, lse) if return_lse else out
+_from_quantized.defvjp(_from_quantized_fwd, _from_quantized_bwd)
+_quantized_jit = jax.jit(_from_quantized, static_argnums=0)
 
 
 def _check_fp8_operand(name: str, x: Any, rank: int, layout: str) -> tuple:
@@ -512,8 +246,9 @@ def flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale, *,
     causal, softmax_scale, return_lse: as `pallas_fa3.flash_attention`.
     implementation: None (mosaic on a Hopper GPU, else blockwise), "mosaic",
       "interpret" or "blockwise".
-    config: `Sm90ForwardConfig` (mosaic/interpret) or `BlockwiseConfig`
-      (blockwise); its block_q / block_kv must be the quantization tiles.
+    config: `Sm90Config` / `Sm90ForwardConfig` (mosaic/interpret) or
+      `BlockwiseConfig` (blockwise); its forward block_q / block_kv must be
+      the quantization tiles.
       None: the FP8 kernel's default for the head dim.
     out_dtype: bfloat16 (default) or float16 (float32 too on blockwise).
 
@@ -540,19 +275,22 @@ def flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale, *,
     raise TypeError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]};"
                     f" got {out_dtype}")
   like = lambda shape: jax.ShapeDtypeStruct(shape, out_dtype)
+  # The spec's fp8 marks the call as FP8 (the operands are already
+  # quantized: the config's rotation and key play no part).
   spec = make_spec(like(qs), like(ks), like(ks), causal=causal,
-                   softmax_scale=softmax_scale)
-  implementation = check_implementation(implementation)
+                   softmax_scale=softmax_scale, fp8=FP8Config())
   return_lse = check_bool("return_lse", return_lse)
-  implementation, config = resolve(spec, implementation, config)
+  backend, config = backends.resolve(spec, implementation, config)
+  block_q, block_kv = backend.fp8_tiles(config)
   b, hq, hk = spec.batch, spec.heads_q, spec.heads_kv
-  _check_scale("q_scale", q_scale, (b, hq, -(-spec.seq_q // config.block_q)),
-               "block_q", config.block_q)
-  n_kv = -(-spec.seq_kv // config.block_kv)
-  _check_scale("k_scale", k_scale, (b, hk, n_kv), "block_kv", config.block_kv)
-  _check_scale("v_scale", v_scale, (b, hk, n_kv), "block_kv", config.block_kv)
-  _check_device(implementation, q8, k8, v8_t)
+  _check_scale("q_scale", q_scale, (b, hq, -(-spec.seq_q // block_q)),
+               "block_q", block_q)
+  n_kv = -(-spec.seq_kv // block_kv)
+  _check_scale("k_scale", k_scale, (b, hk, n_kv), "block_kv", block_kv)
+  _check_scale("v_scale", v_scale, (b, hk, n_kv), "block_kv", block_kv)
+  if not any(isinstance(a, jax.core.Tracer) for a in (q8, k8, v8_t)):
+    backends.require_runnable_here(backend)
   x = FP8Inputs(*(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale,
                                            v_scale)))
-  out, lse = _quantized_jit(_Fp8Call(spec, implementation, config), x)
+  out, lse = _quantized_jit(StaticCall(spec, backend, config), x)
   return (out, lse) if return_lse else out

@@ -10,17 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Implementation = Literal["mosaic", "interpret", "blockwise", "reference"]
-IMPLEMENTATIONS: tuple[str, ...] = ("mosaic", "interpret", "blockwise", "reference")
-
-# Input dtypes every backend must accept. float64 is refused on purpose: it is
-# the golden's precision, and JAX silently truncates it without jax_enable_x64.
+# Input dtypes every backend must accept. A float64 JAX array (x64 enabled)
+# is refused: it is the golden's precision. numpy float64 arrays are taken
+# as jnp.asarray takes them (float32 unless x64 is enabled).
 SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
     jnp.dtype(jnp.float16),
     jnp.dtype(jnp.bfloat16),
@@ -58,6 +56,10 @@ class AttentionSpec:
   dtype: Any  # a jnp.dtype
   causal: bool
   softmax_scale: float
+  # Call options that change the function computed; backends that cannot
+  # serve them say so (`Backend.unsupported`).
+  fp8: Any = None         # a pallas_fa3.FP8Config: quantize Q, K, V to e4m3
+  stable_max: Any = None  # a pallas_fa3.StableMax: the repeated-max fix
 
   @property
   def group_size(self) -> int:
@@ -96,6 +98,9 @@ def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
     )
   shape = tuple(int(s) for s in x.shape)
   dtype = jnp.dtype(x.dtype)
+  if isinstance(x, np.ndarray):
+    # As jnp.asarray takes it: float64 becomes float32 unless x64 is on.
+    dtype = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
   if len(shape) != 4:
     raise ValueError(
         f"{name} must have rank 4 with layout {_LAYOUT}; got shape {shape}"
@@ -170,21 +175,37 @@ def check_bool(name: str, value: Any) -> bool:
   return bool(value)
 
 
-def check_implementation(implementation: Any) -> str | None:
-  """Validates the `implementation` argument (None means automatic)."""
-  if implementation is None:
-    return None
-  if not isinstance(implementation, str):
-    raise TypeError(
-        f"implementation must be None or a string, one of {IMPLEMENTATIONS};"
-        f" got {implementation!r} of type {type(implementation).__name__}"
-    )
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be None or one of {IMPLEMENTATIONS}; got"
-        f" {implementation!r}"
-    )
-  return implementation
+def check_int(name: str, value: Any, *, choices: Any = None,
+              minimum: int | None = None, maximum: int | None = None) -> int:
+  """An int argument or config field (numpy ints too, bools refused) -> int.
+
+  Raises TypeError / ValueError naming `name` and the value: not an int, not
+  one of `choices`, or outside `[minimum, maximum]`.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value,
+                                                           numbers.Integral):
+    raise TypeError(f"{name} must be an int; got {value!r} of type"
+                    f" {type(value).__name__}")
+  value = int(value)
+  if choices is not None and value not in choices:
+    raise ValueError(f"{name} must be one of {tuple(choices)}; got {value}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}; got {value}")
+  if maximum is not None and value > maximum:
+    raise ValueError(f"{name} must be <= {maximum}; got {value}")
+  return value
+
+
+def check_int_fields(config: Any, **rules: dict) -> None:
+  """`check_int` on fields of a frozen dataclass, storing plain ints back.
+
+  `rules` maps a field name to `check_int`'s keywords; errors name
+  `Class.field`.
+  """
+  cls = type(config).__name__
+  for field, rule in rules.items():
+    value = check_int(f"{cls}.{field}", getattr(config, field), **rule)
+    object.__setattr__(config, field, value)
 
 
 def check_arrays(**operands: Any) -> None:
@@ -198,11 +219,14 @@ def check_arrays(**operands: Any) -> None:
 
 
 def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
-              softmax_scale: Any = None) -> AttentionSpec:
+              softmax_scale: Any = None, fp8: Any = None,
+              stable_max: Any = None) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
   q, k and v may be arrays or shape descriptors (`jax.ShapeDtypeStruct`):
-  only their shapes and dtypes are read.
+  only their shapes and dtypes are read; numpy arrays count with the dtype
+  `jnp.asarray` gives them. `fp8` and `stable_max` are stored as given (a
+  validated `FP8Config` / `StableMax`, or None).
 
   Raises:
     TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool
@@ -251,4 +275,6 @@ def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
       dtype=q_dtype,
       causal=causal,
       softmax_scale=scale,
+      fp8=fp8,
+      stable_max=stable_max,
   )

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from pallas_fa3.backends.base import Backend
 from pallas_fa3.parallel import partitioning
 from pallas_fa3.spec import AttentionSpec
 
@@ -24,7 +25,7 @@ class StaticCall:
   """The static (hashable) half of a call: what to compute and with what."""
 
   spec: AttentionSpec
-  backend: str
+  backend: Backend
   config: Any = None
 
 
@@ -46,7 +47,30 @@ def _fwd(call: StaticCall, q, k, v):
 def _bwd(call: StaticCall, residuals, cotangents):
   q, k, v, out, lse = residuals
   dout, dlse = cotangents
-  return partitioning.backward(call, q, k, v, out, lse, dout, dlse)
+  return _backward_once(call, q, k, v, out, lse, dout, dlse)
+
+
+NO_HIGHER_ORDER = (
+    "flash_attention has no higher-order derivatives: its backward pass is"
+    " not differentiable (jax.grad of jax.grad, jax.hessian). Use"
+    " pallas_fa3.reference_attention for higher-order derivatives")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _backward_once(call: StaticCall, *residuals_and_cotangents):
+  """The backward pass, itself not differentiable (a clear error if asked)."""
+  return partitioning.backward(call, *residuals_and_cotangents)
+
+
+def _backward_once_fwd(call, *args):
+  return _backward_once(call, *args), None
+
+
+def _backward_once_bwd(call, residuals, cotangents):
+  raise NotImplementedError(NO_HIGHER_ORDER)
+
+
+_backward_once.defvjp(_backward_once_fwd, _backward_once_bwd)
 
 
 attention_with_lse.defvjp(_fwd, _bwd)

@@ -21,7 +21,7 @@ from jax import export
 import pallas_fa3
 from pallas_fa3 import _fp8_study, fp8, masking
 from pallas_fa3.backends import blockwise_fp8
-from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
@@ -229,7 +229,7 @@ def test_blockwise_fp8_is_deterministic_and_jittable(key):
   # The automatic choice on a machine without a Hopper GPU is the twin, with
   # the FP8 kernel's default tiles for the head dim (so it rounds as the GPU).
   if jax.default_backend() != "gpu":
-    tiles = sm90_config.default_fp8_forward_config(64)
+    tiles = sm90_fp8_config.default_fp8_forward_config(64)
     twin = pallas_fa3.flash_attention(
         q, k, v, causal=True, fp8=True, implementation="blockwise",
         config=pallas_fa3.BlockwiseConfig(tiles.block_q, tiles.block_kv))
@@ -307,8 +307,8 @@ def test_interpret_kernel_is_the_blockwise_twin(shape, causal, config, key):
 # -- tier 2: lowering for CUDA ---------------------------------------------------
 
 def _fp8_configs():
-  for d in sm90_config.FP8_HEAD_DIMS:
-    for config in sm90_config.fp8_forward_config_space(d):
+  for d in sm90_fp8_config.FP8_HEAD_DIMS:
+    for config in sm90_fp8_config.fp8_forward_config_space(d):
       yield pytest.param(d, config, id=f"d{d}-{config.block_q}x"
                          f"{config.block_kv}x{config.num_stages}")
 
@@ -333,20 +333,20 @@ def test_every_fp8_config_lowers_for_cuda(head_dim, config):
     q = jax.ShapeDtypeStruct((2, sq, hq, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, skv, hk, head_dim), dtype)
     spec = make_spec(q, kv, kv, causal=causal)
-    assert sm90_config.fp8_forward_unsupported(spec, config) is None
+    assert sm90_fp8_config.fp8_forward_unsupported(spec, config) is None
     text = _lower_fp8(spec, config).mlir_module()
     assert "mosaic_gpu" in text
 
 
 def test_fp8_smem_estimate_is_exactly_what_mosaic_allocates():
   config, d = Sm90ForwardConfig(128, 256, 4), 256
-  reason = sm90_config.fp8_forward_config_unsupported(config, d)
+  reason = sm90_fp8_config.fp8_forward_config_unsupported(config, d)
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     _lower_fp8(make_spec(q, q, q), config)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  assert used == sm90_config.fp8_forward_smem_bytes(config, d)
+  assert used == sm90_fp8_config.fp8_forward_smem_bytes(config, d)
 
 
 def test_flash_attention_fp8_mosaic_exports_quantization_and_kernel():

@@ -16,7 +16,7 @@ import pytest
 
 from pallas_fa3 import backends, fp8
 from pallas_fa3.backends import blockwise_fp8
-from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
 from pallas_fa3.reference import golden_attention
 from pallas_fa3.spec import make_spec
@@ -30,10 +30,10 @@ pytestmark = [
 
 
 def _configs():
-  for d in sm90_config.FP8_HEAD_DIMS:
-    for config in sm90_config.fp8_forward_config_space(d):
+  for d in sm90_fp8_config.FP8_HEAD_DIMS:
+    for config in sm90_fp8_config.fp8_forward_config_space(d):
       if (gpu_tier() == "quick"
-          and config != sm90_config.default_fp8_forward_config(d)):
+          and config != sm90_fp8_config.default_fp8_forward_config(d)):
         continue
       yield pytest.param(d, config, id=f"d{d}-{config.block_q}x"
                          f"{config.block_kv}x{config.num_stages}")
@@ -46,7 +46,7 @@ def _rms(x) -> float:
 @pytest.mark.parametrize("head_dim,config", list(_configs()))
 def test_every_fp8_config_matches_its_twin(head_dim, config):
   key = jax.random.key(head_dim * 1000 + config.block_kv + config.num_stages)
-  default = config == sm90_config.default_fp8_forward_config(head_dim)
+  default = config == sm90_fp8_config.default_fp8_forward_config(head_dim)
   cases = [(True, Shape(2, 777, 1000, 4, 2, head_dim))]
   if default:
     cases.append((False, Shape(1, 300, 513, 2, 1, head_dim)))
@@ -76,7 +76,7 @@ def test_fp8_rows_without_keys_and_determinism():
   shape = Shape(1, 600, 200, 2, 1, 128)
   q, k, v, _ = random_inputs(jax.random.key(1), shape, jnp.bfloat16)
   spec = make_spec(q, k, v, causal=True)
-  config = sm90_config.default_fp8_forward_config(128)
+  config = sm90_fp8_config.default_fp8_forward_config(128)
   x = fp8.quantize(q, k, v, block_q=config.block_q, block_kv=config.block_kv)
   f = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a))
   out, lse = f(*x)

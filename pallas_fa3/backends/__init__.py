@@ -1,55 +1,26 @@
-"""The backends, what each supports, and the automatic choice.
+"""Every implementation of attention, in one registry, and the automatic choice.
 
-A backend that cannot serve a call says why (a string); an explicit request
-for it raises `NotImplementedError` with that reason, and the automatic
-choice moves on to the next candidate. The automatic order only contains
-backends that compute the same function (the kernels and their blockwise
-twin); the materialized `reference` is never chosen automatically.
+`BACKENDS` is the only place implementation names are spelled;
+`IMPLEMENTATIONS` and `Implementation` derive from it. A backend that cannot
+serve a call says why (a string): an explicit request raises
+`NotImplementedError` with that reason, and the automatic choice moves on to
+the next candidate. Only backends that compute the kernels' function are
+automatic candidates; the materialized `reference` is the oracle, never
+chosen automatically. FP8 (`spec.fp8`) and the stable max
+(`spec.stable_max`) are options of the spec that each backend accepts or
+refuses like any other.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from typing import Any, Callable
+from typing import Any, Literal
 
 import jax
 
-from pallas_fa3.backends import blockwise
 from pallas_fa3 import reference
-from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.backends import blockwise, sm90
+from pallas_fa3.backends.base import Backend
 from pallas_fa3.spec import AttentionSpec
-
-# Fastest first. `reference` is deliberately absent: it is the oracle, with
-# float32 P, not the kernels' function (P rounded to the input dtype).
-AUTO_ORDER: tuple[str, ...] = ("mosaic", "blockwise")
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-  """One way to compute attention.
-
-  Attributes:
-    name: the `implementation=` string.
-    summary: one line for `pallas-fa3 info` and the README table.
-    forward: `(spec, config, q, k, v) -> (out, lse)`.
-    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`.
-    unsupported: `spec -> reason or None`.
-    config_type: the config class it takes, or None if it takes none.
-    default_config: `spec -> config` when `config=None`.
-    device_reason: `() -> reason or None`: whether the devices present can
-      run it. Only the automatic choice (and an eager call) consults it, so
-      an explicit backend still traces and lowers for another platform
-      (`jax.export(..., platforms=['cuda'])` on a machine without a GPU).
-  """
-
-  name: str
-  summary: str
-  forward: Callable[..., Any]
-  backward: Callable[..., Any]
-  unsupported: Callable[[AttentionSpec], str | None]
-  config_type: type | None = None
-  default_config: Callable[[AttentionSpec], Any] = lambda spec: None
-  device_reason: Callable[[], str | None] = lambda: None
 
 
 def _reference_forward(spec, config, q, k, v):
@@ -59,148 +30,115 @@ def _reference_forward(spec, config, q, k, v):
 
 def _reference_backward(spec, config, q, k, v, out, lse, dout, dlse):
   del config, out, lse  # plain autodiff through the materialized forward
-  _, pullback = jax.vjp(lambda *a: reference.reference_forward(spec, *a), q, k, v)
+  _, pullback = jax.vjp(lambda *a: reference.reference_forward(spec, *a),
+                        q, k, v)
   return pullback((dout, dlse))
 
 
-def hopper_reason() -> str | None:
-  """None when the default JAX backend is an sm90 (Hopper) GPU."""
-  devices = jax.devices()
-  kind = devices[0].platform
-  if kind != "gpu":
-    return f"no GPU: the default JAX backend is {kind!r}"
-  cc = getattr(devices[0], "compute_capability", None)
-  if cc is None or not str(cc).startswith("9."):
-    return f"GPU {devices[0].device_kind!r} has compute capability {cc}, not sm90"
+def _reference_unsupported(spec: AttentionSpec, config: Any) -> str | None:
+  del config
+  if spec.fp8 is not None:
+    return ("the reference has no FP8 path (the float64 golden is the oracle"
+            " of FP8 accuracy)")
+  if spec.stable_max is not None:
+    return "stable_max is implemented by the blockwise backend only"
   return None
 
 
-def _kernel_forward(interpret: bool):
-  def forward(spec, config, q, k, v):
-    from pallas_fa3.kernels.sm90 import compat
-    from pallas_fa3.kernels.sm90 import forward as sm90_fwd
-    params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
-    return sm90_fwd.sm90_forward(spec, config, q, k, v, interpret=params)
-  return forward
+REFERENCE = Backend(
+    "reference", "materialized baseline attention in float32 (the oracle;"
+    " memory quadratic in sequence length)", _reference_forward,
+    _reference_backward, _reference_unsupported, backward_uses_lse=False)
 
-
-# Race detection in interpret mode costs little at the small shapes the
-# interpreter is for, and a race is exactly what it exists to find.
-INTERPRET_DETECT_RACES = True
-
-
-def _kernel_backward(interpret: bool):
-  def backward(spec, config, q, k, v, out, lse, dout, dlse):
-    del config  # the forward tiling; the backward has its own heuristic
-    reason = sm90_config.backward_unsupported(spec)
-    if reason:
-      # Same gradients from the same residuals, by the blockwise twin; said
-      # once per trace, never silently.
-      warnings.warn(
-          f"the sm90 backward kernels cannot differentiate this call ({reason});"
-          " its gradients use the blockwise recomputation (the same function)",
-          stacklevel=2)
-      return blockwise.blockwise_backward(
-          spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse)
-    from pallas_fa3.kernels.sm90 import compat
-    from pallas_fa3.kernels.sm90 import backward as sm90_bwd
-    params = compat.interpret_params(detect_races=INTERPRET_DETECT_RACES) if interpret else None
-    return sm90_bwd.sm90_backward(
-        spec, sm90_config.default_backward_config(spec), q, k, v, out, lse,
-        dout, dlse, interpret=params)
-  return backward
-
-
-def _kernel_unsupported(spec: AttentionSpec) -> str | None:
-  return sm90_config.forward_unsupported(spec)
-
-
-_BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        Backend("mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
-                _kernel_forward(interpret=False), _kernel_backward(interpret=False),
-                _kernel_unsupported, sm90_config.Sm90ForwardConfig,
-                sm90_config.default_forward_config, device_reason=hopper_reason),
-        Backend("interpret", "the same kernels in Pallas GPU interpret mode"
-                " (CPU, small shapes, tests)",
-                _kernel_forward(interpret=True), _kernel_backward(interpret=True),
-                _kernel_unsupported, sm90_config.Sm90ForwardConfig,
-                sm90_config.default_forward_config),
-        Backend("blockwise", "pure-JAX FlashAttention (tiled online softmax),"
-                " any device; the kernels' numerics twin",
-                blockwise.blockwise_forward, blockwise.blockwise_backward,
-                lambda spec: None, blockwise.BlockwiseConfig,
-                lambda spec: blockwise.BlockwiseConfig()),
-        Backend("reference", "materialized baseline attention in float32"
-                " (the oracle; memory quadratic in sequence length)",
-                _reference_forward, _reference_backward, lambda spec: None),
-    )
-}
+# Fastest first: the automatic choice takes the first automatic backend that
+# can serve the call.
+BACKENDS: tuple[Backend, ...] = (sm90.MOSAIC, sm90.INTERPRET, blockwise.BACKEND,
+                                 REFERENCE)
+_BY_NAME = {b.name: b for b in BACKENDS}
+IMPLEMENTATIONS: tuple[str, ...] = tuple(_BY_NAME)
+Implementation = Literal[IMPLEMENTATIONS]  # "mosaic", "interpret", ...
+AUTO_ORDER: tuple[str, ...] = tuple(b.name for b in BACKENDS if b.automatic)
 
 
 def get(name: str) -> Backend:
-  return _BACKENDS[name]
+  """The backend called `name` (one of `IMPLEMENTATIONS`)."""
+  return _BY_NAME[check_implementation(name)]
 
 
 def all_backends() -> tuple[Backend, ...]:
-  return tuple(_BACKENDS.values())
+  return BACKENDS
 
 
-def _config_mismatch(backend: Backend, config: Any) -> str | None:
-  if config is None:
+def check_implementation(implementation: Any) -> str | None:
+  """Validates `implementation=` (None means automatic)."""
+  if implementation is None:
     return None
-  if backend.config_type is None:
-    return f"implementation={backend.name!r} takes no config"
-  if not isinstance(config, backend.config_type):
-    return (f"implementation={backend.name!r} takes a"
-            f" {backend.config_type.__name__}")
-  return None
+  if not isinstance(implementation, str):
+    raise TypeError(
+        f"implementation must be None or a string, one of {IMPLEMENTATIONS};"
+        f" got {implementation!r} of type {type(implementation).__name__}")
+  if implementation not in _BY_NAME:
+    raise ValueError(f"implementation must be None or one of"
+                     f" {IMPLEMENTATIONS}; got {implementation!r}")
+  return implementation
+
+
+def _reason(backend: Backend, spec: AttentionSpec, config: Any,
+            automatic: bool) -> str | None:
+  """Why `backend` cannot serve the call (with the device when automatic)."""
+  reason = backend.config_mismatch(config)
+  if reason is None and automatic:
+    reason = backend.device_reason()
+  if reason is None:
+    reason = backend.unsupported(spec, backend.make_config(spec, config))
+  return reason
 
 
 def explain_choice(spec: AttentionSpec, config: Any = None
                    ) -> list[tuple[str, str | None]]:
-  """The automatic candidates in order, each with its reason to be skipped (or None)."""
-  return [(name, _config_mismatch(_BACKENDS[name], config)
-           or _BACKENDS[name].device_reason()
-           or _BACKENDS[name].unsupported(spec)) for name in AUTO_ORDER]
+  """The automatic candidates in order, each with its reason to be skipped
+  (None for those that can serve the call)."""
+  return [(name, _reason(_BY_NAME[name], spec, config, automatic=True))
+          for name in AUTO_ORDER]
 
 
 def resolve(spec: AttentionSpec, implementation: str | None, config: Any
             ) -> tuple[Backend, Any]:
-  """Chooses the backend for a call and fills in its default config.
+  """The backend for a call and its config with defaults filled in.
 
   Raises:
-    NotImplementedError: an explicitly requested backend cannot serve the call.
-    TypeError: `config` does not belong to the backend.
+    NotImplementedError: an explicitly requested backend cannot serve the
+      call, or no automatic candidate can.
+    TypeError: `config` belongs to no (requested) backend.
   """
+  implementation = check_implementation(implementation)
   if implementation is None:
     candidates = explain_choice(spec, config)
-    chosen = next((name for name, reason in candidates if reason is None), None)
+    chosen = next((name for name, reason in candidates if reason is None),
+                  None)
     if chosen is None:
       reasons = "; ".join(f"{n}: {r}" for n, r in candidates)
-      raise TypeError(
-          f"config={config!r} fits no automatically chosen backend ({reasons})")
-    backend = _BACKENDS[chosen]
+      if config is not None:
+        raise TypeError(f"config={config!r} fits no automatically chosen"
+                        f" backend ({reasons})")
+      raise NotImplementedError(f"no backend can run this call ({reasons})")
+    backend = _BY_NAME[chosen]
   else:
-    backend = _BACKENDS[implementation]
-    mismatch = _config_mismatch(backend, config)
+    backend = _BY_NAME[implementation]
+    mismatch = backend.config_mismatch(config)
     if mismatch:
       raise TypeError(f"config={config!r} does not fit: {mismatch}")
-    reason = backend.unsupported(spec)
+    reason = _reason(backend, spec, config, automatic=False)
     if reason:
       raise NotImplementedError(
           f"implementation={implementation!r} cannot run this call: {reason}")
-  return backend, backend.default_config(spec) if config is None else config
+  return backend, backend.make_config(spec, config)
 
 
 def require_runnable_here(backend: Backend) -> None:
-  """Raises NotImplementedError, saying why, if the devices present cannot run it.
-
-  For callers that are about to execute locally (an eager call, the training
-  loop, the benchmark). Tracing and lowering for another platform
-  (`jax.export(..., platforms=['cuda'])`) does not call this.
-  """
+  """Raises NotImplementedError, saying why, if the devices present cannot
+  run `backend` (for callers about to execute locally: an eager call, the
+  training loop, the benchmark)."""
   reason = backend.device_reason()
   if reason:
     raise NotImplementedError(
@@ -208,4 +146,3 @@ def require_runnable_here(backend: Backend) -> None:
         " an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda']) lowers it"
         " on any machine, and implementation='interpret' runs the same kernel"
         " on a CPU")
-

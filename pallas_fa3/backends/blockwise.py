@@ -36,16 +36,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_fa3 import masking
 from pallas_fa3 import stable_max as stable_max_lib
-from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
+from pallas_fa3.backends import blockwise_fp8
+from pallas_fa3.backends.base import Backend
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
 
 _LN2 = math.log(2.0)  # converts the base-2 LSE back to the natural-log convention
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -59,9 +60,6 @@ class BlockwiseConfig:
   Attributes:
     block_q: query rows per tile (the kernels' Br).
     block_kv: key/value columns per tile (the kernels' Bc).
-    stable_max: the repeated-max fix of the forward's stabilizing max
-      (`pallas_fa3.StableMax`), or None; `flash_attention(stable_max=...)`
-      sets it.
 
   A tile larger than its sequence is clamped to the sequence length, which
   computes the same values as padding it.
@@ -69,44 +67,10 @@ class BlockwiseConfig:
 
   block_q: int = 128
   block_kv: int = 128
-  stable_max: stable_max_lib.StableMax | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv"):
-      value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(
-          value, numbers.Integral):
-        raise TypeError(
-            f"BlockwiseConfig.{name} must be an int; got {value!r} of type"
-            f" {type(value).__name__}"
-        )
-      if not 1 <= value <= _MAX_BLOCK:
-        raise ValueError(
-            f"BlockwiseConfig.{name} must be in [1, {_MAX_BLOCK}]; got {value}"
-        )
-      object.__setattr__(self, name, int(value))  # numpy ints -> int (hashing)
-    if not (self.stable_max is None
-            or isinstance(self.stable_max, stable_max_lib.StableMax)):
-      raise TypeError("BlockwiseConfig.stable_max must be None or a"
-                      f" pallas_fa3.StableMax; got {self.stable_max!r}")
-
-
-def with_stable_max(stable_max, implementation, config):
-  """`config` with `stable_max` set (None: unchanged), for flash_attention.
-
-  Only this backend has the fix: another implementation, or another
-  backend's config, raises NotImplementedError.
-  """
-  if stable_max is None:
-    return config
-  if implementation not in (None, "blockwise") or not (
-      config is None or isinstance(config, BlockwiseConfig)):
-    raise NotImplementedError(
-        f"stable_max={stable_max!r} is implemented by implementation="
-        f"'blockwise' only (the kernels later); got implementation="
-        f"{implementation!r}, config={config!r}")
-  return dataclasses.replace(config or BlockwiseConfig(),
-                             stable_max=stable_max)
+    block = dict(minimum=1, maximum=_MAX_BLOCK)
+    check_int_fields(self, block_q=block, block_kv=block)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -185,11 +149,11 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
       m, l, acc = carry
       s = _scores_log2(spec, q_tile, _seq_tile(kp, j, t.block_kv), q_pos,
                        j * t.block_kv + jnp.arange(t.block_kv))
-      if config.stable_max is None:
+      if spec.stable_max is None:
         m_new = jnp.maximum(m, s.max(axis=-1))
       else:  # scores are base 2 here: one natural-log unit is log2(e)
         m_new = jnp.maximum(m, stable_max_lib.tile_max(
-            s, config.stable_max, unit=LOG2E,
+            s, spec.stable_max, unit=LOG2E,
             max_shift=stable_max_lib.max_shift_log2(spec.dtype)))
       # Until a row has seen a visible key its max is -inf; exponentiate
       # against 0 instead so that exp2(-inf) = 0 rather than NaN.
@@ -298,3 +262,42 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
   dk = untile(dks) * scale
   dv = untile(dvs)
   return dq.astype(spec.dtype), dk.astype(spec.dtype), dv.astype(spec.dtype)
+
+
+# Quantization tiles of FP8 calls without a config: the FP8 kernel's default
+# for the head dim (so the twin quantizes and rounds P as the kernel would),
+# else these.
+_FP8_FALLBACK_TILES = (64, 128)
+
+
+def _make_config(spec: AttentionSpec, config: BlockwiseConfig | None
+                 ) -> BlockwiseConfig:
+  if config is not None:
+    return config
+  if spec.fp8 is None:
+    return BlockwiseConfig()
+  if spec.head_dim in sm90_fp8_config.FP8_HEAD_DIMS:
+    kernel = sm90_fp8_config.default_fp8_forward_config(spec.head_dim)
+    return BlockwiseConfig(kernel.block_q, kernel.block_kv)
+  return BlockwiseConfig(*_FP8_FALLBACK_TILES)
+
+
+def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
+  del config
+  if spec.fp8 is not None and spec.stable_max is not None:
+    return "stable_max is not implemented for fp8 attention"
+  return None
+
+
+def _fp8_forward(spec: AttentionSpec, config: BlockwiseConfig, x):
+  return blockwise_fp8.blockwise_forward_fp8(spec, config.block_q,
+                                             config.block_kv, *x)
+
+
+BACKEND = Backend(
+    "blockwise", "pure-JAX FlashAttention (tiled online softmax), any device;"
+    " the kernels' numerics twin", blockwise_forward, blockwise_backward,
+    _unsupported, config_types=(BlockwiseConfig,), make_config=_make_config,
+    fp8_forward=_fp8_forward,
+    fp8_tiles=lambda config: (config.block_q, config.block_kv),
+    automatic=True)

@@ -250,12 +250,12 @@ def fp8_forward_sweep():
   successor) and non-causal (one masked edge tile, the last).
   """
   import jax.numpy as jnp
-  from pallas_fa3.kernels.sm90 import config as sm90_config
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
   from pallas_fa3.spec import AttentionSpec
 
-  for dtype in sm90_config.FP8_OUT_DTYPES:
-    for d in sm90_config.FP8_HEAD_DIMS:
-      for config in sm90_config.fp8_forward_config_space(d):
+  for dtype in sm90_fp8_config.FP8_OUT_DTYPES:
+    for d in sm90_fp8_config.FP8_HEAD_DIMS:
+      for config in sm90_fp8_config.fp8_forward_config_space(d):
         for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
           yield AttentionSpec(1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal,
                               d ** -0.5), config
@@ -270,6 +270,7 @@ def defaults_sweep():
   every head dim, at `PROFILE_SHAPE`, causal and not."""
   import jax.numpy as jnp
   from pallas_fa3.kernels.sm90 import config as sm90_config
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
   from pallas_fa3.spec import AttentionSpec
 
   b, s, hq, hk = PROFILE_SHAPE
@@ -279,9 +280,9 @@ def defaults_sweep():
                            causal, d ** -0.5)
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
       yield compile_backward, spec, sm90_config.default_backward_config(spec)
-      if d in sm90_config.FP8_HEAD_DIMS:
+      if d in sm90_fp8_config.FP8_HEAD_DIMS:
         yield (compile_forward_fp8, spec,
-               sm90_config.default_fp8_forward_config(d))
+               sm90_fp8_config.default_fp8_forward_config(d))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,6 @@ unpartitioned.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -50,7 +49,6 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from pallas_fa3 import backends
 from pallas_fa3.spec import AttentionSpec
 
 _BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
@@ -320,13 +318,12 @@ def fit_explicit(x, target: NamedSharding):
 
 
 def _run_forward(call, q, k, v):
-  return tuple(backends.get(call.backend).forward(call.spec, call.config,
-                                                  q, k, v))
+  return tuple(call.backend.run_forward(call.spec, call.config, q, k, v))
 
 
 def _run_backward(call, q, k, v, out, lse, dout, dlse):
-  return tuple(backends.get(call.backend).backward(
-      call.spec, call.config, q, k, v, out, lse, dout, dlse))
+  return tuple(call.backend.run_backward(call.spec, call.config, q, k, v, out,
+                                         lse, dout, dlse))
 
 
 _FORWARD_OP = _Op(_FWD_NAMES, ("out", "lse"), _run_forward, _FWD_RULE)
@@ -335,24 +332,19 @@ _FORWARD = _partitioned(_FORWARD_OP)
 _BACKWARD = _partitioned(_BACKWARD_OP)
 
 
-@functools.lru_cache(maxsize=256)
-def _effectful(op: _Op, call, avals: tuple) -> bool:
-  """Whether the backend call has side effects (the Pallas interpreter's
-  callbacks, say). custom_partitioning neither declares nor lowers effects
-  (the lowering fails on the effect tokens), so such a call -- a test
-  backend, never a multi-device one -- runs as it is, unpartitioned."""
-  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
-  return bool(jax.make_jaxpr(functools.partial(op.run, call))(*args).effects)
-
-
 def _dispatch(op: _Op, partitioned, call, *args):
-  avals = tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in args)
-  if _effectful(op, call, avals):
+  if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
   sharding = _explicit_sharding(args[0])
   if sharding is not None and any(mesh_axes(e) for e in _spec_of(sharding, 4)):
     return op.shard_map(call, sharding, *args)
   return _with_vmap(partitioned, call, *args)
+
+
+def _global_scales(spec: AttentionSpec) -> bool:
+  """FP8 with one scale per tensor: its amax spans every shard, so the call
+  runs whole (XLA gathers) rather than per shard with per-shard scales."""
+  return spec.fp8 is not None and not spec.fp8.block_quantization
 
 
 def forward(call, q, k, v) -> tuple[jax.Array, jax.Array]:

@@ -45,18 +45,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from pallas_fa3 import backends
 from pallas_fa3.parallel import partitioning, ring_steps
 from pallas_fa3.parallel.ring_steps import RingPlan
-from pallas_fa3.spec import (check_arrays, check_bool, check_implementation,
-                             make_spec)
+from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.vjp import StaticCall
 
 Layout = Literal["natural", "zigzag"]
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
-
-# Backends whose backward re-derives the softmax of the block it is given
-# (plain autodiff of a materialized forward) instead of reading the lse
-# residual: a ring step hands them the *global* lse and out, which they would
-# ignore, so their gradients would be those of each block alone.
-_BACKWARD_IGNORES_LSE = ("reference",)
 
 
 # ---------------------------------------------------------------------------
@@ -151,12 +144,12 @@ def _step_call(spec, seq_q: int, seq_kv: int, causal: bool,
   """The backend call of one ring step, resolved as flash_attention would."""
   step = dataclasses.replace(spec, seq_q=seq_q, seq_kv=seq_kv, causal=causal)
   backend, config = backends.resolve(step, implementation, config)
-  if backend.name in _BACKWARD_IGNORES_LSE:
+  if not backend.backward_uses_lse:
     raise NotImplementedError(
         f"implementation={backend.name!r} cannot run ring attention: its"
         " backward differentiates each block's own softmax and ignores the"
         " merged lse every ring step passes; use 'blockwise' (or None)")
-  return StaticCall(step, backend.name, config)
+  return StaticCall(step, backend, config)
 
 
 def _step_calls(spec, mesh, n: int, batch_axes, head_axes, implementation,
@@ -271,7 +264,9 @@ def ring_attention(q, k, v, *, mesh, seq_axis, causal=False,
     softmax_scale: as in `flash_attention`.
     return_lse: also return the float32 lse `[batch, heads_q, seq_q]`.
     implementation: the backend of every ring step, as in `flash_attention`
-      (None: automatic). "reference" is refused: see `_BACKWARD_IGNORES_LSE`.
+      (None: automatic). A backend whose backward does not read the lse
+      residual (`reference`) is refused: a ring step hands it the merged
+      lse, which it would ignore.
     config: backend config of every ring step (e.g. `BlockwiseConfig`).
     layout: "natural" (tokens in order) or "zigzag" (already permuted with
       `zigzag_order`; causal only changes anything). Outputs come back in the
@@ -294,7 +289,7 @@ def ring_attention(q, k, v, *, mesh, seq_axis, causal=False,
   """
   check_arrays(q=q, k=k, v=v)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
-  implementation = check_implementation(implementation)
+  implementation = backends.check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
   n = _check_mesh(mesh, seq_axis)
   _check_lengths(spec, n, seq_axis, spec.causal)

@@ -16,55 +16,35 @@ producer warpgroup streams `block_kv`-row K and V tiles through a ring of
 from __future__ import annotations
 
 import dataclasses
-import numbers
+from typing import Any
 
-import numpy as np
-
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.spec import AttentionSpec, check_int_fields
 
 # Hardware facts (sm90), each named once.
 MAX_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
 WGMMA_M = 64                 # rows of one warpgroup MMA instruction
 TMA_ROW_ALIGN = 64           # K/V tile rows: a multiple of the 128-byte swizzle span
 NUM_CONSUMERS = 2            # consumer warpgroups per CTA (pingpong needs two)
-_BARRIER_BYTES = 8           # one mbarrier
+BARRIER_BYTES = 8           # one mbarrier
 # Pallas Mosaic GPU aligns every shared-memory allocation to 1024 bytes and
 # reserves `CompilerParams.reduction_scratch_bytes` (default 128 * 4 * 4) for
 # cross-warp reductions; measured against its "exceeds available shared
 # memory" check, the estimate below is exact.
-_SMEM_ALIGN = 1024
-_RESERVED_SMEM = 128 * 4 * 4
+SMEM_ALIGN = 1024
+RESERVED_SMEM = 128 * 4 * 4
 
 KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)  # multiples of 32 the tiling serves
 KERNEL_DTYPES = ("bfloat16", "float16")
-_BLOCK_Q_CHOICES = (64, 128)
+BLOCK_Q_CHOICES = (64, 128)
 # The P V wgmma takes block_kv as its K dimension, which must be a multiple
 # of the 128-byte swizzle span (64 bf16/fp16 elements).
-_BLOCK_KV_CHOICES = (64, 128, 192, 256)
-_STAGE_CHOICES = (2, 3, 4)
+BLOCK_KV_CHOICES = (64, 128, 192, 256)
+STAGE_CHOICES = (2, 3, 4)
 
 
-def _align(nbytes: int) -> int:
+def align_smem(nbytes: int) -> int:
   """One shared-memory allocation's size as Mosaic places it."""
-  return -(-nbytes // _SMEM_ALIGN) * _SMEM_ALIGN
-
-
-def _check_int_choices(config, **choices) -> None:
-  """Validates int fields of a frozen config against their allowed values.
-
-  Raises TypeError / ValueError naming `Class.field` and the value; stores
-  numpy ints as `int` (so configs hash and compare as plain data).
-  """
-  cls = type(config).__name__
-  for name, allowed in choices.items():
-    value = getattr(config, name)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, numbers.Integral):
-      raise TypeError(f"{cls}.{name} must be an int; got {value!r} of type"
-                      f" {type(value).__name__}")
-    if int(value) not in allowed:
-      raise ValueError(f"{cls}.{name} must be one of {allowed}; got {value}")
-    object.__setattr__(config, name, int(value))
+  return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +62,9 @@ class Sm90ForwardConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    _check_int_choices(self, block_q=_BLOCK_Q_CHOICES,
-                       block_kv=_BLOCK_KV_CHOICES, num_stages=_STAGE_CHOICES)
+    check_int_fields(self, block_q=dict(choices=BLOCK_Q_CHOICES),
+                     block_kv=dict(choices=BLOCK_KV_CHOICES),
+                     num_stages=dict(choices=STAGE_CHOICES))
 
   @property
   def rows_per_cta(self) -> int:
@@ -98,11 +79,11 @@ def forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
   rings, the lse staging rows and the barriers (K full/empty, V full/empty
   per stage, one Q barrier per consumer, one schedule barrier).
   """
-  qo = _align(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
-  ring = _align(config.num_stages * config.block_kv * head_dim * itemsize)
-  lse = _align(NUM_CONSUMERS * config.block_q * 4)
-  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
-  return qo + 2 * ring + lse + _RESERVED_SMEM + barriers
+  qo = align_smem(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
+  ring = align_smem(config.num_stages * config.block_kv * head_dim * itemsize)
+  lse = align_smem(NUM_CONSUMERS * config.block_q * 4)
+  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * BARRIER_BYTES
+  return qo + 2 * ring + lse + RESERVED_SMEM + barriers
 
 
 def forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
@@ -136,7 +117,7 @@ def forward_unsupported(spec: AttentionSpec,
   """Why the sm90 forward kernel cannot compute `spec` (with `config`), or None."""
   if str(spec.dtype) not in KERNEL_DTYPES:
     return (f"dtype {spec.dtype} is not served by the kernel (it takes"
-            f" {', '.join(KERNEL_DTYPES)}; fp8 arrives with the FP8 issue)")
+            f" {', '.join(KERNEL_DTYPES)}; FP8 is flash_attention(fp8=True))")
   if spec.head_dim != spec.head_dim_v:
     return (f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
             " the kernel needs equal q/k and v head dims")
@@ -171,8 +152,8 @@ def forward_config_space(head_dim: int, itemsize: int = 2
   """Every config that fits at this head_dim (the autotuning space)."""
   return tuple(
       c for c in (Sm90ForwardConfig(bq, bkv, st)
-                  for bq in _BLOCK_Q_CHOICES for bkv in _BLOCK_KV_CHOICES
-                  for st in _STAGE_CHOICES)
+                  for bq in BLOCK_Q_CHOICES for bkv in BLOCK_KV_CHOICES
+                  for st in STAGE_CHOICES)
       if forward_config_unsupported(c, head_dim, itemsize) is None)
 
 
@@ -213,10 +194,12 @@ class Sm90BackwardConfig:
   dq_head_splits: int = 1
 
   def __post_init__(self):
-    _check_int_choices(self, block_q=(64, 128), block_kv=(64, 128),
-                       num_stages=_STAGE_CHOICES, dkdv_consumers=(1, 2),
-                       dkdv_head_splits=(1, 2), dq_consumers=(1, 2),
-                       dq_head_splits=(1, 2))
+    one_or_two = dict(choices=(1, 2))
+    check_int_fields(self, block_q=dict(choices=(64, 128)),
+                     block_kv=dict(choices=(64, 128)),
+                     num_stages=dict(choices=STAGE_CHOICES),
+                     dkdv_consumers=one_or_two, dkdv_head_splits=one_or_two,
+                     dq_consumers=one_or_two, dq_head_splits=one_or_two)
     if self.dq_head_splits == 2 and self.dq_consumers != 2:
       raise ValueError("Sm90BackwardConfig.dq_head_splits=2 needs dq_consumers=2"
                        f" (the two consumers split the head dim); got"
@@ -226,6 +209,42 @@ class Sm90BackwardConfig:
   def dq_config(self) -> Sm90ForwardConfig:
     """The dQ kernel walks K/V like the forward kernel: the same tiling."""
     return Sm90ForwardConfig(self.block_q, self.block_kv, self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+  """The sm90 kernels' tilings for one call (`mosaic` / `interpret`).
+
+  Attributes:
+    forward: the forward kernel's tiling (the FP8 kernel's with `fp8=`), or
+      None for the heuristic default of the call.
+    backward: the backward kernels' tiling, or None for the heuristic
+      default. A tiling that does not fit the call is an error when the call
+      is made.
+
+  A bare `Sm90ForwardConfig` passed as `config=` means
+  `Sm90Config(forward=that)`.
+  """
+
+  forward: Sm90ForwardConfig | None = None
+  backward: Sm90BackwardConfig | None = None
+
+  def __post_init__(self):
+    for name, cls in (("forward", Sm90ForwardConfig),
+                      ("backward", Sm90BackwardConfig)):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, cls):
+        raise TypeError(f"Sm90Config.{name} must be None or a"
+                        f" pallas_fa3.{cls.__name__}; got {value!r}")
+
+  @classmethod
+  def of(cls, config: Any) -> "Sm90Config":
+    """`config=` of a kernel backend (None, Sm90Config or Sm90ForwardConfig)."""
+    if config is None:
+      return cls()
+    if isinstance(config, Sm90ForwardConfig):
+      return cls(forward=config)
+    return config
 
 
 def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
@@ -238,22 +257,22 @@ def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
   # dK/dV: K and V tiles (one shared, or one per consumer); ring of Q, dO
   # tiles and lse, delta rows (head-dim chunks are slices of the same
   # buffers); shared: P and dS tiles by step parity and a rendezvous barrier.
-  dkdv = (2 * _align(tiles * bkv * d * itemsize)
-          + 2 * _align(st * bq * d * itemsize) + 2 * _align(st * bq * 4)
-          + (5 * st + 2 * tiles) * _BARRIER_BYTES)
+  dkdv = (2 * align_smem(tiles * bkv * d * itemsize)
+          + 2 * align_smem(st * bq * d * itemsize) + 2 * align_smem(st * bq * 4)
+          + (5 * st + 2 * tiles) * BARRIER_BYTES)
   if shared:
-    dkdv += 2 * _align(2 * bq * bkv * itemsize) + _BARRIER_BYTES
+    dkdv += 2 * align_smem(2 * bq * bkv * itemsize) + BARRIER_BYTES
   # dQ: Q, dO tiles and lse, delta rows per row block (one block when the
   # consumers share the rows); ring of K and V tiles; shared: dS tiles by
   # step parity and a rendezvous barrier.
   blocks = 1 if config.dq_head_splits == 2 else qc
-  dq = (2 * _align(blocks * bq * d * itemsize)
-        + 2 * _align(blocks * bq * 4)
-        + 2 * _align(st * bkv * d * itemsize)
-        + (4 * st + 4 * blocks) * _BARRIER_BYTES)
+  dq = (2 * align_smem(blocks * bq * d * itemsize)
+        + 2 * align_smem(blocks * bq * 4)
+        + 2 * align_smem(st * bkv * d * itemsize)
+        + (4 * st + 4 * blocks) * BARRIER_BYTES)
   if config.dq_head_splits == 2:
-    dq += _align(2 * bq * bkv * itemsize) + _BARRIER_BYTES
-  # No _RESERVED_SMEM: Mosaic reserves it for cross-warp reductions, which
+    dq += align_smem(2 * bq * bkv * itemsize) + BARRIER_BYTES
+  # No RESERVED_SMEM: Mosaic reserves it for cross-warp reductions, which
   # neither backward kernel has (measured: the estimate is then exact).
   return {"dkdv": dkdv, "dq": dq}
 
@@ -268,9 +287,9 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
 # thread, by consumer warpgroups per CTA, measured with the deviceless sm_90a
 # compile (`python -m pallas_fa3.kernels.aot`). Two consumers get 232
 # registers a thread (setmaxnreg), a lone one 256 (ptxas: 255).
-_DKDV_TILE_REGS = {2: 128, 1: 192}  # d=96, 2 consumers (160): 48 B (first pass)
-_DQ_TILE_REGS = {2: 128, 1: 192}    # d=64, 64x128 tiles (160): 956 B (first pass)
-_DKDV_SHARED_TILE_REGS = 160       # d=256 shared (160): 0 B over 5 shapes
+_DKDV_TILE_REGS = {2: 128, 1: 192}
+_DQ_TILE_REGS = {2: 128, 1: 192}
+_DKDV_SHARED_TILE_REGS = 160
 
 
 def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
@@ -354,7 +373,7 @@ _OWN_TILES, _SHARED_TILE, _CTA_SPLIT = ((2, 1), (1, 1)), ((2, 2),), ((1, 2),)
 
 
 def _tilings(head_dim: int, itemsize: int, layouts, block_choices=(64, 128),
-             stage_choices=_STAGE_CHOICES):
+             stage_choices=STAGE_CHOICES):
   found = (_fit(bq, bkv, st, consumers, splits, head_dim, itemsize)
            for consumers, splits in layouts for bq in block_choices
            for bkv in block_choices for st in stage_choices)
@@ -386,108 +405,3 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   if not space:
     raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
   return space[0]
-
-
-# -- FP8 (e4m3) forward: same tiling dataclass, its own footprint -------------
-# (kernels/sm90_fwd_fp8.py; quantization tiles = kernel tiles, pallas_fa3.fp8)
-
-FP8_HEAD_DIMS = (64, 128, 256)  # the randomized Hadamard needs a power of two
-FP8_OUT_DTYPES = ("bfloat16", "float16")
-_FP8_ITEMSIZE = 1
-
-
-def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
-                           out_itemsize: int = 2) -> int:
-  """Shared memory the FP8 forward kernel allocates for one CTA, in bytes.
-
-  As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus a separate output
-  tile per consumer (in the output dtype) and one e4m3 P tile per consumer
-  (P is staged through shared memory for the P V wgmma).
-  """
-  rows = NUM_CONSUMERS * config.block_q
-  q = _align(rows * head_dim * _FP8_ITEMSIZE)
-  out = _align(rows * head_dim * out_itemsize)
-  p = _align(rows * config.block_kv * _FP8_ITEMSIZE)
-  ring = _align(config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE)
-  lse = _align(rows * 4)
-  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * _BARRIER_BYTES
-  return q + out + p + 2 * ring + lse + _RESERVED_SMEM + barriers
-
-
-# Register model of the FP8 consumer, calibrated with the deviceless sm_90a
-# compile (`python -m pallas_fa3.kernels.aot --fp8`): the float32 O and S
-# tiles as in the bf16 kernel, plus one register per 8 columns of P (the
-# addresses of its shared-memory store, which the compiler keeps live across
-# the loop). Within the budget, every config compiles with 0 spill bytes
-# except the two below, which ptxas spills (8 bytes, causal only; the
-# 3-stage ring's slot index is a division by 3) and are therefore excluded,
-# as measured, rather than modelled.
-_FP8_CONSUMER_ACC_REGS = 208
-_FP8_MEASURED_SPILLS = frozenset({
-    (64, Sm90ForwardConfig(block_q=128, block_kv=64, num_stages=3)),
-    (128, Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3)),
-})
-
-
-def fp8_forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
-                                   out_itemsize: int = 2) -> str | None:
-  """Why this config cannot run the FP8 kernel at this head_dim, or None."""
-  if head_dim not in FP8_HEAD_DIMS:
-    return (f"head_dim {head_dim} is not one of the FP8 kernel's"
-            f" {FP8_HEAD_DIMS}")
-  need = fp8_forward_smem_bytes(config, head_dim, out_itemsize)
-  if need > MAX_SMEM_BYTES:
-    return (f"{config} needs {need} bytes of shared memory for FP8 at"
-            f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
-  regs = (config.block_q * (head_dim + 2 * config.block_kv) // 128
-          + config.block_kv // 8)
-  if regs > _FP8_CONSUMER_ACC_REGS:
-    return (f"{config} keeps about {regs} registers of tiles per thread in"
-            f" the FP8 consumer at head_dim {head_dim}; the budget is"
-            f" {_FP8_CONSUMER_ACC_REGS}")
-  if (head_dim, config) in _FP8_MEASURED_SPILLS:
-    return (f"{config} spills registers in the FP8 kernel at head_dim"
-            f" {head_dim} (measured with the sm_90a compile)")
-  return None
-
-
-def fp8_forward_config_space(head_dim: int, out_itemsize: int = 2
-                             ) -> tuple[Sm90ForwardConfig, ...]:
-  """Every FP8 config that fits at this head_dim (the autotuning space)."""
-  return tuple(
-      c for c in (Sm90ForwardConfig(bq, bkv, st)
-                  for bq in _BLOCK_Q_CHOICES for bkv in _BLOCK_KV_CHOICES
-                  for st in _STAGE_CHOICES)
-      if fp8_forward_config_unsupported(c, head_dim, out_itemsize) is None)
-
-
-_FP8_DEFAULTS = {
-    64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
-}
-
-
-def default_fp8_forward_config(head_dim: int) -> Sm90ForwardConfig:
-  """The heuristic FP8 forward config (also the default quantization tiles)."""
-  config = _FP8_DEFAULTS.get(head_dim, Sm90ForwardConfig())
-  assert fp8_forward_config_unsupported(config, head_dim) is None, config
-  return config
-
-
-def fp8_forward_unsupported(spec: AttentionSpec,
-                            config: Sm90ForwardConfig | None = None
-                            ) -> str | None:
-  """Why the FP8 kernel cannot compute `spec` (output dtype `spec.dtype`), or None."""
-  if str(spec.dtype) not in FP8_OUT_DTYPES:
-    return (f"the FP8 kernel writes {', '.join(FP8_OUT_DTYPES)}; got output"
-            f" dtype {spec.dtype}")
-  if spec.head_dim != spec.head_dim_v:
-    return (f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
-            " the FP8 kernel needs equal q/k and v head dims")
-  if spec.head_dim not in FP8_HEAD_DIMS:
-    return (f"head_dim {spec.head_dim} is not one of the FP8 kernel's"
-            f" {FP8_HEAD_DIMS}")
-  config = default_fp8_forward_config(spec.head_dim) if config is None else config
-  return fp8_forward_config_unsupported(config, spec.head_dim,
-                                        spec.dtype.itemsize)

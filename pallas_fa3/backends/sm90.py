@@ -1,0 +1,127 @@
+"""The Hopper kernels as backends: `mosaic` (compiled for sm90) and
+`interpret` (the same kernels in Pallas GPU interpret mode on a CPU).
+
+The kernel modules are imported when a call is traced, so importing the
+registry does not load Mosaic GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from pallas_fa3.backends import blockwise
+from pallas_fa3.backends.base import Backend
+from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+from pallas_fa3.kernels.sm90.config import (Sm90BackwardConfig, Sm90Config,
+                                            Sm90ForwardConfig)
+from pallas_fa3.spec import AttentionSpec
+
+# Race detection in interpret mode costs little at the small shapes the
+# interpreter is for, and a race is exactly what it exists to find.
+INTERPRET_DETECT_RACES = True
+
+
+def hopper_reason() -> str | None:
+  """None when the default JAX backend is an sm90 (Hopper) GPU."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return f"no GPU: the default JAX backend is {device.platform!r}"
+  cc = getattr(device, "compute_capability", None)
+  if cc is None or not str(cc).startswith("9."):
+    return f"GPU {device.device_kind!r} has compute capability {cc}, not sm90"
+  return None
+
+
+def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
+  config = Sm90Config.of(config)
+  if config.forward is not None:
+    return config
+  if spec.fp8 is not None:
+    if spec.head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
+      return config  # `unsupported` says why
+    forward = sm90_fp8_config.default_fp8_forward_config(spec.head_dim)
+  else:
+    forward = sm90_config.default_forward_config(spec)
+  return Sm90Config(forward=forward, backward=config.backward)
+
+
+def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
+  if spec.stable_max is not None:
+    return "stable_max is implemented by the blockwise backend only"
+  if spec.fp8 is not None:
+    if config.backward is not None:
+      return "fp8 has no backward, so Sm90Config.backward must be None"
+    return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
+  reason = sm90_config.forward_unsupported(spec, config.forward)
+  if reason is None and config.backward is not None:
+    reason = sm90_config.backward_config_unsupported(
+        config.backward, spec.head_dim, spec.dtype.itemsize)
+  return reason
+
+
+def _interpret_params(interpret: bool):
+  if not interpret:
+    return None
+  from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
+  return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
+
+
+def _forward(interpret: bool):
+  def forward(spec, config: Sm90Config, q, k, v):
+    from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.sm90_forward(spec, config.forward, q, k, v,
+                               interpret=_interpret_params(interpret))
+  return forward
+
+
+def _fp8_forward(interpret: bool):
+  def fp8_forward(spec, config: Sm90Config, x):
+    from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.sm90_forward_fp8(spec, config.forward, *x,
+                                   interpret=_interpret_params(interpret))
+  return fp8_forward
+
+
+def _backward(interpret: bool):
+  def backward(spec, config: Sm90Config, q, k, v, out, lse, dout, dlse):
+    tiling: Sm90BackwardConfig | None = config.backward
+    if tiling is None:
+      reason = sm90_config.backward_unsupported(spec)
+      if reason:
+        # The same gradients from the same residuals, by the blockwise twin;
+        # said once per trace, never silently.
+        warnings.warn(
+            f"the sm90 backward kernels cannot differentiate this call"
+            f" ({reason}); its gradients use the blockwise recomputation"
+            " (the same function)", stacklevel=2)
+        return blockwise.blockwise_backward(
+            spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse)
+      tiling = sm90_config.default_backward_config(spec)
+    from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.sm90_backward(spec, tiling, q, k, v, out, lse, dout, dlse,
+                                interpret=_interpret_params(interpret))
+  return backward
+
+
+def _fp8_tiles(config: Sm90Config) -> tuple[int, int]:
+  return config.forward.block_q, config.forward.block_kv
+
+
+def _kernel_backend(name: str, summary: str, interpret: bool,
+                    **kwargs) -> Backend:
+  return Backend(
+      name, summary, _forward(interpret), _backward(interpret), _unsupported,
+      config_types=(Sm90Config, Sm90ForwardConfig), make_config=_make_config,
+      fp8_forward=_fp8_forward(interpret), fp8_tiles=_fp8_tiles, **kwargs)
+
+
+MOSAIC = _kernel_backend(
+    "mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
+    interpret=False, device_reason=hopper_reason, automatic=True)
+INTERPRET = _kernel_backend(
+    "interpret", "the same kernels in Pallas GPU interpret mode (CPU, small"
+    " shapes, tests)", interpret=True, partitionable=False)
