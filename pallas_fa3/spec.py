@@ -189,9 +189,13 @@ def check_int(name: str, value: Any, *, choices: Any = None,
   value = int(value)
   if choices is not None and value not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}; got {value}")
-  if minimum is not None and value < minimum:
+  low = minimum is not None and value < minimum
+  high = maximum is not None and value > maximum
+  if (low or high) and minimum is not None and maximum is not None:
+    raise ValueError(f"{name} must be in [{minimum}, {maximum}]; got {value}")
+  if low:
     raise ValueError(f"{name} must be >= {minimum}; got {value}")
-  if maximum is not None and value > maximum:
+  if high:
     raise ValueError(f"{name} must be <= {maximum}; got {value}")
   return value
 

@@ -39,7 +39,8 @@ def skip_if_unsupported(implementation: str, q, k, v, causal=False,
                         softmax_scale=None):
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   backend = backends.get(implementation)
-  reason = backend.device_reason() or backend.unsupported(spec)
+  reason = (backend.device_reason()
+            or backends.unsupported_reason(implementation, spec))
   if reason:
     pytest.skip(f"{implementation}: {reason}")
 

@@ -20,6 +20,7 @@ import jax
 from pallas_fa3 import reference
 from pallas_fa3.backends import blockwise, sm90
 from pallas_fa3.backends.base import Backend
+from pallas_fa3.backends.sm90 import hopper_reason as hopper_reason
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -92,6 +93,12 @@ def _reason(backend: Backend, spec: AttentionSpec, config: Any,
   if reason is None:
     reason = backend.unsupported(spec, backend.make_config(spec, config))
   return reason
+
+
+def unsupported_reason(implementation: str, spec: AttentionSpec,
+                       config: Any = None) -> str | None:
+  """Why `implementation` cannot serve the call (devices aside), or None."""
+  return _reason(get(implementation), spec, config, automatic=False)
 
 
 def explain_choice(spec: AttentionSpec, config: Any = None

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, flash_attention
-from pallas_fa3.spec import IMPLEMENTATIONS
+from pallas_fa3.backends import IMPLEMENTATIONS
 
 OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
 BASELINES: tuple[str, ...] = ("cudnn", "xla", "mgpu")

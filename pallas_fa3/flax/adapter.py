@@ -69,8 +69,9 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax import _layout
+from pallas_fa3.backends import check_implementation
 from pallas_fa3.spec import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool,
-                             check_implementation, check_softmax_scale)
+                             check_softmax_scale)
 
 OnUnsupported = Literal["raise", "fallback"]
 ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")

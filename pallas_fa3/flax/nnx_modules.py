@@ -32,7 +32,8 @@ from flax.typing import Dtype, Initializer
 from pallas_fa3.flax import _attend
 from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
                                   check_rope_head_dim)
-from pallas_fa3.spec import check_bool, check_implementation
+from pallas_fa3.backends import check_implementation
+from pallas_fa3.spec import check_bool
 
 
 class FlashMultiHeadAttention(nnx.Module):

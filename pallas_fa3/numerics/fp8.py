@@ -233,7 +233,7 @@ def _fp8_config(config_cls, block_quant: bool, rotate: bool):
 
 
 def _kernel_reason(impl: str, spec, cfg: FP8StudyConfig) -> str | None:
-  reason = backends.get(impl).unsupported(spec)
+  reason = backends.unsupported_reason(impl, spec)
   if reason is None and impl == "interpret" and cfg.seq > cfg.interpret_max_seq:
     reason = (f"interpret runs only up to seq {cfg.interpret_max_seq}"
               " (--interpret-max-seq): the interpreter is slow")
