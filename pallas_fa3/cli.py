@@ -27,11 +27,12 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import platform
 import sys
 import time
+
+from pallas_fa3 import example_models
 
 _SAMPLE_HELP = "sample call used to show the automatic choice"
 # XLA flag that makes GPU reductions and autotuning deterministic (a no-op on
@@ -235,49 +236,9 @@ def _add_train_parser(sub) -> None:
   p.set_defaults(func=_cmd_train, parser=p)
 
 
-def _require_models() -> None:
-  """Makes `models` (the training example) importable, or says what is missing.
-
-  `models/` is not installed with the package: when `import models` fails, it
-  is taken from the checkout that holds this `pallas_fa3` (an editable install
-  or PYTHONPATH), the parent of the package directory.
-
-  Raises:
-    ImportError: no checkout with `models/`, or optax / orbax-checkpoint (the
-      `train` extra) missing; the message says how to get them.
-  """
-  try:
-    importlib.import_module("models")
-  except ModuleNotFoundError as e:
-    if e.name != "models":
-      raise
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "models", "__init__.py")):
-      raise ImportError(
-          "pallas-fa3 train needs a source checkout of pallas-fa3 with its"
-          " models/ folder (the training example is not installed): clone"
-          " the repository and run `pip install -e '.[train]'` in it; found"
-          f" no models/ next to {os.path.join(root, 'pallas_fa3')}") from None
-    sys.path.insert(0, root)
-  try:
-    importlib.import_module("models.train")  # imports optax and orbax
-  except ModuleNotFoundError as e:
-    top = (e.name or "").partition(".")[0]
-    if top in ("optax", "orbax"):
-      raise ImportError(
-          f"pallas-fa3 train needs {top} (the train extra): pip install"
-          " 'pallas-fa3[train]' (in a checkout: pip install -e"
-          " '.[train]')") from e
-    if top == "models":  # another project's `models` came first on sys.path
-      raise ImportError(
-          "pallas-fa3 train needs the models/ folder of a pallas-fa3"
-          f" checkout; the `models` found has no {e.name}") from e
-    raise
-
-
 def _train_configs(args):
   """`(GPTConfig, TrainConfig)` from the parsed flags."""
-  _require_models()
+  example_models.require_models("pallas-fa3 train")
   from models.gpt import GPTConfig  # pylint: disable=g-import-not-at-top
   from models.train import TrainConfig  # pylint: disable=g-import-not-at-top
 
@@ -306,7 +267,7 @@ def _cmd_train(args) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
                                + _XLA_DETERMINISTIC).strip()
   try:
-    _require_models()
+    example_models.require_models("pallas-fa3 train")
   except ImportError as e:
     print(f"pallas-fa3 train: error: {e}", file=sys.stderr)
     return 1

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import pytest
 
 import pallas_fa3
-from pallas_fa3 import cli
+from pallas_fa3 import cli, example_models
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VERSION = "0.1.0"
@@ -145,7 +145,8 @@ def test_train_without_the_train_extra_names_it(missing, monkeypatch, capsys,
 def test_train_outside_a_checkout_says_it_needs_one(monkeypatch, capsys,
                                                     tmp_path):
   monkeypatch.setitem(sys.modules, "models", None)  # `import models` fails
-  monkeypatch.setattr(cli, "__file__", str(tmp_path / "pallas_fa3" / "cli.py"))
+  monkeypatch.setattr(example_models, "__file__",
+                      str(tmp_path / "pallas_fa3" / "example_models.py"))
   assert cli.main([*_TRAIN, "--out", str(tmp_path / "run")]) == 1
   err = capsys.readouterr().err
   assert "needs a source checkout of pallas-fa3 with its models/ folder" in err
@@ -165,7 +166,7 @@ def test_train_finds_models_next_to_the_package(monkeypatch):
       f for f in sys.meta_path
       if not getattr(f, "__module__", "").startswith("__editable__")])
   assert importlib.util.find_spec("models") is None
-  cli._require_models()  # pylint: disable=protected-access
+  example_models.require_models("pallas-fa3 train")
   assert sys.path[0] == root
   assert pathlib.Path(sys.modules["models.train"].__file__).is_relative_to(
       REPO / "models")

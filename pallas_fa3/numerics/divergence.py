@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa3 import example_models
 from pallas_fa3.numerics import metrics, report
 
 RUNS = {
@@ -98,6 +99,7 @@ class DivergenceConfig:
 
   def model_configs(self):
     """{run: (GPTConfig, TrainConfig)} of the four runs."""
+    example_models.require_models("pallas-fa3 numerics divergence")
     from models.gpt import GPTConfig  # pylint: disable=g-import-not-at-top
     from models.train import TrainConfig  # pylint: disable=g-import-not-at-top
     flash = (None if self.flash_implementation == "auto"
@@ -171,6 +173,7 @@ def compare(params_a, params_b) -> dict[str, Any]:
 
 def run(cfg: DivergenceConfig, *, progress: bool = True) -> dict:
   """Trains the four runs in lockstep, comparing them every `interval` steps."""
+  example_models.require_models("pallas-fa3 numerics divergence")
   from models import data  # pylint: disable=g-import-not-at-top
   from models.train import build_program  # pylint: disable=g-import-not-at-top
 
