@@ -18,6 +18,7 @@ orders). Its unit scale suits the O(1) inputs the tests use.
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 
 import jax
@@ -127,8 +128,17 @@ def gpu_tier() -> str:
   return tier
 
 
-def backward_config_id(dtype: str, head_dim: int, config) -> str:
-  """A pytest id for one `Sm90BackwardConfig` at one dtype and head dim."""
-  return (f"{dtype}-d{head_dim}-{config.block_q}x{config.block_kv}x"
-          f"{config.num_stages}-c{config.dkdv_consumers}h{config.dkdv_head_splits}"
-          f"q{config.dq_consumers}h{config.dq_head_splits}")
+def lowered_kernel_count(module_text: str) -> int:
+  """Pallas Mosaic GPU kernels (custom calls) in a lowered StableHLO module."""
+  return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(",
+                        module_text))
+
+
+def assert_lowered_attention(module_text: str, *, kernels: int, seq_q: int,
+                             seq_kv: int) -> None:
+  """A lowered attention holds exactly `kernels` Mosaic GPU kernels and no
+  `[seq_q, seq_kv]` tensor (the score matrix never exists in HBM)."""
+  found = lowered_kernel_count(module_text)
+  assert found == kernels, f"{found} Mosaic GPU kernels, expected {kernels}"
+  scores = re.findall(rf"tensor<(?:\d+x)*{seq_q}x{seq_kv}x", module_text)
+  assert not scores, f"a [{seq_q}, {seq_kv}] tensor is materialized: {scores}"

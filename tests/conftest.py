@@ -12,11 +12,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_fa3
 from pallas_fa3 import backends
 from pallas_fa3.spec import make_spec
+from pallas_fa3.testing import Shape
 
 # Every backend runs the same suite; one that cannot serve a call is skipped
 # with its own reason (`mosaic` without a Hopper GPU), so the suite switches
@@ -33,6 +35,16 @@ def key(request):
   """A fresh PRNG key per test, derived from the test's id (reproducible)."""
   seed = zlib.crc32(request.node.nodeid.encode()) + next(_counter)
   return jax.random.key(seed % (2**31))
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+  """Fresh numpy inputs per test, seeded by the test's id (reproducible).
+
+  numpy, not jax.random: eager jax.random compiles once per new shape, which
+  costs more than the whole test on a small CPU.
+  """
+  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def skip_if_unsupported(implementation: str, q, k, v, causal=False,
@@ -59,3 +71,32 @@ def forward_and_grads(implementation, q, k, v, dout, *, causal=False,
     return (out, lse) + tuple(pullback((dout, dlse)))
 
   return run(q, k, v, dout, dlse)
+
+
+def case_id(*parts) -> str:
+  """The one pytest id format: shapes as `Shape` prints them, dtypes by name,
+  sm90 tilings as `64x128x2` (backward: plus consumers/splits), head dims as
+  `d128`, other values by `str`; parts joined with "-".
+
+  Usable as `ids=case_id` (one part per parameter) or called with several.
+  """
+  return "-".join(_part_id(p) for p in parts)
+
+
+def _part_id(value) -> str:
+  if isinstance(value, Shape):
+    return str(value)
+  if isinstance(value, pallas_fa3.Sm90BackwardConfig):
+    c = value
+    return (f"{c.block_q}x{c.block_kv}x{c.num_stages}-c{c.dkdv_consumers}"
+            f"h{c.dkdv_head_splits}q{c.dq_consumers}h{c.dq_head_splits}")
+  if isinstance(value, pallas_fa3.Sm90ForwardConfig):
+    return f"{value.block_q}x{value.block_kv}x{value.num_stages}"
+  if isinstance(value, bool):
+    return "causal" if value else "full"
+  if isinstance(value, int):
+    return f"d{value}"
+  try:
+    return jnp.dtype(value).name
+  except TypeError:
+    return getattr(value, "__name__", None) or str(value)

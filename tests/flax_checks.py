@@ -8,12 +8,10 @@ with the float32 oracle at the rule's floor (a few float32 ulps).
 
 from __future__ import annotations
 
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from pallas_fa3.testing import assert_within_tolerance, max_abs_err, tolerance
@@ -104,16 +102,6 @@ def assert_layer_within_tolerance(got, naive, golden, dtype) -> None:
     else:
       assert_within_tolerance(f"grad {name}", grads[name], n_grads[name],
                               g_grads[name])
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-  """Fresh numpy inputs per test, seeded by the test's id (reproducible).
-
-  numpy, not jax.random: eager jax.random compiles once per new shape, which
-  costs more than the whole test on a small CPU.
-  """
-  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def normal(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:

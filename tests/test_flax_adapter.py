@@ -19,7 +19,6 @@ from pallas_fa3.testing import assert_within_tolerance
 from flax_checks import (BIAS_INIT, assert_layer_within_tolerance,
                          linen_forward_and_grads, normal,
                          nnx_forward_and_grads, random_layer_inputs)
-from flax_checks import rng  # pylint: disable=unused-import (fixture)
 
 _FEATURES, _HEADS, _BATCH, _SEQ = 32, 4, 2, 13
 _QKV_SHAPE = (2, 7, 4, 8)  # [batch, seq, heads, head_dim] for direct calls

@@ -7,7 +7,6 @@ tolerance rule), under nnx/jax jit, grad and remat/checkpoint.
 
 from __future__ import annotations
 
-import doctest
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +18,12 @@ from flax import nnx
 import pallas_fa3.flax
 from pallas_fa3.flax import (FlashMultiHeadAttention,
                              FlashMultiHeadDotProductAttention, apply_rope)
-from pallas_fa3.flax import adapter, linen_modules, nnx_modules, rope
+from pallas_fa3.flax import rope
 from pallas_fa3.testing import assert_within_tolerance
 
 from flax_checks import (BIAS_INIT, assert_layer_within_tolerance, flat,
                          linen_forward_and_grads, nnx_forward_and_grads,
                          normal, random_layer_inputs)
-from flax_checks import rng  # pylint: disable=unused-import (fixture)
 
 _FEATURES, _HEADS, _BATCH, _SEQ = 32, 4, 2, 11
 
@@ -271,12 +269,3 @@ def test_public_names():
   assert sorted(pallas_fa3.flax.__all__) == sorted([
       "FlashAttentionFallbackWarning", "FlashMultiHeadAttention",
       "FlashMultiHeadDotProductAttention", "apply_rope", "make_attention_fn"])
-
-
-@pytest.mark.parametrize("module", [pallas_fa3.flax, adapter, nnx_modules,
-                                    linen_modules, rope],
-                         ids=lambda m: m.__name__)
-def test_docstring_examples(module):
-  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0, f"{module.__name__} has no example"
-  assert result.failed == 0

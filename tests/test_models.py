@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import doctest
-import importlib
 import pathlib
 
 import jax
@@ -211,12 +209,3 @@ def test_corpus_arguments_are_validated():
     data.load_stdlib_corpus(val_fraction=1.0)
   with pytest.raises(ValueError, match="max_bytes"):
     data.load_stdlib_corpus(max_bytes=0)
-
-
-@pytest.mark.parametrize("module", ["models.gpt", "models.data",
-                                    "models.checkpoint", "models.train"])
-def test_docstring_examples(module):
-  module = importlib.import_module(module)
-  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0, f"{module.__name__} has no example"
-  assert result.failed == 0

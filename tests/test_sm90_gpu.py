@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import case_id
 from pallas_fa3 import backends, reference
 from pallas_fa3.kernels.sm90 import config as sm90_config
 from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 from pallas_fa3.spec import make_spec
-from pallas_fa3.testing import (Shape, assert_within_tolerance, backward_config_id,
+from pallas_fa3.testing import (Shape, assert_within_tolerance,
                                 golden_and_naive, gpu_tier, random_inputs)
 
 pytestmark = [
@@ -50,7 +51,7 @@ def _spec(shape: Shape, dtype: str, causal: bool):
                    struct(shape.seq_kv, shape.heads_kv, shape.dv), causal=causal)
 
 
-def _cases(space, default_of, ident):
+def _cases(space, default_of):
   for d in sm90_config.KERNEL_HEAD_DIMS:
     q = jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)
     default = default_of(make_spec(q, q, q))
@@ -60,16 +61,11 @@ def _cases(space, default_of, ident):
         continue
       for dtype in ("bfloat16", "float16") if is_default else ("bfloat16",):
         yield pytest.param(dtype, d, config, is_default,
-                           id=ident(dtype, d, config))
-
-
-def _fwd_id(dtype, d, config):
-  return f"{dtype}-d{d}-{config.block_q}x{config.block_kv}x{config.num_stages}"
+                           id=case_id(dtype, d, config))
 
 
 @pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    sm90_config.forward_config_space, sm90_config.default_forward_config,
-    _fwd_id)))
+    sm90_config.forward_config_space, sm90_config.default_forward_config)))
 def test_forward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 1000 + config.block_kv + config.num_stages)
   for causal, shape in _shapes(head_dim, default):
@@ -99,8 +95,7 @@ def test_rows_without_keys_and_determinism():
 
 
 @pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    sm90_config.backward_config_space, sm90_config.default_backward_config,
-    backward_config_id)))
+    sm90_config.backward_config_space, sm90_config.default_backward_config)))
 def test_backward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 7 + config.block_q + config.num_stages)
   for causal, shape in _shapes(head_dim, default):

@@ -6,7 +6,6 @@ by rounding; gradients stay those of attention; bad settings name the field.
 
 from __future__ import annotations
 
-import doctest
 
 import jax
 import jax.numpy as jnp
@@ -139,8 +138,3 @@ def test_automatic_choice_runs_blockwise_with_it(key):
   explicit = pallas_fa3.flash_attention(q, k, v, stable_max=True,
                                         implementation="blockwise")
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
-
-
-def test_docstring_example():
-  result = doctest.testmod(sm)
-  assert result.attempted > 0 and result.failed == 0
