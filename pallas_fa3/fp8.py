@@ -138,7 +138,7 @@ class FP8Config:
 
 
 def check_fp8(fp8: Any) -> FP8Config | None:
-  """`fp8=` of flash_attention: False/None (off), True (defaults) or an FP8Config.
+  """`fp8=` of flash_attention: False/None (off), True (defaults), an FP8Config.
 
   Raises:
     TypeError: anything else.

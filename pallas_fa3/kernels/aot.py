@@ -31,8 +31,7 @@ from pallas_fa3.kernels.ptx_profile import KernelProfile
 if TYPE_CHECKING:  # jax is imported only when a compile runs
   from jax.sharding import Mesh
 
-  from pallas_fa3.kernels.sm90.config import (Sm90BackwardConfig,
-                                              Sm90ForwardConfig)
+  from pallas_fa3.kernels.sm90 import config as sm90
   from pallas_fa3.spec import AttentionSpec
 
 # (compile function, spec, config): one item of a sweep.
@@ -115,7 +114,8 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
 
 
 def short_label(spec: AttentionSpec,
-                config: Sm90ForwardConfig | Sm90BackwardConfig) -> str:
+                config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
+                ) -> str:
   """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
   dK/dV and dQ consumers/head splits): the profile table's row label."""
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
@@ -160,7 +160,7 @@ def _operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
   return [q, kv, kv, q, stats, q, stats]
 
 
-def compile_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
+def compile_forward(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
                     mesh: Mesh | None = None) -> CompileReport:
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
@@ -171,7 +171,7 @@ def compile_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
       _operands(spec, mesh, backward=False), short_label(spec, config))
 
 
-def compile_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
+def compile_backward(spec: AttentionSpec, config: sm90.Sm90BackwardConfig,
                      mesh: Mesh | None = None) -> CompileReport:
   """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
@@ -228,7 +228,7 @@ def backward_shapes_sweep() -> Iterator[SweepItem]:
           yield compile_backward, spec, config
 
 
-def compile_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
+def compile_forward_fp8(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
                         mesh: Mesh | None = None) -> CompileReport:
   """Compiles the FP8 forward kernel for sm_90a; ptxas's report.
 
@@ -255,7 +255,8 @@ def compile_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
                       spec, config, *a), shapes, short_label(spec, config))
 
 
-def fp8_forward_sweep() -> Iterator[tuple[AttentionSpec, Sm90ForwardConfig]]:
+def fp8_forward_sweep(
+    ) -> Iterator[tuple[AttentionSpec, sm90.Sm90ForwardConfig]]:
   """(spec, config) for every supported FP8 forward config, both output dtypes.
 
   GQA with a ragged K/V length, causal (masked diagonal tiles with a

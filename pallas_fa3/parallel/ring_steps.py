@@ -200,7 +200,7 @@ def _rows(x: jax.Array, start: Any, size: int) -> jax.Array:
 
 def _visiting_blocks(plan: RingPlan, owner: jax.Array, me: jax.Array
                      ) -> tuple[int, tuple[tuple[Any, Any], ...]]:
-  """The unmasked c x c blocks of a causal step: (c, ((q start, kv start), ...)).
+  """The unmasked c x c blocks of a causal step: (c, ((q0, kv0), ...)).
 
   Query chunk `2n-1-i` (rows c..2c) always sees key chunk `j` (kv rows
   0..c); the second block is (chunk i, chunk j) when j < i, else
