@@ -1,4 +1,4 @@
-"""Models trained with pallas-fa3 attention (issue 5).
+"""Models trained with pallas-fa3 attention: the training example.
 
   gpt         GPTConfig and GPT: a byte-level decoder-only transformer whose
               attention is pallas_fa3.flax.FlashMultiHeadAttention

@@ -41,7 +41,7 @@ class Checkpointer:
   """Saves and restores `(state, meta)` pairs under one folder, by step."""
 
   def __init__(self, directory: str | pathlib.Path, *,
-               max_to_keep: int = _MAX_TO_KEEP):
+               max_to_keep: int = _MAX_TO_KEEP) -> None:
     """Opens (creating if needed) a checkpoint folder.
 
     Args:
@@ -97,4 +97,5 @@ class Checkpointer:
     return self.restore(step, target)
 
   def close(self) -> None:
+    """Waits for pending work and releases the checkpoint manager."""
     self._manager.close()

@@ -36,8 +36,8 @@ import zlib
 import numpy as np
 
 # Folders left out: installed third-party packages are not the standard
-# library, and the test suites are large, repetitive data files (~60% of the
-# stdlib's bytes in CPython 3.11) rather than representative code.
+# library; the test suites are large, repetitive data files rather than
+# representative code (docs/design_notes.md#training-data).
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _HASH_RANGE = 2**32  # zlib.crc32 values are in [0, 2**32)

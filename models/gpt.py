@@ -101,7 +101,7 @@ class GPTConfig:
   param_dtype: ParamDtype = "float32"
   attention_implementation: str | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("vocab_size", "num_layers", "d_model", "num_heads",
                  "mlp_ratio", "max_seq_len"):
       _check_int(name, getattr(self, name))
@@ -152,7 +152,7 @@ def _pdtype(cfg: GPTConfig) -> jnp.dtype:
   return jnp.dtype(cfg.param_dtype)
 
 
-def _normal(std: float):
+def _normal(std: float) -> nnx.Initializer:
   return nnx.initializers.normal(stddev=std)
 
 
@@ -171,7 +171,7 @@ def _make_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
 class MLP(nnx.Module):
   """`Linear(d_model -> mlp_ratio * d_model) -> GELU -> Linear(-> d_model)`."""
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     hidden = cfg.mlp_ratio * cfg.d_model
     kw = dict(use_bias=cfg.use_bias, dtype=_dtype(cfg),
               param_dtype=_pdtype(cfg), rngs=rngs)
@@ -187,7 +187,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     self.norm_attn = _make_norm(cfg, rngs)
     self.attn = FlashMultiHeadAttention(
         cfg.num_heads, cfg.d_model, num_kv_heads=cfg.kv_heads, causal=True,
@@ -207,7 +207,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
   """Decoder-only transformer: tokens `[batch, seq]` -> logits `[batch, seq, vocab]`."""
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     self.cfg = cfg
     self.embed = nnx.Param(
         _normal(_INIT_STD)(rngs.params(), (cfg.vocab_size, cfg.d_model),

@@ -23,7 +23,7 @@ class RunLog:
   """Progress bar, printed lines and the metrics file of one invocation."""
 
   def __init__(self, metrics_path: pathlib.Path, *, progress: bool = True,
-               log: Callable[[str], None] | None = None):
+               log: Callable[[str], None] | None = None) -> None:
     """Opens the metrics file for appending.
 
     Args:
@@ -75,6 +75,7 @@ class RunLog:
     self.line(f"step {step:>6}: val {val_bpb:.4f} bits/byte")
 
   def close(self) -> None:
+    """Stops the progress bar and closes the metrics file."""
     if self._progress is not None:
       self._progress.stop()
     self._file.close()

@@ -99,7 +99,7 @@ class TrainConfig:
   eval_batches: int = 8
   checkpoint_interval: int = 200
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     positive = ("steps", "batch_size", "seq_len", "eval_interval",
                 "eval_batches")
     nonnegative = ("warmup_steps", "seed", "data_seed", "checkpoint_interval")
@@ -128,6 +128,7 @@ class TrainConfig:
     return self.batch_size * self.seq_len
 
   def to_dict(self) -> dict[str, Any]:
+    """A JSON-ready dict; `TrainConfig(**d)` rebuilds the config."""
     return dataclasses.asdict(self)
 
 
@@ -271,7 +272,8 @@ def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
   return backend.name
 
 
-def _meta(model_cfg, train_cfg, corpus, step, init_val_bpb) -> dict[str, Any]:
+def _meta(model_cfg: GPTConfig, train_cfg: TrainConfig, corpus: data.ByteCorpus,
+          step: int, init_val_bpb: float) -> dict[str, Any]:
   return {"model_config": model_cfg.to_dict(),
           "train_config": train_cfg.to_dict(),
           "data": corpus.describe(),
@@ -382,8 +384,12 @@ def train(model_cfg: GPTConfig, train_cfg: TrainConfig,
   return {**summary, "losses": losses}
 
 
-def _run_steps(program, state, corpus, val, cfg, step, end, ckpt, run_log,
-               meta_at):
+def _run_steps(program: Program, state: dict[str, Any], corpus: data.ByteCorpus,
+               val: Any, cfg: TrainConfig, step: int, end: int,
+               ckpt: Checkpointer, run_log: RunLog,
+               meta_at: Callable[[int], dict[str, Any]]
+               ) -> tuple[dict[str, Any], dict[int, float], dict[str, Any],
+                          float | None]:
   """Steps `step + 1 .. end`, evaluating and checkpointing on schedule."""
   losses: dict[int, float] = {}
   step_time = 0.0  # seconds in train steps, excluding the first (compilation)

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, vjp
-from pallas_fa3.fp8 import check_fp8
+from pallas_fa3.backends.base import Backend
+from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.parallel import partitioning
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
-from pallas_fa3.stable_max import check_stable_max
+from pallas_fa3.stable_max import StableMax, check_stable_max
 
 # Jitted once per static call, so that eager (un-jitted) use compiles each
 # shape once instead of dispatching the tiled loops op by op.
 _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
-                    return_lse=False, implementation=None, config=None,
-                    deterministic=False, stable_max=None, fp8=False):
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    causal: bool = False, softmax_scale: float | None = None,
+                    return_lse: bool = False,
+                    implementation: str | None = None, config: Any = None,
+                    deterministic: bool = False,
+                    stable_max: bool | StableMax | None = None,
+                    fp8: bool | FP8Config = False
+                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -47,7 +55,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
       `Sm90ForwardConfig` means `Sm90Config(forward=...)`; a None part is the
       heuristic default). None picks the backend's default.
     deterministic: require bitwise run-to-run reproducible gradients. Every
-      backend guarantees it today: the Hopper backward sums dQ in a fixed
+      backend guarantees it: the Hopper backward sums dQ in a fixed
       order in its own kernel (no atomics), the blockwise twin accumulates
       dQ in a fixed loop order, and the reference is plain XLA.
     stable_max: the repeated-max fix of arXiv 2510.04212 (see
@@ -98,7 +106,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None,
   return (out, lse) if return_lse else out
 
 
-def _check_device_for_eager_call(backend, *arrays) -> None:
+def _check_device_for_eager_call(backend: Backend, *arrays: Any) -> None:
   """An eager call of a backend the devices cannot run raises, saying why.
 
   Traced calls (under `jit`, `export`, ...) pass: lowering for another

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -56,17 +56,18 @@ import numpy as np
 
 from pallas_fa3 import backends
 from pallas_fa3.backends.base import NO_FP8_GRADIENT
-from pallas_fa3.quant.e4m3 import E4M3_MAX as E4M3_MAX
-from pallas_fa3.quant.e4m3 import FP8_DTYPE as FP8_DTYPE
-from pallas_fa3.quant.e4m3 import FP8Inputs as FP8Inputs
-from pallas_fa3.quant.e4m3 import dequantize_tiles as dequantize_tiles
-from pallas_fa3.quant.e4m3 import quantize_inputs
-from pallas_fa3.quant.e4m3 import quantize_tiles as quantize_tiles
-from pallas_fa3.quant.hadamard import hadamard_transform as hadamard_transform
-from pallas_fa3.quant.hadamard import rotate as rotate
-from pallas_fa3.quant.hadamard import rotation_signs as rotation_signs
+from pallas_fa3.quant import e4m3, hadamard
+from pallas_fa3.quant.e4m3 import FP8_DTYPE, FP8Inputs, quantize_inputs
 from pallas_fa3.spec import check_bool, check_int, make_spec
 from pallas_fa3.vjp import StaticCall
+
+# Re-exported: the quantization helpers are part of this module's API.
+E4M3_MAX = e4m3.E4M3_MAX
+dequantize_tiles = e4m3.dequantize_tiles
+quantize_tiles = e4m3.quantize_tiles
+hadamard_transform = hadamard.hadamard_transform
+rotate = hadamard.rotate
+rotation_signs = hadamard.rotation_signs
 
 _OUT_DTYPES = tuple(jnp.dtype(d) for d in ("bfloat16", "float16", "float32"))
 
@@ -117,7 +118,7 @@ class FP8Config:
   rotation: bool = True
   key: Any = 0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("block_quantization", "rotation"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
@@ -137,7 +138,11 @@ class FP8Config:
 
 
 def check_fp8(fp8: Any) -> FP8Config | None:
-  """`fp8=` of flash_attention: False/None (off), True (defaults) or an FP8Config."""
+  """`fp8=` of flash_attention: False/None (off), True (defaults), an FP8Config.
+
+  Raises:
+    TypeError: anything else.
+  """
   if fp8 is None or fp8 is False or (isinstance(fp8, np.bool_) and not fp8):
     return None
   if fp8 is True or (isinstance(fp8, np.bool_) and fp8):
@@ -148,9 +153,9 @@ def check_fp8(fp8: Any) -> FP8Config | None:
                   f" {fp8!r} of type {type(fp8).__name__}")
 
 
-def quantize(q, k, v, *, block_q: int, block_kv: int,
-             config: FP8Config | None = None, key: jax.Array | None = None
-             ) -> FP8Inputs:
+def quantize(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
+             block_kv: int, config: FP8Config | None = None,
+             key: jax.Array | None = None) -> FP8Inputs:
   """The quantization pass: bf16/fp16/fp32 Q, K, V -> `FP8Inputs` (jitted).
 
   Args:
@@ -166,6 +171,10 @@ def quantize(q, k, v, *, block_q: int, block_kv: int,
 
   Returns:
     `FP8Inputs(q, k, v_t, q_scale, k_scale, v_scale)`.
+
+  Raises:
+    TypeError / ValueError: bad operands or tiles; the message names the
+      argument.
   """
   config = FP8Config() if config is None else config
   if not isinstance(config, FP8Config):
@@ -183,15 +192,18 @@ def quantize(q, k, v, *, block_q: int, block_kv: int,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _from_quantized(call: StaticCall, x: FP8Inputs):
+def _from_quantized(call: StaticCall, x: FP8Inputs
+                    ) -> tuple[jax.Array, jax.Array]:
   return call.backend.fp8_forward(call.spec, call.config, x)
 
 
-def _from_quantized_fwd(call, x):
+def _from_quantized_fwd(call: StaticCall, x: FP8Inputs
+                        ) -> tuple[tuple[jax.Array, jax.Array], None]:
   return _from_quantized(call, x), None
 
 
-def _from_quantized_bwd(call, residuals, cotangents):
+def _from_quantized_bwd(call: StaticCall, residuals: None, cotangents: tuple
+                        ) -> NoReturn:
   raise NotImplementedError(NO_FP8_GRADIENT)
 
 
@@ -225,10 +237,14 @@ def _check_scale(name: str, x: Any, want: tuple, block_name: str,
         f" {tuple(x.shape)}")
 
 
-def flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale, *,
-                        causal=False, softmax_scale=None, return_lse=False,
-                        implementation=None, config=None,
-                        out_dtype=jnp.bfloat16):
+def flash_attention_fp8(q8: jax.Array, k8: jax.Array, v8_t: jax.Array,
+                        q_scale: jax.Array, k_scale: jax.Array,
+                        v_scale: jax.Array, *, causal: bool = False,
+                        softmax_scale: float | None = None,
+                        return_lse: bool = False,
+                        implementation: str | None = None, config: Any = None,
+                        out_dtype: Any = jnp.bfloat16
+                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """FP8 attention forward on pre-quantized operands (`quantize`'s layout).
 
   Computes `softmax(scale * (q8 * q_scale) (k8 * k_scale)^T) (v8 * v_scale)`

@@ -1,10 +1,9 @@
 """Which (query, key) pairs are visible, and which tiles can be skipped.
 
-One mask function serves every backend: the reference applies it to the whole
-score matrix, the blockwise twin (and later the kernels) to one tile at a
-time. Block skipping is derived from the same rule, per tile, so the two can
-never disagree. Later masks (sliding window, segment ids) extend these two
-functions.
+One mask rule serves every backend: the reference applies it to the whole
+score matrix, the blockwise twin and the kernels to one tile at a time
+(`visible_tile_at`, `visible_keys_end` in the kernels). Block skipping is
+derived from the same rule, per tile, so the two can never disagree.
 
 Causal attention is **bottom-right aligned** (as in FlashAttention-2/3): with
 `offset = seq_kv - seq_q`, query i sees key j iff `j <= i + offset`. When
@@ -12,6 +11,8 @@ Causal attention is **bottom-right aligned** (as in FlashAttention-2/3): with
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
   return mask
 
 
-def visible_tile_at(spec: AttentionSpec, q0, kv0, q_idx: jax.Array,
+def visible_tile_at(spec: AttentionSpec, q0: Any, kv0: Any, q_idx: jax.Array,
                     kv_idx: jax.Array, shape: tuple[int, int], q_dim: int, *,
                     check_seq_kv: bool = True) -> jax.Array:
   """`visible_tile` of a `shape` tile whose query positions are
@@ -67,8 +68,9 @@ def visible_tile_at(spec: AttentionSpec, q0, kv0, q_idx: jax.Array,
   return jnp.ones(shape, bool) if mask is None else mask
 
 
-def num_kv_blocks_visible(spec: AttentionSpec, q_block_end, block_kv: int,
-                          num_kv_blocks: int):
+def num_kv_blocks_visible(spec: AttentionSpec, q_block_end: Any,
+                          block_kv: int, num_kv_blocks: int
+                          ) -> int | jax.Array:
   """Number of leading kv blocks a query tile ending at `q_block_end` needs.
 
   `q_block_end` is one past the tile's last query row (may be traced). Blocks
@@ -81,8 +83,9 @@ def num_kv_blocks_visible(spec: AttentionSpec, q_block_end, block_kv: int,
   return jnp.clip(last_key // block_kv + 1, 0, num_kv_blocks)
 
 
-def first_q_block_visible(spec: AttentionSpec, kv_block_start, block_q: int,
-                          num_q_blocks: int):
+def first_q_block_visible(spec: AttentionSpec, kv_block_start: Any,
+                          block_q: int, num_q_blocks: int
+                          ) -> int | jax.Array:
   """Index of the first query tile that sees any key of a kv tile.
 
   Query tiles before it are fully masked for the whole kv tile (causal) and

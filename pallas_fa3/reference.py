@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
-                      v: jax.Array, intermediate_dtype=jnp.float32
+                      v: jax.Array, intermediate_dtype: Any = jnp.float32
                       ) -> tuple[jax.Array, jax.Array]:
   """Materialized attention for a validated spec; returns (out, lse).
 
@@ -67,8 +69,12 @@ def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
   return out, lse.reshape(spec.lse_shape)
 
 
-def reference_attention(q, k, v, *, causal=False, softmax_scale=None,
-                        return_lse=False, intermediate_dtype=jnp.float32):
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                        causal: bool = False,
+                        softmax_scale: float | None = None,
+                        return_lse: bool = False,
+                        intermediate_dtype: Any = jnp.float32
+                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Materialized baseline attention, differentiable by plain JAX autodiff.
 
   Args:
@@ -95,7 +101,8 @@ def reference_attention(q, k, v, *, causal=False, softmax_scale=None,
 # Float64 golden (numpy, independent of JAX's x64 flag and of JAX autodiff).
 
 
-def _golden_parts(q, k, v, causal, softmax_scale):
+def _golden_parts(q: Any, k: Any, v: Any, causal: bool,
+                  softmax_scale: float | None) -> tuple:
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   f64 = lambda x: np.asarray(x).astype(np.float64)
   q64, k64, v64 = f64(q), f64(k), f64(v)
@@ -116,7 +123,9 @@ def _golden_parts(q, k, v, causal, softmax_scale):
   return spec, qg, k64, v64, p, lse[..., 0]
 
 
-def golden_attention(q, k, v, *, causal=False, softmax_scale=None):
+def golden_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
+                     softmax_scale: float | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 attention in numpy; returns (out, lse) as float64 numpy arrays.
 
   Same conventions as `reference_attention` (layout, bottom-right causal,
@@ -127,8 +136,10 @@ def golden_attention(q, k, v, *, causal=False, softmax_scale=None):
   return o.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
 
 
-def golden_attention_vjp(q, k, v, dout, dlse=None, *, causal=False,
-                         softmax_scale=None):
+def golden_attention_vjp(q: Any, k: Any, v: Any, dout: Any, dlse: Any = None,
+                         *, causal: bool = False,
+                         softmax_scale: float | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse).
 
   Analytic backward in numpy: dV = P^T dO, dP = dO V^T,

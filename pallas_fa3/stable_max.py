@@ -40,6 +40,7 @@ import math
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -74,7 +75,7 @@ class StableMax:
   beta: float = DEFAULT_BETA
   tie_tolerance: float = DEFAULT_TIE_TOLERANCE
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name, low, strict in (("beta", 1.0, True), ("tie_tolerance", 0.0,
                                                     False)):
       value = getattr(self, name)
@@ -104,12 +105,13 @@ def check_stable_max(stable_max: Any) -> StableMax | None:
       f" {stable_max!r} of type {type(stable_max).__name__}")
 
 
-def max_shift_log2(p_dtype) -> float:
+def max_shift_log2(p_dtype: Any) -> float:
   """The cap on `m - r_m` in powers of two for P stored in `p_dtype`."""
   return _MAX_SHIFT_LOG2[jnp.dtype(p_dtype)]
 
 
-def tile_max(s, settings: StableMax, *, unit: float, max_shift: float):
+def tile_max(s: jax.Array, settings: StableMax, *, unit: float,
+             max_shift: float) -> jax.Array:
   """The stabilizing max of each row of a score tile, per the fix.
 
   Args:

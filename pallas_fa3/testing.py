@@ -1,6 +1,6 @@
 """Test helpers shared by every backend's tests: inputs and the tolerance rule.
 
-Tolerance rule (from the FlashAttention-3 test suite, see STYLE.md): an
+Tolerance rule (from the FlashAttention-3 test suite): an
 implementation's error against the float64 golden may be at most twice the
 error of the same attention computed naively with every intermediate in the
 input's low dtype, plus a small floor:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,9 @@ from pallas_fa3.reference import (golden_attention, golden_attention_vjp,
                                   reference_attention)
 
 # Floor of the rule in float32 ulps of the tensor's largest golden entry (at
-# least 1). A
-# float32 blockwise pass accumulates a few ulps more than the materialized
-# softmax (the online rescaling); 64 ulps is ~7.6e-6 relative, far below any
-# bf16/fp16 error, so the floor never hides a low-precision bug.
+# least 1). A float32 blockwise pass accumulates a few ulps more than the
+# materialized softmax (the online rescaling); 64 ulps is ~7.6e-6 relative,
+# far below any bf16/fp16 error, so the floor never hides a low-precision bug.
 FLOOR_ULPS = 64
 _F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -59,7 +59,8 @@ class Shape:
             f"/{self.heads_kv}_d{self.head_dim}{dv}")
 
 
-def random_inputs(key: jax.Array, shape: Shape, dtype) -> tuple[jax.Array, ...]:
+def random_inputs(key: jax.Array, shape: Shape, dtype: Any
+                  ) -> tuple[jax.Array, ...]:
   """Fresh standard-normal (q, k, v, dout) for `shape` (never zeros)."""
   kq, kk, kv, kd = jax.random.split(key, 4)
   b, sq, skv = shape.batch, shape.seq_q, shape.seq_kv
@@ -71,7 +72,7 @@ def random_inputs(key: jax.Array, shape: Shape, dtype) -> tuple[jax.Array, ...]:
   )
 
 
-def max_abs_err(got, golden) -> float:
+def max_abs_err(got: Any, golden: Any) -> float:
   """max |got - golden| over finite golden entries; inf if `got` is not finite there."""
   got = np.asarray(got).astype(np.float64)
   golden = np.asarray(golden, np.float64)
@@ -81,14 +82,14 @@ def max_abs_err(got, golden) -> float:
   return float(np.max(np.abs(got[finite] - golden[finite]), initial=0.0))
 
 
-def tolerance(naive, golden, floor_ulps: int = FLOOR_ULPS) -> float:
+def tolerance(naive: Any, golden: Any, floor_ulps: int = FLOOR_ULPS) -> float:
   """The rule's bound for one tensor: 2 x naive error + floor."""
   golden = np.asarray(golden, np.float64)
   scale = float(np.max(np.abs(golden[np.isfinite(golden)]), initial=1.0))
   return 2.0 * max_abs_err(naive, golden) + floor_ulps * _F32_EPS * scale
 
 
-def assert_within_tolerance(name: str, got, naive, golden,
+def assert_within_tolerance(name: str, got: Any, naive: Any, golden: Any,
                             floor_ulps: int = FLOOR_ULPS) -> None:
   """Asserts the tolerance rule for one tensor, with a readable message."""
   err = max_abs_err(got, golden)
@@ -98,8 +99,10 @@ def assert_within_tolerance(name: str, got, naive, golden,
       f" ({max_abs_err(naive, golden):.3g}) + floor = {bound:.3g}")
 
 
-def golden_and_naive(q, k, v, dout, *, causal=False, softmax_scale=None,
-                     dlse=None):
+def golden_and_naive(q: jax.Array, k: jax.Array, v: jax.Array,
+                     dout: jax.Array, *, causal: bool = False,
+                     softmax_scale: float | None = None, dlse: Any = None
+                     ) -> tuple[tuple, tuple]:
   """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem.
 
   The naive attention keeps every intermediate in the inputs' dtype (float32

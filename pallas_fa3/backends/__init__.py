@@ -20,16 +20,22 @@ import jax
 from pallas_fa3 import reference
 from pallas_fa3.backends import blockwise, sm90
 from pallas_fa3.backends.base import Backend
-from pallas_fa3.backends.sm90 import hopper_reason as hopper_reason
 from pallas_fa3.spec import AttentionSpec
 
+hopper_reason = sm90.hopper_reason  # re-exported: None on an sm90 GPU
 
-def _reference_forward(spec, config, q, k, v):
+
+def _reference_forward(spec: AttentionSpec, config: Any, q: jax.Array,
+                       k: jax.Array, v: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
   del config
   return reference.reference_forward(spec, q, k, v)
 
 
-def _reference_backward(spec, config, q, k, v, out, lse, dout, dlse):
+def _reference_backward(spec: AttentionSpec, config: Any, q: jax.Array,
+                        k: jax.Array, v: jax.Array, out: jax.Array,
+                        lse: jax.Array, dout: jax.Array, dlse: jax.Array
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
   del config, out, lse  # plain autodiff through the materialized forward
   _, pullback = jax.vjp(lambda *a: reference.reference_forward(spec, *a),
                         q, k, v)
@@ -67,11 +73,17 @@ def get(name: str) -> Backend:
 
 
 def all_backends() -> tuple[Backend, ...]:
+  """Every registered backend, fastest first (`BACKENDS`)."""
   return BACKENDS
 
 
 def check_implementation(implementation: Any) -> str | None:
-  """Validates `implementation=` (None means automatic)."""
+  """Validates `implementation=` (None means automatic); returns it.
+
+  Raises:
+    TypeError: not None or a string.
+    ValueError: not one of `IMPLEMENTATIONS`.
+  """
   if implementation is None:
     return None
   if not isinstance(implementation, str):

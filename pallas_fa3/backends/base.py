@@ -82,9 +82,14 @@ class Backend:
         rotation=spec.fp8.rotation)
     return self.fp8_forward(spec, config, x)
 
-  def run_backward(self, spec: AttentionSpec, config: Any, *residuals_and_cts
+  def run_backward(self, spec: AttentionSpec, config: Any,
+                   *residuals_and_cts: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`backward`; FP8 calls raise NotImplementedError."""
+    """`backward` on `(q, k, v, out, lse, dout, dlse)`; returns (dq, dk, dv).
+
+    Raises:
+      NotImplementedError: an FP8 call (FP8 has no backward).
+    """
     if spec.fp8 is not None:
       raise NotImplementedError(NO_FP8_GRADIENT)
     return self.backward(spec, config, *residuals_and_cts)

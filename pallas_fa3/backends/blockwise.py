@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import math
 import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ class BlockwiseConfig:
   block_q: int = 128
   block_kv: int = 128
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     block = dict(minimum=1, maximum=_MAX_BLOCK)
     check_int_fields(self, block_q=block, block_kv=block)
 
@@ -93,7 +94,7 @@ class _Tiling:
     return cls(bq, bkv, _cdiv(spec.seq_q, bq), _cdiv(spec.seq_kv, bkv))
 
 
-def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
+def _pad_seq(x: jax.Array, length: int, value: float = 0) -> jax.Array:
   """Pads axis 1 (sequence) up to `length`; a no-op when already that long."""
   pad = length - x.shape[1]
   if pad == 0:
@@ -103,7 +104,7 @@ def _pad_seq(x: jax.Array, length: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _varying_like(tree, *operands):
+def _varying_like(tree: Any, *operands: jax.Array) -> Any:
   """Gives fresh loop carries the manual-axis type of `operands` (shard_map).
 
   Inside `jax.shard_map` (default `check_vma=True`) the operands vary over
@@ -119,11 +120,12 @@ def _varying_like(tree, *operands):
       lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree)
 
 
-def _seq_tile(x: jax.Array, index, size: int) -> jax.Array:
+def _seq_tile(x: jax.Array, index: Any, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
-def _scores_log2(spec, q_tile, k_tile, q_pos, kv_pos):
+def _scores_log2(spec: AttentionSpec, q_tile: jax.Array, k_tile: jax.Array,
+                 q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
   """Masked base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`."""
   s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
                  preferred_element_type=jnp.float32, precision=_HIGHEST)
@@ -189,12 +191,16 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
 
 
 def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
-                       q, k, v, out, lse, dout, dlse):
+                       q: jax.Array, k: jax.Array, v: jax.Array,
+                       out: jax.Array, lse: jax.Array, dout: jax.Array,
+                       dlse: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """FlashAttention-2 backward by recomputation; returns (dq, dk, dv).
 
-  `dlse` is the cotangent of the lse output (zeros when the caller only used
-  the attention output); it enters as `delta - dlse` since d lse_i / d s_ij
-  = P_ij.
+  `out` and `lse` are the forward's residuals, `dout` and `dlse` their
+  cotangents (`dlse` zeros when the caller only used the attention output);
+  `dlse` enters as `delta - dlse` since d lse_i / d s_ij = P_ij. The
+  gradients are shaped like q, k, v, in `spec.dtype`.
   """
   t = _Tiling.of(spec, config)
   sq_pad, skv_pad = t.num_q * t.block_q, t.num_kv * t.block_kv
@@ -289,7 +295,8 @@ def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
   return None
 
 
-def _fp8_forward(spec: AttentionSpec, config: BlockwiseConfig, x):
+def _fp8_forward(spec: AttentionSpec, config: BlockwiseConfig, x: Any
+                 ) -> tuple[jax.Array, jax.Array]:
   return blockwise_fp8.blockwise_forward_fp8(spec, config.block_q,
                                              config.block_kv, *x)
 

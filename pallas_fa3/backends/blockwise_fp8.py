@@ -1,7 +1,7 @@
 """The FP8 kernel's pure-JAX twin: the same tiles, scales and P rounding, any device.
 
 `blockwise_forward_fp8` walks the same `block_q x block_kv` tiles as
-`kernels/sm90_fwd_fp8.py` and performs the same float32 steps in the same
+`kernels/sm90/forward_fp8.py` and performs the same float32 steps in the same
 order, reusing the kernel's own softmax step and epilogue
 (`online_softmax_fp8`, `finalize_fp8`) and its V-scale ratios:
 
@@ -50,8 +50,9 @@ def _pad(x: jax.Array, axis: int, length: int) -> jax.Array:
 
 
 def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
-                          q8, k8, v8_t, q_scale, k_scale, v_scale
-                          ) -> tuple[jax.Array, jax.Array]:
+                          q8: jax.Array, k8: jax.Array, v8_t: jax.Array,
+                          q_scale: jax.Array, k_scale: jax.Array,
+                          v_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Tiled FP8 forward; returns (out `[b, sq, hq, d]` in `spec.dtype`, lse `[b, hq, sq]`).
 
   Operands as `pallas_fa3.fp8.quantize` writes them (`FP8Inputs`), quantized

@@ -8,6 +8,7 @@ registry does not load Mosaic GPU.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,31 +64,38 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
   return reason
 
 
-def _interpret_params(interpret: bool):
+def _interpret_params(interpret: bool) -> Any:
   if not interpret:
     return None
   from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
 
-def _forward(interpret: bool):
-  def forward(spec, config: Sm90Config, q, k, v):
+def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  def forward(spec: AttentionSpec, config: Sm90Config, q: jax.Array,
+              k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
     return kernel.sm90_forward(spec, config.forward, q, k, v,
                                interpret=_interpret_params(interpret))
   return forward
 
 
-def _fp8_forward(interpret: bool):
-  def fp8_forward(spec, config: Sm90Config, x):
+def _fp8_forward(interpret: bool
+                 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  def fp8_forward(spec: AttentionSpec, config: Sm90Config, x: Any
+                  ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
     return kernel.sm90_forward_fp8(spec, config.forward, *x,
                                    interpret=_interpret_params(interpret))
   return fp8_forward
 
 
-def _backward(interpret: bool):
-  def backward(spec, config: Sm90Config, q, k, v, out, lse, dout, dlse):
+def _backward(interpret: bool
+              ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+  def backward(spec: AttentionSpec, config: Sm90Config, q: jax.Array,
+               k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+               dout: jax.Array, dlse: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     tiling: Sm90BackwardConfig | None = config.backward
     if tiling is None:
       reason = sm90_config.backward_unsupported(spec)
@@ -112,7 +120,7 @@ def _fp8_tiles(config: Sm90Config) -> tuple[int, int]:
 
 
 def _kernel_backend(name: str, summary: str, interpret: bool,
-                    **kwargs) -> Backend:
+                    **kwargs: Any) -> Backend:
   return Backend(
       name, summary, _forward(interpret), _backward(interpret), _unsupported,
       config_types=(Sm90Config, Sm90ForwardConfig), make_config=_make_config,

@@ -8,6 +8,7 @@ what happens between the projections lives here once.
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import jax
 
@@ -15,13 +16,14 @@ from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax import _layout, rope as rope_lib
 
 
-def _check_positive_int(name: str, value) -> int:
+def _check_positive_int(name: str, value: Any) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
     raise ValueError(f"{name} must be a positive integer; got {value!r}")
   return int(value)
 
 
-def head_layout(num_heads, num_kv_heads, qkv_features) -> tuple[int, int, int]:
+def head_layout(num_heads: int, num_kv_heads: int | None, qkv_features: int
+                ) -> tuple[int, int, int]:
   """Validates the head configuration; returns (num_heads, num_kv_heads, head_dim).
 
   Args:
@@ -48,8 +50,14 @@ def head_layout(num_heads, num_kv_heads, qkv_features) -> tuple[int, int, int]:
   return num_heads, num_kv_heads, qkv_features // num_heads
 
 
-def self_attention_inputs(inputs_q, inputs_k, inputs_v):
-  """Flax's defaulting: k defaults to q, v defaults to k."""
+def self_attention_inputs(inputs_q: jax.Array, inputs_k: jax.Array | None,
+                          inputs_v: jax.Array | None
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Flax's defaulting: k defaults to q, v defaults to k.
+
+  Raises:
+    ValueError: `inputs_v` given without `inputs_k`.
+  """
   if inputs_k is None:
     if inputs_v is not None:
       raise ValueError(
@@ -62,8 +70,9 @@ def self_attention_inputs(inputs_q, inputs_k, inputs_v):
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
-           causal: bool, rope: bool, rope_base: float, positions,
-           implementation, config) -> jax.Array:
+           causal: bool, rope: bool, rope_base: float,
+           positions: jax.Array | None, implementation: str | None,
+           config: Any) -> jax.Array:
   """RoPE (optional) on q and k, then `flash_attention` over the folded batch.
 
   Args:

@@ -96,8 +96,9 @@ def _top_left_causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
   return np.tril(np.ones((seq_q, seq_kv), dtype=bool))
 
 
-def _flash_top_left(q, k, v, causal: bool, options: dict[str, Any],
-                    implementation):
+def _flash_top_left(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
+                    options: dict[str, Any], implementation: str | None
+                    ) -> jax.Array:
   """flash_attention on rank-4 inputs with Flax's top-left causal alignment.
 
   The core aligns causal masks bottom-right. Top-left, query i sees keys
@@ -117,7 +118,7 @@ def _flash_top_left(q, k, v, causal: bool, options: dict[str, Any],
   return jnp.concatenate([head, tail], axis=1)
 
 
-def _mask_kind(mask, weights_shape: tuple[int, ...]) -> str:
+def _mask_kind(mask: Any, weights_shape: tuple[int, ...]) -> str:
   """'none', 'causal', 'other' for a concrete mask; 'traced' for a tracer.
 
   Raises:
@@ -143,7 +144,8 @@ def _mask_kind(mask, weights_shape: tuple[int, ...]) -> str:
   return "none" if visible.all() else "other"
 
 
-def _poison_unless_causal(out, mask, seq_q: int, seq_kv: int):
+def _poison_unless_causal(out: jax.Array, mask: jax.Array, seq_q: int,
+                          seq_kv: int) -> jax.Array:
   """NaN output unless the traced mask is the causal mask it was declared to be."""
   causal = jnp.asarray(_top_left_causal_mask(seq_q, seq_kv))
   ok = jnp.all(mask.astype(bool) == causal)
@@ -199,7 +201,8 @@ def _refuse_or_warn(unsupported: tuple[str, str], on_unsupported: str,
         FlashAttentionFallbackWarning, stacklevel=3)
 
 
-def _check_options(implementation, causal, on_unsupported, options):
+def _check_options(implementation: Any, causal: Any, on_unsupported: Any,
+                   options: dict[str, Any]) -> tuple[str | None, bool]:
   implementation = check_implementation(implementation)
   causal = check_bool("causal", causal)
   if on_unsupported not in ON_UNSUPPORTED:
@@ -220,7 +223,7 @@ def _check_options(implementation, causal, on_unsupported, options):
 def make_attention_fn(implementation: str | None = None, *,
                       causal: bool = False,
                       on_unsupported: OnUnsupported = "raise",
-                      **options) -> Callable[..., jax.Array]:
+                      **options: Any) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules that runs flash_attention.
 
   Args:
@@ -256,7 +259,7 @@ def make_attention_fn(implementation: str | None = None, *,
                    force_fp32_for_softmax=_LINEN_ONLY,
                    einsum_dot_general=_LINEN_ONLY,
                    qk_attn_weights_einsum=_LINEN_ONLY,
-                   attn_weights_value_einsum=_LINEN_ONLY):
+                   attn_weights_value_einsum=_LINEN_ONLY) -> jax.Array:
     linen_kwargs = {name: arg for name, arg in (
         ("force_fp32_for_softmax", force_fp32_for_softmax),
         ("einsum_dot_general", einsum_dot_general),
@@ -308,7 +311,7 @@ def make_attention_fn(implementation: str | None = None, *,
 
 def _fallback(query, key, value, *, bias, mask, broadcast_dropout,
               dropout_rng, dropout_rate, deterministic, dtype, precision,
-              module, is_causal, softmax_scale, linen_kwargs):
+              module, is_causal, softmax_scale, linen_kwargs) -> jax.Array:
   """Flax's own dot_product_attention: linen's for linen callers, else nnx's."""
   if softmax_scale is not None:
     # Flax divides q by sqrt(head_dim); pre-scale so the product is the scale.

@@ -81,7 +81,7 @@ class FlashMultiHeadAttention(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                out_kernel_init: Initializer | None = None,
                bias_init: Initializer = nnx.initializers.zeros_init(),
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs) -> None:
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
     self.num_heads, self.num_kv_heads, self.head_dim = _attend.head_layout(
@@ -100,7 +100,8 @@ class FlashMultiHeadAttention(nnx.Module):
     self.implementation = check_implementation(implementation)
     self.config = config
 
-    def projection(in_feats, out_feats, **kwargs):
+    def projection(in_feats: Any, out_feats: Any, **kwargs: Any
+                   ) -> nnx.LinearGeneral:
       return nnx.LinearGeneral(
           in_feats, out_feats, dtype=dtype, param_dtype=param_dtype,
           bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kwargs)

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ import numpy as np
 DEFAULT_ROPE_BASE = 10000.0
 
 
-def check_rope_base(rope_base) -> float:
+def check_rope_base(rope_base: Any) -> float:
   """Returns `rope_base` as a float; raises if it is not a finite number > 1."""
   if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real):
     raise TypeError(f"rope_base must be a real number; got {rope_base!r}")
@@ -55,7 +56,8 @@ def check_rope_head_dim(head_dim: int) -> None:
         f" got head_dim={head_dim}")
 
 
-def rope_positions(positions, seq_shape: tuple[int, ...]) -> jax.Array:
+def rope_positions(positions: jax.Array | None, seq_shape: tuple[int, ...]
+                   ) -> jax.Array:
   """Validates `positions` against `[batch..., seq]`; defaults to `arange(seq)`.
 
   Args:
@@ -90,8 +92,8 @@ def rope_positions(positions, seq_shape: tuple[int, ...]) -> jax.Array:
   return positions
 
 
-def apply_rope(x: jax.Array, positions, base: float = DEFAULT_ROPE_BASE
-               ) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array | None,
+               base: float = DEFAULT_ROPE_BASE) -> jax.Array:
   """Rotates `x` by its positions (half-split RoPE, computed in float32).
 
   Args:

@@ -1,20 +1,15 @@
 """Deviceless ahead-of-time compile of the sm90 kernels: Mosaic + ptxas on a CPU.
 
-The third correctness tier without a GPU (after interpret mode and
-`jax.export` lowering): compiles every supported kernel config for an H200
-(sm_90a) from a compile-only target description and reads ptxas's report,
-so register spills are caught before any GPU time is spent.
-
-Needs the CUDA plugin and PJRT at the installed JAX's version and ptxas (no
-driver, no cuDNN): the package's `aot` extra (`jax[cuda13-local]` and the
-H200's ptxas, CUDA 13.0; CUDA 12's plugin works too). One command runs the
-sweep and fails on any spill; `--profile` adds each kernel's static profile
+Compiles every supported kernel config for an H200 (sm_90a) from a
+compile-only target description and reads ptxas's report, so register
+spills are caught without a GPU. Needs the package's `aot` extra (the CUDA
+plugin and PJRT at the installed JAX's version, and ptxas). The command
+fails on any spill; `--profile` adds each kernel's static profile
 (`ptx_profile`):
 
     pallas-fa3 aot            # or: JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
 
-`tests/test_sm90_aot.py` runs the default configs (and, with `-m slow`,
-every config) and is skipped, saying why, where the packages are absent.
+More: docs/design_notes.md#deviceless-compile.
 """
 
 from __future__ import annotations
@@ -27,9 +22,20 @@ import pathlib
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pallas_fa3.kernels import ptx_profile
 from pallas_fa3.kernels.ptx_profile import KernelProfile
+
+if TYPE_CHECKING:  # jax is imported only when a compile runs
+  from jax.sharding import Mesh
+
+  from pallas_fa3.kernels.sm90 import config as sm90
+  from pallas_fa3.spec import AttentionSpec
+
+# (compile function, spec, config): one item of a sweep.
+SweepItem = tuple[Callable[..., "CompileReport"], "AttentionSpec", Any]
 
 _TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
 # Either CUDA major's plugin, PJRT and ptxas (the H200 runs CUDA 13).
@@ -80,7 +86,7 @@ def _parse_ptxas(text: str) -> tuple[int, int, int]:
           sum(int(l) for _, l in spills))
 
 
-def _mesh():
+def _mesh() -> Mesh:
   import jax
   from jax.experimental import topologies
   topo = topologies.get_topology_desc(
@@ -107,7 +113,9 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
   return profiles
 
 
-def short_label(spec, config) -> str:
+def short_label(spec: AttentionSpec,
+                config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
+                ) -> str:
   """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
   dK/dV and dQ consumers/head splits): the profile table's row label."""
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
@@ -117,7 +125,8 @@ def short_label(spec, config) -> str:
   return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
 
 
-def _compile(name: str, fn, shapes, label: str | None = None) -> CompileReport:
+def _compile(name: str, fn: Callable[..., Any], shapes: list,
+             label: str | None = None) -> CompileReport:
   import jax
   with tempfile.TemporaryDirectory() as dump:
     # Read by Mosaic at compile time: one fresh folder per compile.
@@ -136,7 +145,7 @@ def _compile(name: str, fn, shapes, label: str | None = None) -> CompileReport:
       sum(k.spill_load_bytes for k in kernels), tuple(kernels))
 
 
-def _operands(spec, mesh, backward: bool):
+def _operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
@@ -151,7 +160,8 @@ def _operands(spec, mesh, backward: bool):
   return [q, kv, kv, q, stats, q, stats]
 
 
-def compile_forward(spec, config, mesh=None) -> CompileReport:
+def compile_forward(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
+                    mesh: Mesh | None = None) -> CompileReport:
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
   mesh = _mesh() if mesh is None else mesh
@@ -161,7 +171,8 @@ def compile_forward(spec, config, mesh=None) -> CompileReport:
       _operands(spec, mesh, backward=False), short_label(spec, config))
 
 
-def compile_backward(spec, config, mesh=None) -> CompileReport:
+def compile_backward(spec: AttentionSpec, config: sm90.Sm90BackwardConfig,
+                     mesh: Mesh | None = None) -> CompileReport:
   """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
   mesh = _mesh() if mesh is None else mesh
@@ -172,7 +183,7 @@ def compile_backward(spec, config, mesh=None) -> CompileReport:
       _operands(spec, mesh, backward=True), short_label(spec, config))
 
 
-def sweep():
+def sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config) for every supported config of every
   kernel: both dtypes, causal with GQA and ragged lengths."""
   import jax
@@ -199,7 +210,7 @@ BACKWARD_SHAPES = ((1000, 1100, 4, 2), (1024, 1024, 2, 2), (4096, 4096, 1, 1),
                    (100, 300, 2, 1), (2048, 1024, 2, 2))
 
 
-def backward_shapes_sweep():
+def backward_shapes_sweep() -> Iterator[SweepItem]:
   """Every backward config of the space at every head dim over
   `BACKWARD_SHAPES`, causal and not, bf16."""
   import jax
@@ -217,7 +228,8 @@ def backward_shapes_sweep():
           yield compile_backward, spec, config
 
 
-def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
+def compile_forward_fp8(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
+                        mesh: Mesh | None = None) -> CompileReport:
   """Compiles the FP8 forward kernel for sm_90a; ptxas's report.
 
   `spec.dtype` is the output dtype; the operands are e4m3 with float32
@@ -243,7 +255,8 @@ def compile_forward_fp8(spec, config, mesh=None) -> CompileReport:
                       spec, config, *a), shapes, short_label(spec, config))
 
 
-def fp8_forward_sweep():
+def fp8_forward_sweep(
+    ) -> Iterator[tuple[AttentionSpec, sm90.Sm90ForwardConfig]]:
   """(spec, config) for every supported FP8 forward config, both output dtypes.
 
   GQA with a ragged K/V length, causal (masked diagonal tiles with a
@@ -265,7 +278,7 @@ def fp8_forward_sweep():
 PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
 
 
-def defaults_sweep():
+def defaults_sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
   every head dim, at `PROFILE_SHAPE`, causal and not."""
   import jax.numpy as jnp
@@ -308,7 +321,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       " (BACKWARD_SHAPES, causal and not, bf16) instead")
 
 
-def _items(args):
+def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
   if args.fp8:
     return ((compile_forward_fp8, spec, config)
             for spec, config in fp8_forward_sweep())

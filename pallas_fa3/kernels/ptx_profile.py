@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from collections.abc import Iterable, Iterator, Sequence
 
 _LABEL = re.compile(r"^(\$L__\w+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
@@ -61,7 +62,7 @@ class KernelProfile:
   instructions: int
 
 
-def _instructions(lines):
+def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
   """(line index, opcode) of every PTX instruction; inline-assembly lines
   (`{ .reg .pred p; setp...; wgmma...; }`) hold several."""
   for i, line in enumerate(lines):
@@ -75,7 +76,7 @@ def _instructions(lines):
         yield i, match.group(1)
 
 
-def _loops(lines) -> list[tuple[int, int]]:
+def _loops(lines: Sequence[str]) -> list[tuple[int, int]]:
   """(first, last) line of every natural loop: a label and a later branch
   back to it."""
   where = {}
@@ -90,12 +91,12 @@ def _loops(lines) -> list[tuple[int, int]]:
   return loops
 
 
-def _innermost(loops):
+def _innermost(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
   return [(a, b) for a, b in loops
           if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
 
 
-def loop_mix(ops) -> dict[str, int]:
+def loop_mix(ops: Sequence[str]) -> dict[str, int]:
   """Counts of `LOOP_COLUMNS` (and all instructions) among opcodes `ops`."""
   mix = {name: sum(op.startswith(prefixes) for op in ops)
          for name, prefixes in LOOP_COLUMNS.items()}
@@ -174,7 +175,7 @@ def profile_ptx(name: str, ptx: str, *, registers: int, spill_store_bytes: int,
   )
 
 
-def table(profiles) -> str:
+def table(profiles: Iterable[KernelProfile]) -> str:
   """A Markdown table of profiles, one row per kernel."""
   loop_cols = (*LOOP_COLUMNS, "total")
   head = ("| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"

@@ -43,13 +43,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from pallas_fa3.spec import AttentionSpec
+
+if TYPE_CHECKING:  # vjp imports this module
+  from pallas_fa3.vjp import StaticCall
 
 _BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
 _AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
@@ -82,14 +86,14 @@ def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
   return "(k g)", {"g": spec.group_size}
 
 
-def mesh_axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry: Any) -> tuple[str, ...]:
   """Mesh axes of one PartitionSpec entry (None, a name, or a tuple)."""
   if entry is None or entry is P.UNCONSTRAINED:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def axes_entry(axes: tuple[str, ...]):
+def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
   """The PartitionSpec entry for mesh axes `axes` (inverse of `mesh_axes`)."""
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
@@ -181,7 +185,8 @@ def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
     check_shardings(spec, sizes, shardings)
 
 
-def _local_call(call, batch_ways: int, head_ways: int):
+def _local_call(call: StaticCall, batch_ways: int, head_ways: int
+                ) -> StaticCall:
   """`call` for one device's shard: batch and heads divided."""
   spec = call.spec
   local = dataclasses.replace(spec, batch=spec.batch // batch_ways,
@@ -190,14 +195,15 @@ def _local_call(call, batch_ways: int, head_ways: int):
   return dataclasses.replace(call, spec=local)
 
 
-def _layout_specs(names: Sequence[str], batch_axes, head_axes) -> tuple[P, ...]:
+def _layout_specs(names: Sequence[str], batch_axes: tuple[str, ...],
+                  head_axes: tuple[str, ...]) -> tuple[P, ...]:
   """PartitionSpecs with batch and heads split, for operands named `names`."""
   b, h = axes_entry(batch_axes), axes_entry(head_axes)
   by_name = {"lse": P(b, h, None), "dlse": P(b, h, None)}
   return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
 
 
-def _ways(mesh, axes) -> int:
+def _ways(mesh: Any, axes: tuple[str, ...]) -> int:
   return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
@@ -210,13 +216,16 @@ class _Op:
   run: Callable[..., Any]  # (call, *arrays) -> tuple of arrays
   rule: str
 
-  def sharding_rule(self, call, mesh, operand_types, result_types):
+  def sharding_rule(self, call: StaticCall, mesh: Any, operand_types: Any,
+                    result_types: Any) -> tuple[str, dict[str, int]]:
     """The Shardy rule of this call (its query-head factor), with sizes."""
     del mesh, operand_types, result_types
     heads, sizes = _heads_factor(call.spec)
     return self.rule.format(h=heads), sizes
 
-  def plan(self, call, mesh, arg_specs: Sequence[tuple]):
+  def plan(self, call: StaticCall, mesh: Any, arg_specs: Sequence[tuple]
+           ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[P, ...],
+                      tuple[P, ...]]:
     """(batch axes, head axes, arg specs, result specs) for these operands."""
     shardings = {n: spec for n, spec in zip(self.arg_names, arg_specs)
                  if n in _CHECKED}
@@ -226,7 +235,8 @@ class _Op:
             _layout_specs(self.arg_names, batch_axes, head_axes),
             _layout_specs(self.result_names, batch_axes, head_axes))
 
-  def partition(self, call, mesh, arg_shapes, result_shape):
+  def partition(self, call: StaticCall, mesh: Any, arg_shapes: Any,
+                result_shape: Any) -> tuple:
     """custom_partitioning: the local computation and the layouts it needs."""
     del result_shape
     batch_axes, head_axes, args, results = self.plan(
@@ -235,14 +245,16 @@ class _Op:
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return (mesh, lambda *a: self.run(local, *a), named(results), named(args))
 
-  def infer(self, call, mesh, arg_shapes, result_shape):
+  def infer(self, call: StaticCall, mesh: Any, arg_shapes: Any,
+            result_shape: Any) -> tuple[NamedSharding, ...]:
     """Result shardings for the GSPMD partitioner (Shardy uses `rule`)."""
     del result_shape
     results = self.plan(
         call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes])[3]
     return tuple(NamedSharding(mesh, s) for s in results)
 
-  def shard_map(self, call, sharding: NamedSharding, *args):
+  def shard_map(self, call: StaticCall, sharding: NamedSharding,
+                *args: jax.Array) -> tuple[jax.Array, ...]:
     """`Explicit` mesh axes: the layout is in the types, so a shard_map runs
     the local computation (operands whose layout differs are resharded)."""
     mesh = sharding.mesh
@@ -257,21 +269,22 @@ class _Op:
         out_specs=tuple(result_specs), check_vma=False)(*args))
 
 
-def _partitioned(op: _Op):
+def _partitioned(op: _Op) -> Any:
   fn = custom_partitioning(op.run, static_argnums=(0,))
   fn.def_partition(partition=op.partition, infer_sharding_from_operands=op.infer,
                    sharding_rule=op.sharding_rule)
   return fn
 
 
-def _fold_batch(x, axis_size, batched):
+def _fold_batch(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
   """[n, b, ...] (or unbatched [b, ...], broadcast) -> [n * b, ...]."""
   if not batched:
     x = jax.numpy.broadcast_to(x, (axis_size,) + x.shape)
   return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
 
 
-def _with_vmap(partitioned, call, *args):
+def _with_vmap(partitioned: Any, call: StaticCall, *args: jax.Array
+               ) -> tuple[jax.Array, ...]:
   """Calls `partitioned(call, *args)`; a vmapped axis is folded into batch."""
 
   @jax.custom_batching.custom_vmap
@@ -291,7 +304,7 @@ def _with_vmap(partitioned, call, *args):
   return apply(*args)
 
 
-def _explicit_sharding(x) -> NamedSharding | None:
+def _explicit_sharding(x: Any) -> NamedSharding | None:
   """x's type sharding if x is traced on a mesh with `Explicit` axes."""
   if not isinstance(x, jax.core.Tracer):
     return None
@@ -301,7 +314,7 @@ def _explicit_sharding(x) -> NamedSharding | None:
   return sharding
 
 
-def fit_explicit(x, target: NamedSharding):
+def fit_explicit(x: jax.Array, target: NamedSharding) -> jax.Array:
   """Reshards x to `target` when `target`'s mesh has `Explicit` axes.
 
   `jax.shard_map` on such a mesh insists that its operands' types already
@@ -317,11 +330,15 @@ def fit_explicit(x, target: NamedSharding):
   return jax.reshard(x, target)
 
 
-def _run_forward(call, q, k, v):
+def _run_forward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
   return tuple(call.backend.run_forward(call.spec, call.config, q, k, v))
 
 
-def _run_backward(call, q, k, v, out, lse, dout, dlse):
+def _run_backward(call: StaticCall, q: jax.Array, k: jax.Array,
+                  v: jax.Array, out: jax.Array, lse: jax.Array,
+                  dout: jax.Array, dlse: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   return tuple(call.backend.run_backward(call.spec, call.config, q, k, v, out,
                                          lse, dout, dlse))
 
@@ -332,7 +349,8 @@ _FORWARD = _partitioned(_FORWARD_OP)
 _BACKWARD = _partitioned(_BACKWARD_OP)
 
 
-def _dispatch(op: _Op, partitioned, call, *args):
+def _dispatch(op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
+              ) -> tuple[jax.Array, ...]:
   if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
   sharding = _explicit_sharding(args[0])
@@ -347,12 +365,15 @@ def _global_scales(spec: AttentionSpec) -> bool:
   return spec.fp8 is not None and not spec.fp8.block_quantization
 
 
-def forward(call, q, k, v) -> tuple[jax.Array, jax.Array]:
+def forward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
   """The backend's `(out, lse)`, computed shard-locally under SPMD sharding."""
   return _dispatch(_FORWARD_OP, _FORWARD, call, q, k, v)
 
 
-def backward(call, q, k, v, out, lse, dout, dlse):
+def backward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array,
+             out: jax.Array, lse: jax.Array, dout: jax.Array, dlse: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The backend's `(dq, dk, dv)`, computed shard-locally under SPMD sharding."""
   return _dispatch(_BACKWARD_OP, _BACKWARD, call, q, k, v, out, lse, dout,
                    dlse)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -45,7 +46,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from pallas_fa3 import backends
 from pallas_fa3.parallel import partitioning, ring_steps
 from pallas_fa3.parallel.ring_steps import RingPlan
-from pallas_fa3.spec import check_arrays, check_bool, make_spec
+from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
 from pallas_fa3.vjp import StaticCall
 
 Layout = Literal["natural", "zigzag"]
@@ -68,8 +69,9 @@ def _check_mesh(mesh: Any, seq_axis: Any) -> int:
   return int(dict(mesh.shape)[seq_axis])
 
 
-def _check_axes(name: str, axes: Any, mesh, taken: tuple[str, ...],
-                dim: int, what: str) -> tuple[str, ...]:
+def _check_axes(name: str, axes: Any, mesh: Mesh | AbstractMesh,
+                taken: tuple[str, ...], dim: int, what: str
+                ) -> tuple[str, ...]:
   """Validates `batch_axes`/`head_axes`: mesh axes, unused, dividing `dim`."""
   if axes is None:
     return ()
@@ -119,7 +121,8 @@ def _check_known_layout(plan: RingPlan, **arrays: Any) -> None:
           " batch, sequence and heads only")
 
 
-def _check_lengths(spec, n: int, seq_axis: str, causal: bool) -> None:
+def _check_lengths(spec: AttentionSpec, n: int, seq_axis: str,
+                   causal: bool) -> None:
   multiple, why = ((2 * n, "zig-zag chunks: 2 per device") if causal else
                    (n, "one shard per device"))
   for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
@@ -139,8 +142,8 @@ def _check_layout(layout: Any) -> str:
   return layout
 
 
-def _step_call(spec, seq_q: int, seq_kv: int, causal: bool,
-               implementation, config) -> StaticCall:
+def _step_call(spec: AttentionSpec, seq_q: int, seq_kv: int, causal: bool,
+               implementation: str | None, config: Any) -> StaticCall:
   """The backend call of one ring step, resolved as flash_attention would."""
   step = dataclasses.replace(spec, seq_q=seq_q, seq_kv=seq_kv, causal=causal)
   backend, config = backends.resolve(step, implementation, config)
@@ -152,8 +155,10 @@ def _step_call(spec, seq_q: int, seq_kv: int, causal: bool,
   return StaticCall(step, backend, config)
 
 
-def _step_calls(spec, mesh, n: int, batch_axes, head_axes, implementation,
-                config) -> tuple[StaticCall, ...]:
+def _step_calls(spec: AttentionSpec, mesh: Mesh | AbstractMesh, n: int,
+                batch_axes: tuple[str, ...], head_axes: tuple[str, ...],
+                implementation: str | None, config: Any
+                ) -> tuple[StaticCall, ...]:
   """The per-device calls: causal (own block, c x c block), else (block,)."""
   ways = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
   nh = ways(head_axes)
@@ -172,7 +177,8 @@ def _step_calls(spec, mesh, n: int, batch_axes, head_axes, implementation,
 # custom_vjp over shard_map.
 
 
-def _shard_map(plan: RingPlan, body, in_specs, out_specs):
+def _shard_map(plan: RingPlan, body: Callable[..., Any], in_specs: tuple,
+               out_specs: Any) -> Callable[..., Any]:
   # Every mesh axis is manual: the body sees one device's batch/head/sequence
   # shard, and each step's backend call runs on it as is. (An axis left
   # automatic would not do: XLA does not partition a custom_partitioning op
@@ -181,7 +187,8 @@ def _shard_map(plan: RingPlan, body, in_specs, out_specs):
                        out_specs=out_specs, check_vma=False)
 
 
-def _permute(plan: RingPlan, to_internal: bool, *xs):
+def _permute(plan: RingPlan, to_internal: bool, *xs: jax.Array
+             ) -> tuple[jax.Array, ...]:
   """Natural <-> zig-zag for the local shards (seq axis 1, or 2 for lse)."""
   if not plan.reorder:
     return xs
@@ -190,7 +197,8 @@ def _permute(plan: RingPlan, to_internal: bool, *xs):
                for x in xs)
 
 
-def _forward_global(plan: RingPlan, q, k, v):
+def _forward_global(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
   def body(q, k, v):
     q, k, v = _permute(plan, True, q, k, v)
     out, lse = ring_steps.ring_forward(plan, q, k, v)
@@ -203,18 +211,21 @@ def _forward_global(plan: RingPlan, q, k, v):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(plan: RingPlan, q, k, v):
+def _ring(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
   return _forward_global(plan, q, k, v)
 
 
-def _ring_fwd(plan: RingPlan, q, k, v):
+def _ring_fwd(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+              ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
   out, lse = _forward_global(plan, q, k, v)
   # Residuals in the caller's layout (the primal inputs and outputs, no
   # copies); a natural-layout causal backward permutes them again.
   return (out, lse), (q, k, v, out, lse)
 
 
-def _ring_bwd(plan: RingPlan, residuals, cotangents):
+def _ring_bwd(plan: RingPlan, residuals: tuple, cotangents: tuple
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
   dout, dlse = cotangents
 
   def body(q, k, v, out, lse, dout, dlse):
@@ -237,10 +248,15 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 _ring_jit = jax.jit(_ring, static_argnums=0)
 
 
-def ring_attention(q, k, v, *, mesh, seq_axis, causal=False,
-                   softmax_scale=None, return_lse=False, implementation=None,
-                   config=None, layout: Layout = "natural", batch_axes=None,
-                   head_axes=None):
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                   mesh: Mesh | AbstractMesh, seq_axis: str,
+                   causal: bool = False, softmax_scale: float | None = None,
+                   return_lse: bool = False,
+                   implementation: str | None = None, config: Any = None,
+                   layout: Layout = "natural",
+                   batch_axes: str | tuple[str, ...] | None = None,
+                   head_axes: str | tuple[str, ...] | None = None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Context-parallel attention: the sequence sharded over one mesh axis.
 
   Computes `flash_attention(q, k, v, causal=..., softmax_scale=...)` (same

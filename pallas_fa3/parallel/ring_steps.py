@@ -1,40 +1,21 @@
 """The per-device half of ring attention: what runs inside the shard_map.
 
-Algorithm. Each of the `n` devices of the ring keeps its query shard and
-passes key/value shards around the ring with `jax.lax.ppermute`; at every
-step it attends its queries to the visiting block with the backend
-`flash_attention` would use (`pallas_fa3.parallel.partitioning.forward`, the same
-`(out, lse)` residuals), and the partial results are merged exactly by
-log-sum-exp. No device holds more than two K/V shards at a time.
-
-Causal load balancing (zig-zag layout). With contiguous shards, device n-1
-would attend to every block and device 0 to one. Instead the sequence is cut
-into `2n` chunks of `c = seq / (2n)` tokens and device `i` holds chunks `i`
-and `2n-1-i` (its shard is `[chunk i, chunk 2n-1-i]`). Then, at ring step
-`s`, device `i` sees the block of device `j = i - s (mod n)`:
-
-  * `s = 0` (`j = i`): causal attention of its own shard (3 of the 4 c x c
-    sub-blocks visible, two of them half);
-  * `j < i`: both query chunks see key chunk `j` in full, neither sees
-    `2n-1-j`;
-  * `j > i`: only query chunk `2n-1-i` sees anything, and it sees both key
-    chunks in full.
-
-So every step after the first is exactly two unmasked c x c blocks on every
-device -- the fully masked ones are never computed -- and all devices do the
-same work: `2 c^2` scores per step. (Non-causal attention needs no
-balancing: every step is the full local block.)
-
-Backward, FlashAttention-2 style: every step's backward gets the global
-(merged) out and lse, so `P = exp(S - lse)` is the true softmax and
-`delta = rowsum(dO * O) - dlse`. The ring runs in the reverse direction and
-the float32 dK/dV accumulators travel with their K/V block; one more hop
-brings them home. Nothing gathers the full sequence.
+Each of the `n` devices keeps its query shard and passes K/V shards around
+the ring with `ppermute`; every step attends the local queries to the
+visiting block through `pallas_fa3.parallel.partitioning.forward` and merges
+the partial `(out, lse)` exactly by log-sum-exp. Causal calls use the
+zig-zag layout: the sequence is cut into `2n` chunks and device `i` holds
+chunks `i` and `2n-1-i`, so every step after the first is two unmasked
+`c x c` blocks on every device. The backward runs the ring in reverse with
+the merged out and lse; the float32 dK/dV accumulators travel with their
+K/V block and one more hop brings them home.
+Step by step: docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_fa3.parallel import partitioning
+from pallas_fa3.spec import AttentionSpec
 from pallas_fa3.vjp import StaticCall
 
 
@@ -62,8 +44,8 @@ class RingPlan:
       visiting block,).
   """
 
-  spec: Any
-  mesh: Any
+  spec: AttentionSpec
+  mesh: Any  # a jax.sharding.Mesh or AbstractMesh
   seq_axis: str
   batch_axes: tuple[str, ...]
   head_axes: tuple[str, ...]
@@ -117,7 +99,8 @@ _WIRE_TYPES = {jnp.dtype(jnp.bfloat16): jnp.uint16,
                jnp.dtype(jnp.float16): jnp.uint16}
 
 
-def ppermute(tree, axis_name: str, perm):
+def ppermute(tree: Any, axis_name: str, perm: Sequence[tuple[int, int]]
+             ) -> Any:
   """`jax.lax.ppermute` of a pytree, 16-bit floats sent as their bits."""
 
   def send(x):
@@ -146,7 +129,7 @@ def _zigzag_perms(n: int) -> tuple[list, list]:
           [(j, owner(2 * j + 1)) for j in range(n)])
 
 
-def to_zigzag(x, axis: int, axis_name: str, n: int):
+def to_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
   """Local natural shard -> local zig-zag shard (sequence along `axis`)."""
   perm0, perm1 = _zigzag_perms(n)
   h0, h1 = jnp.split(x, 2, axis=axis)
@@ -159,7 +142,8 @@ def to_zigzag(x, axis: int, axis_name: str, n: int):
                          axis=axis)
 
 
-def from_zigzag(x, axis: int, axis_name: str, n: int):
+def from_zigzag(x: jax.Array, axis: int, axis_name: str, n: int
+                ) -> jax.Array:
   """Inverse of `to_zigzag`."""
   perm0, perm1 = _zigzag_perms(n)
   inverse = lambda perm: [(dst, src) for src, dst in perm]
@@ -174,12 +158,13 @@ def from_zigzag(x, axis: int, axis_name: str, n: int):
 # Forward.
 
 
-def _lse_to_rows(lse):
+def _lse_to_rows(lse: jax.Array) -> jax.Array:
   """[b, h, s] -> [b, s, h, 1], to weight rows of out `[b, s, h, d]`."""
   return jnp.swapaxes(lse, 1, 2)[..., None]
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
+def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+           lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Exact log-sum-exp merge of two partial results over disjoint keys.
 
   `out = w_a out_a + w_b out_b` with `w = exp(lse_part - lse)`; a part whose
@@ -195,7 +180,9 @@ def _merge(out_a, lse_a, out_b, lse_b):
   return out, lse
 
 
-def _merge_rows(acc, part, start):
+def _merge_rows(acc: tuple[jax.Array, jax.Array],
+                part: tuple[jax.Array, jax.Array], start: Any
+                ) -> tuple[jax.Array, jax.Array]:
   """Merges `part` (out, lse) into the rows `[start, start + rows)` of `acc`."""
   acc_out, acc_lse = acc
   out, lse = part
@@ -207,23 +194,25 @@ def _merge_rows(acc, part, start):
           jax.lax.dynamic_update_slice_in_dim(acc_lse, new_lse, start, axis=2))
 
 
-def _rows(x, start, size):
+def _rows(x: jax.Array, start: Any, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
-def _visiting_blocks(plan: RingPlan, owner, me):
-  """The unmasked c x c blocks of a causal step: [(q start, kv start), ...].
+def _visiting_blocks(plan: RingPlan, owner: jax.Array, me: jax.Array
+                     ) -> tuple[int, tuple[tuple[Any, Any], ...]]:
+  """The unmasked c x c blocks of a causal step: (c, ((q0, kv0), ...)).
 
   Query chunk `2n-1-i` (rows c..2c) always sees key chunk `j` (kv rows
   0..c); the second block is (chunk i, chunk j) when j < i, else
-  (chunk 2n-1-i, chunk 2n-1-j). See the module docstring.
+  (chunk 2n-1-i, chunk 2n-1-j) (docs/design_notes.md#ring-attention).
   """
   c = plan.spec.seq_q // (2 * plan.ring_size)
   second = jnp.where(owner < me, 0, c)
   return c, ((c, 0), (second, second))
 
 
-def _run_ring(n: int, first, visit, send, carry):
+def _run_ring(n: int, first: Callable[..., Any], visit: Callable[..., Any],
+              send: Callable[[Any], Any], carry: tuple) -> Any:
   """Drives one pass around the ring: `first`, then `visit` steps 1..n-1.
 
   `carry` is `(block, state)`. Every step first issues `send(block)` -- the
@@ -251,7 +240,8 @@ def _run_ring(n: int, first, visit, send, carry):
   return visit(n - 1, block, state)
 
 
-def ring_forward(plan: RingPlan, q, k, v):
+def ring_forward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
   """Local shards (zig-zag order if causal) -> (out float32, lse)."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
@@ -283,14 +273,16 @@ def ring_forward(plan: RingPlan, q, k, v):
 # Backward.
 
 
-def _add_rows(acc, part, start):
+def _add_rows(acc: jax.Array, part: jax.Array, start: Any) -> jax.Array:
   rows = part.shape[1]
   cur = jax.lax.dynamic_slice_in_dim(acc, start, rows, axis=1)
   return jax.lax.dynamic_update_slice_in_dim(
       acc, cur + part.astype(jnp.float32), start, axis=1)
 
 
-def ring_backward(plan: RingPlan, q, k, v, out, lse, dout, dlse):
+def ring_backward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array,
+                  out: jax.Array, lse: jax.Array, dout: jax.Array,
+                  dlse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Local shards (zig-zag order if causal) -> (dq, dk, dv) in float32."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)

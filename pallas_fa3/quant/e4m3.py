@@ -83,7 +83,16 @@ def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
                                              "block_quantization", "rotation"))
-def quantize_inputs(q, k, v, key, *, block_q, block_kv, block_quantization, rotation):
+def quantize_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array,
+                    *, block_q: int, block_kv: int, block_quantization: bool,
+                    rotation: bool) -> FP8Inputs:
+  """Rotates (if `rotation`) and quantizes q, k, v to `FP8Inputs`.
+
+  Q is quantized in `block_q`-row tiles, K and V in `block_kv`-row tiles
+  (one scale per tensor instead when not `block_quantization`); V is
+  transposed to `[b, hk, d, skv]`. The validated entry point is
+  `pallas_fa3.fp8.quantize`.
+  """
   if rotation:
     signs = rotation_signs(key, q.shape[-1])
     q, k = rotate(q, signs), rotate(k, signs)
@@ -95,7 +104,9 @@ def quantize_inputs(q, k, v, key, *, block_q, block_kv, block_quantization, rota
                    v_scale)
 
 
-def online_softmax_fp8(s, m, l, *, scale_log2, mask):
+def online_softmax_fp8(s: jax.Array, m: jax.Array, l: jax.Array, *,
+                       scale_log2: jax.Array, mask: jax.Array | None
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One online-softmax step in base 2 with P offset by 2^8 (l in the same units).
 
   Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. `scale_log2` is a
@@ -116,7 +127,8 @@ def online_softmax_fp8(s, m, l, *, scale_log2, mask):
   return p, alpha, m_new, l * alpha + p.sum(axis=-1)
 
 
-def finalize_fp8(o, m, l, sv):
+def finalize_fp8(o: jax.Array, m: jax.Array, l: jax.Array, sv: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
   """(normalized O, natural-log lse) from the running statistics.
 
   `o` is in units of the last V scale `sv` and of P's 2^8, as is `l`.

@@ -1,15 +1,16 @@
-"""The sm90 dK/dV kernel (see `sm90_bwd` for the backward's design).
+"""The sm90 dK/dV kernel (the backward's design: `backward`).
 
 Parallel over (kv head, K/V tile, batch, head-dim chunk): consumer
 warpgroups hold K/V tiles and float32 dK, dV; the producer streams Q, dO,
-lse and delta tiles of every query head of the GQA group. Also the register
-and swizzle helpers the dQ kernel shares.
+lse and delta tiles of every query head of the GQA group.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,10 @@ from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DkdvPlan:
+  """Static facts of one dK/dV kernel instance (padded lengths included)."""
+
   spec: AttentionSpec
   config: Sm90BackwardConfig
   seq_q_pad: int
@@ -55,6 +57,7 @@ class DkdvPlan:
 
   @property
   def splits(self) -> int:
+    """Head-dim chunks of dK and dV (`config.dkdv_head_splits`)."""
     return self.config.dkdv_head_splits
 
   @property
@@ -68,14 +71,15 @@ class DkdvPlan:
     return self.spec.head_dim // self.splits
 
 
-def _cta_position(plan: DkdvPlan):
+def _cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
   """(first key row of the CTA, head-dim chunk it accumulates)."""
   index = lax.axis_index("kv_tiles")
   tile, chunk = lax.div(index, plan.cta_splits), lax.rem(index, plan.cta_splits)
   return tile * plan.kv_rows_per_cta, chunk
 
 
-def _copy_chunks(ref, tile, dst, barrier, plan: DkdvPlan):
+def _copy_chunks(ref: Any, tile: tuple, dst: Any, barrier: Any,
+                 plan: DkdvPlan) -> None:
   """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
   chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
   for c in range(plan.splits):
@@ -83,7 +87,7 @@ def _copy_chunks(ref, tile, dst, barrier, plan: DkdvPlan):
     plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
 
 
-def _first_q_tile(plan: DkdvPlan, kv0):
+def _first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:
   """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
   (earlier ones are skipped: causal)."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
@@ -91,7 +95,8 @@ def _first_q_tile(plan: DkdvPlan, kv0):
   return jnp.asarray(first, jnp.int32)
 
 
-def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
+def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
+  """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps."""
   (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
    dl_smem, full, empty, kv_bar) = refs
   spec, cfg = plan.spec, plan.config
@@ -115,10 +120,8 @@ def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
   first = _first_q_tile(plan, cta_kv0)
   per_head = plan.num_q_blocks - first
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
-  # Split head dims (d >= 192): each query tile is taken in halves of
-  # `block_q / 2` rows, so S^T, dP^T and the per-column lse and delta are
-  # half as wide next to the dK, dV accumulators (the buffers are 64-byte
-  # swizzled so that a half is a whole wgmma K step).
+  # CTA-split head dims take each query tile in halves of `block_q / 2`
+  # rows (64-byte swizzle: a half is a whole wgmma K step).
   halves = plan.q_halves
   sub = cfg.block_q // halves
   shape = (cfg.block_kv, sub)
@@ -143,8 +146,7 @@ def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
     dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
     # dP^T = V dO^T
     dp_t = ops.scores(v_chunks, do_parts)
-    # Loaded only now: a column vector costs block_q / 4 registers per
-    # thread in the wgmma layout, and the dK, dV accumulators leave few.
+    # Loaded only now: the dK, dV accumulators leave few registers.
     delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
     ds_t = p_t.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
     dk = ops.accumulate_pv(dk, ds_t.astype(spec.dtype),
@@ -157,17 +159,15 @@ def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
       plgpu.barrier_wait(full[i].at[slot])
     for h in range(halves):
       carry = part(qi, h, slot, carry, masked)
-    # lse and delta were read with ordinary loads (generic proxy) and TMA
-    # (async proxy) refills the slot next: the PTX memory model orders the
-    # two proxies only through a proxy fence, so fence before the release.
+    # lse and delta were read by ordinary loads (generic proxy) and TMA
+    # refills the slot: a proxy fence orders the two before the release.
     plgpu.commit_smem()
     plgpu.barrier_arrive(empty.at[slot])
     return carry
 
   def per_group_head(h, carry):
-    # Causal: every step masks (the mask is exact on fully visible tiles
-    # too). A separate loop over the masked tiles, often one step that the
-    # compiler straightens, cost up to 336 B of spills at d = 256.
+    # Causal: every step masks (exact on visible tiles too); a separate
+    # masked loop spilled (docs/design_notes.md#backward-kernels).
     base = h * per_head
     return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
         step, base=base, masked=spec.causal), carry)
@@ -184,7 +184,8 @@ def _dkdv_consumer(refs, plan: DkdvPlan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_shared_consumer(refs, plan: DkdvPlan, ops: KernelOps, w: int):
+def _dkdv_shared_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps,
+                          w: int) -> None:
   """Consumer `w` of a CTA whose two consumers share one K/V tile: it
   accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
 
@@ -263,7 +264,9 @@ def _dkdv_shared_consumer(refs, plan: DkdvPlan, ops: KernelOps, w: int):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_producer(refs, plan: DkdvPlan):
+def _dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
+  """Streams Q, dO, lse and delta tiles of every visible query tile of every
+  query head of the group."""
   (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem, full,
    empty) = refs
   spec, cfg = plan.spec, plan.config
@@ -297,7 +300,9 @@ def _dkdv_producer(refs, plan: DkdvPlan):
     plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
 
-def dkdv_kernel(plan: DkdvPlan, ops: KernelOps, interpret):
+def dkdv_kernel(plan: DkdvPlan, ops: KernelOps, interpret: Any
+                ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """The dK/dV kernel: `(q, k, v, dout, lse2, delta) -> (dk, dv)`, padded."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   tf = (swizzle64(spec.dtype) if plan.q_halves > 1 or plan.shared

@@ -1,10 +1,12 @@
-"""The sm90 dQ kernel (see `sm90_bwd` for the backward's design): the
-forward kernel's structure (its producer streams K and V tiles), dQ
-accumulated in float32 registers."""
+"""The sm90 dQ kernel (the backward's design: `backward`): the forward
+kernel's structure (its producer streams K and V tiles), dQ accumulated in
+float32 registers."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,9 @@ from pallas_fa3.kernels.sm90 import common
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import AttentionSpec
 
-def _dq_consumer(refs, plan: common.QueryPlan, ops: KernelOps):
+
+def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
+  """A consumer with its own `block_q` rows: dQ over its K/V steps."""
   (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
    k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
   spec, cfg = plan.spec, plan.config
@@ -41,10 +45,8 @@ def _dq_consumer(refs, plan: common.QueryPlan, ops: KernelOps):
 
   steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
   cta_steps, _ = common.kv_steps(plan, cta_row0, plan.rows_per_cta)
-  # One consumer (d >= 192): each K/V tile is taken in halves of
-  # `block_kv / 2` keys, so S and dP are [block_q, block_kv / 2] tiles next
-  # to the float32 dQ (the ring is 64-byte swizzled so that a half is a
-  # whole wgmma K step).
+  # A lone consumer takes each K/V tile in halves of `block_kv / 2` keys
+  # (64-byte swizzle: a half is a whole wgmma K step).
   halves = 2 if plan.row_blocks == 1 else 1
   sub = cfg.block_kv // halves
   shape = (cfg.block_q, sub)
@@ -91,7 +93,8 @@ def _dq_consumer(refs, plan: common.QueryPlan, ops: KernelOps):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_shared_consumer(refs, plan: common.QueryPlan, ops: KernelOps, w: int):
+def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
+                        w: int) -> None:
   """Consumer `w` of a dQ CTA whose two consumers share one query tile: it
   accumulates dQ for head-dim half `w`.
 
@@ -166,9 +169,13 @@ def _dq_shared_consumer(refs, plan: common.QueryPlan, ops: KernelOps, w: int):
 
 
 def dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
-               seq_kv_pad: int, ops: KernelOps, interpret):
-  """`config.dq_consumers` warpgroups, each with its own `block_q` rows, or
-  (`dq_head_splits=2`) two sharing one query tile's head dim."""
+              seq_kv_pad: int, ops: KernelOps, interpret: Any
+              ) -> Callable[..., jax.Array]:
+  """The dQ kernel: `(q, k, v, dout, lse2, delta) -> dq`, padded.
+
+  `config.dq_consumers` warpgroups, each with its own `block_q` rows, or
+  (`dq_head_splits=2`) two sharing one query tile's head dim.
+  """
   consumers, shared = config.dq_consumers, config.dq_head_splits == 2
   blocks = 1 if shared else consumers  # query-row blocks per CTA
   plan = common.QueryPlan(spec, config.dq_config, seq_q_pad, seq_kv_pad,

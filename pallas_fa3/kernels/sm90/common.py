@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,29 +23,24 @@ from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
-# Register budgets per warpgroup role (setmaxnreg), FA3's split: an SM has
-# 64K 32-bit registers, 128 threads per warpgroup: 2 * 240 + 24 = 504 <= 512
-# per thread slot. The producer only computes addresses; the consumers hold
-# O, S and P.
+# setmaxnreg per warpgroup role. Two consumers: FA3's split, 2 * 240 + 24
+# <= 512 per thread slot (the producer only computes addresses). One
+# consumer (a 256-thread CTA): all 256 of its slot; the producer keeps 64.
+# Measured with the sm_90a compile: docs/design_notes.md#setmaxnreg-splits.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+LONE_CONSUMER_REGS = 256
+LONE_PRODUCER_REGS = 64
 LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
 
 
-# With one consumer warpgroup (a 256-thread CTA) the consumer takes all 256
-# registers a thread slot has (ptxas then allocates 255, the ISA's limit;
-# at 232 the d=128 dK/dV consumer spilled 16 B). Two warpgroups fit 256 each
-# in the register file, so the producer keeps more than it needs (at 24, the
-# minimum, the dQ kernel's producer spilled 4 B at some shapes).
-LONE_CONSUMER_REGS = 256
-LONE_PRODUCER_REGS = 64
-
-
 def consumer_regs(consumers: int) -> int:
+  """setmaxnreg of a consumer warpgroup in a CTA with `consumers` of them."""
   return CONSUMER_REGS if consumers == 2 else LONE_CONSUMER_REGS
 
 
 def producer_regs(consumers: int) -> int:
+  """setmaxnreg of the producer warpgroup beside `consumers` consumers."""
   return PRODUCER_REGS if consumers == 2 else LONE_PRODUCER_REGS
 
 
@@ -55,9 +52,8 @@ class QueryPlan:
   config: Sm90ForwardConfig
   seq_q_pad: int
   seq_kv_pad: int
-  # Query-row blocks of `block_q` per CTA: one per consumer warpgroup in the
-  # forward kernels (two, pingpong); the backward's dQ kernel, which reuses
-  # this walk, may have one (one consumer, or two sharing the rows).
+  # Query-row blocks of `block_q` per CTA: one per consumer, or one shared
+  # block (the dQ kernel with one consumer, or two sharing the rows).
   row_blocks: int = NUM_CONSUMERS
 
   @property
@@ -77,7 +73,8 @@ class QueryPlan:
     return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
 
 
-def kv_steps(plan: QueryPlan, row0, rows: int):
+def kv_steps(plan: QueryPlan, row0: Any, rows: int
+             ) -> tuple[jax.Array, jax.Array]:
   """(steps, unmasked steps) for the query rows [row0, row0 + rows).
 
   `steps` counts the leading K/V tiles any row sees (at least 1, so that a
@@ -96,28 +93,29 @@ def kv_steps(plan: QueryPlan, row0, rows: int):
   return n, jnp.minimum(jnp.asarray(full, jnp.int32), n)
 
 
-def smem_transforms(dtype, head_dim: int):
+def smem_transforms(dtype: Any, head_dim: int) -> tuple:
+  """Tiling and swizzle of a shared-memory tile with `head_dim`-wide rows."""
   itemsize_bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(head_dim * itemsize_bits)
   return (plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
           plgpu.SwizzleTransform(swizzle))
 
 
-def swizzle64(dtype):
-  """Shared-memory transforms with a 64-byte swizzle: a wgmma reading such a
-  tile as its K operand steps 32 rows (16-bit types) at a time, where the
-  128-byte swizzle steps 64."""
+def swizzle64(dtype: Any) -> tuple:
+  """Shared-memory transforms with a 64-byte swizzle (a wgmma K step of 32
+  rows for 16-bit types, where the 128-byte swizzle steps 64)."""
   cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
 
 
-def v_rows(v_ref, batch, kv_head, cols):
+def v_rows(v_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
   """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
   return v_ref.at[batch, cols, kv_head]
 
 
-def kv_producer(refs, plan: QueryPlan, *, registers: int = PRODUCER_REGS,
-              v_tile=v_rows):
+def kv_producer(refs: tuple, plan: QueryPlan, *,
+                registers: int = PRODUCER_REGS,
+                v_tile: Callable[..., Any] = v_rows) -> None:
   """The producer warpgroup: streams K and V tiles into the ring by TMA.
 
   `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
@@ -160,8 +158,11 @@ def kv_producer(refs, plan: QueryPlan, *, registers: int = PRODUCER_REGS,
     plgpu.barrier_wait(v_empty.at[slot])
 
 
-def run_kv_steps(plan: QueryPlan, ops: KernelOps, step, q_smem, k_smem, ring,
-                 steps, unmasked, cta_steps, wg, rendezvous):
+def run_kv_steps(plan: QueryPlan, ops: KernelOps, step: Callable[..., Any],
+                 q_smem: Any, k_smem: Any, ring: tuple, steps: Any,
+                 unmasked: Any, cta_steps: Any, wg: Any,
+                 rendezvous: Callable[[], None]
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
 
   S_0 first; consumer 1 starts half a pingpong step behind; then the
@@ -190,10 +191,9 @@ def run_kv_steps(plan: QueryPlan, ops: KernelOps, step, q_smem, k_smem, ring,
 
   @pl.loop(steps, cta_steps)
   def _drain(j):
-    # The other consumer needs more K/V tiles (causal): observe the tiles the
-    # producer filled for it (every barrier phase is waited on by every
-    # warpgroup that uses the barrier), release them, and keep the pingpong
-    # in step.
+    # Tiles loaded only for the other consumer (causal): wait for and
+    # release them (every warpgroup waits on every phase of a barrier it
+    # uses), and keep the pingpong in step.
     slot = lax.rem(j, cfg.num_stages)
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
@@ -206,8 +206,9 @@ def run_kv_steps(plan: QueryPlan, ops: KernelOps, step, q_smem, k_smem, ring,
   return o, m, l
 
 
-def row_probabilities(ops: KernelOps, spec: AttentionSpec, s, lse2, q0, kv0,
-                       *, masked: bool, check_seq_kv: bool = True):
+def row_probabilities(ops: KernelOps, spec: AttentionSpec, s: jax.Array,
+                      lse2: jax.Array, q0: Any, kv0: Any, *, masked: bool,
+                      check_seq_kv: bool = True) -> jax.Array:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
@@ -224,10 +225,12 @@ def row_probabilities(ops: KernelOps, spec: AttentionSpec, s, lse2, q0, kv0,
 
 
 def round_up(n: int, multiple: int) -> int:
+  """`n` rounded up to a multiple of `multiple`."""
   return -(-n // multiple) * multiple
 
 
-def pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
+def pad_axis(x: jax.Array, axis: int, length: int, value: float = 0
+             ) -> jax.Array:
   """x padded with `value` to `length` along `axis` (no copy if already there)."""
   pad = length - x.shape[axis]
   if pad == 0:
@@ -237,8 +240,9 @@ def pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def build_kernel(body, *, out_type, scratch, grid, grid_names, warpgroups,
-                 interpret):
+def build_kernel(body: Callable[..., None], *, out_type: Any, scratch: tuple,
+                 grid: tuple[int, ...], grid_names: tuple[str, ...],
+                 warpgroups: int, interpret: Any) -> Callable[..., Any]:
   """`plgpu.kernel` with the settings every sm90 kernel here shares.
 
   `warpgroups` threads named "wg" (consumers first, the producer last),

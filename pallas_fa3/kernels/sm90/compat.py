@@ -1,27 +1,17 @@
 """Every JAX-version difference the kernels touch, in one place.
 
-The kernels are tested on JAX 0.11.2 (the H200's version, and CI's) and the
-newest release (0.12.x). What the kernels pin or avoid, as far as the
-versions differ:
-
-- `plgpu.CompilerParams.lowering_semantics`: the default changed from Lane to
-  Warpgroup in later versions; our kernels are written for Lane semantics,
-  so it is always set explicitly.
-- GPU interpret mode lives under a private path
-  (`jax._src.pallas.mosaic_gpu.interpret`); its parameters class, the race
-  report and the state reset are imported here only.
-- `plgpu.load(ref, idx, layout=...)`: `idx` is deprecated in 0.11 (in
-  favour of `ref.at[...]`) and gone in 0.12: `load_with_layout` passes none.
-- `plgpu.copy_gmem_to_smem`'s `oob_mode` default is version-dependent; we
-  pass only `(src, dst, barrier)`. Out-of-bounds rows never reach a TMA: the
-  wrapper pads ragged sequences to whole tiles.
+The kernels are tested on JAX 0.11.2 and the newest release (0.12.x). Here:
+the pinned lowering semantics, the private interpret-mode imports and
+`plgpu.load` without an index. What each pin is for:
+docs/design_notes.md#jax-versions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from jax.experimental.mosaic import gpu as _mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -35,7 +25,7 @@ def compiler_params(*, approx_math: bool) -> Any:
   )
 
 
-def _interpret_module():
+def _interpret_module() -> Any:
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   return interpret_pallas_call
 
@@ -65,6 +55,6 @@ def capture_race_report() -> Iterator[io.StringIO]:
     yield buf
 
 
-def load_with_layout(ref, layout) -> Any:
+def load_with_layout(ref: Any, layout: Any) -> Any:
   """The whole of a shared-memory `ref` in registers, in `layout`."""
   return plgpu.load(ref, layout=layout)

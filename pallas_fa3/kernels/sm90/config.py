@@ -1,16 +1,15 @@
-"""Kernel configs for the sm90 kernels: validated data, one shared-memory estimate.
+"""Tilings of the sm90 kernels: validated configs, their shared-memory and
+register estimates, the config spaces and the heuristic defaults.
 
-`Sm90ForwardConfig` is the tiling of the Hopper forward kernel
-(`pallas_fa3/kernels/sm90_fwd.py`). It is frozen and hashable (a static
-argument of `jax.jit` and `custom_vjp`) and validates itself. Whether a config
-fits a call is decided by one function, `forward_unsupported`, built on one
-shared-memory estimate against one limit; the heuristic default is chosen
-from the same estimate, so the two can never disagree.
+The configs are frozen and hashable (static arguments of `jax.jit` and
+`custom_vjp`) and validate themselves. Whether a config fits a call is
+decided by one estimate against one limit (`forward_unsupported`,
+`backward_config_unsupported`); the defaults and the config spaces are
+checked against the same estimates, so they cannot disagree.
 
-Tiles (FA3 terms): each CTA owns `2 * block_q` query rows, split between the
-two consumer warpgroups (`block_q` rows each, the M of their wgmma); the
-producer warpgroup streams `block_kv`-row K and V tiles through a ring of
-`num_stages` shared-memory slots.
+Tiles (FA3 terms): a forward CTA owns `2 * block_q` query rows, `block_q`
+per consumer warpgroup (the M of its wgmma); the producer warpgroup streams
+`block_kv`-row K and V tiles through a ring of `num_stages` slots.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ WGMMA_M = 64                 # rows of one warpgroup MMA instruction
 TMA_ROW_ALIGN = 64           # K/V tile rows: a multiple of the 128-byte swizzle span
 NUM_CONSUMERS = 2            # consumer warpgroups per CTA (pingpong needs two)
 BARRIER_BYTES = 8           # one mbarrier
-# Pallas Mosaic GPU aligns every shared-memory allocation to 1024 bytes and
-# reserves `CompilerParams.reduction_scratch_bytes` (default 128 * 4 * 4) for
-# cross-warp reductions; measured against its "exceeds available shared
-# memory" check, the estimate below is exact.
+# Mosaic's allocation alignment and its reserve for cross-warp reductions
+# (`reduction_scratch_bytes`): docs/design_notes.md#shared-memory.
 SMEM_ALIGN = 1024
 RESERVED_SMEM = 128 * 4 * 4
 
@@ -61,13 +58,14 @@ class Sm90ForwardConfig:
   block_kv: int = 128
   num_stages: int = 2
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     check_int_fields(self, block_q=dict(choices=BLOCK_Q_CHOICES),
                      block_kv=dict(choices=BLOCK_KV_CHOICES),
                      num_stages=dict(choices=STAGE_CHOICES))
 
   @property
   def rows_per_cta(self) -> int:
+    """Query rows of one CTA (both consumers)."""
     return NUM_CONSUMERS * self.block_q
 
 
@@ -104,11 +102,9 @@ def forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
   return None
 
 
-# Of the consumer's 232 registers (see kernels/sm90_fwd.py), the tiles may
-# take at most this many; the rest hold P, the statistics and addresses.
-# Measured with the deviceless sm_90a compile (ptxas): every config within
-# this budget compiles with 0 spill bytes; d=64 with 64 x 256 tiles (288)
-# spills 2 KB, 128 x 128 tiles (320) spill 3.4 KB.
+# Float32 tile registers a forward consumer may hold (of its 240; the rest
+# hold P, the statistics and addresses). Calibrated with the sm_90a compile:
+# docs/design_notes.md#tile-budgets.
 _CONSUMER_ACC_REGS = 192
 
 
@@ -128,9 +124,8 @@ def forward_unsupported(spec: AttentionSpec,
   return forward_config_unsupported(config, spec.head_dim, spec.dtype.itemsize)
 
 
-# The heuristic default per head dim (bf16/fp16 have the same size): the
-# largest K/V tile and deepest ring that fit, as FA3 picks 128 x 128 tiles at
-# d = 128 and 128 x 64 at d = 256 (paper, section 4).
+# The heuristic default per head dim (bf16/fp16 alike): the largest K/V
+# tile and deepest ring that fit. docs/design_notes.md#default-tilings
 _DEFAULTS = {
     64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3),
     96: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
@@ -171,18 +166,15 @@ class Sm90BackwardConfig:
       one, the CTA has 256 threads and its consumer may hold 255 registers
       per thread (240 with two): the dK, dV accumulators of d > 64 need it.
     dkdv_head_splits: ways dK and dV's head dim is split (1 or 2). With two
-      consumers, they share one K/V tile and each accumulates half of the
-      head dim, exchanging P and dS through shared memory (FA3's layout
-      for d = 192, 256; no GEMM repeated). With one, two CTAs share each
-      K/V tile, each recomputing S^T and dP^T over the whole head dim (two
-      more GEMMs per tile) and taking the query tile in halves.
+      consumers they share one K/V tile, each accumulating half of the head
+      dim and exchanging P and dS through shared memory (FA3's layout for
+      d = 192, 256). With one, two CTAs share each K/V tile, each
+      recomputing S^T and dP^T (two more GEMMs per tile).
     dq_consumers: consumer warpgroups of the dQ kernel (1 or 2). A lone
       consumer takes each K/V tile in halves of `block_kv / 2` keys.
     dq_head_splits: 2 makes the dQ kernel's two consumers share each query
-      tile, each accumulating half of dQ's head dim and computing half of
-      the key columns of S and dP, exchanging dS through shared memory
-      (no GEMM repeated): how d = 192, 256 fit in registers. Needs
-      `dq_consumers=2`.
+      tile, each accumulating half of dQ's head dim and exchanging dS
+      through shared memory. Needs `dq_consumers=2`.
   """
 
   block_q: int = 64
@@ -193,7 +185,7 @@ class Sm90BackwardConfig:
   dq_consumers: int = NUM_CONSUMERS
   dq_head_splits: int = 1
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     one_or_two = dict(choices=(1, 2))
     check_int_fields(self, block_q=dict(choices=(64, 128)),
                      block_kv=dict(choices=(64, 128)),
@@ -229,7 +221,7 @@ class Sm90Config:
   forward: Sm90ForwardConfig | None = None
   backward: Sm90BackwardConfig | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name, cls in (("forward", Sm90ForwardConfig),
                       ("backward", Sm90BackwardConfig)):
       value = getattr(self, name)
@@ -272,8 +264,7 @@ def backward_kernel_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
         + (4 * st + 4 * blocks) * BARRIER_BYTES)
   if config.dq_head_splits == 2:
     dq += align_smem(2 * bq * bkv * itemsize) + BARRIER_BYTES
-  # No RESERVED_SMEM: Mosaic reserves it for cross-warp reductions, which
-  # neither backward kernel has (measured: the estimate is then exact).
+  # No RESERVED_SMEM: neither kernel has a cross-warp reduction.
   return {"dkdv": dkdv, "dq": dq}
 
 
@@ -283,10 +274,9 @@ def backward_smem_bytes(config: Sm90BackwardConfig, head_dim: int,
   return max(backward_kernel_smem_bytes(config, head_dim, itemsize).values())
 
 
-# Register budgets of the backward consumers, in float32 tile registers per
-# thread, by consumer warpgroups per CTA, measured with the deviceless sm_90a
-# compile (`python -m pallas_fa3.kernels.aot`). Two consumers get 232
-# registers a thread (setmaxnreg), a lone one 256 (ptxas: 255).
+# Float32 tile registers a backward consumer may hold, by consumers per CTA
+# (setmaxnreg 240 with two, 256 with one). Calibrated with the sm_90a
+# compile: docs/design_notes.md#tile-budgets.
 _DKDV_TILE_REGS = {2: 128, 1: 192}
 _DQ_TILE_REGS = {2: 128, 1: 192}
 _DKDV_SHARED_TILE_REGS = 160
@@ -298,16 +288,16 @@ def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
 
 
 def _dkdv_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
-  # dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles
-  # (shared: each consumer computes half of the key columns of S and dP).
+  """dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles
+  (shared: each consumer computes half of their key columns)."""
   cols = head_dim // config.dkdv_head_splits
   sdp = config.block_q * (1 if _dkdv_shared(config) else 2)
   return config.block_kv * (2 * cols + sdp) // 128
 
 
 def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
-  # dQ accumulator (block_q x d / splits) plus S and dP tiles (shared rows:
-  # each consumer computes half of their key columns).
+  """dQ accumulator (block_q x d / splits) plus S and dP tiles (shared rows:
+  each consumer computes half of their key columns)."""
   splits = config.dq_head_splits
   return config.block_q * (head_dim // splits + 2 * config.block_kv // splits) // 128
 
@@ -372,8 +362,10 @@ def _fit(block_q: int, block_kv: int, num_stages: int, dkdv_consumers: int,
 _OWN_TILES, _SHARED_TILE, _CTA_SPLIT = ((2, 1), (1, 1)), ((2, 2),), ((1, 2),)
 
 
-def _tilings(head_dim: int, itemsize: int, layouts, block_choices=(64, 128),
-             stage_choices=STAGE_CHOICES):
+def _tilings(head_dim: int, itemsize: int, layouts: tuple,
+             block_choices: tuple[int, ...] = (64, 128),
+             stage_choices: tuple[int, ...] = STAGE_CHOICES
+             ) -> tuple[Sm90BackwardConfig, ...]:
   found = (_fit(bq, bkv, st, consumers, splits, head_dim, itemsize)
            for consumers, splits in layouts for bq in block_choices
            for bkv in block_choices for st in stage_choices)
@@ -384,22 +376,25 @@ def backward_config_space(head_dim: int, itemsize: int = 2
                           ) -> tuple[Sm90BackwardConfig, ...]:
   """Every backward tiling that fits at this head_dim, in order of
   preference: consumers owning whole K/V tiles, then two consumers sharing
-  a tile's head dim; the head dim split across CTAs (S^T and dP^T
-  recomputed) only where neither fits, which no supported head dim needs
-  (it stays selectable); one dQ consumer only where two do not fit."""
+  a tile's head dim; the head dim split across CTAs only where neither
+  fits; one dQ consumer only where two do not fit."""
   return _space(head_dim, itemsize)
 
 
-def _space(head_dim, itemsize, **choices):
+def _space(head_dim: int, itemsize: int, **choices: tuple[int, ...]
+           ) -> tuple[Sm90BackwardConfig, ...]:
   space = (_tilings(head_dim, itemsize, _OWN_TILES, **choices)
            + _tilings(head_dim, itemsize, _SHARED_TILE, **choices))
   return space or _tilings(head_dim, itemsize, _CTA_SPLIT, **choices)
 
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
-  """64 x 64 tiles, 2 stages, in the first form that fits: two dK/dV
-  consumers at d = 64, one at d = 96, 128; at d = 192, 256 two consumers
-  sharing each K/V tile's head dim, one dQ consumer."""
+  """The heuristic backward tiling for `spec`: 64 x 64 tiles, 2 stages, in
+  the first form of `backward_config_space` that fits.
+
+  Raises:
+    ValueError: no form fits `spec.head_dim`.
+  """
   space = _space(spec.head_dim, spec.dtype.itemsize, block_choices=(64,),
                  stage_choices=(2,))
   if not space:

@@ -35,14 +35,10 @@ def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
   return q + out + p + 2 * ring + lse + RESERVED_SMEM + barriers
 
 
-# Register model of the FP8 consumer, calibrated with the deviceless sm_90a
-# compile (`python -m pallas_fa3.kernels.aot --fp8`): the float32 O and S
-# tiles as in the bf16 kernel, plus one register per 8 columns of P (the
-# addresses of its shared-memory store, which the compiler keeps live across
-# the loop). Within the budget, every config compiles with 0 spill bytes
-# except the two below, which ptxas spills (8 bytes, causal only; the
-# 3-stage ring's slot index is a division by 3) and are therefore excluded,
-# as measured, rather than modelled.
+# Register model of the FP8 consumer: the bf16 kernel's O and S tiles plus
+# one register per 8 columns of P (its store addresses stay live); two
+# configs within it spill and are excluded as measured.
+# Calibrated with the sm_90a compile: docs/design_notes.md#tile-budgets.
 _FP8_CONSUMER_ACC_REGS = 208
 _FP8_MEASURED_SPILLS = frozenset({
     (64, Sm90ForwardConfig(block_q=128, block_kv=64, num_stages=3)),

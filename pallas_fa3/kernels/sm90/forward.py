@@ -1,42 +1,19 @@
 """FlashAttention-3 forward kernel for Hopper (sm90) in Pallas Mosaic GPU.
 
-Design (FA3 paper, section 3; our own code):
-
-- **Warp specialization.** A CTA owns `2 * block_q` query rows of one
-  (batch, query head) and runs three warpgroups: two consumers (`block_q`
-  rows each) and one producer. The producer only issues TMA copies of K and
-  V tiles into a ring of `num_stages` shared-memory slots; each slot has a
-  "full" barrier (TMA completion) and an "empty" barrier (both consumers have
-  read it). Registers are moved from the producer to the consumers with
-  `setmaxnreg` (`PRODUCER_REGS`, `CONSUMER_REGS`).
-- **Pingpong.** A schedule barrier shared by the two consumers is met twice
-  per K/V step; consumer 1 meets it once more at the start and consumer 0
-  once more at the end, so one consumer's softmax runs while the other's
-  GEMMs occupy the tensor cores.
-- **Intra-warpgroup overlap.** Within a consumer, step j issues the wgmma
-  S_{j+1} = Q K_{j+1}^T before the softmax of S_j, so the exponentials of
-  one tile overlap the tensor-core work of the next; P_j V_j follows.
-- **Softmax** in float32 with exp2, the scale folded with log2(e), P rounded
-  to the input dtype for the P V wgmma, O rescaled in registers, normalized
-  once at the end; O leaves through shared memory by TMA, with the lse
-  (float32, natural log; -inf for rows that see no key).
-- **Masking** is one function per tile (`pallas_fa3.masking.visible`), and
-  block skipping is decided per query tile: fully masked K/V tiles are never
-  loaded, fully visible ones are never masked, so only diagonal (causal) and
-  ragged-edge tiles pay for the mask. Causal is bottom-right aligned.
-- **GQA/MQA**: the query heads of a group index the same K/V head; K and V
-  are never repeated.
-- **Any sequence length**: the wrapper pads ragged sequences to whole tiles
-  (a copy, only when ragged); padded keys are masked, padded query rows are
-  computed on zeros and sliced off. No TMA ever leaves its array.
-
-The operations that JAX's GPU interpreter cannot run are isolated in
-`_ops.KernelOps`; `interpret=True` runs this same kernel in GPU interpret
-mode on a CPU.
+Per CTA, `2 * block_q` query rows of one (batch, head): a producer
+warpgroup streams K/V tiles by TMA into a `num_stages` ring; two consumer
+warpgroups compute S = Q K^T, an exp2 online softmax and O += P V with
+wgmma, in pingpong, each issuing S_{j+1} before the softmax of S_j. Fully
+masked K/V tiles are skipped, fully visible ones are not masked; GQA heads
+share their K/V head; ragged sequences are padded to whole tiles. The leaf
+operations that differ in interpret mode are `ops.KernelOps`.
+Design and measurements: docs/design_notes.md#forward-kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,27 +31,25 @@ from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
-
-def _online_softmax(s, m, l, *, scale_log2, mask):
+def _online_softmax(s: jax.Array, m: jax.Array, l: jax.Array, *,
+                    scale_log2: jax.Array, mask: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
 
-  `s` holds raw scores; `m` is the running max of the scaled base-2 scores.
-  With a positive scale, max(s) * scale is the max of the scaled scores, so
-  the scale is applied once per element inside the exp2 argument (one FFMA:
-  s * scale - m) rather than to the whole tile first.
+  `s` holds raw scores, `m` the running max of the scaled ones: the scale is
+  positive, so it is applied inside the exp2 argument (one FFMA).
   """
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-  # A row with no visible key yet has max -inf: exponentiate against 0 so
-  # that exp2(-inf) = 0 rather than NaN.
+  # A row with no visible key yet (max -inf) exponentiates against 0: no NaN.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def _consumer(refs, plan: QueryPlan, ops: KernelOps):
+def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
   (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, k_full, v_full,
    k_empty, v_empty, q_bar, sched) = refs
@@ -142,7 +117,8 @@ def _consumer(refs, plan: QueryPlan, ops: KernelOps):
             batch, head, row0)
 
 
-def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0):
+def _epilogue(plan: QueryPlan, o, m, l, o_smem, lse_smem, o_ref, lse_ref,
+              batch, head, row0) -> None:
   """Normalizes O, writes it and the lse through shared memory by TMA."""
   cfg = plan.config
   empty = l == 0.0
@@ -157,7 +133,7 @@ def _epilogue(plan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build(plan: QueryPlan, ops: KernelOps, interpret):
+def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
   spec, cfg = plan.spec, plan.config
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
@@ -203,11 +179,20 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret):
 
 def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
                  q: jax.Array, k: jax.Array, v: jax.Array, *,
-                 interpret=None) -> tuple[jax.Array, jax.Array]:
-  """Runs the forward kernel; returns (out `[b, sq, hq, d]`, lse `[b, hq, sq]`).
+                 interpret: Any = None) -> tuple[jax.Array, jax.Array]:
+  """Runs the forward kernel.
 
-  `interpret`: None compiles for sm90; interpret-mode parameters
-  (`compat.interpret_params(...)`) run the same kernel on a CPU.
+  Args:
+    spec: the call (bf16/fp16, equal q/k and v head dims).
+    config: the tiling.
+    q: `[b, sq, hq, d]`.
+    k: `[b, skv, hk, d]`.
+    v: `[b, skv, hk, d]`.
+    interpret: None compiles for sm90; interpret-mode parameters
+      (`compat.interpret_params(...)`) run the same kernel on a CPU.
+
+  Returns:
+    (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
   """
   tile_q = config.rows_per_cta
   plan = QueryPlan(spec, config,

@@ -1,43 +1,20 @@
 """FP8 (e4m3) FlashAttention-3 forward kernel for Hopper (sm90), Pallas Mosaic GPU.
 
-The pipeline is the bf16 kernel's (`sm90_fwd.py`: a producer warpgroup
-streaming K/V tiles by TMA into a `num_stages` ring, two consumer warpgroups
-in pingpong, S_{j+1} = Q K_{j+1}^T issued before the softmax of S_j); what
-changes for FP8 (FA3 paper, section 3.3; our own code):
-
-- **Operands.** Q, K and V arrive quantized by `pallas_fa3.fp8.quantize`:
-  e4m3 tiles with one float32 scale per `block_q x d` tile of Q and per
-  `block_kv x d` tile of K and of V (Q and K already rotated by the
-  randomized Hadamard transform when that is on). FP8 wgmma wants both
-  operands k-major, so V comes transposed, `[b, hk, d, skv]`
-  (sequence-contiguous), and is read as the (N, K) operand through
-  `.transpose((1, 0))`, like K in Q K^T.
-- **Descales.** The Q and K scales of a tile multiply the scores, so they are
-  folded into the softmax scale (`scale * log2(e) * sq * sk_j`, one scalar
-  per K/V step). The V scale of tile j cannot be folded into the wgmma that
-  accumulates P_j V_j into O, so O is kept in units of the current V scale:
-  the rescale O *= alpha becomes O *= alpha * sv_{j-1} / sv_j (a per-row
-  vector the online softmax computes anyway), and the epilogue multiplies by
-  the last sv.
-- **P in FP8.** P is computed as `exp2(s - (m - 8))`, i.e. scaled by 2^8
-  into the e4m3 range (P <= 256 < 448) as in the reference CUDA code, so
-  small probabilities keep their precision; the row sum `l` is accumulated
-  in the same units, which cancels the 2^8 in the normalization, and the
-  lse subtracts it. P is cast to e4m3 and staged through shared memory
-  (Pallas Mosaic GPU has no 8-bit register A operand), then `commit_smem`
-  and the P V wgmma read it from there.
-- **Output** in `spec.dtype` (bf16 or fp16), with the float32 lse, through a
-  separate shared-memory tile (the FP8 Q tile is too small to stage it).
-
-Scales are read as scalars from global memory (`ref[b, h, i]`) by each
-consumer: one per query tile and two per K/V step, a few bytes next to the
-K/V tiles. Every numeric step has an exact counterpart in the blockwise twin
-(`pallas_fa3/blockwise_fp8.py`), which CPU tests compare against.
+The bf16 kernel's pipeline (`forward`) on operands quantized by
+`pallas_fa3.fp8.quantize`: e4m3 Q, K and V^T (`[b, hk, d, skv]`, k-major as
+FP8 wgmma requires) with one float32 scale per tile. The Q and K scales
+fold into the softmax scale; O is kept in units of the current V tile's
+scale and rescaled by `sv_{j-1} / sv_j`. P is offset by 2^8 into the e4m3
+range and staged through shared memory for the P V wgmma. The output is in
+`spec.dtype`; `backends/blockwise_fp8.py` is the step-for-step twin.
+Design and measurements: docs/design_notes.md#fp8-forward-kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +33,8 @@ from pallas_fa3.quant.e4m3 import (FP8_DTYPE, finalize_fp8, online_softmax_fp8,
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 _F32 = jnp.float32
-# Register budgets per warpgroup role (setmaxnreg): FA3's 240 per consumer
-# and 32 for the producer (2 * 240 + 32 = 512 per thread slot, the whole
-# 64K-register file for 3 x 128 threads). The FP8 consumer holds what the
-# bf16 one does plus the addresses of P's shared-memory store; with 240/32
-# ptxas spilled less than with the bf16 kernel's 232/40 in the deviceless
-# sm_90a compile (`pallas_fa3.kernels.aot --fp8`), a measurement, not a
-# model of its allocator.
+# setmaxnreg per role, 2 * 240 + 32 = 512 per thread slot; measured, not
+# modelled: docs/design_notes.md#setmaxnreg-splits.
 CONSUMER_REGS = 240
 PRODUCER_REGS = 32
 
@@ -76,7 +48,9 @@ class Fp8Ops(KernelOps):
   as the wgmma does.
   """
 
-  def with_scores(self, q_smem, k_smem, body):
+  def with_scores(self, q_smem: Any, k_smem: Any,
+                  body: Callable[[Callable[[], jax.Array]], Any]) -> Any:
+    """`KernelOps.with_scores` on e4m3 tiles (one Q and one K tile)."""
     if self.interpreted:
       s = async_proxy_read(jnp.dot(q_smem[...].astype(_F32),
                                    k_smem[...].astype(_F32).T,
@@ -84,7 +58,8 @@ class Fp8Ops(KernelOps):
       return body(lambda: s)
     return super().with_scores(q_smem, k_smem, body)
 
-  def accumulate_pv_t(self, o: jax.Array, p_smem, vt_smem) -> jax.Array:
+  def accumulate_pv_t(self, o: jax.Array, p_smem: Any, vt_smem: Any
+                      ) -> jax.Array:
     """o + P V with P `[bq, bkv]` and V^T `[d, bkv]` in shared memory (FP8).
 
     Both operands are k-major (the contraction runs over their minor,
@@ -105,7 +80,7 @@ COMPILED_FP8 = Fp8Ops(interpreted=False)
 INTERPRETED_FP8 = Fp8Ops(interpreted=True)
 
 
-def _consumer(refs, plan: QueryPlan, ops: Fp8Ops):
+def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
   (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem_all,
    o_smem_all, p_smem_all, k_smem, vt_smem, lse_smem, k_full, v_full, k_empty,
@@ -134,9 +109,8 @@ def _consumer(refs, plan: QueryPlan, ops: Fp8Ops):
   steps, unmasked = kv_steps(plan, row0, cfg.block_q)
   cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
-  # The mask as one per-row bound (`masking.visible_keys_end`) against the
-  # column index: one compare per element, fewer live registers than
-  # evaluating the rule on two index tiles.
+  # The mask as one per-row bound against the column index: one compare per
+  # element, few live registers.
   keys_end = ops.rows(masking.visible_keys_end(
       spec, row0 + ops.row_index(cfg.block_q)))
 
@@ -180,11 +154,9 @@ def _consumer(refs, plan: QueryPlan, ops: Fp8Ops):
       out = ops.with_scores(q_smem, k_smem.at[nslot], body)
       plgpu.barrier_arrive(k_empty.at[nslot])
       return out
-    # Masked steps with a successor (the causal diagonal, a tile or two per
-    # query tile) issue S_{j+1} after their softmax, next to P_j V_j: the
-    # mask, P's shared-memory store and an S tile in flight together exceed
-    # the consumer's registers (ptxas spills), and the pingpong still
-    # overlaps this softmax with the other consumer's GEMMs.
+    # Masked steps with a successor issue S_{j+1} after their softmax: the
+    # mask, P's store and an S tile in flight together exceed the registers
+    # (docs/design_notes.md#fp8-forward-kernel).
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
     o_scaled, m_new, l_new = softmax_to_smem(j, o, m, l, s, masked)
@@ -211,12 +183,12 @@ def _consumer(refs, plan: QueryPlan, ops: Fp8Ops):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _vt_cols(vt_ref, batch, kv_head, cols):
+def _vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
   """One V^T tile: `[d, block_kv]` columns of the transposed `[b, h, d, s]` V."""
   return vt_ref.at[batch, kv_head, :, cols]
 
 
-def _build(plan: QueryPlan, ops: Fp8Ops, interpret):
+def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
   spec, cfg = plan.spec, plan.config
   d = spec.head_dim
   qk_transforms = smem_transforms(FP8_DTYPE, d)
@@ -269,9 +241,11 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret):
 
 
 def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
-                     q8, k8, v8t, q_scale, k_scale, v_scale, *,
-                     interpret=None) -> tuple[jax.Array, jax.Array]:
-  """Runs the FP8 forward kernel; returns (out `[b, sq, hq, d]`, lse `[b, hq, sq]`).
+                     q8: jax.Array, k8: jax.Array, v8t: jax.Array,
+                     q_scale: jax.Array, k_scale: jax.Array,
+                     v_scale: jax.Array, *, interpret: Any = None
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Runs the FP8 forward kernel.
 
   Args:
     spec: the call; `spec.dtype` is the output dtype (bf16 or fp16).
@@ -282,6 +256,9 @@ def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
     k_scale, v_scale: `[b, hk, ceil(skv / block_kv)]` float32, positive.
     interpret: None compiles for sm90; interpret-mode parameters run the same
       kernel on a CPU.
+
+  Returns:
+    (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
   """
   tile_q = config.rows_per_cta
   plan = QueryPlan(spec, config,

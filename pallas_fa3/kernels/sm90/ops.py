@@ -1,32 +1,20 @@
 """The few kernel operations whose form depends on where the kernel runs.
 
-The Hopper kernels are one body of code; only these leaf operations differ
-between the variant compiled for sm90 (`COMPILED`) and the variant run by
-JAX's GPU interpreter on a CPU (`INTERPRETED`), because that interpreter
-runs no register wgmma operand and no accumulator state (`pl.run_state`),
-and has no register layouts to cast to. Everything else (grid, warpgroup
-roles, TMA copies, the shared-memory ring, every barrier, masking, the
-online softmax, the epilogue) is shared, so interpret mode checks the
-synchronization and the arithmetic of the kernel that the lowering tier
-compiles.
-
-The two variants compute the same values: a wgmma multiplies bf16/fp16
-operands exactly and accumulates in float32, which is what
-`jnp.dot(..., preferred_element_type=float32)` does on the interpreted path.
-
-They also touch shared memory through the same proxy: a wgmma reads its
-shared-memory operands through the async proxy (as TMA does), so a ring
-slot it read may be refilled by TMA once the wgmma is waited and the slot
-released, with no proxy fence. The interpreted stand-in reads the operands
-with ordinary (generic-proxy) loads; `async_proxy_read` follows them with the
-proxy fence that makes them what the wgmma's reads are, so the
-interpreter's race detector judges the compiled kernel's protocol.
+The sm90 kernels are one body of code; only these leaf operations differ
+between the variant compiled for sm90 (`COMPILED`) and the one run by JAX's
+GPU interpreter on a CPU (`INTERPRETED`: no register wgmma operand, no
+accumulator state, no register layouts). Both compute the same values
+(exact products, float32 accumulation) and read shared memory through the
+same proxy (`async_proxy_read`), so the interpreter's race detector judges
+the compiled kernel's protocol.
+Details: docs/design_notes.md#interpret-mode-and-memory-proxies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +46,13 @@ class KernelOps:
       return x
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-  def load_rows(self, ref) -> jax.Array:
+  def load_rows(self, ref: Any) -> jax.Array:
     """A 1-D float32 `ref` (one value per accumulator row) into registers."""
     if self.interpreted:
       return ref[...]
     return compat.load_with_layout(ref, plgpu.Layout.WGMMA.reduce(1))
 
-  def load_cols(self, ref) -> jax.Array:
+  def load_cols(self, ref: Any) -> jax.Array:
     """A 1-D float32 `ref` (one value per accumulator column) into registers."""
     if self.interpreted:
       return ref[...]
@@ -83,7 +71,8 @@ class KernelOps:
     return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(0))
 
   # -- matmuls -----------------------------------------------------------------
-  def with_scores(self, q_smem, k_smem, body: Callable[[Callable[[], jax.Array]], object]):
+  def with_scores(self, q_smem: Any, k_smem: Any,
+                  body: Callable[[Callable[[], jax.Array]], Any]) -> Any:
     """Starts S = Q K^T (float32) and runs `body(read_s)` while it computes.
 
     On the GPU the wgmma is issued asynchronously into a scoped accumulator;
@@ -106,11 +95,12 @@ class KernelOps:
     shape = (q_chunks[0].shape[0], k_chunks[0].shape[0])
     return pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
 
-  def scores(self, q_smem, k_smem) -> jax.Array:
+  def scores(self, q_smem: Any, k_smem: Any) -> jax.Array:
     """S = Q K^T in float32, waited for (chunks as in `with_scores`)."""
     return self.with_scores(q_smem, k_smem, lambda read: read())
 
-  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem) -> jax.Array:
+  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem: Any
+                    ) -> jax.Array:
     """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
     if self.interpreted:
       return async_proxy_read(
@@ -121,7 +111,8 @@ class KernelOps:
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
 
-  def accumulate_ss(self, acc: jax.Array, a_smem, b_smem) -> jax.Array:
+  def accumulate_ss(self, acc: jax.Array, a_smem: Any, b_smem: Any
+                    ) -> jax.Array:
     """acc + A B with A `[m, k]` and B `[k, n]` in shared memory, float32
     accumulation; waits for all wgmma."""
     if self.interpreted:
@@ -133,7 +124,8 @@ class KernelOps:
 
     return pl.run_state(ss)(plgpu.ACC.init(acc))
 
-  def accumulate_tn(self, acc: jax.Array, a_smem, b_smem) -> jax.Array:
+  def accumulate_tn(self, acc: jax.Array, a_smem: Any, b_smem: Any
+                    ) -> jax.Array:
     """acc + A^T B with A `[k, m]` and B `[k, n]` in shared memory (the
     wgmma reads A transposed), float32 accumulation; waits for all wgmma."""
     if self.interpreted:
@@ -153,7 +145,7 @@ def async_proxy_read(result: jax.Array) -> jax.Array:
   return result
 
 
-def _chunks(ref_or_refs) -> tuple:
+def _chunks(ref_or_refs: Any) -> tuple:
   if isinstance(ref_or_refs, (list, tuple)):
     return tuple(ref_or_refs)
   return (ref_or_refs,)
