@@ -68,7 +68,7 @@ from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.flax import _layout
+from pallas_fa3.flax import layout
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.spec import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool,
                              check_softmax_scale)
@@ -268,7 +268,7 @@ def make_attention_fn(implementation: str | None = None, *,
     ) if arg is not _LINEN_ONLY}
     query, key, value = (promote_dtype or nnx_dtypes.promote_dtype)(
         (query, key, value), dtype=dtype)
-    _layout.check_qkv(query, key, value)
+    layout.check_qkv(query, key, value)
     seq_q, seq_kv = query.shape[-3], key.shape[-3]
     kind = _mask_kind(
         mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv))
@@ -293,10 +293,10 @@ def make_attention_fn(implementation: str | None = None, *,
           softmax_scale=options.get("softmax_scale"),
           linen_kwargs=linen_kwargs)
     causal = declared_causal or is_causal or kind in ("causal", "traced")
-    out = _flash_top_left(_layout.fold_batch(query), _layout.fold_batch(key),
-                          _layout.fold_batch(value), causal, options,
+    out = _flash_top_left(layout.fold_batch(query), layout.fold_batch(key),
+                          layout.fold_batch(value), causal, options,
                           implementation)
-    out = _layout.unfold_batch(out, query)
+    out = layout.unfold_batch(out, query)
     if kind == "traced":
       out = _poison_unless_causal(out, mask, seq_q, seq_kv)
     return out

@@ -28,7 +28,7 @@ from flax import linen as nn
 from flax.linen.linear import default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from pallas_fa3.flax import _attend
+from pallas_fa3.flax import attend
 from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
                                   check_rope_head_dim)
 from pallas_fa3.backends import check_implementation
@@ -98,11 +98,11 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     Returns:
       `[batch..., seq_q, out_features]`.
     """
-    inputs_q, inputs_k, inputs_v = _attend.self_attention_inputs(
+    inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
         inputs_q, inputs_k, inputs_v)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
-    num_heads, num_kv_heads, head_dim = _attend.head_layout(
+    num_heads, num_kv_heads, head_dim = attend.head_layout(
         self.num_heads, self.num_kv_heads, qkv_features)
     causal = check_bool("causal", self.causal)
     rope = check_bool("rope", self.rope)
@@ -113,7 +113,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, use_bias=self.use_bias,
         precision=self.precision)
-    x = _attend.attend(
+    x = attend.attend(
         dense(features=(num_heads, head_dim), name="query")(inputs_q),
         dense(features=(num_kv_heads, head_dim), name="key")(inputs_k),
         dense(features=(num_kv_heads, head_dim), name="value")(inputs_v),

@@ -29,7 +29,7 @@ from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
 from flax.typing import Dtype, Initializer
 
-from pallas_fa3.flax import _attend
+from pallas_fa3.flax import attend
 from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
                                   check_rope_head_dim)
 from pallas_fa3.backends import check_implementation
@@ -84,7 +84,7 @@ class FlashMultiHeadAttention(nnx.Module):
                rngs: nnx.Rngs) -> None:
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
-    self.num_heads, self.num_kv_heads, self.head_dim = _attend.head_layout(
+    self.num_heads, self.num_kv_heads, self.head_dim = attend.head_layout(
         num_heads, num_kv_heads, qkv_features)
     self.in_features = in_features
     self.qkv_features = qkv_features
@@ -132,7 +132,7 @@ class FlashMultiHeadAttention(nnx.Module):
     Returns:
       `[batch..., seq_q, out_features]`.
     """
-    inputs_q, inputs_k, inputs_v = _attend.self_attention_inputs(
+    inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
         inputs_q, inputs_k, inputs_v)
     for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
                     ("inputs_v", inputs_v)):
@@ -141,7 +141,7 @@ class FlashMultiHeadAttention(nnx.Module):
             f"{name} has {x.shape[-1]} features (last axis of shape"
             f" {tuple(x.shape)}); the layer expects in_features="
             f"{self.in_features}")
-    x = _attend.attend(
+    x = attend.attend(
         self.query(inputs_q), self.key(inputs_k), self.value(inputs_v),
         causal=self.causal, rope=self.rope, rope_base=self.rope_base,
         positions=positions, implementation=self.implementation,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.flax import _layout, rope as rope_lib
+from pallas_fa3.flax import layout, rope as rope_lib
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -90,7 +90,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
   Returns:
     `[batch..., seq_q, heads_q, head_dim]` in the dtype of the inputs.
   """
-  _layout.check_qkv(query, key, value)
+  layout.check_qkv(query, key, value)
   if rope:
     if query.shape[-3] != key.shape[-3]:
       raise ValueError(
@@ -103,7 +103,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
   elif positions is not None:
     raise ValueError("positions is only used with rope=True; got rope=False")
   out = flash_attention(
-      _layout.fold_batch(query), _layout.fold_batch(key),
-      _layout.fold_batch(value), causal=causal,
+      layout.fold_batch(query), layout.fold_batch(key),
+      layout.fold_batch(value), causal=causal,
       implementation=implementation, config=config)
-  return _layout.unfold_batch(out, query)
+  return layout.unfold_batch(out, query)
