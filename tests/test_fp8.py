@@ -143,6 +143,16 @@ def test_fp8_config_keys():
     a.rotation = False
 
 
+def test_fp8_config_with_a_jax_key_runs_like_its_seed(key):
+  # A key array once reached the partitioned call as a closed-over constant.
+  q, k, v, _ = random_inputs(key, Shape(1, 64, 64, 2, 1, 64), jnp.bfloat16)
+  attend = lambda seed: np.float32(pallas_fa3.flash_attention(
+      q, k, v, fp8=pallas_fa3.FP8Config(key=seed), implementation="blockwise"))
+  by_seed = attend(3)
+  for seed in (jax.random.key(3), jax.random.PRNGKey(3)):
+    np.testing.assert_array_equal(attend(seed), by_seed)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(rotation=1), TypeError, r"FP8Config\.rotation must be a bool"),
     (dict(block_quantization="yes"), TypeError,
