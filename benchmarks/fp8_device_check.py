@@ -30,25 +30,24 @@ import jax
 import jax.numpy as jnp
 
 import pallas_fa3
-from pallas_fa3 import _fp8_study as study
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3 import fp8
 from pallas_fa3.bench import flops, timing
+from pallas_fa3.numerics import fp8_methods, metrics
 
 
 def _rmse_check() -> dict:
-  k_in, k_rot = jax.random.split(jax.random.key(0))
-  q, k, v = study.outlier_inputs(k_in, 1, 4096, 2, 128)
-  golden = study.golden_f64(q, k, v)
-  cfg = pallas_fa3.FP8Config(key=k_rot)
-  gpu = pallas_fa3.flash_attention(q, k, v, fp8=cfg, implementation="mosaic")
+  q, k, v, golden, key = fp8_methods.draw(jax.random.key(0), 1, 4096, 2, 128)
+  gpu = fp8_methods.run_method("ours FP8", q, k, v, key,
+                               implementation="mosaic")
   cpu_dev = jax.devices("cpu")[0]
   with jax.default_device(cpu_dev):
     qc, kc, vc = (jax.device_put(x, cpu_dev) for x in (q, k, v))
-    twin = pallas_fa3.flash_attention(qc, kc, vc, fp8=cfg,
-                                      implementation="blockwise")
-  return dict(rmse_gpu=study.rmse(gpu, golden), rmse_twin=study.rmse(twin, golden),
-              rmse_gpu_vs_twin=study.rmse(gpu, jax.device_get(twin).astype("float64")))
+    twin = fp8_methods.run_method("ours FP8", qc, kc, vc, key,
+                                  implementation="blockwise")
+  return dict(rmse_gpu=metrics.rmse(gpu, golden),
+              rmse_twin=metrics.rmse(twin, golden),
+              rmse_gpu_vs_twin=metrics.rmse(gpu, twin))
 
 
 def _timings(args, on_row) -> list[dict]:

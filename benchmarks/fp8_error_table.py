@@ -1,8 +1,8 @@
 """FA3 Table 3 on a CPU: FP8 attention error with and without our techniques.
 
-Runs the paper's error test (`pallas_fa3._fp8_study`: Q, K, V entries
-N(0,1) + N(0,100) * Bernoulli(0.001), float16, RMSE of the output against
-float64) for baseline FP16, flash FP16, baseline FP8 with per-tensor
+Runs the paper's error test (`pallas_fa3.numerics.fp8_methods`: Q, K, V
+entries N(0,1) + N(0,100) * Bernoulli(0.001), float16, RMSE of the output
+against float64) for baseline FP16, flash FP16, baseline FP8 with per-tensor
 scaling, ours FP8 (the blockwise twin of the FP8 kernel: block quantization
 + randomized Hadamard) and its two ablations, then:
 
@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from pallas_fa3 import _fp8_study as study
+from pallas_fa3.numerics import fp8_methods
 
 _RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 _START, _END = "<!-- fp8-error-table:start -->", "<!-- fp8-error-table:end -->"
@@ -44,21 +44,22 @@ def _ratio(r: dict) -> float:
 def _run(args) -> dict:
   b, s, h, d = args.shape
   t0 = time.time()
-  main = study.error_table(jax.random.key(0), b, s, h, d)
+  main = fp8_methods.error_table(jax.random.key(0), b, s, h, d)
   print(f"main table {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-  draws = [main] + [study.error_table(jax.random.key(i), b, s, h, d, _PAIR)
-                    for i in range(1, args.draws)]
+  draws = [main] + [
+      fp8_methods.error_table(jax.random.key(i), b, s, h, d, _PAIR)
+      for i in range(1, args.draws)]
   print(f"draws {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
   by_seq = {}
   for seq in args.seqs:
     heads = max(1, args.tokens // seq)
-    by_seq[seq] = (heads, study.error_table(jax.random.key(0), 1, seq, heads, d,
-                                            _PAIR))
+    by_seq[seq] = (heads, fp8_methods.error_table(jax.random.key(0), 1, seq,
+                                                  heads, d, _PAIR))
   print(f"seqs {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-  by_dim = {dim: study.error_table(jax.random.key(0), b, s, h, dim, _PAIR)
+  by_dim = {dim: fp8_methods.error_table(jax.random.key(0), b, s, h, dim, _PAIR)
             for dim in args.head_dims}
   print(f"dims {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-  sources = study.error_sources(jax.random.key(0), b, s, h, d)
+  sources = fp8_methods.error_sources(jax.random.key(0), b, s, h, d)
   return dict(shape=args.shape, main=main, draws=draws, by_seq=by_seq,
               by_dim=by_dim, sources=sources, seconds=time.time() - t0,
               finished=time.time())
@@ -82,7 +83,8 @@ def _markdown(res: dict, command: str) -> str:
       " N(0,1) + N(0,100) x Bernoulli(0.001), rounded to float16; RMSE of the"
       " output against float64 attention of the same inputs; non-causal,"
       f" MHA, batch {b}, seq {s}, {h} heads, head_dim {d}, softmax scale"
-      " 1/sqrt(d). Definitions of each method: `pallas_fa3/_fp8_study.py`."
+      " 1/sqrt(d). Definitions of each method:"
+      " `pallas_fa3/numerics/fp8_methods.py`."
       " \"ours\" is the blockwise twin of the FP8 kernel"
       " (`implementation=\"blockwise\"`: the kernel's default tiles"
       " 64 x 128, its descales and its P rounding), i.e. what the kernel"
@@ -92,8 +94,8 @@ def _markdown(res: dict, command: str) -> str:
       "| method | RMSE (ours, input draw 0) | RMSE (paper) |",
       "|---|---:|---:|",
   ]
-  for m in study.METHODS:
-    lines.append(f"| {m} | {main[m]:.2e} | {study.PAPER_RMSE[m]:.1e} |")
+  for m in fp8_methods.METHODS:
+    lines.append(f"| {m} | {main[m]:.2e} | {fp8_methods.PAPER_RMSE[m]:.1e} |")
   lines += [
       "",
       f"Ours FP8 vs per-tensor baseline over {len(draws)} input draws"
@@ -125,7 +127,7 @@ def _markdown(res: dict, command: str) -> str:
       "",
       f"What limits ours (draw 0, batch {b}, seq {s}, {h} heads, d {d}): RMSE"
       " of float64 attention with a single FP8 error source"
-      " (`_fp8_study.error_sources`):",
+      " (`fp8_methods.error_sources`):",
       "",
       "| error source alone | RMSE |",
       "|---|---:|",

@@ -132,9 +132,12 @@ class FP8Config:
     kind, data = self.key
     if kind == "seed":
       return jax.random.key(data)
+    # Word by word from scalars: under a trace an array built from the tuple
+    # would be a closed-over constant, which custom_partitioning rejects.
+    words = jnp.stack([jnp.uint32(w) for w in data])
     if kind == "raw":
-      return jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32))
-    return jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32), impl=kind)
+      return jax.random.wrap_key_data(words)
+    return jax.random.wrap_key_data(words, impl=kind)
 
 
 def check_fp8(fp8: Any) -> FP8Config | None:

@@ -19,12 +19,13 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3 import _fp8_study, fp8, masking
+from pallas_fa3 import fp8, masking
 from pallas_fa3.backends import blockwise_fp8
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
+from pallas_fa3.numerics import fp8_methods
 from pallas_fa3.reference import golden_attention
 from pallas_fa3.spec import LOG2E, make_spec
 from pallas_fa3.testing import (Shape, assert_lowered_attention, max_abs_err,
@@ -144,6 +145,16 @@ def test_fp8_config_keys():
     a.rotation = False
 
 
+def test_fp8_config_with_a_jax_key_runs_like_its_seed(key):
+  # A key array once reached the partitioned call as a closed-over constant.
+  q, k, v, _ = random_inputs(key, Shape(1, 64, 64, 2, 1, 64), jnp.bfloat16)
+  attend = lambda seed: np.float32(pallas_fa3.flash_attention(
+      q, k, v, fp8=pallas_fa3.FP8Config(key=seed), implementation="blockwise"))
+  by_seed = attend(3)
+  for seed in (jax.random.key(3), jax.random.PRNGKey(3)):
+    np.testing.assert_array_equal(attend(seed), by_seed)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(rotation=1), TypeError, r"FP8Config\.rotation must be a bool"),
     (dict(block_quantization="yes"), TypeError,
@@ -259,8 +270,8 @@ def test_fp8_error_beats_per_tensor_baseline_by_2x():
   (it grows with sequence length; at seq 2048 it is ~2.0-2.2, see
   benchmarks/RESULTS.md).
   """
-  r = _fp8_study.error_table(jax.random.key(0), 1, 4096, 2, 128,
-                             methods=("baseline FP8 per-tensor", "ours FP8"))
+  r = fp8_methods.error_table(jax.random.key(0), 1, 4096, 2, 128,
+                              methods=("baseline FP8 per-tensor", "ours FP8"))
   assert r["ours FP8"] <= 9.1e-3, r
   assert r["baseline FP8 per-tensor"] >= 2.0 * r["ours FP8"], r
 
@@ -393,12 +404,12 @@ def test_visible_keys_end_is_the_mask_rule():
 @pytest.mark.parametrize("call,error,match", [
     (dict(fp8="yes"), TypeError, r"fp8 must be a bool or a pallas_fa3\.FP8Config"),
     (dict(fp8=True, implementation="reference"), NotImplementedError,
-     r"implementation='reference' has no FP8 path"),
+     r"implementation='reference' cannot run this call: the reference has no FP8 path"),
     (dict(fp8=True, implementation="blockwise",
           config=Sm90ForwardConfig()), TypeError, r"takes a BlockwiseConfig"),
     (dict(fp8=True, implementation="interpret",
           config=pallas_fa3.BlockwiseConfig()), TypeError,
-     r"takes a Sm90ForwardConfig"),
+     r"takes a Sm90Config or Sm90ForwardConfig"),
     (dict(fp8=True, implementation="interpret", dtype=jnp.float32),
      NotImplementedError, r"output dtype float32"),
     (dict(fp8=True, implementation="interpret", d=96), NotImplementedError,
@@ -449,7 +460,7 @@ def test_low_level_entry_validation_names_the_argument(mutate, kwargs, error, ma
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(block_q=0, block_kv=64), ValueError, r"block_q must be positive"),
+    (dict(block_q=0, block_kv=64), ValueError, r"block_q must be >= 1"),
     (dict(block_q=64, block_kv=64.0), TypeError, r"block_kv must be an int"),
     (dict(block_q=64, block_kv=64, config=True), TypeError,
      r"config must be a pallas_fa3\.FP8Config"),

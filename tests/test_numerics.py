@@ -8,13 +8,14 @@ import itertools
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_fa3 import cli
 from pallas_fa3.numerics import (bias, command, deviation, divergence, fp8,
-                                 inputs, lowprec, metrics)
+                                 fp8_methods, inputs, lowprec, metrics)
 from pallas_fa3.reference import golden_attention
 
 # --------------------------------------------------------------------------
@@ -172,27 +173,36 @@ def test_deviation_study_tiny(tmp_path):
 
 
 def test_fp8_study_tiny(tmp_path):
-  cfg = fp8.FP8StudyConfig(seq=64, heads=1, head_dim=16, block_q=16,
-                           block_kv=16)
+  # Kernel rows: mosaic only (skipped without a GPU): the FP8 kernel in
+  # interpret mode now and then hangs in a barrier wait (JAX 0.11.2);
+  # test_fp8.py compares it with its twin.
+  cfg = fp8.FP8StudyConfig(seq=64, heads=1, head_dim=64, kernels=("mosaic",))
   saved = _run_study("fp8", cfg, tmp_path)
-  rmse = {(r["method"], r["impl"]): r.get("rmse") for r in saved["rows"]}
+  rows = {(r["method"], r["impl"]): r for r in saved["rows"]}
+  assert {method for method, _ in rows} == set(fp8_methods.METHODS)
+  for (_, impl), r in rows.items():
+    assert r["status"] == "ok" or (impl == "mosaic" and r["status"] == "skipped"
+                                   and r["reason"]), r
+  rmse = {key: r.get("rmse") for key, r in rows.items()}
+  assert rmse[("flash FP16", "blockwise")] < rmse[("ours FP8", "blockwise")]
   assert rmse[("flash FP16", "blockwise")] < rmse[(
-      "baseline FP8 per-tensor", "simulated")]
-  assert rmse[("FA3 FP8", "study simulation")] > 0
-  try:
-    import pallas_fa3.fp8  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    pending = [r for r in saved["rows"] if r["status"] == "pending"]
-    assert len(pending) == 3 and all("issue 8" in r["reason"] for r in pending)
+      "baseline FP8 per-tensor", fp8.MATERIALIZED)]
+  assert saved["tiles"] == list(fp8_methods.default_tiles(64))
+  assert all(x > 0 for x in saved["sources"].values())
 
 
-def test_fp8_quantization_and_rotation():
-  m = fp8.rotation(16, seed=3)
-  np.testing.assert_allclose(m @ m.T, np.eye(16), atol=1e-12)
-  x = inputs.sample(np.random.default_rng(1), "outliers", (1, 40, 2, 16))
-  for block in (None, 16):
-    xq = fp8.quantize(x, block)
-    assert np.all(np.abs(xq - x) <= np.abs(x) * 2 ** -4 + 1e-2 * np.abs(x).max())
+def test_fp8_per_tensor_baseline_and_error_sources():
+  q, k, v, golden, key = fp8_methods.draw(jax.random.key(0), 1, 256, 2, 64)
+  base = fp8_methods.baseline_fp8_per_tensor(q, k, v)
+  assert base.shape == q.shape
+  ours = fp8_methods.run_method("ours FP8", q, k, v, key)
+  rms = np.sqrt(np.mean(golden ** 2))
+  assert metrics.rmse(ours, golden) < metrics.rmse(base, golden) < 0.2 * rms
+  sources = fp8_methods.source_errors(q, k, v, golden, key)
+  # The rotation spreads the outlier features before Q and K are quantized.
+  assert (sources["Q, K quantized (rotated)"]
+          < sources["Q, K quantized (not rotated)"]), sources
+  assert fp8_methods.error_sources(jax.random.key(0), 1, 256, 2, 64) == sources
 
 
 def test_divergence_study_tiny(tmp_path):
@@ -233,6 +243,7 @@ def test_bias_study_shows_the_bias_and_the_fix(tmp_path):
     (["deviation", "--tile", "64y3"], "--tile"),
     (["deviation", "--head-dim", "512"], "--head-dim"),
     (["fp8", "--head-dim", "96"], "--head-dim"),
+    (["fp8", "--block-kv", "0"], "--block-kv"),
     (["divergence", "--steps", "5", "--interval", "10"], "--interval"),
     (["divergence", "--lr", "-1"], "--lr"),
     (["bias", "--gap", "3", "1"], "--gap"),

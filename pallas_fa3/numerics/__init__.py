@@ -15,5 +15,6 @@ of ../shared/NUMERICS.md, and PNG plots):
 
 Building blocks: `metrics` (deviation statistics, Wasserstein-1, slopes),
 `inputs` (the input distributions), `lowprec` (a study-only attention whose
-every intermediate is kept in a chosen format, and the float64 golden).
+every intermediate is kept in a chosen format, and the float64 golden),
+`fp8_methods` (the methods, inputs and tables of the FP8 error test).
 """

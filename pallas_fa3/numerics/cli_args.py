@@ -61,11 +61,14 @@ _FLAGS = {
         ("--batch", "batch", dict(type=int, help="batch")),
         ("--seq", "seq", dict(type=int, help="sequence length")),
         ("--heads", "heads", dict(type=int, help="heads")),
-        ("--head-dim", "head_dim", dict(type=int, help="head dim (power of 2)")),
+        ("--head-dim", "head_dim", dict(type=int, help="head dim (64, 128"
+                                        " or 256: the FP8 kernel's)")),
         ("--block-q", "block_q", dict(type=int, help="q tile of block"
-                                      " quantization")),
+                                      " quantization on the blockwise FP8"
+                                      " rows (unset: the FP8 kernel's)")),
         ("--block-kv", "block_kv", dict(type=int, help="k/v tile of block"
-                                        " quantization")),
+                                        " quantization on the blockwise FP8"
+                                        " rows (unset: the FP8 kernel's)")),
         ("--kernels", "kernels", dict(nargs="*", choices=("interpret", "mosaic"),
                                       help="kernel backends to try")),
         ("--interpret-max-seq", "interpret_max_seq",
