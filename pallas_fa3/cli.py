@@ -31,6 +31,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 _SAMPLE_HELP = "sample call used to show the automatic choice"
 # XLA flag that makes GPU reductions and autotuning deterministic (a no-op on
@@ -48,6 +49,38 @@ _TRAIN_DEFAULTS = dict(
     steps=1000, batch=16, seq_len=128, lr=3e-3, warmup_steps=50,
     min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, seed=0, data_seed=0,
     max_bytes=None, eval_interval=100, eval_batches=8, checkpoint_interval=200)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+  """An argparse `type`: an int >= `low`, else a usage error naming the flag."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"expected an integer; got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"must be >= {low}; got {value}")
+    return value
+  return parse
+
+
+def _float_at_least(low: float) -> Callable[[str], float]:
+  """An argparse `type`: a float >= `low`, else a usage error naming the flag."""
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"expected a number; got {text!r}") from None
+    if not value >= low:  # also rejects nan
+      raise argparse.ArgumentTypeError(f"must be >= {low}; got {text}")
+    return value
+  return parse
+
+
+_POSITIVE = _int_at_least(1)
+_NON_NEGATIVE = _int_at_least(0)
 
 
 def _require_positive(args, *flags: str) -> None:
@@ -314,8 +347,8 @@ def _add_bench_parser(sub) -> None:
                  " (default: mosaic on a GPU, blockwise on the CPU)")
   p.add_argument("--dtype", nargs="+", choices=_BENCH_DTYPES,
                  help="input dtypes (fp8: listed, skipped until it lands)")
-  p.add_argument("--head-dim", nargs="+", type=int, help="head dims")
-  p.add_argument("--seq", nargs="+", type=int, help="sequence lengths")
+  p.add_argument("--head-dim", nargs="+", type=_POSITIVE, help="head dims")
+  p.add_argument("--seq", nargs="+", type=_POSITIVE, help="sequence lengths")
   causal = p.add_mutually_exclusive_group()
   causal.add_argument("--causal", dest="causal", action="store_const",
                       const=True, help="causal only (default: both)")
@@ -323,18 +356,18 @@ def _add_bench_parser(sub) -> None:
                       const=False, help="non-causal only (default: both)")
   p.add_argument("--mode", nargs="+", choices=_BENCH_MODES,
                  help="passes to time")
-  p.add_argument("--gqa", nargs="+", type=int,
+  p.add_argument("--gqa", nargs="+", type=_POSITIVE,
                  help="query heads per key/value head (1: MHA)")
-  p.add_argument("--tokens", type=int,
+  p.add_argument("--tokens", type=_POSITIVE,
                  help="batch x seq per case (batch = tokens // seq)")
-  p.add_argument("--hidden", type=int,
+  p.add_argument("--hidden", type=_POSITIVE,
                  help="heads_q x head_dim per case")
-  p.add_argument("--runs", type=int, help="timed calls per case")
-  p.add_argument("--warmup", type=int, help="untimed calls before timing")
-  p.add_argument("--input-sets", type=int, default=3,
+  p.add_argument("--runs", type=_POSITIVE, help="timed calls per case")
+  p.add_argument("--warmup", type=_NON_NEGATIVE, help="untimed calls before timing")
+  p.add_argument("--input-sets", type=_POSITIVE, default=3,
                  help="random input sets rotated between calls")
   p.add_argument("--seed", type=int, default=0, help="input seed")
-  p.add_argument("--time-budget", type=float,
+  p.add_argument("--time-budget", type=_float_at_least(0.0),
                  help="seconds; cases not started by then are reported as"
                  " skipped (files are still written)")
   p.add_argument("--out", default="bench_out/bench",
@@ -349,7 +382,6 @@ def _add_bench_parser(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
-  _require_positive(args, "runs", "tokens", "hidden", "input_sets")
   from pallas_fa3.bench import command  # pylint: disable=g-import-not-at-top
   return command.run(args)
 

@@ -184,3 +184,20 @@ def test_bench_help_lists_flags(capsys):
   for flag in ("--impl", "--dtype", "--head-dim", "--seq", "--no-causal",
                "--mode", "--gqa", "--runs", "--warmup", "--out"):
     assert flag in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--seq", "0"], ["--seq", "-5"], ["--seq", "128", "0"],
+    ["--head-dim", "0"], ["--hidden", "0"], ["--hidden", "-128"],
+    ["--tokens", "0"], ["--gqa", "0"], ["--runs", "0"], ["--runs", "-1"],
+    ["--input-sets", "0"], ["--warmup", "-1"], ["--time-budget", "-1"],
+], ids=" ".join)
+def test_bad_int_flags_are_usage_errors(argv, capsys):
+  # --seq 0 used to end in a ZeroDivisionError (batch = tokens // seq).
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "--no-progress", "--no-plots", "--out", "/nonexistent",
+              *argv])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "usage: pallas-fa3 bench" in err, err
+  assert f"argument {argv[0]}: must be >= " in err, err
