@@ -19,6 +19,9 @@ DTYPES: dict[str, str | None] = {
     "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": None}
 FP8_PENDING = "fp8 not available yet (FP8 kernels arrive with their own issue)"
 
+# Head dims are at most 256: the library's limit, on every backend.
+MAX_HEAD_DIM = 256
+
 # FA3 paper benchmark grid (section 4.1 / NUMERICS.md "Performance anchors").
 PAPER_TOKENS = 16 * 1024
 PAPER_HIDDEN = 2048
