@@ -5,9 +5,12 @@ import itertools
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_fa3
 from pallas_fa3 import cli
 from pallas_fa3.bench import command, flops, impls, report, runner, specs
 
@@ -192,12 +195,47 @@ def test_bench_help_lists_flags(capsys):
     ["--tokens", "0"], ["--gqa", "0"], ["--runs", "0"], ["--runs", "-1"],
     ["--input-sets", "0"], ["--warmup", "-1"], ["--time-budget", "-1"],
 ], ids=" ".join)
-def test_bad_int_flags_are_usage_errors(argv, capsys):
+def test_bad_int_flags_are_usage_errors(argv, capsys, tmp_path):
   # --seq 0 used to end in a ZeroDivisionError (batch = tokens // seq).
   with pytest.raises(SystemExit) as e:
-    cli.main(["bench", "--no-progress", "--no-plots", "--out", "/nonexistent",
+    cli.main(["bench", "--no-progress", "--no-plots", "--out", str(tmp_path),
               *argv])
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert "usage: pallas-fa3 bench" in err, err
   assert f"argument {argv[0]}: must be >= " in err, err
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--head-dim", "96"], "--head-dim 96 does not divide --hidden 128: pick"
+     " --hidden 192 (a multiple of 96)"),
+    (["--head-dim", "64", "96"], "--head-dim 96 does not divide --hidden 128:"
+     " pick --hidden 192 (a multiple of 64 and 96)"),
+    (["--head-dim", "96", "--hidden", "64"], "pick --hidden 96"),
+    (["--head-dim", "512"], "--head-dim 512 is over 256: head dims are at"
+     " most 256"),
+    (["--head-dim", "512", "--hidden", "1024"], "at most 256"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_bad_head_dim_names_the_flags(argv, want, capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "--no-progress", "--no-plots", "--out", str(tmp_path),
+              *argv])
+  assert e.value.code == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert want in err, err
+
+
+def test_head_dim_96_with_a_fitting_hidden():
+  grid = specs.make_grid(command.grid_axes(
+      _parse(["--head-dim", "96", "--hidden", "192"]), "cpu"))
+  assert grid and {(s.head_dim, s.heads_q) for s in grid} == {(96, 2)}
+
+
+def test_max_head_dim_is_the_librarys():
+  def shape(d):
+    q = jax.ShapeDtypeStruct((1, 8, 1, d), jnp.bfloat16)
+    return jax.eval_shape(lambda q: pallas_fa3.flash_attention(
+        q, q, q, implementation="reference"), q)
+  assert shape(specs.MAX_HEAD_DIM).shape[-1] == specs.MAX_HEAD_DIM
+  with pytest.raises(ValueError, match="head_dim"):
+    shape(specs.MAX_HEAD_DIM + 1)

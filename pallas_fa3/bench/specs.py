@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Iterable
 
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
@@ -129,19 +130,36 @@ def spec_name(mode, dtype, batch, seq_q, seq_kv, heads_q, heads_kv, head_dim,
           f"{'causal' if causal else 'full'}")
 
 
+def check_head_dims(head_dims: Iterable[int], hidden: int) -> None:
+  """Raises ValueError (naming the flags) unless every head dim is in
+  1..MAX_HEAD_DIM and divides `hidden` (heads_q = hidden // head_dim)."""
+  head_dims = tuple(head_dims)
+  for d in head_dims:
+    if d > MAX_HEAD_DIM:
+      raise ValueError(f"--head-dim {d} is over {MAX_HEAD_DIM}: head dims are"
+                       f" at most {MAX_HEAD_DIM}")
+  for d in head_dims:
+    if hidden % d:
+      lcm = math.lcm(*head_dims)
+      fit = -(-hidden // lcm) * lcm  # the smallest multiple >= hidden
+      dims = " and ".join(map(str, sorted(set(head_dims))))
+      raise ValueError(
+          f"--head-dim {d} does not divide --hidden {hidden}: pick --hidden"
+          f" {fit} (a multiple of {dims}) or head dims that divide {hidden}")
+
+
 def make_grid(axes: GridAxes) -> list[BenchSpec]:
   """Every combination of `axes`, in a stable order (mode, dtype, d, causal, seq).
 
   Raises:
-    ValueError: a head dim does not divide the hidden size, or a GQA ratio
-      does not divide the number of query heads.
+    ValueError: a head dim over MAX_HEAD_DIM or not dividing the hidden size,
+      or a GQA ratio not dividing the number of query heads.
   """
+  check_head_dims(axes.head_dims, axes.hidden)
   specs = []
   for mode, dtype, d, causal, gqa, seq in itertools.product(
       axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa,
       axes.seqs):
-    if axes.hidden % d:
-      raise ValueError(f"head dim {d} does not divide hidden {axes.hidden}")
     heads_q = axes.hidden // d
     if heads_q % gqa:
       raise ValueError(f"--gqa {gqa} does not divide {heads_q} query heads"
