@@ -101,9 +101,9 @@ def test_baselines_skip_with_reasons():
 def tiny_sweep(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("bench"))
   argv = ["--impl", "blockwise", "reference", "xla", "cudnn", "mosaic",
-          "interpret", "--dtype", "bf16", "fp8", "--head-dim", "32",
+          "interpret", "--dtype", "bf16", "fp8", "--head-dim", "64",
           "--seq", "64", "128", "--mode", "fwd", "bwd", "fwd+bwd",
-          "--tokens", "128", "--hidden", "64", "--runs", "2", "--warmup", "1",
+          "--tokens", "128", "--hidden", "128", "--runs", "2", "--warmup", "1",
           "--input-sets", "2", "--out", out, "--no-progress"]
   assert cli.main(["bench"] + argv) == 0
   return out
@@ -156,6 +156,8 @@ def test_sweep_lists_every_skip_with_reason(tiny_sweep):
       "correctness only, not a speed figure")
   # The kernel itself, in interpret mode: it runs and reports its error.
   assert tiny[0]["status"] == "ok", tiny[0]
+  # Within the flags: the grid's shortest seq and its head dim.
+  assert (tiny[0]["seq_q"], tiny[0]["head_dim"]) == ("64", "64"), tiny[0]
   assert 0 < float(tiny[0]["max_abs_err"]) < 0.05
 
 
@@ -239,3 +241,37 @@ def test_max_head_dim_is_the_librarys():
   assert shape(specs.MAX_HEAD_DIM).shape[-1] == specs.MAX_HEAD_DIM
   with pytest.raises(ValueError, match="head_dim"):
     shape(specs.MAX_HEAD_DIM + 1)
+
+
+def _interpret_case(argv):
+  grid = specs.make_grid(command.grid_axes(_parse(argv), "cpu"))
+  cases = [s for i, s in runner.plan(grid, ["blockwise", "interpret"])
+           if i.name == "interpret"]
+  assert len(cases) == 1
+  return cases[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--no-causal"], ["--causal", "--seq", "256", "1024"],
+    ["--dtype", "fp16", "--head-dim", "128", "--seq", "64"],
+    ["--mode", "fwd+bwd", "--seq", "128"],
+    ["--gqa", "2", "--head-dim", "64", "--seq", "128"],
+], ids=" ".join)
+def test_interpret_case_respects_the_filters(argv):
+  # It used to be fwd bf16 d64 causal seq 128 whatever the flags said.
+  grid = specs.make_grid(command.grid_axes(_parse(argv), "cpu"))
+  tiny = _interpret_case(argv)
+  assert tiny.correctness_only and tiny.batch == 1 and tiny.heads_kv <= 2
+  assert any((s.mode, s.dtype, s.causal, s.seq_q, s.head_dim, s.gqa)
+             == (tiny.mode, tiny.dtype, tiny.causal, tiny.seq_q, tiny.head_dim,
+                 tiny.gqa) for s in grid), tiny
+  assert tiny.seq_q == min(s.seq_q for s in grid)
+  assert impls.REGISTRY["interpret"].unsupported(tiny, "cpu") in (
+      None, "no GPU")  # runs where the interpreter runs
+
+
+def test_interpret_case_too_long_for_the_filters_is_skipped():
+  tiny = _interpret_case(["--seq", "2048"])
+  assert tiny.seq_q == 2048
+  reason = impls.REGISTRY["interpret"].unsupported(tiny, "cpu")
+  assert "seq <= 512" in reason and "2048" in reason, reason

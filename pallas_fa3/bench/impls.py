@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, flash_attention
+from pallas_fa3.bench import specs
 from pallas_fa3.spec import IMPLEMENTATIONS
 
 OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
@@ -69,6 +70,10 @@ def _ours_unsupported(name):
     if name == "interpret" and not spec.correctness_only:
       return ("interpret mode emulates the kernels on the CPU; it runs only"
               " the tiny correctness case, never a speed figure")
+    if name == "interpret" and max(spec.seq_q, spec.seq_kv) > specs.TINY_MAX_SEQ:
+      return (f"interpret mode runs only a tiny correctness case, at seq <="
+              f" {specs.TINY_MAX_SEQ}; the shortest --seq here is"
+              f" {spec.seq_q} (add a short one, e.g. --seq 128)")
     return backends.get(name).device_reason()
   return check
 

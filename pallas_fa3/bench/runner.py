@@ -66,14 +66,13 @@ def environment(argv: Sequence[str] | None = None) -> dict:
 def plan(grid: Sequence[specs.BenchSpec], impl_names: Sequence[str]
          ) -> list[tuple[impls.Impl, specs.BenchSpec]]:
   """(impl, spec) pairs: every grid spec for every impl but `interpret`,
-  which gets only the tiny correctness case."""
+  which gets only a tiny correctness case within the grid's filters."""
   cases = []
   for spec in grid:
     cases += [(impls.REGISTRY[n], spec) for n in impl_names
               if n != "interpret"]
-  if "interpret" in impl_names:
-    dtype = grid[0].dtype if grid and grid[0].jax_dtype else "bf16"
-    cases.append((impls.REGISTRY["interpret"], specs.tiny_spec(dtype)))
+  if "interpret" in impl_names and grid:
+    cases.append((impls.REGISTRY["interpret"], specs.tiny_spec_for(grid)))
   return cases
 
 
@@ -108,11 +107,13 @@ def run_case(impl, spec, inputs, settings, peak_tflops) -> dict:
   if reason:
     rec["reason"] = reason
     return rec
+  # A correctness case is not a speed figure: one call is enough.
+  warmup, runs = ((0, 1) if spec.correctness_only
+                  else (settings["warmup"], settings["runs"]))
   try:
     arg_sets = [impl.prepare(spec, *s[:3]) + s[3:] for s in inputs]
     jitted, args = timing.mode_function(impl.build(spec), spec.mode, arg_sets)
-    result, compiled = timing.measure(jitted, args, settings["warmup"],
-                                      settings["runs"])
+    result, compiled = timing.measure(jitted, args, warmup, runs)
     del compiled
     if spec.correctness_only:
       rec["max_abs_err"] = _max_err(impl, spec, inputs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Iterable
+from collections.abc import Iterable, Sequence
 
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
 # Short names used on the command line; fp8 is listed so that it shows up as
@@ -36,8 +36,12 @@ CPU_HEAD_DIMS: tuple[int, ...] = (64, 128)
 CPU_SEQS: tuple[int, ...] = (512, 1024, 2048)
 CPU_MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 
-# The one tiny case run by the interpret backend: correctness only.
+# The one tiny case run by the interpret backend: correctness only, batch 1
+# and two key/value heads, at a grid point's sequence length and head dim if
+# that sequence is at most TINY_MAX_SEQ (interpret mode emulates the kernel's
+# every thread on the CPU: about 1 s a call at seq 512).
 TINY_TAG = "correctness-only"
+TINY_MAX_SEQ = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +179,30 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
   return specs
 
 
-def tiny_spec(dtype: str = "bf16") -> BenchSpec:
-  """The one small case for the interpret backend (correctness, not speed)."""
-  return BenchSpec(spec_name("fwd", dtype, 1, 128, 128, 2, 2, 64, True),
-                   1, 128, 128, 2, 2, 64, True, dtype, "fwd", (TINY_TAG,))
+def tiny_spec(dtype: str = "bf16", *, mode: str = "fwd", seq: int = 128,
+              head_dim: int = 64, causal: bool = True, gqa: int = 1
+              ) -> BenchSpec:
+  """A small case for the interpret backend (correctness, not speed)."""
+  heads_kv = 1 if gqa > 1 else 2
+  heads_q = heads_kv * gqa
+  return BenchSpec(
+      spec_name(mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal),
+      1, seq, seq, heads_q, heads_kv, head_dim, causal, dtype, mode,
+      (TINY_TAG,))
+
+
+def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
+  """The interpret backend's case within the grid's filters.
+
+  The cheapest grid point (forward first, then the shortest sequence, the
+  smallest head dim, causal before not) at batch 1 and two key/value heads:
+  its dtype, mode, mask, sequence, head dim and GQA ratio are the grid's.
+  The runner skips it, saying why, when its sequence exceeds TINY_MAX_SEQ.
+  """
+  s = min(grid, key=lambda s: (MODES.index(s.mode), s.seq_q * s.seq_kv,
+                               s.head_dim, not s.causal, s.gqa))
+  return tiny_spec(s.dtype, mode=s.mode, seq=s.seq_q, head_dim=s.head_dim,
+                   causal=s.causal, gqa=s.gqa)
 
 
 def select(specs: Iterable[BenchSpec], tags: Iterable[str] = ()
