@@ -4,6 +4,7 @@ flag selection, skip reasons, and one tiny end-to-end sweep writing files."""
 import itertools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,7 @@ def test_baselines_skip_with_reasons():
 def tiny_sweep(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("bench"))
   argv = ["--impl", "blockwise", "reference", "xla", "cudnn", "mosaic",
-          "interpret", "--dtype", "bf16", "fp8", "--head-dim", "64",
+          "interpret", "--dtype", "bf16", "--head-dim", "64",
           "--seq", "64", "128", "--mode", "fwd", "bwd", "fwd+bwd",
           "--tokens", "128", "--hidden", "128", "--runs", "2", "--warmup", "1",
           "--input-sets", "2", "--out", out, "--no-progress"]
@@ -144,13 +145,9 @@ def test_sweep_lists_every_skip_with_reason(tiny_sweep):
   assert all(r["status"] == "skipped" for r in skipped)
   by_impl = {}
   for r in skipped:
-    if r["dtype"] == "fp8":
-      continue
     by_impl.setdefault(r["impl"], set()).add(r["reason"].split(":")[0])
   assert "cuDNN attention needs a GPU (default backend" in by_impl["cudnn"]
   assert by_impl["mosaic"] == {"no GPU"}
-  fp8 = [r for r in rows if r["dtype"] == "fp8"]
-  assert fp8 and all(r["reason"] == specs.FP8_PENDING for r in fp8)
   tiny = [r for r in rows if r["impl"] == "interpret"]
   assert len(tiny) == 1 and tiny[0]["note"] == (
       "correctness only, not a speed figure")
@@ -275,3 +272,48 @@ def test_interpret_case_too_long_for_the_filters_is_skipped():
   assert tiny.seq_q == 2048
   reason = impls.REGISTRY["interpret"].unsupported(tiny, "cpu")
   assert "seq <= 512" in reason and "2048" in reason, reason
+
+
+@pytest.fixture(scope="module")
+def fp8_sweep(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("bench_fp8"))
+  argv = ["--impl", "blockwise", "reference", "mosaic", "interpret",
+          "--dtype", "fp8", "--head-dim", "64", "--hidden", "128", "--seq",
+          "128", "--causal", "--mode", "fwd", "bwd", "--tokens", "256",
+          "--runs", "2", "--warmup", "1", "--input-sets", "2", "--out", out,
+          "--no-progress", "--no-plots"]
+  assert cli.main(["bench"] + argv) == 0
+  return report.read_csv(os.path.join(out, report.CSV_FILE))
+
+
+def test_fp8_times_quantization_kernel_and_total(fp8_sweep):
+  # fp8 used to be skipped as "not available yet" on every backend.
+  case = {(r["impl"], r["mode"]): r for r in fp8_sweep}
+  fwd = case[("blockwise", "fwd")]
+  assert fwd["status"] == "ok", fwd
+  total_ms, quant_ms, kernel_ms = (float(fwd[k]) for k in (
+      "time_median_ms", "quantize_ms", "kernel_ms"))
+  assert total_ms > 0 and quant_ms > 0 and kernel_ms > 0
+  flop = float(fwd["flops"])
+  assert float(fwd["tflops"]) == pytest.approx(flop / total_ms / 1e9)
+  assert float(fwd["kernel_tflops"]) == pytest.approx(flop / kernel_ms / 1e9)
+  assert float(fwd["time_min_ms"]) <= total_ms <= float(fwd["time_max_ms"])
+  # The FP8 kernel in interpret mode: the correctness case, against bf16.
+  tiny = case[("interpret", "fwd")]
+  assert tiny["status"] == "ok" and tiny["dtype"] == "fp8", tiny
+  assert tiny["note"] and 0 < float(tiny["max_abs_err"]) < 0.25, tiny
+
+
+def test_fp8_skips_say_why(fp8_sweep):
+  skipped = [r for r in fp8_sweep if r["status"] != "ok"]
+  assert all(r["status"] == "skipped" and r["reason"] for r in skipped)
+  for r in skipped:
+    assert not re.search(r"not available|pending|until it lands", r["reason"])
+  bwd = [r for r in skipped if r["mode"] == "bwd"]
+  assert {r["impl"] for r in bwd} == {"blockwise", "reference", "mosaic"}
+  for r in bwd:
+    if r["impl"] != "reference":
+      assert r["reason"].startswith("FP8 is forward only"), r
+  for r in skipped:
+    if r["impl"] == "reference":
+      assert "reference has no FP8 path" in r["reason"], r

@@ -78,8 +78,9 @@ def add_parser(sub, formatter_class: type[argparse.HelpFormatter]
                  + _unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"]) + ")")
   p.add_argument("--dtype", nargs="+", choices=tuple(specs.DTYPES),
                  metavar="DTYPE",
-                 help=f"input dtypes, of {' '.join(specs.DTYPES)} (fp8: listed,"
-                 " skipped until it lands) (unset: bf16)")
+                 help=f"input dtypes, of {' '.join(specs.DTYPES)}; fp8: bf16"
+                 " inputs quantized to e4m3, forward only, the quantization"
+                 " and the attention also timed apart (unset: bf16)")
   p.add_argument("--head-dim", nargs="+", type=positive,
                  help=f"head dims, at most {specs.MAX_HEAD_DIM}, each dividing"
                  f" --hidden ({_unset(gpu.head_dims, cpu.head_dims)})")

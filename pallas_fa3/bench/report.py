@@ -39,7 +39,9 @@ def _cell(r: dict, show_peak: bool) -> str:
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
   peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
-  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms)"
+  kernel = (f"; kernel {r['kernel_tflops']:.3g}" if r.get("kernel_tflops")
+            else "")  # fp8: the attention alone, without the quantization
+  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
