@@ -1,6 +1,7 @@
 """Tests of the benchmark harness (pallas_fa3/bench): FLOPs model, grids,
 flag selection, skip reasons, and one tiny end-to-end sweep writing files."""
 
+import csv
 import itertools
 import json
 import os
@@ -127,6 +128,9 @@ def test_sweep_writes_files(tiny_sweep):
     data = json.load(f)
   for key in ("device", "jax", "date", "command", "platform_version"):
     assert data["environment"][key]
+  for r in rows:  # the environment is in every row too
+    assert (r["device"], r["jax"]) == (data["environment"]["device"],
+                                       data["environment"]["jax"])
   assert data["ours"] == "blockwise"
   assert {r["baseline"] for r in data["ratios"]} == {"reference", "xla"}
   pngs = os.listdir(os.path.join(tiny_sweep, "plots"))
@@ -136,6 +140,16 @@ def test_sweep_writes_files(tiny_sweep):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert "| mode |" in open(os.path.join(tiny_sweep,
                                          report.MARKDOWN_FILE)).read()
+
+
+def test_csv_is_plain(tiny_sweep):
+  # It used to start with "# key: value" lines (pandas needed comment="#"):
+  # the first line is the header and every row has its column count.
+  with open(os.path.join(tiny_sweep, report.CSV_FILE), newline="") as f:
+    lines = list(csv.reader(f))
+  header = lines[0]
+  assert header[:2] == ["spec", "impl"] and "device" in header, header
+  assert len(lines) > 1 and all(len(row) == len(header) for row in lines)
 
 
 def test_sweep_lists_every_skip_with_reason(tiny_sweep):

@@ -8,6 +8,10 @@ import json
 import os
 
 CSV_FILE = "results.csv"
+# Environment fields repeated on every CSV row, so that the CSV loads with a
+# plain `pandas.read_csv(path)` and CSVs of several machines concatenate;
+# results.json beside it holds the whole environment and the settings.
+CSV_ENVIRONMENT = ("device", "jax", "jaxlib", "git_commit", "date")
 JSON_FILE = "results.json"
 MARKDOWN_FILE = "summary.md"
 _FILE_WIDTH = 180  # columns of the table when stdout is not a terminal
@@ -154,18 +158,22 @@ def print_table(result: dict, ours: str, console=None) -> None:
 
 
 def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
-  """Writes CSV, JSON and markdown into `out_dir`; returns their paths."""
+  """Writes CSV, JSON and markdown into `out_dir`; returns their paths.
+
+  The CSV is a header line and one row per record (no comment lines), each
+  row with the `CSV_ENVIRONMENT` fields appended.
+  """
   os.makedirs(out_dir, exist_ok=True)
   paths = {k: os.path.join(out_dir, f) for k, f in
            (("csv", CSV_FILE), ("json", JSON_FILE), ("md", MARKDOWN_FILE))}
   records = result["records"]
+  env = {k: result["environment"][k] for k in CSV_ENVIRONMENT}
   with open(paths["csv"], "w", newline="") as f:
-    env = result["environment"]
-    for key in ("date", "device", "platform_version", "jax", "command"):
-      f.write(f"# {key}: {env[key]}\n")
-    writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else [])
+    fields = list(records[0]) if records else []
+    writer = csv.DictWriter(f, fieldnames=fields + [
+        k for k in CSV_ENVIRONMENT if k not in fields])
     writer.writeheader()
-    writer.writerows(records)
+    writer.writerows({**r, **env} for r in records)
   with open(paths["json"], "w") as f:
     json.dump(dict(result, ratios=ratios(records, ours), ours=ours), f,
               indent=1)
@@ -175,6 +183,6 @@ def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
 
 
 def read_csv(path: str) -> list[dict]:
-  """Rows of a results CSV (the '#' environment lines skipped)."""
+  """Rows of a results CSV, as dicts of strings."""
   with open(path, newline="") as f:
-    return list(csv.DictReader(line for line in f if not line.startswith("#")))
+    return list(csv.DictReader(f))
