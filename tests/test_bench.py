@@ -14,7 +14,8 @@ import pytest
 
 import pallas_fa3
 from pallas_fa3 import cli
-from pallas_fa3.bench import command, flops, impls, report, runner, specs
+from pallas_fa3.bench import (command, flops, fp8_case, impls, report, runner,
+                              specs, terminal)
 
 
 def _spec(sq, skv, causal=True, mode="fwd", b=2, hq=3, d=16):
@@ -331,3 +332,65 @@ def test_fp8_skips_say_why(fp8_sweep):
   for r in skipped:
     if r["impl"] == "reference":
       assert "reference has no FP8 path" in r["reason"], r
+
+
+def _record(impl, mode, dtype, d, causal, seq, tflops, status="ok", **kw):
+  return dict(spec=f"{mode}-{dtype}-s{seq}-d{d}-{causal}", impl=impl,
+              mode=mode, dtype=dtype, head_dim=d, causal=causal, seq_q=seq,
+              seq_kv=seq, status=status, reason=kw.get("reason", ""),
+              tflops=tflops if status == "ok" else None,
+              kernel_tflops=kw.get("kernel_tflops"), note=kw.get("note", ""),
+              max_abs_err=kw.get("max_abs_err"))
+
+
+def _gpu_like_result():
+  """A paper-grid-like result: every GPU implementation, fp8, long reasons."""
+  records = []
+  for mode, dtype, d, causal, seq in itertools.product(
+      ("fwd", "fwd+bwd"), ("bf16", "fp8"), (64, 256), (False, True),
+      (512, 16384)):
+    for i, impl in enumerate(runner.DEFAULT_IMPLS["gpu"]):
+      fp8 = dtype == "fp8"
+      if fp8 and (mode != "fwd" or impl not in fp8_case.FP8_IMPLS):
+        records.append(_record(impl, mode, dtype, d, causal, seq, None,
+                               "skipped", reason="x " * 120))
+      else:
+        records.append(_record(impl, mode, dtype, d, causal, seq,
+                               1234.5 / (i + 1), kernel_tflops=(
+                                   1500.25 if fp8 else None)))
+  records.append(_record("interpret", "fwd", "bf16", 64, True, 128, 1e-6,
+                         note="correctness only", max_abs_err=0.0078))
+  return dict(records=records, settings=dict(runs=20),
+              environment=dict(device="gpu NVIDIA H200 with a long name",
+                               jax="0.11.2"))
+
+
+class _Recorder:
+  def __init__(self):
+    self.out = []
+
+  def print(self, *objects, **kwargs):
+    del kwargs
+    self.out += [str(o) for o in objects]
+
+
+def test_terminal_summary_fits_80_columns(tiny_sweep):
+  # The rich table used to be ~180 columns wide (a column per
+  # implementation with "TF/s (ms)" cells, temp MiB and every ratio).
+  gpu = _gpu_like_result()
+  text = terminal.text(gpu, "mosaic")
+  lines = text.splitlines()
+  assert max(map(len, lines)) <= 80, "\n".join(l for l in lines if len(l) > 80)
+  assert "fwd fp8: TFLOP/s, median of 20 runs; cells: total/kernel" in text
+  assert "1234/1500" in text  # fp8: total/kernel
+  header = next(l for l in lines if l.startswith("d "))
+  assert header.split() == ["d", "causal", "seq", *runner.DEFAULT_IMPLS["gpu"],
+                            "speedup"]
+  with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
+    cpu = json.load(f)
+  console = _Recorder()
+  terminal.print_summary(cpu, "blockwise", console)
+  printed = "\n".join(console.out).splitlines()
+  assert max(map(len, printed)) <= 80
+  assert any("GFLOP/s" in l for l in printed)
+  assert any(l.startswith("correctness only: interpret") for l in printed)

@@ -9,7 +9,8 @@ Roles, one file each:
                together, timed apart (forward only).
   timing.py    compile-excluded timing, compiled/peak memory, matmul peak.
   runner.py    the sweep: cases, progress bar, records, environment header.
-  report.py    terminal table, CSV, JSON, markdown summary.
+  report.py    ratios, CSV, JSON, markdown summary (wide tables).
+  terminal.py  the terminal summary: tables that fit 80 columns.
   plots.py     TFLOPs/s vs sequence length PNGs, made from the records.
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
 

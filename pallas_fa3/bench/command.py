@@ -7,7 +7,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from pallas_fa3.bench import impls, plots, report, runner, specs, timing
+from pallas_fa3.bench import impls, plots, report, runner, specs, terminal, timing
 
 CPU_NOTE = ("No GPU: this is the CPU sweep (blockwise vs reference vs XLA)."
             " GPU figures (mosaic, cuDNN, attention_mgpu, % of matmul peak)"
@@ -173,7 +173,7 @@ def run(args, argv=None) -> int:
                                 os.path.join(args.out, "plots"))
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")
-  report.print_table(result, ours, console)
+  terminal.print_summary(result, ours, console)
   if platform != "gpu":
     console.print(CPU_NOTE)
   files = [p for v in paths.values() for p in (v if isinstance(v, list)

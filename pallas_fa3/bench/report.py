@@ -1,4 +1,7 @@
-"""Reports made from the sweep's records: ratios, tables, CSV, JSON, markdown."""
+"""Reports made from the sweep's records: ratios, CSV, JSON, markdown.
+
+The terminal summary is terminal.py's.
+"""
 
 from __future__ import annotations
 
@@ -135,26 +138,6 @@ def make_console():
   if not console.is_terminal:
     console.width = max(console.width, _FILE_WIDTH)
   return console
-
-
-def print_table(result: dict, ours: str, console=None) -> None:
-  """Rich terminal table plus the skipped reasons (markdown without rich)."""
-  console = console or make_console()
-  if isinstance(console, _PlainConsole):
-    console.print(markdown(result, ours))
-    return
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
-  header, rows = pivot(result, ours)
-  table = Table(title=f"pallas-fa3 bench on {result['environment']['device']}"
-                " (TFLOPs/s, median ms; compile excluded)")
-  for h in header:
-    table.add_column(h, overflow="fold")
-  for row in rows:
-    table.add_row(*row)
-  console.print(table)
-  for i, why, n, first in skipped(result["records"]):
-    console.print(f"[yellow]skipped[/] {i} x{n} (e.g. {first}): {why}",
-                  highlight=False)
 
 
 def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
