@@ -394,3 +394,33 @@ def test_terminal_summary_fits_80_columns(tiny_sweep):
   assert max(map(len, printed)) <= 80
   assert any("GFLOP/s" in l for l in printed)
   assert any(l.startswith("correctness only: interpret") for l in printed)
+
+
+def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
+  # Plots used to name no device or JAX version and show medians only.
+  from matplotlib.container import ErrorbarContainer
+  from pallas_fa3.bench import plots
+  with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
+    result = json.load(f)
+  env = result["environment"]
+  made = plots.figures(result["records"], env)
+  assert {name for name, _ in made} >= {"tflops_fwd_bf16.png"}
+  for _, fig in made:
+    title = fig.get_suptitle()
+    assert env["device"] in title and f"JAX {env['jax']}" in title, title
+    assert "fastest to slowest" in title
+    bars = [c for ax in fig.axes for c in ax.containers
+            if isinstance(c, ErrorbarContainer)]
+    assert bars
+    for bar in bars:
+      data_line, _, (segments,) = bar.lines
+      for y, seg in zip(data_line.get_ydata(), segments.get_segments()):
+        lo, hi = sorted(seg[:, 1])
+        assert lo <= y <= hi
+  # The bars are the min/max times as rates.
+  r = next(r for r in result["records"] if r["status"] == "ok"
+           and not r["note"])
+  slow, mid, fast = plots.rate_band(r)
+  assert slow == pytest.approx(r["flops"] / r["time_max_ms"] / 1e9)
+  assert fast == pytest.approx(r["flops"] / r["time_min_ms"] / 1e9)
+  assert slow <= mid <= fast

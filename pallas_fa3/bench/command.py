@@ -170,7 +170,8 @@ def run(args, argv=None) -> int:
   if args.plots:
     try:
       paths["png"] = plots.plot(result["records"],
-                                os.path.join(args.out, "plots"))
+                                os.path.join(args.out, "plots"),
+                                result["environment"])
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")
   terminal.print_summary(result, ours, console)
