@@ -12,7 +12,7 @@ Subcommands:
   bench  the performance harness (pallas_fa3/bench/): named benchmark shapes,
          our backends against the reference, jax.nn.dot_product_attention
          (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
-         Without a GPU: a small CPU sweep (under 2 minutes).
+         Without a GPU: a small CPU sweep (about a minute).
 
   numerics  the numerics studies (pallas_fa3/numerics/): forward deviation
          against a float64 golden, the FP8 error table, weight divergence of

@@ -399,6 +399,7 @@ def test_terminal_summary_fits_80_columns(tiny_sweep):
 def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
   # Plots used to name no device or JAX version and show medians only.
   from matplotlib.container import ErrorbarContainer
+
   from pallas_fa3.bench import plots
   with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
     result = json.load(f)
@@ -424,3 +425,21 @@ def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
   assert slow == pytest.approx(r["flops"] / r["time_max_ms"] / 1e9)
   assert fast == pytest.approx(r["flops"] / r["time_min_ms"] / 1e9)
   assert slow <= mid <= fast
+
+
+def test_cpu_default_is_small():
+  # The CPU default was 24 shapes x 3 implementations (73 compiled cases,
+  # 439 s for a new user on 2 cores); the README promises about a minute.
+  grid = specs.make_grid(specs.CPU_AXES)
+  cases = runner.plan(grid, runner.DEFAULT_IMPLS["cpu"])
+  assert len(cases) <= 25
+  assert sum(flops.attention_flops(s) for s in grid) <= 20e9
+  # Still a comparison: blockwise, reference and XLA at two lengths, both
+  # masks, forward and forward+backward, plus the interpret kernel check.
+  assert {"blockwise", "reference", "xla"} <= {i.name for i, _ in cases}
+  assert len({s.seq_q for s in grid}) >= 2 and {s.causal for s in grid} == {
+      False, True} and {s.mode for s in grid} == {"fwd", "fwd+bwd"}
+  tiny = [s for i, s in cases if i.name == "interpret"]
+  assert len(tiny) == 1 and impls.REGISTRY["interpret"].unsupported(
+      tiny[0], "cpu") in (None, "no GPU")
+  assert runner.DEFAULT_RUNS["cpu"] <= 3

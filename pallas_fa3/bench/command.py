@@ -64,7 +64,7 @@ def add_parser(sub, formatter_class: type[argparse.HelpFormatter]
           " paper's (16k tokens, hidden 2048, d 64/128/256, seq 512..16k,"
           " causal and not, fwd/bwd/fwd+bwd) and the run also measures the"
           " bf16 matmul rate for % of peak. Without a GPU: a small CPU sweep"
-          " of blockwise vs reference vs XLA (under 2 minutes). Unset flags"
+          " of blockwise vs reference vs XLA (about a minute). Unset flags"
           " keep the platform default; every skipped case is reported with"
           " its reason."),
       formatter_class=formatter_class)
