@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pallas_fa3.bench import impls, plots, report, runner, specs, terminal, timing
 
@@ -33,7 +34,8 @@ def _non_negative_float(text: str) -> float:
   try:
     value = float(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+    raise argparse.ArgumentTypeError(
+        f"expected a number; got {text!r}") from None
   if not value >= 0:  # also rejects nan
     raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
   return value
@@ -45,7 +47,7 @@ def _unset(gpu, cpu) -> str:
   return f"unset: {show(gpu)} on a GPU, {show(cpu)} on a CPU"
 
 
-def add_parser(sub, formatter_class: type[argparse.HelpFormatter]
+def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]
                ) -> argparse.ArgumentParser:
   """Adds the `bench` subcommand and its flags to `sub` (argparse subparsers).
 
@@ -101,10 +103,12 @@ def add_parser(sub, formatter_class: type[argparse.HelpFormatter]
                  help="batch x seq per case, batch = tokens // seq ("
                  + _unset(gpu.tokens, cpu.tokens) + ")")
   p.add_argument("--hidden", type=positive,
-                 help=f"heads_q x head_dim per case ({_unset(gpu.hidden, cpu.hidden)})")
+                 help="heads_q x head_dim per case ("
+                 + _unset(gpu.hidden, cpu.hidden) + ")")
   p.add_argument("--runs", type=positive,
                  help="timed calls per case (" + _unset(
-                     runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"]) + ")")
+                     runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
+                 + ")")
   p.add_argument("--warmup", type=_int_at_least(0),
                  help="untimed calls before timing (" + _unset(
                      runner.DEFAULT_WARMUP["gpu"], runner.DEFAULT_WARMUP["cpu"])
@@ -149,7 +153,7 @@ def settings_from(args, platform: str) -> dict:
       matmul_n=timing.MATMUL_N_GPU if platform == "gpu" else None)
 
 
-def run(args, argv=None) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
   platform = runner.platform_name()
   try:

@@ -1,4 +1,4 @@
-"""FP8 cases: the quantization pass and the FP8 attention, timed apart and together.
+"""FP8 cases: the quantization and the FP8 attention, timed apart and together.
 
 An "fp8" spec starts from bf16 Q, K, V, as a model holds them. The
 quantization pass (`pallas_fa3.fp8.quantize`, FA3's recipe: per-tile scales
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pallas_fa3
 from pallas_fa3 import config as kernel_config
 from pallas_fa3 import fp8
-from pallas_fa3.bench import timing
+from pallas_fa3.bench import specs, timing
 
 FP8_IMPLS: tuple[str, ...] = ("mosaic", "interpret", "blockwise")
 OUT_DTYPE = jnp.bfloat16
@@ -36,7 +36,7 @@ class Fp8Timing(NamedTuple):
   attention: timing.Timing  # the FP8 attention alone, on quantized inputs
 
 
-def unsupported(name: str, spec) -> str | None:
+def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
   """Why `name` cannot run the fp8 `spec`; None for non-fp8 specs."""
   if spec.dtype != "fp8":
     return None
@@ -68,7 +68,8 @@ def attention_config(name: str, head_dim: int) -> Any:
   return config
 
 
-def functions(name: str, spec) -> tuple[Callable, Callable, Callable]:
+def functions(name: str, spec: specs.BenchSpec
+              ) -> tuple[Callable, Callable, Callable]:
   """(quantize(q, k, v) -> FP8Inputs, attend(FP8Inputs) -> out,
   total(q, k, v) -> out) for backend `name` and the fp8 `spec`."""
   config = attention_config(name, spec.head_dim)
@@ -89,8 +90,8 @@ def functions(name: str, spec) -> tuple[Callable, Callable, Callable]:
   return quantize, attend, total
 
 
-def measure(name: str, spec, input_sets: Sequence[tuple], warmup: int,
-            runs: int) -> Fp8Timing:
+def measure(name: str, spec: specs.BenchSpec, input_sets: Sequence[tuple],
+            warmup: int, runs: int) -> Fp8Timing:
   """Compiles and times the total, the quantization and the attention.
 
   Args:

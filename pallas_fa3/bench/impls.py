@@ -69,7 +69,8 @@ def _ours_unsupported(name):
     if name == "interpret" and not spec.correctness_only:
       return ("interpret mode emulates the kernels on the CPU; it runs only"
               " the tiny correctness case, never a speed figure")
-    if name == "interpret" and max(spec.seq_q, spec.seq_kv) > specs.TINY_MAX_SEQ:
+    if name == "interpret" and max(spec.seq_q,
+                                   spec.seq_kv) > specs.TINY_MAX_SEQ:
       return (f"interpret mode runs only a tiny correctness case, at seq <="
               f" {specs.TINY_MAX_SEQ}; the shortest --seq here is"
               f" {spec.seq_q} (add a short one, e.g. --seq 128)")

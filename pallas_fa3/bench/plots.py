@@ -21,7 +21,7 @@ def _unit(records: list[dict]) -> tuple[str, float]:
 
 
 def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
-  """(slowest, median, fastest) rate of a record: FLOPs / max, median, min time."""
+  """(slowest, median, fastest) rate: FLOPs / max, median, min time."""
   def rate(ms):
     return r["flops"] / (ms * 1e-3) / 1e12 * scale
   return rate(r["time_max_ms"]), rate(r["time_median_ms"]), rate(
@@ -49,8 +49,9 @@ def figures(records: list[dict], environment: dict | None = None
   for (mode, dtype), rows in sorted(groups.items()):
     dims = sorted({r["head_dim"] for r in rows})
     causals = sorted({r["causal"] for r in rows})
-    fig, axes = plt.subplots(len(causals), len(dims), squeeze=False,
-                             figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6))
+    fig, axes = plt.subplots(
+        len(causals), len(dims), squeeze=False,
+        figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6))
     for i, causal in enumerate(causals):
       for j, d in enumerate(dims):
         ax = axes[i][j]

@@ -92,17 +92,24 @@ def _base_record(impl, spec) -> dict:
       else "")
 
 
+def _run_once(fn, *args):
+  # Compiled ahead, as when timed: in interpret mode a plain jit dispatch of
+  # some FP8 compositions deadlocks on 2 cores (JAX's GPU interpreter).
+  compiled, _ = timing.compile_only(jax.jit(fn), args)
+  return compiled(*args)
+
+
 def _max_err(impl, spec, inputs) -> float:
   """max |impl - reference| on the first input set (float32)."""
   q, k, v = impl.prepare(spec, *inputs[0][:3])
-  got = jax.jit(impl.build(spec))(q, k, v)
-  ref_spec = impls.REGISTRY["reference"]
-  want = jax.jit(ref_spec.build(spec))(*inputs[0][:3])
+  got = _run_once(impl.build(spec), q, k, v)
+  want = _run_once(impls.REGISTRY["reference"].build(spec), *inputs[0][:3])
   return float(np.max(np.abs(np.asarray(got, np.float32)
                              - np.asarray(want, np.float32))))
 
 
-def run_case(impl, spec, inputs, settings, peak_tflops) -> dict:
+def run_case(impl: impls.Impl, spec: specs.BenchSpec, inputs: list[tuple],
+             settings: dict, peak_tflops: float | None) -> dict:
   """Measures one (impl, spec); the record says why if it could not."""
   rec = _base_record(impl, spec)
   reason = (fp8_case.unsupported(impl.name, spec)
@@ -151,7 +158,8 @@ def run_case(impl, spec, inputs, settings, peak_tflops) -> dict:
   return rec
 
 
-def run_sweep(cases, settings: dict, progress: bool = True) -> dict:
+def run_sweep(cases: Sequence[tuple[impls.Impl, specs.BenchSpec]],
+              settings: dict, progress: bool = True) -> dict:
   """Runs `cases` (from `plan`); returns {matmul_peak_tflops, records}.
 
   Args:

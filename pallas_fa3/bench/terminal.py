@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import textwrap
+from typing import Any
 
 from pallas_fa3.bench import report
 
@@ -75,7 +76,8 @@ def tables(result: dict, ours: str
              else f"{first['seq_q']}x{first['seq_kv']}")
       rows.append([str(first["head_dim"]), "yes" if first["causal"] else "no",
                    seq]
-                  + [_cell(cases[n], scale) if n in cases else "" for n in names]
+                  + [_cell(cases[n], scale) if n in cases else ""
+                     for n in names]
                   + ([_speedup(cases, ours)] if speedup else []))
     title = f"{mode} {dtype}: {unit}, median of {runs} runs"
     if dtype == "fp8":
@@ -128,7 +130,7 @@ def text(result: dict, ours: str, width: int = WIDTH) -> str:
   return "\n".join(lines)
 
 
-def print_summary(result: dict, ours: str, console=None) -> None:
+def print_summary(result: dict, ours: str, console: Any = None) -> None:
   """Prints `text(result, ours)` (rich markup off: reasons hold brackets)."""
   console = console or report.make_console()
   console.print(text(result, ours), markup=False, highlight=False)
