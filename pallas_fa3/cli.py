@@ -12,7 +12,7 @@ Subcommands:
   bench  the performance harness (pallas_fa3/bench/): named benchmark shapes,
          our backends against the reference, jax.nn.dot_product_attention
          (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
-         Without a GPU: a small CPU sweep (under 2 minutes).
+         Without a GPU: a small CPU sweep (about a minute).
 
   numerics  the numerics studies (pallas_fa3/numerics/): forward deviation
          against a float64 golden, the FP8 error table, weight divergence of
@@ -52,6 +52,19 @@ _TRAIN_DEFAULTS = dict(
     max_bytes=None, eval_interval=100, eval_batches=8, checkpoint_interval=200)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends "(default: X)" to an option's help unless X is None.
+
+  An option whose default is None says in its own help what leaving it unset
+  means ("unset: ..."); "(default: None)" would only contradict that.
+  """
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
 def _require_positive(args, *flags: str) -> None:
   """Usage error (exit 2) naming the first of `flags` set to a value below 1."""
   for flag in flags:
@@ -69,7 +82,7 @@ def _add_info_parser(sub) -> None:
           " GPU is present, which implementation flash_attention(...,"
           " implementation=None) picks for a sample call and why, then run"
           " that call and compare it with a float64 golden."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=HelpFormatter)
   p.add_argument("--batch", type=int, default=1, help=_SAMPLE_HELP)
   p.add_argument("--seq-q", type=int, default=256, help=_SAMPLE_HELP)
   p.add_argument("--seq-kv", type=int, default=256, help=_SAMPLE_HELP)
@@ -166,7 +179,7 @@ def _add_train_parser(sub) -> None:
           " The defaults train a small model (0.8M parameters, bfloat16"
           " compute) to about 2 bits/byte in about 3 minutes on an idle"
           " 2-core CPU; the same command runs unchanged on a GPU."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=HelpFormatter)
   m, d = _TRAIN_MODEL_DEFAULTS, _TRAIN_DEFAULTS
   model = p.add_argument_group("model (models.gpt.GPTConfig)")
   model.add_argument("--layers", type=int, default=m["layers"],
@@ -294,70 +307,13 @@ def _cmd_train(args) -> int:
   return 0
 
 
-_BENCH_DTYPES = ("bf16", "fp16", "fp32", "fp8")
-_BENCH_IMPLS = ("mosaic", "interpret", "blockwise", "reference", "cudnn",
-                "xla", "mgpu")
-_BENCH_MODES = ("fwd", "bwd", "fwd+bwd")
-
-
 def _add_bench_parser(sub) -> None:
-  p = sub.add_parser(
-      "bench",
-      help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
-      description=(
-          "Time attention implementations over a grid of named shapes"
-          " (compile excluded, warm-up, median/min/max of --runs calls,"
-          " random inputs rotated). On a GPU the default grid is the FA3"
-          " paper's (16k tokens, hidden 2048, d 64/128/256, seq 512..16k,"
-          " causal and not, fwd/bwd/fwd+bwd) and the run also measures the"
-          " bf16 matmul rate for %% of peak. Without a GPU: a small CPU sweep"
-          " of blockwise vs reference vs XLA (under 2 minutes). Unset flags"
-          " keep the platform default; every skipped case is reported with"
-          " its reason."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--impl", nargs="+", choices=_BENCH_IMPLS,
-                 help="implementations (default: platform dependent)")
-  p.add_argument("--ours", choices=_BENCH_IMPLS,
-                 help="the implementation ratios are taken against baselines"
-                 " (default: mosaic on a GPU, blockwise on the CPU)")
-  p.add_argument("--dtype", nargs="+", choices=_BENCH_DTYPES,
-                 help="input dtypes (fp8: listed, skipped until it lands)")
-  p.add_argument("--head-dim", nargs="+", type=int, help="head dims")
-  p.add_argument("--seq", nargs="+", type=int, help="sequence lengths")
-  causal = p.add_mutually_exclusive_group()
-  causal.add_argument("--causal", dest="causal", action="store_const",
-                      const=True, help="causal only (default: both)")
-  causal.add_argument("--no-causal", dest="causal", action="store_const",
-                      const=False, help="non-causal only (default: both)")
-  p.add_argument("--mode", nargs="+", choices=_BENCH_MODES,
-                 help="passes to time")
-  p.add_argument("--gqa", nargs="+", type=int,
-                 help="query heads per key/value head (1: MHA)")
-  p.add_argument("--tokens", type=int,
-                 help="batch x seq per case (batch = tokens // seq)")
-  p.add_argument("--hidden", type=int,
-                 help="heads_q x head_dim per case")
-  p.add_argument("--runs", type=int, help="timed calls per case")
-  p.add_argument("--warmup", type=int, help="untimed calls before timing")
-  p.add_argument("--input-sets", type=int, default=3,
-                 help="random input sets rotated between calls")
-  p.add_argument("--seed", type=int, default=0, help="input seed")
-  p.add_argument("--time-budget", type=float,
-                 help="seconds; cases not started by then are reported as"
-                 " skipped (files are still written)")
-  p.add_argument("--out", default="bench_out/bench",
-                 help="output folder (results.csv/json, summary.md, plots/)")
-  p.add_argument("--plots", action=argparse.BooleanOptionalAction,
-                 default=True, help="write PNG plots")
-  p.add_argument("--progress", action=argparse.BooleanOptionalAction,
-                 default=True, help="progress bar")
-  p.add_argument("--strict", action="store_true",
-                 help="exit 1 if any case failed with an error")
+  from pallas_fa3.bench import command  # pylint: disable=g-import-not-at-top
+  p = command.add_parser(sub, HelpFormatter)  # flags live with the harness
   p.set_defaults(func=_cmd_bench, parser=p)
 
 
 def _cmd_bench(args) -> int:
-  _require_positive(args, "runs", "tokens", "hidden", "input_sets")
   from pallas_fa3.bench import command  # pylint: disable=g-import-not-at-top
   return command.run(args)
 

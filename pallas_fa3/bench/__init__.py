@@ -5,9 +5,12 @@ Roles, one file each:
   flops.py     the one FLOPs model (causal: exact unmasked-pair count).
   impls.py     what is benchmarked: our backends and the JAX baselines, each
                turning a spec into a function or saying why it cannot.
+  fp8_case.py  fp8 cases: the quantization pass, the FP8 attention and both
+               together, timed apart (forward only).
   timing.py    compile-excluded timing, compiled/peak memory, matmul peak.
   runner.py    the sweep: cases, progress bar, records, environment header.
-  report.py    terminal table, CSV, JSON, markdown summary.
+  report.py    ratios, CSV, JSON, markdown summary (wide tables).
+  terminal.py  the terminal summary: tables that fit 80 columns.
   plots.py     TFLOPs/s vs sequence length PNGs, made from the records.
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
 

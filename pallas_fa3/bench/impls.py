@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, flash_attention
-from pallas_fa3.backends import IMPLEMENTATIONS
+from pallas_fa3 import IMPLEMENTATIONS, backends, flash_attention
+from pallas_fa3.bench import fp8_case, specs
 
 OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
 BASELINES: tuple[str, ...] = ("cudnn", "xla", "mgpu")
@@ -69,12 +69,19 @@ def _ours_unsupported(name):
     if name == "interpret" and not spec.correctness_only:
       return ("interpret mode emulates the kernels on the CPU; it runs only"
               " the tiny correctness case, never a speed figure")
+    if name == "interpret" and max(spec.seq_q,
+                                   spec.seq_kv) > specs.TINY_MAX_SEQ:
+      return (f"interpret mode runs only a tiny correctness case, at seq <="
+              f" {specs.TINY_MAX_SEQ}; the shortest --seq here is"
+              f" {spec.seq_q} (add a short one, e.g. --seq 128)")
     return backends.get(name).device_reason()
   return check
 
 
 def _ours_build(name):
   def build(spec):
+    if spec.dtype == "fp8" and name in fp8_case.FP8_IMPLS:  # as it is timed
+      return fp8_case.functions(name, spec)[2]
     return lambda q, k, v: flash_attention(q, k, v, causal=spec.causal,
                                            implementation=name)
   return build

@@ -1,55 +1,104 @@
-"""PNG plots made from the records: TFLOPs/s vs sequence length.
+"""PNG plots made from the records: FLOP/s vs sequence length.
 
 One figure per (mode, dtype); one panel per head dim x causal; one line per
-implementation. matplotlib with the Agg backend (no display needed).
+implementation at the median time, with error bars from the fastest and the
+slowest timed call (min/max). The title names the device and the JAX
+version. fp8 plots the total (quantization + attention). matplotlib with
+the Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+from typing import Any
 
 
-def plot(records: list[dict], out_dir: str) -> list[str]:
-  """Writes `tflops_<mode>_<dtype>.png` files; returns their paths."""
+def _unit(records: list[dict]) -> tuple[str, float]:
+  """TFLOP/s, or GFLOP/s (scale 1e3) when every figure is under 1 TFLOP/s."""
+  fastest = max((r["tflops"] for r in records), default=0.0)
+  return ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
+
+
+def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
+  """(slowest, median, fastest) rate: FLOPs / max, median, min time."""
+  def rate(ms):
+    return r["flops"] / (ms * 1e-3) / 1e12 * scale
+  return rate(r["time_max_ms"]), rate(r["time_median_ms"]), rate(
+      r["time_min_ms"])
+
+
+def figures(records: list[dict], environment: dict | None = None
+            ) -> list[tuple[str, Any]]:
+  """(file name, matplotlib Figure) for each (mode, dtype) of the records."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+  env = environment or {}
+  device = env.get("device", "unknown device")
+  if device.startswith("cpu") and env.get("cpu_count"):
+    device += f" ({env['cpu_count']} cores)"
+  where = f"{device}, JAX {env.get('jax', '?')}"
   ok = [r for r in records if r["status"] == "ok" and not r["note"]]
+  unit, scale = _unit(ok)
   groups = collections.defaultdict(list)
   for r in ok:
     groups[(r["mode"], r["dtype"])].append(r)
-  paths = []
-  os.makedirs(out_dir, exist_ok=True)
+  out = []
   for (mode, dtype), rows in sorted(groups.items()):
     dims = sorted({r["head_dim"] for r in rows})
     causals = sorted({r["causal"] for r in rows})
-    fig, axes = plt.subplots(len(causals), len(dims), squeeze=False,
-                             figsize=(4.5 * len(dims), 3.5 * len(causals)))
+    fig, axes = plt.subplots(
+        len(causals), len(dims), squeeze=False,
+        figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6))
     for i, causal in enumerate(causals):
       for j, d in enumerate(dims):
         ax = axes[i][j]
         lines = collections.defaultdict(list)
         for r in rows:
           if r["head_dim"] == d and r["causal"] == causal:
-            lines[r["impl"]].append((r["seq_q"], r["tflops"]))
+            lines[r["impl"]].append((r["seq_q"], *rate_band(r, scale)))
         for impl, pts in sorted(lines.items()):
           pts.sort()
-          ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
+          seqs, lo, mid, hi = zip(*pts)
+          ax.errorbar(seqs, mid, yerr=[[m - a for a, m in zip(lo, mid)],
+                                       [b - m for b, m in zip(hi, mid)]],
+                      fmt="o-", capsize=3, label=impl)
         ax.set_xscale("log", base=2)
         seqs = sorted({p[0] for pts in lines.values() for p in pts})
         ax.set_xticks(seqs, [str(n) for n in seqs])
         ax.minorticks_off()
         ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("sequence length")
-        ax.set_ylabel("TFLOPs/s")
+        ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         if lines:
           ax.legend(fontsize="small")
-    fig.suptitle(f"{mode} {dtype}")
+    what = " (quantization + attention)" if dtype == "fp8" else ""
+    fig.suptitle(f"{mode} {dtype}{what}: {unit} of the median call, bars:"
+                 f" fastest to slowest\n{where}")
     fig.tight_layout()
-    path = os.path.join(out_dir, f"tflops_{mode.replace('+', '_')}_{dtype}.png")
+    out.append((f"tflops_{mode.replace('+', '_')}_{dtype}.png", fig))
+  return out
+
+
+def plot(records: list[dict], out_dir: str, environment: dict | None = None
+         ) -> list[str]:
+  """Writes `tflops_<mode>_<dtype>.png` files; returns their paths.
+
+  Args:
+    records: the sweep's records.
+    out_dir: folder for the PNGs (created).
+    environment: `runner.environment()`: its device and jax go in the titles.
+  """
+  made = figures(records, environment)  # selects the Agg backend first
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for name, fig in made:
+    path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     paths.append(path)

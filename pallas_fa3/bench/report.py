@@ -1,4 +1,7 @@
-"""Reports made from the sweep's records: ratios, tables, CSV, JSON, markdown."""
+"""Reports made from the sweep's records: ratios, CSV, JSON, markdown.
+
+The terminal summary is terminal.py's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,10 @@ import json
 import os
 
 CSV_FILE = "results.csv"
+# Environment fields repeated on every CSV row, so that the CSV loads with a
+# plain `pandas.read_csv(path)` and CSVs of several machines concatenate;
+# results.json beside it holds the whole environment and the settings.
+CSV_ENVIRONMENT = ("device", "jax", "jaxlib", "git_commit", "date")
 JSON_FILE = "results.json"
 MARKDOWN_FILE = "summary.md"
 _FILE_WIDTH = 180  # columns of the table when stdout is not a terminal
@@ -39,7 +46,9 @@ def _cell(r: dict, show_peak: bool) -> str:
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
   peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
-  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms)"
+  kernel = (f"; kernel {r['kernel_tflops']:.3g}" if r.get("kernel_tflops")
+            else "")  # fp8: the attention alone, without the quantization
+  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
@@ -131,39 +140,23 @@ def make_console():
   return console
 
 
-def print_table(result: dict, ours: str, console=None) -> None:
-  """Rich terminal table plus the skipped reasons (markdown without rich)."""
-  console = console or make_console()
-  if isinstance(console, _PlainConsole):
-    console.print(markdown(result, ours))
-    return
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
-  header, rows = pivot(result, ours)
-  table = Table(title=f"pallas-fa3 bench on {result['environment']['device']}"
-                " (TFLOPs/s, median ms; compile excluded)")
-  for h in header:
-    table.add_column(h, overflow="fold")
-  for row in rows:
-    table.add_row(*row)
-  console.print(table)
-  for i, why, n, first in skipped(result["records"]):
-    console.print(f"[yellow]skipped[/] {i} x{n} (e.g. {first}): {why}",
-                  highlight=False)
-
-
 def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
-  """Writes CSV, JSON and markdown into `out_dir`; returns their paths."""
+  """Writes CSV, JSON and markdown into `out_dir`; returns their paths.
+
+  The CSV is a header line and one row per record (no comment lines), each
+  row with the `CSV_ENVIRONMENT` fields appended.
+  """
   os.makedirs(out_dir, exist_ok=True)
   paths = {k: os.path.join(out_dir, f) for k, f in
            (("csv", CSV_FILE), ("json", JSON_FILE), ("md", MARKDOWN_FILE))}
   records = result["records"]
+  env = {k: result["environment"][k] for k in CSV_ENVIRONMENT}
   with open(paths["csv"], "w", newline="") as f:
-    env = result["environment"]
-    for key in ("date", "device", "platform_version", "jax", "command"):
-      f.write(f"# {key}: {env[key]}\n")
-    writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else [])
+    fields = list(records[0]) if records else []
+    writer = csv.DictWriter(f, fieldnames=fields + [
+        k for k in CSV_ENVIRONMENT if k not in fields])
     writer.writeheader()
-    writer.writerows(records)
+    writer.writerows({**r, **env} for r in records)
   with open(paths["json"], "w") as f:
     json.dump(dict(result, ratios=ratios(records, ours), ours=ours), f,
               indent=1)
@@ -173,6 +166,6 @@ def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
 
 
 def read_csv(path: str) -> list[dict]:
-  """Rows of a results CSV (the '#' environment lines skipped)."""
+  """Rows of a results CSV, as dicts of strings."""
   with open(path, newline="") as f:
-    return list(csv.DictReader(line for line in f if not line.startswith("#")))
+    return list(csv.DictReader(f))

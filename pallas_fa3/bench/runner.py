@@ -1,9 +1,10 @@
 """The sweep: plan (impl, spec) cases, measure each, collect records.
 
 Every planned case yields one record (a flat dict, one CSV row): status "ok"
-with times, TFLOPs/s and memory; "skipped" with the reason (unsupported
-shape, backend not implemented, no GPU, fp8 pending, time budget); or
-"error" with the exception. Nothing is dropped silently.
+with times, TFLOPs/s and memory (fp8: also the quantization and the
+attention timed apart); "skipped" with the reason (unsupported shape,
+backend not implemented, no GPU, FP8 backward, time budget); or "error"
+with the exception. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from pallas_fa3.bench import flops, impls, specs, timing
+from pallas_fa3.bench import flops, fp8_case, impls, specs, timing
 
 _MIB = 2 ** 20
 _REASON_CHARS = 400  # keep error messages readable in tables and CSV
@@ -66,14 +67,13 @@ def environment(argv: Sequence[str] | None = None) -> dict:
 def plan(grid: Sequence[specs.BenchSpec], impl_names: Sequence[str]
          ) -> list[tuple[impls.Impl, specs.BenchSpec]]:
   """(impl, spec) pairs: every grid spec for every impl but `interpret`,
-  which gets only the tiny correctness case."""
+  which gets only a tiny correctness case within the grid's filters."""
   cases = []
   for spec in grid:
     cases += [(impls.REGISTRY[n], spec) for n in impl_names
               if n != "interpret"]
-  if "interpret" in impl_names:
-    dtype = grid[0].dtype if grid and grid[0].jax_dtype else "bf16"
-    cases.append((impls.REGISTRY["interpret"], specs.tiny_spec(dtype)))
+  if "interpret" in impl_names and grid:
+    cases.append((impls.REGISTRY["interpret"], specs.tiny_spec_for(grid)))
   return cases
 
 
@@ -87,33 +87,49 @@ def _base_record(impl, spec) -> dict:
       status="skipped", reason="", time_median_ms=None, time_min_ms=None,
       time_max_ms=None, compile_s=None, tflops=None, pct_peak=None,
       temp_mib=None, peak_mib=None, max_abs_err=None,
+      quantize_ms=None, kernel_ms=None, kernel_tflops=None,
       note="correctness only, not a speed figure" if spec.correctness_only
       else "")
+
+
+def _run_once(fn, *args):
+  # Compiled ahead, as when timed: in interpret mode a plain jit dispatch of
+  # some FP8 compositions deadlocks on 2 cores (JAX's GPU interpreter).
+  compiled, _ = timing.compile_only(jax.jit(fn), args)
+  return compiled(*args)
 
 
 def _max_err(impl, spec, inputs) -> float:
   """max |impl - reference| on the first input set (float32)."""
   q, k, v = impl.prepare(spec, *inputs[0][:3])
-  got = jax.jit(impl.build(spec))(q, k, v)
-  ref_spec = impls.REGISTRY["reference"]
-  want = jax.jit(ref_spec.build(spec))(*inputs[0][:3])
+  got = _run_once(impl.build(spec), q, k, v)
+  want = _run_once(impls.REGISTRY["reference"].build(spec), *inputs[0][:3])
   return float(np.max(np.abs(np.asarray(got, np.float32)
                              - np.asarray(want, np.float32))))
 
 
-def run_case(impl, spec, inputs, settings, peak_tflops) -> dict:
+def run_case(impl: impls.Impl, spec: specs.BenchSpec, inputs: list[tuple],
+             settings: dict, peak_tflops: float | None) -> dict:
   """Measures one (impl, spec); the record says why if it could not."""
   rec = _base_record(impl, spec)
-  reason = impl.unsupported(spec, settings["platform"])
+  reason = (fp8_case.unsupported(impl.name, spec)
+            or impl.unsupported(spec, settings["platform"]))
   if reason:
     rec["reason"] = reason
     return rec
+  # A correctness case is not a speed figure: one call is enough.
+  warmup, runs = ((0, 1) if spec.correctness_only
+                  else (settings["warmup"], settings["runs"]))
+  parts = None
   try:
-    arg_sets = [impl.prepare(spec, *s[:3]) + s[3:] for s in inputs]
-    jitted, args = timing.mode_function(impl.build(spec), spec.mode, arg_sets)
-    result, compiled = timing.measure(jitted, args, settings["warmup"],
-                                      settings["runs"])
-    del compiled
+    if spec.dtype == "fp8":
+      parts = fp8_case.measure(impl.name, spec, inputs, warmup, runs)
+      result = parts.total
+    else:
+      arg_sets = [impl.prepare(spec, *s[:3]) + s[3:] for s in inputs]
+      jitted, args = timing.mode_function(impl.build(spec), spec.mode,
+                                          arg_sets)
+      result, _ = timing.measure(jitted, args, warmup, runs)
     if spec.correctness_only:
       rec["max_abs_err"] = _max_err(impl, spec, inputs)
   except NotImplementedError as e:
@@ -133,10 +149,17 @@ def run_case(impl, spec, inputs, settings, peak_tflops) -> dict:
       temp_mib=None if result.temp_bytes is None
       else result.temp_bytes / _MIB,
       peak_mib=None if peak is None else peak / _MIB)
+  if parts is not None:
+    kernel_s = parts.attention.median_s
+    rec.update(quantize_ms=parts.quantize.median_s * 1e3,
+               kernel_ms=kernel_s * 1e3,
+               kernel_tflops=rec["flops"] / kernel_s / 1e12,
+               pct_peak=None)  # the measured peak is bf16's, not FP8's
   return rec
 
 
-def run_sweep(cases, settings: dict, progress: bool = True) -> dict:
+def run_sweep(cases: Sequence[tuple[impls.Impl, specs.BenchSpec]],
+              settings: dict, progress: bool = True) -> dict:
   """Runs `cases` (from `plan`); returns {matmul_peak_tflops, records}.
 
   Args:
@@ -153,8 +176,6 @@ def run_sweep(cases, settings: dict, progress: bool = True) -> dict:
   budget = settings.get("time_budget_s")
 
   def one(impl, spec):
-    if spec.jax_dtype is None:
-      return dict(_base_record(impl, spec), reason=specs.FP8_PENDING)
     if budget is not None and time.perf_counter() - start > budget:
       return dict(_base_record(impl, spec),
                   reason=f"time budget of {budget:.0f} s used up")

@@ -1,0 +1,112 @@
+"""FP8 cases: the quantization and the FP8 attention, timed apart and together.
+
+An "fp8" spec starts from bf16 Q, K, V, as a model holds them. The
+quantization pass (`pallas_fa3.fp8.quantize`, FA3's recipe: per-tile scales
+and the Hadamard rotation, `FP8Config()`) writes e4m3 operands, and
+`pallas_fa3.fp8.flash_attention_fp8` runs the attention on them, writing
+bf16. Three timings per case: the quantization alone, the attention kernel
+alone on pre-quantized inputs, and the total, both in one call of
+`flash_attention(..., fp8=FP8Config(), config=<the same tiles>)`. The
+FLOPs are the attention's; the quantization's O(n d) work is not counted.
+FP8 is forward only: backward modes are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import pallas_fa3
+from pallas_fa3 import backends, fp8
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+from pallas_fa3.bench import specs, timing
+
+# The backends with an FP8 path, as the registry says.
+FP8_IMPLS: tuple[str, ...] = tuple(
+    b.name for b in backends.BACKENDS if b.fp8_forward is not None)
+OUT_DTYPE = jnp.bfloat16
+
+
+class Fp8Timing(NamedTuple):
+  """The three timings of one FP8 case."""
+
+  total: timing.Timing      # quantize + attention: flash_attention(fp8=...)
+  quantize: timing.Timing   # the quantization pass alone
+  attention: timing.Timing  # the FP8 attention alone, on quantized inputs
+
+
+def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
+  """Why `name` cannot run the fp8 `spec`; None for non-fp8 specs."""
+  if spec.dtype != "fp8":
+    return None
+  if name not in FP8_IMPLS:
+    return (f"{name} has no FP8 path: fp8 cases run on"
+            f" {', '.join(FP8_IMPLS)} (compare with the bf16 rows)")
+  if spec.mode != "fwd":
+    return ("FP8 is forward only: gradients through FP8 attention are not"
+            " implemented (time fp8 with --mode fwd)")
+  if name != "blockwise" and spec.head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
+    return (f"the FP8 kernel serves head dims {sm90_fp8_config.FP8_HEAD_DIMS},"
+            f" not {spec.head_dim}")
+  return None
+
+
+def attention_config(name: str, head_dim: int) -> Any:
+  """The tiles of the case (also the quantization's tiles).
+
+  The FP8 kernel's default config for the head dim (mosaic, interpret); for
+  blockwise a `BlockwiseConfig` with the same tiles, so that it quantizes
+  and computes as the kernel would, or its default tiles at head dims the
+  kernel does not serve.
+  """
+  if head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
+    return pallas_fa3.BlockwiseConfig()
+  config = sm90_fp8_config.default_fp8_forward_config(head_dim)
+  if name == "blockwise":
+    return pallas_fa3.BlockwiseConfig(config.block_q, config.block_kv)
+  return config
+
+
+def functions(name: str, spec: specs.BenchSpec
+              ) -> tuple[Callable, Callable, Callable]:
+  """(quantize(q, k, v) -> FP8Inputs, attend(FP8Inputs) -> out,
+  total(q, k, v) -> out) for backend `name` and the fp8 `spec`."""
+  config = attention_config(name, spec.head_dim)
+
+  def quantize(q, k, v):
+    return fp8.quantize(q, k, v, block_q=config.block_q,
+                        block_kv=config.block_kv, config=pallas_fa3.FP8Config())
+
+  def attend(x):
+    return fp8.flash_attention_fp8(*x, causal=spec.causal, implementation=name,
+                                   config=config, out_dtype=OUT_DTYPE)
+
+  def total(q, k, v):  # the public entry point, quantizing inside
+    return pallas_fa3.flash_attention(q, k, v, causal=spec.causal,
+                                      implementation=name, config=config,
+                                      fp8=pallas_fa3.FP8Config())
+
+  return quantize, attend, total
+
+
+def measure(name: str, spec: specs.BenchSpec, input_sets: Sequence[tuple],
+            warmup: int, runs: int) -> Fp8Timing:
+  """Compiles and times the total, the quantization and the attention.
+
+  Args:
+    name: "mosaic", "interpret" or "blockwise".
+    spec: an fp8, forward `BenchSpec`.
+    input_sets: `(q, k, v, ...)` tuples of bf16 arrays, rotated between calls.
+    warmup, runs: untimed and timed calls of each of the three functions.
+  """
+  quantize, attend, total = functions(name, spec)
+  qkv = [s[:3] for s in input_sets]
+  total_t, _ = timing.measure(jax.jit(total), qkv, warmup, runs)
+  quantize_jit = jax.jit(quantize)
+  quantize_t, _ = timing.measure(quantize_jit, qkv, warmup, runs)
+  quantized = jax.block_until_ready([(quantize_jit(*a),) for a in qkv])
+  attend_t, _ = timing.measure(jax.jit(attend), quantized, warmup, runs)
+  return Fp8Timing(total_t, quantize_t, attend_t)
