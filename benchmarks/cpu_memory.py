@@ -92,19 +92,29 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
   sys.path.insert(0, _HERE)
 
-from cpu_memory_report import IMPLEMENTATIONS  # noqa: E402
-from cpu_memory_report import PASSES  # noqa: E402
-from cpu_memory_report import main_report  # noqa: E402
-from cpu_memory_report import progress_note  # noqa: E402
-from cpu_memory_report import sweep_report  # noqa: E402
-from cpu_memory_worker import REPO_ROOT  # noqa: E402
-from cpu_memory_worker import worker  # noqa: E402
+from cpu_memory_report import (
+  IMPLEMENTATIONS,  # noqa: E402
+  PASSES,  # noqa: E402
+  main_report,  # noqa: E402
+  progress_note,  # noqa: E402
+  sweep_report,  # noqa: E402
+)
+from cpu_memory_worker import (
+  REPO_ROOT,  # noqa: E402
+  worker,  # noqa: E402
+)
 
 _RESULT_TAG = "CPU_MEMORY_RESULT_JSON:"
 
 DEFAULT_SEQS = (1024, 2048, 4096, 8192)
-SWEEP_BLOCKS = ((64, 64), (128, 128), (256, 256), (512, 512), (128, 256),
-                (256, 128))
+SWEEP_BLOCKS = (
+  (64, 64),
+  (128, 128),
+  (256, 256),
+  (512, 512),
+  (128, 256),
+  (256, 128),
+)
 
 
 # ---------------------------------------------------------------------------
@@ -138,63 +148,94 @@ def _environment(argv: list[str]) -> dict:
   git = {}
   try:
     git["commit"] = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-        text=True, check=True).stdout.strip()
-    git["dirty_pallas_fa3"] = bool(subprocess.run(
-        ["git", "status", "--porcelain", "pallas_fa3"], cwd=REPO_ROOT,
-        capture_output=True, text=True, check=True).stdout.strip())
+      ["git", "rev-parse", "HEAD"],
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.strip()
+    git["dirty_pallas_fa3"] = bool(
+      subprocess.run(
+        ["git", "status", "--porcelain", "pallas_fa3"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+      ).stdout.strip()
+    )
   except (OSError, subprocess.CalledProcessError):
     pass
   return dict(
-      date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-      platform=platform.platform(), machine=platform.machine(),
-      cpu_model=cpu_model, cpu_count=os.cpu_count(),
-      cpu_affinity=len(os.sched_getaffinity(0)),
-      mem_total_gib=None if mem_total is None else round(mem_total / 2**30, 1),
-      python=platform.python_version(), jax=version("jax"),
-      jaxlib=version("jaxlib"), numpy=version("numpy"), git=git,
-      command=shlex.join([sys.executable] + argv),
-      xla_flags=os.environ.get("XLA_FLAGS"),
+    date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    platform=platform.platform(),
+    machine=platform.machine(),
+    cpu_model=cpu_model,
+    cpu_count=os.cpu_count(),
+    cpu_affinity=len(os.sched_getaffinity(0)),
+    mem_total_gib=None if mem_total is None else round(mem_total / 2**30, 1),
+    python=platform.python_version(),
+    jax=version("jax"),
+    jaxlib=version("jaxlib"),
+    numpy=version("numpy"),
+    git=git,
+    command=shlex.join([sys.executable] + argv),
+    xla_flags=os.environ.get("XLA_FLAGS"),
   )
 
 
 def _run_worker(case: dict, timeout_s: float, extra_env: dict) -> dict:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
+  )
   env.update(extra_env)
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-         json.dumps(case)]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--worker",
+    json.dumps(case),
+  ]
   t0 = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+    proc = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=timeout_s, env=env
+    )
   except subprocess.TimeoutExpired:
-    return dict(case=case, error=f"{case['role']}: timed out after"
-                f" {timeout_s:.0f} s")
+    return dict(
+      case=case, error=f"{case['role']}: timed out after {timeout_s:.0f} s"
+    )
   wall = time.perf_counter() - t0
   for line in proc.stdout.splitlines():
     if line.startswith(_RESULT_TAG):
-      res = json.loads(line[len(_RESULT_TAG):])
+      res = json.loads(line[len(_RESULT_TAG) :])
       res["subprocess_wall_s"] = wall
       return res
   tail = (proc.stderr or proc.stdout)[-2000:]
-  return dict(case=case, error=f"{case['role']} worker exit code"
-              f" {proc.returncode}: {tail}")
+  return dict(
+    case=case,
+    error=f"{case['role']} worker exit code {proc.returncode}: {tail}",
+  )
 
 
-def _run_case(case: dict, timeout_s: float, mmap_threshold: int | None
-              ) -> dict:
+def _run_case(case: dict, timeout_s: float, mmap_threshold: int | None) -> dict:
   """Two fresh subprocesses: memory (fixed mmap threshold), then timing."""
-  extra = {} if not mmap_threshold else {
-      "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
+  extra = (
+    {}
+    if not mmap_threshold
+    else {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
+  )
   mem = _run_worker(dict(case, role="memory"), timeout_s, extra)
   if "error" in mem or "skipped" in mem:
     return dict(mem, case=case, memory=mem, timing=None)
   tim = _run_worker(dict(case, role="time"), timeout_s, {})
-  merged = dict(case=case, memory=mem, timing=tim,
-                compiled=mem["compiled"], hwm_reset_ok=mem["hwm_reset_ok"],
-                hwm_note=mem["hwm_note"])
+  merged = dict(
+    case=case,
+    memory=mem,
+    timing=tim,
+    compiled=mem["compiled"],
+    hwm_reset_ok=mem["hwm_reset_ok"],
+    hwm_note=mem["hwm_note"],
+  )
   for key in ("peak_delta_first_kib", "peak_delta_max_kib"):
     merged[key] = mem[key]
   if "error" in tim:
@@ -208,76 +249,152 @@ def _run_case(case: dict, timeout_s: float, mmap_threshold: int | None
 
 def _parse_args(argv):
   p = argparse.ArgumentParser(
-      prog="benchmarks/cpu_memory.py",
-      description=(
-          "Measure time and peak memory of pallas_fa3's 'blockwise' (tiled,"
-          " linear memory) vs 'reference' (materialized [seq, seq] scores)"
-          " attention on the CPU, forward and forward+backward, each case in"
-          " a fresh subprocess. Prints markdown tables and writes JSON."),
-      epilog=(
-          "Memory: XLA's compiled temp bytes, and the measured peak RSS of"
-          " one execution (VmHWM after minus VmRSS before, with VmHWM reset"
-          " via /proc/self/clear_refs), in one fresh subprocess per case; time"
-          " in another: compile excluded, one warm-up, median/min/max of"
-          " --runs. See the module docstring for details."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--seqs", type=int, nargs="+", default=list(DEFAULT_SEQS),
-                 metavar="N", help="sequence lengths (seq_q = seq_kv)")
-  p.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS),
-                 choices=IMPLEMENTATIONS, help="implementations to compare")
-  p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
-                 help="fwd: forward only; fwdbwd: jax.grad of sum(out * ct)"
-                 " w.r.t. q, k, v")
-  p.add_argument("--dtype", default="float32",
-                 choices=("float32", "bfloat16", "float16"),
-                 help="dtype of q, k, v")
+    prog="benchmarks/cpu_memory.py",
+    description=(
+      "Measure time and peak memory of pallas_fa3's 'blockwise' (tiled,"
+      " linear memory) vs 'reference' (materialized [seq, seq] scores)"
+      " attention on the CPU, forward and forward+backward, each case in"
+      " a fresh subprocess. Prints markdown tables and writes JSON."
+    ),
+    epilog=(
+      "Memory: XLA's compiled temp bytes, and the measured peak RSS of"
+      " one execution (VmHWM after minus VmRSS before, with VmHWM reset"
+      " via /proc/self/clear_refs), in one fresh subprocess per case; time"
+      " in another: compile excluded, one warm-up, median/min/max of"
+      " --runs. See the module docstring for details."
+    ),
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--seqs",
+    type=int,
+    nargs="+",
+    default=list(DEFAULT_SEQS),
+    metavar="N",
+    help="sequence lengths (seq_q = seq_kv)",
+  )
+  p.add_argument(
+    "--impls",
+    nargs="+",
+    default=list(IMPLEMENTATIONS),
+    choices=IMPLEMENTATIONS,
+    help="implementations to compare",
+  )
+  p.add_argument(
+    "--passes",
+    nargs="+",
+    default=list(PASSES),
+    choices=PASSES,
+    help="fwd: forward only; fwdbwd: jax.grad of sum(out * ct) w.r.t. q, k, v",
+  )
+  p.add_argument(
+    "--dtype",
+    default="float32",
+    choices=("float32", "bfloat16", "float16"),
+    help="dtype of q, k, v",
+  )
   p.add_argument("--causal", action="store_true", help="causal attention")
   p.add_argument("--batch", type=int, default=1, help="batch size")
-  p.add_argument("--heads", type=int, default=1,
-                 help="attention heads (q and k/v: MHA)")
+  p.add_argument(
+    "--heads", type=int, default=1, help="attention heads (q and k/v: MHA)"
+  )
   p.add_argument("--head-dim", type=int, default=64, help="head dimension")
-  p.add_argument("--block", type=int, nargs=2, default=None,
-                 metavar=("BLOCK_Q", "BLOCK_KV"),
-                 help="blockwise tile size for the main comparison; None:"
-                 " the library default BlockwiseConfig()")
-  p.add_argument("--runs", type=int, default=5,
-                 help="timed executions per case (after one warm-up)")
-  p.add_argument("--input-sets", type=int, default=3,
-                 help="independent random input sets rotated between runs")
-  p.add_argument("--seed", type=int, default=0,
-                 help="seed of the random inputs (numpy default_rng)")
-  p.add_argument("--settle", type=float, default=0.2, metavar="SECONDS",
-                 help="pause (after gc) before each measured execution so that"
-                 " buffers freed by the previous one are returned")
-  p.add_argument("--no-malloc-trim", dest="malloc_trim", action="store_false",
-                 help="do not call glibc malloc_trim(0) before each measured"
-                 " execution (without it, heap pages freed during input"
-                 " creation and compilation stay resident and are silently"
-                 " reused, hiding small peaks)")
-  p.add_argument("--mmap-threshold", type=int, default=128 * 1024,
-                 metavar="BYTES",
-                 help="MALLOC_MMAP_THRESHOLD_ of the memory subprocess: a"
-                 " fixed glibc mmap threshold (this is glibc's initial"
-                 " value; setting it turns off the dynamic raise to 32 MiB)"
-                 " so that every buffer above it gets fresh pages and is"
-                 " unmapped on free; 0: leave the allocator alone")
-  p.add_argument("--mem-repeats", type=int, default=2,
-                 help="extra measured executions after the first, in the"
-                 " memory subprocess (their max is reported too)")
-  p.add_argument("--case-timeout", type=float, default=1800, metavar="SECONDS",
-                 help="kill a case's subprocess after this long")
-  p.add_argument("--block-sweep", action="store_true",
-                 help="also time blockwise fwd and fwd+bwd at --sweep-seq for"
-                 f" (block_q, block_kv) in {list(SWEEP_BLOCKS)}")
-  p.add_argument("--sweep-seq", type=int, default=4096,
-                 help="sequence length of the block-size sweep")
-  p.add_argument("--skip-main", action="store_true",
-                 help="skip the blockwise-vs-reference comparison (use with"
-                 " --block-sweep)")
-  p.add_argument("--strict", action="store_true",
-                 help="exit with status 1 if a check fails or a case errors")
-  p.add_argument("--out", default="bench_out/cpu_memory.json",
-                 help="JSON output path (relative to the current directory)")
+  p.add_argument(
+    "--block",
+    type=int,
+    nargs=2,
+    default=None,
+    metavar=("BLOCK_Q", "BLOCK_KV"),
+    help="blockwise tile size for the main comparison; None:"
+    " the library default BlockwiseConfig()",
+  )
+  p.add_argument(
+    "--runs",
+    type=int,
+    default=5,
+    help="timed executions per case (after one warm-up)",
+  )
+  p.add_argument(
+    "--input-sets",
+    type=int,
+    default=3,
+    help="independent random input sets rotated between runs",
+  )
+  p.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="seed of the random inputs (numpy default_rng)",
+  )
+  p.add_argument(
+    "--settle",
+    type=float,
+    default=0.2,
+    metavar="SECONDS",
+    help="pause (after gc) before each measured execution so that"
+    " buffers freed by the previous one are returned",
+  )
+  p.add_argument(
+    "--no-malloc-trim",
+    dest="malloc_trim",
+    action="store_false",
+    help="do not call glibc malloc_trim(0) before each measured"
+    " execution (without it, heap pages freed during input"
+    " creation and compilation stay resident and are silently"
+    " reused, hiding small peaks)",
+  )
+  p.add_argument(
+    "--mmap-threshold",
+    type=int,
+    default=128 * 1024,
+    metavar="BYTES",
+    help="MALLOC_MMAP_THRESHOLD_ of the memory subprocess: a"
+    " fixed glibc mmap threshold (this is glibc's initial"
+    " value; setting it turns off the dynamic raise to 32 MiB)"
+    " so that every buffer above it gets fresh pages and is"
+    " unmapped on free; 0: leave the allocator alone",
+  )
+  p.add_argument(
+    "--mem-repeats",
+    type=int,
+    default=2,
+    help="extra measured executions after the first, in the"
+    " memory subprocess (their max is reported too)",
+  )
+  p.add_argument(
+    "--case-timeout",
+    type=float,
+    default=1800,
+    metavar="SECONDS",
+    help="kill a case's subprocess after this long",
+  )
+  p.add_argument(
+    "--block-sweep",
+    action="store_true",
+    help="also time blockwise fwd and fwd+bwd at --sweep-seq for"
+    f" (block_q, block_kv) in {list(SWEEP_BLOCKS)}",
+  )
+  p.add_argument(
+    "--sweep-seq",
+    type=int,
+    default=4096,
+    help="sequence length of the block-size sweep",
+  )
+  p.add_argument(
+    "--skip-main",
+    action="store_true",
+    help="skip the blockwise-vs-reference comparison (use with --block-sweep)",
+  )
+  p.add_argument(
+    "--strict",
+    action="store_true",
+    help="exit with status 1 if a check fails or a case errors",
+  )
+  p.add_argument(
+    "--out",
+    default="bench_out/cpu_memory.json",
+    help="JSON output path (relative to the current directory)",
+  )
   p.add_argument("--worker", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -291,11 +408,20 @@ def main(argv=None) -> int:
     return 0
 
   env = _environment([os.path.relpath(__file__)] + argv)
-  base = dict(dtype=args.dtype, causal=args.causal, batch=args.batch,
-              heads=args.heads, head_dim=args.head_dim, runs=args.runs,
-              input_sets=args.input_sets, seed=args.seed,
-              settle_s=args.settle, block=args.block,
-              malloc_trim=args.malloc_trim, mem_repeats=args.mem_repeats)
+  base = dict(
+    dtype=args.dtype,
+    causal=args.causal,
+    batch=args.batch,
+    heads=args.heads,
+    head_dim=args.head_dim,
+    runs=args.runs,
+    input_sets=args.input_sets,
+    seed=args.seed,
+    settle_s=args.settle,
+    block=args.block,
+    malloc_trim=args.malloc_trim,
+    mem_repeats=args.mem_repeats,
+  )
   cases, sweep_cases = [], []
   if not args.skip_main:
     for pas in args.passes:
@@ -305,16 +431,28 @@ def main(argv=None) -> int:
   if args.block_sweep:
     for blk in SWEEP_BLOCKS:
       for pas in PASSES:
-        sweep_cases.append(dict(base, seq=args.sweep_seq, impl="blockwise",
-                                block=list(blk), **{"pass": pas}))
+        sweep_cases.append(
+          dict(
+            base,
+            seq=args.sweep_seq,
+            impl="blockwise",
+            block=list(blk),
+            **{"pass": pas},
+          )
+        )
 
   def run_all(todo, label):
     results = []
     for i, case in enumerate(todo, 1):
-      desc = (f"{case['impl']} {case['pass']} seq={case['seq']}"
-              + (f" block={tuple(case['block'])}" if case["block"] else ""))
-      print(f"[{label} {i}/{len(todo)}] {desc} ...", file=sys.stderr,
-            end="", flush=True)
+      desc = f"{case['impl']} {case['pass']} seq={case['seq']}" + (
+        f" block={tuple(case['block'])}" if case["block"] else ""
+      )
+      print(
+        f"[{label} {i}/{len(todo)}] {desc} ...",
+        file=sys.stderr,
+        end="",
+        flush=True,
+      )
       res = _run_case(case, args.case_timeout, args.mmap_threshold)
       print(" " + progress_note(res), file=sys.stderr, flush=True)
       results.append(res)
@@ -326,29 +464,42 @@ def main(argv=None) -> int:
   all_res = results + sweep
   hwm_notes = sorted({r.get("hwm_note") for r in all_res if r.get("hwm_note")})
   hwm_ok = all(r.get("hwm_reset_ok") is not False for r in all_res)
-  out = dict(environment=env, settings=dict(vars(args)),
-             hwm_reset_ok=hwm_ok, hwm_notes=hwm_notes, results=results,
-             sweep_results=sweep)
+  out = dict(
+    environment=env,
+    settings=dict(vars(args)),
+    hwm_reset_ok=hwm_ok,
+    hwm_notes=hwm_notes,
+    results=results,
+    sweep_results=sweep,
+  )
   out["settings"].pop("worker", None)
 
   print("# CPU memory/time: blockwise vs reference\n")
   print(f"- date: {env['date']}")
-  print(f"- machine: {env['platform']}; {env['cpu_model']};"
-        f" {env['cpu_count']} CPUs; {env['mem_total_gib']} GiB")
+  print(
+    f"- machine: {env['platform']}; {env['cpu_model']};"
+    f" {env['cpu_count']} CPUs; {env['mem_total_gib']} GiB"
+  )
   print(f"- jax {env['jax']} / jaxlib {env['jaxlib']}; python {env['python']}")
   print(f"- command: `{env['command']}`")
-  print(f"- shape: batch {args.batch}, heads {args.heads}, head_dim"
-        f" {args.head_dim}, dtype {args.dtype}, causal {args.causal}")
+  print(
+    f"- shape: batch {args.batch}, heads {args.heads}, head_dim"
+    f" {args.head_dim}, dtype {args.dtype}, causal {args.causal}"
+  )
   if not hwm_ok:
-    print("- NOTE: resetting VmHWM via /proc/self/clear_refs did NOT work here;"
-          " measured peaks are ru_maxrss deltas, which only show growth past"
-          " the process's earlier maximum (compile, input creation) and"
-          " understate small peaks.")
+    print(
+      "- NOTE: resetting VmHWM via /proc/self/clear_refs did NOT work here;"
+      " measured peaks are ru_maxrss deltas, which only show growth past"
+      " the process's earlier maximum (compile, input creation) and"
+      " understate small peaks."
+    )
   for n in hwm_notes:
-    print(f"- peak-RSS method: {n}; memory subprocess with"
-          f" MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'unset'},"
-          f" malloc_trim(0) {'on' if args.malloc_trim else 'off'};"
-          " timing in a separate subprocess")
+    print(
+      f"- peak-RSS method: {n}; memory subprocess with"
+      f" MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'unset'},"
+      f" malloc_trim(0) {'on' if args.malloc_trim else 'off'};"
+      " timing in a separate subprocess"
+    )
   print()
   failed = False
   if results:

@@ -19,9 +19,13 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MIB = 1024.0 * 1024.0
 
-_COMPILED_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes",
-                    "output_size_in_bytes", "alias_size_in_bytes",
-                    "generated_code_size_in_bytes")
+_COMPILED_FIELDS = (
+  "temp_size_in_bytes",
+  "argument_size_in_bytes",
+  "output_size_in_bytes",
+  "alias_size_in_bytes",
+  "generated_code_size_in_bytes",
+)
 
 
 # ---------------------------------------------------------------------------
@@ -48,6 +52,7 @@ def _hwm_reset_works() -> tuple[bool, str]:
   """Allocates and frees 64 MiB, resets VmHWM, and checks that it dropped."""
   try:
     import numpy as np
+
     buf = np.ones(64 * 1024 * 1024 // 8)  # touched: resident
     high = _proc_status_kib()["VmHWM"]
     del buf
@@ -60,16 +65,21 @@ def _hwm_reset_works() -> tuple[bool, str]:
     return False, "/proc/self/status has no VmHWM"
   dropped = high - after["VmHWM"]
   if dropped > 32 * 1024:
-    return True, (f"VmHWM reset verified: it dropped by {dropped / 1024:.0f}"
-                  " MiB after freeing a 64 MiB buffer")
-  return False, (f"VmHWM did not drop after reset (high {high} KiB, now"
-                 f" {after['VmHWM']} KiB)")
+    return True, (
+      f"VmHWM reset verified: it dropped by {dropped / 1024:.0f}"
+      " MiB after freeing a 64 MiB buffer"
+    )
+  return False, (
+    f"VmHWM did not drop after reset (high {high} KiB, now"
+    f" {after['VmHWM']} KiB)"
+  )
 
 
 def _malloc_trim():
   """glibc's `malloc_trim`, or None where it is unavailable."""
   try:
     import ctypes
+
     fn = ctypes.CDLL("libc.so.6").malloc_trim
   except (OSError, AttributeError):
     return None
@@ -101,6 +111,7 @@ def _function(case: dict):
   """(function to compile, number of its arguments) for the case."""
   import jax
   import jax.numpy as jnp
+
   import pallas_fa3
 
   impl = case["impl"]
@@ -109,8 +120,9 @@ def _function(case: dict):
     config = pallas_fa3.BlockwiseConfig(*case["block"])
 
   def forward(q, k, v):
-    return pallas_fa3.flash_attention(q, k, v, causal=case["causal"],
-                                      implementation=impl, config=config)
+    return pallas_fa3.flash_attention(
+      q, k, v, causal=case["causal"], implementation=impl, config=config
+    )
 
   def loss(q, k, v, ct):
     return jnp.sum(forward(q, k, v).astype(jnp.float32) * ct)
@@ -135,19 +147,26 @@ def _measure_time(case: dict, compiled, input_sets: list[tuple]) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t)
-  return dict(times_s=times, time_median_s=statistics.median(times),
-              time_min_s=min(times), time_max_s=max(times),
-              loadavg_after=os.getloadavg()[0])
+  return dict(
+    times_s=times,
+    time_median_s=statistics.median(times),
+    time_min_s=min(times),
+    time_max_s=max(times),
+    loadavg_after=os.getloadavg()[0],
+  )
 
 
-def _measure_memory(case: dict, compiled, input_sets: list[tuple],
-                    hwm_ok: bool) -> dict:
+def _measure_memory(
+  case: dict, compiled, input_sets: list[tuple], hwm_ok: bool
+) -> dict:
   """Peak RSS delta of the first execution and of `mem_repeats` more."""
   import jax
 
   trim = _malloc_trim() if case["malloc_trim"] else None
-  result = dict(malloc_trim=trim is not None,
-                malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
+  result = dict(
+    malloc_trim=trim is not None,
+    malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+  )
 
   def measured_call(args):
     """One execution: (peak delta KiB, rss before KiB, hwm after KiB, s)."""
@@ -173,13 +192,19 @@ def _measure_memory(case: dict, compiled, input_sets: list[tuple],
 
   # The first execution after compile is the primary figure.
   first_peak, first_rss, first_hwm, first_s = measured_call(input_sets[0])
-  peaks = [measured_call(input_sets[(i + 1) % len(input_sets)])[0]
-           for i in range(case["mem_repeats"])]
-  result.update(peak_delta_first_kib=first_peak,
-                rss_before_first_kib=first_rss, hwm_first_kib=first_hwm,
-                first_run_s=first_s, peak_delta_repeats_kib=peaks,
-                peak_delta_max_kib=max(peaks + [first_peak]),
-                loadavg_after=os.getloadavg()[0])
+  peaks = [
+    measured_call(input_sets[(i + 1) % len(input_sets)])[0]
+    for i in range(case["mem_repeats"])
+  ]
+  result.update(
+    peak_delta_first_kib=first_peak,
+    rss_before_first_kib=first_rss,
+    hwm_first_kib=first_hwm,
+    first_run_s=first_s,
+    peak_delta_repeats_kib=peaks,
+    peak_delta_max_kib=max(peaks + [first_peak]),
+    loadavg_after=os.getloadavg()[0],
+  )
   return result
 
 
@@ -207,8 +232,10 @@ def worker(case: dict) -> dict:
   rng = np.random.default_rng(case["seed"])
   input_sets = []
   for _ in range(case["input_sets"]):
-    qkv = [rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-           for _ in range(3)]
+    qkv = [
+      rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+      for _ in range(3)
+    ]
     ct = rng.standard_normal(shape, dtype=np.float32)  # cotangent of out
     input_sets.append(tuple(jnp.asarray(x) for x in qkv + [ct])[:n_args])
   jax.block_until_ready(input_sets)
@@ -217,19 +244,29 @@ def worker(case: dict) -> dict:
   compiled = jax.jit(fn).lower(*input_sets[0]).compile()
   compile_s = time.perf_counter() - t0
   ma = compiled.memory_analysis()
-  mem = {name: int(getattr(ma, name)) for name in _COMPILED_FIELDS
-         if ma is not None and hasattr(ma, name)}
+  mem = {
+    name: int(getattr(ma, name))
+    for name in _COMPILED_FIELDS
+    if ma is not None and hasattr(ma, name)
+  }
 
-  result = dict(case=case, compile_s=compile_s, compiled=mem,
-                hwm_reset_ok=hwm_ok, hwm_note=hwm_note,
-                loadavg_before=os.getloadavg()[0])
+  result = dict(
+    case=case,
+    compile_s=compile_s,
+    compiled=mem,
+    hwm_reset_ok=hwm_ok,
+    hwm_note=hwm_note,
+    loadavg_before=os.getloadavg()[0],
+  )
 
   # Refuse cases that cannot fit (the reference at very long sequences).
   avail = _mem_available_bytes()
   need = mem.get("temp_size_in_bytes", 0) + mem.get("output_size_in_bytes", 0)
   if avail is not None and need > 0.8 * avail:
-    result["skipped"] = (f"compiled temp+output {need / _MIB:.0f} MiB exceeds"
-                         f" 80% of MemAvailable {avail / _MIB:.0f} MiB")
+    result["skipped"] = (
+      f"compiled temp+output {need / _MIB:.0f} MiB exceeds"
+      f" 80% of MemAvailable {avail / _MIB:.0f} MiB"
+    )
     return result
 
   if case["role"] == "time":

@@ -37,14 +37,20 @@ import numpy as np
 import pallas_fa3
 from pallas_fa3 import backends
 from pallas_fa3.kernels.sm90 import config as sm90_config
-from pallas_fa3.testing import (Shape, golden_and_naive, max_abs_err,
-                                random_inputs, tolerance)
+from pallas_fa3.testing import (
+  Shape,
+  golden_and_naive,
+  max_abs_err,
+  random_inputs,
+  tolerance,
+)
 
 
 def _run(cmd: list[str]) -> str:
   try:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
-                          check=False).stdout.strip()
+    return subprocess.run(
+      cmd, capture_output=True, text=True, timeout=20, check=False
+    ).stdout.strip()
   except (OSError, subprocess.SubprocessError) as e:
     return f"unavailable: {e}"
 
@@ -53,9 +59,15 @@ def _ptxas_versions() -> dict:
   """Every ptxas this process could use: the CUDA pip packages' and PATH's."""
   found = {}
   import nvidia  # pylint: disable=g-import-not-at-top
-  candidates = [p for root in getattr(nvidia, "__path__", [])
-                for p in glob.glob(os.path.join(root, "*", "bin", "ptxas"))]
-  candidates += [shutil.which("ptxas") or ""] + glob.glob("/usr/local/cuda*/bin/ptxas")
+
+  candidates = [
+    p
+    for root in getattr(nvidia, "__path__", [])
+    for p in glob.glob(os.path.join(root, "*", "bin", "ptxas"))
+  ]
+  candidates += [shutil.which("ptxas") or ""] + glob.glob(
+    "/usr/local/cuda*/bin/ptxas"
+  )
   for path in filter(None, candidates):
     found[path] = _run([path, "--version"]).splitlines()[-1:]
   return found
@@ -63,23 +75,36 @@ def _ptxas_versions() -> dict:
 
 def versions() -> dict:
   import jaxlib  # pylint: disable=g-import-not-at-top
-  info = dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
-              python=platform.python_version(), backend=jax.default_backend(),
-              devices=[d.device_kind for d in jax.devices()],
-              hopper=backends.hopper_reason() or "yes")
+
+  info = dict(
+    jax=jax.__version__,
+    jaxlib=jaxlib.__version__,
+    python=platform.python_version(),
+    backend=jax.default_backend(),
+    devices=[d.device_kind for d in jax.devices()],
+    hopper=backends.hopper_reason() or "yes",
+  )
   try:
     from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    info.update(cuda_runtime=cuda_versions.cuda_runtime_get_version(),
-                cuda_driver=cuda_versions.cuda_driver_get_version(),
-                cudnn=cuda_versions.cudnn_get_version())
+
+    info.update(
+      cuda_runtime=cuda_versions.cuda_runtime_get_version(),
+      cuda_driver=cuda_versions.cuda_driver_get_version(),
+      cudnn=cuda_versions.cudnn_get_version(),
+    )
   except Exception as e:  # pylint: disable=broad-except
     info["cuda_versions"] = f"unavailable: {type(e).__name__}: {e}"
   try:
     info["ptxas"] = _ptxas_versions()
   except ImportError as e:
     info["ptxas"] = f"no nvidia packages: {e}"
-  info["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,driver_version,"
-                             "memory.total,clocks.max.sm", "--format=csv"])
+  info["nvidia_smi"] = _run(
+    [
+      "nvidia-smi",
+      "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+      "--format=csv",
+    ]
+  )
   return info
 
 
@@ -88,34 +113,47 @@ def _check(name, got, naive, golden) -> dict:
   return {f"{name}_err": err, f"{name}_bound": bound}
 
 
-def _kernel_item(head_dim: int, backward: bool, dtype=jnp.bfloat16,
-               causal=True, shape=None):
+def _kernel_item(
+  head_dim: int, backward: bool, dtype=jnp.bfloat16, causal=True, shape=None
+):
   shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
   f = lambda q, k, v: pallas_fa3.flash_attention(
-      q, k, v, causal=causal, return_lse=True, implementation="mosaic")
+    q, k, v, causal=causal, return_lse=True, implementation="mosaic"
+  )
   out, lse = jax.jit(f)(q, k, v)
-  result = {**_check("out", out, naive[0], golden[0]),
-            **_check("lse", lse, naive[1], golden[1])}
+  result = {
+    **_check("out", out, naive[0], golden[0]),
+    **_check("lse", lse, naive[1], golden[1]),
+  }
   if backward:
-    loss = lambda q, k, v: (f(q, k, v)[0].astype(jnp.float32)
-                            * dout.astype(jnp.float32)).sum()
+    loss = lambda q, k, v: (
+      f(q, k, v)[0].astype(jnp.float32) * dout.astype(jnp.float32)
+    ).sum()
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    for name, g, n, gold in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
+    for name, g, n, gold in zip(
+      ("dq", "dk", "dv"), grads, naive[2:], golden[2:]
+    ):
       result.update(_check(name, g, n, gold))
   return result
 
 
 def _fp8_item():
-  q, k, v, _ = random_inputs(jax.random.key(8), Shape(1, 256, 512, 4, 2, 128),
-                             jnp.bfloat16)
-  f = lambda impl: jax.jit(lambda q, k, v: pallas_fa3.flash_attention(
-      q, k, v, causal=True, fp8=True, implementation=impl))(q, k, v)
+  q, k, v, _ = random_inputs(
+    jax.random.key(8), Shape(1, 256, 512, 4, 2, 128), jnp.bfloat16
+  )
+  f = lambda impl: jax.jit(
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, causal=True, fp8=True, implementation=impl
+    )
+  )(q, k, v)
   got = np.asarray(f("mosaic"), np.float32)
   twin = np.asarray(f("blockwise"), np.float32)
-  return {"out_vs_twin_err": float(np.max(np.abs(got - twin))),
-          "out_vs_twin_bound": 0.05}
+  return {
+    "out_vs_twin_err": float(np.max(np.abs(got - twin))),
+    "out_vs_twin_bound": 0.05,
+  }
 
 
 def _smoke_items():
@@ -127,12 +165,19 @@ def _smoke_items():
 
 def _mgpu_causal_item(head_dim: int):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu  # pylint: disable=g-import-not-at-top
+
   shape = Shape(1, 1024, 1024, 2, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(3), shape, jnp.float16)
-  cfg = mgpu.TuningConfig(block_q=64, block_kv=64 if head_dim == 256 else 128,
-                          max_concurrent_steps=2, causal=True)
-  scale = head_dim ** -0.5
-  out = jax.jit(lambda q, k, v: mgpu.attention(q * jnp.float16(scale), k, v, cfg))(q, k, v)
+  cfg = mgpu.TuningConfig(
+    block_q=64,
+    block_kv=64 if head_dim == 256 else 128,
+    max_concurrent_steps=2,
+    causal=True,
+  )
+  scale = head_dim**-0.5
+  out = jax.jit(
+    lambda q, k, v: mgpu.attention(q * jnp.float16(scale), k, v, cfg)
+  )(q, k, v)
   golden, naive = golden_and_naive(q, k, v, dout, causal=True)
   return _check("out", out, naive[0], golden[0])
 
@@ -141,16 +186,23 @@ def _causal_items():
   for d in sm90_config.KERNEL_HEAD_DIMS:
     for dtype in (jnp.bfloat16, jnp.float16):
       for sq, skv in ((512, 512), (384, 640), (640, 384)):
-        yield (f"ours causal {jnp.dtype(dtype).name} d{d} q{sq} kv{skv}",
-               lambda d=d, dtype=dtype, sq=sq, skv=skv: _kernel_item(
-                   d, False, dtype, True, Shape(1, sq, skv, 2, 1, d)))
+        yield (
+          f"ours causal {jnp.dtype(dtype).name} d{d} q{sq} kv{skv}",
+          lambda d=d, dtype=dtype, sq=sq, skv=skv: _kernel_item(
+            d, False, dtype, True, Shape(1, sq, skv, 2, 1, d)
+          ),
+        )
   for d in (64, 128, 256):
-    yield f"attention_mgpu causal float16 d{d}", lambda d=d: _mgpu_causal_item(d)
+    yield (
+      f"attention_mgpu causal float16 d{d}",
+      lambda d=d: _mgpu_causal_item(d),
+    )
 
 
 def _passed(result: dict) -> bool:
-  return all(result[k] <= result[k[:-4] + "_bound"]
-             for k in result if k.endswith("_err"))
+  return all(
+    result[k] <= result[k[:-4] + "_bound"] for k in result if k.endswith("_err")
+  )
 
 
 def run_items(items, out: pathlib.Path) -> int:
@@ -163,19 +215,27 @@ def run_items(items, out: pathlib.Path) -> int:
     else:
       try:
         result = fn()
-        record = dict(item=name, status="ok" if _passed(result) else "FAIL",
-                      **result)
+        record = dict(
+          item=name, status="ok" if _passed(result) else "FAIL", **result
+        )
       except Exception as e:  # pylint: disable=broad-except
-        record = dict(item=name, status="error",
-                      error=f"{type(e).__name__}: {e}"[:600],
-                      traceback=traceback.format_exc()[-2000:])
+        record = dict(
+          item=name,
+          status="error",
+          error=f"{type(e).__name__}: {e}"[:600],
+          traceback=traceback.format_exc()[-2000:],
+        )
     record["seconds"] = round(time.time() - start, 2)
     failures += record["status"] in ("FAIL", "error")
     records.append(record)
     out.write_text(json.dumps(records, indent=1, default=str))
-    print(f"{record['status']:7} {record['seconds']:6.1f}s  {name}  " + " ".join(
-        f"{k}={v:.3g}" for k, v in record.items() if k.endswith("_err")),
-        flush=True)
+    print(
+      f"{record['status']:7} {record['seconds']:6.1f}s  {name}  "
+      + " ".join(
+        f"{k}={v:.3g}" for k, v in record.items() if k.endswith("_err")
+      ),
+      flush=True,
+    )
   return 1 if failures else 0
 
 

@@ -30,24 +30,28 @@ import jax
 import jax.numpy as jnp
 
 import pallas_fa3
-from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3 import fp8
 from pallas_fa3.bench import flops, timing
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.numerics import fp8_methods, metrics
 
 
 def _rmse_check() -> dict:
   q, k, v, golden, key = fp8_methods.draw(jax.random.key(0), 1, 4096, 2, 128)
-  gpu = fp8_methods.run_method("ours FP8", q, k, v, key,
-                               implementation="mosaic")
+  gpu = fp8_methods.run_method(
+    "ours FP8", q, k, v, key, implementation="mosaic"
+  )
   cpu_dev = jax.devices("cpu")[0]
   with jax.default_device(cpu_dev):
     qc, kc, vc = (jax.device_put(x, cpu_dev) for x in (q, k, v))
-    twin = fp8_methods.run_method("ours FP8", qc, kc, vc, key,
-                                  implementation="blockwise")
-  return dict(rmse_gpu=metrics.rmse(gpu, golden),
-              rmse_twin=metrics.rmse(twin, golden),
-              rmse_gpu_vs_twin=metrics.rmse(gpu, twin))
+    twin = fp8_methods.run_method(
+      "ours FP8", qc, kc, vc, key, implementation="blockwise"
+    )
+  return dict(
+    rmse_gpu=metrics.rmse(gpu, golden),
+    rmse_twin=metrics.rmse(twin, golden),
+    rmse_gpu_vs_twin=metrics.rmse(gpu, twin),
+  )
 
 
 def _timings(args, on_row) -> list[dict]:
@@ -64,23 +68,52 @@ def _timings(args, on_row) -> list[dict]:
     sets = []
     for i in range(2):
       keys = jax.random.split(jax.random.key(i), 3)
-      sets.append(tuple(jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys))
+      sets.append(
+        tuple(jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
+      )
     cfg = sm90_fp8_config.default_fp8_forward_config(d)
-    quant = jax.jit(lambda q, k, v: fp8.quantize(
-        q, k, v, block_q=cfg.block_q, block_kv=cfg.block_kv))
+    quant = jax.jit(
+      lambda q, k, v: fp8.quantize(
+        q, k, v, block_q=cfg.block_q, block_kv=cfg.block_kv
+      )
+    )
     qsets = [jax.block_until_ready(quant(*s)) for s in sets]
     fns = {
-        "quantize": (quant, sets),
-        "fp8 kernel": (jax.jit(lambda *x: fp8.flash_attention_fp8(
-            *x, causal=causal, implementation="mosaic", config=cfg)), qsets),
-        "fp8 total": (jax.jit(lambda q, k, v: pallas_fa3.flash_attention(
-            q, k, v, causal=causal, fp8=True, implementation="mosaic")), sets),
-        "bf16 kernel": (jax.jit(lambda q, k, v: pallas_fa3.flash_attention(
-            q, k, v, causal=causal, implementation="mosaic")), sets),
+      "quantize": (quant, sets),
+      "fp8 kernel": (
+        jax.jit(
+          lambda *x: fp8.flash_attention_fp8(
+            *x, causal=causal, implementation="mosaic", config=cfg
+          )
+        ),
+        qsets,
+      ),
+      "fp8 total": (
+        jax.jit(
+          lambda q, k, v: pallas_fa3.flash_attention(
+            q, k, v, causal=causal, fp8=True, implementation="mosaic"
+          )
+        ),
+        sets,
+      ),
+      "bf16 kernel": (
+        jax.jit(
+          lambda q, k, v: pallas_fa3.flash_attention(
+            q, k, v, causal=causal, implementation="mosaic"
+          )
+        ),
+        sets,
+      ),
     }
-    bench_spec = types.SimpleNamespace(batch=1, seq_q=16384, seq_kv=16384,
-                                       heads_q=heads, head_dim=d,
-                                       causal=causal, mode="fwd")
+    bench_spec = types.SimpleNamespace(
+      batch=1,
+      seq_q=16384,
+      seq_kv=16384,
+      heads_q=heads,
+      head_dim=d,
+      causal=causal,
+      mode="fwd",
+    )
     work = flops.attention_flops(bench_spec)
     row = dict(head_dim=d, causal=causal, heads=heads, config=str(cfg))
     for name, (fn, arg_sets) in fns.items():
@@ -98,11 +131,19 @@ def _timings(args, on_row) -> list[dict]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("device_out/fp8"))
+  parser.add_argument(
+    "--out", type=pathlib.Path, default=pathlib.Path("device_out/fp8")
+  )
   parser.add_argument("--runs", type=int, default=10)
   parser.add_argument("--time-budget", type=float, default=60.0)
-  parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256],
-                      choices=[128, 256], help="head dims to time")
+  parser.add_argument(
+    "--head-dim",
+    type=int,
+    nargs="+",
+    default=[128, 256],
+    choices=[128, 256],
+    help="head dims to time",
+  )
   args = parser.parse_args(argv)
   args.out.mkdir(parents=True, exist_ok=True)
   result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
@@ -111,7 +152,9 @@ def main(argv=None) -> int:
   except Exception as e:  # pylint: disable=broad-except
     result["rmse"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
   print("RMSE (Table 3, ours FP8, 1x4096x2x128):", result["rmse"], flush=True)
-  write = lambda: (args.out / "fp8.json").write_text(json.dumps(result, indent=1))
+  write = lambda: (args.out / "fp8.json").write_text(
+    json.dumps(result, indent=1)
+  )
   write()  # each finished row is on disk before the next starts
 
   def on_row(rows):
@@ -120,13 +163,18 @@ def main(argv=None) -> int:
 
   result["timings"] = _timings(args, on_row)
   write()
-  cols = ("quantize ms", "fp8 kernel TFLOPs/s", "fp8 total TFLOPs/s",
-          "bf16 kernel TFLOPs/s")
+  cols = (
+    "quantize ms",
+    "fp8 kernel TFLOPs/s",
+    "fp8 total TFLOPs/s",
+    "bf16 kernel TFLOPs/s",
+  )
   print("| d | causal | " + " | ".join(cols) + " |")
   print("|---|---|" + "---:|" * len(cols))
   for r in result["timings"]:
-    cells = [r.get(c, r.get(c.rsplit(" ", 1)[0], r.get("skipped", "-")))
-             for c in cols]
+    cells = [
+      r.get(c, r.get(c.rsplit(" ", 1)[0], r.get("skipped", "-"))) for c in cols
+    ]
     cells = [f"{c:.1f}" if isinstance(c, float) else str(c)[:60] for c in cells]
     print(f"| {r['head_dim']} | {r['causal']} | " + " | ".join(cells) + " |")
   return 0

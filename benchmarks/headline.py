@@ -40,17 +40,32 @@ def bench_rows(result: dict | None, label: str) -> list[str]:
     return [f"| {label} | (missing: the step did not finish) |"]
   cases: dict[tuple, dict] = {}
   for rec in result.get("records", []):
-    key = (rec["mode"], rec["dtype"], rec["head_dim"], rec["causal"], rec["seq_q"])
+    key = (
+      rec["mode"],
+      rec["dtype"],
+      rec["head_dim"],
+      rec["causal"],
+      rec["seq_q"],
+    )
     cases.setdefault(key, {})[rec["impl"]] = rec
   rows = []
   for (mode, dtype, d, causal, seq), by_impl in sorted(cases.items()):
     ours = by_impl.get("mosaic", {}).get("tflops")
-    best = max((by_impl[b]["tflops"] for b in BASELINES
-                if by_impl.get(b, {}).get("tflops")), default=None)
+    best = max(
+      (
+        by_impl[b]["tflops"]
+        for b in BASELINES
+        if by_impl.get(b, {}).get("tflops")
+      ),
+      default=None,
+    )
     ratio = f"{ours / best:.2f}" if ours and best else "-"
-    rows.append(f"| {mode} {dtype} d{d} {'causal' if causal else 'full'}"
-                f" s{seq} | " + " | ".join(_cell(by_impl.get(i)) for i in IMPLS)
-                + f" | {ratio} |")
+    rows.append(
+      f"| {mode} {dtype} d{d} {'causal' if causal else 'full'}"
+      f" s{seq} | "
+      + " | ".join(_cell(by_impl.get(i)) for i in IMPLS)
+      + f" | {ratio} |"
+    )
   return rows
 
 
@@ -62,20 +77,28 @@ def fp8_rows(result: dict | None) -> list[str]:
     total = r.get("fp8 total TFLOPs/s")
     kernel = r.get("fp8 kernel TFLOPs/s")
     fmt = lambda x: f"{x:.0f}" if isinstance(x, float) else "-"
-    rows.append(f"| fwd fp8 d{r['head_dim']} {'causal' if r['causal'] else 'full'}"
-                f" s16384 | {fmt(total)} (kernel {fmt(kernel)}) | - | - | - | - |"
-                f" - |")
+    rows.append(
+      f"| fwd fp8 d{r['head_dim']} {'causal' if r['causal'] else 'full'}"
+      f" s16384 | {fmt(total)} (kernel {fmt(kernel)}) | - | - | - | - |"
+      f" - |"
+    )
   return rows
 
 
 def main(argv=None) -> int:
   out = pathlib.Path((argv or sys.argv[1:])[0])
-  lines = ["| case (16k tokens) | " + " | ".join(IMPLS) + " | ours / best baseline |",
-           "|---|" + "---:|" * (len(IMPLS) + 1)]
+  lines = [
+    "| case (16k tokens) | " + " | ".join(IMPLS) + " | ours / best baseline |",
+    "|---|" + "---:|" * (len(IMPLS) + 1),
+  ]
   lines += bench_rows(_load(out / "bench_fwd" / "results.json"), "fwd")
   lines += bench_rows(_load(out / "bench_bwd" / "results.json"), "bwd")
   lines += fp8_rows(_load(out / "fp8" / "fp8.json"))
-  text = "TFLOPs/s (median; attention_mgpu on float16 copies)\n\n" + "\n".join(lines) + "\n"
+  text = (
+    "TFLOPs/s (median; attention_mgpu on float16 copies)\n\n"
+    + "\n".join(lines)
+    + "\n"
+  )
   (out / "headline.md").write_text(text)
   print(text)
   return 0

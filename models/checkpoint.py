@@ -40,8 +40,9 @@ _MAX_TO_KEEP = 2  # the latest checkpoint plus one in case the last save breaks
 class Checkpointer:
   """Saves and restores `(state, meta)` pairs under one folder, by step."""
 
-  def __init__(self, directory: str | pathlib.Path, *,
-               max_to_keep: int = _MAX_TO_KEEP) -> None:
+  def __init__(
+    self, directory: str | pathlib.Path, *, max_to_keep: int = _MAX_TO_KEEP
+  ) -> None:
     """Opens (creating if needed) a checkpoint folder.
 
     Args:
@@ -50,7 +51,8 @@ class Checkpointer:
     """
     self.directory = pathlib.Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True)
+      max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -59,9 +61,13 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Writes the checkpoint of `step` (blocking until it is on disk)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                       force=True)
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+      ),
+      force=True,
+    )
     self._manager.wait_until_finished()
 
   def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
@@ -76,17 +82,24 @@ class Checkpointer:
       `(state, meta)`, state with `target`'s tree structure.
     """
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=getattr(x, "sharding", None)),
-        target)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+      ),
+      target,
+    )
+    restored = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+      ),
+    )
     return restored["state"], restored["meta"]
 
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON item of the checkpoint of `step` (no arrays are read)."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+    )
     return restored["meta"]
 
   def restore_latest(self, target: Any) -> tuple[Any, dict[str, Any]]:

@@ -66,9 +66,14 @@ class ByteCorpus:
 
   def describe(self) -> dict[str, object]:
     """Sizes and identity, JSON-ready."""
-    return {"root": self.root, "train_bytes": int(self.train.size),
-            "val_bytes": int(self.val.size), "train_files": self.train_files,
-            "val_files": self.val_files, "fingerprint": self.fingerprint}
+    return {
+      "root": self.root,
+      "train_bytes": int(self.train.size),
+      "val_bytes": int(self.val.size),
+      "train_files": self.train_files,
+      "val_files": self.val_files,
+      "fingerprint": self.fingerprint,
+    }
 
 
 def stdlib_root() -> pathlib.Path:
@@ -76,8 +81,9 @@ def stdlib_root() -> pathlib.Path:
   return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(root: pathlib.Path | None = None, *,
-                 include_tests: bool = False) -> list[pathlib.Path]:
+def stdlib_files(
+  root: pathlib.Path | None = None, *, include_tests: bool = False
+) -> list[pathlib.Path]:
   """The stdlib's `*.py` files, sorted by path relative to `root`.
 
   Args:
@@ -104,10 +110,13 @@ def is_validation_file(rel_path: pathlib.Path, val_fraction: float) -> bool:
   return h < val_fraction * _HASH_RANGE
 
 
-def load_stdlib_corpus(*, max_bytes: int | None = None,
-                       val_fraction: float = 0.05,
-                       include_tests: bool = False,
-                       root: pathlib.Path | None = None) -> ByteCorpus:
+def load_stdlib_corpus(
+  *,
+  max_bytes: int | None = None,
+  val_fraction: float = 0.05,
+  include_tests: bool = False,
+  root: pathlib.Path | None = None,
+) -> ByteCorpus:
   """Reads the stdlib sources into a train/validation byte corpus.
 
   Args:
@@ -145,20 +154,27 @@ def load_stdlib_corpus(*, max_bytes: int | None = None,
       continue
     text = (root / rel).read_bytes()
     if cap is not None:
-      text = text[:cap - sizes[split]]
+      text = text[: cap - sizes[split]]
     chunks[split].append(text)
     sizes[split] += len(text)
     counts[split] += 1
   train = np.frombuffer(b"".join(chunks[False]), np.uint8)
   val = np.frombuffer(b"".join(chunks[True]), np.uint8)
   if train.size == 0 or val.size == 0:
-    raise ValueError(f"no .py files found for a split under {root}"
-                     f" (train {train.size} bytes, val {val.size} bytes)")
+    raise ValueError(
+      f"no .py files found for a split under {root}"
+      f" (train {train.size} bytes, val {val.size} bytes)"
+    )
   digest = hashlib.sha256(train.tobytes())
   digest.update(val.tobytes())
-  return ByteCorpus(train=train, val=val, train_files=counts[False],
-                    val_files=counts[True], root=str(root),
-                    fingerprint=digest.hexdigest()[:16])
+  return ByteCorpus(
+    train=train,
+    val=val,
+    train_files=counts[False],
+    val_files=counts[True],
+    root=str(root),
+    fingerprint=digest.hexdigest()[:16],
+  )
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
@@ -169,12 +185,20 @@ def _windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
 
 def _check_fits(data: np.ndarray, seq_len: int, split: str) -> None:
   if data.size < seq_len + 1:
-    raise ValueError(f"the {split} split has {data.size} bytes, fewer than"
-                     f" seq_len + 1 = {seq_len + 1}")
+    raise ValueError(
+      f"the {split} split has {data.size} bytes, fewer than"
+      f" seq_len + 1 = {seq_len + 1}"
+    )
 
 
-def train_batch(corpus: ByteCorpus, *, step: int, data_seed: int,
-                batch_size: int, seq_len: int) -> np.ndarray:
+def train_batch(
+  corpus: ByteCorpus,
+  *,
+  step: int,
+  data_seed: int,
+  batch_size: int,
+  seq_len: int,
+) -> np.ndarray:
   """The training batch of `step`: int32 `[batch_size, seq_len + 1]` bytes.
 
   Inputs are `batch[:, :-1]`, next-byte targets `batch[:, 1:]`. The result
@@ -186,8 +210,9 @@ def train_batch(corpus: ByteCorpus, *, step: int, data_seed: int,
   return _windows(corpus.train, starts, seq_len + 1)
 
 
-def val_batches(corpus: ByteCorpus, *, num_batches: int, batch_size: int,
-                seq_len: int) -> np.ndarray:
+def val_batches(
+  corpus: ByteCorpus, *, num_batches: int, batch_size: int, seq_len: int
+) -> np.ndarray:
   """Fixed validation windows: int32 `[num_batches, batch_size, seq_len + 1]`.
 
   The `num_batches * batch_size` windows start at evenly spaced offsets over
@@ -198,4 +223,5 @@ def val_batches(corpus: ByteCorpus, *, num_batches: int, batch_size: int,
   count = num_batches * batch_size
   starts = np.linspace(0, corpus.val.size - seq_len - 1, count).astype(np.int64)
   return _windows(corpus.val, starts, seq_len + 1).reshape(
-      num_batches, batch_size, seq_len + 1)
+    num_batches, batch_size, seq_len + 1
+  )

@@ -50,15 +50,19 @@ _MAX_HEAD_DIM = 256  # the largest head dim flash_attention accepts
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"GPTConfig.{name} must be an int; got {value!r} of type"
-                    f" {type(value).__name__}")
+    raise TypeError(
+      f"GPTConfig.{name} must be an int; got {value!r} of type"
+      f" {type(value).__name__}"
+    )
   if value < minimum:
     raise ValueError(f"GPTConfig.{name} must be >= {minimum}; got {value}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   if value not in choices:
-    raise ValueError(f"GPTConfig.{name} must be one of {choices}; got {value!r}")
+    raise ValueError(
+      f"GPTConfig.{name} must be one of {choices}; got {value!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,34 +106,52 @@ class GPTConfig:
   attention_implementation: str | None = None
 
   def __post_init__(self) -> None:
-    for name in ("vocab_size", "num_layers", "d_model", "num_heads",
-                 "mlp_ratio", "max_seq_len"):
+    for name in (
+      "vocab_size",
+      "num_layers",
+      "d_model",
+      "num_heads",
+      "mlp_ratio",
+      "max_seq_len",
+    ):
       _check_int(name, getattr(self, name))
     if self.num_kv_heads is not None:
       _check_int("num_kv_heads", self.num_kv_heads)
     if self.d_model % self.num_heads:
-      raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be a multiple"
-                       f" of num_heads ({self.num_heads})")
+      raise ValueError(
+        f"GPTConfig.d_model ({self.d_model}) must be a multiple"
+        f" of num_heads ({self.num_heads})"
+      )
     if self.num_heads % self.kv_heads:
-      raise ValueError(f"GPTConfig.num_heads ({self.num_heads}) must be a"
-                       f" multiple of num_kv_heads ({self.kv_heads})")
+      raise ValueError(
+        f"GPTConfig.num_heads ({self.num_heads}) must be a"
+        f" multiple of num_kv_heads ({self.kv_heads})"
+      )
     if self.head_dim > _MAX_HEAD_DIM:
-      raise ValueError(f"GPTConfig head dim d_model / num_heads = {self.head_dim}"
-                       f" exceeds {_MAX_HEAD_DIM}")
+      raise ValueError(
+        f"GPTConfig head dim d_model / num_heads = {self.head_dim}"
+        f" exceeds {_MAX_HEAD_DIM}"
+      )
     _check_choice("position", self.position, get_args(Position))
     if self.position == "rope" and self.head_dim % 2:
-      raise ValueError(f"GPTConfig.position='rope' needs an even head dim;"
-                       f" got d_model / num_heads = {self.head_dim}")
+      raise ValueError(
+        f"GPTConfig.position='rope' needs an even head dim;"
+        f" got d_model / num_heads = {self.head_dim}"
+      )
     if not (isinstance(self.rope_base, numbers.Real) and self.rope_base > 1):
-      raise ValueError(f"GPTConfig.rope_base must be a number > 1; got"
-                       f" {self.rope_base!r}")
+      raise ValueError(
+        f"GPTConfig.rope_base must be a number > 1; got {self.rope_base!r}"
+      )
     _check_choice("norm", self.norm, get_args(Norm))
     _check_choice("tie_embeddings", self.tie_embeddings, (True, False))
     _check_choice("use_bias", self.use_bias, (True, False))
     _check_choice("dtype", self.dtype, get_args(ComputeDtype))
     _check_choice("param_dtype", self.param_dtype, get_args(ParamDtype))
-    _check_choice("attention_implementation", self.attention_implementation,
-                  (None,) + IMPLEMENTATIONS)
+    _check_choice(
+      "attention_implementation",
+      self.attention_implementation,
+      (None,) + IMPLEMENTATIONS,
+    )
 
   @property
   def kv_heads(self) -> int:
@@ -161,8 +183,9 @@ def _residual_std(cfg: GPTConfig) -> float:
 
 
 def _make_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
-  kw = dict(epsilon=_NORM_EPS, dtype=_dtype(cfg), param_dtype=_pdtype(cfg),
-            rngs=rngs)
+  kw = dict(
+    epsilon=_NORM_EPS, dtype=_dtype(cfg), param_dtype=_pdtype(cfg), rngs=rngs
+  )
   if cfg.norm == "layernorm":
     return nnx.LayerNorm(cfg.d_model, use_bias=cfg.use_bias, **kw)
   return nnx.RMSNorm(cfg.d_model, **kw)
@@ -173,12 +196,18 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     hidden = cfg.mlp_ratio * cfg.d_model
-    kw = dict(use_bias=cfg.use_bias, dtype=_dtype(cfg),
-              param_dtype=_pdtype(cfg), rngs=rngs)
-    self.fc_in = nnx.Linear(cfg.d_model, hidden, kernel_init=_normal(_INIT_STD),
-                            **kw)
-    self.fc_out = nnx.Linear(hidden, cfg.d_model,
-                             kernel_init=_normal(_residual_std(cfg)), **kw)
+    kw = dict(
+      use_bias=cfg.use_bias,
+      dtype=_dtype(cfg),
+      param_dtype=_pdtype(cfg),
+      rngs=rngs,
+    )
+    self.fc_in = nnx.Linear(
+      cfg.d_model, hidden, kernel_init=_normal(_INIT_STD), **kw
+    )
+    self.fc_out = nnx.Linear(
+      hidden, cfg.d_model, kernel_init=_normal(_residual_std(cfg)), **kw
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.fc_out(jax.nn.gelu(self.fc_in(x)))
@@ -190,12 +219,20 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     self.norm_attn = _make_norm(cfg, rngs)
     self.attn = FlashMultiHeadAttention(
-        cfg.num_heads, cfg.d_model, num_kv_heads=cfg.kv_heads, causal=True,
-        rope=cfg.position == "rope", rope_base=cfg.rope_base, dtype=_dtype(cfg),
-        param_dtype=_pdtype(cfg), use_bias=cfg.use_bias,
-        implementation=cfg.attention_implementation,
-        kernel_init=_normal(_INIT_STD),
-        out_kernel_init=_normal(_residual_std(cfg)), rngs=rngs)
+      cfg.num_heads,
+      cfg.d_model,
+      num_kv_heads=cfg.kv_heads,
+      causal=True,
+      rope=cfg.position == "rope",
+      rope_base=cfg.rope_base,
+      dtype=_dtype(cfg),
+      param_dtype=_pdtype(cfg),
+      use_bias=cfg.use_bias,
+      implementation=cfg.attention_implementation,
+      kernel_init=_normal(_INIT_STD),
+      out_kernel_init=_normal(_residual_std(cfg)),
+      rngs=rngs,
+    )
     self.norm_mlp = _make_norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
@@ -210,19 +247,30 @@ class GPT(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
     self.cfg = cfg
     self.embed = nnx.Param(
-        _normal(_INIT_STD)(rngs.params(), (cfg.vocab_size, cfg.d_model),
-                           _pdtype(cfg)))
+      _normal(_INIT_STD)(
+        rngs.params(), (cfg.vocab_size, cfg.d_model), _pdtype(cfg)
+      )
+    )
     if cfg.position == "learned":
       self.pos_embed = nnx.Param(
-          _normal(_INIT_STD)(rngs.params(), (cfg.max_seq_len, cfg.d_model),
-                             _pdtype(cfg)))
-    self.blocks = nnx.List([Block(cfg, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+        _normal(_INIT_STD)(
+          rngs.params(), (cfg.max_seq_len, cfg.d_model), _pdtype(cfg)
+        )
+      )
+    self.blocks = nnx.List(
+      [Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+    )
     self.norm_out = _make_norm(cfg, rngs)
     if not cfg.tie_embeddings:
-      self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
-                                dtype=_dtype(cfg), param_dtype=_pdtype(cfg),
-                                kernel_init=_normal(_INIT_STD), rngs=rngs)
+      self.unembed = nnx.Linear(
+        cfg.d_model,
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=_dtype(cfg),
+        param_dtype=_pdtype(cfg),
+        kernel_init=_normal(_INIT_STD),
+        rngs=rngs,
+      )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Next-token logits.
@@ -238,15 +286,17 @@ class GPT(nnx.Module):
     dtype = _dtype(cfg)
     seq = tokens.shape[1]
     if seq > cfg.max_seq_len:
-      raise ValueError(f"tokens has seq {seq} > GPTConfig.max_seq_len"
-                       f" {cfg.max_seq_len}")
+      raise ValueError(
+        f"tokens has seq {seq} > GPTConfig.max_seq_len {cfg.max_seq_len}"
+      )
     table = self.embed[...].astype(dtype)
     # A one-hot matmul instead of a gather: for a 256-token vocabulary it is
     # cheap, and its gradient is a matmul rather than a scatter-add, which is
     # not deterministic on GPUs (bitwise-reproducible training).
     one_hot = jax.nn.one_hot(tokens, cfg.vocab_size, dtype=dtype)
-    x = jnp.einsum("bsv,vd->bsd", one_hot, table,
-                   precision=jax.lax.Precision.HIGHEST)
+    x = jnp.einsum(
+      "bsv,vd->bsd", one_hot, table, precision=jax.lax.Precision.HIGHEST
+    )
     if cfg.position == "learned":
       x = x + self.pos_embed[:seq].astype(dtype)
     for block in self.blocks:

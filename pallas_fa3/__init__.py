@@ -17,17 +17,21 @@ Public API (everything else is private or lives in a submodule):
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
+from pallas_fa3.backends import (
+  IMPLEMENTATIONS as IMPLEMENTATIONS,
+  Implementation as Implementation,
+)
 from pallas_fa3.backends.blockwise import BlockwiseConfig as BlockwiseConfig
-from pallas_fa3.backends import IMPLEMENTATIONS as IMPLEMENTATIONS
-from pallas_fa3.backends import Implementation as Implementation
-from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig as Sm90BackwardConfig
-from pallas_fa3.kernels.sm90.config import Sm90Config as Sm90Config
-from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig as Sm90ForwardConfig
 from pallas_fa3.fp8 import FP8Config as FP8Config
+from pallas_fa3.kernels.sm90.config import (
+  Sm90BackwardConfig as Sm90BackwardConfig,
+  Sm90Config as Sm90Config,
+  Sm90ForwardConfig as Sm90ForwardConfig,
+)
+from pallas_fa3.parallel.ring import ring_attention as ring_attention
+from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.stable_max import StableMax as StableMax
-from pallas_fa3.parallel.ring import ring_attention as ring_attention
-from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order
 
 __version__ = "0.1.0"

@@ -19,14 +19,20 @@ from pallas_fa3.stable_max import StableMax, check_stable_max
 _attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                    causal: bool = False, softmax_scale: float | None = None,
-                    return_lse: bool = False,
-                    implementation: str | None = None, config: Any = None,
-                    deterministic: bool = False,
-                    stable_max: bool | StableMax | None = None,
-                    fp8: bool | FP8Config = False
-                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  return_lse: bool = False,
+  implementation: str | None = None,
+  config: Any = None,
+  deterministic: bool = False,
+  stable_max: bool | StableMax | None = None,
+  fp8: bool | FP8Config = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
   `out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]`
@@ -92,17 +98,30 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   """
   check_arrays(q=q, k=k, v=v)
   check_bool("deterministic", deterministic)  # every path is deterministic
-  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                   fp8=check_fp8(fp8), stable_max=check_stable_max(stable_max))
+  spec = make_spec(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    fp8=check_fp8(fp8),
+    stable_max=check_stable_max(stable_max),
+  )
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
-    raise ValueError(f"fp8 needs v's head_dim equal to q's; got q.shape="
-                     f"{tuple(q.shape)}, v.shape={tuple(v.shape)}")
+    raise ValueError(
+      f"fp8 needs v's head_dim equal to q's; got q.shape="
+      f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
+    )
   return_lse = check_bool("return_lse", return_lse)
   partitioning.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)
-  out, lse = _attention_jit(vjp.StaticCall(spec, backend, config),
-                            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  out, lse = _attention_jit(
+    vjp.StaticCall(spec, backend, config),
+    jnp.asarray(q),
+    jnp.asarray(k),
+    jnp.asarray(v),
+  )
   return (out, lse) if return_lse else out
 
 

@@ -31,10 +31,11 @@ def require_models(command: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(root, "models", "__init__.py")):
       raise ImportError(
-          f"{command} needs a source checkout of pallas-fa3 with its"
-          " models/ folder (the training example is not installed): clone"
-          " the repository and run `pip install -e '.[train]'` in it; found"
-          f" no models/ next to {os.path.join(root, 'pallas_fa3')}") from None
+        f"{command} needs a source checkout of pallas-fa3 with its"
+        " models/ folder (the training example is not installed): clone"
+        " the repository and run `pip install -e '.[train]'` in it; found"
+        f" no models/ next to {os.path.join(root, 'pallas_fa3')}"
+      ) from None
     sys.path.insert(0, root)
   try:
     importlib.import_module("models.train")  # imports optax and orbax
@@ -42,11 +43,13 @@ def require_models(command: str) -> None:
     top = (e.name or "").partition(".")[0]
     if top in ("optax", "orbax"):
       raise ImportError(
-          f"{command} needs {top} (the train extra): pip install"
-          " 'pallas-fa3[train]' (in a checkout: pip install -e"
-          " '.[train]')") from e
+        f"{command} needs {top} (the train extra): pip install"
+        " 'pallas-fa3[train]' (in a checkout: pip install -e"
+        " '.[train]')"
+      ) from e
     if top == "models":  # another project's `models` came first on sys.path
       raise ImportError(
-          f"{command} needs the models/ folder of a pallas-fa3"
-          f" checkout; the `models` found has no {e.name}") from e
+        f"{command} needs the models/ folder of a pallas-fa3"
+        f" checkout; the `models` found has no {e.name}"
+      ) from e
     raise

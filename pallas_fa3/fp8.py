@@ -75,17 +75,19 @@ _OUT_DTYPES = tuple(jnp.dtype(d) for d in ("bfloat16", "float16", "float32"))
 def _normalize_key(value: Any) -> tuple:
   """An int seed or a concrete JAX PRNG key -> hashable ("seed", n) / (impl, data)."""
   if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"FP8Config.key must be an int seed or a JAX PRNG key;"
-                    f" got {value!r}")
+    raise TypeError(
+      f"FP8Config.key must be an int seed or a JAX PRNG key; got {value!r}"
+    )
   if isinstance(value, numbers.Integral):
     return ("seed", int(value))
   if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
     return value  # already normalized (dataclasses.replace)
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        "FP8Config.key must be concrete (an int seed or a PRNG key created"
-        " outside jit); for a traced key call pallas_fa3.fp8.quantize(...,"
-        " key=key) and flash_attention_fp8")
+      "FP8Config.key must be concrete (an int seed or a PRNG key created"
+      " outside jit); for a traced key call pallas_fa3.fp8.quantize(...,"
+      " key=key) and flash_attention_fp8"
+    )
   if isinstance(value, (jax.Array, np.ndarray)):
     if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) and value.shape == ():
       impl = str(jax.random.key_impl(value))
@@ -94,11 +96,14 @@ def _normalize_key(value: Any) -> tuple:
       impl, data = "raw", np.asarray(value)
     else:
       raise TypeError(
-          "FP8Config.key must be an int seed or a single JAX PRNG key; got an"
-          f" array of dtype {value.dtype} and shape {tuple(value.shape)}")
+        "FP8Config.key must be an int seed or a single JAX PRNG key; got an"
+        f" array of dtype {value.dtype} and shape {tuple(value.shape)}"
+      )
     return (impl, tuple(int(x) for x in data.ravel()))
-  raise TypeError(f"FP8Config.key must be an int seed or a JAX PRNG key; got"
-                  f" {value!r} of type {type(value).__name__}")
+  raise TypeError(
+    f"FP8Config.key must be an int seed or a JAX PRNG key; got"
+    f" {value!r} of type {type(value).__name__}"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +127,10 @@ class FP8Config:
     for name in ("block_quantization", "rotation"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"FP8Config.{name} must be a bool; got {value!r} of"
-                        f" type {type(value).__name__}")
+        raise TypeError(
+          f"FP8Config.{name} must be a bool; got {value!r} of"
+          f" type {type(value).__name__}"
+        )
       object.__setattr__(self, name, bool(value))
     object.__setattr__(self, "key", _normalize_key(self.key))
 
@@ -152,13 +159,22 @@ def check_fp8(fp8: Any) -> FP8Config | None:
     return FP8Config()
   if isinstance(fp8, FP8Config):
     return fp8
-  raise TypeError(f"fp8 must be a bool or a pallas_fa3.FP8Config; got"
-                  f" {fp8!r} of type {type(fp8).__name__}")
+  raise TypeError(
+    f"fp8 must be a bool or a pallas_fa3.FP8Config; got"
+    f" {fp8!r} of type {type(fp8).__name__}"
+  )
 
 
-def quantize(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
-             block_kv: int, config: FP8Config | None = None,
-             key: jax.Array | None = None) -> FP8Inputs:
+def quantize(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  block_q: int,
+  block_kv: int,
+  config: FP8Config | None = None,
+  key: jax.Array | None = None,
+) -> FP8Inputs:
   """The quantization pass: bf16/fp16/fp32 Q, K, V -> `FP8Inputs` (jitted).
 
   Args:
@@ -184,29 +200,39 @@ def quantize(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
     raise TypeError(f"config must be a pallas_fa3.FP8Config; got {config!r}")
   make_spec(q, k, v)  # shapes and dtypes, errors naming q, k or v
   if q.shape[-1] != v.shape[-1]:
-    raise ValueError(f"v must have q's head_dim for FP8; got q.shape="
-                     f"{tuple(q.shape)}, v.shape={tuple(v.shape)}")
+    raise ValueError(
+      f"v must have q's head_dim for FP8; got q.shape="
+      f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
+    )
   key = config.prng_key() if key is None else key
-  return quantize_inputs(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), key,
-                   block_q=check_int("block_q", block_q, minimum=1),
-                   block_kv=check_int("block_kv", block_kv, minimum=1),
-                   block_quantization=config.block_quantization,
-                   rotation=config.rotation)
+  return quantize_inputs(
+    jnp.asarray(q),
+    jnp.asarray(k),
+    jnp.asarray(v),
+    key,
+    block_q=check_int("block_q", block_q, minimum=1),
+    block_kv=check_int("block_kv", block_kv, minimum=1),
+    block_quantization=config.block_quantization,
+    rotation=config.rotation,
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _from_quantized(call: StaticCall, x: FP8Inputs
-                    ) -> tuple[jax.Array, jax.Array]:
+def _from_quantized(
+  call: StaticCall, x: FP8Inputs
+) -> tuple[jax.Array, jax.Array]:
   return call.backend.fp8_forward(call.spec, call.config, x)
 
 
-def _from_quantized_fwd(call: StaticCall, x: FP8Inputs
-                        ) -> tuple[tuple[jax.Array, jax.Array], None]:
+def _from_quantized_fwd(
+  call: StaticCall, x: FP8Inputs
+) -> tuple[tuple[jax.Array, jax.Array], None]:
   return _from_quantized(call, x), None
 
 
-def _from_quantized_bwd(call: StaticCall, residuals: None, cotangents: tuple
-                        ) -> NoReturn:
+def _from_quantized_bwd(
+  call: StaticCall, residuals: None, cotangents: tuple
+) -> NoReturn:
   raise NotImplementedError(NO_FP8_GRADIENT)
 
 
@@ -218,36 +244,49 @@ def _check_fp8_operand(name: str, x: Any, rank: int, layout: str) -> tuple:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(f"{name} must be an array {layout}; got {type(x).__name__}")
   if jnp.dtype(x.dtype) != FP8_DTYPE:
-    raise TypeError(f"{name} must have dtype float8_e4m3fn (from"
-                    f" pallas_fa3.fp8.quantize); got {x.dtype}")
+    raise TypeError(
+      f"{name} must have dtype float8_e4m3fn (from"
+      f" pallas_fa3.fp8.quantize); got {x.dtype}"
+    )
   if len(x.shape) != rank:
-    raise ValueError(f"{name} must have rank {rank} {layout}; got shape"
-                     f" {tuple(x.shape)}")
+    raise ValueError(
+      f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}"
+    )
   return tuple(int(s) for s in x.shape)
 
 
-def _check_scale(name: str, x: Any, want: tuple, block_name: str,
-                 block: int) -> None:
+def _check_scale(
+  name: str, x: Any, want: tuple, block_name: str, block: int
+) -> None:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-    raise TypeError(f"{name} must be a float32 array of shape {want}; got"
-                    f" {type(x).__name__}")
+    raise TypeError(
+      f"{name} must be a float32 array of shape {want}; got {type(x).__name__}"
+    )
   if jnp.dtype(x.dtype) != jnp.float32:
     raise TypeError(f"{name} must have dtype float32; got {x.dtype}")
   if tuple(x.shape) != want:
     raise ValueError(
-        f"{name} must have shape {want} (one scale per {block_name}={block}"
-        f" rows: the tiles of the config that runs the call); got"
-        f" {tuple(x.shape)}")
+      f"{name} must have shape {want} (one scale per {block_name}={block}"
+      f" rows: the tiles of the config that runs the call); got"
+      f" {tuple(x.shape)}"
+    )
 
 
-def flash_attention_fp8(q8: jax.Array, k8: jax.Array, v8_t: jax.Array,
-                        q_scale: jax.Array, k_scale: jax.Array,
-                        v_scale: jax.Array, *, causal: bool = False,
-                        softmax_scale: float | None = None,
-                        return_lse: bool = False,
-                        implementation: str | None = None, config: Any = None,
-                        out_dtype: Any = jnp.bfloat16
-                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def flash_attention_fp8(
+  q8: jax.Array,
+  k8: jax.Array,
+  v8_t: jax.Array,
+  q_scale: jax.Array,
+  k_scale: jax.Array,
+  v_scale: jax.Array,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  return_lse: bool = False,
+  implementation: str | None = None,
+  config: Any = None,
+  out_dtype: Any = jnp.bfloat16,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """FP8 attention forward on pre-quantized operands (`quantize`'s layout).
 
   Computes `softmax(scale * (q8 * q_scale) (k8 * k_scale)^T) (v8 * v_scale)`
@@ -282,34 +321,46 @@ def flash_attention_fp8(q8: jax.Array, k8: jax.Array, v8_t: jax.Array,
   """
   qs = _check_fp8_operand("q8", q8, 4, "[batch, seq_q, heads_q, head_dim]")
   ks = _check_fp8_operand("k8", k8, 4, "[batch, seq_kv, heads_kv, head_dim]")
-  vs = _check_fp8_operand("v8_t", v8_t, 4,
-                          "[batch, heads_kv, head_dim, seq_kv]")
+  vs = _check_fp8_operand(
+    "v8_t", v8_t, 4, "[batch, heads_kv, head_dim, seq_kv]"
+  )
   if vs != (ks[0], ks[2], ks[3], ks[1]):
     raise ValueError(
-        "v8_t must be V transposed to [batch, heads_kv, head_dim, seq_kv],"
-        f" i.e. shape {(ks[0], ks[2], ks[3], ks[1])} for k8.shape={ks}; got"
-        f" {vs}")
+      "v8_t must be V transposed to [batch, heads_kv, head_dim, seq_kv],"
+      f" i.e. shape {(ks[0], ks[2], ks[3], ks[1])} for k8.shape={ks}; got"
+      f" {vs}"
+    )
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in _OUT_DTYPES:
-    raise TypeError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]};"
-                    f" got {out_dtype}")
+    raise TypeError(
+      f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]};"
+      f" got {out_dtype}"
+    )
   like = lambda shape: jax.ShapeDtypeStruct(shape, out_dtype)
   # The spec's fp8 marks the call as FP8 (the operands are already
   # quantized: the config's rotation and key play no part).
-  spec = make_spec(like(qs), like(ks), like(ks), causal=causal,
-                   softmax_scale=softmax_scale, fp8=FP8Config())
+  spec = make_spec(
+    like(qs),
+    like(ks),
+    like(ks),
+    causal=causal,
+    softmax_scale=softmax_scale,
+    fp8=FP8Config(),
+  )
   return_lse = check_bool("return_lse", return_lse)
   backend, config = backends.resolve(spec, implementation, config)
   block_q, block_kv = backend.fp8_tiles(config)
   b, hq, hk = spec.batch, spec.heads_q, spec.heads_kv
-  _check_scale("q_scale", q_scale, (b, hq, -(-spec.seq_q // block_q)),
-               "block_q", block_q)
+  _check_scale(
+    "q_scale", q_scale, (b, hq, -(-spec.seq_q // block_q)), "block_q", block_q
+  )
   n_kv = -(-spec.seq_kv // block_kv)
   _check_scale("k_scale", k_scale, (b, hk, n_kv), "block_kv", block_kv)
   _check_scale("v_scale", v_scale, (b, hk, n_kv), "block_kv", block_kv)
   if not any(isinstance(a, jax.core.Tracer) for a in (q8, k8, v8_t)):
     backends.require_runnable_here(backend)
-  x = FP8Inputs(*(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale,
-                                           v_scale)))
+  x = FP8Inputs(
+    *(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale, v_scale))
+  )
   out, lse = _quantized_jit(StaticCall(spec, backend, config), x)
   return (out, lse) if return_lse else out

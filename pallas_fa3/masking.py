@@ -21,7 +21,9 @@ from jax import lax
 from pallas_fa3.spec import AttentionSpec
 
 
-def visible(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+def visible(
+  spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
+) -> jax.Array:
   """Boolean mask of visible pairs, broadcasting `q_pos[:, None]` vs `kv_pos[None, :]`.
 
   Positions are absolute indices into the unpadded sequences; keys at or past
@@ -30,8 +32,9 @@ def visible(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Arr
   return visible_tile(spec, q_pos[:, None], kv_pos[None, :])
 
 
-def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
-                 ) -> jax.Array:
+def visible_tile(
+  spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
+) -> jax.Array:
   """The same rule on positions that already broadcast against each other.
 
   `visible` is the 1-D convenience form; the kernels use `visible_tile_at`,
@@ -43,9 +46,17 @@ def visible_tile(spec: AttentionSpec, q_pos: jax.Array, kv_pos: jax.Array
   return mask
 
 
-def visible_tile_at(spec: AttentionSpec, q0: Any, kv0: Any, q_idx: jax.Array,
-                    kv_idx: jax.Array, shape: tuple[int, int], q_dim: int, *,
-                    check_seq_kv: bool = True) -> jax.Array:
+def visible_tile_at(
+  spec: AttentionSpec,
+  q0: Any,
+  kv0: Any,
+  q_idx: jax.Array,
+  kv_idx: jax.Array,
+  shape: tuple[int, int],
+  q_dim: int,
+  *,
+  check_seq_kv: bool = True,
+) -> jax.Array:
   """`visible_tile` of a `shape` tile whose query positions are
   `q0 + q_idx` along `q_dim` and key positions `kv0 + kv_idx` along the
   other dim (`q_idx`, `kv_idx`: 1-D index vectors; `q0`, `kv0` scalars).
@@ -68,9 +79,9 @@ def visible_tile_at(spec: AttentionSpec, q0: Any, kv0: Any, q_idx: jax.Array,
   return jnp.ones(shape, bool) if mask is None else mask
 
 
-def num_kv_blocks_visible(spec: AttentionSpec, q_block_end: Any,
-                          block_kv: int, num_kv_blocks: int
-                          ) -> int | jax.Array:
+def num_kv_blocks_visible(
+  spec: AttentionSpec, q_block_end: Any, block_kv: int, num_kv_blocks: int
+) -> int | jax.Array:
   """Number of leading kv blocks a query tile ending at `q_block_end` needs.
 
   `q_block_end` is one past the tile's last query row (may be traced). Blocks
@@ -83,9 +94,9 @@ def num_kv_blocks_visible(spec: AttentionSpec, q_block_end: Any,
   return jnp.clip(last_key // block_kv + 1, 0, num_kv_blocks)
 
 
-def first_q_block_visible(spec: AttentionSpec, kv_block_start: Any,
-                          block_q: int, num_q_blocks: int
-                          ) -> int | jax.Array:
+def first_q_block_visible(
+  spec: AttentionSpec, kv_block_start: Any, block_q: int, num_q_blocks: int
+) -> int | jax.Array:
   """Index of the first query tile that sees any key of a kv tile.
 
   Query tiles before it are fully masked for the whole kv tile (causal) and

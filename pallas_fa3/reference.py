@@ -37,9 +37,13 @@ from pallas_fa3.spec import AttentionSpec, group_heads, make_spec
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
-                      v: jax.Array, intermediate_dtype: Any = jnp.float32
-                      ) -> tuple[jax.Array, jax.Array]:
+def reference_forward(
+  spec: AttentionSpec,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  intermediate_dtype: Any = jnp.float32,
+) -> tuple[jax.Array, jax.Array]:
   """Materialized attention for a validated spec; returns (out, lse).
 
   Every intermediate (scores, softmax, P V accumulation) is kept in
@@ -47,8 +51,13 @@ def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
   """
   dt = jnp.dtype(intermediate_dtype)
   qg = group_heads(q.astype(dt), spec.heads_kv)
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(dt),
-                 preferred_element_type=dt, precision=_HIGHEST)
+  s = jnp.einsum(
+    "bqhgd,bkhd->bhgqk",
+    qg,
+    k.astype(dt),
+    preferred_element_type=dt,
+    precision=_HIGHEST,
+  )
   s = s * jnp.asarray(spec.softmax_scale, dt)
   mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
   s = jnp.where(mask, s, -jnp.inf)
@@ -61,20 +70,29 @@ def reference_forward(spec: AttentionSpec, q: jax.Array, k: jax.Array,
   empty = l == 0
   l_safe = jnp.where(empty, jnp.ones_like(l), l)
   p = e / l_safe
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(dt),
-                 preferred_element_type=dt, precision=_HIGHEST)
+  o = jnp.einsum(
+    "bhgqk,bkhd->bqhgd",
+    p,
+    v.astype(dt),
+    preferred_element_type=dt,
+    precision=_HIGHEST,
+  )
   out = o.reshape(spec.out_shape).astype(spec.dtype)
   lse = (m + jnp.log(l_safe)).astype(jnp.float32)
   lse = jnp.where(empty, -jnp.inf, lse)[..., 0]
   return out, lse.reshape(spec.lse_shape)
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                        causal: bool = False,
-                        softmax_scale: float | None = None,
-                        return_lse: bool = False,
-                        intermediate_dtype: Any = jnp.float32
-                        ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def reference_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  return_lse: bool = False,
+  intermediate_dtype: Any = jnp.float32,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Materialized baseline attention, differentiable by plain JAX autodiff.
 
   Args:
@@ -101,16 +119,19 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 # Float64 golden (numpy, independent of JAX's x64 flag and of JAX autodiff).
 
 
-def _golden_parts(q: Any, k: Any, v: Any, causal: bool,
-                  softmax_scale: float | None) -> tuple:
+def _golden_parts(
+  q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None
+) -> tuple:
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   f64 = lambda x: np.asarray(x).astype(np.float64)
   q64, k64, v64 = f64(q), f64(k), f64(v)
-  qg = q64.reshape(spec.batch, spec.seq_q, spec.heads_kv, spec.group_size,
-                   spec.head_dim)
+  qg = q64.reshape(
+    spec.batch, spec.seq_q, spec.heads_kv, spec.group_size, spec.head_dim
+  )
   s = np.einsum("bqhgd,bkhd->bhgqk", qg, k64) * spec.softmax_scale
-  mask = np.asarray(masking.visible(spec, np.arange(spec.seq_q),
-                                    np.arange(spec.seq_kv)))
+  mask = np.asarray(
+    masking.visible(spec, np.arange(spec.seq_q), np.arange(spec.seq_kv))
+  )
   s = np.where(mask, s, -np.inf)
   m = s.max(axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
@@ -123,9 +144,14 @@ def _golden_parts(q: Any, k: Any, v: Any, causal: bool,
   return spec, qg, k64, v64, p, lse[..., 0]
 
 
-def golden_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
-                     softmax_scale: float | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def golden_attention(
+  q: Any,
+  k: Any,
+  v: Any,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
   """Float64 attention in numpy; returns (out, lse) as float64 numpy arrays.
 
   Same conventions as `reference_attention` (layout, bottom-right causal,
@@ -136,10 +162,16 @@ def golden_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
   return o.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
 
 
-def golden_attention_vjp(q: Any, k: Any, v: Any, dout: Any, dlse: Any = None,
-                         *, causal: bool = False,
-                         softmax_scale: float | None = None
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def golden_attention_vjp(
+  q: Any,
+  k: Any,
+  v: Any,
+  dout: Any,
+  dlse: Any = None,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse).
 
   Analytic backward in numpy: dV = P^T dO, dP = dO V^T,
@@ -148,13 +180,19 @@ def golden_attention_vjp(q: Any, k: Any, v: Any, dout: Any, dlse: Any = None,
   """
   spec, qg, k64, v64, p, _ = _golden_parts(q, k, v, causal, softmax_scale)
   g = spec.group_size
-  do = np.asarray(dout).astype(np.float64).reshape(
-      spec.batch, spec.seq_q, spec.heads_kv, g, spec.head_dim_v)
+  do = (
+    np.asarray(dout)
+    .astype(np.float64)
+    .reshape(spec.batch, spec.seq_q, spec.heads_kv, g, spec.head_dim_v)
+  )
   o = np.einsum("bhgqk,bkhd->bqhgd", p, v64)
   delta = np.einsum("bqhgd,bqhgd->bhgq", do, o)
   if dlse is not None:
-    dl = np.asarray(dlse).astype(np.float64).reshape(
-        spec.batch, spec.heads_kv, g, spec.seq_q)
+    dl = (
+      np.asarray(dlse)
+      .astype(np.float64)
+      .reshape(spec.batch, spec.heads_kv, g, spec.seq_q)
+    )
     delta = delta - dl
   dv = np.einsum("bhgqk,bqhgd->bkhd", p, do)
   dp = np.einsum("bqhgd,bkhd->bhgqk", do, v64)

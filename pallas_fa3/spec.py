@@ -20,9 +20,9 @@ import numpy as np
 # is refused: it is the golden's precision. numpy float64 arrays are taken
 # as jnp.asarray takes them (float32 unless x64 is enabled).
 SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
-    jnp.dtype(jnp.float16),
-    jnp.dtype(jnp.bfloat16),
-    jnp.dtype(jnp.float32),
+  jnp.dtype(jnp.float16),
+  jnp.dtype(jnp.bfloat16),
+  jnp.dtype(jnp.float32),
 )
 
 # FlashAttention-3 (and Hopper's wgmma tiling with 227 KiB of shared memory)
@@ -58,7 +58,7 @@ class AttentionSpec:
   softmax_scale: float
   # Call options that change the function computed; backends that cannot
   # serve them say so (`Backend.unsupported`).
-  fp8: Any = None         # a pallas_fa3.FP8Config: quantize Q, K, V to e4m3
+  fp8: Any = None  # a pallas_fa3.FP8Config: quantize Q, K, V to e4m3
   stable_max: Any = None  # a pallas_fa3.StableMax: the repeated-max fix
 
   @property
@@ -94,7 +94,7 @@ def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
   descriptor such as `jax.ShapeDtypeStruct`), rank 4, supported dtype."""
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
-        f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
+      f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
     )
   shape = tuple(int(s) for s in x.shape)
   dtype = jnp.dtype(x.dtype)
@@ -103,26 +103,24 @@ def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
     dtype = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
   if len(shape) != 4:
     raise ValueError(
-        f"{name} must have rank 4 with layout {_LAYOUT}; got shape {shape}"
-        f" (rank {len(shape)})"
+      f"{name} must have rank 4 with layout {_LAYOUT}; got shape {shape}"
+      f" (rank {len(shape)})"
     )
   if dtype not in SUPPORTED_DTYPES:
     names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-    raise TypeError(
-        f"{name} has dtype {dtype}; supported dtypes are {names}"
-    )
+    raise TypeError(f"{name} has dtype {dtype}; supported dtypes are {names}")
   for axis, (dim, what) in enumerate(
-      zip(shape, ("batch", "seq", "heads", "head_dim"))
+    zip(shape, ("batch", "seq", "heads", "head_dim"))
   ):
     if dim == 0:
       raise ValueError(
-          f"{name} has an empty {what} axis (axis {axis}): shape {shape};"
-          " every axis must be non-empty"
+        f"{name} has an empty {what} axis (axis {axis}): shape {shape};"
+        " every axis must be non-empty"
       )
   if shape[3] > MAX_HEAD_DIM:
     raise ValueError(
-        f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM};"
-        f" shape {shape}"
+      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM};"
+      f" shape {shape}"
     )
   return shape, dtype
 
@@ -133,35 +131,35 @@ def check_softmax_scale(softmax_scale: Any, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(softmax_scale, jax.core.Tracer):
     raise TypeError(
-        "softmax_scale must be a concrete Python number, not a traced value"
-        f" ({softmax_scale}); pass it as a static argument"
+      "softmax_scale must be a concrete Python number, not a traced value"
+      f" ({softmax_scale}); pass it as a static argument"
     )
   if isinstance(softmax_scale, (np.ndarray, jax.Array)):
     if softmax_scale.size != 1:
       raise TypeError(
-          "softmax_scale must be a scalar; got an array of shape"
-          f" {tuple(softmax_scale.shape)}"
+        "softmax_scale must be a scalar; got an array of shape"
+        f" {tuple(softmax_scale.shape)}"
       )
     softmax_scale = softmax_scale.item()
   if isinstance(softmax_scale, bool) or not isinstance(
-      softmax_scale, numbers.Real
+    softmax_scale, numbers.Real
   ):
     raise TypeError(
-        "softmax_scale must be a real number or None; got"
-        f" {softmax_scale!r} of type {type(softmax_scale).__name__}"
+      "softmax_scale must be a real number or None; got"
+      f" {softmax_scale!r} of type {type(softmax_scale).__name__}"
     )
   value = float(softmax_scale)
   if not math.isfinite(value) or value <= 0.0:
     raise ValueError(
-        f"softmax_scale must be finite and positive; got {softmax_scale!r}"
+      f"softmax_scale must be finite and positive; got {softmax_scale!r}"
     )
   # Scores are scaled in float32 (times log2(e) in the kernels): a scale that
   # overflows or underflows there would silently give NaN or a zero scale.
   if not _F32_TINY <= value * LOG2E <= _F32_MAX:
     raise ValueError(
-        f"softmax_scale must be representable in float32 after folding in"
-        f" log2(e) (between {_F32_TINY / LOG2E:.3g} and"
-        f" {_F32_MAX / LOG2E:.3g}); got {softmax_scale!r}"
+      f"softmax_scale must be representable in float32 after folding in"
+      f" log2(e) (between {_F32_TINY / LOG2E:.3g} and"
+      f" {_F32_MAX / LOG2E:.3g}); got {softmax_scale!r}"
     )
   return value
 
@@ -170,22 +168,30 @@ def check_bool(name: str, value: Any) -> bool:
   """Accepts a Python or numpy bool; raises TypeError naming `name` otherwise."""
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(
-        f"{name} must be a bool; got {value!r} of type {type(value).__name__}"
+      f"{name} must be a bool; got {value!r} of type {type(value).__name__}"
     )
   return bool(value)
 
 
-def check_int(name: str, value: Any, *, choices: Any = None,
-              minimum: int | None = None, maximum: int | None = None) -> int:
+def check_int(
+  name: str,
+  value: Any,
+  *,
+  choices: Any = None,
+  minimum: int | None = None,
+  maximum: int | None = None,
+) -> int:
   """An int argument or config field (numpy ints too, bools refused) -> int.
 
   Raises TypeError / ValueError naming `name` and the value: not an int, not
   one of `choices`, or outside `[minimum, maximum]`.
   """
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value,
-                                                           numbers.Integral):
-    raise TypeError(f"{name} must be an int; got {value!r} of type"
-                    f" {type(value).__name__}")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, numbers.Integral
+  ):
+    raise TypeError(
+      f"{name} must be an int; got {value!r} of type {type(value).__name__}"
+    )
   value = int(value)
   if choices is not None and value not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}; got {value}")
@@ -217,14 +223,22 @@ def check_arrays(**operands: Any) -> None:
   for name, x in operands.items():
     if isinstance(x, jax.ShapeDtypeStruct):
       raise TypeError(
-          f"{name} must be an array of shape {_LAYOUT}; got ShapeDtypeStruct"
-          f" {x} (a shape descriptor: use jax.eval_shape or jax.jit(...).lower"
-          " to work with shapes only)")
+        f"{name} must be an array of shape {_LAYOUT}; got ShapeDtypeStruct"
+        f" {x} (a shape descriptor: use jax.eval_shape or jax.jit(...).lower"
+        " to work with shapes only)"
+      )
 
 
-def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
-              softmax_scale: Any = None, fp8: Any = None,
-              stable_max: Any = None) -> AttentionSpec:
+def make_spec(
+  q: Any,
+  k: Any,
+  v: Any,
+  *,
+  causal: Any = False,
+  softmax_scale: Any = None,
+  fp8: Any = None,
+  stable_max: Any = None,
+) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
   q, k and v may be arrays or shape descriptors (`jax.ShapeDtypeStruct`):
@@ -243,42 +257,42 @@ def make_spec(q: Any, k: Any, v: Any, *, causal: Any = False,
   v_shape, v_dtype = _check_tensor("v", v)
   if not (q_dtype == k_dtype == v_dtype):
     raise TypeError(
-        "q, k and v must have the same dtype; got q.dtype="
-        f"{q_dtype}, k.dtype={k_dtype}, v.dtype={v_dtype}"
+      "q, k and v must have the same dtype; got q.dtype="
+      f"{q_dtype}, k.dtype={k_dtype}, v.dtype={v_dtype}"
     )
   shapes = f"q.shape={q_shape}, k.shape={k_shape}, v.shape={v_shape}"
   if not q_shape[0] == k_shape[0] == v_shape[0]:
     raise ValueError(f"q, k and v must have the same batch size; got {shapes}")
   if k_shape[1] != v_shape[1]:
     raise ValueError(
-        f"k and v must have the same sequence length (axis 1); got {shapes}"
+      f"k and v must have the same sequence length (axis 1); got {shapes}"
     )
   if k_shape[2] != v_shape[2]:
     raise ValueError(
-        f"k and v must have the same number of heads (axis 2); got {shapes}"
+      f"k and v must have the same number of heads (axis 2); got {shapes}"
     )
   if q_shape[3] != k_shape[3]:
     raise ValueError(
-        f"q and k must have the same head_dim (axis 3); got {shapes}"
+      f"q and k must have the same head_dim (axis 3); got {shapes}"
     )
   if q_shape[2] % k_shape[2]:
     raise ValueError(
-        f"q heads ({q_shape[2]}) must be a multiple of k/v heads"
-        f" ({k_shape[2]}) for grouped-query attention; got {shapes}"
+      f"q heads ({q_shape[2]}) must be a multiple of k/v heads"
+      f" ({k_shape[2]}) for grouped-query attention; got {shapes}"
     )
   causal = check_bool("causal", causal)
   scale = check_softmax_scale(softmax_scale, q_shape[3])
   return AttentionSpec(
-      batch=q_shape[0],
-      seq_q=q_shape[1],
-      seq_kv=k_shape[1],
-      heads_q=q_shape[2],
-      heads_kv=k_shape[2],
-      head_dim=q_shape[3],
-      head_dim_v=v_shape[3],
-      dtype=q_dtype,
-      causal=causal,
-      softmax_scale=scale,
-      fp8=fp8,
-      stable_max=stable_max,
+    batch=q_shape[0],
+    seq_q=q_shape[1],
+    seq_kv=k_shape[1],
+    heads_q=q_shape[2],
+    heads_kv=k_shape[2],
+    head_dim=q_shape[3],
+    head_dim_v=v_shape[3],
+    dtype=q_dtype,
+    causal=causal,
+    softmax_scale=scale,
+    fp8=fp8,
+    stable_max=stable_max,
   )

@@ -56,9 +56,9 @@ DEFAULT_TIE_TOLERANCE = 1e-3
 # shift of 8 keeps the largest P normal while losing only entries below
 # 2^-16 of it (less than fp16's epsilon 2^-10 relative to the row sum).
 _MAX_SHIFT_LOG2 = {
-    jnp.dtype(jnp.bfloat16): 64.0,
-    jnp.dtype(jnp.float32): 64.0,
-    jnp.dtype(jnp.float16): 8.0,
+  jnp.dtype(jnp.bfloat16): 64.0,
+  jnp.dtype(jnp.float32): 64.0,
+  jnp.dtype(jnp.float16): 8.0,
 }
 
 
@@ -76,33 +76,44 @@ class StableMax:
   tie_tolerance: float = DEFAULT_TIE_TOLERANCE
 
   def __post_init__(self) -> None:
-    for name, low, strict in (("beta", 1.0, True), ("tie_tolerance", 0.0,
-                                                    False)):
+    for name, low, strict in (
+      ("beta", 1.0, True),
+      ("tie_tolerance", 0.0, False),
+    ):
       value = getattr(self, name)
       if isinstance(value, (bool, np.bool_)) or not isinstance(
-          value, numbers.Real):
-        raise TypeError(f"StableMax.{name} must be a real number; got"
-                        f" {value!r} of type {type(value).__name__}")
+        value, numbers.Real
+      ):
+        raise TypeError(
+          f"StableMax.{name} must be a real number; got"
+          f" {value!r} of type {type(value).__name__}"
+        )
       value = float(value)
       if not math.isfinite(value) or value < low or (strict and value == low):
         bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(f"StableMax.{name} must be finite and {bound}; got"
-                         f" {getattr(self, name)!r}")
+        raise ValueError(
+          f"StableMax.{name} must be finite and {bound}; got"
+          f" {getattr(self, name)!r}"
+        )
       object.__setattr__(self, name, value)
 
 
 def check_stable_max(stable_max: Any) -> StableMax | None:
   """Validates `flash_attention(stable_max=...)`: None/False, True or a StableMax."""
-  if stable_max is None or stable_max is False or (
-      isinstance(stable_max, np.bool_) and not stable_max):
+  if (
+    stable_max is None
+    or stable_max is False
+    or (isinstance(stable_max, np.bool_) and not stable_max)
+  ):
     return None
   if stable_max is True or isinstance(stable_max, np.bool_):
     return StableMax()
   if isinstance(stable_max, StableMax):
     return stable_max
   raise TypeError(
-      "stable_max must be None, a bool or a pallas_fa3.StableMax; got"
-      f" {stable_max!r} of type {type(stable_max).__name__}")
+    "stable_max must be None, a bool or a pallas_fa3.StableMax; got"
+    f" {stable_max!r} of type {type(stable_max).__name__}"
+  )
 
 
 def max_shift_log2(p_dtype: Any) -> float:
@@ -110,8 +121,9 @@ def max_shift_log2(p_dtype: Any) -> float:
   return _MAX_SHIFT_LOG2[jnp.dtype(p_dtype)]
 
 
-def tile_max(s: jax.Array, settings: StableMax, *, unit: float,
-             max_shift: float) -> jax.Array:
+def tile_max(
+  s: jax.Array, settings: StableMax, *, unit: float, max_shift: float
+) -> jax.Array:
   """The stabilizing max of each row of a score tile, per the fix.
 
   Args:

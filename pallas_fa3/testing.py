@@ -18,16 +18,19 @@ orders). Its unit scale suits the O(1) inputs the tests use.
 from __future__ import annotations
 
 import dataclasses
-import re
 import os
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.reference import (golden_attention, golden_attention_vjp,
-                                  reference_attention)
+from pallas_fa3.reference import (
+  golden_attention,
+  golden_attention_vjp,
+  reference_attention,
+)
 
 # Floor of the rule in float32 ulps of the tensor's largest golden entry (at
 # least 1). A float32 blockwise pass accumulates a few ulps more than the
@@ -55,20 +58,23 @@ class Shape:
 
   def __str__(self) -> str:
     dv = "" if self.head_dim_v is None else f"v{self.head_dim_v}"
-    return (f"b{self.batch}_q{self.seq_q}_kv{self.seq_kv}_h{self.heads_q}"
-            f"/{self.heads_kv}_d{self.head_dim}{dv}")
+    return (
+      f"b{self.batch}_q{self.seq_q}_kv{self.seq_kv}_h{self.heads_q}"
+      f"/{self.heads_kv}_d{self.head_dim}{dv}"
+    )
 
 
-def random_inputs(key: jax.Array, shape: Shape, dtype: Any
-                  ) -> tuple[jax.Array, ...]:
+def random_inputs(
+  key: jax.Array, shape: Shape, dtype: Any
+) -> tuple[jax.Array, ...]:
   """Fresh standard-normal (q, k, v, dout) for `shape` (never zeros)."""
   kq, kk, kv, kd = jax.random.split(key, 4)
   b, sq, skv = shape.batch, shape.seq_q, shape.seq_kv
   return (
-      jax.random.normal(kq, (b, sq, shape.heads_q, shape.head_dim), dtype),
-      jax.random.normal(kk, (b, skv, shape.heads_kv, shape.head_dim), dtype),
-      jax.random.normal(kv, (b, skv, shape.heads_kv, shape.dv), dtype),
-      jax.random.normal(kd, (b, sq, shape.heads_q, shape.dv), dtype),
+    jax.random.normal(kq, (b, sq, shape.heads_q, shape.head_dim), dtype),
+    jax.random.normal(kk, (b, skv, shape.heads_kv, shape.head_dim), dtype),
+    jax.random.normal(kv, (b, skv, shape.heads_kv, shape.dv), dtype),
+    jax.random.normal(kd, (b, sq, shape.heads_q, shape.dv), dtype),
   )
 
 
@@ -89,32 +95,48 @@ def tolerance(naive: Any, golden: Any, floor_ulps: int = FLOOR_ULPS) -> float:
   return 2.0 * max_abs_err(naive, golden) + floor_ulps * _F32_EPS * scale
 
 
-def assert_within_tolerance(name: str, got: Any, naive: Any, golden: Any,
-                            floor_ulps: int = FLOOR_ULPS) -> None:
+def assert_within_tolerance(
+  name: str, got: Any, naive: Any, golden: Any, floor_ulps: int = FLOOR_ULPS
+) -> None:
   """Asserts the tolerance rule for one tensor, with a readable message."""
   err = max_abs_err(got, golden)
   bound = tolerance(naive, golden, floor_ulps)
   assert err <= bound, (
-      f"{name}: max|got - golden| = {err:.3g} exceeds 2 x naive error"
-      f" ({max_abs_err(naive, golden):.3g}) + floor = {bound:.3g}")
+    f"{name}: max|got - golden| = {err:.3g} exceeds 2 x naive error"
+    f" ({max_abs_err(naive, golden):.3g}) + floor = {bound:.3g}"
+  )
 
 
-def golden_and_naive(q: jax.Array, k: jax.Array, v: jax.Array,
-                     dout: jax.Array, *, causal: bool = False,
-                     softmax_scale: float | None = None, dlse: Any = None
-                     ) -> tuple[tuple, tuple]:
+def golden_and_naive(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  dout: jax.Array,
+  *,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  dlse: Any = None,
+) -> tuple[tuple, tuple]:
   """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem.
 
   The naive attention keeps every intermediate in the inputs' dtype (float32
   for float32 inputs) and is differentiated by plain JAX autodiff.
   """
-  g_out, g_lse = golden_attention(q, k, v, causal=causal,
-                                  softmax_scale=softmax_scale)
-  g_grads = golden_attention_vjp(q, k, v, dout, dlse, causal=causal,
-                                 softmax_scale=softmax_scale)
+  g_out, g_lse = golden_attention(
+    q, k, v, causal=causal, softmax_scale=softmax_scale
+  )
+  g_grads = golden_attention_vjp(
+    q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale
+  )
   naive = lambda q, k, v: reference_attention(
-      q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-      intermediate_dtype=q.dtype)
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    return_lse=True,
+    intermediate_dtype=q.dtype,
+  )
   (n_out, n_lse), pullback = jax.vjp(naive, q, k, v)
   n_dlse = jnp.zeros_like(n_lse) if dlse is None else dlse
   n_grads = pullback((dout, n_dlse))
@@ -127,18 +149,22 @@ def gpu_tier() -> str:
   default config of each head dim; `device_check.sh --quick`)."""
   tier = os.environ.get("PALLAS_FA3_GPU_TIER", "full")
   if tier not in ("full", "quick"):
-    raise ValueError(f"PALLAS_FA3_GPU_TIER must be 'full' or 'quick'; got {tier!r}")
+    raise ValueError(
+      f"PALLAS_FA3_GPU_TIER must be 'full' or 'quick'; got {tier!r}"
+    )
   return tier
 
 
 def lowered_kernel_count(module_text: str) -> int:
   """Pallas Mosaic GPU kernels (custom calls) in a lowered StableHLO module."""
-  return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(",
-                        module_text))
+  return len(
+    re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(", module_text)
+  )
 
 
-def assert_lowered_attention(module_text: str, *, kernels: int, seq_q: int,
-                             seq_kv: int) -> None:
+def assert_lowered_attention(
+  module_text: str, *, kernels: int, seq_q: int, seq_kv: int
+) -> None:
   """A lowered attention holds exactly `kernels` Mosaic GPU kernels and no
   `[seq_q, seq_kv]` tensor (the score matrix never exists in HBM)."""
   found = lowered_kernel_count(module_text)

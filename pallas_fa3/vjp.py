@@ -30,8 +30,9 @@ class StaticCall:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_with_lse(call: StaticCall, q: jax.Array, k: jax.Array,
-                       v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def attention_with_lse(
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Returns (out, lse) of `call.backend`; differentiable through both.
 
   Both passes go through `partitioning`, so that under SPMD sharding each
@@ -40,39 +41,45 @@ def attention_with_lse(call: StaticCall, q: jax.Array, k: jax.Array,
   return partitioning.forward(call, q, k, v)
 
 
-def _fwd(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
-         ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+def _fwd(
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], tuple]:
   out, lse = attention_with_lse(call, q, k, v)
   return (out, lse), (q, k, v, out, lse)
 
 
-def _bwd(call: StaticCall, residuals: tuple, cotangents: tuple
-         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _bwd(
+  call: StaticCall, residuals: tuple, cotangents: tuple
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   q, k, v, out, lse = residuals
   dout, dlse = cotangents
   return _backward_once(call, q, k, v, out, lse, dout, dlse)
 
 
 NO_HIGHER_ORDER = (
-    "flash_attention has no higher-order derivatives: its backward pass is"
-    " not differentiable (jax.grad of jax.grad, jax.hessian). Use"
-    " pallas_fa3.reference_attention for higher-order derivatives")
+  "flash_attention has no higher-order derivatives: its backward pass is"
+  " not differentiable (jax.grad of jax.grad, jax.hessian). Use"
+  " pallas_fa3.reference_attention for higher-order derivatives"
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _backward_once(call: StaticCall, *residuals_and_cotangents: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _backward_once(
+  call: StaticCall, *residuals_and_cotangents: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The backward pass, itself not differentiable (a clear error if asked)."""
   return partitioning.backward(call, *residuals_and_cotangents)
 
 
-def _backward_once_fwd(call: StaticCall, *args: jax.Array
-                       ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+def _backward_once_fwd(
+  call: StaticCall, *args: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
   return _backward_once(call, *args), None
 
 
-def _backward_once_bwd(call: StaticCall, residuals: None, cotangents: tuple
-                       ) -> NoReturn:
+def _backward_once_bwd(
+  call: StaticCall, residuals: None, cotangents: tuple
+) -> NoReturn:
   raise NotImplementedError(NO_HIGHER_ORDER)
 
 

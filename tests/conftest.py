@@ -47,25 +47,44 @@ def rng(request) -> np.random.Generator:
   return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def skip_if_unsupported(implementation: str, q, k, v, causal=False,
-                        softmax_scale=None):
+def skip_if_unsupported(
+  implementation: str, q, k, v, causal=False, softmax_scale=None
+):
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
   backend = backends.get(implementation)
-  reason = (backend.device_reason()
-            or backends.unsupported_reason(implementation, spec))
+  reason = backend.device_reason() or backends.unsupported_reason(
+    implementation, spec
+  )
   if reason:
     pytest.skip(f"{implementation}: {reason}")
 
 
-def forward_and_grads(implementation, q, k, v, dout, *, causal=False,
-                      softmax_scale=None, config=None, dlse=None):
+def forward_and_grads(
+  implementation,
+  q,
+  k,
+  v,
+  dout,
+  *,
+  causal=False,
+  softmax_scale=None,
+  config=None,
+  dlse=None,
+):
   """Jitted (out, lse, dq, dk, dv) of `flash_attention` for cotangents (dout, dlse)."""
 
   @jax.jit
   def run(q, k, v, dout, dlse):
     f = lambda q, k, v: pallas_fa3.flash_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-        implementation=implementation, config=config)
+      q,
+      k,
+      v,
+      causal=causal,
+      softmax_scale=softmax_scale,
+      return_lse=True,
+      implementation=implementation,
+      config=config,
+    )
     (out, lse), pullback = jax.vjp(f, q, k, v)
     dlse = jnp.zeros_like(lse) if dlse is None else dlse
     return (out, lse) + tuple(pullback((dout, dlse)))
@@ -88,8 +107,10 @@ def _part_id(value) -> str:
     return str(value)
   if isinstance(value, pallas_fa3.Sm90BackwardConfig):
     c = value
-    return (f"{c.block_q}x{c.block_kv}x{c.num_stages}-c{c.dkdv_consumers}"
-            f"h{c.dkdv_head_splits}q{c.dq_consumers}h{c.dq_head_splits}")
+    return (
+      f"{c.block_q}x{c.block_kv}x{c.num_stages}-c{c.dkdv_consumers}"
+      f"h{c.dkdv_head_splits}q{c.dq_consumers}h{c.dq_head_splits}"
+    )
   if isinstance(value, pallas_fa3.Sm90ForwardConfig):
     return f"{value.block_q}x{value.block_kv}x{value.num_stages}"
   if isinstance(value, bool):

@@ -8,7 +8,6 @@ with the float32 oracle at the rule's floor (a few float32 ulps).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +29,10 @@ def flat(tree) -> dict[str, jax.Array]:
   if isinstance(tree, nnx.State):
     tree = nnx.to_pure_dict(tree)
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
-          for path, leaf in leaves}
+  return {
+    "/".join(str(getattr(k, "key", k)) for k in path): leaf
+    for path, leaf in leaves
+  }
 
 
 def _loss(y, cotangent):
@@ -51,6 +52,7 @@ def nnx_forward_and_grads(module, x, cotangent, remat=False, **call_kwargs):
     def loss(m):
       y = call(m, x)
       return _loss(y, cotangent), y
+
     (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(module)
     return y, grads
 
@@ -70,6 +72,7 @@ def linen_forward_and_grads(module, params, x, cotangent, traced_kwargs=None):
     def loss(p):
       y = module.apply(p, x, **traced_kwargs)
       return _loss(y, cotangent), y
+
     (_, y), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return y, grads
 
@@ -95,13 +98,16 @@ def assert_layer_within_tolerance(got, naive, golden, dtype) -> None:
   scale = max(float(np.max(np.abs(np.asarray(g)))) for g in g_grads.values())
   for name in sorted(grads):
     if name in ZERO_GRADIENT_PARAMS:
-      bound = tolerance(n_grads[name], g_grads[name]) + float(
-          jnp.finfo(dtype).eps) * scale
+      bound = (
+        tolerance(n_grads[name], g_grads[name])
+        + float(jnp.finfo(dtype).eps) * scale
+      )
       err = max_abs_err(grads[name], g_grads[name])
       assert err <= bound, f"grad {name}: {err:.3g} > {bound:.3g}"
     else:
-      assert_within_tolerance(f"grad {name}", grads[name], n_grads[name],
-                              g_grads[name])
+      assert_within_tolerance(
+        f"grad {name}", grads[name], n_grads[name], g_grads[name]
+      )
 
 
 def normal(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:

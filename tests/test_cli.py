@@ -19,15 +19,30 @@ ON_CPU = jax.default_backend() == "cpu"
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="checks the CPU-only choice")
 
 # A sample call small enough to compile and run in well under a second.
-SMALL = ["--batch", "1", "--seq-q", "32", "--seq-kv", "48", "--heads-q", "2",
-         "--heads-kv", "1", "--head-dim", "16", "--dtype", "float32"]
+SMALL = [
+  "--batch",
+  "1",
+  "--seq-q",
+  "32",
+  "--seq-kv",
+  "48",
+  "--heads-q",
+  "2",
+  "--heads-kv",
+  "1",
+  "--head-dim",
+  "16",
+  "--dtype",
+  "float32",
+]
 
 
 def _env() -> dict[str, str]:
   """The current environment with the repo root first on PYTHONPATH."""
   env = dict(os.environ)
-  parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
-      os.pathsep) if p]
+  parts = [str(REPO_ROOT)] + [
+    p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+  ]
   env["PYTHONPATH"] = os.pathsep.join(parts)
   return env
 
@@ -40,8 +55,9 @@ def _check_environment_report(out: str) -> None:
     assert f"  device {d.id}: {d.platform} {d.device_kind}" in out, out
   assert re.search(r"^Hopper \(sm90\) GPU: (yes|no \(.+\))$", out, re.M), out
   if ON_CPU:
-    assert ("Hopper (sm90) GPU: no (no GPU: the default JAX backend is 'cpu')"
-            in out), out
+    assert (
+      "Hopper (sm90) GPU: no (no GPU: the default JAX backend is 'cpu')" in out
+    ), out
 
 
 def _check_cpu_choice(out: str) -> None:
@@ -49,10 +65,14 @@ def _check_cpu_choice(out: str) -> None:
   mosaic = [l for l in lines if re.match(r"^\s+(-> )?mosaic:", l)]
   blockwise = [l for l in lines if re.match(r"^\s+(-> )?blockwise:", l)]
   assert len(mosaic) == 1 and len(blockwise) == 1, out
-  assert re.match(r"^\s+mosaic: skipped: no GPU: the default JAX backend is"
-                  r" 'cpu'(; and .+)?$", mosaic[0]), out
-  assert re.match(r"^\s+-> blockwise: supported; picked \(.+\)$",
-                  blockwise[0]), out
+  assert re.match(
+    r"^\s+mosaic: skipped: no GPU: the default JAX backend is"
+    r" 'cpu'(; and .+)?$",
+    mosaic[0],
+  ), out
+  assert re.match(
+    r"^\s+-> blockwise: supported; picked \(.+\)$", blockwise[0]
+  ), out
   # mosaic is listed first (fastest first) and is not the one picked.
   assert lines.index(mosaic[0]) < lines.index(blockwise[0]), out
   assert "reference" not in "\n".join(mosaic + blockwise), out
@@ -62,8 +82,10 @@ def test_info_no_run(capsys):
   assert cli.main(["info", "--no-run"]) == 0
   out, err = capsys.readouterr()
   _check_environment_report(out)
-  assert ("Sample call: q (1, 256, 4, 64), k/v (1, 256, 2, 64), bfloat16,"
-          " causal=True (bottom-right aligned)") in out, out
+  assert (
+    "Sample call: q (1, 256, 4, 64), k/v (1, 256, 2, 64), bfloat16,"
+    " causal=True (bottom-right aligned)"
+  ) in out, out
   assert "Automatic choice (fastest first):" in out, out
   if ON_CPU:
     _check_cpu_choice(out)
@@ -74,8 +96,9 @@ def test_info_no_run(capsys):
 def test_info_no_run_reflects_sample_options(capsys):
   assert cli.main(["info", "--no-run", "--no-causal", *SMALL]) == 0
   out = capsys.readouterr().out
-  assert ("Sample call: q (1, 32, 2, 16), k/v (1, 48, 1, 16), float32,"
-          " causal=False") in out, out
+  assert (
+    "Sample call: q (1, 32, 2, 16), k/v (1, 48, 1, 16), float32, causal=False"
+  ) in out, out
 
 
 def test_info_runs_sample_call_and_compares_with_golden(capsys):
@@ -84,15 +107,22 @@ def test_info_runs_sample_call_and_compares_with_golden(capsys):
   _check_environment_report(out)
   if ON_CPU:
     _check_cpu_choice(out)
-  ran = re.search(r"^Ran it with (\w+): output \(1, 32, 2, 16\) float32;"
-                  r" first call [\d.]+ s \(includes compilation\),"
-                  r" second [\d.]+ ms$", out, re.M)
+  ran = re.search(
+    r"^Ran it with (\w+): output \(1, 32, 2, 16\) float32;"
+    r" first call [\d.]+ s \(includes compilation\),"
+    r" second [\d.]+ ms$",
+    out,
+    re.M,
+  )
   assert ran, out
   if ON_CPU:
     assert ran.group(1) == "blockwise", out
-  golden = re.search(r"^max \|out - float64 golden\| = (\S+)  \((\S+) x"
-                     r" float32 eps; a few eps is rounding, not error\)$",
-                     out, re.M)
+  golden = re.search(
+    r"^max \|out - float64 golden\| = (\S+)  \((\S+) x"
+    r" float32 eps; a few eps is rounding, not error\)$",
+    out,
+    re.M,
+  )
   assert golden, out
   err, eps_multiple = float(golden.group(1)), float(golden.group(2))
   assert 0 <= err < 1e-5, out
@@ -106,8 +136,12 @@ def test_top_level_help(argv, capsys):
   assert e.value.code == 0
   out = capsys.readouterr().out
   assert out.startswith("usage: pallas-fa3 "), out
-  assert re.search(r"^\s+info\s+environment, devices and the automatic"
-                   r" backend choice", out, re.M), out
+  assert re.search(
+    r"^\s+info\s+environment, devices and the automatic"
+    r" backend choice",
+    out,
+    re.M,
+  ), out
   assert "pallas-fa3 <command> --help" in out, out
 
 
@@ -117,20 +151,33 @@ def test_info_help(capsys):
   assert e.value.code == 0
   out = capsys.readouterr().out
   assert out.startswith("usage: pallas-fa3 info "), out
-  for flag in ("--batch", "--seq-q", "--seq-kv", "--heads-q", "--heads-kv",
-               "--head-dim", "--dtype", "--causal", "--no-causal", "--no-run"):
+  for flag in (
+    "--batch",
+    "--seq-q",
+    "--seq-kv",
+    "--heads-q",
+    "--heads-kv",
+    "--head-dim",
+    "--dtype",
+    "--causal",
+    "--no-causal",
+    "--no-run",
+  ):
     assert flag in out, flag
   # argparse wraps the description to the terminal width.
   assert "compare it with a float64 golden" in " ".join(out.split()), out
 
 
-@pytest.mark.parametrize("argv", [
+@pytest.mark.parametrize(
+  "argv",
+  [
     pytest.param([], id="no-command"),
     pytest.param(["bogus"], id="unknown-command"),
     pytest.param(["info", "--dtype", "float64"], id="bad-dtype"),
     pytest.param(["info", "--seq-q", "many"], id="non-int"),
     pytest.param(["info", "--frobnicate"], id="unknown-flag"),
-])
+  ],
+)
 def test_usage_errors_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
@@ -140,9 +187,16 @@ def test_usage_errors_exit_2(argv, capsys):
   assert "error:" in err, err
 
 
-@pytest.mark.parametrize("argv", [
-    ["--seq-q", "0"], ["--batch", "-1"], ["--head-dim", "300"],
-    ["--heads-q", "3", "--heads-kv", "2"]], ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+  "argv",
+  [
+    ["--seq-q", "0"],
+    ["--batch", "-1"],
+    ["--head-dim", "300"],
+    ["--heads-q", "3", "--heads-kv", "2"],
+  ],
+  ids=lambda a: " ".join(a),
+)
 def test_info_invalid_sample_shape_is_a_usage_error(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["info", "--no-run"] + argv)
@@ -154,9 +208,14 @@ def test_info_invalid_sample_shape_is_a_usage_error(argv, capsys):
 
 def test_module_entry_point_subprocess():
   proc = subprocess.run(
-      [sys.executable, "-m", "pallas_fa3.cli", "info", "--no-run"],
-      capture_output=True, text=True, env=_env(), cwd=REPO_ROOT, timeout=300,
-      check=False)
+    [sys.executable, "-m", "pallas_fa3.cli", "info", "--no-run"],
+    capture_output=True,
+    text=True,
+    env=_env(),
+    cwd=REPO_ROOT,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr
   _check_environment_report(proc.stdout)
   if ON_CPU:
@@ -165,26 +224,43 @@ def test_module_entry_point_subprocess():
 
 def test_module_entry_point_usage_error_exit_code():
   proc = subprocess.run(
-      [sys.executable, "-m", "pallas_fa3.cli"], capture_output=True,
-      text=True, env=_env(), cwd=REPO_ROOT, timeout=300, check=False)
+    [sys.executable, "-m", "pallas_fa3.cli"],
+    capture_output=True,
+    text=True,
+    env=_env(),
+    cwd=REPO_ROOT,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 2, (proc.stdout, proc.stderr)
   assert "usage: pallas-fa3" in proc.stderr
 
 
 def test_installed_console_script():
-  script = shutil.which("pallas-fa3",
-                        path=str(pathlib.Path(sys.executable).parent))
+  script = shutil.which(
+    "pallas-fa3", path=str(pathlib.Path(sys.executable).parent)
+  )
   if script is None:
-    pytest.skip("the pallas-fa3 console script is not installed"
-                " (pip install -e .)")
-  proc = subprocess.run([script, "info", "--no-run"], capture_output=True,
-                        text=True, env=_env(), timeout=300, check=False)
+    pytest.skip(
+      "the pallas-fa3 console script is not installed (pip install -e .)"
+    )
+  proc = subprocess.run(
+    [script, "info", "--no-run"],
+    capture_output=True,
+    text=True,
+    env=_env(),
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr
   _check_environment_report(proc.stdout)
 
 
-@pytest.mark.parametrize("command", [[], ["info"], ["train"], ["bench"],
-                                     ["numerics"], ["aot"]], ids=" ".join)
+@pytest.mark.parametrize(
+  "command",
+  [[], ["info"], ["train"], ["bench"], ["numerics"], ["aot"]],
+  ids=" ".join,
+)
 def test_help_has_no_formatting_artifacts(command, capsys):
   # argparse %-formats option help but not descriptions, and the defaults
   # formatter appends "(default: X)" itself: a literal "%%" or a second,

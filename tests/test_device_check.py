@@ -23,26 +23,52 @@ from pallas_fa3 import backends
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(backends.hopper_reason() is None,
-                    reason="on a Hopper GPU the script is the real check")
+@pytest.mark.skipif(
+  backends.hopper_reason() is None,
+  reason="on a Hopper GPU the script is the real check",
+)
 @pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
 @pytest.mark.timeout(300)
 def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
-  env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
-             DEVICE_CHECK_SELFTEST="1", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    OUT=str(tmp_path),
+    PYTHON=sys.executable,
+    DEVICE_CHECK_SELFTEST="1",
+    JAX_PLATFORMS="cpu",
+  )
   cmd = ["bash", str(_ROOT / "benchmarks" / "device_check.sh")]
-  run = subprocess.run(cmd + (["--quick"] if quick else []), env=env,
-                       capture_output=True, text=True, timeout=280)
+  run = subprocess.run(
+    cmd + (["--quick"] if quick else []),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=280,
+  )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   with open(tmp_path / "steps.tsv") as f:
     steps = {r["step"]: r for r in csv.DictReader(f, delimiter="\t")}
   hang = steps.pop("selftest_hang")
   assert hang["exit"] == "124" and int(hang["seconds"]) < 15
-  assert list(steps) == ["versions", "smoke", "causal", "gpu_tests",
-                         "bench_fwd", "bench_bwd", "fp8_speed", "headline"]
+  assert list(steps) == [
+    "versions",
+    "smoke",
+    "causal",
+    "gpu_tests",
+    "bench_fwd",
+    "bench_bwd",
+    "fp8_speed",
+    "headline",
+  ]
   assert all(r["exit"] == "0" for r in steps.values()), steps
-  for name in ("versions.json", "smoke.json", "causal.json", "headline.md",
-               "bench_fwd/results.json", "bench_bwd/results.json",
-               "fp8/fp8.json"):
+  for name in (
+    "versions.json",
+    "smoke.json",
+    "causal.json",
+    "headline.md",
+    "bench_fwd/results.json",
+    "bench_bwd/results.json",
+    "fp8/fp8.json",
+  ):
     assert (tmp_path / name).exists(), name
   assert "collected" in (tmp_path / "gpu_tests.txt").read_text()

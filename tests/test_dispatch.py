@@ -14,12 +14,15 @@ from jax import export
 
 import pallas_fa3
 from pallas_fa3 import backends
-from pallas_fa3.kernels.sm90 import backward as sm90_bwd
-from pallas_fa3.kernels.sm90 import config as sm90_config
+from pallas_fa3.kernels.sm90 import backward as sm90_bwd, config as sm90_config
 from pallas_fa3.spec import make_spec
-from pallas_fa3.testing import (Shape, assert_lowered_attention,
-                                assert_within_tolerance, golden_and_naive,
-                                random_inputs)
+from pallas_fa3.testing import (
+  Shape,
+  assert_lowered_attention,
+  assert_within_tolerance,
+  golden_and_naive,
+  random_inputs,
+)
 
 
 def test_names_come_from_the_registry():
@@ -31,8 +34,10 @@ def test_names_come_from_the_registry():
 
 
 def test_fp8_is_served_by_the_same_registry():
-  spec = make_spec(*(jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16),) * 3,
-                   fp8=pallas_fa3.FP8Config())
+  spec = make_spec(
+    *(jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16),) * 3,
+    fp8=pallas_fa3.FP8Config(),
+  )
   assert backends.unsupported_reason("blockwise", spec) is None
   assert backends.unsupported_reason("interpret", spec) is None
   assert "no FP8 path" in backends.unsupported_reason("reference", spec)
@@ -43,7 +48,8 @@ def test_fp8_is_served_by_the_same_registry():
 
 def test_only_the_interpreter_is_not_partitionable():
   assert [b.name for b in backends.BACKENDS if not b.partitionable] == [
-      "interpret"]
+    "interpret"
+  ]
 
 
 def _shapes(sq, skv, d=64):
@@ -56,22 +62,33 @@ def _lower_grad(config, sq=192, skv=256):
   q, kv = _shapes(sq, skv)
 
   def loss(q, k, v):
-    out = pallas_fa3.flash_attention(q, k, v, causal=True, config=config,
-                                     implementation="mosaic")
+    out = pallas_fa3.flash_attention(
+      q, k, v, causal=True, config=config, implementation="mosaic"
+    )
     return out.astype(jnp.float32).sum()
 
   f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   return export.export(f, platforms=["cuda"])(q, kv, kv).mlir_module()
 
 
-@pytest.mark.parametrize("config,want", [
-    (None, None), (pallas_fa3.Sm90ForwardConfig(), None),
+@pytest.mark.parametrize(
+  "config,want",
+  [
+    (None, None),
+    (pallas_fa3.Sm90ForwardConfig(), None),
     (pallas_fa3.Sm90Config(), None),
-    (pallas_fa3.Sm90Config(backward=pallas_fa3.Sm90BackwardConfig(
-        num_stages=3)), pallas_fa3.Sm90BackwardConfig(num_stages=3)),
-], ids=["none", "bare-forward", "empty", "chosen"])
-def test_backward_tiling_is_reachable_from_flash_attention(monkeypatch, config,
-                                                           want):
+    (
+      pallas_fa3.Sm90Config(
+        backward=pallas_fa3.Sm90BackwardConfig(num_stages=3)
+      ),
+      pallas_fa3.Sm90BackwardConfig(num_stages=3),
+    ),
+  ],
+  ids=["none", "bare-forward", "empty", "chosen"],
+)
+def test_backward_tiling_is_reachable_from_flash_attention(
+  monkeypatch, config, want
+):
   """The backward kernels get `Sm90Config.backward` (default: the heuristic)."""
   seen = []
   real = sm90_bwd.sm90_backward
@@ -85,8 +102,9 @@ def test_backward_tiling_is_reachable_from_flash_attention(monkeypatch, config,
   text = _lower_grad(config)
   assert_lowered_attention(text, kernels=3, seq_q=192, seq_kv=256)
   q, kv = _shapes(192, 256)
-  default = sm90_config.default_backward_config(make_spec(q, kv, kv,
-                                                          causal=True))
+  default = sm90_config.default_backward_config(
+    make_spec(q, kv, kv, causal=True)
+  )
   assert seen == [want or default]
 
 
@@ -94,32 +112,45 @@ def test_interpret_gradients_with_a_chosen_backward_tiling(key):
   shape = Shape(1, 130, 130, 2, 1, 64)
   q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
   config = pallas_fa3.Sm90Config(
-      forward=pallas_fa3.Sm90ForwardConfig(block_kv=64),
-      backward=pallas_fa3.Sm90BackwardConfig(dkdv_consumers=1, dq_consumers=1))
+    forward=pallas_fa3.Sm90ForwardConfig(block_kv=64),
+    backward=pallas_fa3.Sm90BackwardConfig(dkdv_consumers=1, dq_consumers=1),
+  )
   f = lambda q, k, v: pallas_fa3.flash_attention(
-      q, k, v, causal=True, implementation="interpret", config=config)
+    q, k, v, causal=True, implementation="interpret", config=config
+  )
   out, pullback = jax.vjp(f, q, k, v)
   got = (out,) + pullback(dout)
   golden, naive = golden_and_naive(q, k, v, dout, causal=True)
-  for name, x, n, g in zip(("out", "dq", "dk", "dv"), got,
-                           (naive[0],) + naive[2:], (golden[0],) + golden[2:]):
+  for name, x, n, g in zip(
+    ("out", "dq", "dk", "dv"),
+    got,
+    (naive[0],) + naive[2:],
+    (golden[0],) + golden[2:],
+  ):
     assert_within_tolerance(name, x, n, g)
 
 
 def test_a_backward_tiling_that_does_not_fit_is_refused():
   q = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
-  config = pallas_fa3.Sm90Config(backward=pallas_fa3.Sm90BackwardConfig(
-      block_q=128, block_kv=128, num_stages=4))
+  config = pallas_fa3.Sm90Config(
+    backward=pallas_fa3.Sm90BackwardConfig(
+      block_q=128, block_kv=128, num_stages=4
+    )
+  )
   with pytest.raises(NotImplementedError, match="Sm90BackwardConfig.*256"):
-    pallas_fa3.flash_attention(q, q, q, implementation="interpret",
-                               config=config)
+    pallas_fa3.flash_attention(
+      q, q, q, implementation="interpret", config=config
+    )
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(forward=pallas_fa3.Sm90BackwardConfig()), "Sm90Config.forward"),
     (dict(backward=pallas_fa3.Sm90ForwardConfig()), "Sm90Config.backward"),
     (dict(forward=64), "Sm90Config.forward"),
-])
+  ],
+)
 def test_sm90_config_parts_are_typed(kwargs, match):
   with pytest.raises(TypeError, match=match):
     pallas_fa3.Sm90Config(**kwargs)
@@ -127,27 +158,35 @@ def test_sm90_config_parts_are_typed(kwargs, match):
 
 def test_a_config_of_another_backend_is_a_type_error():
   q = jnp.ones((1, 16, 1, 64), jnp.bfloat16)
-  with pytest.raises(TypeError, match="takes a Sm90Config or Sm90ForwardConfig"):
-    pallas_fa3.flash_attention(q, q, q, implementation="interpret",
-                               config=pallas_fa3.BlockwiseConfig())
+  with pytest.raises(
+    TypeError, match="takes a Sm90Config or Sm90ForwardConfig"
+  ):
+    pallas_fa3.flash_attention(
+      q, q, q, implementation="interpret", config=pallas_fa3.BlockwiseConfig()
+    )
   with pytest.raises(TypeError, match="takes a BlockwiseConfig"):
-    pallas_fa3.flash_attention(q, q, q, implementation="blockwise",
-                               config=pallas_fa3.Sm90Config())
+    pallas_fa3.flash_attention(
+      q, q, q, implementation="blockwise", config=pallas_fa3.Sm90Config()
+    )
 
 
 def test_fp8_has_no_backward_tiling():
   q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
   config = pallas_fa3.Sm90Config(backward=pallas_fa3.Sm90BackwardConfig())
   with pytest.raises(NotImplementedError, match="backward must be None"):
-    pallas_fa3.flash_attention(q, q, q, fp8=True, implementation="interpret",
-                               config=config)
+    pallas_fa3.flash_attention(
+      q, q, q, fp8=True, implementation="interpret", config=config
+    )
 
 
 @pytest.mark.parametrize("implementation", ["blockwise", "reference"])
 def test_second_order_gradients_say_they_are_not_supported(implementation):
   q = jax.random.normal(jax.random.key(0), (1, 16, 1, 16), jnp.float32)
-  first = lambda q: jax.grad(lambda q: pallas_fa3.flash_attention(
-      q, q, q, implementation=implementation).sum())(q)
+  first = lambda q: jax.grad(
+    lambda q: pallas_fa3.flash_attention(
+      q, q, q, implementation=implementation
+    ).sum()
+  )(q)
   with pytest.raises(NotImplementedError, match="no higher-order derivatives"):
     jax.grad(lambda q: first(q).sum())(q)
 
@@ -164,7 +203,8 @@ def test_numpy_float64_is_computed_in_float32():
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no silent-truncation warning either
     out = pallas_fa3.flash_attention(x, x, x, causal=True)
-  want = pallas_fa3.flash_attention(*(jnp.asarray(x, jnp.float32),) * 3,
-                                    causal=True)
+  want = pallas_fa3.flash_attention(
+    *(jnp.asarray(x, jnp.float32),) * 3, causal=True
+  )
   assert out.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want))

@@ -31,7 +31,8 @@ _MODULES = _modules_with_examples()
 
 def test_examples_are_found():
   assert {"pallas_fa3.attention", "pallas_fa3.fp8", "models.gpt"} <= set(
-      _MODULES), _MODULES
+    _MODULES
+  ), _MODULES
 
 
 @pytest.mark.parametrize("name", _MODULES)

@@ -9,16 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
-from flax import nnx
+from flax import linen as nn, nnx
+from flax_checks import (
+  BIAS_INIT,
+  assert_layer_within_tolerance,
+  linen_forward_and_grads,
+  nnx_forward_and_grads,
+  normal,
+  random_layer_inputs,
+)
 
 import pallas_fa3
 from pallas_fa3.flax import FlashAttentionFallbackWarning, make_attention_fn
 from pallas_fa3.testing import assert_within_tolerance
-
-from flax_checks import (BIAS_INIT, assert_layer_within_tolerance,
-                         linen_forward_and_grads, normal,
-                         nnx_forward_and_grads, random_layer_inputs)
 
 _FEATURES, _HEADS, _BATCH, _SEQ = 32, 4, 2, 13
 _QKV_SHAPE = (2, 7, 4, 8)  # [batch, seq, heads, head_dim] for direct calls
@@ -27,8 +30,11 @@ _QKV_SHAPE = (2, 7, 4, 8)  # [batch, seq, heads, head_dim] for direct calls
 def _qkv(rng, shape=_QKV_SHAPE, kv_heads=None, seq_kv=None, dtype=jnp.float32):
   *batch, s, h, d = shape
   kv_shape = (*batch, seq_kv or s, kv_heads or h, d)
-  return (normal(rng, shape, dtype), normal(rng, kv_shape, dtype),
-          normal(rng, kv_shape, dtype))
+  return (
+    normal(rng, shape, dtype),
+    normal(rng, kv_shape, dtype),
+    normal(rng, kv_shape, dtype),
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -36,24 +42,38 @@ def _qkv(rng, shape=_QKV_SHAPE, kv_heads=None, seq_kv=None, dtype=jnp.float32):
 
 
 # Pruned product: MQA is GQA with one group, which the core suite covers.
-@pytest.mark.parametrize("heads_kv, causal, dtype", [
+@pytest.mark.parametrize(
+  "heads_kv, causal, dtype",
+  [
     (_HEADS, False, jnp.float32),  # MHA
     (2, True, jnp.bfloat16),  # GQA
-], ids=["mha-f32", "gqa-causal-bf16"])
+  ],
+  ids=["mha-f32", "gqa-causal-bf16"],
+)
 def test_nnx_layer_matches_flax(rng, heads_kv, causal, dtype):
   x, x32, ct = random_layer_inputs(rng, (_BATCH, _SEQ), _FEATURES, dtype)
   seed = int(rng.integers(2**30))
 
   def layer(dtype, **kwargs):
     return nnx.MultiHeadAttention(
-        _HEADS, _FEATURES, num_kv_heads=heads_kv, dtype=dtype, decode=False,
-        bias_init=BIAS_INIT, rngs=nnx.Rngs(seed), **kwargs)
+      _HEADS,
+      _FEATURES,
+      num_kv_heads=heads_kv,
+      dtype=dtype,
+      decode=False,
+      bias_init=BIAS_INIT,
+      rngs=nnx.Rngs(seed),
+      **kwargs,
+    )
 
   ours = layer(dtype, attention_fn=make_attention_fn("blockwise"))
   got = nnx_forward_and_grads(ours, x, ct, is_causal=causal)
   golden = nnx_forward_and_grads(layer(None), x32, ct, is_causal=causal)
-  naive = (golden if dtype == jnp.float32 else
-           nnx_forward_and_grads(layer(dtype), x, ct, is_causal=causal))
+  naive = (
+    golden
+    if dtype == jnp.float32
+    else nnx_forward_and_grads(layer(dtype), x, ct, is_causal=causal)
+  )
   assert_layer_within_tolerance(got, naive, golden, dtype)
 
 
@@ -64,8 +84,8 @@ def test_linen_layer_matches_flax(rng):
   # the attention_fn declares it causal (and checks it on device).
   traced = {"mask": nn.make_causal_mask(x[..., 0])}
   module = lambda dtype, **kw: nn.MultiHeadDotProductAttention(
-      num_heads=_HEADS, dtype=dtype, bias_init=nn.initializers.normal(0.5),
-      **kw)
+    num_heads=_HEADS, dtype=dtype, bias_init=nn.initializers.normal(0.5), **kw
+  )
   params = module(None).init(jax.random.key(int(rng.integers(2**30))), x32)
   ours = module(dtype, attention_fn=make_attention_fn(causal=True))
   got = linen_forward_and_grads(ours, params, x, ct, traced)
@@ -101,16 +121,18 @@ def test_is_causal_is_top_left_aligned_like_flax(rng, seq_q, seq_kv):
   """Flax's is_causal is tril(ones(seq_q, seq_kv)), also when seq_q != seq_kv."""
   q, k, v = _qkv(rng, shape=(2, seq_q, 4, 8), kv_heads=2, seq_kv=seq_kv)
   want = _numpy_attention(q, k, v, np.tril(np.ones((seq_q, seq_kv), bool)))
-  assert_within_tolerance("out", make_attention_fn()(q, k, v, is_causal=True),
-                          want, want)
+  assert_within_tolerance(
+    "out", make_attention_fn()(q, k, v, is_causal=True), want, want
+  )
 
 
 def test_dtype_argument_casts_like_flax(rng):
   q, k, v = _qkv(rng)
   got = make_attention_fn()(q, k, v, dtype=jnp.bfloat16)
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  naive = jax.jit(pallas_fa3.reference_attention, static_argnames=(
-      "intermediate_dtype",))(*low, intermediate_dtype=jnp.bfloat16)
+  naive = jax.jit(
+    pallas_fa3.reference_attention, static_argnames=("intermediate_dtype",)
+  )(*low, intermediate_dtype=jnp.bfloat16)
   assert got.dtype == jnp.bfloat16
   assert_within_tolerance("out", got, naive, _numpy_attention(*low))
 
@@ -120,8 +142,9 @@ def test_concrete_masks_are_recognised(rng):
   q, k, v = _qkv(rng)
   fn = make_attention_fn(on_unsupported="raise")
   causal = nnx.make_causal_mask(jnp.ones(q.shape[:2]))  # float 0/1 [b, 1, s, s]
-  np.testing.assert_array_equal(fn(q, k, v, mask=causal),
-                                fn(q, k, v, is_causal=True))
+  np.testing.assert_array_equal(
+    fn(q, k, v, mask=causal), fn(q, k, v, is_causal=True)
+  )
   everything = jnp.ones((1, 1, q.shape[1], k.shape[1]), bool)
   np.testing.assert_array_equal(fn(q, k, v, mask=everything), fn(q, k, v))
 
@@ -129,8 +152,9 @@ def test_concrete_masks_are_recognised(rng):
 def test_implementation_and_options_are_forwarded(rng):
   q, k, v = _qkv(rng)
   got = make_attention_fn("reference", softmax_scale=0.3)(q, k, v)
-  want = pallas_fa3.flash_attention(q, k, v, softmax_scale=0.3,
-                                    implementation="reference")
+  want = pallas_fa3.flash_attention(
+    q, k, v, softmax_scale=0.3, implementation="reference"
+  )
   np.testing.assert_array_equal(got, want)
 
 
@@ -145,16 +169,26 @@ def _unsupported_call(feature, rng):
     bias = normal(rng, (2, 4, 7, 7))
     return lambda fn: fn(q, k, v, bias=bias), "bias"
   if feature == "dropout":
-    return lambda fn: fn(q, k, v, dropout_rate=0.5, deterministic=False,
-                         dropout_rng=jax.random.key(3)), "dropout"
+    return lambda fn: fn(
+      q,
+      k,
+      v,
+      dropout_rate=0.5,
+      deterministic=False,
+      dropout_rng=jax.random.key(3),
+    ), "dropout"
   if feature == "mask":
-    padding = jnp.arange(7)[None, None, None, :] < jnp.array([5, 7])[:, None,
-                                                                     None, None]
+    padding = (
+      jnp.arange(7)[None, None, None, :]
+      < jnp.array([5, 7])[:, None, None, None]
+    )
     return lambda fn: fn(q, k, v, mask=padding), "mask"
   assert feature == "traced_mask"
   causal = nnx.make_causal_mask(jnp.ones(q.shape[:2]))
-  return (lambda fn: jax.jit(lambda m: fn(q, k, v, mask=m))(causal),
-          "traced mask")
+  return (
+    lambda fn: jax.jit(lambda m: fn(q, k, v, mask=m))(causal),
+    "traced mask",
+  )
 
 
 _FEATURES_UNSUPPORTED = ("bias", "dropout", "mask", "traced_mask")
@@ -172,8 +206,9 @@ def test_unsupported_falls_back_to_flax_with_a_warning(rng, feature):
   call, word = _unsupported_call(feature, rng)
   with pytest.warns(FlashAttentionFallbackWarning, match=word):
     got = call(make_attention_fn(on_unsupported="fallback"))
-  np.testing.assert_allclose(got, call(nnx.dot_product_attention), rtol=1e-6,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    got, call(nnx.dot_product_attention), rtol=1e-6, atol=1e-6
+  )
 
 
 def test_fallback_warns_once_per_feature(rng):
@@ -199,12 +234,15 @@ def test_fallback_applies_the_softmax_scale_option(rng):
 
 # Flax's own sow path (what the fallback runs) is deprecated outside
 # nnx.capture in flax 0.12; that is Flax's warning, not ours.
-@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+@pytest.mark.filterwarnings(
+  "ignore:Using 'Module.sow\\(\\)':DeprecationWarning"
+)
 @pytest.mark.parametrize("on_unsupported", ["raise", "fallback"])
 def test_nnx_sow_weights(rng, on_unsupported):
   x, _, _ = random_layer_inputs(rng, (_BATCH, 5), _FEATURES, jnp.float32)
   layer = lambda **kw: nnx.MultiHeadAttention(
-      _HEADS, _FEATURES, decode=False, rngs=nnx.Rngs(0), **kw)
+    _HEADS, _FEATURES, decode=False, rngs=nnx.Rngs(0), **kw
+  )
   ours = layer(attention_fn=make_attention_fn(on_unsupported=on_unsupported))
   if on_unsupported == "raise":
     with pytest.raises(NotImplementedError, match="sow"):
@@ -224,11 +262,13 @@ def test_linen_sow_weights(rng, on_unsupported):
   x, _, _ = random_layer_inputs(rng, (_BATCH, 5), _FEATURES, jnp.float32)
   flax_module = nn.MultiHeadDotProductAttention(num_heads=_HEADS)
   ours = nn.MultiHeadDotProductAttention(
-      num_heads=_HEADS,
-      attention_fn=make_attention_fn(on_unsupported=on_unsupported))
+    num_heads=_HEADS,
+    attention_fn=make_attention_fn(on_unsupported=on_unsupported),
+  )
   params = flax_module.init(jax.random.key(0), x)
-  apply = lambda m: m.apply(params, x, sow_weights=True,
-                            mutable=["intermediates"])
+  apply = lambda m: m.apply(
+    params, x, sow_weights=True, mutable=["intermediates"]
+  )
   if on_unsupported == "raise":
     with pytest.raises(NotImplementedError, match="sow"):
       apply(ours)
@@ -238,15 +278,17 @@ def test_linen_sow_weights(rng, on_unsupported):
   want, want_state = apply(flax_module)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(
-      state["intermediates"]["attention_weights"][0],
-      want_state["intermediates"]["attention_weights"][0])
+    state["intermediates"]["attention_weights"][0],
+    want_state["intermediates"]["attention_weights"][0],
+  )
 
 
 def test_deterministic_dropout_uses_flash_attention(rng):
   q, k, v = _qkv(rng)
   fn = make_attention_fn(on_unsupported="raise")
   np.testing.assert_array_equal(
-      fn(q, k, v, dropout_rate=0.5, deterministic=True), fn(q, k, v))
+    fn(q, k, v, dropout_rate=0.5, deterministic=True), fn(q, k, v)
+  )
 
 
 def test_head_dim_over_the_limit_is_unsupported(rng):
@@ -261,8 +303,10 @@ def test_head_dim_over_the_limit_is_unsupported(rng):
 
 def test_declared_causal_without_a_mask_is_causal(rng):
   q, k, v = _qkv(rng)
-  np.testing.assert_array_equal(make_attention_fn(causal=True)(q, k, v),
-                                make_attention_fn()(q, k, v, is_causal=True))
+  np.testing.assert_array_equal(
+    make_attention_fn(causal=True)(q, k, v),
+    make_attention_fn()(q, k, v, is_causal=True),
+  )
 
 
 def test_declared_causal_traced_mask(rng):
@@ -285,22 +329,27 @@ def test_declared_causal_concrete_mask_that_is_not_causal_raises(rng):
 # Signature and bad options.
 
 
-@pytest.mark.parametrize("flax_fn", [nnx.dot_product_attention,
-                                     nn.dot_product_attention],
-                         ids=["nnx", "linen"])
+@pytest.mark.parametrize(
+  "flax_fn",
+  [nnx.dot_product_attention, nn.dot_product_attention],
+  ids=["nnx", "linen"],
+)
 def test_accepts_every_keyword_of_flax_attention(flax_fn):
   """Linen filters keywords by signature; nnx passes its own unconditionally."""
   ours = set(inspect.signature(make_attention_fn()).parameters)
   assert set(inspect.signature(flax_fn).parameters) <= ours
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     (dict(on_unsupported="ignore"), ValueError, "on_unsupported"),
     (dict(implementation="cuda"), ValueError, "implementation"),
     (dict(causal=1), TypeError, "causal"),
     (dict(return_lse=True), TypeError, "return_lse"),
     (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
-])
+  ],
+)
 def test_bad_options(kwargs, error, match):
   with pytest.raises(error, match=match):
     make_attention_fn(**kwargs)

@@ -7,38 +7,55 @@ tolerance rule), under nnx/jax jit, grad and remat/checkpoint.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
-from flax import nnx
+from flax import linen as nn, nnx
+from flax_checks import (
+  BIAS_INIT,
+  assert_layer_within_tolerance,
+  flat,
+  linen_forward_and_grads,
+  nnx_forward_and_grads,
+  normal,
+  random_layer_inputs,
+)
 
 import pallas_fa3.flax
-from pallas_fa3.flax import (FlashMultiHeadAttention,
-                             FlashMultiHeadDotProductAttention, apply_rope)
-from pallas_fa3.flax import rope
+from pallas_fa3.flax import (
+  FlashMultiHeadAttention,
+  FlashMultiHeadDotProductAttention,
+  apply_rope,
+  rope,
+)
 from pallas_fa3.testing import assert_within_tolerance
-
-from flax_checks import (BIAS_INIT, assert_layer_within_tolerance, flat,
-                         linen_forward_and_grads, nnx_forward_and_grads,
-                         normal, random_layer_inputs)
 
 _FEATURES, _HEADS, _BATCH, _SEQ = 32, 4, 2, 11
 
 
 def _flax_nnx(dtype=None, seed=0, **kwargs):
-  return nnx.MultiHeadAttention(_HEADS, _FEATURES, dtype=dtype, decode=False,
-                                bias_init=BIAS_INIT, rngs=nnx.Rngs(seed),
-                                **kwargs)
+  return nnx.MultiHeadAttention(
+    _HEADS,
+    _FEATURES,
+    dtype=dtype,
+    decode=False,
+    bias_init=BIAS_INIT,
+    rngs=nnx.Rngs(seed),
+    **kwargs,
+  )
 
 
 def _ours_loaded_from(flax_layer, dtype=None, **kwargs):
   """Our nnx layer (another seed) with the Flax layer's parameters loaded."""
   ours = FlashMultiHeadAttention(
-      _HEADS, _FEATURES, num_kv_heads=flax_layer.num_kv_heads, dtype=dtype,
-      rngs=nnx.Rngs(12345), **kwargs)
+    _HEADS,
+    _FEATURES,
+    num_kv_heads=flax_layer.num_kv_heads,
+    dtype=dtype,
+    rngs=nnx.Rngs(12345),
+    **kwargs,
+  )
   nnx.update(ours, nnx.state(flax_layer, nnx.Param))
   return ours
 
@@ -53,10 +70,15 @@ def _shapes(state):
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_nnx_parameters_are_flax_parameters(num_kv_heads):
-  kwargs = dict(qkv_features=16, out_features=24, num_kv_heads=num_kv_heads,
-                param_dtype=jnp.bfloat16)
-  flax_layer = nnx.MultiHeadAttention(_HEADS, _FEATURES, decode=False,
-                                      rngs=nnx.Rngs(7), **kwargs)
+  kwargs = dict(
+    qkv_features=16,
+    out_features=24,
+    num_kv_heads=num_kv_heads,
+    param_dtype=jnp.bfloat16,
+  )
+  flax_layer = nnx.MultiHeadAttention(
+    _HEADS, _FEATURES, decode=False, rngs=nnx.Rngs(7), **kwargs
+  )
   ours = FlashMultiHeadAttention(_HEADS, _FEATURES, rngs=nnx.Rngs(7), **kwargs)
   want, got = nnx.state(flax_layer, nnx.Param), nnx.state(ours, nnx.Param)
   assert _shapes(got) == _shapes(want)
@@ -70,17 +92,22 @@ def test_linen_parameters_are_flax_parameters():
   kwargs = dict(num_heads=_HEADS, qkv_features=16, out_features=24)
   init = lambda m: jax.eval_shape(m.init, jax.random.key(0), x)
   assert _shapes(init(FlashMultiHeadDotProductAttention(**kwargs))) == _shapes(
-      init(nn.MultiHeadDotProductAttention(**kwargs)))
+    init(nn.MultiHeadDotProductAttention(**kwargs))
+  )
 
 
 # ---------------------------------------------------------------------------
 # Equivalence with Flax's layers, checkpoint loaded: outputs and gradients.
 
 
-@pytest.mark.parametrize("num_kv_heads, causal, dtype, remat", [
+@pytest.mark.parametrize(
+  "num_kv_heads, causal, dtype, remat",
+  [
     (None, True, jnp.float32, False),  # MHA
     (2, False, jnp.bfloat16, True),  # GQA, under nnx.remat
-], ids=["mha-causal-f32", "gqa-bf16-remat"])
+  ],
+  ids=["mha-causal-f32", "gqa-bf16-remat"],
+)
 def test_nnx_layer_matches_flax(rng, num_kv_heads, causal, dtype, remat):
   """nnx.jit + nnx.value_and_grad (+ nnx.remat) of our layer vs Flax's."""
   x, x32, ct = random_layer_inputs(rng, (_BATCH, _SEQ), _FEATURES, dtype)
@@ -89,9 +116,16 @@ def test_nnx_layer_matches_flax(rng, num_kv_heads, causal, dtype, remat):
   ours = _ours_loaded_from(golden_layer, dtype, causal=causal)
   got = nnx_forward_and_grads(ours, x, ct, remat=remat)
   golden = nnx_forward_and_grads(golden_layer, x32, ct, is_causal=causal)
-  naive = golden if dtype == jnp.float32 else nnx_forward_and_grads(
-      _flax_nnx(dtype, seed=seed, num_kv_heads=num_kv_heads), x, ct,
-      is_causal=causal)
+  naive = (
+    golden
+    if dtype == jnp.float32
+    else nnx_forward_and_grads(
+      _flax_nnx(dtype, seed=seed, num_kv_heads=num_kv_heads),
+      x,
+      ct,
+      is_causal=causal,
+    )
+  )
   assert_layer_within_tolerance(got, naive, golden, dtype)
 
 
@@ -100,11 +134,13 @@ def test_linen_layer_matches_flax_causal_bf16_remat(rng):
   dtype = jnp.bfloat16
   x, x32, ct = random_layer_inputs(rng, (_BATCH, _SEQ), _FEATURES, dtype)
   flax_module = lambda dtype: nn.MultiHeadDotProductAttention(
-      num_heads=_HEADS, dtype=dtype, bias_init=nn.initializers.normal(0.5))
+    num_heads=_HEADS, dtype=dtype, bias_init=nn.initializers.normal(0.5)
+  )
   params = flax_module(None).init(jax.random.key(0), x32)
   mask = {"mask": nn.make_causal_mask(x[..., 0])}
   ours = nn.remat(FlashMultiHeadDotProductAttention)(
-      num_heads=_HEADS, dtype=dtype, causal=True)
+    num_heads=_HEADS, dtype=dtype, causal=True
+  )
   got = linen_forward_and_grads(ours, params, x, ct)
   golden = linen_forward_and_grads(flax_module(None), params, x32, ct, mask)
   naive = linen_forward_and_grads(flax_module(dtype), params, x, ct, mask)
@@ -131,8 +167,10 @@ def test_nnx_forward_matches_flax_f32(rng, case):
   if case == "extra-batch-axes":
     args = (normal(rng, (2, 3, 5, _FEATURES)),)
   else:
-    args = (normal(rng, (_BATCH, 5, _FEATURES)),
-            normal(rng, (_BATCH, 9, _FEATURES)))
+    args = (
+      normal(rng, (_BATCH, 5, _FEATURES)),
+      normal(rng, (_BATCH, 9, _FEATURES)),
+    )
   want = flax_layer(*args)
   assert_within_tolerance("out", ours(*args), want, want)
 
@@ -145,8 +183,9 @@ def test_jax_jit_grad_and_checkpoint_match_nnx(rng):
   """The layer as a pure function of its state (nnx.split/merge) under jax.*."""
   x = normal(rng, (_BATCH, _SEQ, _FEATURES))
   ct = normal(rng, (_BATCH, _SEQ, _FEATURES))
-  layer = FlashMultiHeadAttention(_HEADS, _FEATURES, num_kv_heads=2,
-                                  causal=True, rope=True, rngs=nnx.Rngs(0))
+  layer = FlashMultiHeadAttention(
+    _HEADS, _FEATURES, num_kv_heads=2, causal=True, rope=True, rngs=nnx.Rngs(0)
+  )
   want_out, want_grads = nnx_forward_and_grads(layer, x, ct)
   graphdef, params = nnx.split(layer)
   apply = jax.checkpoint(lambda p: nnx.merge(graphdef, p)(x))
@@ -158,8 +197,9 @@ def test_jax_jit_grad_and_checkpoint_match_nnx(rng):
   (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
   for name, g in flat(grads).items():
-    np.testing.assert_allclose(g, want_grads[name], rtol=1e-5, atol=1e-5,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      g, want_grads[name], rtol=1e-5, atol=1e-5, err_msg=name
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -186,14 +226,19 @@ def test_rope_matches_the_complex_rotation(rng, dtype):
   # float32 rotation, then one rounding to the dtype (angles up to 4096 rad
   # keep ~1e-4 absolute in float32).
   atol = max(float(jnp.finfo(dtype).eps) * 4, 1e-4)
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol,
-                             rtol=float(jnp.finfo(dtype).eps))
+  np.testing.assert_allclose(
+    np.asarray(got, np.float64),
+    want,
+    atol=atol,
+    rtol=float(jnp.finfo(dtype).eps),
+  )
 
 
 def test_rope_scores_depend_on_relative_position(rng):
   q, k = normal(rng, (1, 1, 1, 16)), normal(rng, (1, 1, 1, 16))
-  score = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([i])) *
-                                     apply_rope(k, jnp.array([j]))))
+  score = lambda i, j: float(
+    jnp.sum(apply_rope(q, jnp.array([i])) * apply_rope(k, jnp.array([j])))
+  )
   np.testing.assert_allclose(score(3, 1), score(103, 101), rtol=1e-4)
   np.testing.assert_allclose(score(0, 0), float(jnp.sum(q * k)), rtol=1e-5)
 
@@ -203,15 +248,19 @@ def test_rope_positions_default_and_broadcast(rng):
   arange = apply_rope(x, None)
   np.testing.assert_array_equal(arange, apply_rope(x, jnp.arange(5)))
   np.testing.assert_array_equal(
-      arange, apply_rope(x, jnp.broadcast_to(jnp.arange(5), (2, 5))))
+    arange, apply_rope(x, jnp.broadcast_to(jnp.arange(5), (2, 5)))
+  )
 
 
 def test_nnx_rope_layer_matches_flax_with_rope_applied(rng):
   x = normal(rng, (_BATCH, _SEQ, _FEATURES))
   positions = jnp.asarray(rng.integers(0, 100, (_BATCH, _SEQ)))
   roped = lambda t: jnp.asarray(_numpy_rope(t, positions), jnp.float32)
-  flax_layer = _flax_nnx(attention_fn=lambda q, k, v, **kw: (
-      nnx.dot_product_attention(roped(q), roped(k), v, **kw)))
+  flax_layer = _flax_nnx(
+    attention_fn=lambda q, k, v, **kw: nnx.dot_product_attention(
+      roped(q), roped(k), v, **kw
+    )
+  )
   ours = _ours_loaded_from(flax_layer, rope=True)
   want = flax_layer(x)
   assert_within_tolerance("out", ours(x, positions=positions), want, want)
@@ -221,7 +270,9 @@ def test_nnx_rope_layer_matches_flax_with_rope_applied(rng):
 # Bad arguments: each error names its argument.
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     (dict(qkv_features=30), ValueError, "qkv_features"),
     (dict(num_kv_heads=3), ValueError, "num_kv_heads"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
@@ -229,7 +280,8 @@ def test_nnx_rope_layer_matches_flax_with_rope_applied(rng):
     (dict(rope=True, qkv_features=12), ValueError, "head_dim"),  # head_dim 3
     (dict(rope_base=1.0), ValueError, "rope_base"),
     (dict(implementation="cuda"), ValueError, "implementation"),
-])
+  ],
+)
 def test_nnx_bad_constructor_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):
     FlashMultiHeadAttention(_HEADS, _FEATURES, rngs=nnx.Rngs(0), **kwargs)
@@ -239,12 +291,14 @@ def test_linen_bad_arguments_at_init():
   x = jnp.ones((1, 3, _FEATURES))
   with pytest.raises(ValueError, match="num_kv_heads"):
     FlashMultiHeadDotProductAttention(num_heads=4, num_kv_heads=3).init(
-        jax.random.key(0), x)
+      jax.random.key(0), x
+    )
 
 
 def test_nnx_bad_call_arguments():
-  layer = FlashMultiHeadAttention(_HEADS, _FEATURES, rope=True,
-                                  rngs=nnx.Rngs(0))
+  layer = FlashMultiHeadAttention(
+    _HEADS, _FEATURES, rope=True, rngs=nnx.Rngs(0)
+  )
   x = jnp.ones((1, 3, _FEATURES))
   with pytest.raises(ValueError, match="inputs_q"):
     layer(jnp.ones((1, 3, _FEATURES + 1)))
@@ -266,6 +320,12 @@ def test_nnx_bad_call_arguments():
 
 
 def test_public_names():
-  assert sorted(pallas_fa3.flax.__all__) == sorted([
-      "FlashAttentionFallbackWarning", "FlashMultiHeadAttention",
-      "FlashMultiHeadDotProductAttention", "apply_rope", "make_attention_fn"])
+  assert sorted(pallas_fa3.flax.__all__) == sorted(
+    [
+      "FlashAttentionFallbackWarning",
+      "FlashMultiHeadAttention",
+      "FlashMultiHeadDotProductAttention",
+      "apply_rope",
+      "make_attention_fn",
+    ]
+  )

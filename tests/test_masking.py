@@ -13,7 +13,9 @@ from pallas_fa3 import masking
 from pallas_fa3.spec import make_spec
 
 
-@pytest.mark.parametrize("seq_q,seq_kv", [(100, 300), (300, 100), (128, 128), (70, 70)])
+@pytest.mark.parametrize(
+  "seq_q,seq_kv", [(100, 300), (300, 100), (128, 128), (70, 70)]
+)
 @pytest.mark.parametrize("causal", [True, False])
 def test_visible_tile_at_matches_visible_tile(seq_q, seq_kv, causal):
   x = jax.ShapeDtypeStruct((1, seq_q, 1, 64), jnp.bfloat16)
@@ -21,15 +23,23 @@ def test_visible_tile_at_matches_visible_tile(seq_q, seq_kv, causal):
   spec = make_spec(x, y, y, causal=causal)
   rows, cols = 64, 32
   checked = 0
-  for q0, kv0 in itertools.product(range(0, seq_q + 64, 32), range(0, seq_kv + 64, 32)):
+  for q0, kv0 in itertools.product(
+    range(0, seq_q + 64, 32), range(0, seq_kv + 64, 32)
+  ):
     q_idx, kv_idx = jnp.arange(rows), jnp.arange(cols)
-    want = np.broadcast_to(np.asarray(masking.visible_tile(
-        spec, q0 + q_idx[:, None], kv0 + kv_idx[None, :])), (rows, cols))
+    want = np.broadcast_to(
+      np.asarray(
+        masking.visible_tile(spec, q0 + q_idx[:, None], kv0 + kv_idx[None, :])
+      ),
+      (rows, cols),
+    )
     # Query positions along dim 0 (the dQ kernel's S tile) ...
     got = masking.visible_tile_at(spec, q0, kv0, q_idx, kv_idx, (rows, cols), 0)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # ... and along dim 1 (the dK/dV kernel's S^T tile).
-    got_t = masking.visible_tile_at(spec, q0, kv0, q_idx, kv_idx, (cols, rows), 1)
+    got_t = masking.visible_tile_at(
+      spec, q0, kv0, q_idx, kv_idx, (cols, rows), 1
+    )
     np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want).T)
     checked += int(np.asarray(want).any()) + int(not np.asarray(want).all())
   assert checked > 0  # both visible and hidden entries occurred
@@ -43,11 +53,16 @@ def test_causal_alignment_already_hides_padded_keys(seq_q):
   q_idx, kv_idx = jnp.arange(64), jnp.arange(64)
   causal = make_spec(x, y, y, causal=True)
   with_pad = masking.visible_tile_at(causal, 0, 0, q_idx, kv_idx, (64, 64), 0)
-  without = masking.visible_tile_at(causal, 0, 0, q_idx, kv_idx, (64, 64), 0,
-                                    check_seq_kv=False)
+  without = masking.visible_tile_at(
+    causal, 0, 0, q_idx, kv_idx, (64, 64), 0, check_seq_kv=False
+  )
   assert not np.asarray(with_pad)[:, 40:].any()
-  np.testing.assert_array_equal(np.asarray(without)[:seq_q],
-                                np.asarray(with_pad)[:seq_q])
+  np.testing.assert_array_equal(
+    np.asarray(without)[:seq_q], np.asarray(with_pad)[:seq_q]
+  )
   full = make_spec(x, y, y, causal=False)
-  assert np.asarray(masking.visible_tile_at(
-      full, 0, 0, q_idx, kv_idx, (64, 64), 0, check_seq_kv=False)).all()
+  assert np.asarray(
+    masking.visible_tile_at(
+      full, 0, 0, q_idx, kv_idx, (64, 64), 0, check_seq_kv=False
+    )
+  ).all()

@@ -15,8 +15,14 @@ from models import data
 from models.gpt import GPT, GPTConfig, count_params
 from models.train import TrainConfig, build_program
 
-TINY = GPTConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                 max_seq_len=32, dtype="float32")
+TINY = GPTConfig(
+  num_layers=2,
+  d_model=32,
+  num_heads=4,
+  num_kv_heads=2,
+  max_seq_len=32,
+  dtype="float32",
+)
 SMALL_CORPUS = 1 << 18  # bytes: enough windows, read in milliseconds
 
 
@@ -27,7 +33,10 @@ def corpus():
 
 # --- configuration ---------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, match", [
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
     ("num_layers", 0, "num_layers"),
     ("d_model", 30, "d_model"),
     ("num_kv_heads", 3, "num_kv_heads"),
@@ -35,7 +44,8 @@ def corpus():
     ("position", "alibi", "position"),
     ("dtype", "float16", "dtype"),
     ("attention_implementation", "flash", "attention_implementation"),
-])
+  ],
+)
 def test_config_rejects_bad_values_naming_the_field(field, value, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(TINY, **{field: value})
@@ -53,12 +63,23 @@ def test_config_is_hashable_and_round_trips_through_dict():
 
 # --- the model -------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg", [
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
     TINY,
-    dataclasses.replace(TINY, position="learned", norm="layernorm",
-                        tie_embeddings=False, use_bias=True, num_kv_heads=1),
+    dataclasses.replace(
+      TINY,
+      position="learned",
+      norm="layernorm",
+      tie_embeddings=False,
+      use_bias=True,
+      num_kv_heads=1,
+    ),
     dataclasses.replace(TINY, dtype="bfloat16"),
-], ids=["rope-rms-tied-gqa", "learned-ln-untied-mqa", "bf16-compute"])
+  ],
+  ids=["rope-rms-tied-gqa", "learned-ln-untied-mqa", "bf16-compute"],
+)
 def test_forward_shapes_dtypes_and_causality(cfg):
   model = GPT(cfg, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
@@ -70,8 +91,7 @@ def test_forward_shapes_dtypes_and_causality(cfg):
   assert bool(jnp.all(jnp.isfinite(logits)))
   # Changing the last 8 tokens must not change the logits before them.
   changed = tokens.at[:, 24:].set((tokens[:, 24:] + 1) % 256)
-  np.testing.assert_array_equal(forward(model, changed)[:, :24],
-                                logits[:, :24])
+  np.testing.assert_array_equal(forward(model, changed)[:, :24], logits[:, :24])
   # Near-uniform predictions at initialization: loss ~ 8 bits per byte.
   nats = -jax.nn.log_softmax(logits).mean()
   assert abs(float(nats) / np.log(2) - 8) < 0.5
@@ -79,8 +99,9 @@ def test_forward_shapes_dtypes_and_causality(cfg):
 
 def test_tied_model_has_no_unembedding_matrix():
   tied = count_params(GPT(TINY, rngs=nnx.Rngs(0)))
-  untied = count_params(GPT(dataclasses.replace(TINY, tie_embeddings=False),
-                            rngs=nnx.Rngs(0)))
+  untied = count_params(
+    GPT(dataclasses.replace(TINY, tie_embeddings=False), rngs=nnx.Rngs(0))
+  )
   assert untied - tied == TINY.vocab_size * TINY.d_model
 
 
@@ -93,8 +114,7 @@ def test_too_long_sequence_is_rejected():
 def _one_step(implementation, tokens):
   """Loss and gradients of the first train step of a float32 TINY model."""
   cfg = dataclasses.replace(TINY, attention_implementation=implementation)
-  program = build_program(cfg, TrainConfig(steps=10, batch_size=4,
-                                           seq_len=32))
+  program = build_program(cfg, TrainConfig(steps=10, batch_size=4, seq_len=32))
   state = program.init_state()
   loss_fn = lambda p: program.eval_loss(p, tokens)
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state["params"])
@@ -117,8 +137,9 @@ def test_reference_and_blockwise_train_step_agree(corpus):
   scale or head grouping moves the loss by > 1e-2 and the gradients by O(1)
   of their size).
   """
-  tokens = jnp.asarray(data.train_batch(corpus, step=0, data_seed=0,
-                                        batch_size=4, seq_len=32))
+  tokens = jnp.asarray(
+    data.train_batch(corpus, step=0, data_seed=0, batch_size=4, seq_len=32)
+  )
   # Full float32 matmuls in the dense layers: GPUs default to TF32 there,
   # whose rounding would turn the attention's ulp-level differences into
   # 1e-3-level ones and hide what this test compares.
@@ -138,13 +159,17 @@ def test_reference_and_blockwise_train_step_agree(corpus):
 
 # --- the data ----------------------------------------------------------------
 
+
 def test_reads_real_stdlib_files_sorted_without_tests():
   files = data.stdlib_files()
   names = {f.as_posix() for f in files}
   assert {"os.py", "json/__init__.py", "collections/__init__.py"} <= names
   assert files == sorted(files, key=lambda f: f.as_posix())
-  assert not any(part in ("test", "tests", "site-packages")
-                 for f in files for part in f.parts[:-1])
+  assert not any(
+    part in ("test", "tests", "site-packages")
+    for f in files
+    for part in f.parts[:-1]
+  )
   with_tests = data.stdlib_files(include_tests=True)
   assert len(with_tests) > len(files)
 
@@ -169,13 +194,15 @@ def test_split_is_fixed_by_path_and_independent_of_the_cap():
   files = data.stdlib_files()
   split = [data.is_validation_file(f, 0.05) for f in files]
   assert 0 < sum(split) < len(files)
-  assert split == [data.is_validation_file(pathlib.PurePosixPath(f.as_posix()),
-                                           0.05) for f in files]
+  assert split == [
+    data.is_validation_file(pathlib.PurePosixPath(f.as_posix()), 0.05)
+    for f in files
+  ]
   small = data.load_stdlib_corpus(max_bytes=1 << 16)
   big = data.load_stdlib_corpus(max_bytes=1 << 18)
   # A larger cap only appends: the small corpus is a prefix of the big one.
-  assert big.train[:small.train.size].tobytes() == small.train.tobytes()
-  assert big.val[:small.val.size].tobytes() == small.val.tobytes()
+  assert big.train[: small.train.size].tobytes() == small.train.tobytes()
+  assert big.val[: small.val.size].tobytes() == small.val.tobytes()
 
 
 def test_batches_are_deterministic_per_seed_and_step(corpus):
@@ -184,11 +211,14 @@ def test_batches_are_deterministic_per_seed_and_step(corpus):
   assert a.shape == (8, 33) and a.dtype == np.int32
   assert a.min() >= 0 and a.max() <= 255
   np.testing.assert_array_equal(
-      a, data.train_batch(corpus, step=5, data_seed=1, **kw))
-  assert not np.array_equal(a, data.train_batch(corpus, step=6, data_seed=1,
-                                                **kw))
-  assert not np.array_equal(a, data.train_batch(corpus, step=5, data_seed=2,
-                                                **kw))
+    a, data.train_batch(corpus, step=5, data_seed=1, **kw)
+  )
+  assert not np.array_equal(
+    a, data.train_batch(corpus, step=6, data_seed=1, **kw)
+  )
+  assert not np.array_equal(
+    a, data.train_batch(corpus, step=5, data_seed=2, **kw)
+  )
   # Each row is a contiguous window of the training bytes.
   text = corpus.train.tobytes()
   assert all(bytes(row.astype(np.uint8)) in text for row in a)
@@ -198,10 +228,11 @@ def test_validation_batches_are_fixed_and_cover_the_split(corpus):
   v = data.val_batches(corpus, num_batches=3, batch_size=4, seq_len=32)
   assert v.shape == (3, 4, 33)
   np.testing.assert_array_equal(
-      v, data.val_batches(corpus, num_batches=3, batch_size=4, seq_len=32))
+    v, data.val_batches(corpus, num_batches=3, batch_size=4, seq_len=32)
+  )
   val = corpus.val
   np.testing.assert_array_equal(v[0, 0], val[:33])
-  np.testing.assert_array_equal(v[-1, -1], val[val.size - 33:])
+  np.testing.assert_array_equal(v[-1, -1], val[val.size - 33 :])
 
 
 def test_corpus_arguments_are_validated():

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 
 from pallas_fa3 import cli
-from pallas_fa3.numerics import (bias, command, deviation, divergence, fp8,
-                                 fp8_methods, inputs, lowprec, metrics)
+from pallas_fa3.numerics import (
+  bias,
+  command,
+  deviation,
+  divergence,
+  fp8,
+  fp8_methods,
+  inputs,
+  lowprec,
+  metrics,
+)
 from pallas_fa3.reference import golden_attention
 
 # --------------------------------------------------------------------------
@@ -29,8 +38,9 @@ def test_deviation_stats_by_hand():
   assert s["mean_abs"] == 5.0 / 4
   assert s["mean_signed"] == 3.0 / 4
   assert math.isclose(s["rmse"], math.sqrt(11.0 / 4))
-  assert math.isclose(s["std_abs"], math.sqrt(np.mean(
-      (np.array([0.0, 1, 3, 1]) - 1.25) ** 2)))
+  assert math.isclose(
+    s["std_abs"], math.sqrt(np.mean((np.array([0.0, 1, 3, 1]) - 1.25) ** 2))
+  )
   assert metrics.rmse([3.0, 4.0], [0.0, 0.0]) == math.sqrt(12.5)
   assert metrics.max_abs_diff([[1.0, -2.0]], [[0.5, 2.0]]) == 4.0
 
@@ -43,8 +53,10 @@ def test_deviation_stats_errors():
 
 def _w1_brute_force(a, b) -> float:
   """Optimal transport between equal-size samples: the best of all matchings."""
-  return min(np.mean(np.abs(np.asarray(a) - np.asarray(p)))
-             for p in itertools.permutations(b))
+  return min(
+    np.mean(np.abs(np.asarray(a) - np.asarray(p)))
+    for p in itertools.permutations(b)
+  )
 
 
 def test_wasserstein_hand_cases():
@@ -61,13 +73,16 @@ def test_wasserstein_hand_cases():
 def test_wasserstein_matches_brute_force(seed):
   rng = np.random.default_rng(seed)
   a, b = rng.standard_normal(6), rng.exponential(size=6)
-  assert math.isclose(metrics.wasserstein_1(a, b), _w1_brute_force(a, b),
-                      rel_tol=1e-12)
+  assert math.isclose(
+    metrics.wasserstein_1(a, b), _w1_brute_force(a, b), rel_tol=1e-12
+  )
   # Unequal sizes m, n equal equal sizes with every value repeated n, m times.
   c = rng.standard_normal(4)
-  assert math.isclose(metrics.wasserstein_1(a, c),
-                      metrics.wasserstein_1(np.repeat(a, 4), np.repeat(c, 6)),
-                      rel_tol=1e-12)
+  assert math.isclose(
+    metrics.wasserstein_1(a, c),
+    metrics.wasserstein_1(np.repeat(a, 4), np.repeat(c, 6)),
+    rel_tol=1e-12,
+  )
   assert math.isclose(metrics.wasserstein_1(a, c), metrics.wasserstein_1(c, a))
   assert math.isclose(metrics.wasserstein_1(a + 2.5, a), 2.5)
 
@@ -77,8 +92,11 @@ def test_wasserstein_matches_scipy_where_installed():
   rng = np.random.default_rng(7)
   for m, n in ((100, 100), (37, 91)):
     a, b = rng.standard_normal(m), 0.5 + 2 * rng.standard_normal(n)
-    assert math.isclose(metrics.wasserstein_1(a, b),
-                        stats.wasserstein_distance(a, b), rel_tol=1e-10)
+    assert math.isclose(
+      metrics.wasserstein_1(a, b),
+      stats.wasserstein_distance(a, b),
+      rel_tol=1e-10,
+    )
 
 
 def test_slopes_and_ratios():
@@ -92,7 +110,7 @@ def test_slopes_and_ratios():
 def test_outlier_mix_and_rounding():
   x = inputs.sample(np.random.default_rng(0), "outliers", (1_000_000,))
   assert 0.5e-3 < np.mean(np.abs(x) > 6) < 1.5e-3  # ~0.1% outliers of std 10
-  assert inputs.round_to(np.array([1 + 2 ** -9]), "bfloat16")[0] == 1.0
+  assert inputs.round_to(np.array([1 + 2**-9]), "bfloat16")[0] == 1.0
   with pytest.raises(ValueError, match="distribution"):
     inputs.sample(np.random.default_rng(0), "uniform", (3,))
 
@@ -103,24 +121,28 @@ def test_outlier_mix_and_rounding():
 
 def _qkv(shape, dtype, seed=0):
   raw = inputs.draw(np.random.default_rng(seed), "normal", shape)
-  return [jnp.asarray(inputs.round_to(x, dtype), jnp.float32).astype(dtype)
-          for x in raw]
+  return [
+    jnp.asarray(inputs.round_to(x, dtype), jnp.float32).astype(dtype)
+    for x in raw
+  ]
 
 
 def test_golden_matches_the_reference_golden():
   q, k, v = _qkv((2, 37, 3, 16), jnp.float32)
-  np.testing.assert_allclose(lowprec.golden(q, k, v),
-                             golden_attention(q, k, v)[0], rtol=0, atol=1e-14)
+  np.testing.assert_allclose(
+    lowprec.golden(q, k, v), golden_attention(q, k, v)[0], rtol=0, atol=1e-14
+  )
 
 
 def test_float32_study_attention_is_accurate():
   q, k, v = _qkv((1, 100, 2, 32), jnp.float32)
   gold = lowprec.golden(q, k, v)
-  for out in (lowprec.flash_all(q, k, v, block_q=16, block_kv=24),
-              lowprec.flash_all(q, k, v, block_q=16, block_kv=24,
-                                algorithm="fa1"),
-              lowprec.baseline(q, k, v, mode="all"),
-              lowprec.baseline(q, k, v, mode="kernel")):
+  for out in (
+    lowprec.flash_all(q, k, v, block_q=16, block_kv=24),
+    lowprec.flash_all(q, k, v, block_q=16, block_kv=24, algorithm="fa1"),
+    lowprec.baseline(q, k, v, mode="all"),
+    lowprec.baseline(q, k, v, mode="kernel"),
+  ):
     assert metrics.deviation_stats(out, gold)["max_abs"] < 1e-5
 
 
@@ -131,8 +153,9 @@ def test_flash_all_depends_on_bc_only_and_rounds_more_than_kernel_like():
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   gold = lowprec.golden(q, k, v)
   all_f = metrics.deviation_stats(a, gold)["mean_abs"]
-  kernel = metrics.deviation_stats(lowprec.baseline(q, k, v, mode="kernel"),
-                                   gold)["mean_abs"]
+  kernel = metrics.deviation_stats(
+    lowprec.baseline(q, k, v, mode="kernel"), gold
+  )["mean_abs"]
   assert all_f > kernel > 0
 
 
@@ -141,11 +164,14 @@ def test_flash_all_depends_on_bc_only_and_rounds_more_than_kernel_like():
 
 
 def _run_study(study, cfg, tmp_path):
-  result = command.run(study, cfg, str(tmp_path), progress=False, argv=[],
-                       quiet=True)
+  result = command.run(
+    study, cfg, str(tmp_path), progress=False, argv=[], quiet=True
+  )
   folder = tmp_path / study
   saved = json.loads((folder / "results.json").read_text())
-  assert saved["environment"]["command"].startswith(f"pallas-fa3 numerics {study}")
+  assert saved["environment"]["command"].startswith(
+    f"pallas-fa3 numerics {study}"
+  )
   assert (folder / "summary.md").read_text().startswith("# pallas-fa3 numerics")
   assert result["plots"] and all(p.endswith(".png") for p in result["plots"])
   for p in result["plots"]:
@@ -156,20 +182,30 @@ def _run_study(study, cfg, tmp_path):
 
 def test_deviation_study_tiny(tmp_path):
   cfg = deviation.DeviationConfig(
-      seqs=(32, 64), head_dims=(16,), heads=1, tiles=((8, 8), (16, 16), (8, 16),
-                                                       (16, 8)),
-      tile_seq=64, tile_head_dim=16, interpret_max_seq=32)
+    seqs=(32, 64),
+    head_dims=(16,),
+    heads=1,
+    tiles=((8, 8), (16, 16), (8, 16), (16, 8)),
+    tile_seq=64,
+    tile_head_dim=16,
+    interpret_max_seq=32,
+  )
   saved = _run_study("deviation", cfg, tmp_path)
   ok = [r for r in saved["records"] if r["status"] == "ok"]
   assert {r["candidate"].split(" ")[0] for r in ok} >= {
-      "baseline/all", "flash/all", "baseline/kernel", "blockwise/kernel"}
+    "baseline/all",
+    "flash/all",
+    "baseline/kernel",
+    "blockwise/kernel",
+  }
   for r in saved["records"]:  # kernels: measured, or skipped with the reason
     if r["impl"] in ("interpret", "mosaic") and r["status"] != "ok":
       assert r["status"] == "skipped" and r["reason"]
   assert all(0 <= r["max_abs"] < 0.1 for r in ok)
   assert [c["verdict"] for c in saved["checks"]] and all(
-      c["verdict"] in ("reproduced", "partly reproduced", "not reproduced")
-      for c in saved["checks"])
+    c["verdict"] in ("reproduced", "partly reproduced", "not reproduced")
+    for c in saved["checks"]
+  )
 
 
 def test_fp8_study_tiny(tmp_path):
@@ -181,12 +217,15 @@ def test_fp8_study_tiny(tmp_path):
   rows = {(r["method"], r["impl"]): r for r in saved["rows"]}
   assert {method for method, _ in rows} == set(fp8_methods.METHODS)
   for (_, impl), r in rows.items():
-    assert r["status"] == "ok" or (impl == "mosaic" and r["status"] == "skipped"
-                                   and r["reason"]), r
+    assert r["status"] == "ok" or (
+      impl == "mosaic" and r["status"] == "skipped" and r["reason"]
+    ), r
   rmse = {key: r.get("rmse") for key, r in rows.items()}
   assert rmse[("flash FP16", "blockwise")] < rmse[("ours FP8", "blockwise")]
-  assert rmse[("flash FP16", "blockwise")] < rmse[(
-      "baseline FP8 per-tensor", fp8.MATERIALIZED)]
+  assert (
+    rmse[("flash FP16", "blockwise")]
+    < rmse[("baseline FP8 per-tensor", fp8.MATERIALIZED)]
+  )
   assert saved["tiles"] == list(fp8_methods.default_tiles(64))
   assert all(x > 0 for x in saved["sources"].values())
 
@@ -196,19 +235,28 @@ def test_fp8_per_tensor_baseline_and_error_sources():
   base = fp8_methods.baseline_fp8_per_tensor(q, k, v)
   assert base.shape == q.shape
   ours = fp8_methods.run_method("ours FP8", q, k, v, key)
-  rms = np.sqrt(np.mean(golden ** 2))
+  rms = np.sqrt(np.mean(golden**2))
   assert metrics.rmse(ours, golden) < metrics.rmse(base, golden) < 0.2 * rms
   sources = fp8_methods.source_errors(q, k, v, golden, key)
   # The rotation spreads the outlier features before Q and K are quantized.
-  assert (sources["Q, K quantized (rotated)"]
-          < sources["Q, K quantized (not rotated)"]), sources
+  assert (
+    sources["Q, K quantized (rotated)"]
+    < sources["Q, K quantized (not rotated)"]
+  ), sources
   assert fp8_methods.error_sources(jax.random.key(0), 1, 256, 2, 64) == sources
 
 
 def test_divergence_study_tiny(tmp_path):
-  cfg = divergence.DivergenceConfig(steps=6, interval=3, layers=1, d_model=32,
-                                    seq_len=32, batch=2, max_bytes=1 << 18,
-                                    warmup_steps=2)
+  cfg = divergence.DivergenceConfig(
+    steps=6,
+    interval=3,
+    layers=1,
+    d_model=32,
+    seq_len=32,
+    batch=2,
+    max_bytes=1 << 18,
+    warmup_steps=2,
+  )
   saved = _run_study("divergence", cfg, tmp_path)
   steps = [s["step"] for s in saved["samples"]]
   assert steps == [0, 3, 6]
@@ -217,8 +265,12 @@ def test_divergence_study_tiny(tmp_path):
   assert first["R2"]["max_abs"] > 0  # another initialization
   assert last["R1"]["max_abs"] > 0 and last["R3"]["w1"] > 0
   assert saved["backends"]["R1"] != "reference"
-  assert set(saved["ratios"]) == {"R3/R1 max_abs", "R3/R1 w1",
-                                  "R2/R1 max_abs", "R2/R1 w1"}
+  assert set(saved["ratios"]) == {
+    "R3/R1 max_abs",
+    "R3/R1 w1",
+    "R2/R1 max_abs",
+    "R2/R1 w1",
+  }
 
 
 def test_bias_study_shows_the_bias_and_the_fix(tmp_path):
@@ -230,7 +282,9 @@ def test_bias_study_shows_the_bias_and_the_fix(tmp_path):
     assert abs(h[name]["t_without"]) > 20, h[name]  # a clear, signed bias
     assert abs(h[name]["bias_without"]) > 5 * abs(h[name]["bias_with"]), h[name]
   # Without ties the fix changes nothing, bit for bit.
-  control = [r for r in saved["records"] if r["ties"] == 1 and "delta_bias" in r]
+  control = [
+    r for r in saved["records"] if r["ties"] == 1 and "delta_bias" in r
+  ]
   assert control and all(r["fix_changed_nothing"] for r in control)
 
 
@@ -238,7 +292,9 @@ def test_bias_study_shows_the_bias_and_the_fix(tmp_path):
 # The command line.
 
 
-@pytest.mark.parametrize("argv, flag", [
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
     (["deviation", "--seq", "0"], "--seq"),
     (["deviation", "--tile", "64y3"], "--tile"),
     (["deviation", "--head-dim", "512"], "--head-dim"),
@@ -249,7 +305,8 @@ def test_bias_study_shows_the_bias_and_the_fix(tmp_path):
     (["bias", "--gap", "3", "1"], "--gap"),
     (["bias", "--ties", "0"], "--ties"),
     (["bias", "--beta", "0.5"], "--beta"),
-])
+  ],
+)
 def test_bad_flags_name_the_flag(argv, flag, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["numerics"] + argv + ["--no-progress"])
@@ -258,8 +315,21 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
 
 
 def test_cli_runs_a_study(tmp_path, capsys):
-  code = cli.main(["numerics", "bias", "--rows", "64", "--ties", "1", "2",
-                   "--out", str(tmp_path), "--no-progress", "--no-plots"])
+  code = cli.main(
+    [
+      "numerics",
+      "bias",
+      "--rows",
+      "64",
+      "--ties",
+      "1",
+      "2",
+      "--out",
+      str(tmp_path),
+      "--no-progress",
+      "--no-plots",
+    ]
+  )
   assert code == 0
   saved = json.loads((tmp_path / "bias" / "results.json").read_text())
   assert saved["config"]["rows"] == 64 and saved["config"]["ties"] == [1, 2]

@@ -44,8 +44,10 @@ class Wheel(NamedTuple):
 def wheel(tmp_path_factory) -> Iterator[Wheel]:
   """The wheel built from this checkout."""
   pytest.importorskip(
-      "setuptools", minversion="77",
-      reason="the wheel build needs setuptools>=77 (the test extra)")
+    "setuptools",
+    minversion="77",
+    reason="the wheel build needs setuptools>=77 (the test extra)",
+  )
   tmp = tmp_path_factory.mktemp("packaging")
   src = tmp / "src"
   for name in _SOURCES:
@@ -58,15 +60,35 @@ def wheel(tmp_path_factory) -> Iterator[Wheel]:
   no_jax = tmp / "no_jax" / "jax"
   no_jax.mkdir(parents=True)
   (no_jax / "__init__.py").write_text(
-      'raise ImportError("the wheel build imported jax")\n')
-  env = dict(os.environ, PYTHONPATH=str(no_jax.parent), PIP_NO_INDEX="1",
-             PIP_DISABLE_PIP_VERSION_CHECK="1")
+    'raise ImportError("the wheel build imported jax")\n'
+  )
+  env = dict(
+    os.environ,
+    PYTHONPATH=str(no_jax.parent),
+    PIP_NO_INDEX="1",
+    PIP_DISABLE_PIP_VERSION_CHECK="1",
+  )
   out = tmp / "dist"
   proc = subprocess.run(
-      [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps",
-       "--no-build-isolation", "-w", str(out), str(src)],
-      cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
-      check=False)
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "wheel",
+      "-v",
+      "--no-deps",
+      "--no-build-isolation",
+      "-w",
+      str(out),
+      str(src),
+    ],
+    cwd=tmp,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   log = proc.stdout + proc.stderr
   if proc.returncode:
     pytest.fail(f"pip wheel failed ({proc.returncode}):\n{log[-4000:]}")
@@ -77,22 +99,26 @@ def wheel(tmp_path_factory) -> Iterator[Wheel]:
 
 def _metadata(wheel: Wheel):
   return email.parser.Parser().parsestr(
-      wheel.zip.read(f"{DIST_INFO}/METADATA").decode())
+    wheel.zip.read(f"{DIST_INFO}/METADATA").decode()
+  )
 
 
 def test_wheel_is_named_after_the_one_version(wheel):
   assert pallas_fa3.__version__ == VERSION
   assert _metadata(wheel)["Version"] == VERSION
   assert pathlib.Path(wheel.zip.filename).name == (
-      f"pallas_fa3-{VERSION}-py3-none-any.whl")
+    f"pallas_fa3-{VERSION}-py3-none-any.whl"
+  )
 
 
 def test_wheel_holds_every_module_and_the_sm90a_target(wheel):
   names = set(wheel.zip.namelist())
   assert "pallas_fa3/kernels/data/h200_target_config.txtpb" in names
-  modules = {p.relative_to(REPO).as_posix()
-             for p in (REPO / "pallas_fa3").rglob("*.py")
-             if "__pycache__" not in p.parts}
+  modules = {
+    p.relative_to(REPO).as_posix()
+    for p in (REPO / "pallas_fa3").rglob("*.py")
+    if "__pycache__" not in p.parts
+  }
   assert modules == {n for n in names if n.endswith(".py")}
 
 
@@ -100,7 +126,8 @@ def test_wheel_installs_no_models_package(wheel):
   tops = {n.split("/")[0] for n in wheel.zip.namelist()}
   assert tops == {"pallas_fa3", DIST_INFO}
   assert wheel.zip.read(f"{DIST_INFO}/top_level.txt").decode().split() == [
-      "pallas_fa3"]
+    "pallas_fa3"
+  ]
 
 
 def test_wheel_carries_the_license(wheel):
@@ -111,8 +138,11 @@ def test_wheel_carries_the_license(wheel):
   assert text == (REPO / "LICENSE").read_bytes()
   assert b"Apache License\n                           Version 2.0" in text
   assert b"Copyright 2026 The pallas-fa3 authors" in text
-  assert not [line for line in wheel.log.splitlines()
-              if "warning" in line.lower() and "licen" in line.lower()]
+  assert not [
+    line
+    for line in wheel.log.splitlines()
+    if "warning" in line.lower() and "licen" in line.lower()
+  ]
 
 
 def test_training_dependencies_are_the_train_extra(wheel):
@@ -125,14 +155,16 @@ def test_training_dependencies_are_the_train_extra(wheel):
 
 def _forget_models(monkeypatch):
   """Drops `models` and its submodules from sys.modules (restored after)."""
-  for name in [n for n in sys.modules
-               if n == "models" or n.startswith("models.")]:
+  for name in [
+    n for n in sys.modules if n == "models" or n.startswith("models.")
+  ]:
     monkeypatch.delitem(sys.modules, name)
 
 
 @pytest.mark.parametrize("missing", ["optax", "orbax.checkpoint"])
-def test_train_without_the_train_extra_names_it(missing, monkeypatch, capsys,
-                                               tmp_path):
+def test_train_without_the_train_extra_names_it(
+  missing, monkeypatch, capsys, tmp_path
+):
   _forget_models(monkeypatch)
   monkeypatch.setitem(sys.modules, missing, None)  # import raises
   assert cli.main([*_TRAIN, "--out", str(tmp_path / "run")]) == 1
@@ -142,11 +174,15 @@ def test_train_without_the_train_extra_names_it(missing, monkeypatch, capsys,
   assert not (tmp_path / "run").exists()
 
 
-def test_train_outside_a_checkout_says_it_needs_one(monkeypatch, capsys,
-                                                    tmp_path):
+def test_train_outside_a_checkout_says_it_needs_one(
+  monkeypatch, capsys, tmp_path
+):
   monkeypatch.setitem(sys.modules, "models", None)  # `import models` fails
-  monkeypatch.setattr(example_models, "__file__",
-                      str(tmp_path / "pallas_fa3" / "example_models.py"))
+  monkeypatch.setattr(
+    example_models,
+    "__file__",
+    str(tmp_path / "pallas_fa3" / "example_models.py"),
+  )
   assert cli.main([*_TRAIN, "--out", str(tmp_path / "run")]) == 1
   err = capsys.readouterr().err
   assert "needs a source checkout of pallas-fa3 with its models/ folder" in err
@@ -159,14 +195,24 @@ def test_train_finds_models_next_to_the_package(monkeypatch):
   pytest.importorskip("orbax.checkpoint")
   _forget_models(monkeypatch)
   root = str(REPO)
-  monkeypatch.setattr(sys, "path", [
-      p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+  monkeypatch.setattr(
+    sys,
+    "path",
+    [p for p in sys.path if os.path.abspath(p or os.curdir) != root],
+  )
   # Editable installs made before models/ left the package may still map it.
-  monkeypatch.setattr(sys, "meta_path", [
-      f for f in sys.meta_path
-      if not getattr(f, "__module__", "").startswith("__editable__")])
+  monkeypatch.setattr(
+    sys,
+    "meta_path",
+    [
+      f
+      for f in sys.meta_path
+      if not getattr(f, "__module__", "").startswith("__editable__")
+    ],
+  )
   assert importlib.util.find_spec("models") is None
   example_models.require_models("pallas-fa3 train")
   assert sys.path[0] == root
   assert pathlib.Path(sys.modules["models.train"].__file__).is_relative_to(
-      REPO / "models")
+    REPO / "models"
+  )

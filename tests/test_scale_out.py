@@ -42,8 +42,9 @@ def _env() -> dict[str, str]:
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                          if p])
+    [str(REPO_ROOT)]
+    + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  )
   return env
 
 
@@ -63,22 +64,44 @@ def _failures(report: pathlib.Path) -> tuple[int, int, list[str]]:
 
 def _run_suite(suite: str, markexpr: str, tmp_path: pathlib.Path) -> None:
   report = tmp_path / "report.xml"
-  cmd = [sys.executable, "-m", "pytest", str(SUITE_DIR / suite), "-q",
-         "-p", "no:cacheprovider", "-o", "addopts=", "-m", markexpr,
-         f"--junitxml={report}", "--timeout", str(_TIMEOUT_S[markexpr])]
-  proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True,
-                        text=True, timeout=_TIMEOUT_S[markexpr] + 60,
-                        check=False)
+  cmd = [
+    sys.executable,
+    "-m",
+    "pytest",
+    str(SUITE_DIR / suite),
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-o",
+    "addopts=",
+    "-m",
+    markexpr,
+    f"--junitxml={report}",
+    "--timeout",
+    str(_TIMEOUT_S[markexpr]),
+  ]
+  proc = subprocess.run(
+    cmd,
+    cwd=REPO_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=_TIMEOUT_S[markexpr] + 60,
+    check=False,
+  )
   tail = (proc.stdout + proc.stderr)[-4000:]
   if proc.returncode == 5 and markexpr == "slow":
     pytest.skip(f"{suite} has no slow cases")
-  assert report.exists(), f"{suite} wrote no report (rc {proc.returncode}):\n{tail}"
+  assert report.exists(), (
+    f"{suite} wrote no report (rc {proc.returncode}):\n{tail}"
+  )
   ran, skipped, failed = _failures(report)
   assert not failed, f"{suite}: {len(failed)} failed:\n" + "\n".join(failed)
   assert proc.returncode == 0, f"{suite} exited with {proc.returncode}:\n{tail}"
   assert ran > 0 and skipped == 0, (
-      f"{suite}: {ran} collected, {skipped} skipped (did JAX see"
-      f" {SIMULATED_DEVICES} devices?):\n{tail}")
+    f"{suite}: {ran} collected, {skipped} skipped (did JAX see"
+    f" {SIMULATED_DEVICES} devices?):\n{tail}"
+  )
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -109,8 +132,11 @@ def test_zigzag_order(ring):
 
 
 def test_zigzag_order_needs_whole_chunks():
-  with pytest.raises(ValueError, match=r"seq_len=12 must be a positive"
-                     r" multiple of 2 \* ring_size = 8"):
+  with pytest.raises(
+    ValueError,
+    match=r"seq_len=12 must be a positive"
+    r" multiple of 2 \* ring_size = 8",
+  ):
     pallas_fa3.zigzag_order(12, 4)
 
 
@@ -146,6 +172,7 @@ def test_merge_is_exact_and_ignores_empty_parts():
   out, lse = ring_steps._merge(empty_out, empty_lse, full_out, full_lse)
   np.testing.assert_allclose(out, full_out, rtol=1e-6)
   np.testing.assert_array_equal(lse, full_lse)
-  out, lse = ring_steps._merge(jnp.zeros_like(full_out), empty_lse,
-                               jnp.zeros_like(full_out), empty_lse)
+  out, lse = ring_steps._merge(
+    jnp.zeros_like(full_out), empty_lse, jnp.zeros_like(full_out), empty_lse
+  )
   assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))

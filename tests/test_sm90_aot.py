@@ -20,16 +20,19 @@ import pytest
 
 from pallas_fa3.kernels import aot, ptx_profile
 
-_needs_packages = pytest.mark.skipif(aot.missing_packages() is not None,
-                                     reason=str(aot.missing_packages()))
+_needs_packages = pytest.mark.skipif(
+  aot.missing_packages() is not None, reason=str(aot.missing_packages())
+)
 
 
 def test_ptxas_report_parser():
-  text = ("ptxas warning : Registers are spilled to local memory in function"
-          " 'k', 24 bytes spill stores, 16 bytes spill loads\n"
-          "ptxas info    : Function properties for k\n"
-          "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
-          "ptxas info    : Used 168 registers, used 16 barriers\n")
+  text = (
+    "ptxas warning : Registers are spilled to local memory in function"
+    " 'k', 24 bytes spill stores, 16 bytes spill loads\n"
+    "ptxas info    : Function properties for k\n"
+    "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
+    "ptxas info    : Used 168 registers, used 16 barriers\n"
+  )
   assert aot._parse_ptxas(text) == (168, 24, 16)
   with pytest.raises(RuntimeError, match="no ptxas report"):
     aot._parse_ptxas("nothing here")
@@ -70,18 +73,34 @@ $L__BB0_5:
 
 
 def test_ptx_profile_reads_the_loop_and_the_sync():
-  p = ptx_profile.profile_ptx("k", _PTX, registers=168, spill_store_bytes=0,
-                              spill_load_bytes=0, smem_bytes=2048)
+  p = ptx_profile.profile_ptx(
+    "k",
+    _PTX,
+    registers=168,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=2048,
+  )
   assert p.threads == 384
   assert p.setmaxnreg == ("inc 240",)
   assert p.wgmma == {"m64n128k16 f32.bf16.bf16": 1}
   assert p.wait_group == {0: 1, 1: 1}
-  assert p.mbarrier_arrival_counts == (1, 256) and p.max_mbarrier_arrivals == 256
+  assert (
+    p.mbarrier_arrival_counts == (1, 256) and p.max_mbarrier_arrivals == 256
+  )
   assert p.named_barrier_ops == {"bar.sync": 1}
   assert p.tma == {"load": 1, "store": 1, "reduce": 1}
-  assert p.loop == {"wgmma": 1, "wait_group": 1, "ex2": 1, "ffma": 1,
-                    "fmul": 1, "shfl": 1, "mbarrier": 2, "bar": 1,
-                    "total": p.loop["total"]}
+  assert p.loop == {
+    "wgmma": 1,
+    "wait_group": 1,
+    "ex2": 1,
+    "ffma": 1,
+    "fmul": 1,
+    "shfl": 1,
+    "mbarrier": 2,
+    "bar": 1,
+    "total": p.loop["total"],
+  }
   # The loop: setp, wgmma, try_wait and its two branches, commit, wait, fma,
   # ex2, mul, shfl, bar, arrive, the back branch.
   assert p.loop["total"] == 14
@@ -90,18 +109,30 @@ def test_ptx_profile_reads_the_loop_and_the_sync():
 
 
 def test_ptx_profile_without_a_loop():
-  p = ptx_profile.profile_ptx("k", "ret;", registers=1, spill_store_bytes=0,
-                              spill_load_bytes=0, smem_bytes=None)
+  p = ptx_profile.profile_ptx(
+    "k",
+    "ret;",
+    registers=1,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=None,
+  )
   assert p.loop["total"] == 0 and p.wgmma == {} and p.threads == 0
 
 
-def _run_aot(*flags: str, timeout: int) -> tuple[subprocess.CompletedProcess, list]:
+def _run_aot(
+  *flags: str, timeout: int
+) -> tuple[subprocess.CompletedProcess, list]:
   # A fresh process: the CUDA plugin must not claim a GPU for a deviceless run.
   out = f"/tmp/pallas_fa3_aot_{os.getpid()}_{'_'.join(flags) or 'all'}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, "-m", "pallas_fa3.cli", "aot", "--json",
-                        out, *flags], env=env, capture_output=True, text=True,
-                       timeout=timeout)
+  run = subprocess.run(
+    [sys.executable, "-m", "pallas_fa3.cli", "aot", "--json", out, *flags],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   reports = json.loads(open(out).read()) if os.path.exists(out) else []
   return run, reports
 
@@ -114,8 +145,11 @@ def default_reports():
 
 
 def _spills(reports):
-  return {r["name"]: (r["spill_store_bytes"], r["spill_load_bytes"])
-          for r in reports if r["spill_store_bytes"] or r["spill_load_bytes"]}
+  return {
+    r["name"]: (r["spill_store_bytes"], r["spill_load_bytes"])
+    for r in reports
+    if r["spill_store_bytes"] or r["spill_load_bytes"]
+  }
 
 
 @_needs_packages
@@ -130,7 +164,9 @@ def test_default_configs_compile_without_spills(default_reports):
 
 @_needs_packages
 @pytest.mark.timeout(1800)
-def test_default_profiles_describe_warp_specialized_wgmma_kernels(default_reports):
+def test_default_profiles_describe_warp_specialized_wgmma_kernels(
+  default_reports,
+):
   run, reports = default_reports
   assert "| kernel | threads |" in run.stdout  # the --profile table
   for r in reports:

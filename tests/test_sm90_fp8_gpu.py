@@ -16,27 +16,36 @@ import pytest
 
 from pallas_fa3 import backends, fp8
 from pallas_fa3.backends import blockwise_fp8
-from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
-from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
+from pallas_fa3.kernels.sm90 import (
+  config_fp8 as sm90_fp8_config,
+  forward_fp8 as sm90_fwd_fp8,
+)
 from pallas_fa3.reference import golden_attention
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import Shape, gpu_tier, max_abs_err, random_inputs
 
 pytestmark = [
-    pytest.mark.skipif(backends.hopper_reason() is not None,
-                       reason=f"needs an sm90 GPU: {backends.hopper_reason()}"),
-    pytest.mark.timeout(120),
+  pytest.mark.skipif(
+    backends.hopper_reason() is not None,
+    reason=f"needs an sm90 GPU: {backends.hopper_reason()}",
+  ),
+  pytest.mark.timeout(120),
 ]
 
 
 def _configs():
   for d in sm90_fp8_config.FP8_HEAD_DIMS:
     for config in sm90_fp8_config.fp8_forward_config_space(d):
-      if (gpu_tier() == "quick"
-          and config != sm90_fp8_config.default_fp8_forward_config(d)):
+      if (
+        gpu_tier() == "quick"
+        and config != sm90_fp8_config.default_fp8_forward_config(d)
+      ):
         continue
-      yield pytest.param(d, config, id=f"d{d}-{config.block_q}x"
-                         f"{config.block_kv}x{config.num_stages}")
+      yield pytest.param(
+        d,
+        config,
+        id=f"d{d}-{config.block_q}x{config.block_kv}x{config.num_stages}",
+      )
 
 
 def _rms(x) -> float:
@@ -55,14 +64,19 @@ def test_every_fp8_config_matches_its_twin(head_dim, config):
     q, k, v, _ = random_inputs(sub, shape, jnp.bfloat16)
     spec = make_spec(q, k, v, causal=causal)
     x = fp8.quantize(q, k, v, block_q=config.block_q, block_kv=config.block_kv)
-    out, lse = jax.jit(lambda *a: sm90_fwd_fp8.sm90_forward_fp8(
-        spec, config, *a))(*x)
-    twin_out, twin_lse = jax.jit(lambda *a: blockwise_fp8.blockwise_forward_fp8(
-        spec, config.block_q, config.block_kv, *a))(*x)
+    out, lse = jax.jit(
+      lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a)
+    )(*x)
+    twin_out, twin_lse = jax.jit(
+      lambda *a: blockwise_fp8.blockwise_forward_fp8(
+        spec, config.block_q, config.block_kv, *a
+      )
+    )(*x)
     golden, golden_lse = golden_attention(q, k, v, causal=causal)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)),
-                                  np.isneginf(golden_lse))
+    np.testing.assert_array_equal(
+      np.isneginf(np.asarray(lse)), np.isneginf(golden_lse)
+    )
     # The GPU and the twin differ by exp2 (approximate), the wgmma's
     # accumulation and P entries that round to the other e4m3 neighbour:
     # small against the FP8 error itself.

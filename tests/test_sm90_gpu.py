@@ -18,20 +18,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import case_id
+
 from pallas_fa3 import backends, reference
-from pallas_fa3.kernels.sm90 import config as sm90_config
-from pallas_fa3.kernels.sm90 import backward as sm90_bwd
-from pallas_fa3.kernels.sm90 import forward as sm90_fwd
+from pallas_fa3.kernels.sm90 import (
+  backward as sm90_bwd,
+  config as sm90_config,
+  forward as sm90_fwd,
+)
 from pallas_fa3.spec import make_spec
-from pallas_fa3.testing import (Shape, assert_within_tolerance,
-                                golden_and_naive, gpu_tier, random_inputs)
+from pallas_fa3.testing import (
+  Shape,
+  assert_within_tolerance,
+  golden_and_naive,
+  gpu_tier,
+  random_inputs,
+)
 
 pytestmark = [
-    pytest.mark.skipif(backends.hopper_reason() is not None,
-                       reason=f"needs an sm90 GPU: {backends.hopper_reason()}"),
-    pytest.mark.timeout(120),
+  pytest.mark.skipif(
+    backends.hopper_reason() is not None,
+    reason=f"needs an sm90 GPU: {backends.hopper_reason()}",
+  ),
+  pytest.mark.timeout(120),
 ]
 
 _SEEDS = 3  # input sets through each compiled kernel
@@ -46,9 +55,12 @@ def _shapes(head_dim: int, default: bool):
 
 def _spec(shape: Shape, dtype: str, causal: bool):
   struct = lambda s, h, d: jax.ShapeDtypeStruct((shape.batch, s, h, d), dtype)
-  return make_spec(struct(shape.seq_q, shape.heads_q, shape.head_dim),
-                   struct(shape.seq_kv, shape.heads_kv, shape.head_dim),
-                   struct(shape.seq_kv, shape.heads_kv, shape.dv), causal=causal)
+  return make_spec(
+    struct(shape.seq_q, shape.heads_q, shape.head_dim),
+    struct(shape.seq_kv, shape.heads_kv, shape.head_dim),
+    struct(shape.seq_kv, shape.heads_kv, shape.dv),
+    causal=causal,
+  )
 
 
 def _cases(space, default_of):
@@ -60,12 +72,17 @@ def _cases(space, default_of):
       if gpu_tier() == "quick" and not is_default:
         continue
       for dtype in ("bfloat16", "float16") if is_default else ("bfloat16",):
-        yield pytest.param(dtype, d, config, is_default,
-                           id=case_id(dtype, d, config))
+        yield pytest.param(
+          dtype, d, config, is_default, id=case_id(dtype, d, config)
+        )
 
 
-@pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    sm90_config.forward_config_space, sm90_config.default_forward_config)))
+@pytest.mark.parametrize(
+  "dtype,head_dim,config,default",
+  list(
+    _cases(sm90_config.forward_config_space, sm90_config.default_forward_config)
+  ),
+)
 def test_forward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 1000 + config.block_kv + config.num_stages)
   for causal, shape in _shapes(head_dim, default):
@@ -94,8 +111,14 @@ def test_rows_without_keys_and_determinism():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(again[0]))
 
 
-@pytest.mark.parametrize("dtype,head_dim,config,default", list(_cases(
-    sm90_config.backward_config_space, sm90_config.default_backward_config)))
+@pytest.mark.parametrize(
+  "dtype,head_dim,config,default",
+  list(
+    _cases(
+      sm90_config.backward_config_space, sm90_config.default_backward_config
+    )
+  ),
+)
 def test_backward_configs_match_golden(dtype, head_dim, config, default):
   key = jax.random.key(head_dim * 7 + config.block_q + config.num_stages)
   for causal, shape in _shapes(head_dim, default):
@@ -108,8 +131,12 @@ def test_backward_configs_match_golden(dtype, head_dim, config, default):
       args = (q, k, v, out.astype(q.dtype), lse, dout, jnp.zeros_like(lse))
       grads = f(*args)
       golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
-      for name, x, n, g in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
+      for name, x, n, g in zip(
+        ("dq", "dk", "dv"), grads, naive[2:], golden[2:]
+      ):
         assert_within_tolerance(name, x, n, g)
       if seed == 0:  # bitwise reproducible (no atomics)
         for name, x, y in zip(("dq", "dk", "dv"), grads, f(*args)):
-          np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+          np.testing.assert_array_equal(
+            np.asarray(x), np.asarray(y), err_msg=name
+          )

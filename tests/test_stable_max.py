@@ -6,7 +6,6 @@ by rounding; gradients stay those of attention; bad settings name the field.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +23,15 @@ def _run(q, k, v, dout, stable_max, *, causal=False, config=None):
   @jax.jit
   def f(q, k, v, dout):
     fwd = lambda q, k, v: pallas_fa3.flash_attention(
-        q, k, v, causal=causal, return_lse=True, implementation="blockwise",
-        config=config, stable_max=stable_max)
+      q,
+      k,
+      v,
+      causal=causal,
+      return_lse=True,
+      implementation="blockwise",
+      config=config,
+      stable_max=stable_max,
+    )
     (out, lse), pullback = jax.vjp(fwd, q, k, v)
     return (out, lse) + tuple(pullback((dout, jnp.zeros_like(lse))))
 
@@ -57,10 +63,18 @@ def _tied_inputs(key, dtype, *, negative=False, scale=4.0):
 
 def test_no_ties_is_bitwise_unchanged(key):
   q, k, v, dout = random_inputs(key, Shape(2, 77, 77, 4, 2, 64), jnp.bfloat16)
-  off = _run(q, k, v, dout, None, causal=True,
-             config=pallas_fa3.BlockwiseConfig(32, 32))
-  on = _run(q, k, v, dout, pallas_fa3.StableMax(tie_tolerance=0.0),
-            causal=True, config=pallas_fa3.BlockwiseConfig(32, 32))
+  off = _run(
+    q, k, v, dout, None, causal=True, config=pallas_fa3.BlockwiseConfig(32, 32)
+  )
+  on = _run(
+    q,
+    k,
+    v,
+    dout,
+    pallas_fa3.StableMax(tie_tolerance=0.0),
+    causal=True,
+    config=pallas_fa3.BlockwiseConfig(32, 32),
+  )
   for a, b in zip(off, on):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -69,8 +83,9 @@ def test_no_ties_is_bitwise_unchanged(key):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_ties_change_only_rounding_and_keep_gradients(key, dtype, negative):
   q, k, v, dout = _tied_inputs(key, dtype, negative=negative)
-  scores = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64),
-                     np.asarray(k, np.float64)) / np.sqrt(q.shape[-1])
+  scores = np.einsum(
+    "bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)
+  ) / np.sqrt(q.shape[-1])
   assert ((scores.max(-1) > 0) != negative).all()  # the branch under test
   cfg = pallas_fa3.BlockwiseConfig(32, 64)
   off = _run(q, k, v, dout, None, config=cfg)
@@ -78,8 +93,9 @@ def test_ties_change_only_rounding_and_keep_gradients(key, dtype, negative):
   assert not np.array_equal(np.asarray(off[0]), np.asarray(on[0]))
   g_out, g_lse = golden_attention(q, k, v)
   g_grads = golden_attention_vjp(q, k, v, dout)
-  for name, got, ref, gold in zip(("out", "lse", "dq", "dk", "dv"), on, off,
-                                  (g_out, g_lse) + tuple(g_grads)):
+  for name, got, ref, gold in zip(
+    ("out", "lse", "dq", "dk", "dv"), on, off, (g_out, g_lse) + tuple(g_grads)
+  ):
     # The fix's result is as close to the golden as the plain one's, up to
     # the rule's factor 2 (both are kernel-like roundings of one function).
     assert_within_tolerance(name, got, ref, gold)
@@ -88,8 +104,9 @@ def test_ties_change_only_rounding_and_keep_gradients(key, dtype, negative):
 def test_empty_causal_rows_stay_empty(key):
   q, k, v, dout = random_inputs(key, Shape(1, 40, 24, 2, 1, 32), jnp.bfloat16)
   k = k.at[:, 5].set(k[:, 6])  # a tie in every row that sees both keys
-  out, lse, *grads = _run(q, k, v, dout, True, causal=True,
-                          config=pallas_fa3.BlockwiseConfig(16, 16))
+  out, lse, *grads = _run(
+    q, k, v, dout, True, causal=True, config=pallas_fa3.BlockwiseConfig(16, 16)
+  )
   empty = 40 - 24
   assert np.all(np.asarray(out[:, :empty]) == 0)
   assert np.all(np.isneginf(np.asarray(lse[..., :empty])))
@@ -97,20 +114,30 @@ def test_empty_causal_rows_stay_empty(key):
 
 
 def test_tile_max_follows_the_rule():
-  s = jnp.array([[3.0, 3.0, 1.0],  # positive repeated max -> beta * 3
-                 [-2.0, -2.0, -5.0],  # negative repeated max -> 0
-                 [3.0, 1.0, 0.0],  # no tie -> the max
-                 [2.0, 2.0005, 0.0],  # a tie within the tolerance
-                 [-jnp.inf, -jnp.inf, -jnp.inf]])  # fully masked -> -inf
+  s = jnp.array(
+    [
+      [3.0, 3.0, 1.0],  # positive repeated max -> beta * 3
+      [-2.0, -2.0, -5.0],  # negative repeated max -> 0
+      [3.0, 1.0, 0.0],  # no tie -> the max
+      [2.0, 2.0005, 0.0],  # a tie within the tolerance
+      [-jnp.inf, -jnp.inf, -jnp.inf],
+    ]
+  )  # fully masked -> -inf
   m = sm.tile_max(s, sm.StableMax(beta=2.0), unit=1.0, max_shift=100.0)
   np.testing.assert_allclose(np.asarray(m), [6.0, 0.0, 3.0, 4.001, -np.inf])
   capped = sm.tile_max(s, sm.StableMax(beta=8.0), unit=1.0, max_shift=5.0)
   np.testing.assert_allclose(np.asarray(capped)[:2], [8.0, 0.0])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(beta=1.0), "beta"), (dict(beta=float("nan")), "beta"),
-    (dict(tie_tolerance=-1e-3), "tie_tolerance"), (dict(beta="2"), "beta")])
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
+    (dict(beta=1.0), "beta"),
+    (dict(beta=float("nan")), "beta"),
+    (dict(tie_tolerance=-1e-3), "tie_tolerance"),
+    (dict(beta="2"), "beta"),
+  ],
+)
 def test_bad_settings_name_the_field(kwargs, field):
   with pytest.raises((TypeError, ValueError), match=f"StableMax.{field}"):
     pallas_fa3.StableMax(**kwargs)
@@ -128,13 +155,15 @@ def test_bad_stable_max_argument_is_named():
 def test_other_backends_refuse_it(implementation):
   q = jnp.ones((1, 8, 1, 16), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="stable_max.*blockwise"):
-    pallas_fa3.flash_attention(q, q, q, stable_max=True,
-                               implementation=implementation)
+    pallas_fa3.flash_attention(
+      q, q, q, stable_max=True, implementation=implementation
+    )
 
 
 def test_automatic_choice_runs_blockwise_with_it(key):
   q, k, v, _ = random_inputs(key, Shape(1, 33, 33, 2, 2, 16), jnp.bfloat16)
   auto = pallas_fa3.flash_attention(q, k, v, stable_max=True)
-  explicit = pallas_fa3.flash_attention(q, k, v, stable_max=True,
-                                        implementation="blockwise")
+  explicit = pallas_fa3.flash_attention(
+    q, k, v, stable_max=True, implementation="blockwise"
+  )
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))

@@ -9,22 +9,55 @@ import pytest
 
 from models import data
 from models.gpt import GPTConfig
-from models.train import (CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE,
-                          TrainConfig, train)
+from models.train import (
+  CHECKPOINT_DIR,
+  METRICS_FILE,
+  SUMMARY_FILE,
+  TrainConfig,
+  train,
+)
 from pallas_fa3 import cli
 
 TINY_MODEL = GPTConfig(num_layers=1, d_model=32, num_heads=2, max_seq_len=32)
 # One tiny setting for every test, so they share one compilation
 # (models.train caches programs); steps are milliseconds each.
-TINY_TRAIN = TrainConfig(steps=40, batch_size=8, seq_len=32, lr=1e-2,
-                         warmup_steps=4, eval_interval=20, eval_batches=2,
-                         checkpoint_interval=0, max_bytes=1 << 18)
+TINY_TRAIN = TrainConfig(
+  steps=40,
+  batch_size=8,
+  seq_len=32,
+  lr=1e-2,
+  warmup_steps=4,
+  eval_interval=20,
+  eval_batches=2,
+  checkpoint_interval=0,
+  max_bytes=1 << 18,
+)
 # The same settings as TINY_MODEL / TINY_TRAIN (one compilation for both).
-TINY_FLAGS = ["--layers", "1", "--d-model", "32", "--heads", "2",
-              "--seq-len", "32", "--batch", "8", "--steps", "40", "--lr", "1e-2",
-              "--warmup-steps", "4", "--eval-interval", "20",
-              "--eval-batches", "2", "--max-bytes", str(1 << 18),
-              "--no-progress"]
+TINY_FLAGS = [
+  "--layers",
+  "1",
+  "--d-model",
+  "32",
+  "--heads",
+  "2",
+  "--seq-len",
+  "32",
+  "--batch",
+  "8",
+  "--steps",
+  "40",
+  "--lr",
+  "1e-2",
+  "--warmup-steps",
+  "4",
+  "--eval-interval",
+  "20",
+  "--eval-batches",
+  "2",
+  "--max-bytes",
+  str(1 << 18),
+  "--no-progress",
+]
 _quiet = lambda line: None
 
 
@@ -56,8 +89,10 @@ def test_resume_is_exact_and_runs_are_deterministic(tmp_path):
   assert {**first["losses"], **second["losses"]} == straight["losses"]
   assert second["final_val_bpb"] == straight["final_val_bpb"]
   assert second["init_val_bpb"] == straight["init_val_bpb"]
-  records = [json.loads(l) for l in
-             (tmp_path / "resumed" / METRICS_FILE).read_text().splitlines()]
+  records = [
+    json.loads(l)
+    for l in (tmp_path / "resumed" / METRICS_FILE).read_text().splitlines()
+  ]
   steps = [r["step"] for r in records if "train_bpb" in r]
   assert steps == list(range(1, TINY_TRAIN.steps + 1))
 
@@ -65,8 +100,11 @@ def test_resume_is_exact_and_runs_are_deterministic(tmp_path):
 def test_checkpoints_are_saved_on_schedule(tmp_path):
   cfg = dataclasses.replace(TINY_TRAIN, checkpoint_interval=15)
   _train(tmp_path, cfg=cfg)
-  saved = sorted(int(p.name) for p in (tmp_path / CHECKPOINT_DIR).iterdir()
-                 if p.name.isdigit())
+  saved = sorted(
+    int(p.name)
+    for p in (tmp_path / CHECKPOINT_DIR).iterdir()
+    if p.name.isdigit()
+  )
   assert saved == [30, 40]  # every 15 steps and at the end; newest two kept
 
 
@@ -76,8 +114,11 @@ def test_resume_refuses_a_different_config(tmp_path):
   with pytest.raises(ValueError, match="TrainConfig.lr"):
     _train(tmp_path, cfg=other, resume=True)
   with pytest.raises(ValueError, match="GPTConfig.norm"):
-    _train(tmp_path, model=dataclasses.replace(TINY_MODEL, norm="layernorm"),
-           resume=True)
+    _train(
+      tmp_path,
+      model=dataclasses.replace(TINY_MODEL, norm="layernorm"),
+      resume=True,
+    )
 
 
 def test_existing_run_is_not_overwritten_and_missing_one_not_resumed(tmp_path):
@@ -99,6 +140,7 @@ def test_config_validation_names_the_field():
 
 # --- the command line --------------------------------------------------------
 
+
 def test_cli_train_end_to_end(tmp_path, capsys):
   out = tmp_path / "run"
   assert cli.main(["train", *TINY_FLAGS, "--out", str(out)]) == 0
@@ -108,10 +150,19 @@ def test_cli_train_end_to_end(tmp_path, capsys):
   assert summary["final_step"] == 40 and summary["completed"]
   assert summary["model_config"]["num_layers"] == 1
   assert summary["train_config"]["steps"] == 40
-  for key in ("init_val_bpb", "final_val_bpb", "tokens_per_s", "wall_time_s",
-              "num_params", "jax_version", "attention_backend"):
+  for key in (
+    "init_val_bpb",
+    "final_val_bpb",
+    "tokens_per_s",
+    "wall_time_s",
+    "num_params",
+    "jax_version",
+    "attention_backend",
+  ):
     assert summary[key] is not None, key
-  assert (out / METRICS_FILE).exists() and (out / CHECKPOINT_DIR / "40").exists()
+  assert (out / METRICS_FILE).exists() and (
+    out / CHECKPOINT_DIR / "40"
+  ).exists()
   # Running it again needs --resume; with it, a finished run just reports.
   assert cli.main(["train", *TINY_FLAGS, "--out", str(out)]) == 1
   assert "already holds checkpoints" in capsys.readouterr().err
@@ -124,8 +175,9 @@ def test_cli_train_defaults_are_the_config_defaults():
   args = cli.build_parser().parse_args(["train"])
   model_cfg, train_cfg = cli._train_configs(args)  # pylint: disable=protected-access
   assert train_cfg == TrainConfig()
-  assert model_cfg == dataclasses.replace(GPTConfig(),
-                                          max_seq_len=TrainConfig().seq_len)
+  assert model_cfg == dataclasses.replace(
+    GPTConfig(), max_seq_len=TrainConfig().seq_len
+  )
 
 
 def test_cli_train_help(capsys):
@@ -134,18 +186,34 @@ def test_cli_train_help(capsys):
   assert e.value.code == 0
   out = capsys.readouterr().out
   assert out.startswith("usage: pallas-fa3 train "), out
-  for flag in ("--layers", "--d-model", "--heads", "--kv-heads", "--steps",
-               "--batch", "--seq-len", "--dtype", "--implementation", "--lr",
-               "--seed", "--out", "--eval-interval", "--checkpoint-interval",
-               "--resume"):
+  for flag in (
+    "--layers",
+    "--d-model",
+    "--heads",
+    "--kv-heads",
+    "--steps",
+    "--batch",
+    "--seq-len",
+    "--dtype",
+    "--implementation",
+    "--lr",
+    "--seed",
+    "--out",
+    "--eval-interval",
+    "--checkpoint-interval",
+    "--resume",
+  ):
     assert flag in out, flag
 
 
-@pytest.mark.parametrize("argv, match", [
+@pytest.mark.parametrize(
+  "argv, match",
+  [
     (["--heads", "3"], "d_model"),
     (["--steps", "0"], "steps"),
     (["--dtype", "float16"], "invalid choice"),
-])
+  ],
+)
 def test_cli_train_bad_flags_are_usage_errors(argv, match, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["train", *argv])
@@ -155,8 +223,19 @@ def test_cli_train_bad_flags_are_usage_errors(argv, match, capsys):
 
 
 def test_cli_train_unavailable_backend_fails_loudly(tmp_path, capsys):
-  assert cli.main(["train", *TINY_FLAGS, "--implementation", "mosaic",
-                   "--out", str(tmp_path)]) == 1
+  assert (
+    cli.main(
+      [
+        "train",
+        *TINY_FLAGS,
+        "--implementation",
+        "mosaic",
+        "--out",
+        str(tmp_path),
+      ]
+    )
+    == 1
+  )
   err = capsys.readouterr().err
   # The tiny model's head_dim 16 is not a kernel head dim; on a CPU with a
   # served shape the message is "cannot run here: no GPU ...".

@@ -25,42 +25,61 @@ from pallas_fa3.spec import AttentionSpec
 hopper_reason = sm90.hopper_reason  # re-exported: None on an sm90 GPU
 
 
-def _reference_forward(spec: AttentionSpec, config: Any, q: jax.Array,
-                       k: jax.Array, v: jax.Array
-                       ) -> tuple[jax.Array, jax.Array]:
+def _reference_forward(
+  spec: AttentionSpec, config: Any, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   del config
   return reference.reference_forward(spec, q, k, v)
 
 
-def _reference_backward(spec: AttentionSpec, config: Any, q: jax.Array,
-                        k: jax.Array, v: jax.Array, out: jax.Array,
-                        lse: jax.Array, dout: jax.Array, dlse: jax.Array
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _reference_backward(
+  spec: AttentionSpec,
+  config: Any,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   del config, out, lse  # plain autodiff through the materialized forward
-  _, pullback = jax.vjp(lambda *a: reference.reference_forward(spec, *a),
-                        q, k, v)
+  _, pullback = jax.vjp(
+    lambda *a: reference.reference_forward(spec, *a), q, k, v
+  )
   return pullback((dout, dlse))
 
 
 def _reference_unsupported(spec: AttentionSpec, config: Any) -> str | None:
   del config
   if spec.fp8 is not None:
-    return ("the reference has no FP8 path (the float64 golden is the oracle"
-            " of FP8 accuracy)")
+    return (
+      "the reference has no FP8 path (the float64 golden is the oracle"
+      " of FP8 accuracy)"
+    )
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   return None
 
 
 REFERENCE = Backend(
-    "reference", "materialized baseline attention in float32 (the oracle;"
-    " memory quadratic in sequence length)", _reference_forward,
-    _reference_backward, _reference_unsupported, backward_uses_lse=False)
+  "reference",
+  "materialized baseline attention in float32 (the oracle;"
+  " memory quadratic in sequence length)",
+  _reference_forward,
+  _reference_backward,
+  _reference_unsupported,
+  backward_uses_lse=False,
+)
 
 # Fastest first: the automatic choice takes the first automatic backend that
 # can serve the call.
-BACKENDS: tuple[Backend, ...] = (sm90.MOSAIC, sm90.INTERPRET, blockwise.BACKEND,
-                                 REFERENCE)
+BACKENDS: tuple[Backend, ...] = (
+  sm90.MOSAIC,
+  sm90.INTERPRET,
+  blockwise.BACKEND,
+  REFERENCE,
+)
 _BY_NAME = {b.name: b for b in BACKENDS}
 IMPLEMENTATIONS: tuple[str, ...] = tuple(_BY_NAME)
 Implementation = Literal[IMPLEMENTATIONS]  # "mosaic", "interpret", ...
@@ -88,16 +107,20 @@ def check_implementation(implementation: Any) -> str | None:
     return None
   if not isinstance(implementation, str):
     raise TypeError(
-        f"implementation must be None or a string, one of {IMPLEMENTATIONS};"
-        f" got {implementation!r} of type {type(implementation).__name__}")
+      f"implementation must be None or a string, one of {IMPLEMENTATIONS};"
+      f" got {implementation!r} of type {type(implementation).__name__}"
+    )
   if implementation not in _BY_NAME:
-    raise ValueError(f"implementation must be None or one of"
-                     f" {IMPLEMENTATIONS}; got {implementation!r}")
+    raise ValueError(
+      f"implementation must be None or one of"
+      f" {IMPLEMENTATIONS}; got {implementation!r}"
+    )
   return implementation
 
 
-def _reason(backend: Backend, spec: AttentionSpec, config: Any,
-            automatic: bool) -> str | None:
+def _reason(
+  backend: Backend, spec: AttentionSpec, config: Any, automatic: bool
+) -> str | None:
   """Why `backend` cannot serve the call (with the device when automatic)."""
   reason = backend.config_mismatch(config)
   if reason is None and automatic:
@@ -107,22 +130,27 @@ def _reason(backend: Backend, spec: AttentionSpec, config: Any,
   return reason
 
 
-def unsupported_reason(implementation: str, spec: AttentionSpec,
-                       config: Any = None) -> str | None:
+def unsupported_reason(
+  implementation: str, spec: AttentionSpec, config: Any = None
+) -> str | None:
   """Why `implementation` cannot serve the call (devices aside), or None."""
   return _reason(get(implementation), spec, config, automatic=False)
 
 
-def explain_choice(spec: AttentionSpec, config: Any = None
-                   ) -> list[tuple[str, str | None]]:
+def explain_choice(
+  spec: AttentionSpec, config: Any = None
+) -> list[tuple[str, str | None]]:
   """The automatic candidates in order, each with its reason to be skipped
   (None for those that can serve the call)."""
-  return [(name, _reason(_BY_NAME[name], spec, config, automatic=True))
-          for name in AUTO_ORDER]
+  return [
+    (name, _reason(_BY_NAME[name], spec, config, automatic=True))
+    for name in AUTO_ORDER
+  ]
 
 
-def resolve(spec: AttentionSpec, implementation: str | None, config: Any
-            ) -> tuple[Backend, Any]:
+def resolve(
+  spec: AttentionSpec, implementation: str | None, config: Any
+) -> tuple[Backend, Any]:
   """The backend for a call and its config with defaults filled in.
 
   Raises:
@@ -133,13 +161,13 @@ def resolve(spec: AttentionSpec, implementation: str | None, config: Any
   implementation = check_implementation(implementation)
   if implementation is None:
     candidates = explain_choice(spec, config)
-    chosen = next((name for name, reason in candidates if reason is None),
-                  None)
+    chosen = next((name for name, reason in candidates if reason is None), None)
     if chosen is None:
       reasons = "; ".join(f"{n}: {r}" for n, r in candidates)
       if config is not None:
-        raise TypeError(f"config={config!r} fits no automatically chosen"
-                        f" backend ({reasons})")
+        raise TypeError(
+          f"config={config!r} fits no automatically chosen backend ({reasons})"
+        )
       raise NotImplementedError(f"no backend can run this call ({reasons})")
     backend = _BY_NAME[chosen]
   else:
@@ -150,7 +178,8 @@ def resolve(spec: AttentionSpec, implementation: str | None, config: Any
     reason = _reason(backend, spec, config, automatic=False)
     if reason:
       raise NotImplementedError(
-          f"implementation={implementation!r} cannot run this call: {reason}")
+        f"implementation={implementation!r} cannot run this call: {reason}"
+      )
   return backend, backend.make_config(spec, config)
 
 
@@ -161,7 +190,8 @@ def require_runnable_here(backend: Backend) -> None:
   reason = backend.device_reason()
   if reason:
     raise NotImplementedError(
-        f"implementation={backend.name!r} cannot run here: {reason}. It needs"
-        " an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda']) lowers it"
-        " on any machine, and implementation='interpret' runs the same kernel"
-        " on a CPU")
+      f"implementation={backend.name!r} cannot run here: {reason}. It needs"
+      " an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda']) lowers it"
+      " on any machine, and implementation='interpret' runs the same kernel"
+      " on a CPU"
+    )

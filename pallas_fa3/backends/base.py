@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -11,9 +12,10 @@ from pallas_fa3.quant import e4m3
 from pallas_fa3.spec import AttentionSpec
 
 NO_FP8_GRADIENT = (
-    "gradients through FP8 attention are not implemented; differentiate the"
-    " bf16/fp16 path (fp8=False) or wrap the FP8 call in"
-    " jax.lax.stop_gradient")
+  "gradients through FP8 attention are not implemented; differentiate the"
+  " bf16/fp16 path (fp8=False) or wrap the FP8 call in"
+  " jax.lax.stop_gradient"
+)
 
 
 def _no_reason(spec: AttentionSpec, config: Any) -> str | None:
@@ -70,21 +72,33 @@ class Backend:
     names = " or ".join(c.__name__ for c in self.config_types)
     return f"implementation={self.name!r} takes a {names}"
 
-  def run_forward(self, spec: AttentionSpec, config: Any, q: jax.Array,
-                  k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def run_forward(
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+  ) -> tuple[jax.Array, jax.Array]:
     """`forward`, or with `spec.fp8` the quantization pass and `fp8_forward`."""
     if spec.fp8 is None:
       return self.forward(spec, config, q, k, v)
     block_q, block_kv = self.fp8_tiles(config)
     x = e4m3.quantize_inputs(
-        q, k, v, spec.fp8.prng_key(), block_q=block_q, block_kv=block_kv,
-        block_quantization=spec.fp8.block_quantization,
-        rotation=spec.fp8.rotation)
+      q,
+      k,
+      v,
+      spec.fp8.prng_key(),
+      block_q=block_q,
+      block_kv=block_kv,
+      block_quantization=spec.fp8.block_quantization,
+      rotation=spec.fp8.rotation,
+    )
     return self.fp8_forward(spec, config, x)
 
-  def run_backward(self, spec: AttentionSpec, config: Any,
-                   *residuals_and_cts: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def run_backward(
+    self, spec: AttentionSpec, config: Any, *residuals_and_cts: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`backward` on `(q, k, v, out, lse, dout, dlse)`; returns (dq, dk, dv).
 
     Raises:

@@ -42,14 +42,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import masking
-from pallas_fa3 import stable_max as stable_max_lib
+from pallas_fa3 import masking, stable_max as stable_max_lib
 from pallas_fa3.backends import blockwise_fp8
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
 
-_LN2 = math.log(2.0)  # converts the base-2 LSE back to the natural-log convention
+_LN2 = math.log(
+  2.0
+)  # converts the base-2 LSE back to the natural-log convention
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
 
@@ -88,7 +89,7 @@ class _Tiling:
   num_kv: int
 
   @classmethod
-  def of(cls, spec: AttentionSpec, config: BlockwiseConfig) -> "_Tiling":
+  def of(cls, spec: AttentionSpec, config: BlockwiseConfig) -> _Tiling:
     bq = min(config.block_q, spec.seq_q)
     bkv = min(config.block_kv, spec.seq_kv)
     return cls(bq, bkv, _cdiv(spec.seq_q, bq), _cdiv(spec.seq_kv, bkv))
@@ -117,25 +118,40 @@ def _varying_like(tree: Any, *operands: jax.Array) -> Any:
   empty = [x.reshape(-1)[:0].astype(jnp.float32) for x in operands]
   ref = functools.reduce(operator.add, empty)
   return jax.tree.map(
-      lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree)
+    lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree
+  )
 
 
 def _seq_tile(x: jax.Array, index: Any, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
-def _scores_log2(spec: AttentionSpec, q_tile: jax.Array, k_tile: jax.Array,
-                 q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+def _scores_log2(
+  spec: AttentionSpec,
+  q_tile: jax.Array,
+  k_tile: jax.Array,
+  q_pos: jax.Array,
+  kv_pos: jax.Array,
+) -> jax.Array:
   """Masked base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`."""
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
-                 preferred_element_type=jnp.float32, precision=_HIGHEST)
+  s = jnp.einsum(
+    "bqhgd,bkhd->bhgqk",
+    q_tile,
+    k_tile,
+    preferred_element_type=jnp.float32,
+    precision=_HIGHEST,
+  )
   s = s * jnp.float32(spec.softmax_scale * LOG2E)
   return jnp.where(masking.visible(spec, q_pos, kv_pos), s, -jnp.inf)
 
 
-def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
-                      q: jax.Array, k: jax.Array, v: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
+def blockwise_forward(
+  spec: AttentionSpec,
+  config: BlockwiseConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`)."""
   t = _Tiling.of(spec, config)
   qp = group_heads(_pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
@@ -149,52 +165,84 @@ def blockwise_forward(spec: AttentionSpec, config: BlockwiseConfig,
 
     def kv_step(j, carry):
       m, l, acc = carry
-      s = _scores_log2(spec, q_tile, _seq_tile(kp, j, t.block_kv), q_pos,
-                       j * t.block_kv + jnp.arange(t.block_kv))
+      s = _scores_log2(
+        spec,
+        q_tile,
+        _seq_tile(kp, j, t.block_kv),
+        q_pos,
+        j * t.block_kv + jnp.arange(t.block_kv),
+      )
       if spec.stable_max is None:
         m_new = jnp.maximum(m, s.max(axis=-1))
       else:  # scores are base 2 here: one natural-log unit is log2(e)
-        m_new = jnp.maximum(m, stable_max_lib.tile_max(
-            s, spec.stable_max, unit=LOG2E,
-            max_shift=stable_max_lib.max_shift_log2(spec.dtype)))
+        m_new = jnp.maximum(
+          m,
+          stable_max_lib.tile_max(
+            s,
+            spec.stable_max,
+            unit=LOG2E,
+            max_shift=stable_max_lib.max_shift_log2(spec.dtype),
+          ),
+        )
       # Until a row has seen a visible key its max is -inf; exponentiate
       # against 0 instead so that exp2(-inf) = 0 rather than NaN.
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_ref)
       p = jnp.exp2(s - m_ref[..., None])
       l = alpha * l + p.sum(axis=-1)
-      pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(spec.dtype),
-                      _seq_tile(vp, j, t.block_kv),
-                      preferred_element_type=jnp.float32, precision=_HIGHEST)
+      pv = jnp.einsum(
+        "bhgqk,bkhd->bhgqd",
+        p.astype(spec.dtype),
+        _seq_tile(vp, j, t.block_kv),
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+      )
       return m_new, l, alpha[..., None] * acc + pv
 
-    init = _varying_like((jnp.full(stat_shape, -jnp.inf, jnp.float32),
-                          jnp.zeros(stat_shape, jnp.float32),
-                          jnp.zeros(stat_shape + (spec.head_dim_v,),
-                                    jnp.float32)), q, k, v)
-    n_kv = masking.num_kv_blocks_visible(spec, (iq + 1) * t.block_q,
-                                         t.block_kv, t.num_kv)
+    init = _varying_like(
+      (
+        jnp.full(stat_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stat_shape, jnp.float32),
+        jnp.zeros(stat_shape + (spec.head_dim_v,), jnp.float32),
+      ),
+      q,
+      k,
+      v,
+    )
+    n_kv = masking.num_kv_blocks_visible(
+      spec, (iq + 1) * t.block_q, t.block_kv, t.num_kv
+    )
     m, l, acc = jax.lax.fori_loop(0, n_kv, kv_step, init)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = (acc * inv_l[..., None]).astype(spec.dtype)
-    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+    lse = jnp.where(
+      empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2
+    )
     return out, lse
 
   outs, lses = jax.lax.map(q_tile_fn, jnp.arange(t.num_q))
   # outs: [nq, b, hk, g, bq, dv] -> [b, nq * bq, hq, dv]; lses: [nq, b, hk, g, bq].
   out = jnp.moveaxis(outs, (0, 4), (1, 2)).reshape(
-      spec.batch, t.num_q * t.block_q, spec.heads_q, spec.head_dim_v)
+    spec.batch, t.num_q * t.block_q, spec.heads_q, spec.head_dim_v
+  )
   lse = jnp.moveaxis(lses, 0, 3).reshape(
-      spec.batch, spec.heads_q, t.num_q * t.block_q)
-  return out[:, :spec.seq_q], lse[..., :spec.seq_q]
+    spec.batch, spec.heads_q, t.num_q * t.block_q
+  )
+  return out[:, : spec.seq_q], lse[..., : spec.seq_q]
 
 
-def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
-                       q: jax.Array, k: jax.Array, v: jax.Array,
-                       out: jax.Array, lse: jax.Array, dout: jax.Array,
-                       dlse: jax.Array
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def blockwise_backward(
+  spec: AttentionSpec,
+  config: BlockwiseConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """FlashAttention-2 backward by recomputation; returns (dq, dk, dv).
 
   `out` and `lse` are the forward's residuals, `dout` and `dlse` their
@@ -207,8 +255,12 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
   hk, g = spec.heads_kv, spec.group_size
   stat = lambda x: x.reshape(spec.batch, hk, g, spec.seq_q)
 
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
-                     out.astype(jnp.float32), precision=_HIGHEST)
+  delta = jnp.einsum(
+    "bqhd,bqhd->bhq",
+    dout.astype(jnp.float32),
+    out.astype(jnp.float32),
+    precision=_HIGHEST,
+  )
   delta = stat(delta - dlse.astype(jnp.float32))
   # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
   # rows get +inf so that their P is exactly 0 (finite gradients).
@@ -226,45 +278,82 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
 
     def q_step(i, carry):
       dq_acc, dk, dv = carry
-      q_tile, do_tile = _seq_tile(qp, i, t.block_q), _seq_tile(dop, i, t.block_q)
+      q_tile, do_tile = (
+        _seq_tile(qp, i, t.block_q),
+        _seq_tile(dop, i, t.block_q),
+      )
       # [b, bq, hk, g] -> [b, hk, g, bq] to broadcast against the scores.
       lse2_t = jnp.moveaxis(_seq_tile(lse2, i, t.block_q), 1, 3)
       delta_t = jnp.moveaxis(_seq_tile(delta, i, t.block_q), 1, 3)
-      s = _scores_log2(spec, q_tile, k_tile,
-                       i * t.block_q + jnp.arange(t.block_q), kv_pos)
+      s = _scores_log2(
+        spec, q_tile, k_tile, i * t.block_q + jnp.arange(t.block_q), kv_pos
+      )
       p = jnp.exp2(s - lse2_t[..., None])
-      dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile,
-                           preferred_element_type=jnp.float32, precision=_HIGHEST)
-      dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile,
-                      preferred_element_type=jnp.float32, precision=_HIGHEST)
+      dv = dv + jnp.einsum(
+        "bhgqk,bqhgd->bkhd",
+        p.astype(spec.dtype),
+        do_tile,
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+      )
+      dp = jnp.einsum(
+        "bqhgd,bkhd->bhgqk",
+        do_tile,
+        v_tile,
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+      )
       ds = (p * (dp - delta_t[..., None])).astype(spec.dtype)
-      dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_tile,
-                           preferred_element_type=jnp.float32, precision=_HIGHEST)
-      dq_tile = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_tile,
-                           preferred_element_type=jnp.float32, precision=_HIGHEST)
+      dk = dk + jnp.einsum(
+        "bhgqk,bqhgd->bkhd",
+        ds,
+        q_tile,
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+      )
+      dq_tile = jnp.einsum(
+        "bhgqk,bkhd->bqhgd",
+        ds,
+        k_tile,
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+      )
       start = i * t.block_q
       dq_acc = jax.lax.dynamic_update_slice_in_dim(
-          dq_acc, _seq_tile(dq_acc, i, t.block_q) + dq_tile, start, axis=1)
+        dq_acc, _seq_tile(dq_acc, i, t.block_q) + dq_tile, start, axis=1
+      )
       return dq_acc, dk, dv
 
     init = (dq_acc,) + _varying_like(
-        (jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
-         jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32)),
-        q, k, v, dout)
-    first = masking.first_q_block_visible(spec, jk * t.block_kv, t.block_q,
-                                          t.num_q)
+      (
+        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
+        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32),
+      ),
+      q,
+      k,
+      v,
+      dout,
+    )
+    first = masking.first_q_block_visible(
+      spec, jk * t.block_kv, t.block_q, t.num_q
+    )
     dq_acc, dk, dv = jax.lax.fori_loop(first, t.num_q, q_step, init)
     return dq_acc, (dk, dv)
 
   dq0 = _varying_like(
-      jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32),
-      q, k, v, dout)
+    jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32),
+    q,
+    k,
+    v,
+    dout,
+  )
   dq_acc, (dks, dvs) = jax.lax.scan(kv_tile_fn, dq0, jnp.arange(t.num_kv))
   scale = jnp.float32(spec.softmax_scale)
-  dq = (dq_acc[:, :spec.seq_q] * scale).reshape(q.shape)
+  dq = (dq_acc[:, : spec.seq_q] * scale).reshape(q.shape)
   # dks: [nkv, b, bkv, hk, d] -> [b, nkv * bkv, hk, d].
   untile = lambda x: jnp.moveaxis(x, 0, 1).reshape(
-      (spec.batch, skv_pad) + x.shape[3:])[:, :spec.seq_kv]
+    (spec.batch, skv_pad) + x.shape[3:]
+  )[:, : spec.seq_kv]
   dk = untile(dks) * scale
   dv = untile(dvs)
   return dq.astype(spec.dtype), dk.astype(spec.dtype), dv.astype(spec.dtype)
@@ -276,8 +365,9 @@ def blockwise_backward(spec: AttentionSpec, config: BlockwiseConfig,
 _FP8_FALLBACK_TILES = (64, 128)
 
 
-def _make_config(spec: AttentionSpec, config: BlockwiseConfig | None
-                 ) -> BlockwiseConfig:
+def _make_config(
+  spec: AttentionSpec, config: BlockwiseConfig | None
+) -> BlockwiseConfig:
   if config is not None:
     return config
   if spec.fp8 is None:
@@ -295,16 +385,24 @@ def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
   return None
 
 
-def _fp8_forward(spec: AttentionSpec, config: BlockwiseConfig, x: Any
-                 ) -> tuple[jax.Array, jax.Array]:
-  return blockwise_fp8.blockwise_forward_fp8(spec, config.block_q,
-                                             config.block_kv, *x)
+def _fp8_forward(
+  spec: AttentionSpec, config: BlockwiseConfig, x: Any
+) -> tuple[jax.Array, jax.Array]:
+  return blockwise_fp8.blockwise_forward_fp8(
+    spec, config.block_q, config.block_kv, *x
+  )
 
 
 BACKEND = Backend(
-    "blockwise", "pure-JAX FlashAttention (tiled online softmax), any device;"
-    " the kernels' numerics twin", blockwise_forward, blockwise_backward,
-    _unsupported, config_types=(BlockwiseConfig,), make_config=_make_config,
-    fp8_forward=_fp8_forward,
-    fp8_tiles=lambda config: (config.block_q, config.block_kv),
-    automatic=True)
+  "blockwise",
+  "pure-JAX FlashAttention (tiled online softmax), any device;"
+  " the kernels' numerics twin",
+  blockwise_forward,
+  blockwise_backward,
+  _unsupported,
+  config_types=(BlockwiseConfig,),
+  make_config=_make_config,
+  fp8_forward=_fp8_forward,
+  fp8_tiles=lambda config: (config.block_q, config.block_kv),
+  automatic=True,
+)

@@ -32,8 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import masking
-from pallas_fa3.quant.e4m3 import (FP8_DTYPE, finalize_fp8, online_softmax_fp8,
-                                    v_scale_ratios)
+from pallas_fa3.quant.e4m3 import (
+  FP8_DTYPE,
+  finalize_fp8,
+  online_softmax_fp8,
+  v_scale_ratios,
+)
 from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
 
 _F32 = jnp.float32
@@ -49,10 +53,17 @@ def _pad(x: jax.Array, axis: int, length: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
-                          q8: jax.Array, k8: jax.Array, v8_t: jax.Array,
-                          q_scale: jax.Array, k_scale: jax.Array,
-                          v_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def blockwise_forward_fp8(
+  spec: AttentionSpec,
+  block_q: int,
+  block_kv: int,
+  q8: jax.Array,
+  k8: jax.Array,
+  v8_t: jax.Array,
+  q_scale: jax.Array,
+  k_scale: jax.Array,
+  v_scale: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """Tiled FP8 forward; returns (out `[b, sq, hq, d]` in `spec.dtype`, lse `[b, hq, sq]`).
 
   Operands as `pallas_fa3.fp8.quantize` writes them (`FP8Inputs`), quantized
@@ -79,21 +90,37 @@ def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
       o, m, l = carry
       k_tile = jax.lax.dynamic_slice_in_dim(kp, j * block_kv, block_kv, axis=1)
       vt_tile = jax.lax.dynamic_slice_in_dim(vp, j * block_kv, block_kv, axis=3)
-      s = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile,
-                     preferred_element_type=_F32, precision=_HIGHEST)
+      s = jnp.einsum(
+        "bqhgd,bkhd->bhgqk",
+        q_tile,
+        k_tile,
+        preferred_element_type=_F32,
+        precision=_HIGHEST,
+      )
       step_scale = scale_log2 * ks[:, :, None, j]
       mask = masking.visible(spec, q_pos, j * block_kv + jnp.arange(block_kv))
       p, alpha, m, l = online_softmax_fp8(
-          s, m, l, scale_log2=step_scale[..., None], mask=mask)
+        s, m, l, scale_log2=step_scale[..., None], mask=mask
+      )
       p8 = p.astype(FP8_DTYPE).astype(_F32)
       o = o * (alpha * vr[:, :, None, j, None])[..., None]
-      o = o + jnp.einsum("bhgqk,bhdk->bhgqd", p8, vt_tile,
-                         preferred_element_type=_F32, precision=_HIGHEST)
+      o = o + jnp.einsum(
+        "bhgqk,bhdk->bhgqd",
+        p8,
+        vt_tile,
+        preferred_element_type=_F32,
+        precision=_HIGHEST,
+      )
       return o, m, l
 
-    init = (jnp.zeros(stat_shape + (spec.head_dim,), _F32),
-            jnp.full(stat_shape, -jnp.inf, _F32), jnp.zeros(stat_shape, _F32))
-    n_kv = masking.num_kv_blocks_visible(spec, (iq + 1) * block_q, block_kv, nkv)
+    init = (
+      jnp.zeros(stat_shape + (spec.head_dim,), _F32),
+      jnp.full(stat_shape, -jnp.inf, _F32),
+      jnp.zeros(stat_shape, _F32),
+    )
+    n_kv = masking.num_kv_blocks_visible(
+      spec, (iq + 1) * block_q, block_kv, nkv
+    )
     o, m, l = jax.lax.fori_loop(0, n_kv, kv_step, init)
     last = jnp.maximum(n_kv - 1, 0)
     sv = jax.lax.dynamic_index_in_dim(vs, last, axis=2, keepdims=False)
@@ -103,6 +130,7 @@ def blockwise_forward_fp8(spec: AttentionSpec, block_q: int, block_kv: int,
   outs, lses = jax.lax.map(q_tile_fn, jnp.arange(nq))
   # outs: [nq, b, hk, g, bq, d] -> [b, nq * bq, hq, d]; lses: [nq, b, hk, g, bq].
   out = jnp.moveaxis(outs, (0, 4), (1, 2)).reshape(
-      b, nq * block_q, spec.heads_q, spec.head_dim)
+    b, nq * block_q, spec.heads_q, spec.head_dim
+  )
   lse = jnp.moveaxis(lses, 0, 3).reshape(b, spec.heads_q, nq * block_q)
-  return out[:, :spec.seq_q], lse[..., :spec.seq_q]
+  return out[:, : spec.seq_q], lse[..., : spec.seq_q]

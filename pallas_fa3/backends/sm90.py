@@ -15,10 +15,15 @@ import jax
 
 from pallas_fa3.backends import blockwise
 from pallas_fa3.backends.base import Backend
-from pallas_fa3.kernels.sm90 import config as sm90_config
-from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
-from pallas_fa3.kernels.sm90.config import (Sm90BackwardConfig, Sm90Config,
-                                            Sm90ForwardConfig)
+from pallas_fa3.kernels.sm90 import (
+  config as sm90_config,
+  config_fp8 as sm90_fp8_config,
+)
+from pallas_fa3.kernels.sm90.config import (
+  Sm90BackwardConfig,
+  Sm90Config,
+  Sm90ForwardConfig,
+)
 from pallas_fa3.spec import AttentionSpec
 
 # Race detection in interpret mode costs little at the small shapes the
@@ -60,7 +65,8 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
   reason = sm90_config.forward_unsupported(spec, config.forward)
   if reason is None and config.backward is not None:
     reason = sm90_config.backward_config_unsupported(
-        config.backward, spec.head_dim, spec.dtype.itemsize)
+      config.backward, spec.head_dim, spec.dtype.itemsize
+    )
   return reason
 
 
@@ -68,34 +74,54 @@ def _interpret_params(interpret: bool) -> Any:
   if not interpret:
     return None
   from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
+
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
 
 def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  def forward(spec: AttentionSpec, config: Sm90Config, q: jax.Array,
-              k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def forward(
+    spec: AttentionSpec,
+    config: Sm90Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+  ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.sm90_forward(spec, config.forward, q, k, v,
-                               interpret=_interpret_params(interpret))
+
+    return kernel.sm90_forward(
+      spec, config.forward, q, k, v, interpret=_interpret_params(interpret)
+    )
+
   return forward
 
 
-def _fp8_forward(interpret: bool
-                 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  def fp8_forward(spec: AttentionSpec, config: Sm90Config, x: Any
-                  ) -> tuple[jax.Array, jax.Array]:
+def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  def fp8_forward(
+    spec: AttentionSpec, config: Sm90Config, x: Any
+  ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.sm90_forward_fp8(spec, config.forward, *x,
-                                   interpret=_interpret_params(interpret))
+
+    return kernel.sm90_forward_fp8(
+      spec, config.forward, *x, interpret=_interpret_params(interpret)
+    )
+
   return fp8_forward
 
 
-def _backward(interpret: bool
-              ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-  def backward(spec: AttentionSpec, config: Sm90Config, q: jax.Array,
-               k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
-               dout: jax.Array, dlse: jax.Array
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _backward(
+  interpret: bool,
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+  def backward(
+    spec: AttentionSpec,
+    config: Sm90Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     tiling: Sm90BackwardConfig | None = config.backward
     if tiling is None:
       reason = sm90_config.backward_unsupported(spec)
@@ -103,15 +129,30 @@ def _backward(interpret: bool
         # The same gradients from the same residuals, by the blockwise twin;
         # said once per trace, never silently.
         warnings.warn(
-            f"the sm90 backward kernels cannot differentiate this call"
-            f" ({reason}); its gradients use the blockwise recomputation"
-            " (the same function)", stacklevel=2)
+          f"the sm90 backward kernels cannot differentiate this call"
+          f" ({reason}); its gradients use the blockwise recomputation"
+          " (the same function)",
+          stacklevel=2,
+        )
         return blockwise.blockwise_backward(
-            spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse)
+          spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse
+        )
       tiling = sm90_config.default_backward_config(spec)
     from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.sm90_backward(spec, tiling, q, k, v, out, lse, dout, dlse,
-                                interpret=_interpret_params(interpret))
+
+    return kernel.sm90_backward(
+      spec,
+      tiling,
+      q,
+      k,
+      v,
+      out,
+      lse,
+      dout,
+      dlse,
+      interpret=_interpret_params(interpret),
+    )
+
   return backward
 
 
@@ -119,17 +160,33 @@ def _fp8_tiles(config: Sm90Config) -> tuple[int, int]:
   return config.forward.block_q, config.forward.block_kv
 
 
-def _kernel_backend(name: str, summary: str, interpret: bool,
-                    **kwargs: Any) -> Backend:
+def _kernel_backend(
+  name: str, summary: str, interpret: bool, **kwargs: Any
+) -> Backend:
   return Backend(
-      name, summary, _forward(interpret), _backward(interpret), _unsupported,
-      config_types=(Sm90Config, Sm90ForwardConfig), make_config=_make_config,
-      fp8_forward=_fp8_forward(interpret), fp8_tiles=_fp8_tiles, **kwargs)
+    name,
+    summary,
+    _forward(interpret),
+    _backward(interpret),
+    _unsupported,
+    config_types=(Sm90Config, Sm90ForwardConfig),
+    make_config=_make_config,
+    fp8_forward=_fp8_forward(interpret),
+    fp8_tiles=_fp8_tiles,
+    **kwargs,
+  )
 
 
 MOSAIC = _kernel_backend(
-    "mosaic", "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
-    interpret=False, device_reason=hopper_reason, automatic=True)
+  "mosaic",
+  "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
+  interpret=False,
+  device_reason=hopper_reason,
+  automatic=True,
+)
 INTERPRET = _kernel_backend(
-    "interpret", "the same kernels in Pallas GPU interpret mode (CPU, small"
-    " shapes, tests)", interpret=True, partitionable=False)
+  "interpret",
+  "the same kernels in Pallas GPU interpret mode (CPU, small shapes, tests)",
+  interpret=True,
+  partitionable=False,
+)

@@ -8,24 +8,37 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pallas_fa3.bench import impls, plots, report, runner, specs, terminal, timing
+from pallas_fa3.bench import (
+  impls,
+  plots,
+  report,
+  runner,
+  specs,
+  terminal,
+  timing,
+)
 
-CPU_NOTE = ("No GPU: this is the CPU sweep (blockwise vs reference vs XLA)."
-            " GPU figures (mosaic, cuDNN, attention_mgpu, % of matmul peak)"
-            " need a Hopper GPU: run benchmarks/device_check.sh there.")
+CPU_NOTE = (
+  "No GPU: this is the CPU sweep (blockwise vs reference vs XLA)."
+  " GPU figures (mosaic, cuDNN, attention_mgpu, % of matmul peak)"
+  " need a Hopper GPU: run benchmarks/device_check.sh there."
+)
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
   """An argparse `type`: an int >= `low`, else a usage error naming the flag."""
+
   def parse(text: str) -> int:
     try:
       value = int(text)
     except ValueError:
       raise argparse.ArgumentTypeError(
-          f"expected an integer; got {text!r}") from None
+        f"expected an integer; got {text!r}"
+      ) from None
     if value < low:
       raise argparse.ArgumentTypeError(f"must be >= {low}; got {value}")
     return value
+
   return parse
 
 
@@ -35,7 +48,8 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"expected a number; got {text!r}") from None
+      f"expected a number; got {text!r}"
+    ) from None
   if not value >= 0:  # also rejects nan
     raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
   return value
@@ -47,8 +61,9 @@ def _unset(gpu, cpu) -> str:
   return f"unset: {show(gpu)} on a GPU, {show(cpu)} on a CPU"
 
 
-def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]
-               ) -> argparse.ArgumentParser:
+def add_parser(
+  sub: Any, formatter_class: type[argparse.HelpFormatter]
+) -> argparse.ArgumentParser:
   """Adds the `bench` subcommand and its flags to `sub` (argparse subparsers).
 
   Flags left unset (None) take the platform's default (`grid_axes`,
@@ -57,76 +72,151 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]
   gpu, cpu = specs.PAPER_AXES, specs.CPU_AXES
   positive = _int_at_least(1)
   p = sub.add_parser(
-      "bench",
-      help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
-      description=(
-          "Time attention implementations over a grid of named shapes"
-          " (compile excluded, warm-up, median/min/max of --runs calls,"
-          " random inputs rotated). On a GPU the default grid is the FA3"
-          " paper's (16k tokens, hidden 2048, d 64/128/256, seq 512..16k,"
-          " causal and not, fwd/bwd/fwd+bwd) and the run also measures the"
-          " bf16 matmul rate for % of peak. Without a GPU: a small CPU sweep"
-          " of blockwise vs reference vs XLA (about a minute). Unset flags"
-          " keep the platform default; every skipped case is reported with"
-          " its reason."),
-      formatter_class=formatter_class)
-  p.add_argument("--impl", nargs="+", choices=impls.ALL, metavar="IMPL",
-                 help=f"implementations to time, of {' '.join(impls.ALL)} ("
-                 + _unset(
-                     runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
-                 + ")")
-  p.add_argument("--ours", choices=impls.ALL, metavar="IMPL",
-                 help="the implementation compared with the others ("
-                 + _unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"]) + ")")
-  p.add_argument("--dtype", nargs="+", choices=tuple(specs.DTYPES),
-                 metavar="DTYPE",
-                 help=f"input dtypes, of {' '.join(specs.DTYPES)}; fp8: bf16"
-                 " inputs quantized to e4m3, forward only, the quantization"
-                 " and the attention also timed apart (unset: bf16)")
-  p.add_argument("--head-dim", nargs="+", type=positive,
-                 help=f"head dims, at most {specs.MAX_HEAD_DIM}, each dividing"
-                 f" --hidden ({_unset(gpu.head_dims, cpu.head_dims)})")
-  p.add_argument("--seq", nargs="+", type=positive,
-                 help=f"sequence lengths ({_unset(gpu.seqs, cpu.seqs)})")
+    "bench",
+    help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
+    description=(
+      "Time attention implementations over a grid of named shapes"
+      " (compile excluded, warm-up, median/min/max of --runs calls,"
+      " random inputs rotated). On a GPU the default grid is the FA3"
+      " paper's (16k tokens, hidden 2048, d 64/128/256, seq 512..16k,"
+      " causal and not, fwd/bwd/fwd+bwd) and the run also measures the"
+      " bf16 matmul rate for % of peak. Without a GPU: a small CPU sweep"
+      " of blockwise vs reference vs XLA (about a minute). Unset flags"
+      " keep the platform default; every skipped case is reported with"
+      " its reason."
+    ),
+    formatter_class=formatter_class,
+  )
+  p.add_argument(
+    "--impl",
+    nargs="+",
+    choices=impls.ALL,
+    metavar="IMPL",
+    help=f"implementations to time, of {' '.join(impls.ALL)} ("
+    + _unset(runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
+    + ")",
+  )
+  p.add_argument(
+    "--ours",
+    choices=impls.ALL,
+    metavar="IMPL",
+    help="the implementation compared with the others ("
+    + _unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"])
+    + ")",
+  )
+  p.add_argument(
+    "--dtype",
+    nargs="+",
+    choices=tuple(specs.DTYPES),
+    metavar="DTYPE",
+    help=f"input dtypes, of {' '.join(specs.DTYPES)}; fp8: bf16"
+    " inputs quantized to e4m3, forward only, the quantization"
+    " and the attention also timed apart (unset: bf16)",
+  )
+  p.add_argument(
+    "--head-dim",
+    nargs="+",
+    type=positive,
+    help=f"head dims, at most {specs.MAX_HEAD_DIM}, each dividing"
+    f" --hidden ({_unset(gpu.head_dims, cpu.head_dims)})",
+  )
+  p.add_argument(
+    "--seq",
+    nargs="+",
+    type=positive,
+    help=f"sequence lengths ({_unset(gpu.seqs, cpu.seqs)})",
+  )
   causal = p.add_mutually_exclusive_group()
-  causal.add_argument("--causal", dest="causal", action="store_const",
-                      const=True,
-                      help="causal cases only (unset: causal and non-causal)")
-  causal.add_argument("--no-causal", dest="causal", action="store_const",
-                      const=False, help="non-causal cases only")
-  p.add_argument("--mode", nargs="+", choices=specs.MODES, metavar="MODE",
-                 help=f"passes to time, of {' '.join(specs.MODES)} ("
-                 + _unset(gpu.modes, cpu.modes) + ")")
-  p.add_argument("--gqa", nargs="+", type=positive,
-                 help="query heads per key/value head, 1: MHA (unset: 1)")
-  p.add_argument("--tokens", type=positive,
-                 help="batch x seq per case, batch = tokens // seq ("
-                 + _unset(gpu.tokens, cpu.tokens) + ")")
-  p.add_argument("--hidden", type=positive,
-                 help="heads_q x head_dim per case ("
-                 + _unset(gpu.hidden, cpu.hidden) + ")")
-  p.add_argument("--runs", type=positive,
-                 help="timed calls per case (" + _unset(
-                     runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
-                 + ")")
-  p.add_argument("--warmup", type=_int_at_least(0),
-                 help="untimed calls before timing (" + _unset(
-                     runner.DEFAULT_WARMUP["gpu"], runner.DEFAULT_WARMUP["cpu"])
-                 + ")")
-  p.add_argument("--input-sets", type=positive, default=3,
-                 help="random input sets rotated between calls")
+  causal.add_argument(
+    "--causal",
+    dest="causal",
+    action="store_const",
+    const=True,
+    help="causal cases only (unset: causal and non-causal)",
+  )
+  causal.add_argument(
+    "--no-causal",
+    dest="causal",
+    action="store_const",
+    const=False,
+    help="non-causal cases only",
+  )
+  p.add_argument(
+    "--mode",
+    nargs="+",
+    choices=specs.MODES,
+    metavar="MODE",
+    help=f"passes to time, of {' '.join(specs.MODES)} ("
+    + _unset(gpu.modes, cpu.modes)
+    + ")",
+  )
+  p.add_argument(
+    "--gqa",
+    nargs="+",
+    type=positive,
+    help="query heads per key/value head, 1: MHA (unset: 1)",
+  )
+  p.add_argument(
+    "--tokens",
+    type=positive,
+    help="batch x seq per case, batch = tokens // seq ("
+    + _unset(gpu.tokens, cpu.tokens)
+    + ")",
+  )
+  p.add_argument(
+    "--hidden",
+    type=positive,
+    help="heads_q x head_dim per case (" + _unset(gpu.hidden, cpu.hidden) + ")",
+  )
+  p.add_argument(
+    "--runs",
+    type=positive,
+    help="timed calls per case ("
+    + _unset(runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
+    + ")",
+  )
+  p.add_argument(
+    "--warmup",
+    type=_int_at_least(0),
+    help="untimed calls before timing ("
+    + _unset(runner.DEFAULT_WARMUP["gpu"], runner.DEFAULT_WARMUP["cpu"])
+    + ")",
+  )
+  p.add_argument(
+    "--input-sets",
+    type=positive,
+    default=3,
+    help="random input sets rotated between calls",
+  )
   p.add_argument("--seed", type=int, default=0, help="input seed")
-  p.add_argument("--time-budget", type=_non_negative_float,
-                 help="seconds; cases not started by then are reported as"
-                 " skipped, files are still written (unset: no limit)")
-  p.add_argument("--out", default="bench_out/bench",
-                 help="output folder (results.csv/json, summary.md, plots/)")
-  p.add_argument("--plots", action=argparse.BooleanOptionalAction,
-                 default=True, help="write PNG plots")
-  p.add_argument("--progress", action=argparse.BooleanOptionalAction,
-                 default=True, help="progress bar")
-  p.add_argument("--strict", action="store_true",
-                 help="exit 1 if any case failed with an error")
+  p.add_argument(
+    "--time-budget",
+    type=_non_negative_float,
+    help="seconds; cases not started by then are reported as"
+    " skipped, files are still written (unset: no limit)",
+  )
+  p.add_argument(
+    "--out",
+    default="bench_out/bench",
+    help="output folder (results.csv/json, summary.md, plots/)",
+  )
+  p.add_argument(
+    "--plots",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="write PNG plots",
+  )
+  p.add_argument(
+    "--progress",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="progress bar",
+  )
+  p.add_argument(
+    "--strict",
+    action="store_true",
+    help="exit 1 if any case failed with an error",
+  )
   return p
 
 
@@ -134,23 +224,39 @@ def grid_axes(args, platform: str) -> specs.GridAxes:
   """The grid's axes: the platform default, overridden by the flags."""
   axes = specs.PAPER_AXES if platform == "gpu" else specs.CPU_AXES
   overrides = dict(
-      dtypes=args.dtype, head_dims=args.head_dim, seqs=args.seq,
-      modes=args.mode, gqa=args.gqa, tokens=args.tokens, hidden=args.hidden,
-      causals=None if args.causal is None else (args.causal,))
-  return dataclasses.replace(axes, **{
+    dtypes=args.dtype,
+    head_dims=args.head_dim,
+    seqs=args.seq,
+    modes=args.mode,
+    gqa=args.gqa,
+    tokens=args.tokens,
+    hidden=args.hidden,
+    causals=None if args.causal is None else (args.causal,),
+  )
+  return dataclasses.replace(
+    axes,
+    **{
       k: tuple(v) if isinstance(v, list) else v
-      for k, v in overrides.items() if v is not None})
+      for k, v in overrides.items()
+      if v is not None
+    },
+  )
 
 
 def settings_from(args, platform: str) -> dict:
   return dict(
-      platform=platform,
-      runs=args.runs or runner.DEFAULT_RUNS[platform],
-      warmup=(args.warmup if args.warmup is not None
-              else runner.DEFAULT_WARMUP[platform]),
-      input_sets=args.input_sets, seed=args.seed,
-      time_budget_s=args.time_budget,
-      matmul_n=timing.MATMUL_N_GPU if platform == "gpu" else None)
+    platform=platform,
+    runs=args.runs or runner.DEFAULT_RUNS[platform],
+    warmup=(
+      args.warmup
+      if args.warmup is not None
+      else runner.DEFAULT_WARMUP[platform]
+    ),
+    input_sets=args.input_sets,
+    seed=args.seed,
+    time_budget_s=args.time_budget,
+    matmul_n=timing.MATMUL_N_GPU if platform == "gpu" else None,
+  )
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
@@ -166,23 +272,30 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   console = report.make_console()
   if platform != "gpu":
     console.print(CPU_NOTE)
-  result = runner.run_sweep(runner.plan(grid, impl_names), settings,
-                            progress=args.progress)
-  result.update(environment=runner.environment(argv), settings=settings,
-                impls={n: impls.REGISTRY[n].summary for n in impl_names})
+  result = runner.run_sweep(
+    runner.plan(grid, impl_names), settings, progress=args.progress
+  )
+  result.update(
+    environment=runner.environment(argv),
+    settings=settings,
+    impls={n: impls.REGISTRY[n].summary for n in impl_names},
+  )
   paths = report.write_files(result, args.out, ours)
   if args.plots:
     try:
-      paths["png"] = plots.plot(result["records"],
-                                os.path.join(args.out, "plots"),
-                                result["environment"])
+      paths["png"] = plots.plot(
+        result["records"],
+        os.path.join(args.out, "plots"),
+        result["environment"],
+      )
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")
   terminal.print_summary(result, ours, console)
   if platform != "gpu":
     console.print(CPU_NOTE)
-  files = [p for v in paths.values() for p in (v if isinstance(v, list)
-                                               else [v])]
+  files = [
+    p for v in paths.values() for p in (v if isinstance(v, list) else [v])
+  ]
   console.print(f"wrote {', '.join(files)}", highlight=False)
   failed = any(r["status"] == "error" for r in result["records"])
   return 1 if (args.strict and failed) else 0

@@ -25,7 +25,7 @@ def causal_pairs(seq_q: int, seq_kv: int) -> int:
   offset = seq_kv - seq_q
   # Rows with 0 < count < seq_kv form an arithmetic series; rows past the
   # diagonal see every key, rows before it none.
-  first = max(0, -offset)                  # first row that sees a key
+  first = max(0, -offset)  # first row that sees a key
   full_from = max(0, seq_kv - 1 - offset)  # first row that sees all keys
   full_from = min(full_from, seq_q)
   partial = 0
@@ -49,8 +49,11 @@ def attention_flops(spec, head_dim_v: int | None = None) -> int:
     "fwd+bwd"; an int.
   """
   dv = spec.head_dim if head_dim_v is None else head_dim_v
-  pairs = (causal_pairs(spec.seq_q, spec.seq_kv) if spec.causal
-           else spec.seq_q * spec.seq_kv)
+  pairs = (
+    causal_pairs(spec.seq_q, spec.seq_kv)
+    if spec.causal
+    else spec.seq_q * spec.seq_kv
+  )
   fwd = 2 * spec.batch * pairs * spec.heads_q * (spec.head_dim + dv)
   num, den = _MODE_FACTOR[spec.mode]
   return fwd * num // den

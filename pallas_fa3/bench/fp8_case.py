@@ -21,20 +21,21 @@ import jax.numpy as jnp
 
 import pallas_fa3
 from pallas_fa3 import backends, fp8
-from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.bench import specs, timing
+from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 
 # The backends with an FP8 path, as the registry says.
 FP8_IMPLS: tuple[str, ...] = tuple(
-    b.name for b in backends.BACKENDS if b.fp8_forward is not None)
+  b.name for b in backends.BACKENDS if b.fp8_forward is not None
+)
 OUT_DTYPE = jnp.bfloat16
 
 
 class Fp8Timing(NamedTuple):
   """The three timings of one FP8 case."""
 
-  total: timing.Timing      # quantize + attention: flash_attention(fp8=...)
-  quantize: timing.Timing   # the quantization pass alone
+  total: timing.Timing  # quantize + attention: flash_attention(fp8=...)
+  quantize: timing.Timing  # the quantization pass alone
   attention: timing.Timing  # the FP8 attention alone, on quantized inputs
 
 
@@ -43,14 +44,20 @@ def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
   if spec.dtype != "fp8":
     return None
   if name not in FP8_IMPLS:
-    return (f"{name} has no FP8 path: fp8 cases run on"
-            f" {', '.join(FP8_IMPLS)} (compare with the bf16 rows)")
+    return (
+      f"{name} has no FP8 path: fp8 cases run on"
+      f" {', '.join(FP8_IMPLS)} (compare with the bf16 rows)"
+    )
   if spec.mode != "fwd":
-    return ("FP8 is forward only: gradients through FP8 attention are not"
-            " implemented (time fp8 with --mode fwd)")
+    return (
+      "FP8 is forward only: gradients through FP8 attention are not"
+      " implemented (time fp8 with --mode fwd)"
+    )
   if name != "blockwise" and spec.head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
-    return (f"the FP8 kernel serves head dims {sm90_fp8_config.FP8_HEAD_DIMS},"
-            f" not {spec.head_dim}")
+    return (
+      f"the FP8 kernel serves head dims {sm90_fp8_config.FP8_HEAD_DIMS},"
+      f" not {spec.head_dim}"
+    )
   return None
 
 
@@ -70,30 +77,53 @@ def attention_config(name: str, head_dim: int) -> Any:
   return config
 
 
-def functions(name: str, spec: specs.BenchSpec
-              ) -> tuple[Callable, Callable, Callable]:
+def functions(
+  name: str, spec: specs.BenchSpec
+) -> tuple[Callable, Callable, Callable]:
   """(quantize(q, k, v) -> FP8Inputs, attend(FP8Inputs) -> out,
   total(q, k, v) -> out) for backend `name` and the fp8 `spec`."""
   config = attention_config(name, spec.head_dim)
 
   def quantize(q, k, v):
-    return fp8.quantize(q, k, v, block_q=config.block_q,
-                        block_kv=config.block_kv, config=pallas_fa3.FP8Config())
+    return fp8.quantize(
+      q,
+      k,
+      v,
+      block_q=config.block_q,
+      block_kv=config.block_kv,
+      config=pallas_fa3.FP8Config(),
+    )
 
   def attend(x):
-    return fp8.flash_attention_fp8(*x, causal=spec.causal, implementation=name,
-                                   config=config, out_dtype=OUT_DTYPE)
+    return fp8.flash_attention_fp8(
+      *x,
+      causal=spec.causal,
+      implementation=name,
+      config=config,
+      out_dtype=OUT_DTYPE,
+    )
 
   def total(q, k, v):  # the public entry point, quantizing inside
-    return pallas_fa3.flash_attention(q, k, v, causal=spec.causal,
-                                      implementation=name, config=config,
-                                      fp8=pallas_fa3.FP8Config())
+    return pallas_fa3.flash_attention(
+      q,
+      k,
+      v,
+      causal=spec.causal,
+      implementation=name,
+      config=config,
+      fp8=pallas_fa3.FP8Config(),
+    )
 
   return quantize, attend, total
 
 
-def measure(name: str, spec: specs.BenchSpec, input_sets: Sequence[tuple],
-            warmup: int, runs: int) -> Fp8Timing:
+def measure(
+  name: str,
+  spec: specs.BenchSpec,
+  input_sets: Sequence[tuple],
+  warmup: int,
+  runs: int,
+) -> Fp8Timing:
   """Compiles and times the total, the quantization and the attention.
 
   Args:

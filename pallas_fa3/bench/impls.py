@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,9 @@ import jax.numpy as jnp
 from pallas_fa3 import IMPLEMENTATIONS, backends, flash_attention
 from pallas_fa3.bench import fp8_case, specs
 
-OURS: tuple[str, ...] = IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
+OURS: tuple[str, ...] = (
+  IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
+)
 BASELINES: tuple[str, ...] = ("cudnn", "xla", "mgpu")
 ALL: tuple[str, ...] = OURS + BASELINES
 # The implementation every other one is compared with, per platform.
@@ -37,8 +40,10 @@ _MGPU_STAGES = 2
 # both of its kernels, one compute warpgroup (fits every head dim).
 _MGPU_BWD_BLOCK = 64
 _HALF_DTYPES = ("bf16", "fp16")
-_TOP_LEFT = ("jax.nn.dot_product_attention's is_causal is top-left aligned;"
-             " it equals our bottom-right mask only when seq_q == seq_kv")
+_TOP_LEFT = (
+  "jax.nn.dot_product_attention's is_causal is top-left aligned;"
+  " it equals our bottom-right mask only when seq_q == seq_kv"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +72,20 @@ def _ours_unsupported(name):
   def check(spec, platform):
     del platform
     if name == "interpret" and not spec.correctness_only:
-      return ("interpret mode emulates the kernels on the CPU; it runs only"
-              " the tiny correctness case, never a speed figure")
-    if name == "interpret" and max(spec.seq_q,
-                                   spec.seq_kv) > specs.TINY_MAX_SEQ:
-      return (f"interpret mode runs only a tiny correctness case, at seq <="
-              f" {specs.TINY_MAX_SEQ}; the shortest --seq here is"
-              f" {spec.seq_q} (add a short one, e.g. --seq 128)")
+      return (
+        "interpret mode emulates the kernels on the CPU; it runs only"
+        " the tiny correctness case, never a speed figure"
+      )
+    if (
+      name == "interpret" and max(spec.seq_q, spec.seq_kv) > specs.TINY_MAX_SEQ
+    ):
+      return (
+        f"interpret mode runs only a tiny correctness case, at seq <="
+        f" {specs.TINY_MAX_SEQ}; the shortest --seq here is"
+        f" {spec.seq_q} (add a short one, e.g. --seq 128)"
+      )
     return backends.get(name).device_reason()
+
   return check
 
 
@@ -82,8 +93,10 @@ def _ours_build(name):
   def build(spec):
     if spec.dtype == "fp8" and name in fp8_case.FP8_IMPLS:  # as it is timed
       return fp8_case.functions(name, spec)[2]
-    return lambda q, k, v: flash_attention(q, k, v, causal=spec.causal,
-                                           implementation=name)
+    return lambda q, k, v: flash_attention(
+      q, k, v, causal=spec.causal, implementation=name
+    )
+
   return build
 
 
@@ -97,13 +110,16 @@ def _dpa_unsupported(implementation):
     if spec.causal and spec.seq_q != spec.seq_kv:
       return _TOP_LEFT
     return None
+
   return check
 
 
 def _dpa_build(implementation):
   def build(spec):
     return lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=spec.causal, implementation=implementation)
+      q, k, v, is_causal=spec.causal, implementation=implementation
+    )
+
   return build
 
 
@@ -126,11 +142,17 @@ def _mgpu_unsupported(spec, platform):
     return f"attention_mgpu takes bf16/fp16, not {spec.dtype}"
   if spec.head_dim not in _MGPU_BLOCK_KV:
     return f"attention_mgpu needs head_dim in {tuple(_MGPU_BLOCK_KV)}"
-  if spec.seq_q % _MGPU_Q_MULTIPLE or spec.seq_kv % _MGPU_BLOCK_KV[spec.head_dim]:
-    return (f"attention_mgpu needs seq_q % {_MGPU_Q_MULTIPLE} == 0 and seq_kv"
-            f" % {_MGPU_BLOCK_KV[spec.head_dim]} == 0")
+  if (
+    spec.seq_q % _MGPU_Q_MULTIPLE or spec.seq_kv % _MGPU_BLOCK_KV[spec.head_dim]
+  ):
+    return (
+      f"attention_mgpu needs seq_q % {_MGPU_Q_MULTIPLE} == 0 and seq_kv"
+      f" % {_MGPU_BLOCK_KV[spec.head_dim]} == 0"
+    )
   if spec.causal and spec.seq_q != spec.seq_kv:
-    return "attention_mgpu's causal mask is top-left aligned: needs seq_q == seq_kv"
+    return (
+      "attention_mgpu's causal mask is top-left aligned: needs seq_q == seq_kv"
+    )
   if spec.causal and spec.mode != "fwd":
     return "attention_mgpu has no causal backward (NotImplementedError)"
   return None
@@ -140,9 +162,15 @@ def _mgpu_build(spec):
   mod, _ = _import_mgpu()
   b = _MGPU_BWD_BLOCK
   config = mod.TuningConfig(
-      block_q=_MGPU_BLOCK_Q, block_kv=_MGPU_BLOCK_KV[spec.head_dim],
-      max_concurrent_steps=_MGPU_STAGES, causal=spec.causal,
-      block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b)
+    block_q=_MGPU_BLOCK_Q,
+    block_kv=_MGPU_BLOCK_KV[spec.head_dim],
+    max_concurrent_steps=_MGPU_STAGES,
+    causal=spec.causal,
+    block_q_dkv=b,
+    block_kv_dkv=b,
+    block_q_dq=b,
+    block_kv_dq=b,
+  )
   # Returns only the output: its lse (base 2, of pre-scaled scores) is unused.
   return lambda q, k, v: mod.attention(q, k, v, config)
 
@@ -158,23 +186,44 @@ def _mgpu_prepare(spec, q, k, v):
 
 
 _SUMMARIES = {
-    "mosaic": "ours: Pallas Mosaic GPU kernels (Hopper)",
-    "interpret": "ours: the kernels in Pallas interpret mode (correctness only)",
-    "blockwise": "ours: pure-JAX blockwise FlashAttention",
-    "reference": "materialized float32 reference (baseline)",
+  "mosaic": "ours: Pallas Mosaic GPU kernels (Hopper)",
+  "interpret": "ours: the kernels in Pallas interpret mode (correctness only)",
+  "blockwise": "ours: pure-JAX blockwise FlashAttention",
+  "reference": "materialized float32 reference (baseline)",
 }
 
 REGISTRY: dict[str, Impl] = {
-    **{n: Impl(n, "baseline" if n == "reference" else "ours", _SUMMARIES[n],
-               _ours_unsupported(n), _ours_build(n)) for n in OURS},
-    "cudnn": Impl("cudnn", "baseline",
-                  'jax.nn.dot_product_attention(implementation="cudnn")',
-                  _dpa_unsupported("cudnn"), _dpa_build("cudnn")),
-    "xla": Impl("xla", "baseline",
-                'jax.nn.dot_product_attention(implementation="xla")',
-                _dpa_unsupported("xla"), _dpa_build("xla")),
-    "mgpu": Impl("mgpu", "baseline",
-                 "jax.experimental.pallas.ops.gpu.attention_mgpu (float16"
-                 " inputs: its tiles are float16-only)",
-                 _mgpu_unsupported, _mgpu_build, _mgpu_prepare),
+  **{
+    n: Impl(
+      n,
+      "baseline" if n == "reference" else "ours",
+      _SUMMARIES[n],
+      _ours_unsupported(n),
+      _ours_build(n),
+    )
+    for n in OURS
+  },
+  "cudnn": Impl(
+    "cudnn",
+    "baseline",
+    'jax.nn.dot_product_attention(implementation="cudnn")',
+    _dpa_unsupported("cudnn"),
+    _dpa_build("cudnn"),
+  ),
+  "xla": Impl(
+    "xla",
+    "baseline",
+    'jax.nn.dot_product_attention(implementation="xla")',
+    _dpa_unsupported("xla"),
+    _dpa_build("xla"),
+  ),
+  "mgpu": Impl(
+    "mgpu",
+    "baseline",
+    "jax.experimental.pallas.ops.gpu.attention_mgpu (float16"
+    " inputs: its tiles are float16-only)",
+    _mgpu_unsupported,
+    _mgpu_build,
+    _mgpu_prepare,
+  ),
 }

@@ -22,16 +22,23 @@ def _unit(records: list[dict]) -> tuple[str, float]:
 
 def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
   """(slowest, median, fastest) rate: FLOPs / max, median, min time."""
+
   def rate(ms):
     return r["flops"] / (ms * 1e-3) / 1e12 * scale
-  return rate(r["time_max_ms"]), rate(r["time_median_ms"]), rate(
-      r["time_min_ms"])
+
+  return (
+    rate(r["time_max_ms"]),
+    rate(r["time_median_ms"]),
+    rate(r["time_min_ms"]),
+  )
 
 
-def figures(records: list[dict], environment: dict | None = None
-            ) -> list[tuple[str, Any]]:
+def figures(
+  records: list[dict], environment: dict | None = None
+) -> list[tuple[str, Any]]:
   """(file name, matplotlib Figure) for each (mode, dtype) of the records."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -50,8 +57,11 @@ def figures(records: list[dict], environment: dict | None = None
     dims = sorted({r["head_dim"] for r in rows})
     causals = sorted({r["causal"] for r in rows})
     fig, axes = plt.subplots(
-        len(causals), len(dims), squeeze=False,
-        figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6))
+      len(causals),
+      len(dims),
+      squeeze=False,
+      figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6),
+    )
     for i, causal in enumerate(causals):
       for j, d in enumerate(dims):
         ax = axes[i][j]
@@ -62,9 +72,17 @@ def figures(records: list[dict], environment: dict | None = None
         for impl, pts in sorted(lines.items()):
           pts.sort()
           seqs, lo, mid, hi = zip(*pts)
-          ax.errorbar(seqs, mid, yerr=[[m - a for a, m in zip(lo, mid)],
-                                       [b - m for b, m in zip(hi, mid)]],
-                      fmt="o-", capsize=3, label=impl)
+          ax.errorbar(
+            seqs,
+            mid,
+            yerr=[
+              [m - a for a, m in zip(lo, mid)],
+              [b - m for b, m in zip(hi, mid)],
+            ],
+            fmt="o-",
+            capsize=3,
+            label=impl,
+          )
         ax.set_xscale("log", base=2)
         seqs = sorted({p[0] for pts in lines.values() for p in pts})
         ax.set_xticks(seqs, [str(n) for n in seqs])
@@ -76,15 +94,18 @@ def figures(records: list[dict], environment: dict | None = None
         if lines:
           ax.legend(fontsize="small")
     what = " (quantization + attention)" if dtype == "fp8" else ""
-    fig.suptitle(f"{mode} {dtype}{what}: {unit} of the median call, bars:"
-                 f" fastest to slowest\n{where}")
+    fig.suptitle(
+      f"{mode} {dtype}{what}: {unit} of the median call, bars:"
+      f" fastest to slowest\n{where}"
+    )
     fig.tight_layout()
     out.append((f"tflops_{mode.replace('+', '_')}_{dtype}.png", fig))
   return out
 
 
-def plot(records: list[dict], out_dir: str, environment: dict | None = None
-         ) -> list[str]:
+def plot(
+  records: list[dict], out_dir: str, environment: dict | None = None
+) -> list[str]:
   """Writes `tflops_<mode>_<dtype>.png` files; returns their paths.
 
   Args:

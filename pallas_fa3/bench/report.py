@@ -35,8 +35,14 @@ def ratios(records: list[dict], ours: str) -> list[dict]:
       continue
     for impl, r in got.items():
       if impl != ours:
-        out.append(dict(spec=spec, ours=ours, baseline=impl,
-                        speedup=got[ours]["tflops"] / r["tflops"]))
+        out.append(
+          dict(
+            spec=spec,
+            ours=ours,
+            baseline=impl,
+            speedup=got[ours]["tflops"] / r["tflops"],
+          )
+        )
   return out
 
 
@@ -46,8 +52,9 @@ def _cell(r: dict, show_peak: bool) -> str:
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
   peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
-  kernel = (f"; kernel {r['kernel_tflops']:.3g}" if r.get("kernel_tflops")
-            else "")  # fp8: the attention alone, without the quantization
+  kernel = (
+    f"; kernel {r['kernel_tflops']:.3g}" if r.get("kernel_tflops") else ""
+  )  # fp8: the attention alone, without the quantization
   return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
 
 
@@ -61,25 +68,36 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
   speed = collections.defaultdict(list)
   for x in ratios(records, ours):
     speed[x["spec"]].append(f"{x['baseline']} {x['speedup']:.2f}x")
-  header = (["mode", "dtype", "d", "causal", "seq", "b x hq/hk"]
-            + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)"
-               for n in impl_names]
-            + [f"{ours} temp MiB", f"{ours} / baseline"])
+  header = (
+    ["mode", "dtype", "d", "causal", "seq", "b x hq/hk"]
+    + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)" for n in impl_names]
+    + [f"{ours} temp MiB", f"{ours} / baseline"]
+  )
   rows = []
   for s in specs:
     first = next(r for r in records if r["spec"] == s)
     ours_rec = cell.get((s, ours))
     temp = ours_rec and ours_rec["temp_mib"]
     rows.append(
-        [first["mode"], first["dtype"], str(first["head_dim"]),
-         "yes" if first["causal"] else "no",
-         str(first["seq_q"]) if first["seq_q"] == first["seq_kv"]
-         else f"{first['seq_q']}x{first['seq_kv']}",
-         f"{first['batch']} x {first['heads_q']}/{first['heads_kv']}"]
-        + [_cell(cell[(s, n)], show_peak) if (s, n) in cell else ""
-           for n in impl_names]
-        + ["" if temp is None else f"{temp:.1f}",
-           first["note"] or ", ".join(speed[s])])
+      [
+        first["mode"],
+        first["dtype"],
+        str(first["head_dim"]),
+        "yes" if first["causal"] else "no",
+        str(first["seq_q"])
+        if first["seq_q"] == first["seq_kv"]
+        else f"{first['seq_q']}x{first['seq_kv']}",
+        f"{first['batch']} x {first['heads_q']}/{first['heads_kv']}",
+      ]
+      + [
+        _cell(cell[(s, n)], show_peak) if (s, n) in cell else ""
+        for n in impl_names
+      ]
+      + [
+        "" if temp is None else f"{temp:.1f}",
+        first["note"] or ", ".join(speed[s]),
+      ]
+    )
   return header, rows
 
 
@@ -98,25 +116,31 @@ def markdown(result: dict, ours: str) -> str:
   """The summary table and the skipped cases, as markdown."""
   env = result["environment"]
   header, rows = pivot(result, ours)
-  lines = [f"# pallas-fa3 bench: {env['device']}", "",
-           f"- date: {env['date']}; JAX {env['jax']} / jaxlib {env['jaxlib']};"
-           f" platform {env['platform_version']}; commit {env['git_commit']}",
-           f"- command: `{env['command']}`",
-           f"- cells: TFLOPs/s (median ms of {result['settings']['runs']} runs,"
-           " compile excluded); ratios = ours TFLOPs/s / baseline TFLOPs/s",
-           f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
-           + (" TFLOPs/s" if result["matmul_peak_tflops"] else ""),
-           f"- sweep wall time: {result['sweep_wall_s']:.1f} s",
-           "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
-           " the matmul peak (GPU) and peak_mib: the device's"
-           " peak_bytes_in_use after the case (the process's high-water mark"
-           " so far; GPU only)", "",
-           "| " + " | ".join(header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
+  lines = [
+    f"# pallas-fa3 bench: {env['device']}",
+    "",
+    f"- date: {env['date']}; JAX {env['jax']} / jaxlib {env['jaxlib']};"
+    f" platform {env['platform_version']}; commit {env['git_commit']}",
+    f"- command: `{env['command']}`",
+    f"- cells: TFLOPs/s (median ms of {result['settings']['runs']} runs,"
+    " compile excluded); ratios = ours TFLOPs/s / baseline TFLOPs/s",
+    f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
+    + (" TFLOPs/s" if result["matmul_peak_tflops"] else ""),
+    f"- sweep wall time: {result['sweep_wall_s']:.1f} s",
+    "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
+    " the matmul peak (GPU) and peak_mib: the device's"
+    " peak_bytes_in_use after the case (the process's high-water mark"
+    " so far; GPU only)",
+    "",
+    "| " + " | ".join(header) + " |",
+    "|" + "|".join("---" for _ in header) + "|",
+  ]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
   lines += ["", "Skipped or failed (impl, reason, cases, first case):", ""]
-  lines += [f"- {i}: {why} ({n} cases, e.g. {first})"
-            for i, why, n, first in skipped(result["records"])] or ["- none"]
+  lines += [
+    f"- {i}: {why} ({n} cases, e.g. {first})"
+    for i, why, n, first in skipped(result["records"])
+  ] or ["- none"]
   return "\n".join(lines) + "\n"
 
 
@@ -147,19 +171,23 @@ def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
   row with the `CSV_ENVIRONMENT` fields appended.
   """
   os.makedirs(out_dir, exist_ok=True)
-  paths = {k: os.path.join(out_dir, f) for k, f in
-           (("csv", CSV_FILE), ("json", JSON_FILE), ("md", MARKDOWN_FILE))}
+  paths = {
+    k: os.path.join(out_dir, f)
+    for k, f in (("csv", CSV_FILE), ("json", JSON_FILE), ("md", MARKDOWN_FILE))
+  }
   records = result["records"]
   env = {k: result["environment"][k] for k in CSV_ENVIRONMENT}
   with open(paths["csv"], "w", newline="") as f:
     fields = list(records[0]) if records else []
-    writer = csv.DictWriter(f, fieldnames=fields + [
-        k for k in CSV_ENVIRONMENT if k not in fields])
+    writer = csv.DictWriter(
+      f, fieldnames=fields + [k for k in CSV_ENVIRONMENT if k not in fields]
+    )
     writer.writeheader()
     writer.writerows({**r, **env} for r in records)
   with open(paths["json"], "w") as f:
-    json.dump(dict(result, ratios=ratios(records, ours), ours=ours), f,
-              indent=1)
+    json.dump(
+      dict(result, ratios=ratios(records, ours), ours=ours), f, indent=1
+    )
   with open(paths["md"], "w") as f:
     f.write(markdown(result, ours))
   return paths

@@ -18,8 +18,11 @@ MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
 # take bf16 inputs and quantize them to e4m3 (bench/fp8_case.py); fp32 is
 # accepted for CPU runs.
 DTYPES: dict[str, str] = {
-    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-    "fp8": "bfloat16"}
+  "bf16": "bfloat16",
+  "fp16": "float16",
+  "fp32": "float32",
+  "fp8": "bfloat16",
+}
 
 # Head dims are at most 256: the library's limit, on every backend.
 MAX_HEAD_DIM = 256
@@ -75,21 +78,33 @@ class BenchSpec:
   tags: tuple[str, ...] = ()
 
   def __post_init__(self):
-    for field in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv",
-                  "head_dim"):
+    for field in (
+      "batch",
+      "seq_q",
+      "seq_kv",
+      "heads_q",
+      "heads_kv",
+      "head_dim",
+    ):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
-        raise ValueError(f"BenchSpec {self.name!r}: {field} must be a positive"
-                         f" int; got {value!r}")
+        raise ValueError(
+          f"BenchSpec {self.name!r}: {field} must be a positive"
+          f" int; got {value!r}"
+        )
     if self.heads_q % self.heads_kv:
-      raise ValueError(f"BenchSpec {self.name!r}: heads_q ({self.heads_q})"
-                       f" must be a multiple of heads_kv ({self.heads_kv})")
+      raise ValueError(
+        f"BenchSpec {self.name!r}: heads_q ({self.heads_q})"
+        f" must be a multiple of heads_kv ({self.heads_kv})"
+      )
     if self.dtype not in DTYPES:
-      raise ValueError(f"BenchSpec {self.name!r}: dtype {self.dtype!r} not in"
-                       f" {tuple(DTYPES)}")
+      raise ValueError(
+        f"BenchSpec {self.name!r}: dtype {self.dtype!r} not in {tuple(DTYPES)}"
+      )
     if self.mode not in MODES:
-      raise ValueError(f"BenchSpec {self.name!r}: mode {self.mode!r} not in"
-                       f" {MODES}")
+      raise ValueError(
+        f"BenchSpec {self.name!r}: mode {self.mode!r} not in {MODES}"
+      )
 
   @property
   def gqa(self) -> int:
@@ -125,17 +140,32 @@ class GridAxes:
   tags: tuple[str, ...] = ()
 
 
-PAPER_AXES = GridAxes(PAPER_TOKENS, PAPER_HIDDEN, PAPER_HEAD_DIMS, PAPER_SEQS,
-                      modes=MODES, tags=("paper",))
-CPU_AXES = GridAxes(CPU_TOKENS, CPU_HIDDEN, CPU_HEAD_DIMS, CPU_SEQS,
-                    modes=CPU_MODES, tags=("cpu",))
+PAPER_AXES = GridAxes(
+  PAPER_TOKENS,
+  PAPER_HIDDEN,
+  PAPER_HEAD_DIMS,
+  PAPER_SEQS,
+  modes=MODES,
+  tags=("paper",),
+)
+CPU_AXES = GridAxes(
+  CPU_TOKENS,
+  CPU_HIDDEN,
+  CPU_HEAD_DIMS,
+  CPU_SEQS,
+  modes=CPU_MODES,
+  tags=("cpu",),
+)
 
 
-def spec_name(mode, dtype, batch, seq_q, seq_kv, heads_q, heads_kv, head_dim,
-              causal) -> str:
+def spec_name(
+  mode, dtype, batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal
+) -> str:
   seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
-  return (f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
-          f"{'causal' if causal else 'full'}")
+  return (
+    f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
+    f"{'causal' if causal else 'full'}"
+  )
 
 
 def check_head_dims(head_dims: Iterable[int], hidden: int) -> None:
@@ -144,16 +174,19 @@ def check_head_dims(head_dims: Iterable[int], hidden: int) -> None:
   head_dims = tuple(head_dims)
   for d in head_dims:
     if d > MAX_HEAD_DIM:
-      raise ValueError(f"--head-dim {d} is over {MAX_HEAD_DIM}: head dims are"
-                       f" at most {MAX_HEAD_DIM}")
+      raise ValueError(
+        f"--head-dim {d} is over {MAX_HEAD_DIM}: head dims are"
+        f" at most {MAX_HEAD_DIM}"
+      )
   for d in head_dims:
     if hidden % d:
       lcm = math.lcm(*head_dims)
       fit = -(-hidden // lcm) * lcm  # the smallest multiple >= hidden
       dims = " and ".join(map(str, sorted(set(head_dims))))
       raise ValueError(
-          f"--head-dim {d} does not divide --hidden {hidden}: pick --hidden"
-          f" {fit} (a multiple of {dims}) or head dims that divide {hidden}")
+        f"--head-dim {d} does not divide --hidden {hidden}: pick --hidden"
+        f" {fit} (a multiple of {dims}) or head dims that divide {hidden}"
+      )
 
 
 def make_grid(axes: GridAxes) -> list[BenchSpec]:
@@ -166,33 +199,64 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
   check_head_dims(axes.head_dims, axes.hidden)
   specs = []
   for mode, dtype, d, causal, gqa, seq in itertools.product(
-      axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa,
-      axes.seqs):
+    axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa, axes.seqs
+  ):
     heads_q = axes.hidden // d
     if heads_q % gqa:
-      raise ValueError(f"--gqa {gqa} does not divide {heads_q} query heads"
-                       f" (head dim {d})")
+      raise ValueError(
+        f"--gqa {gqa} does not divide {heads_q} query heads (head dim {d})"
+      )
     batch = max(1, axes.tokens // seq)
-    tags = axes.tags + (f"d{d}", "causal" if causal else "full", mode,
-                        dtype) + (("gqa",) if gqa > 1 else ())
-    specs.append(BenchSpec(
-        spec_name(mode, dtype, batch, seq, seq, heads_q, heads_q // gqa, d,
-                  causal),
-        batch, seq, seq, heads_q, heads_q // gqa, d, causal, dtype, mode,
-        tags))
+    tags = (
+      axes.tags
+      + (f"d{d}", "causal" if causal else "full", mode, dtype)
+      + (("gqa",) if gqa > 1 else ())
+    )
+    specs.append(
+      BenchSpec(
+        spec_name(
+          mode, dtype, batch, seq, seq, heads_q, heads_q // gqa, d, causal
+        ),
+        batch,
+        seq,
+        seq,
+        heads_q,
+        heads_q // gqa,
+        d,
+        causal,
+        dtype,
+        mode,
+        tags,
+      )
+    )
   return specs
 
 
-def tiny_spec(dtype: str = "bf16", *, mode: str = "fwd", seq: int = 128,
-              head_dim: int = 64, causal: bool = True, gqa: int = 1
-              ) -> BenchSpec:
+def tiny_spec(
+  dtype: str = "bf16",
+  *,
+  mode: str = "fwd",
+  seq: int = 128,
+  head_dim: int = 64,
+  causal: bool = True,
+  gqa: int = 1,
+) -> BenchSpec:
   """A small case for the interpret backend (correctness, not speed)."""
   heads_kv = 1 if gqa > 1 else 2
   heads_q = heads_kv * gqa
   return BenchSpec(
-      spec_name(mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal),
-      1, seq, seq, heads_q, heads_kv, head_dim, causal, dtype, mode,
-      (TINY_TAG,))
+    spec_name(mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal),
+    1,
+    seq,
+    seq,
+    heads_q,
+    heads_kv,
+    head_dim,
+    causal,
+    dtype,
+    mode,
+    (TINY_TAG,),
+  )
 
 
 def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
@@ -203,14 +267,29 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
   its dtype, mode, mask, sequence, head dim and GQA ratio are the grid's.
   The runner skips it, saying why, when its sequence exceeds TINY_MAX_SEQ.
   """
-  s = min(grid, key=lambda s: (MODES.index(s.mode), s.seq_q * s.seq_kv,
-                               s.head_dim, not s.causal, s.gqa))
-  return tiny_spec(s.dtype, mode=s.mode, seq=s.seq_q, head_dim=s.head_dim,
-                   causal=s.causal, gqa=s.gqa)
+  s = min(
+    grid,
+    key=lambda s: (
+      MODES.index(s.mode),
+      s.seq_q * s.seq_kv,
+      s.head_dim,
+      not s.causal,
+      s.gqa,
+    ),
+  )
+  return tiny_spec(
+    s.dtype,
+    mode=s.mode,
+    seq=s.seq_q,
+    head_dim=s.head_dim,
+    causal=s.causal,
+    gqa=s.gqa,
+  )
 
 
-def select(specs: Iterable[BenchSpec], tags: Iterable[str] = ()
-           ) -> list[BenchSpec]:
+def select(
+  specs: Iterable[BenchSpec], tags: Iterable[str] = ()
+) -> list[BenchSpec]:
   """The specs carrying every one of `tags`."""
   wanted = set(tags)
   return [s for s in specs if wanted <= set(s.tags)]

@@ -38,23 +38,26 @@ def _cell(r: dict, scale: float) -> str:
 def _speedup(cases: dict, ours: str) -> str:
   """ours / the fastest other implementation of one shape, or ''."""
   mine = cases.get(ours)
-  others = [r["tflops"] for n, r in cases.items()
-            if n != ours and r["status"] == "ok"]
+  others = [
+    r["tflops"] for n, r in cases.items() if n != ours and r["status"] == "ok"
+  ]
   if not (mine and mine["status"] == "ok" and others):
     return ""
   return f"{mine['tflops'] / max(others):.2f}x"
 
 
-def tables(result: dict, ours: str
-           ) -> list[tuple[str, list[str], list[list[str]]]]:
+def tables(
+  result: dict, ours: str
+) -> list[tuple[str, list[str], list[list[str]]]]:
   """(title, header, rows) of each (mode, dtype) table, in sweep order.
 
   An implementation gets a column where it ran at least one shape of the
   table (its skips are listed after the tables).
   """
   timed = [r for r in result["records"] if not r["note"]]
-  fastest = max((r["tflops"] for r in timed if r["status"] == "ok"),
-                default=0.0)
+  fastest = max(
+    (r["tflops"] for r in timed if r["status"] == "ok"), default=0.0
+  )
   unit, scale = ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
   runs = result["settings"]["runs"]
   groups = collections.defaultdict(lambda: collections.defaultdict(dict))
@@ -62,9 +65,14 @@ def tables(result: dict, ours: str
     groups[(r["mode"], r["dtype"])][r["spec"]][r["impl"]] = r
   out = []
   for (mode, dtype), by_spec in groups.items():
-    names = list(dict.fromkeys(
-        n for cases in by_spec.values() for n, r in cases.items()
-        if r["status"] != "skipped"))
+    names = list(
+      dict.fromkeys(
+        n
+        for cases in by_spec.values()
+        for n, r in cases.items()
+        if r["status"] != "skipped"
+      )
+    )
     if not names:
       continue
     speedup = ours in names and len(names) > 1
@@ -72,13 +80,16 @@ def tables(result: dict, ours: str
     rows = []
     for cases in by_spec.values():
       first = next(iter(cases.values()))
-      seq = (str(first["seq_q"]) if first["seq_q"] == first["seq_kv"]
-             else f"{first['seq_q']}x{first['seq_kv']}")
-      rows.append([str(first["head_dim"]), "yes" if first["causal"] else "no",
-                   seq]
-                  + [_cell(cases[n], scale) if n in cases else ""
-                     for n in names]
-                  + ([_speedup(cases, ours)] if speedup else []))
+      seq = (
+        str(first["seq_q"])
+        if first["seq_q"] == first["seq_kv"]
+        else f"{first['seq_q']}x{first['seq_kv']}"
+      )
+      rows.append(
+        [str(first["head_dim"]), "yes" if first["causal"] else "no", seq]
+        + [_cell(cases[n], scale) if n in cases else "" for n in names]
+        + ([_speedup(cases, ours)] if speedup else [])
+      )
     title = f"{mode} {dtype}: {unit}, median of {runs} runs"
     if dtype == "fp8":
       title += "; cells: total/kernel"
@@ -89,44 +100,59 @@ def tables(result: dict, ours: str
 def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
   """Fixed-width lines: the key columns left-aligned, figures right-aligned."""
   widths = [max(map(len, col)) for col in zip(header, *rows)]
+
   def line(cells):
-    return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "  ".join(
+      c.ljust(w) if i < 2 else c.rjust(w)
+      for i, (c, w) in enumerate(zip(cells, widths))
+    ).rstrip()
+
   return [line(header), "  ".join("-" * w for w in widths)] + [
-      line(row) for row in rows]
+    line(row) for row in rows
+  ]
 
 
 def text(result: dict, ours: str, width: int = WIDTH) -> str:
   """The whole terminal summary, every line at most `width` columns."""
   env = result["environment"]
-  lines = textwrap.wrap(f"pallas-fa3 bench on {env['device']}, JAX"
-                        f" {env['jax']} (compile excluded)", width)
+  lines = textwrap.wrap(
+    f"pallas-fa3 bench on {env['device']}, JAX {env['jax']} (compile excluded)",
+    width,
+  )
   if result.get("matmul_peak_tflops"):
     lines += textwrap.wrap(
-        f"bf16 matmul peak: {result['matmul_peak_tflops']:.0f} TFLOP/s"
-        " (each case's % of it: results.csv)", width)
+      f"bf16 matmul peak: {result['matmul_peak_tflops']:.0f} TFLOP/s"
+      " (each case's % of it: results.csv)",
+      width,
+    )
   made = tables(result, ours)
   for title, header, rows in made:
     lines += [""] + textwrap.wrap(title, width) + format_table(header, rows)
   if any("speedup" in header for _, header, _ in made):
     lines += [""] + textwrap.wrap(
-        f"speedup: {ours} / the fastest other implementation (> 1: {ours}"
-        " faster). Times, min/max, batch x heads, memory: results.csv.",
-        width)
+      f"speedup: {ours} / the fastest other implementation (> 1: {ours}"
+      " faster). Times, min/max, batch x heads, memory: results.csv.",
+      width,
+    )
   checks = [r for r in result["records"] if r["note"] and r["status"] == "ok"]
   if checks:
     lines.append("")
   for r in checks:
     lines += textwrap.wrap(
-        f"correctness only: {r['impl']} {r['spec']}: max |error| vs the"
-        f" reference {r['max_abs_err']:.2g}", width,
-        subsequent_indent="  ")
+      f"correctness only: {r['impl']} {r['spec']}: max |error| vs the"
+      f" reference {r['max_abs_err']:.2g}",
+      width,
+      subsequent_indent="  ",
+    )
   groups = report.skipped(result["records"])
   if groups:
     lines.append("")
   for impl, why, n, first in groups:
-    lines += textwrap.wrap(f"skipped {impl} x{n} (e.g. {first}): {why}",
-                           width, subsequent_indent="  ")
+    lines += textwrap.wrap(
+      f"skipped {impl} x{n} (e.g. {first}): {why}",
+      width,
+      subsequent_indent="  ",
+    )
   return "\n".join(lines)
 
 

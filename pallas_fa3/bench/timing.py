@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +38,18 @@ def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
   sets = []
   for i in range(num_sets):
     keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
-    sets.append(tuple(
+    sets.append(
+      tuple(
         jax.random.normal(key, shape, dtype)
-        for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape))))
+        for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape))
+      )
+    )
   return jax.block_until_ready(sets)
 
 
-def mode_function(fn: Callable, mode: str, input_sets: Sequence[tuple]
-                  ) -> tuple[Callable, list[tuple]]:
+def mode_function(
+  fn: Callable, mode: str, input_sets: Sequence[tuple]
+) -> tuple[Callable, list[tuple]]:
   """The jitted function timed for `mode`, and its argument tuples.
 
   "fwd": `fn(q, k, v)`. "fwd+bwd": the forward and the pullback of a random
@@ -55,9 +60,11 @@ def mode_function(fn: Callable, mode: str, input_sets: Sequence[tuple]
   if mode == "fwd":
     return jax.jit(fn), [s[:3] for s in input_sets]
   if mode == "fwd+bwd":
+
     def fwd_bwd(q, k, v, dout):
       _, pullback = jax.vjp(fn, q, k, v)
       return pullback(dout)
+
     return jax.jit(fwd_bwd), list(input_sets)
   if mode == "bwd":
     # Each jax.vjp call gives a pullback whose pytree metadata differs (it
@@ -70,8 +77,9 @@ def mode_function(fn: Callable, mode: str, input_sets: Sequence[tuple]
       leaves, this_def = jax.tree.flatten(pullback)
       treedef = treedef or this_def
       args.append((leaves, dout))
-    return jax.jit(lambda leaves, dout: jax.tree.unflatten(treedef, leaves)(
-        dout)), args
+    return jax.jit(
+      lambda leaves, dout: jax.tree.unflatten(treedef, leaves)(dout)
+    ), args
   raise ValueError(f"mode must be fwd, bwd or fwd+bwd; got {mode!r}")
 
 
@@ -91,8 +99,9 @@ def temp_bytes(compiled) -> int | None:
   return None if stats is None else int(stats.temp_size_in_bytes)
 
 
-def time_calls(compiled, arg_sets: Sequence[tuple], warmup: int, runs: int
-               ) -> list[float]:
+def time_calls(
+  compiled, arg_sets: Sequence[tuple], warmup: int, runs: int
+) -> list[float]:
   """Seconds of `runs` calls after `warmup` ones, rotating the inputs."""
   for i in range(warmup):
     jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
@@ -105,13 +114,19 @@ def time_calls(compiled, arg_sets: Sequence[tuple], warmup: int, runs: int
   return times
 
 
-def measure(jitted: Callable, arg_sets: Sequence[tuple], warmup: int,
-            runs: int) -> tuple[Timing, Any]:
+def measure(
+  jitted: Callable, arg_sets: Sequence[tuple], warmup: int, runs: int
+) -> tuple[Timing, Any]:
   """Compiles, warms up and times one case; returns (Timing, compiled)."""
   compiled, compile_s = compile_only(jitted, arg_sets[0])
   times = time_calls(compiled, arg_sets, warmup, runs)
-  return Timing(statistics.median(times), min(times), max(times), compile_s,
-                temp_bytes(compiled)), compiled
+  return Timing(
+    statistics.median(times),
+    min(times),
+    max(times),
+    compile_s,
+    temp_bytes(compiled),
+  ), compiled
 
 
 def peak_device_bytes() -> int | None:
@@ -123,11 +138,21 @@ def peak_device_bytes() -> int | None:
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def matmul_tflops(n: int, dtype: str = "bfloat16", warmup: int = 3,
-                  runs: int = 10, seed: int = 0) -> float:
+def matmul_tflops(
+  n: int,
+  dtype: str = "bfloat16",
+  warmup: int = 3,
+  runs: int = 10,
+  seed: int = 0,
+) -> float:
   """Measured TFLOPs/s of an `n x n @ n x n` matmul (median time)."""
   keys = jax.random.split(jax.random.key(seed), 4)
-  sets = [(jax.random.normal(keys[2 * i], (n, n), dtype),
-           jax.random.normal(keys[2 * i + 1], (n, n), dtype)) for i in range(2)]
+  sets = [
+    (
+      jax.random.normal(keys[2 * i], (n, n), dtype),
+      jax.random.normal(keys[2 * i + 1], (n, n), dtype),
+    )
+    for i in range(2)
+  ]
   timing, _ = measure(jax.jit(jnp.dot), sets, warmup, runs)
-  return 2 * n ** 3 / timing.median_s / 1e12
+  return 2 * n**3 / timing.median_s / 1e12

@@ -30,18 +30,21 @@ Example:
 """
 
 from pallas_fa3.flax.adapter import (
-    FlashAttentionFallbackWarning as FlashAttentionFallbackWarning)
-from pallas_fa3.flax.adapter import make_attention_fn as make_attention_fn
+  FlashAttentionFallbackWarning as FlashAttentionFallbackWarning,
+  make_attention_fn as make_attention_fn,
+)
 from pallas_fa3.flax.linen_modules import (
-    FlashMultiHeadDotProductAttention as FlashMultiHeadDotProductAttention)
+  FlashMultiHeadDotProductAttention as FlashMultiHeadDotProductAttention,
+)
 from pallas_fa3.flax.nnx_modules import (
-    FlashMultiHeadAttention as FlashMultiHeadAttention)
+  FlashMultiHeadAttention as FlashMultiHeadAttention,
+)
 from pallas_fa3.flax.rope import apply_rope as apply_rope
 
 __all__ = [
-    "FlashAttentionFallbackWarning",
-    "FlashMultiHeadAttention",
-    "FlashMultiHeadDotProductAttention",
-    "apply_rope",
-    "make_attention_fn",
+  "FlashAttentionFallbackWarning",
+  "FlashMultiHeadAttention",
+  "FlashMultiHeadDotProductAttention",
+  "apply_rope",
+  "make_attention_fn",
 ]

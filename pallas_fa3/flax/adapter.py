@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +69,14 @@ from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.flax import layout
 from pallas_fa3.backends import check_implementation
-from pallas_fa3.spec import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool,
-                             check_softmax_scale)
+from pallas_fa3.flax import layout
+from pallas_fa3.spec import (
+  MAX_HEAD_DIM,
+  SUPPORTED_DTYPES,
+  check_bool,
+  check_softmax_scale,
+)
 
 OnUnsupported = Literal["raise", "fallback"]
 ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
@@ -96,9 +101,14 @@ def _top_left_causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
   return np.tril(np.ones((seq_q, seq_kv), dtype=bool))
 
 
-def _flash_top_left(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
-                    options: dict[str, Any], implementation: str | None
-                    ) -> jax.Array:
+def _flash_top_left(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  causal: bool,
+  options: dict[str, Any],
+  implementation: str | None,
+) -> jax.Array:
   """flash_attention on rank-4 inputs with Flax's top-left causal alignment.
 
   The core aligns causal masks bottom-right. Top-left, query i sees keys
@@ -107,7 +117,8 @@ def _flash_top_left(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool,
   see a square causal mask and the others see every key.
   """
   call = lambda q, k, v, causal: flash_attention(
-      q, k, v, causal=causal, implementation=implementation, **options)
+    q, k, v, causal=causal, implementation=implementation, **options
+  )
   seq_q, seq_kv = q.shape[1], k.shape[1]
   if not causal or seq_q == seq_kv:
     return call(q, k, v, causal)
@@ -127,14 +138,16 @@ def _mask_kind(mask: Any, weights_shape: tuple[int, ...]) -> str:
   if mask is None:
     return "none"
   try:
-    broadcast_ok = np.broadcast_shapes(
-        tuple(mask.shape), weights_shape) == weights_shape
+    broadcast_ok = (
+      np.broadcast_shapes(tuple(mask.shape), weights_shape) == weights_shape
+    )
   except ValueError:
     broadcast_ok = False
   if not broadcast_ok:
     raise ValueError(
-        f"mask of shape {tuple(mask.shape)} does not broadcast to the attention"
-        f" weights [batch..., heads, seq_q, seq_kv] = {weights_shape}")
+      f"mask of shape {tuple(mask.shape)} does not broadcast to the attention"
+      f" weights [batch..., heads, seq_q, seq_kv] = {weights_shape}"
+    )
   if isinstance(mask, jax.core.Tracer):
     return "traced"
   visible = np.asarray(mask).astype(bool)
@@ -144,86 +157,114 @@ def _mask_kind(mask: Any, weights_shape: tuple[int, ...]) -> str:
   return "none" if visible.all() else "other"
 
 
-def _poison_unless_causal(out: jax.Array, mask: jax.Array, seq_q: int,
-                          seq_kv: int) -> jax.Array:
+def _poison_unless_causal(
+  out: jax.Array, mask: jax.Array, seq_q: int, seq_kv: int
+) -> jax.Array:
   """NaN output unless the traced mask is the causal mask it was declared to be."""
   causal = jnp.asarray(_top_left_causal_mask(seq_q, seq_kv))
   ok = jnp.all(mask.astype(bool) == causal)
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
-def _unsupported_feature(query, bias, dropout_rate, deterministic, module,
-                         custom_einsums, mask_kind: str, declared_causal: bool
-                         ) -> tuple[str, str] | None:
+def _unsupported_feature(
+  query,
+  bias,
+  dropout_rate,
+  deterministic,
+  module,
+  custom_einsums,
+  mask_kind: str,
+  declared_causal: bool,
+) -> tuple[str, str] | None:
   """(feature key, description) of the first unsupported feature, else None."""
   if bias is not None:
     return "bias", "an attention bias (bias=...)"
   if dropout_rate > 0.0 and not deterministic:
-    return "dropout", (f"attention dropout (dropout_rate={dropout_rate} with"
-                       " deterministic=False)")
+    return "dropout", (
+      f"attention dropout (dropout_rate={dropout_rate} with"
+      " deterministic=False)"
+    )
   if module is not None:
-    return "sow", ("sowing the attention weights (sow_weights=True, i.e. a"
-                   " module passed as module=...)")
+    return "sow", (
+      "sowing the attention weights (sow_weights=True, i.e. a"
+      " module passed as module=...)"
+    )
   if custom_einsums:
     return "einsum", f"custom einsums ({', '.join(custom_einsums)})"
   if jnp.dtype(query.dtype) not in SUPPORTED_DTYPES:
-    return "dtype", (f"dtype {jnp.dtype(query.dtype)} (flash attention takes"
-                     f" {', '.join(str(d) for d in SUPPORTED_DTYPES)})")
+    return "dtype", (
+      f"dtype {jnp.dtype(query.dtype)} (flash attention takes"
+      f" {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
+    )
   if query.shape[-1] > MAX_HEAD_DIM:
-    return "head_dim", (f"head_dim {query.shape[-1]} (flash attention takes at"
-                        f" most {MAX_HEAD_DIM})")
+    return "head_dim", (
+      f"head_dim {query.shape[-1]} (flash attention takes at"
+      f" most {MAX_HEAD_DIM})"
+    )
   if mask_kind == "other":
-    return "mask", ("a dense attention mask that is neither all True nor the"
-                    " causal mask tril(ones(seq_q, seq_kv))")
+    return "mask", (
+      "a dense attention mask that is neither all True nor the"
+      " causal mask tril(ones(seq_q, seq_kv))"
+    )
   if mask_kind == "traced" and not declared_causal:
     return "traced_mask", (
-        "an attention mask under a JAX transformation (a traced mask cannot be"
-        " inspected; for the causal mask pass is_causal=True and no mask, or"
-        " declare make_attention_fn(causal=True))")
+      "an attention mask under a JAX transformation (a traced mask cannot be"
+      " inspected; for the causal mask pass is_causal=True and no mask, or"
+      " declare make_attention_fn(causal=True))"
+    )
   return None
 
 
-def _refuse_or_warn(unsupported: tuple[str, str], on_unsupported: str,
-                    warned: set[str]) -> None:
+def _refuse_or_warn(
+  unsupported: tuple[str, str], on_unsupported: str, warned: set[str]
+) -> None:
   """Raises for "raise"; else warns once per feature (recorded in `warned`)."""
   feature, description = unsupported
   if on_unsupported == "raise":
     raise NotImplementedError(
-        f"pallas_fa3 flash attention does not support {description};"
-        " make_attention_fn(on_unsupported='fallback') runs Flax's"
-        " dot_product_attention for such calls instead")
+      f"pallas_fa3 flash attention does not support {description};"
+      " make_attention_fn(on_unsupported='fallback') runs Flax's"
+      " dot_product_attention for such calls instead"
+    )
   if feature not in warned:
     warned.add(feature)
     warnings.warn(
-        f"pallas_fa3 flash attention does not support {description}; running"
-        " Flax's dot_product_attention instead (it materializes the attention"
-        " scores). Warned once per attention_fn and feature.",
-        FlashAttentionFallbackWarning, stacklevel=3)
+      f"pallas_fa3 flash attention does not support {description}; running"
+      " Flax's dot_product_attention instead (it materializes the attention"
+      " scores). Warned once per attention_fn and feature.",
+      FlashAttentionFallbackWarning,
+      stacklevel=3,
+    )
 
 
-def _check_options(implementation: Any, causal: Any, on_unsupported: Any,
-                   options: dict[str, Any]) -> tuple[str | None, bool]:
+def _check_options(
+  implementation: Any, causal: Any, on_unsupported: Any, options: dict[str, Any]
+) -> tuple[str | None, bool]:
   implementation = check_implementation(implementation)
   causal = check_bool("causal", causal)
   if on_unsupported not in ON_UNSUPPORTED:
     raise ValueError(
-        f"on_unsupported must be one of {ON_UNSUPPORTED}; got"
-        f" {on_unsupported!r}")
+      f"on_unsupported must be one of {ON_UNSUPPORTED}; got {on_unsupported!r}"
+    )
   unknown = sorted(set(options) - set(_FORWARDED_OPTIONS))
   if unknown:
     raise TypeError(
-        f"make_attention_fn got unknown option(s) {unknown}; options forwarded"
-        f" to flash_attention are {_FORWARDED_OPTIONS}")
+      f"make_attention_fn got unknown option(s) {unknown}; options forwarded"
+      f" to flash_attention are {_FORWARDED_OPTIONS}"
+    )
   if options.get("softmax_scale") is not None:
     # head_dim only matters for the default scale, which this is not.
     check_softmax_scale(options["softmax_scale"], head_dim=1)
   return implementation, causal
 
 
-def make_attention_fn(implementation: str | None = None, *,
-                      causal: bool = False,
-                      on_unsupported: OnUnsupported = "raise",
-                      **options: Any) -> Callable[..., jax.Array]:
+def make_attention_fn(
+  implementation: str | None = None,
+  *,
+  causal: bool = False,
+  on_unsupported: OnUnsupported = "raise",
+  **options: Any,
+) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules that runs flash_attention.
 
   Args:
@@ -248,85 +289,156 @@ def make_attention_fn(implementation: str | None = None, *,
     TypeError / ValueError: a bad argument, named.
   """
   implementation, declared_causal = _check_options(
-      implementation, causal, on_unsupported, options)
+    implementation, causal, on_unsupported, options
+  )
   options = {k: v for k, v in options.items() if v is not None}
   warned: set[str] = set()
 
-  def attention_fn(query, key, value, bias=None, mask=None,
-                   broadcast_dropout=True, dropout_rng=None, dropout_rate=0.0,
-                   deterministic=False, dtype=None, precision=None,
-                   module=None, *, promote_dtype=None, is_causal=False,
-                   force_fp32_for_softmax=_LINEN_ONLY,
-                   einsum_dot_general=_LINEN_ONLY,
-                   qk_attn_weights_einsum=_LINEN_ONLY,
-                   attn_weights_value_einsum=_LINEN_ONLY) -> jax.Array:
-    linen_kwargs = {name: arg for name, arg in (
+  def attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout=True,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    dtype=None,
+    precision=None,
+    module=None,
+    *,
+    promote_dtype=None,
+    is_causal=False,
+    force_fp32_for_softmax=_LINEN_ONLY,
+    einsum_dot_general=_LINEN_ONLY,
+    qk_attn_weights_einsum=_LINEN_ONLY,
+    attn_weights_value_einsum=_LINEN_ONLY,
+  ) -> jax.Array:
+    linen_kwargs = {
+      name: arg
+      for name, arg in (
         ("force_fp32_for_softmax", force_fp32_for_softmax),
         ("einsum_dot_general", einsum_dot_general),
         ("qk_attn_weights_einsum", qk_attn_weights_einsum),
         ("attn_weights_value_einsum", attn_weights_value_einsum),
-    ) if arg is not _LINEN_ONLY}
+      )
+      if arg is not _LINEN_ONLY
+    }
     query, key, value = (promote_dtype or nnx_dtypes.promote_dtype)(
-        (query, key, value), dtype=dtype)
+      (query, key, value), dtype=dtype
+    )
     layout.check_qkv(query, key, value)
     seq_q, seq_kv = query.shape[-3], key.shape[-3]
     kind = _mask_kind(
-        mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv))
+      mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv)
+    )
     if declared_causal and kind in ("none", "other") and mask is not None:
       raise ValueError(
-          "make_attention_fn(causal=True) declared every mask causal, but the"
-          f" mask of shape {tuple(mask.shape)} is not the causal mask"
-          " tril(ones(seq_q, seq_kv))")
-    custom_einsums = [name for name, fn in linen_kwargs.items()
-                      if name != "force_fp32_for_softmax" and fn is not None]
+        "make_attention_fn(causal=True) declared every mask causal, but the"
+        f" mask of shape {tuple(mask.shape)} is not the causal mask"
+        " tril(ones(seq_q, seq_kv))"
+      )
+    custom_einsums = [
+      name
+      for name, fn in linen_kwargs.items()
+      if name != "force_fp32_for_softmax" and fn is not None
+    ]
     unsupported = _unsupported_feature(
-        query, bias, dropout_rate, deterministic, module, custom_einsums,
-        kind, declared_causal)
+      query,
+      bias,
+      dropout_rate,
+      deterministic,
+      module,
+      custom_einsums,
+      kind,
+      declared_causal,
+    )
     if unsupported is not None:
       _refuse_or_warn(unsupported, on_unsupported, warned)
       return _fallback(
-          query, key, value, bias=bias, mask=mask,
-          broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
-          dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
-          precision=precision, module=module,
-          is_causal=is_causal or declared_causal,
-          softmax_scale=options.get("softmax_scale"),
-          linen_kwargs=linen_kwargs)
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        precision=precision,
+        module=module,
+        is_causal=is_causal or declared_causal,
+        softmax_scale=options.get("softmax_scale"),
+        linen_kwargs=linen_kwargs,
+      )
     causal = declared_causal or is_causal or kind in ("causal", "traced")
-    out = _flash_top_left(layout.fold_batch(query), layout.fold_batch(key),
-                          layout.fold_batch(value), causal, options,
-                          implementation)
+    out = _flash_top_left(
+      layout.fold_batch(query),
+      layout.fold_batch(key),
+      layout.fold_batch(value),
+      causal,
+      options,
+      implementation,
+    )
     out = layout.unfold_batch(out, query)
     if kind == "traced":
       out = _poison_unless_causal(out, mask, seq_q, seq_kv)
     return out
 
   attention_fn.__doc__ = (
-      "Flax-compatible attention_fn running pallas_fa3.flash_attention"
-      f" (implementation={implementation!r}, causal={declared_causal},"
-      f" on_unsupported={on_unsupported!r}); see"
-      " pallas_fa3.flax.make_attention_fn.")
+    "Flax-compatible attention_fn running pallas_fa3.flash_attention"
+    f" (implementation={implementation!r}, causal={declared_causal},"
+    f" on_unsupported={on_unsupported!r}); see"
+    " pallas_fa3.flax.make_attention_fn."
+  )
   return attention_fn
 
 
-def _fallback(query, key, value, *, bias, mask, broadcast_dropout,
-              dropout_rng, dropout_rate, deterministic, dtype, precision,
-              module, is_causal, softmax_scale, linen_kwargs) -> jax.Array:
+def _fallback(
+  query,
+  key,
+  value,
+  *,
+  bias,
+  mask,
+  broadcast_dropout,
+  dropout_rng,
+  dropout_rate,
+  deterministic,
+  dtype,
+  precision,
+  module,
+  is_causal,
+  softmax_scale,
+  linen_kwargs,
+) -> jax.Array:
   """Flax's own dot_product_attention: linen's for linen callers, else nnx's."""
   if softmax_scale is not None:
     # Flax divides q by sqrt(head_dim); pre-scale so the product is the scale.
-    query = query * jnp.asarray(softmax_scale * math.sqrt(query.shape[-1]),
-                                query.dtype)
-  common = dict(bias=bias, broadcast_dropout=broadcast_dropout,
-                dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-                deterministic=deterministic, dtype=dtype, precision=precision,
-                module=module)
+    query = query * jnp.asarray(
+      softmax_scale * math.sqrt(query.shape[-1]), query.dtype
+    )
+  common = dict(
+    bias=bias,
+    broadcast_dropout=broadcast_dropout,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    deterministic=deterministic,
+    dtype=dtype,
+    precision=precision,
+    module=module,
+  )
   if isinstance(module, linen.Module) or linen_kwargs:
     if is_causal:  # linen's function has no is_causal; fold it into the mask
-      causal = jnp.asarray(_top_left_causal_mask(query.shape[-3],
-                                                 key.shape[-3]))
+      causal = jnp.asarray(
+        _top_left_causal_mask(query.shape[-3], key.shape[-3])
+      )
       mask = causal if mask is None else jnp.logical_and(mask, causal)
-    return linen.dot_product_attention(query, key, value, mask=mask,
-                                       **common, **linen_kwargs)
-  return nnx.dot_product_attention(query, key, value, mask=mask,
-                                   is_causal=is_causal, **common)
+    return linen.dot_product_attention(
+      query, key, value, mask=mask, **common, **linen_kwargs
+    )
+  return nnx.dot_product_attention(
+    query, key, value, mask=mask, is_causal=is_causal, **common
+  )

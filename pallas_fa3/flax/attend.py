@@ -17,13 +17,18 @@ from pallas_fa3.flax import layout, rope as rope_lib
 
 
 def _check_positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, numbers.Integral)
+    or value <= 0
+  ):
     raise ValueError(f"{name} must be a positive integer; got {value!r}")
   return int(value)
 
 
-def head_layout(num_heads: int, num_kv_heads: int | None, qkv_features: int
-                ) -> tuple[int, int, int]:
+def head_layout(
+  num_heads: int, num_kv_heads: int | None, qkv_features: int
+) -> tuple[int, int, int]:
   """Validates the head configuration; returns (num_heads, num_kv_heads, head_dim).
 
   Args:
@@ -36,23 +41,28 @@ def head_layout(num_heads: int, num_kv_heads: int | None, qkv_features: int
     ValueError: naming the argument and its value.
   """
   num_heads = _check_positive_int("num_heads", num_heads)
-  num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int(
-      "num_kv_heads", num_kv_heads)
+  num_kv_heads = (
+    num_heads
+    if num_kv_heads is None
+    else _check_positive_int("num_kv_heads", num_kv_heads)
+  )
   qkv_features = _check_positive_int("qkv_features", qkv_features)
   if num_heads % num_kv_heads:
     raise ValueError(
-        f"num_heads ({num_heads}) must be divisible by num_kv_heads"
-        f" ({num_kv_heads})")
+      f"num_heads ({num_heads}) must be divisible by num_kv_heads"
+      f" ({num_kv_heads})"
+    )
   if qkv_features % num_heads:
     raise ValueError(
-        f"qkv_features ({qkv_features}) must be divisible by num_heads"
-        f" ({num_heads})")
+      f"qkv_features ({qkv_features}) must be divisible by num_heads"
+      f" ({num_heads})"
+    )
   return num_heads, num_kv_heads, qkv_features // num_heads
 
 
-def self_attention_inputs(inputs_q: jax.Array, inputs_k: jax.Array | None,
-                          inputs_v: jax.Array | None
-                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def self_attention_inputs(
+  inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Flax's defaulting: k defaults to q, v defaults to k.
 
   Raises:
@@ -61,18 +71,27 @@ def self_attention_inputs(inputs_q: jax.Array, inputs_k: jax.Array | None,
   if inputs_k is None:
     if inputs_v is not None:
       raise ValueError(
-          "inputs_k cannot be None when inputs_v is given; pass the same array"
-          " as inputs_k and leave inputs_v as None")
+        "inputs_k cannot be None when inputs_v is given; pass the same array"
+        " as inputs_k and leave inputs_v as None"
+      )
     inputs_k = inputs_q
   if inputs_v is None:
     inputs_v = inputs_k
   return inputs_q, inputs_k, inputs_v
 
 
-def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
-           causal: bool, rope: bool, rope_base: float,
-           positions: jax.Array | None, implementation: str | None,
-           config: Any) -> jax.Array:
+def attend(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  *,
+  causal: bool,
+  rope: bool,
+  rope_base: float,
+  positions: jax.Array | None,
+  implementation: str | None,
+  config: Any,
+) -> jax.Array:
   """RoPE (optional) on q and k, then `flash_attention` over the folded batch.
 
   Args:
@@ -94,16 +113,21 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, *,
   if rope:
     if query.shape[-3] != key.shape[-3]:
       raise ValueError(
-          "rope=True shares positions between queries and keys and needs"
-          f" seq_q == seq_kv; got query.shape={tuple(query.shape)},"
-          f" key.shape={tuple(key.shape)}")
+        "rope=True shares positions between queries and keys and needs"
+        f" seq_q == seq_kv; got query.shape={tuple(query.shape)},"
+        f" key.shape={tuple(key.shape)}"
+      )
     positions = rope_lib.rope_positions(positions, tuple(query.shape[:-2]))
     query = rope_lib.apply_rope(query, positions, rope_base)
     key = rope_lib.apply_rope(key, positions, rope_base)
   elif positions is not None:
     raise ValueError("positions is only used with rope=True; got rope=False")
   out = flash_attention(
-      layout.fold_batch(query), layout.fold_batch(key),
-      layout.fold_batch(value), causal=causal,
-      implementation=implementation, config=config)
+    layout.fold_batch(query),
+    layout.fold_batch(key),
+    layout.fold_batch(value),
+    causal=causal,
+    implementation=implementation,
+    config=config,
+  )
   return layout.unfold_batch(out, query)

@@ -22,18 +22,24 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
   Raises:
     ValueError: naming the operands and their shapes.
   """
-  shapes = (f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)},"
-            f" value.shape={tuple(value.shape)}")
+  shapes = (
+    f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)},"
+    f" value.shape={tuple(value.shape)}"
+  )
   if not query.ndim == key.ndim == value.ndim:
-    raise ValueError(f"query, key and value must have the same rank; got {shapes}")
+    raise ValueError(
+      f"query, key and value must have the same rank; got {shapes}"
+    )
   if query.ndim < _TRAILING_AXES:
     raise ValueError(
-        "query, key and value must have layout [batch..., length, heads,"
-        f" head_dim] (rank >= {_TRAILING_AXES}); got {shapes}")
+      "query, key and value must have layout [batch..., length, heads,"
+      f" head_dim] (rank >= {_TRAILING_AXES}); got {shapes}"
+    )
   batch = query.shape[:-_TRAILING_AXES]
   if not batch == key.shape[:-_TRAILING_AXES] == value.shape[:-_TRAILING_AXES]:
     raise ValueError(
-        f"query, key and value must have the same batch axes; got {shapes}")
+      f"query, key and value must have the same batch axes; got {shapes}"
+    )
 
 
 def fold_batch(x: jax.Array) -> jax.Array:

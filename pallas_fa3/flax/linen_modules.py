@@ -28,10 +28,13 @@ from flax import linen as nn
 from flax.linen.linear import default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from pallas_fa3.flax import attend
-from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
-                                  check_rope_head_dim)
 from pallas_fa3.backends import check_implementation
+from pallas_fa3.flax import attend
+from pallas_fa3.flax.rope import (
+  DEFAULT_ROPE_BASE,
+  check_rope_base,
+  check_rope_head_dim,
+)
 from pallas_fa3.spec import check_bool
 
 
@@ -83,9 +86,14 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   config: Any = None
 
   @nn.compact
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
     Args:
@@ -99,32 +107,46 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       `[batch..., seq_q, out_features]`.
     """
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
-        inputs_q, inputs_k, inputs_v)
+      inputs_q, inputs_k, inputs_v
+    )
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     num_heads, num_kv_heads, head_dim = attend.head_layout(
-        self.num_heads, self.num_kv_heads, qkv_features)
+      self.num_heads, self.num_kv_heads, qkv_features
+    )
     causal = check_bool("causal", self.causal)
     rope = check_bool("rope", self.rope)
     if rope:
       check_rope_head_dim(head_dim)
     dense = functools.partial(
-        nn.DenseGeneral, axis=-1, dtype=self.dtype,
-        param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, use_bias=self.use_bias,
-        precision=self.precision)
+      nn.DenseGeneral,
+      axis=-1,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=self.kernel_init,
+      bias_init=self.bias_init,
+      use_bias=self.use_bias,
+      precision=self.precision,
+    )
     x = attend.attend(
-        dense(features=(num_heads, head_dim), name="query")(inputs_q),
-        dense(features=(num_kv_heads, head_dim), name="key")(inputs_k),
-        dense(features=(num_kv_heads, head_dim), name="value")(inputs_v),
-        causal=causal, rope=rope, rope_base=check_rope_base(self.rope_base),
-        positions=positions,
-        implementation=check_implementation(self.implementation),
-        config=self.config)
+      dense(features=(num_heads, head_dim), name="query")(inputs_q),
+      dense(features=(num_kv_heads, head_dim), name="key")(inputs_k),
+      dense(features=(num_kv_heads, head_dim), name="value")(inputs_v),
+      causal=causal,
+      rope=rope,
+      rope_base=check_rope_base(self.rope_base),
+      positions=positions,
+      implementation=check_implementation(self.implementation),
+      config=self.config,
+    )
     return nn.DenseGeneral(
-        features=features, axis=(-2, -1),
-        kernel_init=self.out_kernel_init or self.kernel_init,
-        bias_init=self.out_bias_init or self.bias_init,
-        use_bias=self.use_bias, dtype=self.dtype,
-        param_dtype=self.param_dtype, precision=self.precision,
-        name="out")(x)
+      features=features,
+      axis=(-2, -1),
+      kernel_init=self.out_kernel_init or self.kernel_init,
+      bias_init=self.out_bias_init or self.bias_init,
+      use_bias=self.use_bias,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      precision=self.precision,
+      name="out",
+    )(x)

@@ -29,10 +29,13 @@ from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
 from flax.typing import Dtype, Initializer
 
-from pallas_fa3.flax import attend
-from pallas_fa3.flax.rope import (DEFAULT_ROPE_BASE, check_rope_base,
-                                  check_rope_head_dim)
 from pallas_fa3.backends import check_implementation
+from pallas_fa3.flax import attend
+from pallas_fa3.flax.rope import (
+  DEFAULT_ROPE_BASE,
+  check_rope_base,
+  check_rope_head_dim,
+)
 from pallas_fa3.spec import check_bool
 
 
@@ -70,22 +73,32 @@ class FlashMultiHeadAttention(nnx.Module):
     rngs: `nnx.Rngs` for the parameter initializers.
   """
 
-  def __init__(self, num_heads: int, in_features: int,
-               qkv_features: int | None = None,
-               out_features: int | None = None, *,
-               num_kv_heads: int | None = None, causal: bool = False,
-               rope: bool = False, rope_base: float = DEFAULT_ROPE_BASE,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
-               use_bias: bool = True, implementation: str | None = None,
-               config: Any = None,
-               kernel_init: Initializer = default_kernel_init,
-               out_kernel_init: Initializer | None = None,
-               bias_init: Initializer = nnx.initializers.zeros_init(),
-               rngs: nnx.Rngs) -> None:
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    *,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    rope: bool = False,
+    rope_base: float = DEFAULT_ROPE_BASE,
+    dtype: Dtype | None = None,
+    param_dtype: Dtype = jnp.float32,
+    use_bias: bool = True,
+    implementation: str | None = None,
+    config: Any = None,
+    kernel_init: Initializer = default_kernel_init,
+    out_kernel_init: Initializer | None = None,
+    bias_init: Initializer = nnx.initializers.zeros_init(),
+    rngs: nnx.Rngs,
+  ) -> None:
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
     self.num_heads, self.num_kv_heads, self.head_dim = attend.head_layout(
-        num_heads, num_kv_heads, qkv_features)
+      num_heads, num_kv_heads, qkv_features
+    )
     self.in_features = in_features
     self.qkv_features = qkv_features
     self.out_features = out_features
@@ -100,26 +113,45 @@ class FlashMultiHeadAttention(nnx.Module):
     self.implementation = check_implementation(implementation)
     self.config = config
 
-    def projection(in_feats: Any, out_feats: Any, **kwargs: Any
-                   ) -> nnx.LinearGeneral:
+    def projection(
+      in_feats: Any, out_feats: Any, **kwargs: Any
+    ) -> nnx.LinearGeneral:
       return nnx.LinearGeneral(
-          in_feats, out_feats, dtype=dtype, param_dtype=param_dtype,
-          bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kwargs)
+        in_feats,
+        out_feats,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        bias_init=bias_init,
+        use_bias=use_bias,
+        rngs=rngs,
+        **kwargs,
+      )
 
     # Same order as flax.nnx.MultiHeadAttention, so one seed gives one init.
-    self.query = projection(in_features, (self.num_heads, self.head_dim),
-                            kernel_init=kernel_init)
-    self.key = projection(in_features, (self.num_kv_heads, self.head_dim),
-                          kernel_init=kernel_init)
-    self.value = projection(in_features, (self.num_kv_heads, self.head_dim),
-                            kernel_init=kernel_init)
-    self.out = projection((self.num_heads, self.head_dim), out_features,
-                          axis=(-2, -1),
-                          kernel_init=out_kernel_init or kernel_init)
+    self.query = projection(
+      in_features, (self.num_heads, self.head_dim), kernel_init=kernel_init
+    )
+    self.key = projection(
+      in_features, (self.num_kv_heads, self.head_dim), kernel_init=kernel_init
+    )
+    self.value = projection(
+      in_features, (self.num_kv_heads, self.head_dim), kernel_init=kernel_init
+    )
+    self.out = projection(
+      (self.num_heads, self.head_dim),
+      out_features,
+      axis=(-2, -1),
+      kernel_init=out_kernel_init or kernel_init,
+    )
 
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
     Args:
@@ -133,17 +165,28 @@ class FlashMultiHeadAttention(nnx.Module):
       `[batch..., seq_q, out_features]`.
     """
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
-        inputs_q, inputs_k, inputs_v)
-    for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k),
-                    ("inputs_v", inputs_v)):
+      inputs_q, inputs_k, inputs_v
+    )
+    for name, x in (
+      ("inputs_q", inputs_q),
+      ("inputs_k", inputs_k),
+      ("inputs_v", inputs_v),
+    ):
       if x.shape[-1] != self.in_features:
         raise ValueError(
-            f"{name} has {x.shape[-1]} features (last axis of shape"
-            f" {tuple(x.shape)}); the layer expects in_features="
-            f"{self.in_features}")
+          f"{name} has {x.shape[-1]} features (last axis of shape"
+          f" {tuple(x.shape)}); the layer expects in_features="
+          f"{self.in_features}"
+        )
     x = attend.attend(
-        self.query(inputs_q), self.key(inputs_k), self.value(inputs_v),
-        causal=self.causal, rope=self.rope, rope_base=self.rope_base,
-        positions=positions, implementation=self.implementation,
-        config=self.config)
+      self.query(inputs_q),
+      self.key(inputs_k),
+      self.value(inputs_v),
+      causal=self.causal,
+      rope=self.rope,
+      rope_base=self.rope_base,
+      positions=positions,
+      implementation=self.implementation,
+      config=self.config,
+    )
     return self.out(x)

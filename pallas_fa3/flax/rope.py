@@ -52,12 +52,14 @@ def check_rope_head_dim(head_dim: int) -> None:
   """RoPE rotates pairs of features: the head dimension must be even."""
   if head_dim % 2:
     raise ValueError(
-        f"rope=True needs an even head_dim (features are rotated in pairs);"
-        f" got head_dim={head_dim}")
+      f"rope=True needs an even head_dim (features are rotated in pairs);"
+      f" got head_dim={head_dim}"
+    )
 
 
-def rope_positions(positions: jax.Array | None, seq_shape: tuple[int, ...]
-                   ) -> jax.Array:
+def rope_positions(
+  positions: jax.Array | None, seq_shape: tuple[int, ...]
+) -> jax.Array:
   """Validates `positions` against `[batch..., seq]`; defaults to `arange(seq)`.
 
   Args:
@@ -77,23 +79,27 @@ def rope_positions(positions: jax.Array | None, seq_shape: tuple[int, ...]
     return jnp.arange(seq, dtype=jnp.int32)
   positions = jnp.asarray(positions)
   if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise TypeError(
-        f"positions must be integers; got dtype {positions.dtype}")
+    raise TypeError(f"positions must be integers; got dtype {positions.dtype}")
   shape = tuple(positions.shape)
   try:
-    ok = (len(shape) >= 1 and shape[-1] == seq
-          and np.broadcast_shapes(shape, seq_shape) == tuple(seq_shape))
+    ok = (
+      len(shape) >= 1
+      and shape[-1] == seq
+      and np.broadcast_shapes(shape, seq_shape) == tuple(seq_shape)
+    )
   except ValueError:
     ok = False
   if not ok:
     raise ValueError(
-        f"positions must have shape [seq] or [batch..., seq] = {tuple(seq_shape)};"
-        f" got shape {shape}")
+      f"positions must have shape [seq] or [batch..., seq] = {tuple(seq_shape)};"
+      f" got shape {shape}"
+    )
   return positions
 
 
-def apply_rope(x: jax.Array, positions: jax.Array | None,
-               base: float = DEFAULT_ROPE_BASE) -> jax.Array:
+def apply_rope(
+  x: jax.Array, positions: jax.Array | None, base: float = DEFAULT_ROPE_BASE
+) -> jax.Array:
   """Rotates `x` by its positions (half-split RoPE, computed in float32).
 
   Args:
@@ -110,7 +116,9 @@ def apply_rope(x: jax.Array, positions: jax.Array | None,
   base = check_rope_base(base)
   positions = rope_positions(positions, tuple(x.shape[:-2]))
   half = head_dim // 2
-  inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) * 2 / head_dim))
+  inv_freq = 1.0 / (
+    base ** (jnp.arange(half, dtype=jnp.float32) * 2 / head_dim)
+  )
   # [batch..., seq] -> [batch..., seq, 1 (heads), half]
   angles = positions.astype(jnp.float32)[..., None, None] * inv_freq
   cos, sin = jnp.cos(angles), jnp.sin(angles)

@@ -40,11 +40,13 @@ SweepItem = tuple[Callable[..., "CompileReport"], "AttentionSpec", Any]
 _TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
 # Either CUDA major's plugin, PJRT and ptxas (the H200 runs CUDA 13).
 _REQUIRED = {
-    13: ("jax_cuda13_plugin", "jax_plugins.xla_cuda13", "nvidia.cu13"),
-    12: ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"),
+  13: ("jax_cuda13_plugin", "jax_plugins.xla_cuda13", "nvidia.cu13"),
+  12: ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"),
 }
 # The properties line only: ptxas repeats the figures in a warning line.
-_SPILL = re.compile(r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SPILL = re.compile(
+  r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 
@@ -61,9 +63,11 @@ def missing_packages() -> str | None:
   for modules in _REQUIRED.values():
     if all(_found(m) for m in modules):
       return None
-  return ("the deviceless sm_90a compile needs the CUDA plugin, PJRT and"
-          " ptxas at the installed jax version: pip install -e '.[aot]'"
-          " (jax[cuda13-local] and nvidia-cuda-nvcc)")
+  return (
+    "the deviceless sm_90a compile needs the CUDA plugin, PJRT and"
+    " ptxas at the installed jax version: pip install -e '.[aot]'"
+    " (jax[cuda13-local] and nvidia-cuda-nvcc)"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +75,8 @@ class CompileReport:
   """What ptxas said about one call's kernels, and each kernel's profile."""
 
   name: str
-  registers: int            # the most of any kernel of the call
-  spill_store_bytes: int    # summed over the call's kernels
+  registers: int  # the most of any kernel of the call
+  spill_store_bytes: int  # summed over the call's kernels
   spill_load_bytes: int
   kernels: tuple[KernelProfile, ...] = ()
 
@@ -82,15 +86,20 @@ def _parse_ptxas(text: str) -> tuple[int, int, int]:
   regs = _REGS.findall(text)
   if not spills or not regs:
     raise RuntimeError(f"no ptxas report found in:\n{text[-2000:]}")
-  return (max(int(r) for r in regs), sum(int(s) for s, _ in spills),
-          sum(int(l) for _, l in spills))
+  return (
+    max(int(r) for r in regs),
+    sum(int(s) for s, _ in spills),
+    sum(int(l) for _, l in spills),
+  )
 
 
 def _mesh() -> Mesh:
   import jax
   from jax.experimental import topologies
+
   topo = topologies.get_topology_desc(
-      platform="cuda", target_config=_TARGET.read_text(), topology="1x1x1")
+    platform="cuda", target_config=_TARGET.read_text(), topology="1x1x1"
+  )
   return jax.sharding.Mesh(topo.devices, ("x",))
 
 
@@ -98,40 +107,53 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
   """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`)."""
   profiles = []
   for ptxas in sorted(dump.glob("*.ptxas")):
-    stem = ptxas.name[:-len(".ptxas")]
+    stem = ptxas.name[: -len(".ptxas")]
     regs, stores, loads = _parse_ptxas(ptxas.read_text())
     resources = dump / f"{stem}.resources.txt"
     smem = _SMEM.search(resources.read_text()) if resources.exists() else None
     ptx = dump / f"{stem}.ptx"
-    profiles.append(ptx_profile.profile_ptx(
+    profiles.append(
+      ptx_profile.profile_ptx(
         f"{stem.rsplit('_', 1)[0]} {label}",
-        ptx.read_text() if ptx.exists() else "", registers=regs,
-        spill_store_bytes=stores, spill_load_bytes=loads,
-        smem_bytes=int(smem.group(1)) if smem else None))
+        ptx.read_text() if ptx.exists() else "",
+        registers=regs,
+        spill_store_bytes=stores,
+        spill_load_bytes=loads,
+        smem_bytes=int(smem.group(1)) if smem else None,
+      )
+    )
   if not profiles:
     raise RuntimeError(f"Mosaic dumped no ptxas report for {label}")
   return profiles
 
 
-def short_label(spec: AttentionSpec,
-                config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
-                ) -> str:
+def short_label(
+  spec: AttentionSpec, config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
+) -> str:
   """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
   dK/dV and dQ consumers/head splits): the profile table's row label."""
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
   if hasattr(config, "dkdv_consumers"):
-    tiles += (f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
-              f" q{config.dq_consumers}/{config.dq_head_splits}")
+    tiles += (
+      f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
+      f" q{config.dq_consumers}/{config.dq_head_splits}"
+    )
   return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
 
 
-def _compile(name: str, fn: Callable[..., Any], shapes: list,
-             label: str | None = None) -> CompileReport:
+def _compile(
+  name: str, fn: Callable[..., Any], shapes: list, label: str | None = None
+) -> CompileReport:
   import jax
+
   with tempfile.TemporaryDirectory() as dump:
     # Read by Mosaic at compile time: one fresh folder per compile.
-    flags = dict(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
-                 MOSAIC_GPU_DUMP_RESOURCES="1", MOSAIC_GPU_DUMP_TO=dump)
+    flags = dict(
+      MOSAIC_GPU_DUMP_PTXAS="1",
+      MOSAIC_GPU_DUMP_PTX="1",
+      MOSAIC_GPU_DUMP_RESOURCES="1",
+      MOSAIC_GPU_DUMP_TO=dump,
+    )
     os.environ.update(flags)
     try:
       jax.jit(fn).lower(*shapes).compile()
@@ -140,18 +162,23 @@ def _compile(name: str, fn: Callable[..., Any], shapes: list,
         os.environ.pop(flag)
     kernels = _kernel_profiles(pathlib.Path(dump), label or name)
   return CompileReport(
-      name, max(k.registers for k in kernels),
-      sum(k.spill_store_bytes for k in kernels),
-      sum(k.spill_load_bytes for k in kernels), tuple(kernels))
+    name,
+    max(k.registers for k in kernels),
+    sum(k.spill_store_bytes for k in kernels),
+    sum(k.spill_load_bytes for k in kernels),
+    tuple(kernels),
+  )
 
 
 def _operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
+
   sharding = NamedSharding(mesh, PartitionSpec())
   arr = lambda shape, dtype=spec.dtype: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=sharding)
+    shape, dtype, sharding=sharding
+  )
   q = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim))
   kv = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim))
   if not backward:
@@ -160,27 +187,35 @@ def _operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
   return [q, kv, kv, q, stats, q, stats]
 
 
-def compile_forward(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
-                    mesh: Mesh | None = None) -> CompileReport:
+def compile_forward(
+  spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
+) -> CompileReport:
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
+
   mesh = _mesh() if mesh is None else mesh
   return _compile(
-      f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
-      lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
-      _operands(spec, mesh, backward=False), short_label(spec, config))
+    f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
+    lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
+    _operands(spec, mesh, backward=False),
+    short_label(spec, config),
+  )
 
 
-def compile_backward(spec: AttentionSpec, config: sm90.Sm90BackwardConfig,
-                     mesh: Mesh | None = None) -> CompileReport:
+def compile_backward(
+  spec: AttentionSpec, config: sm90.Sm90BackwardConfig, mesh: Mesh | None = None
+) -> CompileReport:
   """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
+
   mesh = _mesh() if mesh is None else mesh
   return _compile(
-      f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
-      f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
-      lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
-      _operands(spec, mesh, backward=True), short_label(spec, config))
+    f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+    f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
+    lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
+    _operands(spec, mesh, backward=True),
+    short_label(spec, config),
+  )
 
 
 def sweep() -> Iterator[SweepItem]:
@@ -188,6 +223,7 @@ def sweep() -> Iterator[SweepItem]:
   kernel: both dtypes, causal with GQA and ragged lengths."""
   import jax
   import jax.numpy as jnp
+
   from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import make_spec
 
@@ -206,8 +242,13 @@ def sweep() -> Iterator[SweepItem]:
 # (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
 # MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
 # and the causal offset are compiled in).
-BACKWARD_SHAPES = ((1000, 1100, 4, 2), (1024, 1024, 2, 2), (4096, 4096, 1, 1),
-                   (100, 300, 2, 1), (2048, 1024, 2, 2))
+BACKWARD_SHAPES = (
+  (1000, 1100, 4, 2),
+  (1024, 1024, 2, 2),
+  (4096, 4096, 1, 1),
+  (100, 300, 2, 1),
+  (2048, 1024, 2, 2),
+)
 
 
 def backward_shapes_sweep() -> Iterator[SweepItem]:
@@ -215,11 +256,12 @@ def backward_shapes_sweep() -> Iterator[SweepItem]:
   `BACKWARD_SHAPES`, causal and not, bf16."""
   import jax
   import jax.numpy as jnp
+
   from pallas_fa3.kernels.sm90 import config as sm90_config
   from pallas_fa3.spec import make_spec
 
   for d in sm90_config.KERNEL_HEAD_DIMS:
-    for (sq, skv, hq, hk) in BACKWARD_SHAPES:
+    for sq, skv, hq, hk in BACKWARD_SHAPES:
       for causal in (True, False):
         q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
@@ -228,8 +270,9 @@ def backward_shapes_sweep() -> Iterator[SweepItem]:
           yield compile_backward, spec, config
 
 
-def compile_forward_fp8(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
-                        mesh: Mesh | None = None) -> CompileReport:
+def compile_forward_fp8(
+  spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
+) -> CompileReport:
   """Compiles the FP8 forward kernel for sm_90a; ptxas's report.
 
   `spec.dtype` is the output dtype; the operands are e4m3 with float32
@@ -238,6 +281,7 @@ def compile_forward_fp8(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
+
   from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
 
   mesh = _mesh() if mesh is None else mesh
@@ -246,23 +290,35 @@ def compile_forward_fp8(spec: AttentionSpec, config: sm90.Sm90ForwardConfig,
   b, hq, hk, d = spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim
   n_q = -(-spec.seq_q // config.block_q)
   n_kv = -(-spec.seq_kv // config.block_kv)
-  shapes = [jax.ShapeDtypeStruct(s, t, sharding=sharding) for s, t in (
-      ((b, spec.seq_q, hq, d), f8), ((b, spec.seq_kv, hk, d), f8),
-      ((b, hk, d, spec.seq_kv), f8), ((b, hq, n_q), f32),
-      ((b, hk, n_kv), f32), ((b, hk, n_kv), f32))]
-  return _compile(f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal}"
-                  f" {config}", lambda *a: sm90_fwd_fp8.sm90_forward_fp8(
-                      spec, config, *a), shapes, short_label(spec, config))
+  shapes = [
+    jax.ShapeDtypeStruct(s, t, sharding=sharding)
+    for s, t in (
+      ((b, spec.seq_q, hq, d), f8),
+      ((b, spec.seq_kv, hk, d), f8),
+      ((b, hk, d, spec.seq_kv), f8),
+      ((b, hq, n_q), f32),
+      ((b, hk, n_kv), f32),
+      ((b, hk, n_kv), f32),
+    )
+  ]
+  return _compile(
+    f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal} {config}",
+    lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a),
+    shapes,
+    short_label(spec, config),
+  )
 
 
-def fp8_forward_sweep(
-    ) -> Iterator[tuple[AttentionSpec, sm90.Sm90ForwardConfig]]:
+def fp8_forward_sweep() -> Iterator[
+  tuple[AttentionSpec, sm90.Sm90ForwardConfig]
+]:
   """(spec, config) for every supported FP8 forward config, both output dtypes.
 
   GQA with a ragged K/V length, causal (masked diagonal tiles with a
   successor) and non-causal (one masked edge tile, the last).
   """
   import jax.numpy as jnp
+
   from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
   from pallas_fa3.spec import AttentionSpec
 
@@ -270,8 +326,12 @@ def fp8_forward_sweep(
     for d in sm90_fp8_config.FP8_HEAD_DIMS:
       for config in sm90_fp8_config.fp8_forward_config_space(d):
         for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
-          yield AttentionSpec(1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal,
-                              d ** -0.5), config
+          yield (
+            AttentionSpec(
+              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5
+            ),
+            config,
+          )
 
 
 # The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
@@ -282,49 +342,73 @@ def defaults_sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
   every head dim, at `PROFILE_SHAPE`, causal and not."""
   import jax.numpy as jnp
-  from pallas_fa3.kernels.sm90 import config as sm90_config
-  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_fp8 as sm90_fp8_config,
+  )
   from pallas_fa3.spec import AttentionSpec
 
   b, s, hq, hk = PROFILE_SHAPE
   for d in sm90_config.KERNEL_HEAD_DIMS:
     for causal in (True, False):
-      spec = AttentionSpec(b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16),
-                           causal, d ** -0.5)
+      spec = AttentionSpec(
+        b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
+      )
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
       yield compile_backward, spec, sm90_config.default_backward_config(spec)
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
-        yield (compile_forward_fp8, spec,
-               sm90_fp8_config.default_fp8_forward_config(d))
+        yield (
+          compile_forward_fp8,
+          spec,
+          sm90_fp8_config.default_fp8_forward_config(d),
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The flags of `pallas-fa3 aot` / `python -m pallas_fa3.kernels.aot`."""
-  parser.add_argument("--max-configs", type=int, default=None,
-                      help="stop after this many configs")
-  parser.add_argument("--json", default=None, metavar="PATH",
-                      help="also write every report (and profile) to PATH")
-  parser.add_argument("--profile", action="store_true",
-                      help="print each kernel's static profile (a Markdown"
-                      " table: threads, registers, spills, shared memory,"
-                      " wgmma shapes, wait_group depths, barriers, TMA, the"
-                      " steady-state loop's instruction mix)")
+  parser.add_argument(
+    "--max-configs", type=int, default=None, help="stop after this many configs"
+  )
+  parser.add_argument(
+    "--json",
+    default=None,
+    metavar="PATH",
+    help="also write every report (and profile) to PATH",
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="print each kernel's static profile (a Markdown"
+    " table: threads, registers, spills, shared memory,"
+    " wgmma shapes, wait_group depths, barriers, TMA, the"
+    " steady-state loop's instruction mix)",
+  )
   sweeps = parser.add_mutually_exclusive_group()
-  sweeps.add_argument("--defaults", action="store_true",
-                      help="only the default config of each kernel at every"
-                      f" head dim, bf16 at {PROFILE_SHAPE} (b, s, hq, hk),"
-                      " causal and not")
-  sweeps.add_argument("--fp8", action="store_true",
-                      help="sweep the FP8 forward kernel instead")
-  sweeps.add_argument("--backward-shapes", action="store_true",
-                      help="sweep every backward config over more shapes"
-                      " (BACKWARD_SHAPES, causal and not, bf16) instead")
+  sweeps.add_argument(
+    "--defaults",
+    action="store_true",
+    help="only the default config of each kernel at every"
+    f" head dim, bf16 at {PROFILE_SHAPE} (b, s, hq, hk),"
+    " causal and not",
+  )
+  sweeps.add_argument(
+    "--fp8", action="store_true", help="sweep the FP8 forward kernel instead"
+  )
+  sweeps.add_argument(
+    "--backward-shapes",
+    action="store_true",
+    help="sweep every backward config over more shapes"
+    " (BACKWARD_SHAPES, causal and not, bf16) instead",
+  )
 
 
 def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
   if args.fp8:
-    return ((compile_forward_fp8, spec, config)
-            for spec, config in fp8_forward_sweep())
+    return (
+      (compile_forward_fp8, spec, config)
+      for spec, config in fp8_forward_sweep()
+    )
   if args.defaults:
     return defaults_sweep()
   return backward_shapes_sweep() if args.backward_shapes else sweep()
@@ -344,16 +428,23 @@ def run(args: argparse.Namespace) -> int:
     report = compile_fn(spec, config, mesh)
     reports.append(report)
     bad = report.spill_store_bytes or report.spill_load_bytes
-    print(f"{'SPILL' if bad else 'ok':5} regs={report.registers:3d}"
-          f" spill_st={report.spill_store_bytes} spill_ld="
-          f"{report.spill_load_bytes}  {report.name}", flush=True)
-  failures = sum(bool(r.spill_store_bytes or r.spill_load_bytes) for r in reports)
+    print(
+      f"{'SPILL' if bad else 'ok':5} regs={report.registers:3d}"
+      f" spill_st={report.spill_store_bytes} spill_ld="
+      f"{report.spill_load_bytes}  {report.name}",
+      flush=True,
+    )
+  failures = sum(
+    bool(r.spill_store_bytes or r.spill_load_bytes) for r in reports
+  )
   if args.profile:
     print(ptx_profile.table([k for r in reports for k in r.kernels]))
   if args.json:
     import json
-    pathlib.Path(args.json).write_text(json.dumps(
-        [dataclasses.asdict(r) for r in reports], indent=1))
+
+    pathlib.Path(args.json).write_text(
+      json.dumps([dataclasses.asdict(r) for r in reports], indent=1)
+    )
   print(f"{failures} config(s) spill")
   return 1 if failures else 0
 

@@ -21,23 +21,27 @@ from collections.abc import Iterable, Iterator, Sequence
 _LABEL = re.compile(r"^(\$L__\w+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
 _OPCODE = re.compile(r"^\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)")
-_WGMMA = re.compile(r"wgmma\.mma_async[\w.]*?\.(m\d+n\d+k\d+)\.(\w+)\.(\w+)\.(\w+)")
+_WGMMA = re.compile(
+  r"wgmma\.mma_async[\w.]*?\.(m\d+n\d+k\d+)\.(\w+)\.(\w+)\.(\w+)"
+)
 _WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
 _MOV_IMM = re.compile(r"mov\.[bsu]32\s+(%r\d+),\s*(\d+);")
-_MBAR_INIT = re.compile(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);")
+_MBAR_INIT = re.compile(
+  r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);"
+)
 _THREADS = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+),\s*(\d+),\s*(\d+)")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")
 
 # Loop-mix columns: a name and the opcode prefixes it counts.
 LOOP_COLUMNS = {
-    "wgmma": ("wgmma.mma_async",),
-    "wait_group": ("wgmma.wait_group",),
-    "ex2": ("ex2.",),
-    "ffma": ("fma.rn.f32", "fma.rn.ftz.f32"),
-    "fmul": ("mul.f32", "mul.rn.f32", "mul.ftz.f32"),
-    "shfl": ("shfl.",),
-    "mbarrier": ("mbarrier.",),
-    "bar": ("bar.", "barrier."),
+  "wgmma": ("wgmma.mma_async",),
+  "wait_group": ("wgmma.wait_group",),
+  "ex2": ("ex2.",),
+  "ffma": ("fma.rn.f32", "fma.rn.ftz.f32"),
+  "fmul": ("mul.f32", "mul.rn.f32", "mul.ftz.f32"),
+  "shfl": ("shfl.",),
+  "mbarrier": ("mbarrier.",),
+  "bar": ("bar.", "barrier."),
 }
 
 
@@ -52,13 +56,13 @@ class KernelProfile:
   spill_load_bytes: int
   smem_bytes: int | None
   setmaxnreg: tuple[str, ...]
-  wgmma: dict[str, int]           # "m64n128k16 f32.bf16.bf16" -> count
-  wait_group: dict[int, int]      # depth -> static sites
+  wgmma: dict[str, int]  # "m64n128k16 f32.bf16.bf16" -> count
+  wait_group: dict[int, int]  # depth -> static sites
   max_mbarrier_arrivals: int
   mbarrier_arrival_counts: tuple[int, ...]
   named_barrier_ops: dict[str, int]
-  tma: dict[str, int]             # load / store / reduce -> static sites
-  loop: dict[str, int]            # steady-state loop: column -> count
+  tma: dict[str, int]  # load / store / reduce -> static sites
+  loop: dict[str, int]  # steady-state loop: column -> count
   instructions: int
 
 
@@ -92,14 +96,19 @@ def _loops(lines: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def _innermost(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
-  return [(a, b) for a, b in loops
-          if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+  return [
+    (a, b)
+    for a, b in loops
+    if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
+  ]
 
 
 def loop_mix(ops: Sequence[str]) -> dict[str, int]:
   """Counts of `LOOP_COLUMNS` (and all instructions) among opcodes `ops`."""
-  mix = {name: sum(op.startswith(prefixes) for op in ops)
-         for name, prefixes in LOOP_COLUMNS.items()}
+  mix = {
+    name: sum(op.startswith(prefixes) for op in ops)
+    for name, prefixes in LOOP_COLUMNS.items()
+  }
   mix["total"] = len(ops)
   return mix
 
@@ -113,7 +122,8 @@ def steady_state_loop(ptx: str) -> dict[str, int]:
   for first, last in _innermost(_loops(lines)):
     ops = [op for i, op in instrs if first <= i <= last]
     if sum(op.startswith("wgmma.mma_async") for op in ops) > sum(
-        op.startswith("wgmma.mma_async") for op in best):
+      op.startswith("wgmma.mma_async") for op in best
+    ):
       best = ops
   return loop_mix(best)
 
@@ -133,54 +143,67 @@ def _arrival_counts(ptx: str) -> tuple[int, ...]:
 
 
 def _tma(op: str) -> str | None:
-  """"load" (to shared memory), "store", "reduce" or None (not a bulk copy)."""
+  """ "load" (to shared memory), "store", "reduce" or None (not a bulk copy)."""
   if op.startswith("cp.reduce.async.bulk"):
     return "reduce"
-  if not op.startswith(("cp.async.bulk.tensor", "cp.async.bulk.global",
-                        "cp.async.bulk.shared")):
+  if not op.startswith(
+    ("cp.async.bulk.tensor", "cp.async.bulk.global", "cp.async.bulk.shared")
+  ):
     return None
   to_smem = ".shared::cluster.global" in op or ".shared::cta.global" in op
   return "load" if to_smem else "store"
 
 
-def profile_ptx(name: str, ptx: str, *, registers: int, spill_store_bytes: int,
-                spill_load_bytes: int, smem_bytes: int | None) -> KernelProfile:
+def profile_ptx(
+  name: str,
+  ptx: str,
+  *,
+  registers: int,
+  spill_store_bytes: int,
+  spill_load_bytes: int,
+  smem_bytes: int | None,
+) -> KernelProfile:
   """The profile of one kernel from its PTX text and ptxas's figures."""
   lines = ptx.splitlines()
   ops = [op for _, op in _instructions(lines)]
   wgmma = collections.Counter(
-      f"{m.group(1)} {m.group(2)}.{m.group(3)}.{m.group(4)}"
-      for m in _WGMMA.finditer(ptx))
+    f"{m.group(1)} {m.group(2)}.{m.group(3)}.{m.group(4)}"
+    for m in _WGMMA.finditer(ptx)
+  )
   waits = collections.Counter(int(d) for d in _WAIT.findall(ptx))
   threads = _THREADS.search(ptx)
-  named = collections.Counter(op for op in ops if op.startswith(("bar.", "barrier.")))
+  named = collections.Counter(
+    op for op in ops if op.startswith(("bar.", "barrier."))
+  )
   tma = collections.Counter(kind for kind in map(_tma, ops) if kind)
   arrivals = _arrival_counts(ptx)
   return KernelProfile(
-      name=name,
-      threads=int(threads.group(1)) if threads else 0,
-      registers=registers,
-      spill_store_bytes=spill_store_bytes,
-      spill_load_bytes=spill_load_bytes,
-      smem_bytes=smem_bytes,
-      setmaxnreg=tuple(f"{a} {n}" for a, n in _SETMAXNREG.findall(ptx)),
-      wgmma=dict(sorted(wgmma.items())),
-      wait_group=dict(sorted(waits.items())),
-      max_mbarrier_arrivals=max(arrivals, default=0),
-      mbarrier_arrival_counts=arrivals,
-      named_barrier_ops=dict(sorted(named.items())),
-      tma={k: tma.get(k, 0) for k in ("load", "store", "reduce")},
-      loop=steady_state_loop(ptx),
-      instructions=len(ops),
+    name=name,
+    threads=int(threads.group(1)) if threads else 0,
+    registers=registers,
+    spill_store_bytes=spill_store_bytes,
+    spill_load_bytes=spill_load_bytes,
+    smem_bytes=smem_bytes,
+    setmaxnreg=tuple(f"{a} {n}" for a, n in _SETMAXNREG.findall(ptx)),
+    wgmma=dict(sorted(wgmma.items())),
+    wait_group=dict(sorted(waits.items())),
+    max_mbarrier_arrivals=max(arrivals, default=0),
+    mbarrier_arrival_counts=arrivals,
+    named_barrier_ops=dict(sorted(named.items())),
+    tma={k: tma.get(k, 0) for k in ("load", "store", "reduce")},
+    loop=steady_state_loop(ptx),
+    instructions=len(ops),
   )
 
 
 def table(profiles: Iterable[KernelProfile]) -> str:
   """A Markdown table of profiles, one row per kernel."""
   loop_cols = (*LOOP_COLUMNS, "total")
-  head = ("| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"
-          " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
-          " loop " + " ".join(loop_cols) + " |")
+  head = (
+    "| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"
+    " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
+    " loop " + " ".join(loop_cols) + " |"
+  )
   rows = [head, "|" + "---|" * (head.count("|") - 1)]
   for p in profiles:
     shapes = ", ".join(f"{n}x {s}" for s, n in p.wgmma.items())
@@ -188,9 +211,10 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     smem = "?" if p.smem_bytes is None else f"{p.smem_bytes / 1024:.1f}"
     loop = " ".join(str(p.loop[c]) for c in loop_cols)
     rows.append(
-        f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
-        f" {p.spill_store_bytes}/"
-        f"{p.spill_load_bytes} | {smem} | {shapes} | {waits} |"
-        f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
-        f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |")
+      f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
+      f" {p.spill_store_bytes}/"
+      f"{p.spill_load_bytes} | {smem} | {shapes} | {waits} |"
+      f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
+      f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |"
+    )
   return "\n".join(rows)

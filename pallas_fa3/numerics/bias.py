@@ -48,11 +48,17 @@ _F32 = np.float32
 
 
 def _check_pair(name, pair, low=None):
-  if len(pair) != 2 or not all(isinstance(x, numbers.Real) for x in pair) or (
-      not pair[0] <= pair[1]) or (low is not None and pair[0] < low):
-    raise ValueError(f"BiasConfig.{name} must be (low, high) with low <= high"
-                     + (f" and low >= {low}" if low is not None else "")
-                     + f"; got {pair!r}")
+  if (
+    len(pair) != 2
+    or not all(isinstance(x, numbers.Real) for x in pair)
+    or (not pair[0] <= pair[1])
+    or (low is not None and pair[0] < low)
+  ):
+    raise ValueError(
+      f"BiasConfig.{name} must be (low, high) with low <= high"
+      + (f" and low >= {low}" if low is not None else "")
+      + f"; got {pair!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,27 +97,38 @@ class BiasConfig:
     for name in ("rows", "keys", "head_dim", "seed"):
       value = getattr(self, name)
       low = 0 if name == "seed" else 1
-      if isinstance(value, bool) or not isinstance(
-          value, numbers.Integral) or value < low:
-        raise ValueError(f"BiasConfig.{name} must be an int >= {low}; got"
-                         f" {value!r}")
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < low
+      ):
+        raise ValueError(
+          f"BiasConfig.{name} must be an int >= {low}; got {value!r}"
+        )
     if not self.ties or any(
-        isinstance(t, bool) or not isinstance(t, numbers.Integral)
-        or not 1 <= t <= self.keys for t in self.ties):
-      raise ValueError(f"BiasConfig.ties must be ints in [1, keys ="
-                       f" {self.keys}]; got {self.ties!r}")
+      isinstance(t, bool)
+      or not isinstance(t, numbers.Integral)
+      or not 1 <= t <= self.keys
+      for t in self.ties
+    ):
+      raise ValueError(
+        f"BiasConfig.ties must be ints in [1, keys ="
+        f" {self.keys}]; got {self.ties!r}"
+      )
     _check_pair("max_range", self.max_range)
     _check_pair("gap", self.gap, low=0.0)
     if not (isinstance(self.v_std, numbers.Real) and self.v_std > 0):
       raise ValueError(f"BiasConfig.v_std must be > 0; got {self.v_std!r}")
     if self.dtype not in ("bfloat16", "float16"):
-      raise ValueError(f"BiasConfig.dtype must be 'bfloat16' or 'float16';"
-                       f" got {self.dtype!r}")
+      raise ValueError(
+        f"BiasConfig.dtype must be 'bfloat16' or 'float16'; got {self.dtype!r}"
+      )
     self.stable_max()  # validates beta and tie_tolerance
 
   def stable_max(self) -> stable_max_lib.StableMax:
-    return stable_max_lib.StableMax(beta=self.beta,
-                                    tie_tolerance=self.tie_tolerance)
+    return stable_max_lib.StableMax(
+      beta=self.beta, tie_tolerance=self.tie_tolerance
+    )
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -155,9 +172,12 @@ def _row_max(s, cfg: BiasConfig, fix: bool) -> np.ndarray:
   if not fix:
     return s.max(axis=-1)
   shift = stable_max_lib.max_shift_log2(cfg.dtype) * math.log(2.0)
-  return np.asarray(stable_max_lib.tile_max(
-      jnp.asarray(s, jnp.float32), cfg.stable_max(), unit=1.0,
-      max_shift=shift), np.float64)
+  return np.asarray(
+    stable_max_lib.tile_max(
+      jnp.asarray(s, jnp.float32), cfg.stable_max(), unit=1.0, max_shift=shift
+    ),
+    np.float64,
+  )
 
 
 def tile_pv_error(s, v, cfg: BiasConfig, fix: bool) -> np.ndarray:
@@ -175,8 +195,11 @@ def _stats(err: np.ndarray) -> dict[str, float]:
   """Bias (mean signed error), mean |error| and the bias in standard errors."""
   err = np.asarray(err, np.float64).ravel()
   sem = err.std() / math.sqrt(err.size)
-  return {"bias": float(err.mean()), "mean_abs": float(np.abs(err).mean()),
-          "t": float(err.mean() / sem) if sem > 0 else 0.0}
+  return {
+    "bias": float(err.mean()),
+    "mean_abs": float(np.abs(err).mean()),
+    "t": float(err.mean() / sem) if sem > 0 else 0.0,
+  }
 
 
 def measure(cfg: BiasConfig, ties: int, rng: np.random.Generator) -> list[dict]:
@@ -190,22 +213,36 @@ def measure(cfg: BiasConfig, ties: int, rng: np.random.Generator) -> list[dict]:
   for fix in (False, True):
     sm = cfg.stable_max() if fix else None
     full = {
-        "flash / all": lowprec.flash_all(q, k, vv, block_q=1,
-                                         block_kv=cfg.keys, softmax_scale=1.0,
-                                         stable_max=sm),
-        "blockwise": flash_attention(q, k, vv, softmax_scale=1.0,
-                                     implementation="blockwise",
-                                     stable_max=sm)}
-    out.append(dict(ties=ties, computation="tile P V", fix=fix,
-                    **_stats(tile_pv_error(s, v, cfg, fix))))
+      "flash / all": lowprec.flash_all(
+        q, k, vv, block_q=1, block_kv=cfg.keys, softmax_scale=1.0, stable_max=sm
+      ),
+      "blockwise": flash_attention(
+        q, k, vv, softmax_scale=1.0, implementation="blockwise", stable_max=sm
+      ),
+    }
+    out.append(
+      dict(
+        ties=ties,
+        computation="tile P V",
+        fix=fix,
+        **_stats(tile_pv_error(s, v, cfg, fix)),
+      )
+    )
     for name, o in full.items():
       o = np.asarray(jax.block_until_ready(o), np.float64)[:, 0, 0]
       outs[(name, fix)] = o
       delta = _stats(o.sum(axis=-1) - gold_delta)
-      out.append(dict(ties=ties, computation=name, fix=fix,
-                      **_stats(o - gold),
-                      delta_bias=delta["bias"],
-                      delta_mean_abs=delta["mean_abs"], delta_t=delta["t"]))
+      out.append(
+        dict(
+          ties=ties,
+          computation=name,
+          fix=fix,
+          **_stats(o - gold),
+          delta_bias=delta["bias"],
+          delta_mean_abs=delta["mean_abs"],
+          delta_t=delta["t"],
+        )
+      )
   for name in ("flash / all", "blockwise"):
     same = bool(np.array_equal(outs[(name, False)], outs[(name, True)]))
     for rec in out:
@@ -222,8 +259,11 @@ def run(cfg: BiasConfig, *, progress: bool = True) -> dict:
       rng = np.random.default_rng((cfg.seed, ties))
       records += measure(cfg, ties, rng)
       advance(f"{ties} tied maxima")
-  return {"records": records, "headline": headline(records, cfg),
-          "wall_s": time.perf_counter() - start}
+  return {
+    "records": records,
+    "headline": headline(records, cfg),
+    "wall_s": time.perf_counter() - start,
+  }
 
 
 def headline(records: list[dict], cfg: BiasConfig) -> dict:
@@ -231,85 +271,146 @@ def headline(records: list[dict], cfg: BiasConfig) -> dict:
   tied = [t for t in cfg.ties if t > 1]
   if not tied:
     return {}
-  at = {(r["computation"], r["fix"]): r for r in records
-        if r["ties"] == tied[0]}
+  at = {
+    (r["computation"], r["fix"]): r for r in records if r["ties"] == tied[0]
+  }
   out = {"ties": tied[0]}
   for name in COMPUTATIONS:
     off, on = at[(name, False)], at[(name, True)]
-    out[name] = {"bias_without": off["bias"], "bias_with": on["bias"],
-                 "t_without": off["t"], "t_with": on["t"],
-                 "mean_abs_without": off["mean_abs"],
-                 "mean_abs_with": on["mean_abs"],
-                 "reduction": (abs(off["bias"]) / abs(on["bias"])
-                               if on["bias"] else None)}
+    out[name] = {
+      "bias_without": off["bias"],
+      "bias_with": on["bias"],
+      "t_without": off["t"],
+      "t_with": on["t"],
+      "mean_abs_without": off["mean_abs"],
+      "mean_abs_with": on["mean_abs"],
+      "reduction": (abs(off["bias"]) / abs(on["bias"]) if on["bias"] else None),
+    }
     if "delta_bias" in off:
-      out[name].update(delta_bias_without=off["delta_bias"],
-                       delta_bias_with=on["delta_bias"])
+      out[name].update(
+        delta_bias_without=off["delta_bias"], delta_bias_with=on["delta_bias"]
+      )
   return out
 
 
 def markdown(result: dict) -> str:
   cfg, h = result["config"], result["headline"]
   lines = report.header_lines(
-      "pallas-fa3 numerics bias (repeated row maxima)", result["environment"],
-      [f"- {cfg['rows']} rows x {cfg['keys']} keys, V `[.., {cfg['head_dim']}]`"
-       f" ~ N({cfg['v_mean']}, {cfg['v_std']}), {cfg['dtype']}; row max ~"
-       f" U{tuple(cfg['max_range'])}, other scores max - U{tuple(cfg['gap'])}",
-       f"- fix: stable_max beta {cfg['beta']}, tie tolerance"
-       f" {cfg['tie_tolerance']}; bias = mean signed error against float64"
-       " (output units); t = bias / standard error; delta = rowsum(dO * O)"
-       " with dO = 1",
-       f"- wall time {result['wall_s']:.0f} s"])
+    "pallas-fa3 numerics bias (repeated row maxima)",
+    result["environment"],
+    [
+      f"- {cfg['rows']} rows x {cfg['keys']} keys, V `[.., {cfg['head_dim']}]`"
+      f" ~ N({cfg['v_mean']}, {cfg['v_std']}), {cfg['dtype']}; row max ~"
+      f" U{tuple(cfg['max_range'])}, other scores max - U{tuple(cfg['gap'])}",
+      f"- fix: stable_max beta {cfg['beta']}, tie tolerance"
+      f" {cfg['tie_tolerance']}; bias = mean signed error against float64"
+      " (output units); t = bias / standard error; delta = rowsum(dO * O)"
+      " with dO = 1",
+      f"- wall time {result['wall_s']:.0f} s",
+    ],
+  )
   if h:
     lines += [f"## Headline: {h['ties']} tied maxima per row", ""]
     lines += report.table(
-        ["computation", "bias without", "t", "bias with", "t",
-         "|bias| reduced", "mean |err| without / with",
-         "delta bias without / with"],
-        [[name, h[name]["bias_without"], h[name]["t_without"],
-          h[name]["bias_with"], h[name]["t_with"],
-          None if h[name]["reduction"] is None
+      [
+        "computation",
+        "bias without",
+        "t",
+        "bias with",
+        "t",
+        "|bias| reduced",
+        "mean |err| without / with",
+        "delta bias without / with",
+      ],
+      [
+        [
+          name,
+          h[name]["bias_without"],
+          h[name]["t_without"],
+          h[name]["bias_with"],
+          h[name]["t_with"],
+          None
+          if h[name]["reduction"] is None
           else f"{h[name]['reduction']:.3g}x",
           f"{h[name]['mean_abs_without']:.3g} / {h[name]['mean_abs_with']:.3g}",
-          (f"{h[name]['delta_bias_without']:.3g} /"
-           f" {h[name]['delta_bias_with']:.3g}"
-           if "delta_bias_without" in h[name] else None)]
-         for name in COMPUTATIONS])
+          (
+            f"{h[name]['delta_bias_without']:.3g} /"
+            f" {h[name]['delta_bias_with']:.3g}"
+            if "delta_bias_without" in h[name]
+            else None
+          ),
+        ]
+        for name in COMPUTATIONS
+      ],
+    )
   lines += ["", "## Every tie count", ""]
   lines += report.table(
-      ["ties", "computation", "fix", "bias", "mean |err|", "t", "delta bias",
-       "fix changed nothing"],
-      [[r["ties"], r["computation"], "on" if r["fix"] else "off", r["bias"],
-        r["mean_abs"], r["t"], r.get("delta_bias"),
-        r.get("fix_changed_nothing")] for r in result["records"]])
-  lines += ["", "Paper (Qiu and Yao 2025): with repeated maxima the"
-            " unnormalized P holds exact ones; over mostly negative V,"
-            " rounding P V to bf16 errs in one direction; the fix (beta *"
-            " r_m, or 0, as the max of a tile with ties) removes the"
-            " bias. No figure is published for this experiment."]
+    [
+      "ties",
+      "computation",
+      "fix",
+      "bias",
+      "mean |err|",
+      "t",
+      "delta bias",
+      "fix changed nothing",
+    ],
+    [
+      [
+        r["ties"],
+        r["computation"],
+        "on" if r["fix"] else "off",
+        r["bias"],
+        r["mean_abs"],
+        r["t"],
+        r.get("delta_bias"),
+        r.get("fix_changed_nothing"),
+      ]
+      for r in result["records"]
+    ],
+  )
+  lines += [
+    "",
+    "Paper (Qiu and Yao 2025): with repeated maxima the"
+    " unnormalized P holds exact ones; over mostly negative V,"
+    " rounding P V to bf16 errs in one direction; the fix (beta *"
+    " r_m, or 0, as the max of a tile with ties) removes the"
+    " bias. No figure is published for this experiment.",
+  ]
   return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, out_dir: str) -> list[str]:
   """bias.png: bias (with +-2 standard errors) vs tie count, fix off / on."""
   plt = report.pyplot()
-  fig, axes = plt.subplots(1, len(COMPUTATIONS), figsize=(13, 3.8),
-                           sharey=True)
+  fig, axes = plt.subplots(1, len(COMPUTATIONS), figsize=(13, 3.8), sharey=True)
   for ax, name in zip(axes, COMPUTATIONS):
     for fix, style in ((False, "o-"), (True, "s--")):
-      rs = sorted((r for r in result["records"]
-                   if r["computation"] == name and r["fix"] == fix),
-                  key=lambda r: r["ties"])
+      rs = sorted(
+        (
+          r
+          for r in result["records"]
+          if r["computation"] == name and r["fix"] == fix
+        ),
+        key=lambda r: r["ties"],
+      )
       ties = [r["ties"] for r in rs]
       bias = np.array([r["bias"] for r in rs])
       sem = np.array([abs(r["bias"] / r["t"]) if r["t"] else 0.0 for r in rs])
-      ax.errorbar(ties, bias, yerr=2 * sem, fmt=style, capsize=3,
-                  label="stable_max" if fix else "plain max")
+      ax.errorbar(
+        ties,
+        bias,
+        yerr=2 * sem,
+        fmt=style,
+        capsize=3,
+        label="stable_max" if fix else "plain max",
+      )
     ax.axhline(0.0, color="k", lw=0.5)
     ax.set(title=name, xlabel="tied maxima per row", xscale="log")
-    ax.set_xticks(sorted({r["ties"] for r in result["records"]}),
-                  [str(t) for t in sorted({r["ties"]
-                                           for r in result["records"]})])
+    ax.set_xticks(
+      sorted({r["ties"] for r in result["records"]}),
+      [str(t) for t in sorted({r["ties"] for r in result["records"]})],
+    )
     ax.minorticks_off()
     ax.grid(True, alpha=0.3)
   axes[0].set_ylabel("mean signed error (bias)")

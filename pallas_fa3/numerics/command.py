@@ -19,15 +19,16 @@ from pallas_fa3.numerics import report
 
 # study -> (module, config class)
 STUDIES = {
-    "deviation": ("pallas_fa3.numerics.deviation", "DeviationConfig"),
-    "fp8": ("pallas_fa3.numerics.fp8", "FP8StudyConfig"),
-    "divergence": ("pallas_fa3.numerics.divergence", "DivergenceConfig"),
-    "bias": ("pallas_fa3.numerics.bias", "BiasConfig"),
+  "deviation": ("pallas_fa3.numerics.deviation", "DeviationConfig"),
+  "fp8": ("pallas_fa3.numerics.fp8", "FP8StudyConfig"),
+  "divergence": ("pallas_fa3.numerics.divergence", "DivergenceConfig"),
+  "bias": ("pallas_fa3.numerics.bias", "BiasConfig"),
 }
 
 
 def on_gpu() -> bool:
   from pallas_fa3.bench import runner  # pylint: disable=g-import-not-at-top
+
   return runner.platform_name() == "gpu"
 
 
@@ -35,8 +36,9 @@ def _module(study: str):
   return importlib.import_module(STUDIES[study][0])
 
 
-def default_config(study: str, overrides: dict[str, Any] | None = None,
-                   gpu: bool | None = None):
+def default_config(
+  study: str, overrides: dict[str, Any] | None = None, gpu: bool | None = None
+):
   """The study's platform default with the fields in `overrides` (not None) replaced.
 
   Raises:
@@ -45,19 +47,29 @@ def default_config(study: str, overrides: dict[str, Any] | None = None,
   module = _module(study)
   gpu = on_gpu() if gpu is None else gpu
   base = module.GPU_DEFAULT if gpu else getattr(module, STUDIES[study][1])()
-  return dataclasses.replace(base, **{k: v for k, v in (overrides or {}).items()
-                                      if v is not None})
+  return dataclasses.replace(
+    base, **{k: v for k, v in (overrides or {}).items() if v is not None}
+  )
 
 
 def _deviation_extras(result: dict) -> None:
   from pallas_fa3.numerics import deviation_checks  # pylint: disable=g-import-not-at-top
+
   result["checks"] = deviation_checks.checks(result["records"])
   result["headline"] = deviation_checks.summary_numbers(result)
 
 
-def run(study: str, cfg, out_root: str, *, progress: bool = True,
-        plots: bool = True, argv=None, quiet: bool = False,
-        invoked_as: str | None = None) -> dict:
+def run(
+  study: str,
+  cfg,
+  out_root: str,
+  *,
+  progress: bool = True,
+  plots: bool = True,
+  argv=None,
+  quiet: bool = False,
+  invoked_as: str | None = None,
+) -> dict:
   """Runs one study into `out_root/<study>`; returns its result (as written).
 
   `invoked_as` names the subcommand in the report's command line when it
@@ -69,13 +81,17 @@ def run(study: str, cfg, out_root: str, *, progress: bool = True,
   result = module.run(cfg, progress=progress)
   if study == "deviation":
     from pallas_fa3.numerics import deviation_checks  # pylint: disable=g-import-not-at-top
+
     _deviation_extras(result)
     markdown, plot = deviation_checks.markdown, deviation_checks.plot
   else:
     markdown, plot = module.markdown, module.plot
-  result = {"study": study,
-            "environment": report.environment(invoked_as or study, argv),
-            "config": cfg.to_dict(), **result}
+  result = {
+    "study": study,
+    "environment": report.environment(invoked_as or study, argv),
+    "config": cfg.to_dict(),
+    **result,
+  }
   text = markdown(result)
   paths = [report.write_markdown(out_dir, text)]
   if plots:

@@ -48,11 +48,16 @@ def _check_ints(name: str, values, low: int = 1, high: int | None = None):
   if not values:
     raise ValueError(f"DeviationConfig.{name} must not be empty")
   for x in values:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low or (
-        high is not None and x > high):
+    if (
+      isinstance(x, bool)
+      or not isinstance(x, numbers.Integral)
+      or x < low
+      or (high is not None and x > high)
+    ):
       bound = f"in [{low}, {high}]" if high else f">= {low}"
-      raise ValueError(f"DeviationConfig.{name} entries must be ints {bound};"
-                       f" got {x!r}")
+      raise ValueError(
+        f"DeviationConfig.{name} entries must be ints {bound}; got {x!r}"
+      )
 
 
 def _check_choices(name: str, values, choices) -> None:
@@ -60,8 +65,9 @@ def _check_choices(name: str, values, choices) -> None:
     raise ValueError(f"DeviationConfig.{name} must not be empty")
   for x in values:
     if x not in choices:
-      raise ValueError(f"DeviationConfig.{name} entries must be in {choices};"
-                       f" got {x!r}")
+      raise ValueError(
+        f"DeviationConfig.{name} entries must be in {choices}; got {x!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +114,23 @@ class DeviationConfig:
   flash_algorithm: str = "fa2"
 
   def __post_init__(self):
-    for name in ("seqs", "head_dims", "distributions", "dtypes", "modes",
-                 "tiles", "tile_dtypes", "kernels"):
-      object.__setattr__(self, name, tuple(
-          tuple(x) if isinstance(x, list) else x for x in getattr(self, name)))
+    for name in (
+      "seqs",
+      "head_dims",
+      "distributions",
+      "dtypes",
+      "modes",
+      "tiles",
+      "tile_dtypes",
+      "kernels",
+    ):
+      object.__setattr__(
+        self,
+        name,
+        tuple(
+          tuple(x) if isinstance(x, list) else x for x in getattr(self, name)
+        ),
+      )
     object.__setattr__(self, "tile", tuple(self.tile))
     _check_ints("seqs", self.seqs)
     _check_ints("head_dims", self.head_dims, high=256)
@@ -122,12 +141,15 @@ class DeviationConfig:
     if self.kernels:
       _check_choices("kernels", self.kernels, KERNELS)
     if len(self.tile) != 2:
-      raise ValueError(f"DeviationConfig.tile must be (Br, Bc); got {self.tile!r}")
+      raise ValueError(
+        f"DeviationConfig.tile must be (Br, Bc); got {self.tile!r}"
+      )
     _check_ints("tile", self.tile, high=_MAX_TILE)
     for pair in self.tiles:
       if len(pair) != 2:
-        raise ValueError(f"DeviationConfig.tiles entries must be (Br, Bc);"
-                         f" got {pair!r}")
+        raise ValueError(
+          f"DeviationConfig.tiles entries must be (Br, Bc); got {pair!r}"
+        )
       _check_ints("tiles", pair, high=_MAX_TILE)
     _check_ints("tile_seq", (self.tile_seq,))
     _check_ints("tile_head_dim", (self.tile_head_dim,), high=256)
@@ -135,7 +157,9 @@ class DeviationConfig:
     _check_ints("heads", (self.heads,))
     _check_ints("seed", (self.seed,), low=0)
     _check_ints("interpret_max_seq", (self.interpret_max_seq,), low=0)
-    _check_choices("flash_algorithm", (self.flash_algorithm,), lowprec.ALGORITHMS)
+    _check_choices(
+      "flash_algorithm", (self.flash_algorithm,), lowprec.ALGORITHMS
+    )
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -143,8 +167,11 @@ class DeviationConfig:
 
 # On a GPU: longer sequences (the paper's 16k) and more heads.
 GPU_DEFAULT = DeviationConfig(
-    seqs=(128, 256, 512, 1024, 2048, 4096, 8192, 16384), tile_seq=8192,
-    heads=8, interpret_max_seq=0)
+  seqs=(128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+  tile_seq=8192,
+  heads=8,
+  interpret_max_seq=0,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +193,15 @@ class Candidate:
 def _seq_candidates(cfg: DeviationConfig) -> list[Candidate]:
   cands = []
   if "all" in cfg.modes:
-    cands += [Candidate("baseline", "all", "study", None),
-              Candidate("flash", "all", "study", cfg.tile)]
+    cands += [
+      Candidate("baseline", "all", "study", None),
+      Candidate("flash", "all", "study", cfg.tile),
+    ]
   if "kernel" in cfg.modes:
-    cands += [Candidate("baseline", "kernel", "study", None),
-              Candidate("flash", "kernel", "blockwise", cfg.tile)]
+    cands += [
+      Candidate("baseline", "kernel", "study", None),
+      Candidate("flash", "kernel", "blockwise", cfg.tile),
+    ]
     cands += [Candidate("flash", "kernel", k, None) for k in cfg.kernels]
   return cands
 
@@ -203,12 +234,17 @@ def plan(cfg: DeviationConfig) -> list[tuple[Problem, list[Candidate]]]:
     for d in cfg.head_dims:
       for dist in cfg.distributions:
         for seq in cfg.seqs:
-          cases.append((Problem("seq", seq, d, dist, dtype),
-                        _seq_candidates(cfg)))
+          cases.append(
+            (Problem("seq", seq, d, dist, dtype), _seq_candidates(cfg))
+          )
   for dtype in cfg.tile_dtypes:
     for dist in cfg.distributions:
-      cases.append((Problem("tile", cfg.tile_seq, cfg.tile_head_dim, dist,
-                            dtype), _tile_candidates(cfg)))
+      cases.append(
+        (
+          Problem("tile", cfg.tile_seq, cfg.tile_head_dim, dist, dtype),
+          _tile_candidates(cfg),
+        )
+      )
   return cases
 
 
@@ -218,8 +254,10 @@ def _skip_reason(cand: Candidate, q, cfg: DeviationConfig) -> str | None:
     if reason:
       return reason
     if cand.impl == "interpret" and q.shape[1] > cfg.interpret_max_seq:
-      return (f"interpret runs only up to seq {cfg.interpret_max_seq}"
-              " (--interpret-max-seq): the interpreter is slow")
+      return (
+        f"interpret runs only up to seq {cfg.interpret_max_seq}"
+        " (--interpret-max-seq): the interpreter is slow"
+      )
   return None
 
 
@@ -227,9 +265,14 @@ def _compute(cand: Candidate, q, k, v, cfg: DeviationConfig) -> jax.Array:
   if cand.algorithm == "baseline":
     return lowprec.baseline(q, k, v, mode=cand.mode)
   if cand.impl == "study":
-    return lowprec.flash_all(q, k, v, block_q=cand.tile[0],
-                             block_kv=cand.tile[1],
-                             algorithm=cfg.flash_algorithm)
+    return lowprec.flash_all(
+      q,
+      k,
+      v,
+      block_q=cand.tile[0],
+      block_kv=cand.tile[1],
+      algorithm=cfg.flash_algorithm,
+    )
   config = BlockwiseConfig(*cand.tile) if cand.impl == "blockwise" else None
   return flash_attention(q, k, v, implementation=cand.impl, config=config)
 
@@ -238,9 +281,13 @@ def _problem_inputs(problem: Problem, cfg: DeviationConfig):
   """(q, k, v) in F as jax arrays, and the float64 golden of those values."""
   # One generator per (seed, sweep point), so a case's inputs do not depend
   # on which other cases run; the formats share the float64 draw.
-  key = (cfg.seed, problem.seq, problem.head_dim,
-         inputs.DISTRIBUTIONS.index(problem.distribution),
-         0 if problem.sweep == "seq" else 1)
+  key = (
+    cfg.seed,
+    problem.seq,
+    problem.head_dim,
+    inputs.DISTRIBUTIONS.index(problem.distribution),
+    0 if problem.sweep == "seq" else 1,
+  )
   rng = np.random.default_rng(key)
   shape = (cfg.batch, problem.seq, cfg.heads, problem.head_dim)
   raw = inputs.draw(rng, problem.distribution, shape)
@@ -253,6 +300,7 @@ def _problem_inputs(problem: Problem, cfg: DeviationConfig):
 def run(cfg: DeviationConfig, *, progress: bool = True) -> dict:
   """Runs both sweeps; returns {"records": [...], "wall_s": ...}."""
   from pallas_fa3.numerics import report  # pylint: disable=g-import-not-at-top
+
   start = time.perf_counter()
   cases = plan(cfg)
   records = []
@@ -260,28 +308,41 @@ def run(cfg: DeviationConfig, *, progress: bool = True) -> dict:
   with report.progress(total, "deviation", progress) as advance:
     for problem, cands in cases:
       arrays, golden = _problem_inputs(problem, cfg)
-      base = dict(dataclasses.asdict(problem), batch=cfg.batch,
-                  heads=cfg.heads,
-                  golden_max_abs=float(np.abs(golden).max()),
-                  golden_rms=float(np.sqrt(np.mean(golden ** 2))))
+      base = dict(
+        dataclasses.asdict(problem),
+        batch=cfg.batch,
+        heads=cfg.heads,
+        golden_max_abs=float(np.abs(golden).max()),
+        golden_rms=float(np.sqrt(np.mean(golden**2))),
+      )
       for cand in cands:
-        rec = dict(base, candidate=cand.name, algorithm=cand.algorithm,
-                   mode=cand.mode, impl=cand.impl,
-                   block_q=cand.tile[0] if cand.tile else None,
-                   block_kv=cand.tile[1] if cand.tile else None,
-                   status="ok", reason="")
+        rec = dict(
+          base,
+          candidate=cand.name,
+          algorithm=cand.algorithm,
+          mode=cand.mode,
+          impl=cand.impl,
+          block_q=cand.tile[0] if cand.tile else None,
+          block_kv=cand.tile[1] if cand.tile else None,
+          status="ok",
+          reason="",
+        )
         reason = _skip_reason(cand, arrays[0], cfg)
         if reason:
           rec.update(status="skipped", reason=reason)
         else:
           try:
-            out = np.asarray(jax.block_until_ready(_compute(cand, *arrays, cfg)))
+            out = np.asarray(
+              jax.block_until_ready(_compute(cand, *arrays, cfg))
+            )
             rec.update(metrics.deviation_stats(out, golden))
           except NotImplementedError as e:
             rec.update(status="skipped", reason=f"NotImplementedError: {e}")
           except Exception as e:  # pylint: disable=broad-except
             rec.update(status="error", reason=f"{type(e).__name__}: {e}")
         records.append(rec)
-        advance(f"{problem.sweep} seq {problem.seq} d {problem.head_dim}"
-                f" {problem.distribution} {problem.dtype} {cand.name}")
+        advance(
+          f"{problem.sweep} seq {problem.seq} d {problem.head_dim}"
+          f" {problem.distribution} {problem.dtype} {cand.name}"
+        )
   return {"records": records, "wall_s": time.perf_counter() - start}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections
 import statistics
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -23,12 +24,18 @@ RATIO_BAND = 3.0
 # Two deviations count as equal (no effect) within this relative difference.
 SAME_REL = 0.01
 _MANTISSA_ORDER = ("bfloat16", "float16", "float32")  # 8, 11, 24 bits
-_PAIRS = (("flash/all", "baseline/all"), ("blockwise/kernel", "baseline/kernel"))
+_PAIRS = (
+  ("flash/all", "baseline/all"),
+  ("blockwise/kernel", "baseline/kernel"),
+)
 
 
 def _ok(records: Iterable[dict], **where) -> list[dict]:
-  return [r for r in records if r["status"] == "ok"
-          and all(r.get(k) == v for k, v in where.items())]
+  return [
+    r
+    for r in records
+    if r["status"] == "ok" and all(r.get(k) == v for k, v in where.items())
+  ]
 
 
 def _kind(r: dict) -> str:
@@ -41,19 +48,26 @@ def _by_point(records, sweep="seq") -> dict[tuple, dict[str, dict]]:
   points = collections.defaultdict(dict)
   for r in _ok(records, sweep=sweep):
     points[(r["dtype"], r["head_dim"], r["distribution"], r["seq"])][
-        _kind(r)] = r
+      _kind(r)
+    ] = r
   return points
 
 
-def flash_baseline_ratios(records, dtype="bfloat16", pair=_PAIRS[0]
-                          ) -> list[dict]:
+def flash_baseline_ratios(
+  records, dtype="bfloat16", pair=_PAIRS[0]
+) -> list[dict]:
   """max|diff| of flash / of baseline at each sequence-sweep point of `dtype`."""
   out = []
   for (dt, d, dist, seq), got in sorted(_by_point(records).items()):
     if dt == dtype and pair[0] in got and pair[1] in got:
-      out.append(dict(head_dim=d, distribution=dist, seq=seq,
-                      ratio=metrics.ratio(got[pair[0]]["max_abs"],
-                                          got[pair[1]]["max_abs"])))
+      out.append(
+        dict(
+          head_dim=d,
+          distribution=dist,
+          seq=seq,
+          ratio=metrics.ratio(got[pair[0]]["max_abs"], got[pair[1]]["max_abs"]),
+        )
+      )
   return [x for x in out if x["ratio"] is not None]
 
 
@@ -62,36 +76,53 @@ def _check_ratio(records) -> dict:
   kern = flash_baseline_ratios(records, pair=_PAIRS[1])
   claim = "flash / baseline max deviation at BF16 (all intermediates in F)"
   if not rows:
-    return dict(claim=claim, paper="~10x", ours="not measured",
-                verdict="not measured", note="needs bf16 and mode 'all'")
+    return dict(
+      claim=claim,
+      paper="~10x",
+      ours="not measured",
+      verdict="not measured",
+      note="needs bf16 and mode 'all'",
+    )
   ratios = [x["ratio"] for x in rows]
   med = statistics.median(ratios)
   longest = max(x["seq"] for x in rows)
   at_long = [x["ratio"] for x in rows if x["seq"] == longest]
-  ours = (f"median {med:.2g}x (range {min(ratios):.2g}-{max(ratios):.2g}x"
-          f" over {len(rows)} points; {statistics.median(at_long):.2g}x at"
-          f" seq {longest})")
+  ours = (
+    f"median {med:.2g}x (range {min(ratios):.2g}-{max(ratios):.2g}x"
+    f" over {len(rows)} points; {statistics.median(at_long):.2g}x at"
+    f" seq {longest})"
+  )
   if PAPER_RATIO_BF16 / RATIO_BAND <= med <= PAPER_RATIO_BF16 * RATIO_BAND:
     verdict = "reproduced"
   elif med > 1:
     verdict = "partly reproduced"
   else:
     verdict = "not reproduced"
-  note = ("flash is worse than the baseline when its running statistics and"
-          " accumulator are rounded to bf16 after every tile; the ratio grows"
-          " with the number of kv tiles (sequence length / Bc), so its size"
-          " depends on the sweep's lengths and tile, which the paper does not"
-          " state.")
+  note = (
+    "flash is worse than the baseline when its running statistics and"
+    " accumulator are rounded to bf16 after every tile; the ratio grows"
+    " with the number of kv tiles (sequence length / Bc), so its size"
+    " depends on the sweep's lengths and tile, which the paper does not"
+    " state."
+  )
   by_tile = tile_ratios(records)
   if by_tile:
-    note += " By tile (tile sweep, Br = Bc): " + ", ".join(
+    note += (
+      " By tile (tile sweep, Br = Bc): "
+      + ", ".join(
         f"{x['tile']}: {report.fmt(x['ratio'])}x ({x['distribution']})"
-        for x in by_tile if x["dtype"] == "bfloat16") + "."
+        for x in by_tile
+        if x["dtype"] == "bfloat16"
+      )
+      + "."
+    )
   if kern:
     kr = statistics.median(x["ratio"] for x in kern)
-    note += (f" Kernel-like (float32 statistics, as our backends):"
-             f" blockwise / baseline = {kr:.2g}x, i.e. flash is then"
-             f" {'better' if kr < 1 else 'worse'}.")
+    note += (
+      f" Kernel-like (float32 statistics, as our backends):"
+      f" blockwise / baseline = {kr:.2g}x, i.e. flash is then"
+      f" {'better' if kr < 1 else 'worse'}."
+    )
   return dict(claim=claim, paper="~10x", ours=ours, verdict=verdict, note=note)
 
 
@@ -110,14 +141,27 @@ def _check_mantissa(records) -> dict:
         bad.append(f"{kind} d{d} {dist} seq {seq}")
   claim = "deviation falls as mantissa bits increase (bf16 > fp16 > fp32)"
   if not total:
-    return dict(claim=claim, paper="yes", ours="not measured",
-                verdict="not measured", note="needs all three formats")
-  verdict = "reproduced" if good == total else (
-      "partly reproduced" if good else "not reproduced")
-  return dict(claim=claim, paper="yes", ours=f"holds in {good}/{total}"
-              " (point, candidate) pairs", verdict=verdict,
-              note="exceptions: " + ", ".join(sorted(set(bad))[:6])
-              if bad else "every candidate, every point")
+    return dict(
+      claim=claim,
+      paper="yes",
+      ours="not measured",
+      verdict="not measured",
+      note="needs all three formats",
+    )
+  verdict = (
+    "reproduced"
+    if good == total
+    else ("partly reproduced" if good else "not reproduced")
+  )
+  return dict(
+    claim=claim,
+    paper="yes",
+    ours=f"holds in {good}/{total} (point, candidate) pairs",
+    verdict=verdict,
+    note="exceptions: " + ", ".join(sorted(set(bad))[:6])
+    if bad
+    else "every candidate, every point",
+  )
 
 
 def seq_slopes(records, kind="flash/all", dtype="bfloat16") -> list[dict]:
@@ -132,73 +176,106 @@ def seq_slopes(records, kind="flash/all", dtype="bfloat16") -> list[dict]:
       continue
     rs.sort(key=lambda r: r["seq"])
     seqs = [r["seq"] for r in rs]
-    out.append(dict(
-        head_dim=d, distribution=dist, first=rs[0]["max_abs"],
-        last=rs[-1]["max_abs"], seq_first=seqs[0], seq_last=seqs[-1],
+    out.append(
+      dict(
+        head_dim=d,
+        distribution=dist,
+        first=rs[0]["max_abs"],
+        last=rs[-1]["max_abs"],
+        seq_first=seqs[0],
+        seq_last=seqs[-1],
         slope=metrics.loglog_slope(seqs, [r["max_abs"] for r in rs]),
         slope_rel=metrics.loglog_slope(
-            seqs, [r["max_abs"] / r["golden_rms"] for r in rs])))
+          seqs, [r["max_abs"] / r["golden_rms"] for r in rs]
+        ),
+      )
+    )
   return out
 
 
 def _check_seq(records) -> dict:
   rows = seq_slopes(records)
-  claim = "deviation rises with sequence length at a fixed tile (flash/all, bf16)"
+  claim = (
+    "deviation rises with sequence length at a fixed tile (flash/all, bf16)"
+  )
   if not rows:
-    return dict(claim=claim, paper="yes", ours="not measured",
-                verdict="not measured", note="needs >= 2 sequence lengths")
+    return dict(
+      claim=claim,
+      paper="yes",
+      ours="not measured",
+      verdict="not measured",
+      note="needs >= 2 sequence lengths",
+    )
   ours = "; ".join(
-      f"d{x['head_dim']} {x['distribution']}: {x['first']:.2g} -> "
-      f"{x['last']:.2g} (slope {x['slope']:+.2f}, relative to rms(out)"
-      f" {x['slope_rel']:+.2f})" for x in rows)
+    f"d{x['head_dim']} {x['distribution']}: {x['first']:.2g} -> "
+    f"{x['last']:.2g} (slope {x['slope']:+.2f}, relative to rms(out)"
+    f" {x['slope_rel']:+.2f})"
+    for x in rows
+  )
   rises = sum(x["slope"] > 0 for x in rows)
   rises_rel = sum(x["slope_rel"] > 0 for x in rows)
   ratios = flash_baseline_ratios(records)
   ratio_slope = None
   if len({x["seq"] for x in ratios}) > 1:
-    ratio_slope = metrics.loglog_slope([x["seq"] for x in ratios],
-                                       [x["ratio"] for x in ratios])
+    ratio_slope = metrics.loglog_slope(
+      [x["seq"] for x in ratios], [x["ratio"] for x in ratios]
+    )
   if rises == len(rows):
     verdict = "reproduced"
   elif rises_rel or (ratio_slope or 0) > 0:
     verdict = "partly reproduced"
   else:
     verdict = "not reproduced"
-  note = ("slopes are d log(max|diff|) / d log(seq). With random inputs the"
-          " output itself shrinks like seq^-1/2 (each row averages more"
-          " values), which pulls the absolute deviation down; relative to"
-          f" rms(out) it rises in {rises_rel}/{len(rows)} groups")
+  note = (
+    "slopes are d log(max|diff|) / d log(seq). With random inputs the"
+    " output itself shrinks like seq^-1/2 (each row averages more"
+    " values), which pulls the absolute deviation down; relative to"
+    f" rms(out) it rises in {rises_rel}/{len(rows)} groups"
+  )
   if ratio_slope is not None:
-    note += (f", and the flash/baseline ratio grows as seq^{ratio_slope:.2f}"
-             " (more rescaling steps)")
-  return dict(claim=claim, paper="yes", ours=ours, verdict=verdict,
-              note=note + ".")
+    note += (
+      f", and the flash/baseline ratio grows as seq^{ratio_slope:.2f}"
+      " (more rescaling steps)"
+    )
+  return dict(
+    claim=claim, paper="yes", ours=ours, verdict=verdict, note=note + "."
+  )
 
 
 def tile_table(records, kind="flash/all") -> list[dict]:
   """Tile-sweep records of `kind`: dtype, distribution, Br, Bc, figures."""
-  return sorted((r for r in _ok(records, sweep="tile") if _kind(r) == kind),
-                key=lambda r: (r["dtype"], r["distribution"], r["block_kv"],
-                               r["block_q"]))
+  return sorted(
+    (r for r in _ok(records, sweep="tile") if _kind(r) == kind),
+    key=lambda r: (r["dtype"], r["distribution"], r["block_kv"], r["block_q"]),
+  )
 
 
 def _tile_devs(records, metric="max_abs") -> dict[tuple, dict[tuple, float]]:
   groups = collections.defaultdict(dict)
   for r in tile_table(records):
-    groups[(r["dtype"], r["distribution"])][(r["block_q"], r["block_kv"])] = (
-        r[metric])
+    groups[(r["dtype"], r["distribution"])][(r["block_q"], r["block_kv"])] = r[
+      metric
+    ]
   return groups
 
 
 def tile_ratios(records) -> list[dict]:
   """flash/all / baseline/all (max |diff|) at each square tile of the tile sweep."""
-  base = {(r["dtype"], r["distribution"]): r["max_abs"]
-          for r in _ok(records, sweep="tile") if _kind(r) == "baseline/all"}
-  return [dict(dtype=r["dtype"], distribution=r["distribution"],
-               tile=r["block_kv"], ratio=metrics.ratio(
-                   r["max_abs"], base[(r["dtype"], r["distribution"])]))
-          for r in tile_table(records) if r["block_q"] == r["block_kv"]
-          and (r["dtype"], r["distribution"]) in base]
+  base = {
+    (r["dtype"], r["distribution"]): r["max_abs"]
+    for r in _ok(records, sweep="tile")
+    if _kind(r) == "baseline/all"
+  }
+  return [
+    dict(
+      dtype=r["dtype"],
+      distribution=r["distribution"],
+      tile=r["block_kv"],
+      ratio=metrics.ratio(r["max_abs"], base[(r["dtype"], r["distribution"])]),
+    )
+    for r in tile_table(records)
+    if r["block_q"] == r["block_kv"] and (r["dtype"], r["distribution"]) in base
+  ]
 
 
 def _both(records, judge) -> tuple[str, str]:
@@ -209,12 +286,14 @@ def _both(records, judge) -> tuple[str, str]:
   (good, total, parts), (good_m, total_m, parts_m) = results.values()
   if not total:
     return "not measured", "not measured"
-  ours = ("max: " + "; ".join(parts) + ". mean: " + "; ".join(parts_m))
+  ours = "max: " + "; ".join(parts) + ". mean: " + "; ".join(parts_m)
   if good == total:
     return ours, "reproduced"
   if total_m and good_m == total_m:
-    return ours, ("reproduced on mean |diff|; partly on max |diff| (a single"
-                  " worst element can be the same for several tiles)")
+    return ours, (
+      "reproduced on mean |diff|; partly on max |diff| (a single"
+      " worst element can be the same for several tiles)"
+    )
   return ours, "partly reproduced" if good or good_m else "not reproduced"
 
 
@@ -226,24 +305,30 @@ def _judge_tiles(groups):
       lo, hi = squares[0], squares[-1]
       total += 1
       good += devs[hi] < devs[lo]
-      parts.append(f"{dt} {dist} {lo[0]}x{lo[1]} {devs[lo]:.2g} ->"
-                   f" {hi[0]}x{hi[1]} {devs[hi]:.2g}")
+      parts.append(
+        f"{dt} {dist} {lo[0]}x{lo[1]} {devs[lo]:.2g} ->"
+        f" {hi[0]}x{hi[1]} {devs[hi]:.2g}"
+      )
   return good, total, parts
 
 
 def _check_tiles(records) -> dict:
   ours, verdict = _both(records, _judge_tiles)
-  return dict(claim="larger tiles (Br x Bc) lower the deviation (squares,"
-              " flash/all)", paper="yes", ours=ours, verdict=verdict,
-              note="fewer kv tiles means fewer roundings of the running max,"
-              " row sum and accumulator; the kernel-like blockwise backend"
-              " (float32 statistics) barely depends on the tile (tile table)")
+  return dict(
+    claim="larger tiles (Br x Bc) lower the deviation (squares, flash/all)",
+    paper="yes",
+    ours=ours,
+    verdict=verdict,
+    note="fewer kv tiles means fewer roundings of the running max,"
+    " row sum and accumulator; the kernel-like blockwise backend"
+    " (float32 statistics) barely depends on the tile (tile table)",
+  )
 
 
 def _judge_swap(groups):
   parts, worse, total = [], 0, 0
   for (dt, dist), devs in sorted(groups.items()):
-    for (a, b) in sorted(devs):
+    for a, b in sorted(devs):
       if a < b and (b, a) in devs:
         r = metrics.ratio(devs[(b, a)], devs[(a, b)])
         total += 1
@@ -254,10 +339,14 @@ def _judge_swap(groups):
 
 def _check_swap(records) -> dict:
   ours, verdict = _both(records, _judge_swap)
-  return dict(claim="swapping Br and Bc changes the deviation (paper: Br > Bc"
-              " is worse)", paper="raises it", ours=ours, verdict=verdict,
-              note="swapping changes Bc, the number of kv steps each row"
-              " takes; see the next check: Br alone changes nothing")
+  return dict(
+    claim="swapping Br and Bc changes the deviation (paper: Br > Bc is worse)",
+    paper="raises it",
+    ours=ours,
+    verdict=verdict,
+    note="swapping changes Bc, the number of kv steps each row"
+    " takes; see the next check: Br alone changes nothing",
+  )
 
 
 def _judge_square(groups):
@@ -274,79 +363,136 @@ def _judge_square(groups):
 
 def _check_square(records) -> dict:
   ours, verdict = _both(records, _judge_square)
-  return dict(claim="forcing square tiles has no effect (same Bc, different"
-              " Br)", paper="no effect", ours=ours, verdict=verdict,
-              note="each query row's arithmetic depends only on the kv tiling"
-              " (Bc): Br only groups rows, so the deviation is a function of"
-              " Bc alone")
+  return dict(
+    claim="forcing square tiles has no effect (same Bc, different Br)",
+    paper="no effect",
+    ours=ours,
+    verdict=verdict,
+    note="each query row's arithmetic depends only on the kv tiling"
+    " (Bc): Br only groups rows, so the deviation is a function of"
+    " Bc alone",
+  )
 
 
 def checks(records: list[dict]) -> list[dict]:
-  return [_check_ratio(records), _check_mantissa(records),
-          _check_seq(records), _check_tiles(records), _check_swap(records),
-          _check_square(records)]
+  return [
+    _check_ratio(records),
+    _check_mantissa(records),
+    _check_seq(records),
+    _check_tiles(records),
+    _check_swap(records),
+    _check_square(records),
+  ]
 
 
 # ---------------------------------------------------------------------------
 # Markdown and plots.
 
-_SEQ_KINDS = ("baseline/all", "flash/all", "baseline/kernel",
-              "blockwise/kernel", "interpret/kernel", "mosaic/kernel")
+_SEQ_KINDS = (
+  "baseline/all",
+  "flash/all",
+  "baseline/kernel",
+  "blockwise/kernel",
+  "interpret/kernel",
+  "mosaic/kernel",
+)
 
 
 def markdown(result: dict) -> str:
   env, cfg, records = result["environment"], result["config"], result["records"]
   lines = report.header_lines(
-      "pallas-fa3 numerics deviation", env,
-      [f"- inputs: batch {cfg['batch']}, heads {cfg['heads']}, seq_q = seq_kv,"
-       " non-causal; q, k, v drawn in float64 and rounded to F; golden ="
-       " float64 attention of the rounded values",
-       f"- all-in-F flash: {cfg['flash_algorithm']} ("
-       + ("normalized once at the end" if cfg["flash_algorithm"] == "fa2"
-          else "FlashAttention-1: normalized after every tile") + ")",
-       f"- sequence sweep at tile Br x Bc = {cfg['tile'][0]}x{cfg['tile'][1]};"
-       f" tile sweep at seq {cfg['tile_seq']}, d {cfg['tile_head_dim']}",
-       f"- wall time {result['wall_s']:.0f} s"])
+    "pallas-fa3 numerics deviation",
+    env,
+    [
+      f"- inputs: batch {cfg['batch']}, heads {cfg['heads']}, seq_q = seq_kv,"
+      " non-causal; q, k, v drawn in float64 and rounded to F; golden ="
+      " float64 attention of the rounded values",
+      f"- all-in-F flash: {cfg['flash_algorithm']} ("
+      + (
+        "normalized once at the end"
+        if cfg["flash_algorithm"] == "fa2"
+        else "FlashAttention-1: normalized after every tile"
+      )
+      + ")",
+      f"- sequence sweep at tile Br x Bc = {cfg['tile'][0]}x{cfg['tile'][1]};"
+      f" tile sweep at seq {cfg['tile_seq']}, d {cfg['tile_head_dim']}",
+      f"- wall time {result['wall_s']:.0f} s",
+    ],
+  )
   lines += ["## Checks against Golden et al. 2024 (arXiv 2405.02803)", ""]
-  lines += report.table(["claim", "paper", "ours", "verdict", "note"],
-                        [[c["claim"], c["paper"], c["ours"], c["verdict"],
-                          c["note"]] for c in result["checks"]])
+  lines += report.table(
+    ["claim", "paper", "ours", "verdict", "note"],
+    [
+      [c["claim"], c["paper"], c["ours"], c["verdict"], c["note"]]
+      for c in result["checks"]
+    ],
+  )
   points = _by_point(records)
   kinds = [k for k in _SEQ_KINDS if any(k in p for p in points.values())]
-  lines += ["", "## Sequence sweep: max |out - golden|", "",
-            "ratio = flash/all / baseline/all.", ""]
+  lines += [
+    "",
+    "## Sequence sweep: max |out - golden|",
+    "",
+    "ratio = flash/all / baseline/all.",
+    "",
+  ]
   rows = []
   for (dt, d, dist, seq), got in sorted(points.items()):
-    ratio = (metrics.ratio(got["flash/all"]["max_abs"],
-                           got["baseline/all"]["max_abs"])
-             if "flash/all" in got and "baseline/all" in got else None)
-    rows.append([dt, d, dist, seq] + [got[k]["max_abs"] if k in got else None
-                                      for k in kinds] + [ratio])
-  lines += report.table(["dtype", "d", "inputs", "seq"] + kinds + ["ratio"],
-                        rows)
+    ratio = (
+      metrics.ratio(got["flash/all"]["max_abs"], got["baseline/all"]["max_abs"])
+      if "flash/all" in got and "baseline/all" in got
+      else None
+    )
+    rows.append(
+      [dt, d, dist, seq]
+      + [got[k]["max_abs"] if k in got else None for k in kinds]
+      + [ratio]
+    )
+  lines += report.table(
+    ["dtype", "d", "inputs", "seq"] + kinds + ["ratio"], rows
+  )
   lines += ["", "## Sequence sweep, bfloat16: mean |out - golden|", ""]
   lines += report.table(
-      ["d", "inputs", "seq"] + kinds,
-      [[d, dist, seq] + [got[k]["mean_abs"] if k in got else None
-                         for k in kinds]
-       for (dt, d, dist, seq), got in sorted(points.items())
-       if dt == "bfloat16"])
+    ["d", "inputs", "seq"] + kinds,
+    [
+      [d, dist, seq] + [got[k]["mean_abs"] if k in got else None for k in kinds]
+      for (dt, d, dist, seq), got in sorted(points.items())
+      if dt == "bfloat16"
+    ],
+  )
   tiles = tile_table(records) + tile_table(records, "blockwise/kernel")
   if tiles:
     lines += ["", "## Tile sweep (max / mean |out - golden|)", ""]
     lines += report.table(
-        ["dtype", "inputs", "candidate", "Br", "Bc", "max", "mean", "rmse"],
-        [[r["dtype"], r["distribution"], _kind(r), r["block_q"],
-          r["block_kv"], r["max_abs"], r["mean_abs"], r["rmse"]]
-         for r in tiles])
+      ["dtype", "inputs", "candidate", "Br", "Bc", "max", "mean", "rmse"],
+      [
+        [
+          r["dtype"],
+          r["distribution"],
+          _kind(r),
+          r["block_q"],
+          r["block_kv"],
+          r["max_abs"],
+          r["mean_abs"],
+          r["rmse"],
+        ]
+        for r in tiles
+      ],
+    )
   skipped = collections.Counter(
-      (r["candidate"], r["status"], r["reason"]) for r in records
-      if r["status"] != "ok")
+    (r["candidate"], r["status"], r["reason"])
+    for r in records
+    if r["status"] != "ok"
+  )
   lines += ["", "## Skipped or failed", ""]
-  lines += [f"- {c} ({s}, {n} cases): {why}"
-            for (c, s, why), n in skipped.items()] or ["- none"]
-  lines += ["", "Every figure (mean, std and RMSE of |diff| too) is in"
-            f" `{report.JSON_FILE}`."]
+  lines += [
+    f"- {c} ({s}, {n} cases): {why}" for (c, s, why), n in skipped.items()
+  ] or ["- none"]
+  lines += [
+    "",
+    "Every figure (mean, std and RMSE of |diff| too) is in"
+    f" `{report.JSON_FILE}`.",
+  ]
   return "\n".join(lines) + "\n"
 
 
@@ -363,67 +509,96 @@ def plot(result: dict, out_dir: str) -> list[str]:
   points = _by_point(records)
   groups = sorted({(d, dist) for (_, d, dist, _) in points})
   colors = {"bfloat16": "C0", "float16": "C1", "float32": "C2"}
-  for mode, kinds in (("all", ("baseline/all", "flash/all")),
-                      ("kernel", ("baseline/kernel", "blockwise/kernel"))):
+  for mode, kinds in (
+    ("all", ("baseline/all", "flash/all")),
+    ("kernel", ("baseline/kernel", "blockwise/kernel")),
+  ):
     if not groups or not any(k in p for p in points.values() for k in kinds):
       continue
     ncol = min(2, len(groups))
     nrow = -(-len(groups) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, squeeze=False,
-                             figsize=(5.5 * ncol, 4 * nrow))
+    fig, axes = plt.subplots(
+      nrow, ncol, squeeze=False, figsize=(5.5 * ncol, 4 * nrow)
+    )
     for ax, (d, dist) in zip(axes.ravel(), groups):
       for dt in colors:
         for kind, style in zip(kinds, ("--", "-")):
-          pts = sorted((seq, got[kind]["max_abs"])
-                       for (x, dd, di, seq), got in points.items()
-                       if (x, dd, di) == (dt, d, dist) and kind in got)
+          pts = sorted(
+            (seq, got[kind]["max_abs"])
+            for (x, dd, di, seq), got in points.items()
+            if (x, dd, di) == (dt, d, dist) and kind in got
+          )
           if pts:
-            ax.plot(*zip(*pts), style, marker="o", color=colors[dt],
-                    label=f"{kind.split('/')[0]} {dt}")
-      ax.set(yscale="log", title=f"d={d}, {dist}",
-             xlabel="sequence length", ylabel="max |out - golden|")
+            ax.plot(
+              *zip(*pts),
+              style,
+              marker="o",
+              color=colors[dt],
+              label=f"{kind.split('/')[0]} {dt}",
+            )
+      ax.set(
+        yscale="log",
+        title=f"d={d}, {dist}",
+        xlabel="sequence length",
+        ylabel="max |out - golden|",
+      )
       _seq_axis(ax, sorted({p[3] for p in points}))
       ax.grid(True, alpha=0.3)
       ax.legend(fontsize="x-small")
     fig.suptitle(f"deviation vs sequence length, mode '{mode}'")
-    paths.append(report.save_figure(fig, out_dir,
-                                    f"deviation_vs_seq_{mode}.png"))
+    paths.append(
+      report.save_figure(fig, out_dir, f"deviation_vs_seq_{mode}.png")
+    )
   ratios = flash_baseline_ratios(records)
   if ratios:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for (d, dist) in groups:
-      pts = sorted((x["seq"], x["ratio"]) for x in ratios
-                   if (x["head_dim"], x["distribution"]) == (d, dist))
+    for d, dist in groups:
+      pts = sorted(
+        (x["seq"], x["ratio"])
+        for x in ratios
+        if (x["head_dim"], x["distribution"]) == (d, dist)
+      )
       if pts:
         ax.plot(*zip(*pts), "o-", label=f"d={d}, {dist}")
     ax.axhline(PAPER_RATIO_BF16, color="k", ls=":", label="paper ~10x")
     _seq_axis(ax, sorted({x["seq"] for x in ratios}))
-    ax.set(yscale="log", xlabel="sequence length",
-           ylabel="max dev flash / baseline",
-           title="bf16, all intermediates in F")
+    ax.set(
+      yscale="log",
+      xlabel="sequence length",
+      ylabel="max dev flash / baseline",
+      title="bf16, all intermediates in F",
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="x-small")
     paths.append(report.save_figure(fig, out_dir, "ratio_vs_seq.png"))
   tiles = tile_table(records) + tile_table(records, "blockwise/kernel")
   if tiles:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    labels = sorted({(r["block_q"], r["block_kv"]) for r in tiles},
-                    key=lambda t: (t[1], t[0]))
+    labels = sorted(
+      {(r["block_q"], r["block_kv"]) for r in tiles}, key=lambda t: (t[1], t[0])
+    )
     xs = {t: i for i, t in enumerate(labels)}
     for ax, metric in zip(axes, ("max_abs", "mean_abs")):
       series = collections.defaultdict(list)
       for r in tiles:
         series[(_kind(r), r["dtype"], r["distribution"])].append(
-            (xs[(r["block_q"], r["block_kv"])], r[metric]))
+          (xs[(r["block_q"], r["block_kv"])], r[metric])
+        )
       for name, pts in sorted(series.items()):
         ax.plot(*zip(*sorted(pts)), "o-", label=" ".join(name))
-      ax.set_xticks(range(len(labels)), [f"{a}x{b}" for a, b in labels],
-                    rotation=45)
-      ax.set(yscale="log", xlabel="Br x Bc (sorted by Bc)",
-             ylabel=f"{metric.split('_')[0]} |out - golden|")
+      ax.set_xticks(
+        range(len(labels)), [f"{a}x{b}" for a, b in labels], rotation=45
+      )
+      ax.set(
+        yscale="log",
+        xlabel="Br x Bc (sorted by Bc)",
+        ylabel=f"{metric.split('_')[0]} |out - golden|",
+      )
       ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize="x-small")
-    fig.suptitle(f"tile sweep (seq {tiles[0]['seq']}, d {tiles[0]['head_dim']})")
+    fig.suptitle(
+      f"tile sweep (seq {tiles[0]['seq']}, d {tiles[0]['head_dim']})"
+    )
     paths.append(report.save_figure(fig, out_dir, "deviation_vs_tile.png"))
   return paths
 
@@ -431,7 +606,8 @@ def plot(result: dict, out_dir: str) -> list[str]:
 def summary_numbers(result: dict) -> dict[str, Any]:
   """Headline figures for the terminal and RESULTS.md."""
   ratios = [x["ratio"] for x in flash_baseline_ratios(result["records"])]
-  return {"median_ratio_bf16_all": statistics.median(ratios) if ratios
-          else None,
-          "verdicts": {c["claim"]: c["verdict"] for c in result["checks"]},
-          "max_ratio_bf16_all": float(np.max(ratios)) if ratios else None}
+  return {
+    "median_ratio_bf16_all": statistics.median(ratios) if ratios else None,
+    "verdicts": {c["claim"]: c["verdict"] for c in result["checks"]},
+    "max_ratio_bf16_all": float(np.max(ratios)) if ratios else None,
+  }

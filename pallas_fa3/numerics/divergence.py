@@ -35,11 +35,11 @@ from pallas_fa3 import example_models
 from pallas_fa3.numerics import metrics, report
 
 RUNS = {
-    "R0": "reference attention, bf16 compute (float32 inside attention):"
-          " the baseline",
-    "R1": "flash attention, otherwise R0",
-    "R2": "R0 with a different initialization seed",
-    "R3": "R0 in float32 compute (R0 - R3: low-precision compute)",
+  "R0": "reference attention, bf16 compute (float32 inside attention):"
+  " the baseline",
+  "R1": "flash attention, otherwise R0",
+  "R2": "R0 with a different initialization seed",
+  "R3": "R0 in float32 compute (R0 - R3: low-precision compute)",
 }
 COMPARED = ("R1", "R2", "R3")
 METRICS = ("max_abs", "w1")  # aggregated: max over tensors, size-weighted mean
@@ -79,22 +79,40 @@ class DivergenceConfig:
   flash_implementation: str = "auto"
 
   def __post_init__(self):
-    for name in ("steps", "interval", "layers", "d_model", "heads", "seq_len",
-                 "batch", "warmup_steps", "seed", "data_seed"):
+    for name in (
+      "steps",
+      "interval",
+      "layers",
+      "d_model",
+      "heads",
+      "seq_len",
+      "batch",
+      "warmup_steps",
+      "seed",
+      "data_seed",
+    ):
       value = getattr(self, name)
       low = 0 if name in ("warmup_steps", "seed", "data_seed") else 1
-      if isinstance(value, bool) or not isinstance(
-          value, numbers.Integral) or value < low:
-        raise ValueError(f"DivergenceConfig.{name} must be an int >= {low};"
-                         f" got {value!r}")
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < low
+      ):
+        raise ValueError(
+          f"DivergenceConfig.{name} must be an int >= {low}; got {value!r}"
+        )
     if self.interval > self.steps:
-      raise ValueError(f"DivergenceConfig.interval ({self.interval}) must be"
-                       f" <= steps ({self.steps})")
+      raise ValueError(
+        f"DivergenceConfig.interval ({self.interval}) must be"
+        f" <= steps ({self.steps})"
+      )
     if not (isinstance(self.lr, numbers.Real) and self.lr > 0):
       raise ValueError(f"DivergenceConfig.lr must be > 0; got {self.lr!r}")
     if self.flash_implementation not in _IMPLS:
-      raise ValueError(f"DivergenceConfig.flash_implementation must be one of"
-                       f" {_IMPLS}; got {self.flash_implementation!r}")
+      raise ValueError(
+        f"DivergenceConfig.flash_implementation must be one of"
+        f" {_IMPLS}; got {self.flash_implementation!r}"
+      )
     self.model_configs()  # GPTConfig validates the model's shape
 
   def model_configs(self):
@@ -102,41 +120,65 @@ class DivergenceConfig:
     example_models.require_models("pallas-fa3 numerics divergence")
     from models.gpt import GPTConfig  # pylint: disable=g-import-not-at-top
     from models.train import TrainConfig  # pylint: disable=g-import-not-at-top
-    flash = (None if self.flash_implementation == "auto"
-             else self.flash_implementation)
-    model = GPTConfig(num_layers=self.layers, d_model=self.d_model,
-                      num_heads=self.heads, max_seq_len=self.seq_len,
-                      dtype="bfloat16", attention_implementation="reference")
-    train = TrainConfig(steps=self.steps, batch_size=self.batch,
-                        seq_len=self.seq_len, lr=self.lr,
-                        warmup_steps=self.warmup_steps, seed=self.seed,
-                        data_seed=self.data_seed, max_bytes=self.max_bytes,
-                        eval_interval=self.steps, checkpoint_interval=0)
+
+    flash = (
+      None if self.flash_implementation == "auto" else self.flash_implementation
+    )
+    model = GPTConfig(
+      num_layers=self.layers,
+      d_model=self.d_model,
+      num_heads=self.heads,
+      max_seq_len=self.seq_len,
+      dtype="bfloat16",
+      attention_implementation="reference",
+    )
+    train = TrainConfig(
+      steps=self.steps,
+      batch_size=self.batch,
+      seq_len=self.seq_len,
+      lr=self.lr,
+      warmup_steps=self.warmup_steps,
+      seed=self.seed,
+      data_seed=self.data_seed,
+      max_bytes=self.max_bytes,
+      eval_interval=self.steps,
+      checkpoint_interval=0,
+    )
     return {
-        "R0": (model, train),
-        "R1": (dataclasses.replace(model, attention_implementation=flash),
-               train),
-        "R2": (model, dataclasses.replace(train, seed=self.seed + 1)),
-        "R3": (dataclasses.replace(model, dtype="float32"), train),
+      "R0": (model, train),
+      "R1": (dataclasses.replace(model, attention_implementation=flash), train),
+      "R2": (model, dataclasses.replace(train, seed=self.seed + 1)),
+      "R3": (dataclasses.replace(model, dtype="float32"), train),
     }
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
 
-GPU_DEFAULT = DivergenceConfig(steps=3000, interval=50, layers=4, d_model=256,
-                               heads=4, seq_len=512, batch=32, max_bytes=None)
+GPU_DEFAULT = DivergenceConfig(
+  steps=3000,
+  interval=50,
+  layers=4,
+  d_model=256,
+  heads=4,
+  seq_len=512,
+  batch=32,
+  max_bytes=None,
+)
 
 
 def _attention_backend(model_cfg, seq_len: int) -> str:
   """The backend flash_attention runs for this model (as models.train does)."""
   from pallas_fa3 import backends  # pylint: disable=g-import-not-at-top
   from pallas_fa3.spec import make_spec  # pylint: disable=g-import-not-at-top
-  q = jax.ShapeDtypeStruct((1, seq_len, model_cfg.num_heads,
-                            model_cfg.head_dim), model_cfg.dtype)
+
+  q = jax.ShapeDtypeStruct(
+    (1, seq_len, model_cfg.num_heads, model_cfg.head_dim), model_cfg.dtype
+  )
   spec = make_spec(q, q, q, causal=True)
-  return backends.resolve(spec, model_cfg.attention_implementation,
-                          None)[0].name
+  return backends.resolve(spec, model_cfg.attention_implementation, None)[
+    0
+  ].name
 
 
 def _path_name(path) -> str:
@@ -161,14 +203,19 @@ def compare(params_a, params_b) -> dict[str, Any]:
   tensors = {}
   for (name, x), (name_b, y) in zip(a, b):
     assert name == name_b, (name, name_b)
-    tensors[name] = {"size": int(x.size),
-                     "max_abs": metrics.max_abs_diff(x, y),
-                     "w1": metrics.wasserstein_1(x, y)}
+    tensors[name] = {
+      "size": int(x.size),
+      "max_abs": metrics.max_abs_diff(x, y),
+      "w1": metrics.wasserstein_1(x, y),
+    }
   sizes = np.array([t["size"] for t in tensors.values()], np.float64)
-  return {"max_abs": max(t["max_abs"] for t in tensors.values()),
-          "w1": float(np.dot(sizes, [t["w1"] for t in tensors.values()])
-                      / sizes.sum()),
-          "tensors": tensors}
+  return {
+    "max_abs": max(t["max_abs"] for t in tensors.values()),
+    "w1": float(
+      np.dot(sizes, [t["w1"] for t in tensors.values()]) / sizes.sum()
+    ),
+    "tensors": tensors,
+  }
 
 
 def run(cfg: DivergenceConfig, *, progress: bool = True) -> dict:
@@ -182,21 +229,34 @@ def run(cfg: DivergenceConfig, *, progress: bool = True) -> dict:
   corpus = data.load_stdlib_corpus(max_bytes=cfg.max_bytes)
   programs = {r: build_program(*mc) for r, mc in configs.items()}
   states = {r: p.init_state() for r, p in programs.items()}
-  backends_used = {r: _attention_backend(mc[0], cfg.seq_len)
-                   for r, mc in configs.items()}
+  backends_used = {
+    r: _attention_backend(mc[0], cfg.seq_len) for r, mc in configs.items()
+  }
   samples, losses = [], {r: [] for r in configs}
 
   def sample(step):
-    samples.append({"step": step, **{
-        r: compare(states[r]["params"], states["R0"]["params"])
-        for r in COMPARED}})
+    samples.append(
+      {
+        "step": step,
+        **{
+          r: compare(states[r]["params"], states["R0"]["params"])
+          for r in COMPARED
+        },
+      }
+    )
 
   sample(0)
   with report.progress(cfg.steps, "divergence", progress) as advance:
     for step in range(cfg.steps):
-      batch = jnp.asarray(data.train_batch(
-          corpus, step=step, data_seed=cfg.data_seed, batch_size=cfg.batch,
-          seq_len=cfg.seq_len))
+      batch = jnp.asarray(
+        data.train_batch(
+          corpus,
+          step=step,
+          data_seed=cfg.data_seed,
+          batch_size=cfg.batch,
+          seq_len=cfg.seq_len,
+        )
+      )
       for r, program in programs.items():
         states[r], m = program.train_step(states[r], batch)
         losses[r].append(m["loss"])
@@ -204,11 +264,18 @@ def run(cfg: DivergenceConfig, *, progress: bool = True) -> dict:
         sample(step + 1)
       advance(f"step {step + 1}")
   # Losses in bits per byte, one per step (fetched once at the end).
-  losses = {r: (np.asarray(jax.device_get(v)) / np.log(2.0)).tolist()
-            for r, v in losses.items()}
-  result = {"runs": RUNS, "backends": backends_used,
-            "num_params": programs["R0"].num_params, "samples": samples,
-            "train_bpb": losses, "wall_s": time.perf_counter() - start}
+  losses = {
+    r: (np.asarray(jax.device_get(v)) / np.log(2.0)).tolist()
+    for r, v in losses.items()
+  }
+  result = {
+    "runs": RUNS,
+    "backends": backends_used,
+    "num_params": programs["R0"].num_params,
+    "samples": samples,
+    "train_bpb": losses,
+    "wall_s": time.perf_counter() - start,
+  }
   result["slopes"] = slopes(samples)
   result["ratios"] = ratios(result["slopes"], samples)
   result["verdicts"] = verdicts(result["ratios"])
@@ -220,12 +287,19 @@ def slopes(samples: list[dict]) -> dict[str, Any]:
   steps = [s["step"] for s in samples]
   out = {}
   for r in COMPARED:
-    agg = {m: metrics.fit_line(steps, [s[r][m] for s in samples])[0]
-           for m in METRICS}
+    agg = {
+      m: metrics.fit_line(steps, [s[r][m] for s in samples])[0] for m in METRICS
+    }
     names = samples[0][r]["tensors"]
-    per = {name: {m: metrics.fit_line(
-        steps, [s[r]["tensors"][name][m] for s in samples])[0]
-                  for m in METRICS} for name in names}
+    per = {
+      name: {
+        m: metrics.fit_line(steps, [s[r]["tensors"][name][m] for s in samples])[
+          0
+        ]
+        for m in METRICS
+      }
+      for name in names
+    }
     out[r] = {**agg, "tensors": per}
   return out
 
@@ -242,15 +316,20 @@ def ratios(sl: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
   later = [s for s in samples if s["step"] > 0]
   for other in ("R3", "R2"):
     for m in METRICS:
-      per = [metrics.ratio(sl[other]["tensors"][n][m], sl["R1"]["tensors"][n][m])
-             for n in sl["R1"]["tensors"]]
+      per = [
+        metrics.ratio(sl[other]["tensors"][n][m], sl["R1"]["tensors"][n][m])
+        for n in sl["R1"]["tensors"]
+      ]
       per = [x for x in per if x is not None]
       out[f"{other}/R1 {m}"] = {
-          "aggregate": metrics.ratio(sl[other][m], sl["R1"][m]),
-          "tensor_median": statistics.median(per) if per else None,
-          "mean": metrics.ratio(np.mean([s[other][m] for s in later]),
-                                np.mean([s["R1"][m] for s in later])),
-          "first": metrics.ratio(later[0][other][m], later[0]["R1"][m])}
+        "aggregate": metrics.ratio(sl[other][m], sl["R1"][m]),
+        "tensor_median": statistics.median(per) if per else None,
+        "mean": metrics.ratio(
+          np.mean([s[other][m] for s in later]),
+          np.mean([s["R1"][m] for s in later]),
+        ),
+        "first": metrics.ratio(later[0][other][m], later[0]["R1"][m]),
+      }
   return out
 
 
@@ -268,13 +347,23 @@ def verdicts(rat: dict[str, Any]) -> list[dict]:
       v = "partly reproduced (flash deviates less, by a different factor)"
     else:
       v = "not reproduced"
-    out.append(dict(claim=f"slope(R3) / slope(R1), {m}", paper="2-5x",
-                    ours=x, verdict=v))
+    out.append(
+      dict(claim=f"slope(R3) / slope(R1), {m}", paper="2-5x", ours=x, verdict=v)
+    )
     y = rat[f"R2/R1 {m}"]["aggregate"]
-    out.append(dict(claim=f"flash at or below the different-init bound"
-                    f" (slope(R2) / slope(R1) >= 1), {m}", paper="yes",
-                    ours=y, verdict="not measured" if y is None else
-                    "reproduced" if y >= 1 else "not reproduced"))
+    out.append(
+      dict(
+        claim=f"flash at or below the different-init bound"
+        f" (slope(R2) / slope(R1) >= 1), {m}",
+        paper="yes",
+        ours=y,
+        verdict="not measured"
+        if y is None
+        else "reproduced"
+        if y >= 1
+        else "not reproduced",
+      )
+    )
   return out
 
 
@@ -282,54 +371,102 @@ def markdown(result: dict) -> str:
   cfg = result["config"]
   last = result["samples"][-1]
   lines = report.header_lines(
-      "pallas-fa3 numerics divergence", result["environment"],
-      [f"- GPT: {cfg['layers']} layers, d_model {cfg['d_model']},"
-       f" {cfg['heads']} heads, {result['num_params']:,} parameters; batch"
-       f" {cfg['batch']} x seq {cfg['seq_len']} bytes, {cfg['steps']} steps,"
-       f" lr {cfg['lr']}; compared every {cfg['interval']} steps",
-       "- max |dW|: largest entry difference over all tensors; W1: 1-D"
-       " Wasserstein-1 between each tensor's flattened values, averaged"
-       " over tensors weighted by size",
-       f"- wall time {result['wall_s']:.0f} s"])
+    "pallas-fa3 numerics divergence",
+    result["environment"],
+    [
+      f"- GPT: {cfg['layers']} layers, d_model {cfg['d_model']},"
+      f" {cfg['heads']} heads, {result['num_params']:,} parameters; batch"
+      f" {cfg['batch']} x seq {cfg['seq_len']} bytes, {cfg['steps']} steps,"
+      f" lr {cfg['lr']}; compared every {cfg['interval']} steps",
+      "- max |dW|: largest entry difference over all tensors; W1: 1-D"
+      " Wasserstein-1 between each tensor's flattened values, averaged"
+      " over tensors weighted by size",
+      f"- wall time {result['wall_s']:.0f} s",
+    ],
+  )
   lines += ["## Runs", ""]
   lines += report.table(
-      ["run", "what", "attention backend", "final train bits/byte"],
-      [[r, what, result["backends"][r],
-        float(np.mean(result["train_bpb"][r][-cfg["interval"]:]))]
-       for r, what in result["runs"].items()])
-  lines += ["", "## Growth of the difference to R0 (least-squares slope per"
-            " step) and its final value", ""]
+    ["run", "what", "attention backend", "final train bits/byte"],
+    [
+      [
+        r,
+        what,
+        result["backends"][r],
+        float(np.mean(result["train_bpb"][r][-cfg["interval"] :])),
+      ]
+      for r, what in result["runs"].items()
+    ],
+  )
+  lines += [
+    "",
+    "## Growth of the difference to R0 (least-squares slope per"
+    " step) and its final value",
+    "",
+  ]
   sl = result["slopes"]
   lines += report.table(
-      ["run", "slope max |dW|", "slope W1", f"max |dW| at {last['step']}",
-       f"W1 at {last['step']}"],
-      [[r, sl[r]["max_abs"], sl[r]["w1"], last[r]["max_abs"], last[r]["w1"]]
-       for r in COMPARED])
+    [
+      "run",
+      "slope max |dW|",
+      "slope W1",
+      f"max |dW| at {last['step']}",
+      f"W1 at {last['step']}",
+    ],
+    [
+      [r, sl[r]["max_abs"], sl[r]["w1"], last[r]["max_abs"], last[r]["w1"]]
+      for r in COMPARED
+    ],
+  )
   lines += ["", "## Against the paper (Golden et al. 2024)", ""]
-  lines += report.table(["claim", "paper", "ours", "verdict"],
-                        [[v["claim"], v["paper"], v["ours"], v["verdict"]]
-                         for v in result["verdicts"]])
-  lines += ["", "The same ratios measured other ways: per-tensor median of the"
-            " slope ratios, ratio of the curves' means, ratio at the first"
-            f" comparison (step {result['samples'][1]['step']}):", ""]
   lines += report.table(
-      ["ratio", "slopes (aggregate)", "slopes (tensor median)", "means",
-       "first comparison"],
-      [[k, v["aggregate"], v["tensor_median"], v["mean"], v["first"]]
-       for k, v in result["ratios"].items()])
-  lines += ["", "Any perturbation of the training trajectory (a rounding"
-            " difference as much as another seed) is amplified roughly"
-            " exponentially at first and then saturates; the slopes fitted"
-            " over a whole run weigh the saturated phase, the first"
-            " comparison the early one.", ""]
+    ["claim", "paper", "ours", "verdict"],
+    [
+      [v["claim"], v["paper"], v["ours"], v["verdict"]]
+      for v in result["verdicts"]
+    ],
+  )
+  lines += [
+    "",
+    "The same ratios measured other ways: per-tensor median of the"
+    " slope ratios, ratio of the curves' means, ratio at the first"
+    f" comparison (step {result['samples'][1]['step']}):",
+    "",
+  ]
+  lines += report.table(
+    [
+      "ratio",
+      "slopes (aggregate)",
+      "slopes (tensor median)",
+      "means",
+      "first comparison",
+    ],
+    [
+      [k, v["aggregate"], v["tensor_median"], v["mean"], v["first"]]
+      for k, v in result["ratios"].items()
+    ],
+  )
+  lines += [
+    "",
+    "Any perturbation of the training trajectory (a rounding"
+    " difference as much as another seed) is amplified roughly"
+    " exponentially at first and then saturates; the slopes fitted"
+    " over a whole run weigh the saturated phase, the first"
+    " comparison the early one.",
+    "",
+  ]
   lines += [f"## Per tensor at step {last['step']}", ""]
   names = list(last["R1"]["tensors"])
   lines += report.table(
-      ["tensor", "size"] + [f"max |dW| {r}" for r in COMPARED]
-      + [f"W1 {r}" for r in COMPARED],
-      [[n, last["R1"]["tensors"][n]["size"]]
-       + [last[r]["tensors"][n]["max_abs"] for r in COMPARED]
-       + [last[r]["tensors"][n]["w1"] for r in COMPARED] for n in names])
+    ["tensor", "size"]
+    + [f"max |dW| {r}" for r in COMPARED]
+    + [f"W1 {r}" for r in COMPARED],
+    [
+      [n, last["R1"]["tensors"][n]["size"]]
+      + [last[r]["tensors"][n]["max_abs"] for r in COMPARED]
+      + [last[r]["tensors"][n]["w1"] for r in COMPARED]
+      for n in names
+    ],
+  )
   return "\n".join(lines) + "\n"
 
 
@@ -338,13 +475,20 @@ def plot(result: dict, out_dir: str) -> list[str]:
   plt = report.pyplot()
   steps = np.array([s["step"] for s in result["samples"]])
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for ax, m, label in zip(axes, METRICS, ("max |W - W_R0|",
-                                          "Wasserstein-1 to R0")):
+  for ax, m, label in zip(
+    axes, METRICS, ("max |W - W_R0|", "Wasserstein-1 to R0")
+  ):
     for i, r in enumerate(COMPARED):
       ys = [s[r][m] for s in result["samples"]]
       slope, icpt = metrics.fit_line(steps, ys)
-      ax.plot(steps, ys, "o", ms=3, color=f"C{i}",
-              label=f"{r}: {result['runs'][r][:38]}")
+      ax.plot(
+        steps,
+        ys,
+        "o",
+        ms=3,
+        color=f"C{i}",
+        label=f"{r}: {result['runs'][r][:38]}",
+      )
       ax.plot(steps, icpt + slope * steps, "-", color=f"C{i}", alpha=0.5)
     ax.set(xlabel="step", ylabel=label, yscale="log")
     ax.grid(True, alpha=0.3)

@@ -49,35 +49,36 @@ from pallas_fa3.reference import reference_attention
 
 # FA3 paper (arXiv 2407.08608) Table 3, RMSE against FP64.
 PAPER_RMSE = {
-    "baseline FP16": 3.2e-4,
-    "flash FP16": 1.9e-4,
-    "baseline FP8 per-tensor": 2.4e-2,
-    "ours FP8": 9.1e-3,
-    "ours FP8 w/o block quantization": 9.3e-3,
-    "ours FP8 w/o rotation": 2.4e-2,
+  "baseline FP16": 3.2e-4,
+  "flash FP16": 1.9e-4,
+  "baseline FP8 per-tensor": 2.4e-2,
+  "ours FP8": 9.1e-3,
+  "ours FP8 w/o block quantization": 9.3e-3,
+  "ours FP8 w/o rotation": 2.4e-2,
 }
 METHODS: tuple[str, ...] = tuple(PAPER_RMSE)
 # Materialized (never tiled): one implementation each.
 BASELINES = ("baseline FP16", "baseline FP8 per-tensor")
 # The FP8Config switches (block_quantization, rotation) of each FP8 row.
 FP8_SWITCHES = {
-    "ours FP8": (True, True),
-    "ours FP8 w/o block quantization": (False, True),
-    "ours FP8 w/o rotation": (True, False),
+  "ours FP8": (True, True),
+  "ours FP8 w/o block quantization": (False, True),
+  "ours FP8 w/o rotation": (True, False),
 }
 _F32 = jnp.float32
 
 
-def outlier_inputs(key: jax.Array, batch: int, seq: int, heads: int,
-                   head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def outlier_inputs(
+  key: jax.Array, batch: int, seq: int, heads: int, head_dim: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(q, k, v) float16 `[batch, seq, heads, head_dim]` from the paper's mix."""
   out = []
   for sub in jax.random.split(key, 3):
     kn, ko, kb = jax.random.split(sub, 3)
     shape = (batch, seq, heads, head_dim)
-    x = (jax.random.normal(kn, shape)
-         + inputs.OUTLIER_STD * jax.random.normal(ko, shape)
-         * jax.random.bernoulli(kb, inputs.OUTLIER_PROB, shape))
+    x = jax.random.normal(kn, shape) + inputs.OUTLIER_STD * jax.random.normal(
+      ko, shape
+    ) * jax.random.bernoulli(kb, inputs.OUTLIER_PROB, shape)
     out.append(x.astype(jnp.float16))
   return tuple(out)
 
@@ -96,16 +97,19 @@ def baseline_fp8_per_tensor(q, k, v) -> jax.Array:
   k8, ks = fp8.quantize_tiles(k, k.shape[1], per_tensor=True)
   v8, vs = fp8.quantize_tiles(v, v.shape[1], per_tensor=True)
   f32 = lambda x: x.astype(_F32)
-  s = jnp.einsum("bqhd,bkhd->bhqk", f32(q8), f32(k8),
-                 precision=jax.lax.Precision.HIGHEST)
+  s = jnp.einsum(
+    "bqhd,bkhd->bhqk", f32(q8), f32(k8), precision=jax.lax.Precision.HIGHEST
+  )
   s = s * (qs[:, :, :, None] * ks[:, :, :, None]) / np.float32(np.sqrt(d))
   p = jax.nn.softmax(f32(s.astype(jnp.float16)), axis=-1).astype(jnp.float16)
   # P per-tensor: one scale for the whole [b, h, q, k] tensor.
   p_scale = scale_of(jnp.max(f32(p)))
-  p8 = jnp.clip(f32(p) / p_scale, -fp8.E4M3_MAX,
-                fp8.E4M3_MAX).astype(fp8.FP8_DTYPE)
-  o = jnp.einsum("bhqk,bkhd->bqhd", f32(p8), f32(v8),
-                 precision=jax.lax.Precision.HIGHEST)
+  p8 = jnp.clip(f32(p) / p_scale, -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(
+    fp8.FP8_DTYPE
+  )
+  o = jnp.einsum(
+    "bhqk,bkhd->bqhd", f32(p8), f32(v8), precision=jax.lax.Precision.HIGHEST
+  )
   return o * (p_scale * vs[:, :, 0][:, None, :, None])
 
 
@@ -116,13 +120,20 @@ def fp8_config(method: str, key: Any = 0) -> fp8.FP8Config | None:
   if method not in FP8_SWITCHES:
     return None
   block_quantization, rotation = FP8_SWITCHES[method]
-  return fp8.FP8Config(block_quantization=block_quantization,
-                       rotation=rotation, key=key)
+  return fp8.FP8Config(
+    block_quantization=block_quantization, rotation=rotation, key=key
+  )
 
 
-def run_method(method: str, q, k, v, key: Any = 0,
-               implementation: str = "blockwise",
-               tiles: tuple[int, int] | None = None) -> jax.Array:
+def run_method(
+  method: str,
+  q,
+  k,
+  v,
+  key: Any = 0,
+  implementation: str = "blockwise",
+  tiles: tuple[int, int] | None = None,
+) -> jax.Array:
   """The attention output of one method (non-causal).
 
   Args:
@@ -141,37 +152,55 @@ def run_method(method: str, q, k, v, key: Any = 0,
     return baseline_fp8_per_tensor(q, k, v)
   if config is None:  # flash FP16
     return flash_attention(q, k, v, implementation=implementation)
-  tiling = (BlockwiseConfig(*tiles)
-            if tiles is not None and implementation == "blockwise" else None)
-  return flash_attention(q, k, v, implementation=implementation,
-                         config=tiling, fp8=config)
+  tiling = (
+    BlockwiseConfig(*tiles)
+    if tiles is not None and implementation == "blockwise"
+    else None
+  )
+  return flash_attention(
+    q, k, v, implementation=implementation, config=tiling, fp8=config
+  )
 
 
-def draw(key: jax.Array, batch: int, seq: int, heads: int, head_dim: int
-         ) -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray, jax.Array]:
+def draw(
+  key: jax.Array, batch: int, seq: int, heads: int, head_dim: int
+) -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray, jax.Array]:
   """(q, k, v, float64 golden, rotation key) of one input draw from `key`."""
   k_in, k_rot = jax.random.split(key)
   q, k, v = outlier_inputs(k_in, batch, seq, heads, head_dim)
   return q, k, v, lowprec.golden(q, k, v), k_rot
 
 
-def error_table(key: jax.Array, batch: int, seq: int, heads: int, head_dim: int,
-                methods: Sequence[str] = METHODS) -> dict[str, float]:
+def error_table(
+  key: jax.Array,
+  batch: int,
+  seq: int,
+  heads: int,
+  head_dim: int,
+  methods: Sequence[str] = METHODS,
+) -> dict[str, float]:
   """RMSE against float64 for each method (blockwise flash), one input draw."""
   q, k, v, golden, k_rot = draw(key, batch, seq, heads, head_dim)
-  return {m: metrics.rmse(run_method(m, q, k, v, k_rot), golden)
-          for m in methods}
+  return {
+    m: metrics.rmse(run_method(m, q, k, v, k_rot), golden) for m in methods
+  }
 
 
-def error_sources(key: jax.Array, batch: int, seq: int, heads: int,
-                  head_dim: int, tiles: tuple[int, int] | None = None
-                  ) -> dict[str, float]:
+def error_sources(
+  key: jax.Array,
+  batch: int,
+  seq: int,
+  heads: int,
+  head_dim: int,
+  tiles: tuple[int, int] | None = None,
+) -> dict[str, float]:
   """`source_errors` of the input draw `error_table` makes from `key`."""
   return source_errors(*draw(key, batch, seq, heads, head_dim), tiles=tiles)
 
 
-def source_errors(q, k, v, golden: np.ndarray, key: Any,
-                  tiles: tuple[int, int] | None = None) -> dict[str, float]:
+def source_errors(
+  q, k, v, golden: np.ndarray, key: Any, tiles: tuple[int, int] | None = None
+) -> dict[str, float]:
   """RMSE of "ours FP8" with one error source at a time (float64 otherwise).
 
   Materialized attention where only Q and K are rotated (signs from `key`)
@@ -183,21 +212,23 @@ def source_errors(q, k, v, golden: np.ndarray, key: Any,
   block_q, block_kv = tiles or default_tiles(head_dim)
   f64 = lambda x: np.asarray(x, np.float64)
   through_e4m3 = lambda x, rows: f64(
-      fp8.dequantize_tiles(*fp8.quantize_tiles(x, rows), rows))
+    fp8.dequantize_tiles(*fp8.quantize_tiles(x, rows), rows)
+  )
   signs = fp8.rotation_signs(fp8.FP8Config(key=key).prng_key(), head_dim)
 
   def qk(rotation: bool):
-    qq, kk = ((fp8.rotate(q, signs), fp8.rotate(k, signs)) if rotation
-              else (q, k))
+    qq, kk = (
+      (fp8.rotate(q, signs), fp8.rotate(k, signs)) if rotation else (q, k)
+    )
     return through_e4m3(qq, block_q), through_e4m3(kk, block_kv)
 
   v8 = through_e4m3(v, block_kv)
   out = {}
   for name, (qq, kk, vv, p_fp8) in {
-      "Q, K quantized (rotated)": qk(True) + (f64(v), False),
-      "Q, K quantized (not rotated)": qk(False) + (f64(v), False),
-      "V quantized": (f64(q), f64(k), v8, False),
-      "P in e4m3": (f64(q), f64(k), f64(v), True),
+    "Q, K quantized (rotated)": qk(True) + (f64(v), False),
+    "Q, K quantized (not rotated)": qk(False) + (f64(v), False),
+    "V quantized": (f64(q), f64(k), v8, False),
+    "P in e4m3": (f64(q), f64(k), f64(v), True),
   }.items():
     o = np.empty_like(golden)
     for bi in range(batch):

@@ -36,17 +36,20 @@ OUTLIER_STD = 10.0
 def sample(rng: np.random.Generator, distribution: str, shape) -> np.ndarray:
   """One float64 array of `shape` from `distribution`."""
   if distribution not in DISTRIBUTIONS:
-    raise ValueError(f"distribution must be one of {DISTRIBUTIONS}; got"
-                     f" {distribution!r}")
+    raise ValueError(
+      f"distribution must be one of {DISTRIBUTIONS}; got {distribution!r}"
+    )
   x = rng.standard_normal(shape)
   if distribution == "outliers":
     x = x + OUTLIER_STD * rng.standard_normal(shape) * (
-        rng.random(shape) < OUTLIER_PROB)
+      rng.random(shape) < OUTLIER_PROB
+    )
   return x
 
 
-def draw(rng: np.random.Generator, distribution: str, shape
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def draw(
+  rng: np.random.Generator, distribution: str, shape
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Independent float64 (q, k, v) of one `[batch, seq, heads, head_dim]` shape."""
   return tuple(sample(rng, distribution, shape) for _ in range(3))
 

@@ -80,7 +80,8 @@ def baseline(q, k, v, *, mode: str = "all", softmax_scale=None) -> jax.Array:
   scale = _scale(q.shape[-1], softmax_scale)
   qh, kh, vh = (_heads_first(x) for x in (q, k, v))
   s = r(_mm("bhqd,bhkd->bhqk", qh, kh)) * jnp.asarray(
-      scale, dt if mode == "all" else _F32)
+    scale, dt if mode == "all" else _F32
+  )
   m = s.max(axis=-1, keepdims=True)
   e = r(jnp.exp(r(s - m)))
   l = r(e.astype(_F32).sum(axis=-1, keepdims=True))
@@ -94,13 +95,27 @@ def _pad_seq(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
-                                             "softmax_scale", "stable_max",
-                                             "algorithm"))
-def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
-              softmax_scale=None,
-              stable_max: stable_max_lib.StableMax | None = None,
-              algorithm: str = "fa2") -> jax.Array:
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "block_q",
+    "block_kv",
+    "softmax_scale",
+    "stable_max",
+    "algorithm",
+  ),
+)
+def flash_all(
+  q,
+  k,
+  v,
+  *,
+  block_q: int = 64,
+  block_kv: int = 64,
+  softmax_scale=None,
+  stable_max: stable_max_lib.StableMax | None = None,
+  algorithm: str = "fa2",
+) -> jax.Array:
   """FlashAttention forward with every intermediate in the inputs' format F.
 
   FlashAttention-2 (`algorithm="fa2"`), per kv tile j (natural exp, as in
@@ -127,8 +142,10 @@ def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
     out `[batch, seq_q, heads, head_dim_v]` in F.
   """
   if algorithm not in ALGORITHMS or (algorithm == "fa1" and stable_max):
-    raise ValueError(f"algorithm must be one of {ALGORITHMS} (stable_max"
-                     f" with fa2 only); got {algorithm!r}")
+    raise ValueError(
+      f"algorithm must be one of {ALGORITHMS} (stable_max"
+      f" with fa2 only); got {algorithm!r}"
+    )
   dt = q.dtype
   r = lambda x: x.astype(dt)
   scale = jnp.asarray(_scale(q.shape[-1], softmax_scale), dt)
@@ -151,9 +168,13 @@ def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
       v_t = jax.lax.dynamic_slice_in_dim(vh, j * bkv, bkv, axis=2)
       s = r(r(_mm("bhqd,bhkd->bhqk", q_t, k_t)) * scale)
       s = jnp.where(j * bkv + jnp.arange(bkv) < skv, s, -jnp.inf)
-      tile_m = (s.max(axis=-1) if stable_max is None else
-                stable_max_lib.tile_max(s, stable_max, unit=1.0,
-                                        max_shift=max_shift))
+      tile_m = (
+        s.max(axis=-1)
+        if stable_max is None
+        else stable_max_lib.tile_max(
+          s, stable_max, unit=1.0, max_shift=max_shift
+        )
+      )
       m_new = jnp.maximum(m, tile_m)
       m_ref = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
       alpha = r(jnp.exp(r(m - m_ref)))
@@ -180,8 +201,11 @@ def flash_all(q, k, v, *, block_q: int = 64, block_kv: int = 64,
       out = r(r(kept + fresh) / l_new[..., None])
       return (m_new, l_new, out), None
 
-    init = (jnp.full((b, h, bq), -jnp.inf, dt), jnp.zeros((b, h, bq), dt),
-            jnp.zeros((b, h, bq, dv), dt))
+    init = (
+      jnp.full((b, h, bq), -jnp.inf, dt),
+      jnp.zeros((b, h, bq), dt),
+      jnp.zeros((b, h, bq, dv), dt),
+    )
     (_, l, acc), _ = jax.lax.scan(kv_step, init, jnp.arange(nkv))
     if algorithm == "fa1":
       return acc  # already normalized

@@ -37,16 +37,21 @@ def deviation_stats(got, golden) -> dict[str, float]:
   """
   got, golden = _f64(got), _f64(golden)
   if got.shape != golden.shape or got.size == 0:
-    raise ValueError(f"got and golden must have one non-empty shape; got"
-                     f" {got.shape} and {golden.shape}")
+    raise ValueError(
+      f"got and golden must have one non-empty shape; got"
+      f" {got.shape} and {golden.shape}"
+    )
   if not np.all(np.isfinite(got)):
     return dict.fromkeys(DEVIATION_KEYS, float("inf"))
   diff = got - golden
   absd = np.abs(diff)
-  return {"max_abs": float(absd.max()), "mean_abs": float(absd.mean()),
-          "std_abs": float(absd.std()),
-          "rmse": float(np.sqrt(np.mean(diff * diff))),
-          "mean_signed": float(diff.mean())}
+  return {
+    "max_abs": float(absd.max()),
+    "mean_abs": float(absd.mean()),
+    "std_abs": float(absd.std()),
+    "rmse": float(np.sqrt(np.mean(diff * diff))),
+    "mean_signed": float(diff.mean()),
+  }
 
 
 def rmse(got, golden) -> float:
@@ -58,7 +63,9 @@ def max_abs_diff(a, b) -> float:
   """max |a - b| over all entries (same shapes)."""
   a, b = _f64(a), _f64(b)
   if a.shape != b.shape:
-    raise ValueError(f"a and b must have one shape; got {a.shape} and {b.shape}")
+    raise ValueError(
+      f"a and b must have one shape; got {a.shape} and {b.shape}"
+    )
   return float(np.max(np.abs(a - b), initial=0.0))
 
 
@@ -75,8 +82,9 @@ def wasserstein_1(a, b) -> float:
   """
   a, b = np.sort(_f64(a).ravel()), np.sort(_f64(b).ravel())
   if a.size == 0 or b.size == 0:
-    raise ValueError(f"wasserstein_1 needs non-empty samples; got sizes"
-                     f" {a.size} and {b.size}")
+    raise ValueError(
+      f"wasserstein_1 needs non-empty samples; got sizes {a.size} and {b.size}"
+    )
   if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
     raise ValueError("wasserstein_1 needs finite samples")
   if a.size == b.size:
@@ -97,8 +105,10 @@ def fit_line(x, y) -> tuple[float, float]:
   """
   x, y = _f64(x), _f64(y)
   if x.shape != y.shape or x.size < 2 or np.ptp(x) == 0:
-    raise ValueError(f"fit_line needs >= 2 points with distinct x; got x of"
-                     f" shape {x.shape}, y of shape {y.shape}")
+    raise ValueError(
+      f"fit_line needs >= 2 points with distinct x; got x of"
+      f" shape {x.shape}, y of shape {y.shape}"
+    )
   slope, intercept = np.polyfit(x, y, 1)
   return float(slope), float(intercept)
 

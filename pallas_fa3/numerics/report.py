@@ -13,10 +13,10 @@ import math
 import os
 import shlex
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from pallas_fa3.bench import report as bench_report
-from pallas_fa3.bench import runner as bench_runner
+from pallas_fa3.bench import report as bench_report, runner as bench_runner
 
 JSON_FILE = "results.json"
 MARKDOWN_FILE = "summary.md"
@@ -71,27 +71,36 @@ def fmt(x: Any, digits: int = 3) -> str:
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
   """Markdown table lines."""
   cell = lambda c: fmt(c).replace("|", "\\|")  # a literal | inside a cell
-  lines = ["| " + " | ".join(cell(h) for h in header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
+  lines = [
+    "| " + " | ".join(cell(h) for h in header) + " |",
+    "|" + "|".join("---" for _ in header) + "|",
+  ]
   lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
   return lines
 
 
 def header_lines(title: str, env: dict, extra: Sequence[str] = ()) -> list[str]:
-  return [f"# {title}", "",
-          f"- date: {env['date']}; device: {env['device']}; JAX {env['jax']}"
-          f" / jaxlib {env['jaxlib']}; commit {env['git_commit']}",
-          f"- command: `{env['command']}`", *extra, ""]
+  return [
+    f"# {title}",
+    "",
+    f"- date: {env['date']}; device: {env['device']}; JAX {env['jax']}"
+    f" / jaxlib {env['jaxlib']}; commit {env['git_commit']}",
+    f"- command: `{env['command']}`",
+    *extra,
+    "",
+  ]
 
 
 @contextlib.contextmanager
-def progress(total: int, label: str, enabled: bool = True
-             ) -> Iterator[Callable[[str], None]]:
+def progress(
+  total: int, label: str, enabled: bool = True
+) -> Iterator[Callable[[str], None]]:
   """Yields `advance(description)`: a rich progress bar, or nothing if disabled."""
   if not enabled:
     yield lambda description: None
     return
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
+
   with Progress(transient=False) as bar:
     task = bar.add_task(label, total=total)
 
@@ -111,6 +120,7 @@ def print_markdown(text: str, con=None) -> None:
   con = con or console()
   try:
     from rich.markdown import Markdown  # pylint: disable=g-import-not-at-top
+
     con.print(Markdown(text))
   except ImportError:
     print(text)
@@ -122,6 +132,7 @@ def save_figure(fig, out_dir: str, name: str) -> str:
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   plt.close(fig)
   return path
 
@@ -129,6 +140,8 @@ def save_figure(fig, out_dir: str, name: str) -> str:
 def pyplot():
   """matplotlib.pyplot with the Agg backend (no display needed)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   return plt

@@ -63,8 +63,13 @@ _CHECKED = ("q", "k", "v")
 
 # Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
 # d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).
-_Q, _KV, _V, _O, _L = ("b s {h} d", "b t k d", "b t k e", "b s {h} e",
-                       "b {h} s")
+_Q, _KV, _V, _O, _L = (
+  "b s {h} d",
+  "b t k d",
+  "b t k e",
+  "b s {h} e",
+  "b {h} s",
+)
 _FWD_RULE = f"{_Q}, {_KV}, {_V} -> {_O}, {_L}"
 _BWD_RULE = f"{_Q}, {_KV}, {_V}, {_O}, {_L}, {_O}, {_L} -> {_Q}, {_KV}, {_V}"
 _FWD_NAMES = ("q", "k", "v")
@@ -103,8 +108,9 @@ def _spec_of(sharding: Any, ndim: int) -> tuple:
   return spec + (None,) * (ndim - len(spec))
 
 
-def check_shardings(spec: AttentionSpec, axis_sizes: dict[str, int],
-                    shardings: dict[str, tuple]) -> tuple[tuple, tuple]:
+def check_shardings(
+  spec: AttentionSpec, axis_sizes: dict[str, int], shardings: dict[str, tuple]
+) -> tuple[tuple, tuple]:
   """Checks that q, k, v shardings can run shard-locally.
 
   Args:
@@ -128,27 +134,31 @@ def check_shardings(spec: AttentionSpec, axis_sizes: dict[str, int],
       split = mesh_axes(entries[axis])
       if not split:
         continue
-      hint = (" Sequence (context) parallelism is pallas_fa3.ring_attention;"
-              " or replicate the axis first (jax.reshard, or"
-              " jax.lax.with_sharding_constraint)"
-              if axis == _SEQ else
-              " A head_dim split would need a reduction inside every score;"
-              " shard batch or heads instead")
+      hint = (
+        " Sequence (context) parallelism is pallas_fa3.ring_attention;"
+        " or replicate the axis first (jax.reshard, or"
+        " jax.lax.with_sharding_constraint)"
+        if axis == _SEQ
+        else " A head_dim split would need a reduction inside every score;"
+        " shard batch or heads instead"
+      )
       raise ValueError(
-          f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
-          f" {axis}) over mesh axes {split}; flash_attention runs each"
-          f" device's shard locally and can only split batch (axis 0) and"
-          f" heads (axis 2).{hint}")
+        f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
+        f" {axis}) over mesh axes {split}; flash_attention runs each"
+        f" device's shard locally and can only split batch (axis 0) and"
+        f" heads (axis 2).{hint}"
+      )
   q = shardings.get("q", (None,) * 4)
   batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
   ways = math.prod(axis_sizes[a] for a in head_axes)
   if spec.heads_kv % ways:
     raise ValueError(
-        f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
-        f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
-        f" {ways}: every device must hold whole groups (a kv head and its"
-        f" {spec.group_size} query heads). Shard heads at most"
-        f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead")
+      f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
+      f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
+      f" {ways}: every device must hold whole groups (a kv head and its"
+      f" {spec.group_size} query heads). Shard heads at most"
+      f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead"
+    )
   return batch_axes, head_axes
 
 
@@ -159,8 +169,11 @@ def known_sharding(x: Any) -> NamedSharding | None:
   value whose type carries `Explicit` mesh axes (`jax.typeof(x).sharding`).
   Under `jax.jit` with automatic axes only the partitioner knows the layout.
   """
-  sharding = (jax.typeof(x).sharding if isinstance(x, jax.core.Tracer)
-              else getattr(x, "sharding", None))
+  sharding = (
+    jax.typeof(x).sharding
+    if isinstance(x, jax.core.Tracer)
+    else getattr(x, "sharding", None)
+  )
   return sharding if isinstance(sharding, NamedSharding) else None
 
 
@@ -185,18 +198,23 @@ def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
     check_shardings(spec, sizes, shardings)
 
 
-def _local_call(call: StaticCall, batch_ways: int, head_ways: int
-                ) -> StaticCall:
+def _local_call(
+  call: StaticCall, batch_ways: int, head_ways: int
+) -> StaticCall:
   """`call` for one device's shard: batch and heads divided."""
   spec = call.spec
-  local = dataclasses.replace(spec, batch=spec.batch // batch_ways,
-                              heads_q=spec.heads_q // head_ways,
-                              heads_kv=spec.heads_kv // head_ways)
+  local = dataclasses.replace(
+    spec,
+    batch=spec.batch // batch_ways,
+    heads_q=spec.heads_q // head_ways,
+    heads_kv=spec.heads_kv // head_ways,
+  )
   return dataclasses.replace(call, spec=local)
 
 
-def _layout_specs(names: Sequence[str], batch_axes: tuple[str, ...],
-                  head_axes: tuple[str, ...]) -> tuple[P, ...]:
+def _layout_specs(
+  names: Sequence[str], batch_axes: tuple[str, ...], head_axes: tuple[str, ...]
+) -> tuple[P, ...]:
   """PartitionSpecs with batch and heads split, for operands named `names`."""
   b, h = axes_entry(batch_axes), axes_entry(head_axes)
   by_name = {"lse": P(b, h, None), "dlse": P(b, h, None)}
@@ -216,63 +234,86 @@ class _Op:
   run: Callable[..., Any]  # (call, *arrays) -> tuple of arrays
   rule: str
 
-  def sharding_rule(self, call: StaticCall, mesh: Any, operand_types: Any,
-                    result_types: Any) -> tuple[str, dict[str, int]]:
+  def sharding_rule(
+    self, call: StaticCall, mesh: Any, operand_types: Any, result_types: Any
+  ) -> tuple[str, dict[str, int]]:
     """The Shardy rule of this call (its query-head factor), with sizes."""
     del mesh, operand_types, result_types
     heads, sizes = _heads_factor(call.spec)
     return self.rule.format(h=heads), sizes
 
-  def plan(self, call: StaticCall, mesh: Any, arg_specs: Sequence[tuple]
-           ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[P, ...],
-                      tuple[P, ...]]:
+  def plan(
+    self, call: StaticCall, mesh: Any, arg_specs: Sequence[tuple]
+  ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[P, ...], tuple[P, ...]]:
     """(batch axes, head axes, arg specs, result specs) for these operands."""
-    shardings = {n: spec for n, spec in zip(self.arg_names, arg_specs)
-                 if n in _CHECKED}
-    batch_axes, head_axes = check_shardings(call.spec, dict(mesh.shape),
-                                            shardings)
-    return (batch_axes, head_axes,
-            _layout_specs(self.arg_names, batch_axes, head_axes),
-            _layout_specs(self.result_names, batch_axes, head_axes))
+    shardings = {
+      n: spec for n, spec in zip(self.arg_names, arg_specs) if n in _CHECKED
+    }
+    batch_axes, head_axes = check_shardings(
+      call.spec, dict(mesh.shape), shardings
+    )
+    return (
+      batch_axes,
+      head_axes,
+      _layout_specs(self.arg_names, batch_axes, head_axes),
+      _layout_specs(self.result_names, batch_axes, head_axes),
+    )
 
-  def partition(self, call: StaticCall, mesh: Any, arg_shapes: Any,
-                result_shape: Any) -> tuple:
+  def partition(
+    self, call: StaticCall, mesh: Any, arg_shapes: Any, result_shape: Any
+  ) -> tuple:
     """custom_partitioning: the local computation and the layouts it needs."""
     del result_shape
     batch_axes, head_axes, args, results = self.plan(
-        call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes])
+      call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+    )
     local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return (mesh, lambda *a: self.run(local, *a), named(results), named(args))
 
-  def infer(self, call: StaticCall, mesh: Any, arg_shapes: Any,
-            result_shape: Any) -> tuple[NamedSharding, ...]:
+  def infer(
+    self, call: StaticCall, mesh: Any, arg_shapes: Any, result_shape: Any
+  ) -> tuple[NamedSharding, ...]:
     """Result shardings for the GSPMD partitioner (Shardy uses `rule`)."""
     del result_shape
     results = self.plan(
-        call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes])[3]
+      call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+    )[3]
     return tuple(NamedSharding(mesh, s) for s in results)
 
-  def shard_map(self, call: StaticCall, sharding: NamedSharding,
-                *args: jax.Array) -> tuple[jax.Array, ...]:
+  def shard_map(
+    self, call: StaticCall, sharding: NamedSharding, *args: jax.Array
+  ) -> tuple[jax.Array, ...]:
     """`Explicit` mesh axes: the layout is in the types, so a shard_map runs
     the local computation (operands whose layout differs are resharded)."""
     mesh = sharding.mesh
     specs = [_spec_of(jax.typeof(x).sharding, x.ndim) for x in args]
-    batch_axes, head_axes, arg_specs, result_specs = self.plan(call, mesh,
-                                                               specs)
-    args = [fit_explicit(x, NamedSharding(mesh, want))
-            for x, want in zip(args, arg_specs)]
+    batch_axes, head_axes, arg_specs, result_specs = self.plan(
+      call, mesh, specs
+    )
+    args = [
+      fit_explicit(x, NamedSharding(mesh, want))
+      for x, want in zip(args, arg_specs)
+    ]
     local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
-    return tuple(jax.shard_map(
-        lambda *a: self.run(local, *a), mesh=mesh, in_specs=tuple(arg_specs),
-        out_specs=tuple(result_specs), check_vma=False)(*args))
+    return tuple(
+      jax.shard_map(
+        lambda *a: self.run(local, *a),
+        mesh=mesh,
+        in_specs=tuple(arg_specs),
+        out_specs=tuple(result_specs),
+        check_vma=False,
+      )(*args)
+    )
 
 
 def _partitioned(op: _Op) -> Any:
   fn = custom_partitioning(op.run, static_argnums=(0,))
-  fn.def_partition(partition=op.partition, infer_sharding_from_operands=op.infer,
-                   sharding_rule=op.sharding_rule)
+  fn.def_partition(
+    partition=op.partition,
+    infer_sharding_from_operands=op.infer,
+    sharding_rule=op.sharding_rule,
+  )
   return fn
 
 
@@ -283,8 +324,9 @@ def _fold_batch(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
   return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
 
 
-def _with_vmap(partitioned: Any, call: StaticCall, *args: jax.Array
-               ) -> tuple[jax.Array, ...]:
+def _with_vmap(
+  partitioned: Any, call: StaticCall, *args: jax.Array
+) -> tuple[jax.Array, ...]:
   """Calls `partitioned(call, *args)`; a vmapped axis is folded into batch."""
 
   @jax.custom_batching.custom_vmap
@@ -295,10 +337,12 @@ def _with_vmap(partitioned: Any, call: StaticCall, *args: jax.Array
   def rule(axis_size, in_batched, *args):
     folded = [_fold_batch(x, axis_size, b) for x, b in zip(args, in_batched)]
     spec = dataclasses.replace(call.spec, batch=axis_size * call.spec.batch)
-    outs = _with_vmap(partitioned, dataclasses.replace(call, spec=spec),
-                      *folded)
-    unfold = lambda y: y.reshape((axis_size, y.shape[0] // axis_size)
-                                 + y.shape[1:])
+    outs = _with_vmap(
+      partitioned, dataclasses.replace(call, spec=spec), *folded
+    )
+    unfold = lambda y: y.reshape(
+      (axis_size, y.shape[0] // axis_size) + y.shape[1:]
+    )
     return tuple(unfold(y) for y in outs), (True,) * len(outs)
 
   return apply(*args)
@@ -324,23 +368,34 @@ def fit_explicit(x: jax.Array, target: NamedSharding) -> jax.Array:
   if AxisType.Explicit not in target.mesh.axis_types:
     return x
   current = known_sharding(x) if isinstance(x, jax.core.Tracer) else None
-  if current is not None and _spec_of(current, x.ndim) == _spec_of(target,
-                                                                   x.ndim):
+  if current is not None and _spec_of(current, x.ndim) == _spec_of(
+    target, x.ndim
+  ):
     return x
   return jax.reshard(x, target)
 
 
-def _run_forward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+def _run_forward(
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   return tuple(call.backend.run_forward(call.spec, call.config, q, k, v))
 
 
-def _run_backward(call: StaticCall, q: jax.Array, k: jax.Array,
-                  v: jax.Array, out: jax.Array, lse: jax.Array,
-                  dout: jax.Array, dlse: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  return tuple(call.backend.run_backward(call.spec, call.config, q, k, v, out,
-                                         lse, dout, dlse))
+def _run_backward(
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  return tuple(
+    call.backend.run_backward(
+      call.spec, call.config, q, k, v, out, lse, dout, dlse
+    )
+  )
 
 
 _FORWARD_OP = _Op(_FWD_NAMES, ("out", "lse"), _run_forward, _FWD_RULE)
@@ -349,8 +404,9 @@ _FORWARD = _partitioned(_FORWARD_OP)
 _BACKWARD = _partitioned(_BACKWARD_OP)
 
 
-def _dispatch(op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
-              ) -> tuple[jax.Array, ...]:
+def _dispatch(
+  op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
+) -> tuple[jax.Array, ...]:
   if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
   sharding = _explicit_sharding(args[0])
@@ -365,15 +421,22 @@ def _global_scales(spec: AttentionSpec) -> bool:
   return spec.fp8 is not None and not spec.fp8.block_quantization
 
 
-def forward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
+def forward(
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """The backend's `(out, lse)`, computed shard-locally under SPMD sharding."""
   return _dispatch(_FORWARD_OP, _FORWARD, call, q, k, v)
 
 
-def backward(call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array,
-             out: jax.Array, lse: jax.Array, dout: jax.Array, dlse: jax.Array
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def backward(
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The backend's `(dq, dk, dv)`, computed shard-locally under SPMD sharding."""
-  return _dispatch(_BACKWARD_OP, _BACKWARD, call, q, k, v, out, lse, dout,
-                   dlse)
+  return _dispatch(_BACKWARD_OP, _BACKWARD, call, q, k, v, out, lse, dout, dlse)

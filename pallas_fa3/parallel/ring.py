@@ -60,48 +60,61 @@ LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
 def _check_mesh(mesh: Any, seq_axis: Any) -> int:
   if not isinstance(mesh, (Mesh, AbstractMesh)):
     raise TypeError(
-        f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,),"
-        f" ('seq',))); got {type(mesh).__name__}")
+      f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,),"
+      f" ('seq',))); got {type(mesh).__name__}"
+    )
   if seq_axis not in mesh.axis_names:
     raise ValueError(
-        f"seq_axis={seq_axis!r} is not an axis of the mesh; its axes are"
-        f" {tuple(mesh.axis_names)}")
+      f"seq_axis={seq_axis!r} is not an axis of the mesh; its axes are"
+      f" {tuple(mesh.axis_names)}"
+    )
   return int(dict(mesh.shape)[seq_axis])
 
 
-def _check_axes(name: str, axes: Any, mesh: Mesh | AbstractMesh,
-                taken: tuple[str, ...], dim: int, what: str
-                ) -> tuple[str, ...]:
+def _check_axes(
+  name: str,
+  axes: Any,
+  mesh: Mesh | AbstractMesh,
+  taken: tuple[str, ...],
+  dim: int,
+  what: str,
+) -> tuple[str, ...]:
   """Validates `batch_axes`/`head_axes`: mesh axes, unused, dividing `dim`."""
   if axes is None:
     return ()
   axes = (axes,) if isinstance(axes, str) else axes
-  if not (isinstance(axes, (tuple, list)) and
-          all(isinstance(a, str) for a in axes)):
+  if not (
+    isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes)
+  ):
     raise TypeError(
-        f"{name} must be None, a mesh axis name or a tuple of them; got"
-        f" {axes!r}")
+      f"{name} must be None, a mesh axis name or a tuple of them; got {axes!r}"
+    )
   axes = tuple(axes)
   for axis in axes:
     if axis not in mesh.axis_names:
       raise ValueError(
-          f"{name}={axes!r}: {axis!r} is not an axis of the mesh; its axes"
-          f" are {tuple(mesh.axis_names)}")
+        f"{name}={axes!r}: {axis!r} is not an axis of the mesh; its axes"
+        f" are {tuple(mesh.axis_names)}"
+      )
     if axis in taken or axes.count(axis) > 1:
       raise ValueError(
-          f"{name}={axes!r}: mesh axis {axis!r} is used twice (seq_axis and"
-          f" the batch/head axes must be distinct)")
+        f"{name}={axes!r}: mesh axis {axis!r} is used twice (seq_axis and"
+        f" the batch/head axes must be distinct)"
+      )
   ways = math.prod(dict(mesh.shape)[a] for a in axes)
   if dim % ways:
     raise ValueError(
-        f"{name}={axes!r} splits {what} {ways} ways, but {what} is {dim}")
+      f"{name}={axes!r} splits {what} {ways} ways, but {what} is {dim}"
+    )
   return axes
 
 
 def _check_known_layout(plan: RingPlan, **arrays: Any) -> None:
   """Refuses a batch/head split (known at trace time) that `plan` would gather."""
-  declared = {0: ("batch_axes", plan.batch_axes),
-              2: ("head_axes", plan.head_axes)}
+  declared = {
+    0: ("batch_axes", plan.batch_axes),
+    2: ("head_axes", plan.head_axes),
+  }
   for name, x in arrays.items():
     sharding = partitioning.known_sharding(x)
     if sharding is None:
@@ -111,29 +124,37 @@ def _check_known_layout(plan: RingPlan, **arrays: Any) -> None:
       split = partitioning.mesh_axes(entries[axis])
       if split and split != axes:
         raise ValueError(
-            f"{name} is sharded along {'batch' if axis == 0 else 'heads'}"
-            f" over mesh axes {split}, but {arg}={axes or None}: pass"
-            f" {arg}={split!r} (otherwise every device would gather it)")
+          f"{name} is sharded along {'batch' if axis == 0 else 'heads'}"
+          f" over mesh axes {split}, but {arg}={axes or None}: pass"
+          f" {arg}={split!r} (otherwise every device would gather it)"
+        )
     if partitioning.mesh_axes(entries[3]):
       raise ValueError(
-          f"{name} is sharded along head_dim (axis 3) over mesh axes"
-          f" {partitioning.mesh_axes(entries[3])}; ring_attention splits"
-          " batch, sequence and heads only")
+        f"{name} is sharded along head_dim (axis 3) over mesh axes"
+        f" {partitioning.mesh_axes(entries[3])}; ring_attention splits"
+        " batch, sequence and heads only"
+      )
 
 
-def _check_lengths(spec: AttentionSpec, n: int, seq_axis: str,
-                   causal: bool) -> None:
-  multiple, why = ((2 * n, "zig-zag chunks: 2 per device") if causal else
-                   (n, "one shard per device"))
+def _check_lengths(
+  spec: AttentionSpec, n: int, seq_axis: str, causal: bool
+) -> None:
+  multiple, why = (
+    (2 * n, "zig-zag chunks: 2 per device")
+    if causal
+    else (n, "one shard per device")
+  )
   for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
     if length % multiple:
       raise ValueError(
-          f"{name} has sequence length {length}, not a multiple of {multiple}"
-          f" ({why} over mesh axis {seq_axis!r} of size {n})")
+        f"{name} has sequence length {length}, not a multiple of {multiple}"
+        f" ({why} over mesh axis {seq_axis!r} of size {n})"
+      )
   if causal and spec.seq_q != spec.seq_kv:
     raise ValueError(
-        f"causal ring attention needs q and k of the same sequence length;"
-        f" got q: {spec.seq_q}, k: {spec.seq_kv}")
+      f"causal ring attention needs q and k of the same sequence length;"
+      f" got q: {spec.seq_q}, k: {spec.seq_kv}"
+    )
 
 
 def _check_layout(layout: Any) -> str:
@@ -142,90 +163,124 @@ def _check_layout(layout: Any) -> str:
   return layout
 
 
-def _step_call(spec: AttentionSpec, seq_q: int, seq_kv: int, causal: bool,
-               implementation: str | None, config: Any) -> StaticCall:
+def _step_call(
+  spec: AttentionSpec,
+  seq_q: int,
+  seq_kv: int,
+  causal: bool,
+  implementation: str | None,
+  config: Any,
+) -> StaticCall:
   """The backend call of one ring step, resolved as flash_attention would."""
   step = dataclasses.replace(spec, seq_q=seq_q, seq_kv=seq_kv, causal=causal)
   backend, config = backends.resolve(step, implementation, config)
   if not backend.backward_uses_lse:
     raise NotImplementedError(
-        f"implementation={backend.name!r} cannot run ring attention: its"
-        " backward differentiates each block's own softmax and ignores the"
-        " merged lse every ring step passes; use 'blockwise' (or None)")
+      f"implementation={backend.name!r} cannot run ring attention: its"
+      " backward differentiates each block's own softmax and ignores the"
+      " merged lse every ring step passes; use 'blockwise' (or None)"
+    )
   return StaticCall(step, backend, config)
 
 
-def _step_calls(spec: AttentionSpec, mesh: Mesh | AbstractMesh, n: int,
-                batch_axes: tuple[str, ...], head_axes: tuple[str, ...],
-                implementation: str | None, config: Any
-                ) -> tuple[StaticCall, ...]:
+def _step_calls(
+  spec: AttentionSpec,
+  mesh: Mesh | AbstractMesh,
+  n: int,
+  batch_axes: tuple[str, ...],
+  head_axes: tuple[str, ...],
+  implementation: str | None,
+  config: Any,
+) -> tuple[StaticCall, ...]:
   """The per-device calls: causal (own block, c x c block), else (block,)."""
   ways = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
   nh = ways(head_axes)
-  local = dataclasses.replace(spec, batch=spec.batch // ways(batch_axes),
-                              heads_q=spec.heads_q // nh,
-                              heads_kv=spec.heads_kv // nh)
+  local = dataclasses.replace(
+    spec,
+    batch=spec.batch // ways(batch_axes),
+    heads_q=spec.heads_q // nh,
+    heads_kv=spec.heads_kv // nh,
+  )
   if spec.causal:
     c = spec.seq_q // (2 * n)
-    return (_step_call(local, 2 * c, 2 * c, True, implementation, config),
-            _step_call(local, c, c, False, implementation, config))
-  return (_step_call(local, spec.seq_q // n, spec.seq_kv // n, False,
-                     implementation, config),)
+    return (
+      _step_call(local, 2 * c, 2 * c, True, implementation, config),
+      _step_call(local, c, c, False, implementation, config),
+    )
+  return (
+    _step_call(
+      local, spec.seq_q // n, spec.seq_kv // n, False, implementation, config
+    ),
+  )
 
 
 # ---------------------------------------------------------------------------
 # custom_vjp over shard_map.
 
 
-def _shard_map(plan: RingPlan, body: Callable[..., Any], in_specs: tuple,
-               out_specs: Any) -> Callable[..., Any]:
+def _shard_map(
+  plan: RingPlan, body: Callable[..., Any], in_specs: tuple, out_specs: Any
+) -> Callable[..., Any]:
   # Every mesh axis is manual: the body sees one device's batch/head/sequence
   # shard, and each step's backend call runs on it as is. (An axis left
   # automatic would not do: XLA does not partition a custom_partitioning op
   # inside a partially manual shard_map, it gathers its operands instead.)
-  return jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)
+  return jax.shard_map(
+    body,
+    mesh=plan.mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=False,
+  )
 
 
-def _permute(plan: RingPlan, to_internal: bool, *xs: jax.Array
-             ) -> tuple[jax.Array, ...]:
+def _permute(
+  plan: RingPlan, to_internal: bool, *xs: jax.Array
+) -> tuple[jax.Array, ...]:
   """Natural <-> zig-zag for the local shards (seq axis 1, or 2 for lse)."""
   if not plan.reorder:
     return xs
   fn = ring_steps.to_zigzag if to_internal else ring_steps.from_zigzag
-  return tuple(fn(x, 2 if x.ndim == 3 else 1, plan.seq_axis, plan.ring_size)
-               for x in xs)
+  return tuple(
+    fn(x, 2 if x.ndim == 3 else 1, plan.seq_axis, plan.ring_size) for x in xs
+  )
 
 
-def _forward_global(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+def _forward_global(
+  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   def body(q, k, v):
     q, k, v = _permute(plan, True, q, k, v)
     out, lse = ring_steps.ring_forward(plan, q, k, v)
     return _permute(plan, False, out.astype(plan.spec.dtype), lse)
 
   seq, lse = plan.seq_spec(), plan.lse_spec()
-  args = [partitioning.fit_explicit(x, NamedSharding(plan.mesh, seq))
-          for x in (q, k, v)]
+  args = [
+    partitioning.fit_explicit(x, NamedSharding(plan.mesh, seq))
+    for x in (q, k, v)
+  ]
   return _shard_map(plan, body, (seq, seq, seq), (seq, lse))(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
-          ) -> tuple[jax.Array, jax.Array]:
+def _ring(
+  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   return _forward_global(plan, q, k, v)
 
 
-def _ring_fwd(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
-              ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+def _ring_fwd(
+  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], tuple]:
   out, lse = _forward_global(plan, q, k, v)
   # Residuals in the caller's layout (the primal inputs and outputs, no
   # copies); a natural-layout causal backward permutes them again.
   return (out, lse), (q, k, v, out, lse)
 
 
-def _ring_bwd(plan: RingPlan, residuals: tuple, cotangents: tuple
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _ring_bwd(
+  plan: RingPlan, residuals: tuple, cotangents: tuple
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   dout, dlse = cotangents
 
   def body(q, k, v, out, lse, dout, dlse):
@@ -236,8 +291,10 @@ def _ring_bwd(plan: RingPlan, residuals: tuple, cotangents: tuple
 
   seq, lse = plan.seq_spec(), plan.lse_spec()
   specs = (seq,) * 3 + (seq, lse, seq, lse)
-  args = [partitioning.fit_explicit(x, NamedSharding(plan.mesh, spec))
-          for x, spec in zip((*residuals, dout, dlse), specs)]
+  args = [
+    partitioning.fit_explicit(x, NamedSharding(plan.mesh, spec))
+    for x, spec in zip((*residuals, dout, dlse), specs)
+  ]
   return _shard_map(plan, body, specs, (seq,) * 3)(*args)
 
 
@@ -248,15 +305,22 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 _ring_jit = jax.jit(_ring, static_argnums=0)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                   mesh: Mesh | AbstractMesh, seq_axis: str,
-                   causal: bool = False, softmax_scale: float | None = None,
-                   return_lse: bool = False,
-                   implementation: str | None = None, config: Any = None,
-                   layout: Layout = "natural",
-                   batch_axes: str | tuple[str, ...] | None = None,
-                   head_axes: str | tuple[str, ...] | None = None
-                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def ring_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  mesh: Mesh | AbstractMesh,
+  seq_axis: str,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  return_lse: bool = False,
+  implementation: str | None = None,
+  config: Any = None,
+  layout: Layout = "natural",
+  batch_axes: str | tuple[str, ...] | None = None,
+  head_axes: str | tuple[str, ...] | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Context-parallel attention: the sequence sharded over one mesh axis.
 
   Computes `flash_attention(q, k, v, causal=..., softmax_scale=...)` (same
@@ -310,15 +374,26 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   n = _check_mesh(mesh, seq_axis)
   _check_lengths(spec, n, seq_axis, spec.causal)
   layout = _check_layout(layout)
-  batch_axes = _check_axes("batch_axes", batch_axes, mesh, (seq_axis,),
-                           spec.batch, "the batch")
-  head_axes = _check_axes("head_axes", head_axes, mesh,
-                          (seq_axis,) + batch_axes, spec.heads_kv,
-                          "heads_kv (whole GQA groups per device)")
-  plan = RingPlan(spec, mesh, seq_axis, batch_axes, head_axes,
-                  spec.causal and layout == "natural",
-                  _step_calls(spec, mesh, n, batch_axes, head_axes,
-                              implementation, config))
+  batch_axes = _check_axes(
+    "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
+  )
+  head_axes = _check_axes(
+    "head_axes",
+    head_axes,
+    mesh,
+    (seq_axis,) + batch_axes,
+    spec.heads_kv,
+    "heads_kv (whole GQA groups per device)",
+  )
+  plan = RingPlan(
+    spec,
+    mesh,
+    seq_axis,
+    batch_axes,
+    head_axes,
+    spec.causal and layout == "natural",
+    _step_calls(spec, mesh, n, batch_axes, head_axes, implementation, config),
+  )
   _check_known_layout(plan, q=q, k=k, v=v)
   out, lse = _ring_jit(plan, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
   return (out, lse) if return_lse else out

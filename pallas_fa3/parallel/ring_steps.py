@@ -58,13 +58,19 @@ class RingPlan:
 
   def seq_spec(self) -> P:
     """`[b, s, h, d]` operands: batch, sequence and heads split."""
-    return P(partitioning.axes_entry(self.batch_axes), self.seq_axis,
-             partitioning.axes_entry(self.head_axes))
+    return P(
+      partitioning.axes_entry(self.batch_axes),
+      self.seq_axis,
+      partitioning.axes_entry(self.head_axes),
+    )
 
   def lse_spec(self) -> P:
     """`[b, h, s]` lse: batch, heads and sequence split."""
-    return P(partitioning.axes_entry(self.batch_axes),
-             partitioning.axes_entry(self.head_axes), self.seq_axis)
+    return P(
+      partitioning.axes_entry(self.batch_axes),
+      partitioning.axes_entry(self.head_axes),
+      self.seq_axis,
+    )
 
 
 def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
@@ -81,8 +87,9 @@ def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
   n = int(ring_size)
   if n < 1 or seq_len % (2 * n):
     raise ValueError(
-        f"seq_len={seq_len} must be a positive multiple of 2 * ring_size ="
-        f" {2 * n} for the zig-zag layout")
+      f"seq_len={seq_len} must be a positive multiple of 2 * ring_size ="
+      f" {2 * n} for the zig-zag layout"
+    )
   c = seq_len // (2 * n)
   chunks = [chunk for i in range(n) for chunk in (i, 2 * n - 1 - i)]
   return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks])
@@ -95,20 +102,22 @@ def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
 # XLA's CPU backend has no 16-bit-float collective-permute and would convert
 # bf16/f16 payloads to float32 around it: twice the bytes on the wire and in
 # memory. Bits are bits on every backend, and a bitcast costs nothing.
-_WIRE_TYPES = {jnp.dtype(jnp.bfloat16): jnp.uint16,
-               jnp.dtype(jnp.float16): jnp.uint16}
+_WIRE_TYPES = {
+  jnp.dtype(jnp.bfloat16): jnp.uint16,
+  jnp.dtype(jnp.float16): jnp.uint16,
+}
 
 
-def ppermute(tree: Any, axis_name: str, perm: Sequence[tuple[int, int]]
-             ) -> Any:
+def ppermute(tree: Any, axis_name: str, perm: Sequence[tuple[int, int]]) -> Any:
   """`jax.lax.ppermute` of a pytree, 16-bit floats sent as their bits."""
 
   def send(x):
     wire = _WIRE_TYPES.get(jnp.dtype(x.dtype))
     if wire is None:
       return jax.lax.ppermute(x, axis_name, perm)
-    bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, wire), axis_name,
-                            perm)
+    bits = jax.lax.ppermute(
+      jax.lax.bitcast_convert_type(x, wire), axis_name, perm
+    )
     return jax.lax.bitcast_convert_type(bits, x.dtype)
 
   return jax.tree.map(send, tree)
@@ -125,8 +134,10 @@ def _zigzag_perms(n: int) -> tuple[list, list]:
   zig-zag device `ch` if `ch < n`, else `2n-1-ch`.
   """
   owner = lambda ch: ch if ch < n else 2 * n - 1 - ch
-  return ([(j, owner(2 * j)) for j in range(n)],
-          [(j, owner(2 * j + 1)) for j in range(n)])
+  return (
+    [(j, owner(2 * j)) for j in range(n)],
+    [(j, owner(2 * j + 1)) for j in range(n)],
+  )
 
 
 def to_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
@@ -138,12 +149,12 @@ def to_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
   # An even device receives its chunk i through perm0, an odd one its
   # chunk 2n-1-i; see _zigzag_perms.
   even = jax.lax.axis_index(axis_name) % 2 == 0
-  return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)],
-                         axis=axis)
+  return jnp.concatenate(
+    [jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis
+  )
 
 
-def from_zigzag(x: jax.Array, axis: int, axis_name: str, n: int
-                ) -> jax.Array:
+def from_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
   """Inverse of `to_zigzag`."""
   perm0, perm1 = _zigzag_perms(n)
   inverse = lambda perm: [(dst, src) for src, dst in perm]
@@ -163,8 +174,9 @@ def _lse_to_rows(lse: jax.Array) -> jax.Array:
   return jnp.swapaxes(lse, 1, 2)[..., None]
 
 
-def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
-           lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _merge(
+  out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Exact log-sum-exp merge of two partial results over disjoint keys.
 
   `out = w_a out_a + w_b out_b` with `w = exp(lse_part - lse)`; a part whose
@@ -175,14 +187,17 @@ def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
   lse = jnp.logaddexp(lse_a, lse_b)
   ref = jnp.where(jnp.isneginf(lse), 0.0, lse)
   w_a, w_b = jnp.exp(lse_a - ref), jnp.exp(lse_b - ref)
-  out = (_lse_to_rows(w_a) * out_a.astype(jnp.float32)
-         + _lse_to_rows(w_b) * out_b.astype(jnp.float32))
+  out = _lse_to_rows(w_a) * out_a.astype(jnp.float32) + _lse_to_rows(
+    w_b
+  ) * out_b.astype(jnp.float32)
   return out, lse
 
 
-def _merge_rows(acc: tuple[jax.Array, jax.Array],
-                part: tuple[jax.Array, jax.Array], start: Any
-                ) -> tuple[jax.Array, jax.Array]:
+def _merge_rows(
+  acc: tuple[jax.Array, jax.Array],
+  part: tuple[jax.Array, jax.Array],
+  start: Any,
+) -> tuple[jax.Array, jax.Array]:
   """Merges `part` (out, lse) into the rows `[start, start + rows)` of `acc`."""
   acc_out, acc_lse = acc
   out, lse = part
@@ -190,16 +205,19 @@ def _merge_rows(acc: tuple[jax.Array, jax.Array],
   cur_out = jax.lax.dynamic_slice_in_dim(acc_out, start, rows, axis=1)
   cur_lse = jax.lax.dynamic_slice_in_dim(acc_lse, start, rows, axis=2)
   new_out, new_lse = _merge(cur_out, cur_lse, out, lse)
-  return (jax.lax.dynamic_update_slice_in_dim(acc_out, new_out, start, axis=1),
-          jax.lax.dynamic_update_slice_in_dim(acc_lse, new_lse, start, axis=2))
+  return (
+    jax.lax.dynamic_update_slice_in_dim(acc_out, new_out, start, axis=1),
+    jax.lax.dynamic_update_slice_in_dim(acc_lse, new_lse, start, axis=2),
+  )
 
 
 def _rows(x: jax.Array, start: Any, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
-def _visiting_blocks(plan: RingPlan, owner: jax.Array, me: jax.Array
-                     ) -> tuple[int, tuple[tuple[Any, Any], ...]]:
+def _visiting_blocks(
+  plan: RingPlan, owner: jax.Array, me: jax.Array
+) -> tuple[int, tuple[tuple[Any, Any], ...]]:
   """The unmasked c x c blocks of a causal step: (c, ((q0, kv0), ...)).
 
   Query chunk `2n-1-i` (rows c..2c) always sees key chunk `j` (kv rows
@@ -211,8 +229,13 @@ def _visiting_blocks(plan: RingPlan, owner: jax.Array, me: jax.Array
   return c, ((c, 0), (second, second))
 
 
-def _run_ring(n: int, first: Callable[..., Any], visit: Callable[..., Any],
-              send: Callable[[Any], Any], carry: tuple) -> Any:
+def _run_ring(
+  n: int,
+  first: Callable[..., Any],
+  visit: Callable[..., Any],
+  send: Callable[[Any], Any],
+  carry: tuple,
+) -> Any:
   """Drives one pass around the ring: `first`, then `visit` steps 1..n-1.
 
   `carry` is `(block, state)`. Every step first issues `send(block)` -- the
@@ -240,8 +263,9 @@ def _run_ring(n: int, first: Callable[..., Any], visit: Callable[..., Any],
   return visit(n - 1, block, state)
 
 
-def ring_forward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+def ring_forward(
+  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Local shards (zig-zag order if causal) -> (out float32, lse)."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
@@ -256,13 +280,15 @@ def ring_forward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
   def visit(step, kv, acc):
     k_blk, v_blk = kv
     if not plan.spec.causal:
-      return _merge(*acc, *partitioning.forward(plan.steps[0], q, k_blk,
-                                                v_blk))
+      return _merge(*acc, *partitioning.forward(plan.steps[0], q, k_blk, v_blk))
     c, blocks = _visiting_blocks(plan, (me - step) % n, me)
     for q_start, kv_start in blocks:
-      part = partitioning.forward(plan.steps[1], _rows(q, q_start, c),
-                                  _rows(k_blk, kv_start, c),
-                                  _rows(v_blk, kv_start, c))
+      part = partitioning.forward(
+        plan.steps[1],
+        _rows(q, q_start, c),
+        _rows(k_blk, kv_start, c),
+        _rows(v_blk, kv_start, c),
+      )
       acc = _merge_rows(acc, part, q_start)
     return acc
 
@@ -277,12 +303,20 @@ def _add_rows(acc: jax.Array, part: jax.Array, start: Any) -> jax.Array:
   rows = part.shape[1]
   cur = jax.lax.dynamic_slice_in_dim(acc, start, rows, axis=1)
   return jax.lax.dynamic_update_slice_in_dim(
-      acc, cur + part.astype(jnp.float32), start, axis=1)
+    acc, cur + part.astype(jnp.float32), start, axis=1
+  )
 
 
-def ring_backward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array,
-                  out: jax.Array, lse: jax.Array, dout: jax.Array,
-                  dlse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def ring_backward(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Local shards (zig-zag order if causal) -> (dq, dk, dv) in float32."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
@@ -299,8 +333,9 @@ def ring_backward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array,
 
   def first(kv, grads):
     dq, (dk, dv) = grads
-    dq_p, dk_p, dv_p = partitioning.backward(plan.steps[0], q, *kv, out, lse,
-                                             dout, dlse)
+    dq_p, dk_p, dv_p = partitioning.backward(
+      plan.steps[0], q, *kv, out, lse, dout, dlse
+    )
     return pass_on(dq + dq_p, dk + dk_p, dv + dv_p)
 
   def visit(step, kv, grads):
@@ -313,9 +348,15 @@ def ring_backward(plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array,
       rows = lambda x: _rows(x, q_start, c)
       lse_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, q_start, c, axis=2)
       dq_p, dk_p, dv_p = partitioning.backward(
-          plan.steps[1], rows(q), _rows(k_blk, kv_start, c),
-          _rows(v_blk, kv_start, c), rows(out), lse_rows(lse), rows(dout),
-          lse_rows(dlse))
+        plan.steps[1],
+        rows(q),
+        _rows(k_blk, kv_start, c),
+        _rows(v_blk, kv_start, c),
+        rows(out),
+        lse_rows(lse),
+        rows(dout),
+        lse_rows(dlse),
+      )
       dq = _add_rows(dq, dq_p, q_start)
       dk = _add_rows(dk, dk_p, kv_start)
       dv = _add_rows(dv, dv_p, kv_start)

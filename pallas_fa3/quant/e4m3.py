@@ -51,8 +51,9 @@ def scale_of(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, _TINY), 1.0)
 
 
-def quantize_tiles(x: jax.Array, rows: int, per_tensor: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
+def quantize_tiles(
+  x: jax.Array, rows: int, per_tensor: bool = False
+) -> tuple[jax.Array, jax.Array]:
   """Quantizes `[b, s, h, d]` to e4m3 with one scale per `rows x d` tile.
 
   Returns (x8 `[b, s, h, d]` e4m3, scale `[b, h, ceil(s / rows)]` float32) with
@@ -64,7 +65,8 @@ def quantize_tiles(x: jax.Array, rows: int, per_tensor: bool = False
   n = -(-s // rows)
   xf = x.astype(jnp.float32)
   xt = jnp.pad(xf, [(0, 0), (0, n * rows - s), (0, 0), (0, 0)]).reshape(
-      b, n, rows, h, d)
+    b, n, rows, h, d
+  )
   amax = jnp.max(jnp.abs(xt), axis=(2, 4))  # [b, n, h]
   if per_tensor:
     amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
@@ -81,11 +83,21 @@ def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
   return x8.astype(jnp.float32) * per_row[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv",
-                                             "block_quantization", "rotation"))
-def quantize_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array,
-                    *, block_q: int, block_kv: int, block_quantization: bool,
-                    rotation: bool) -> FP8Inputs:
+@functools.partial(
+  jax.jit,
+  static_argnames=("block_q", "block_kv", "block_quantization", "rotation"),
+)
+def quantize_inputs(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  key: jax.Array,
+  *,
+  block_q: int,
+  block_kv: int,
+  block_quantization: bool,
+  rotation: bool,
+) -> FP8Inputs:
   """Rotates (if `rotation`) and quantizes q, k, v to `FP8Inputs`.
 
   Q is quantized in `block_q`-row tiles, K and V in `block_kv`-row tiles
@@ -100,13 +112,19 @@ def quantize_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: jax.Array,
   q8, q_scale = quantize_tiles(q, block_q, per_tensor)
   k8, k_scale = quantize_tiles(k, block_kv, per_tensor)
   v8, v_scale = quantize_tiles(v, block_kv, per_tensor)
-  return FP8Inputs(q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), q_scale, k_scale,
-                   v_scale)
+  return FP8Inputs(
+    q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), q_scale, k_scale, v_scale
+  )
 
 
-def online_softmax_fp8(s: jax.Array, m: jax.Array, l: jax.Array, *,
-                       scale_log2: jax.Array, mask: jax.Array | None
-                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def online_softmax_fp8(
+  s: jax.Array,
+  m: jax.Array,
+  l: jax.Array,
+  *,
+  scale_log2: jax.Array,
+  mask: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One online-softmax step in base 2 with P offset by 2^8 (l in the same units).
 
   Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. `scale_log2` is a
@@ -118,17 +136,24 @@ def online_softmax_fp8(s: jax.Array, m: jax.Array, l: jax.Array, *,
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=-1) * scale_log2)
-  tile_scale = scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
+  tile_scale = (
+    scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
+  )
   # A row with no visible key yet has max -inf: exponentiate against 0.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
-  p = jnp.exp2(s * tile_scale - lax.broadcast_in_dim(
-      m_ref - P_LOG2_OFFSET, s.shape, tuple(range(s.ndim - 1))))
+  p = jnp.exp2(
+    s * tile_scale
+    - lax.broadcast_in_dim(
+      m_ref - P_LOG2_OFFSET, s.shape, tuple(range(s.ndim - 1))
+    )
+  )
   return p, alpha, m_new, l * alpha + p.sum(axis=-1)
 
 
-def finalize_fp8(o: jax.Array, m: jax.Array, l: jax.Array, sv: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+def finalize_fp8(
+  o: jax.Array, m: jax.Array, l: jax.Array, sv: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """(normalized O, natural-log lse) from the running statistics.
 
   `o` is in units of the last V scale `sv` and of P's 2^8, as is `l`.
@@ -137,8 +162,9 @@ def finalize_fp8(o: jax.Array, m: jax.Array, l: jax.Array, sv: jax.Array
   inv_l = jnp.where(empty, 0.0, sv / jnp.where(empty, 1.0, l))
   o = o * lax.broadcast_in_dim(inv_l, o.shape, tuple(range(o.ndim - 1)))
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
-  lse = jnp.where(empty, -jnp.inf,
-                  (m + log2_l - P_LOG2_OFFSET) * jnp.float32(LN2))
+  lse = jnp.where(
+    empty, -jnp.inf, (m + log2_l - P_LOG2_OFFSET) * jnp.float32(LN2)
+  )
   return o, lse
 
 

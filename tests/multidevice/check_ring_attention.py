@@ -18,17 +18,20 @@ import re
 
 import jax
 import jax.numpy as jnp
+import mesh_helpers as mh
 import numpy as np
 import pytest
+from conftest import forward_and_grads
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
 from pallas_fa3.parallel import ring_steps
-from pallas_fa3.testing import (Shape, assert_within_tolerance,
-                                golden_and_naive, random_inputs)
-
-import mesh_helpers as mh
-from conftest import forward_and_grads
+from pallas_fa3.testing import (
+  Shape,
+  assert_within_tolerance,
+  golden_and_naive,
+  random_inputs,
+)
 
 mh.require_devices()
 
@@ -41,8 +44,15 @@ def _ring_run(mesh, seq_axis, causal, **options):
 
   def run(q, k, v, dout, dlse):
     f = lambda q, k, v: pallas_fa3.ring_attention(
-        q, k, v, mesh=mesh, seq_axis=seq_axis, causal=causal,
-        return_lse=True, **options)
+      q,
+      k,
+      v,
+      mesh=mesh,
+      seq_axis=seq_axis,
+      causal=causal,
+      return_lse=True,
+      **options,
+    )
     (out, lse), pullback = jax.vjp(f, q, k, v)
     return (out, lse) + tuple(pullback((dout, dlse)))
 
@@ -51,16 +61,28 @@ def _ring_run(mesh, seq_axis, causal, **options):
 
 def _inputs(key, shape, mesh, seq_spec, lse_spec, dtype=jnp.bfloat16):
   q, k, v, dout = random_inputs(key, shape, dtype)
-  dlse = jax.random.normal(jax.random.fold_in(key, 1),
-                           (shape.batch, shape.heads_q, shape.seq_q))
+  dlse = jax.random.normal(
+    jax.random.fold_in(key, 1), (shape.batch, shape.heads_q, shape.seq_q)
+  )
   plain = (q, k, v, dout, dlse)
-  sharded = [jax.device_put(x, NamedSharding(mesh, seq_spec)) for x in plain[:4]]
+  sharded = [
+    jax.device_put(x, NamedSharding(mesh, seq_spec)) for x in plain[:4]
+  ]
   sharded.append(jax.device_put(dlse, NamedSharding(mesh, lse_spec)))
   return plain, sharded
 
 
-def _check(mesh, shape, causal, key, *, seq_spec=P(None, "seq"),
-           lse_spec=P(None, None, "seq"), dtype=jnp.bfloat16, **options):
+def _check(
+  mesh,
+  shape,
+  causal,
+  key,
+  *,
+  seq_spec=P(None, "seq"),
+  lse_spec=P(None, None, "seq"),
+  dtype=jnp.bfloat16,
+  **options,
+):
   plain, sharded = _inputs(key, shape, mesh, seq_spec, lse_spec, dtype)
   compiled = _ring_run(mesh, "seq", causal, **options).lower(*sharded).compile()
   counts = mh.collectives(compiled.as_text())
@@ -84,8 +106,9 @@ def _check(mesh, shape, causal, key, *, seq_spec=P(None, "seq"),
 @pytest.mark.parametrize("ring", [2, 4, 8])
 def test_ring_matches_single_device(ring, causal, key):
   shape = _CAUSAL_SHAPE if causal else _CROSS_SHAPE
-  compiled, sharded, first = _check(mh.mesh((ring,), ("seq",)), shape, causal,
-                                    key)
+  compiled, sharded, first = _check(
+    mh.mesh((ring,), ("seq",)), shape, causal, key
+  )
   if ring == 4:  # determinism: a second run is bit-identical
     for a, b in zip(first, compiled(*sharded)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -96,17 +119,28 @@ def test_ring_with_batch_or_head_axes(axes, key):
   """A 2 x 4 mesh: the ring on "seq", batch or heads split over the other axis."""
   mesh = mh.mesh((2, 4), ("other", "seq"))
   if axes == "batch":
-    specs = dict(seq_spec=P("other", "seq"), lse_spec=P("other", None, "seq"),
-                 batch_axes="other")
+    specs = dict(
+      seq_spec=P("other", "seq"),
+      lse_spec=P("other", None, "seq"),
+      batch_axes="other",
+    )
   else:
-    specs = dict(seq_spec=P(None, "seq", "other"),
-                 lse_spec=P(None, "other", "seq"), head_axes="other")
+    specs = dict(
+      seq_spec=P(None, "seq", "other"),
+      lse_spec=P(None, "other", "seq"),
+      head_axes="other",
+    )
   _check(mesh, _CAUSAL_SHAPE, True, key, **specs)
 
 
 def test_ring_float32_mqa(key):
-  _check(mh.mesh((4,), ("seq",)), Shape(1, 64, 64, 4, 1, 16), True, key,
-         dtype=jnp.float32)
+  _check(
+    mh.mesh((4,), ("seq",)),
+    Shape(1, 64, 64, 4, 1, 16),
+    True,
+    key,
+    dtype=jnp.float32,
+  )
 
 
 def test_zigzag_layout_skips_the_permutation(key):
@@ -114,7 +148,9 @@ def test_zigzag_layout_skips_the_permutation(key):
   ring, shape = 4, _CAUSAL_SHAPE
   mesh = mh.mesh((ring,), ("seq",))
   order = pallas_fa3.zigzag_order(shape.seq_q, ring)
-  plain, sharded = _inputs(key, shape, mesh, P(None, "seq"), P(None, None, "seq"))
+  plain, sharded = _inputs(
+    key, shape, mesh, P(None, "seq"), P(None, None, "seq")
+  )
   perm = lambda x, axis=1: jnp.take(x, order, axis=axis)
   zz = [perm(x) for x in sharded[:4]] + [perm(sharded[4], 2)]
   run = _ring_run(mesh, "seq", True, layout="zigzag")
@@ -126,10 +162,18 @@ def test_zigzag_layout_skips_the_permutation(key):
     assert_within_tolerance(name, x, perm(n, axis), perm(g, axis))
 
   def permutes(layout):
-    fwd = jax.jit(functools.partial(
-        pallas_fa3.ring_attention, mesh=mesh, seq_axis="seq", causal=True,
-        layout=layout))
-    return mh.collectives(fwd.lower(*sharded[:3]).compile().as_text())[mh.PERMUTE]
+    fwd = jax.jit(
+      functools.partial(
+        pallas_fa3.ring_attention,
+        mesh=mesh,
+        seq_axis="seq",
+        causal=True,
+        layout=layout,
+      )
+    )
+    return mh.collectives(fwd.lower(*sharded[:3]).compile().as_text())[
+      mh.PERMUTE
+    ]
 
   assert permutes("zigzag") < permutes("natural")
 
@@ -139,9 +183,14 @@ def test_zigzag_permutation_round_trip():
   for ring in (2, 4, 8):
     mesh = mh.mesh((ring,), ("seq",))
     x = jnp.arange(2 * 4 * ring * 3, dtype=jnp.float32).reshape(2, 4 * ring, 3)
-    shard = lambda fn: jax.jit(jax.shard_map(
-        lambda x: fn(x, 1, "seq", ring), mesh=mesh, in_specs=P(None, "seq"),
-        out_specs=P(None, "seq")))
+    shard = lambda fn: jax.jit(
+      jax.shard_map(
+        lambda x: fn(x, 1, "seq", ring),
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+      )
+    )
     zz = shard(ring_steps.to_zigzag)(x)
     order = ring_steps.zigzag_order(4 * ring, ring)
     np.testing.assert_array_equal(np.asarray(zz), np.asarray(x)[:, order])
@@ -152,8 +201,9 @@ def test_zigzag_permutation_round_trip():
 def test_eager_call_with_unsharded_inputs(key):
   mesh = mh.mesh((8,), ("seq",))
   q, k, v, _ = random_inputs(key, _CAUSAL_SHAPE, jnp.bfloat16)
-  out = pallas_fa3.ring_attention(q, k, v, mesh=mesh, seq_axis="seq",
-                                  causal=True)
+  out = pallas_fa3.ring_attention(
+    q, k, v, mesh=mesh, seq_axis="seq", causal=True
+  )
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "seq")), 4)
   golden, naive = golden_and_naive(q, k, v, q, causal=True)
   assert_within_tolerance("out", out, naive[0], golden[0])
@@ -163,10 +213,12 @@ def test_explicit_mesh_axes(key):
   """jax.make_mesh's default axis type: shard_map's in_specs are enforced."""
   mesh = mh.mesh((2, 4), ("data", "seq"), explicit=True)
   q, k, v, _ = random_inputs(key, _CAUSAL_SHAPE, jnp.bfloat16)
-  args = [jax.device_put(x, NamedSharding(mesh, P("data", "seq")))
-          for x in (q, k, v)]
-  out = pallas_fa3.ring_attention(*args, mesh=mesh, seq_axis="seq",
-                                  causal=True, batch_axes="data")
+  args = [
+    jax.device_put(x, NamedSharding(mesh, P("data", "seq"))) for x in (q, k, v)
+  ]
+  out = pallas_fa3.ring_attention(
+    *args, mesh=mesh, seq_axis="seq", causal=True, batch_axes="data"
+  )
   golden, naive = golden_and_naive(q, k, v, q, causal=True)
   assert_within_tolerance("out", out, naive[0], golden[0])
 
@@ -201,20 +253,29 @@ def test_seq_axis_must_be_a_mesh_axis():
 
 
 def test_q_length_must_divide_into_zigzag_chunks():
-  with pytest.raises(ValueError, match=r"q has sequence length 36, not a"
-                     r" multiple of 8 \(zig-zag"):
+  with pytest.raises(
+    ValueError,
+    match=r"q has sequence length 36, not a"
+    r" multiple of 8 \(zig-zag",
+  ):
     _call(Shape(1, 36, 36, 2, 2, 16))
 
 
 def test_k_length_must_divide_over_the_ring():
-  with pytest.raises(ValueError, match=r"k has sequence length 42, not a"
-                     r" multiple of 4"):
+  with pytest.raises(
+    ValueError,
+    match=r"k has sequence length 42, not a"
+    r" multiple of 4",
+  ):
     _call(Shape(1, 64, 42, 2, 2, 16), causal=False)
 
 
 def test_causal_needs_equal_lengths():
-  with pytest.raises(ValueError, match=r"causal ring attention needs q and k"
-                     r" of the same sequence length"):
+  with pytest.raises(
+    ValueError,
+    match=r"causal ring attention needs q and k"
+    r" of the same sequence length",
+  ):
     _call(Shape(1, 64, 128, 2, 2, 16))
 
 
@@ -234,40 +295,53 @@ def test_batch_axes_type():
 
 
 def test_batch_axes_cannot_reuse_seq_axis():
-  with pytest.raises(ValueError, match=r"batch_axes=\('seq',\): mesh axis"
-                     r" 'seq' is used twice"):
+  with pytest.raises(
+    ValueError,
+    match=r"batch_axes=\('seq',\): mesh axis"
+    r" 'seq' is used twice",
+  ):
     _call(batch_axes="seq")
 
 
 def test_head_axes_must_keep_gqa_groups_whole():
   mesh = mh.mesh((4, 2), ("model", "seq"))
-  with pytest.raises(ValueError, match=r"head_axes=\('model',\) splits"
-                     r" heads_kv"):
+  with pytest.raises(
+    ValueError,
+    match=r"head_axes=\('model',\) splits"
+    r" heads_kv",
+  ):
     _call(Shape(1, 64, 64, 8, 2, 16), mesh=mesh, head_axes="model")
 
 
 def test_reference_backend_is_refused():
-  with pytest.raises(NotImplementedError,
-                     match=r"implementation='reference' cannot run ring"):
+  with pytest.raises(
+    NotImplementedError, match=r"implementation='reference' cannot run ring"
+  ):
     _call(implementation="reference")
 
 
 def test_undeclared_batch_split_is_refused():
   """A concrete q split over batch on "data", but batch_axes not given."""
-  q, k, v, _ = random_inputs(jax.random.key(0), Shape(2, 64, 64, 4, 2, 16),
-                             jnp.bfloat16)
+  q, k, v, _ = random_inputs(
+    jax.random.key(0), Shape(2, 64, 64, 4, 2, 16), jnp.bfloat16
+  )
   shard = NamedSharding(_ring_mesh(), P("data", "seq"))
   args = [jax.device_put(x, shard) for x in (q, k, v)]
-  with pytest.raises(ValueError, match=r"q is sharded along batch over mesh"
-                     r" axes \('data',\), but batch_axes=None"):
+  with pytest.raises(
+    ValueError,
+    match=r"q is sharded along batch over mesh"
+    r" axes \('data',\), but batch_axes=None",
+  ):
     pallas_fa3.ring_attention(*args, mesh=_ring_mesh(), seq_axis="seq")
 
 
 def test_head_dim_split_is_refused():
-  q, k, v, _ = random_inputs(jax.random.key(0), Shape(2, 64, 64, 4, 2, 16),
-                             jnp.bfloat16)
-  k = jax.device_put(k, NamedSharding(_ring_mesh(), P(None, "seq", None,
-                                                      "data")))
+  q, k, v, _ = random_inputs(
+    jax.random.key(0), Shape(2, 64, 64, 4, 2, 16), jnp.bfloat16
+  )
+  k = jax.device_put(
+    k, NamedSharding(_ring_mesh(), P(None, "seq", None, "data"))
+  )
   with pytest.raises(ValueError, match=r"k is sharded along head_dim"):
     pallas_fa3.ring_attention(q, k, v, mesh=_ring_mesh(), seq_axis="seq")
 
@@ -282,8 +356,9 @@ def test_long_sequence_on_8_devices(causal, key):
 def test_readme_scale_out_examples_run():
   """The README's 8-device examples (fenced as "```python multidevice")."""
   readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-  blocks = re.findall(r"```python multidevice\n(.*?)```", readme.read_text(),
-                      re.S)
+  blocks = re.findall(
+    r"```python multidevice\n(.*?)```", readme.read_text(), re.S
+  )
   assert len(blocks) == 2, "README's scale-out examples moved?"
   for block in blocks:
     exec(compile(block, str(readme), "exec"), {})  # pylint: disable=exec-used

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import mesh_helpers as mh
 import pytest
+from conftest import forward_and_grads
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
 from pallas_fa3.testing import Shape, golden_and_naive, random_inputs
-
-import mesh_helpers as mh
-from conftest import forward_and_grads
 
 mh.require_devices()
 
@@ -30,13 +29,28 @@ _AXES = ("data", "model")
 
 # (id, mesh shape over ("data", "model"), q/k/v spec, shape, causal).
 CASES = [
-    ("1x8_heads", (1, 8), P(None, None, "model"), Shape(2, 48, 64, 16, 8, 32),
-     True),
-    ("2x4_batch_heads", (2, 4), P("data", None, "model"),
-     Shape(4, 64, 40, 8, 4, 32), False),
-    # Batch over a tuple of mesh axes (8 x 1 ways); MQA; ragged lengths.
-    ("8x1_batch_mqa", (8, 1), P(("data", "model")), Shape(8, 33, 47, 4, 1, 32),
-     True),
+  (
+    "1x8_heads",
+    (1, 8),
+    P(None, None, "model"),
+    Shape(2, 48, 64, 16, 8, 32),
+    True,
+  ),
+  (
+    "2x4_batch_heads",
+    (2, 4),
+    P("data", None, "model"),
+    Shape(4, 64, 40, 8, 4, 32),
+    False,
+  ),
+  # Batch over a tuple of mesh axes (8 x 1 ways); MQA; ragged lengths.
+  (
+    "8x1_batch_mqa",
+    (8, 1),
+    P(("data", "model")),
+    Shape(8, 33, 47, 4, 1, 32),
+    True,
+  ),
 ]
 
 
@@ -47,47 +61,62 @@ def _lse_spec(spec: P) -> P:
 
 def _sharded_run(q, k, v, dout, dlse, *, causal):
   (out, lse), pullback = jax.vjp(
-      lambda q, k, v: pallas_fa3.flash_attention(q, k, v, causal=causal,
-                                                 return_lse=True), q, k, v)
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, causal=causal, return_lse=True
+    ),
+    q,
+    k,
+    v,
+  )
   return (out, lse) + tuple(pullback((dout, dlse)))
 
 
 def _check(mesh, spec, shape, causal, key):
   q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
-  dlse = jax.random.normal(jax.random.fold_in(key, 1),
-                           (shape.batch, shape.heads_q, shape.seq_q))
+  dlse = jax.random.normal(
+    jax.random.fold_in(key, 1), (shape.batch, shape.heads_q, shape.seq_q)
+  )
   seq, lse = NamedSharding(mesh, spec), NamedSharding(mesh, _lse_spec(spec))
   args = [jax.device_put(x, seq) for x in (q, k, v, dout)]
   args.append(jax.device_put(dlse, lse))
   fn = jax.jit(lambda *a: _sharded_run(*a, causal=causal))
   compiled = fn.lower(*args).compile()
-  found = {kind: n for kind, n in mh.collectives(compiled.as_text()).items()
-           if n}
+  found = {
+    kind: n for kind, n in mh.collectives(compiled.as_text()).items() if n
+  }
   assert not found, f"collectives in the compiled program: {found}"
   got = compiled(*args)
 
   for name, x in zip(mh.NAMES, got):
     want = lse if name == "lse" else seq
     assert x.sharding.is_equivalent_to(want, x.ndim), (
-        f"{name} comes back as {x.sharding}, not {want}")
+      f"{name} comes back as {x.sharding}, not {want}"
+    )
   single = forward_and_grads(None, q, k, v, dout, causal=causal, dlse=dlse)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal, dlse=dlse)
   for name, x, s, n, g in zip(mh.NAMES, got, single, naive, golden):
     mh.assert_same_within_rule(name, x, s, n, g)
 
 
-@pytest.mark.parametrize("case_id,mesh_shape,spec,shape,causal", CASES,
-                         ids=[c[0] for c in CASES])
-def test_sharded_matches_single_device(case_id, mesh_shape, spec, shape,
-                                       causal, key):
+@pytest.mark.parametrize(
+  "case_id,mesh_shape,spec,shape,causal", CASES, ids=[c[0] for c in CASES]
+)
+def test_sharded_matches_single_device(
+  case_id, mesh_shape, spec, shape, causal, key
+):
   del case_id
   _check(mh.mesh(mesh_shape, _AXES), spec, shape, causal, key)
 
 
 def test_explicit_mesh_axes(key):
   """jax.make_mesh's default axis type: the layout is in the types."""
-  _check(mh.mesh((2, 4), _AXES, explicit=True), P("data", None, "model"),
-         Shape(4, 64, 40, 8, 4, 32), True, key)
+  _check(
+    mh.mesh((2, 4), _AXES, explicit=True),
+    P("data", None, "model"),
+    Shape(4, 64, 40, 8, 4, 32),
+    True,
+    key,
+  )
 
 
 def test_kv_replicated_while_q_is_head_sharded(key):
@@ -111,8 +140,11 @@ def test_inside_a_user_shard_map(key):
   shape = Shape(4, 40, 40, 8, 4, 32)
   q, k, v, _ = random_inputs(key, shape, jnp.bfloat16)
   local = jax.shard_map(
-      lambda q, k, v: pallas_fa3.flash_attention(q, k, v, causal=True),
-      mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    lambda q, k, v: pallas_fa3.flash_attention(q, k, v, causal=True),
+    mesh=mesh,
+    in_specs=(spec,) * 3,
+    out_specs=spec,
+  )
   out = jax.jit(local)(q, k, v)
   single = pallas_fa3.flash_attention(q, k, v, causal=True)
   assert jnp.array_equal(out, single)
@@ -128,30 +160,41 @@ def test_inside_a_user_shard_map(key):
 def _call_with(mode, specs, shape, key):
   mesh = mh.mesh((2, 4), _AXES, explicit=mode == "explicit_jit")
   q, k, v, _ = random_inputs(key, shape, jnp.bfloat16)
-  args = [jax.device_put(x, NamedSharding(mesh, s))
-          for x, s in zip((q, k, v), specs)]
+  args = [
+    jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((q, k, v), specs)
+  ]
   if mode == "eager":
     return pallas_fa3.flash_attention(*args)
   return jax.jit(pallas_fa3.flash_attention)(*args)
 
 
-_MODES = [("eager", ValueError), ("jit", jax.errors.JaxRuntimeError),
-          ("explicit_jit", ValueError)]
+_MODES = [
+  ("eager", ValueError),
+  ("jit", jax.errors.JaxRuntimeError),
+  ("explicit_jit", ValueError),
+]
 
 
 @pytest.mark.parametrize("mode,error", _MODES, ids=[m for m, _ in _MODES])
 def test_sequence_sharding_is_refused(mode, error, key):
   spec = P(None, "model")
-  with pytest.raises(error, match=r"q is sharded along its sequence axis"
-                     r".*ring_attention"):
+  with pytest.raises(
+    error,
+    match=r"q is sharded along its sequence axis"
+    r".*ring_attention",
+  ):
     _call_with(mode, (spec, spec, spec), Shape(2, 32, 32, 4, 4, 16), key)
 
 
 @pytest.mark.parametrize("mode,error", _MODES, ids=[m for m, _ in _MODES])
 def test_head_dim_sharding_is_refused(mode, error, key):
   with pytest.raises(error, match=r"k is sharded along its head_dim axis"):
-    _call_with(mode, (P(), P(None, None, None, "model"), P()),
-               Shape(2, 32, 32, 4, 4, 16), key)
+    _call_with(
+      mode,
+      (P(), P(None, None, None, "model"), P()),
+      Shape(2, 32, 32, 4, 4, 16),
+      key,
+    )
 
 
 @pytest.mark.parametrize("mode,error", _MODES, ids=[m for m, _ in _MODES])

@@ -12,7 +12,11 @@ from pallas_fa3.testing import max_abs_err, tolerance
 NUM_DEVICES = 8
 
 # Collective ops of XLA's HLO text, by the name they print under.
-ALL_GATHER, ALL_TO_ALL, PERMUTE = "all-gather", "all-to-all", "collective-permute"
+ALL_GATHER, ALL_TO_ALL, PERMUTE = (
+  "all-gather",
+  "all-to-all",
+  "collective-permute",
+)
 ALL_REDUCE, REDUCE_SCATTER = "all-reduce", "reduce-scatter"
 ALL_COLLECTIVES = (ALL_GATHER, ALL_TO_ALL, PERMUTE, ALL_REDUCE, REDUCE_SCATTER)
 
@@ -23,16 +27,17 @@ def require_devices() -> None:
   """Skips the calling module unless JAX sees 8 devices."""
   if jax.device_count() < NUM_DEVICES:
     pytest.skip(
-        f"needs {NUM_DEVICES} devices, JAX sees {jax.device_count()}; run"
-        " through tests/test_scale_out.py, or set XLA_FLAGS="
-        f"--xla_force_host_platform_device_count={NUM_DEVICES} JAX_PLATFORMS=cpu",
-        allow_module_level=True)
+      f"needs {NUM_DEVICES} devices, JAX sees {jax.device_count()}; run"
+      " through tests/test_scale_out.py, or set XLA_FLAGS="
+      f"--xla_force_host_platform_device_count={NUM_DEVICES} JAX_PLATFORMS=cpu",
+      allow_module_level=True,
+    )
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...], explicit=False):
   """A mesh over the first prod(shape) devices, Auto axes unless `explicit`."""
   kind = AxisType.Explicit if explicit else AxisType.Auto
-  devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
   return jax.sharding.Mesh(devices, names, axis_types=(kind,) * len(names))
 
 
@@ -41,8 +46,11 @@ def collectives(hlo_text: str) -> dict[str, int]:
   counts = {}
   for kind in ALL_COLLECTIVES:
     # "= f32[...] all-gather(" or an async "all-gather-start(".
-    counts[kind] = sum(1 for line in hlo_text.splitlines()
-                       if f" {kind}(" in line or f" {kind}-start(" in line)
+    counts[kind] = sum(
+      1
+      for line in hlo_text.splitlines()
+      if f" {kind}(" in line or f" {kind}-start(" in line
+    )
   return counts
 
 
@@ -52,8 +60,10 @@ def assert_same_within_rule(name, got, single, naive, golden) -> None:
   err_golden = max_abs_err(got, golden)
   err_single = max_abs_err(got, single)
   assert err_golden <= bound, (
-      f"{name}: max|got - golden| = {err_golden:.3g} exceeds 2 x naive error"
-      f" + floor = {bound:.3g}")
+    f"{name}: max|got - golden| = {err_golden:.3g} exceeds 2 x naive error"
+    f" + floor = {bound:.3g}"
+  )
   assert err_single <= bound, (
-      f"{name}: max|got - single device| = {err_single:.3g} exceeds the"
-      f" rule's bound {bound:.3g}")
+    f"{name}: max|got - single device| = {err_single:.3g} exceeds the"
+    f" rule's bound {bound:.3g}"
+  )

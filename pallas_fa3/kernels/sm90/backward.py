@@ -29,19 +29,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_fa3.kernels.sm90.backward_dkdv import DkdvPlan, dkdv_kernel
+from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
 from pallas_fa3.kernels.sm90.common import pad_axis, round_up
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
-from pallas_fa3.kernels.sm90.backward_dkdv import dkdv_kernel, DkdvPlan
-from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
-def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
-                  q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
-                  lse: jax.Array, dout: jax.Array, dlse: jax.Array, *,
-                  interpret: Any = None
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sm90_backward(
+  spec: AttentionSpec,
+  config: Sm90BackwardConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+  *,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Runs the dK/dV and dQ kernels.
 
   Args:
@@ -61,8 +69,9 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
   ops = COMPILED if interpret is None else INTERPRETED
   sq_pad = round_up(spec.seq_q, 2 * config.block_q)
   skv_pad = round_up(spec.seq_kv, DkdvPlan(spec, config, 0, 0).kv_rows_per_cta)
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32),
-                     out.astype(jnp.float32)) - dlse.astype(jnp.float32)
+  delta = jnp.einsum(
+    "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
+  ) - dlse.astype(jnp.float32)
   # Rows that see no key (lse = -inf) and padded rows: lse2 = +inf, P = 0.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(LOG2E))
   lse2 = pad_axis(lse2, 2, sq_pad, jnp.inf)
@@ -76,5 +85,6 @@ def sm90_backward(spec: AttentionSpec, config: Sm90BackwardConfig,
     # (docs/design_notes.md#interpret-mode-and-memory-proxies).
     (dk, dv), qp = lax.optimization_barrier(((dk, dv), qp))
   dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
-      qp, kp, vp, dop, lse2, delta)
-  return (dq[:, :spec.seq_q], dk[:, :spec.seq_kv], dv[:, :spec.seq_kv])
+    qp, kp, vp, dop, lse2, delta
+  )
+  return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])

@@ -19,10 +19,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90.common import (
+  build_kernel,
+  consumer_regs,
+  producer_regs,
+  row_probabilities,
+  smem_transforms,
+  swizzle64,
+)
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
-from pallas_fa3.kernels.sm90.common import (build_kernel, consumer_regs,
-                                            producer_regs, row_probabilities,
-                                            smem_transforms, swizzle64)
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
@@ -48,7 +53,9 @@ class DkdvPlan:
 
   @property
   def kv_rows_per_cta(self) -> int:
-    return self.config.block_kv * (1 if self.shared else self.config.dkdv_consumers)
+    return self.config.block_kv * (
+      1 if self.shared else self.config.dkdv_consumers
+    )
 
   @property
   def cta_splits(self) -> int:
@@ -78,8 +85,9 @@ def _cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
   return tile * plan.kv_rows_per_cta, chunk
 
 
-def _copy_chunks(ref: Any, tile: tuple, dst: Any, barrier: Any,
-                 plan: DkdvPlan) -> None:
+def _copy_chunks(
+  ref: Any, tile: tuple, dst: Any, barrier: Any, plan: DkdvPlan
+) -> None:
   """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
   chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
   for c in range(plan.splits):
@@ -97,8 +105,21 @@ def _first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:
 
 def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps."""
-  (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
-   dl_smem, full, empty, kv_bar) = refs
+  (
+    k_ref,
+    v_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    full,
+    empty,
+    kv_bar,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   consumers = cfg.dkdv_consumers
   plgpu.set_max_registers(consumer_regs(consumers), action="increase")
@@ -134,13 +155,21 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     # S^T = K Q^T, [block_kv, sub]
     s_t = ops.scores(k_chunks, q_parts)
     s_t = s_t * scale_log2 - lax.broadcast_in_dim(
-        ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1])
+      ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
+    )
     p_t = jnp.exp2(s_t)
     if masked:
       # Causal only: padded keys' rows of dK, dV are sliced off.
       mask = masking.visible_tile_at(
-          spec, qi * cfg.block_q + h * sub, kv0, ops.col_index(sub),
-          ops.row_index(cfg.block_kv), shape, 1, check_seq_kv=False)
+        spec,
+        qi * cfg.block_q + h * sub,
+        kv0,
+        ops.col_index(sub),
+        ops.row_index(cfg.block_kv),
+        shape,
+        1,
+        check_seq_kv=False,
+      )
       p_t = jnp.where(mask, p_t, 0.0)
     p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
     dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
@@ -148,9 +177,12 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     dp_t = ops.scores(v_chunks, do_parts)
     # Loaded only now: the dK, dV accumulators leave few registers.
     delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
-    ds_t = p_t.astype(jnp.float32) * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-    dk = ops.accumulate_pv(dk, ds_t.astype(spec.dtype),
-                           q_smem.at[slot, chunk].at[rows_h])
+    ds_t = p_t.astype(jnp.float32) * (
+      dp_t - lax.broadcast_in_dim(delta, shape, [1])
+    )
+    dk = ops.accumulate_pv(
+      dk, ds_t.astype(spec.dtype), q_smem.at[slot, chunk].at[rows_h]
+    )
     return dk, dv
 
   def step(qi, carry, *, base, masked):
@@ -169,8 +201,12 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     # Causal: every step masks (exact on visible tiles too); a separate
     # masked loop spilled (docs/design_notes.md#backward-kernels).
     base = h * per_head
-    return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
-        step, base=base, masked=spec.causal), carry)
+    return lax.fori_loop(
+      first,
+      plan.num_q_blocks,
+      functools.partial(step, base=base, masked=spec.causal),
+      carry,
+    )
 
   zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
   dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
@@ -184,8 +220,9 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_shared_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps,
-                          w: int) -> None:
+def _dkdv_shared_consumer(
+  refs: tuple, plan: DkdvPlan, ops: KernelOps, w: int
+) -> None:
   """Consumer `w` of a CTA whose two consumers share one K/V tile: it
   accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
 
@@ -198,8 +235,24 @@ def _dkdv_shared_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps,
   rewrites one only after the other has passed the next rendezvous, hence
   finished the wgmmas that read it.
   """
-  (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
-   dl_smem, p_smem, ds_smem, full, empty, kv_bar, xchg) = refs
+  (
+    k_ref,
+    v_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    p_smem,
+    ds_smem,
+    full,
+    empty,
+    kv_bar,
+    xchg,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(consumer_regs(2), action="increase")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -230,26 +283,38 @@ def _dkdv_shared_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps,
     s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
     # Causal: masked on every tile (exact there too); padded keys' rows of
     # dK, dV are sliced off.
-    p = row_probabilities(ops, spec, s, ops.load_rows(lse_smem.at[slot]),
-                           qi * cfg.block_q, kv0 + w * half,
-                           masked=spec.causal, check_seq_kv=False)
+    p = row_probabilities(
+      ops,
+      spec,
+      s,
+      ops.load_rows(lse_smem.at[slot]),
+      qi * cfg.block_q,
+      kv0 + w * half,
+      masked=spec.causal,
+      check_seq_kv=False,
+    )
     p = p.astype(spec.dtype)
     dp = ops.scores([do_tile.at[c] for c in range(plan.splits)], v_mine)
-    ds = p.astype(jnp.float32) * (dp - lax.broadcast_in_dim(
-        ops.load_rows(dl_smem.at[slot]), shape, [0]))
+    ds = p.astype(jnp.float32) * (
+      dp - lax.broadcast_in_dim(ops.load_rows(dl_smem.at[slot]), shape, [0])
+    )
     p_smem.at[buf].at[:, mine][...] = p
     ds_smem.at[buf].at[:, mine][...] = ds.astype(spec.dtype)
     plgpu.commit_smem()  # my halves visible to both consumers' wgmmas
     plgpu.barrier_arrive(xchg)
     plgpu.barrier_wait(xchg)
-    dv = ops.accumulate_tn(dv, p_smem.at[buf], do_tile.at[w])   # P^T dO_w
-    dk = ops.accumulate_tn(dk, ds_smem.at[buf], q_tile.at[w])   # dS^T Q_w
+    dv = ops.accumulate_tn(dv, p_smem.at[buf], do_tile.at[w])  # P^T dO_w
+    dk = ops.accumulate_tn(dk, ds_smem.at[buf], q_tile.at[w])  # dS^T Q_w
     plgpu.barrier_arrive(empty.at[slot])
     return dk, dv
 
   def per_group_head(h, carry):
-    return lax.fori_loop(first, plan.num_q_blocks, functools.partial(
-        step, base=h * per_head), carry)
+    return lax.fori_loop(
+      first,
+      plan.num_q_blocks,
+      functools.partial(step, base=h * per_head),
+      carry,
+    )
 
   zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
   dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
@@ -267,8 +332,18 @@ def _dkdv_shared_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps,
 def _dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
   """Streams Q, dO, lse and delta tiles of every visible query tile of every
   query head of the group."""
-  (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem, full,
-   empty) = refs
+  (
+    q_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    full,
+    empty,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -292,7 +367,9 @@ def _dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
     row = (batch, head, pl.ds(q0, cfg.block_q))
     _copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan)
     _copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan)
-    plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[slot], full[2].at[slot])
+    plgpu.copy_gmem_to_smem(
+      lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
+    )
     plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
 
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
@@ -300,60 +377,125 @@ def _dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
     plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
 
-def dkdv_kernel(plan: DkdvPlan, ops: KernelOps, interpret: Any
-                ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def dkdv_kernel(
+  plan: DkdvPlan, ops: KernelOps, interpret: Any
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """The dK/dV kernel: `(q, k, v, dout, lse2, delta) -> (dk, dv)`, padded."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
-  tf = (swizzle64(spec.dtype) if plan.q_halves > 1 or plan.shared
-        else smem_transforms(spec.dtype, plan.chunk))
+  tf = (
+    swizzle64(spec.dtype)
+    if plan.q_halves > 1 or plan.shared
+    else smem_transforms(spec.dtype, plan.chunk)
+  )
   kv_tiles = 1 if plan.shared else consumers
 
-  def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
-                   k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, q_full,
-                   do_full, lse_full, dl_full, empty, kv_bar, *exchange):
+  def fa3_bwd_dkdv(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    q_full,
+    do_full,
+    lse_full,
+    dl_full,
+    empty,
+    kv_bar,
+    *exchange,
+  ):
     wg = lax.axis_index("wg")
     full = (q_full, do_full, lse_full, dl_full)
-    refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
-            lse_smem, dl_smem)
+    refs = (
+      k_ref,
+      v_ref,
+      dk_ref,
+      dv_ref,
+      k_smem,
+      v_smem,
+      q_smem,
+      do_smem,
+      lse_smem,
+      dl_smem,
+    )
     if plan.shared:
       p_smem, ds_smem, xchg = exchange
       for w in range(consumers):
-        pl.when(wg == w)(functools.partial(
-            _dkdv_shared_consumer, refs + (p_smem, ds_smem, full, empty,
-                                           kv_bar, xchg), plan, ops, w))
+        pl.when(wg == w)(
+          functools.partial(
+            _dkdv_shared_consumer,
+            refs + (p_smem, ds_smem, full, empty, kv_bar, xchg),
+            plan,
+            ops,
+            w,
+          )
+        )
     else:
-      pl.when(wg < consumers)(functools.partial(
-          _dkdv_consumer, refs + (full, empty, kv_bar), plan, ops))
+      pl.when(wg < consumers)(
+        functools.partial(
+          _dkdv_consumer, refs + (full, empty, kv_bar), plan, ops
+        )
+      )
 
     @pl.when(wg == consumers)
     def _():
-      _dkdv_producer((q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem,
-                      lse_smem, dl_smem, full, empty), plan)
+      _dkdv_producer(
+        (
+          q_ref,
+          do_ref,
+          lse_ref,
+          dl_ref,
+          q_smem,
+          do_smem,
+          lse_smem,
+          dl_smem,
+          full,
+          empty,
+        ),
+        plan,
+      )
 
-  chunked = lambda n, rows: plgpu.SMEM((n, splits, rows, plan.chunk),
-                                       spec.dtype, transforms=tf)
+  chunked = lambda n, rows: plgpu.SMEM(
+    (n, splits, rows, plan.chunk), spec.dtype, transforms=tf
+  )
   scratch = (
-      chunked(kv_tiles, cfg.block_kv), chunked(kv_tiles, cfg.block_kv),
-      chunked(st, cfg.block_q), chunked(st, cfg.block_q),
-      plgpu.SMEM((st, cfg.block_q), jnp.float32),
-      plgpu.SMEM((st, cfg.block_q), jnp.float32),
-      # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse, delta.
-      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-      plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      # K, V of each K/V tile (one TMA per head-dim chunk)
-      plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
+    chunked(kv_tiles, cfg.block_kv),
+    chunked(kv_tiles, cfg.block_kv),
+    chunked(st, cfg.block_q),
+    chunked(st, cfg.block_q),
+    plgpu.SMEM((st, cfg.block_q), jnp.float32),
+    plgpu.SMEM((st, cfg.block_q), jnp.float32),
+    # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse, delta.
+    plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+    plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+    plgpu.Barrier(num_barriers=st),
+    plgpu.Barrier(num_barriers=st),
+    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    # K, V of each K/V tile (one TMA per head-dim chunk)
+    plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
   )
   if plan.shared:  # P and dS by step parity, and the consumers' rendezvous
-    exchange = lambda: plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype,
-                                  transforms=tf)
+    exchange = lambda: plgpu.SMEM(
+      (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
+    )
     scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
   kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
   kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
   return build_kernel(
-      fa3_bwd_dkdv, out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
-      scratch=scratch, grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
-      grid_names=("heads", "kv_tiles", "batch"), warpgroups=consumers + 1,
-      interpret=interpret)
+    fa3_bwd_dkdv,
+    out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
+    scratch=scratch,
+    grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
+    grid_names=("heads", "kv_tiles", "batch"),
+    warpgroups=consumers + 1,
+    interpret=interpret,
+  )

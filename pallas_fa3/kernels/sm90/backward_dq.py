@@ -14,18 +14,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90 import common
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import AttentionSpec
 
 
 def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
   """A consumer with its own `block_q` rows: dQ over its K/V steps."""
-  (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
-   k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar) = refs
+  (
+    q_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    dq_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    k_smem,
+    v_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    tile_bar,
+  ) = refs
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(common.consumer_regs(plan.row_blocks), action="increase")
+  plgpu.set_max_registers(
+    common.consumer_regs(plan.row_blocks), action="increase"
+  )
   wg = lax.axis_index("wg")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
@@ -57,8 +75,9 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
     s = ops.scores(my_q, k_tile)
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
-      p = common.row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub,
-                             masked=masked)
+      p = common.row_probabilities(
+        ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub, masked=masked
+      )
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
 
@@ -76,8 +95,9 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
 
   dq = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
   dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(unmasked, steps, functools.partial(
-      step, masked=plan.needs_mask), dq)
+  dq = lax.fori_loop(
+    unmasked, steps, functools.partial(step, masked=plan.needs_mask), dq
+  )
 
   @pl.loop(steps, cta_steps)
   def _drain(j):  # tiles loaded for the other consumer's rows (causal)
@@ -93,8 +113,9 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
-                        w: int) -> None:
+def _dq_shared_consumer(
+  refs: tuple, plan: common.QueryPlan, ops: KernelOps, w: int
+) -> None:
   """Consumer `w` of a dQ CTA whose two consumers share one query tile: it
   accumulates dQ for head-dim half `w`.
 
@@ -104,9 +125,26 @@ def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
   repeated. The dS buffers alternate by step parity (as in the dK/dV
   kernel's shared layout).
   """
-  (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem, dl_smem,
-   k_smem, v_smem, ds_smem, k_full, v_full, k_empty, v_empty, tile_bar,
-   xchg) = refs
+  (
+    q_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    dq_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    k_smem,
+    v_smem,
+    ds_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    tile_bar,
+    xchg,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(common.consumer_regs(2), action="increase")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -127,7 +165,7 @@ def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
   steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
-  cols = pl.ds(w * dc, dc)      # my head-dim columns of dQ
+  cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
   shape = (cfg.block_q, half)
 
   def step(j, dq, *, masked):
@@ -138,13 +176,15 @@ def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
     s = ops.scores(my_q, k_tile.at[mine])
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      p = common.row_probabilities(ops, spec, s, lse2, row0, j * cfg.block_kv + w * half,
-                             masked=masked)
+      p = common.row_probabilities(
+        ops, spec, s, lse2, row0, j * cfg.block_kv + w * half, masked=masked
+      )
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)
 
-    ds_smem.at[buf].at[:, mine][...] = ops.with_scores(my_do, v_tile.at[mine],
-                                                       gradient)
+    ds_smem.at[buf].at[:, mine][...] = ops.with_scores(
+      my_do, v_tile.at[mine], gradient
+    )
     plgpu.commit_smem()  # my half of dS visible to both consumers' wgmmas
     plgpu.barrier_arrive(xchg)
     plgpu.barrier_wait(xchg)
@@ -155,11 +195,14 @@ def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
 
   dq = ops.tile(jnp.zeros((cfg.block_q, dc), jnp.float32))
   dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(unmasked, steps, functools.partial(
-      step, masked=plan.needs_mask), dq)
+  dq = lax.fori_loop(
+    unmasked, steps, functools.partial(step, masked=plan.needs_mask), dq
+  )
   # Both consumers passed the last rendezvous after their last read of Q:
   # each writes its half of dQ into the Q tile, and consumer 0 stores it.
-  my_q.at[:, cols][...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
+  my_q.at[:, cols][...] = (dq * jnp.float32(spec.softmax_scale)).astype(
+    spec.dtype
+  )
   plgpu.commit_smem()
   plgpu.barrier_arrive(xchg)
   plgpu.barrier_wait(xchg)
@@ -168,9 +211,14 @@ def _dq_shared_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps,
     plgpu.wait_smem_to_gmem(0)
 
 
-def dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
-              seq_kv_pad: int, ops: KernelOps, interpret: Any
-              ) -> Callable[..., jax.Array]:
+def dq_kernel(
+  spec: AttentionSpec,
+  config: Sm90BackwardConfig,
+  seq_q_pad: int,
+  seq_kv_pad: int,
+  ops: KernelOps,
+  interpret: Any,
+) -> Callable[..., jax.Array]:
   """The dQ kernel: `(q, k, v, dout, lse2, delta) -> dq`, padded.
 
   `config.dq_consumers` warpgroups, each with its own `block_q` rows, or
@@ -178,56 +226,110 @@ def dq_kernel(spec: AttentionSpec, config: Sm90BackwardConfig, seq_q_pad: int,
   """
   consumers, shared = config.dq_consumers, config.dq_head_splits == 2
   blocks = 1 if shared else consumers  # query-row blocks per CTA
-  plan = common.QueryPlan(spec, config.dq_config, seq_q_pad, seq_kv_pad,
-                        row_blocks=blocks)
+  plan = common.QueryPlan(
+    spec, config.dq_config, seq_q_pad, seq_kv_pad, row_blocks=blocks
+  )
   cfg = plan.config
   d, st = spec.head_dim, cfg.num_stages
   # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
   # need the 64-byte swizzle; both wgmma operands of a GEMM share it.
-  tf = (common.swizzle64(spec.dtype) if consumers == 1 or shared
-        else common.smem_transforms(spec.dtype, d))
+  tf = (
+    common.swizzle64(spec.dtype)
+    if consumers == 1 or shared
+    else common.smem_transforms(spec.dtype, d)
+  )
 
-  def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem,
-                 do_smem, lse_smem, dl_smem, k_smem, v_smem, k_full, v_full,
-                 k_empty, v_empty, tile_bar, *exchange):
+  def fa3_bwd_dq(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    dq_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    k_smem,
+    v_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    tile_bar,
+    *exchange,
+  ):
     wg = lax.axis_index("wg")
-    refs = (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem,
-            dl_smem, k_smem, v_smem)
+    refs = (
+      q_ref,
+      do_ref,
+      lse_ref,
+      dl_ref,
+      dq_ref,
+      q_smem,
+      do_smem,
+      lse_smem,
+      dl_smem,
+      k_smem,
+      v_smem,
+    )
     ring = (k_full, v_full, k_empty, v_empty, tile_bar)
     if shared:
       ds_smem, xchg = exchange
       for w in range(consumers):
-        pl.when(wg == w)(functools.partial(
-            _dq_shared_consumer, refs + (ds_smem,) + ring + (xchg,), plan, ops, w))
+        pl.when(wg == w)(
+          functools.partial(
+            _dq_shared_consumer,
+            refs + (ds_smem,) + ring + (xchg,),
+            plan,
+            ops,
+            w,
+          )
+        )
     else:
-      pl.when(wg < consumers)(functools.partial(_dq_consumer, refs + ring, plan, ops))
+      pl.when(wg < consumers)(
+        functools.partial(_dq_consumer, refs + ring, plan, ops)
+      )
 
     @pl.when(wg == consumers)
     def _():
-      common.kv_producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full,
-                          k_empty, v_empty), plan,
-                         registers=common.producer_regs(consumers))
+      common.kv_producer(
+        (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty),
+        plan,
+        registers=common.producer_regs(consumers),
+      )
 
-  per_block = lambda: plgpu.SMEM((blocks, cfg.block_q, d), spec.dtype,
-                                 transforms=tf)
+  per_block = lambda: plgpu.SMEM(
+    (blocks, cfg.block_q, d), spec.dtype, transforms=tf
+  )
   ring = lambda: plgpu.SMEM((st, cfg.block_kv, d), spec.dtype, transforms=tf)
   scratch = (
-      per_block(), per_block(),
-      plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
-      plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
-      ring(), ring(),
-      plgpu.Barrier(num_barriers=st), plgpu.Barrier(num_barriers=st),
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-      plgpu.Barrier(num_barriers=4 * blocks),  # Q, dO, lse, delta
+    per_block(),
+    per_block(),
+    plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
+    plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
+    ring(),
+    ring(),
+    plgpu.Barrier(num_barriers=st),
+    plgpu.Barrier(num_barriers=st),
+    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    plgpu.Barrier(num_barriers=4 * blocks),  # Q, dO, lse, delta
   )
   if shared:  # dS by step parity, and the consumers' rendezvous
-    scratch += (plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype,
-                           transforms=tf),
-                plgpu.Barrier(num_arrivals=consumers))
+    scratch += (
+      plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf),
+      plgpu.Barrier(num_arrivals=consumers),
+    )
   return common.build_kernel(
-      fa3_bwd_dq, out_type=jax.ShapeDtypeStruct(
-          (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
-      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"), warpgroups=consumers + 1,
-      interpret=interpret)
+    fa3_bwd_dq,
+    out_type=jax.ShapeDtypeStruct(
+      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
+    ),
+    scratch=scratch,
+    grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+    grid_names=("heads", "q_tiles", "batch"),
+    warpgroups=consumers + 1,
+    interpret=interpret,
+  )

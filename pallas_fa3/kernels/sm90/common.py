@@ -73,8 +73,9 @@ class QueryPlan:
     return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
 
 
-def kv_steps(plan: QueryPlan, row0: Any, rows: int
-             ) -> tuple[jax.Array, jax.Array]:
+def kv_steps(
+  plan: QueryPlan, row0: Any, rows: int
+) -> tuple[jax.Array, jax.Array]:
   """(steps, unmasked steps) for the query rows [row0, row0 + rows).
 
   `steps` counts the leading K/V tiles any row sees (at least 1, so that a
@@ -97,8 +98,10 @@ def smem_transforms(dtype: Any, head_dim: int) -> tuple:
   """Tiling and swizzle of a shared-memory tile with `head_dim`-wide rows."""
   itemsize_bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(head_dim * itemsize_bits)
-  return (plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
-          plgpu.SwizzleTransform(swizzle))
+  return (
+    plgpu.TilingTransform((8, swizzle * 8 // itemsize_bits)),
+    plgpu.SwizzleTransform(swizzle),
+  )
 
 
 def swizzle64(dtype: Any) -> tuple:
@@ -113,9 +116,13 @@ def v_rows(v_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
   return v_ref.at[batch, cols, kv_head]
 
 
-def kv_producer(refs: tuple, plan: QueryPlan, *,
-                registers: int = PRODUCER_REGS,
-                v_tile: Callable[..., Any] = v_rows) -> None:
+def kv_producer(
+  refs: tuple,
+  plan: QueryPlan,
+  *,
+  registers: int = PRODUCER_REGS,
+  v_tile: Callable[..., Any] = v_rows,
+) -> None:
   """The producer warpgroup: streams K and V tiles into the ring by TMA.
 
   `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
@@ -139,15 +146,17 @@ def kv_producer(refs: tuple, plan: QueryPlan, *,
     def _wait_k():  # the slot's previous tile has been read by both consumers
       plgpu.barrier_wait(k_empty.at[slot])
 
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_smem.at[slot],
-                            k_full.at[slot])
+    plgpu.copy_gmem_to_smem(
+      k_ref.at[batch, cols, kv_head], k_smem.at[slot], k_full.at[slot]
+    )
 
     @pl.when(j >= stages)
     def _wait_v():
       plgpu.barrier_wait(v_empty.at[slot])
 
-    plgpu.copy_gmem_to_smem(v_tile(v_ref, batch, kv_head, cols),
-                            v_smem.at[slot], v_full.at[slot])
+    plgpu.copy_gmem_to_smem(
+      v_tile(v_ref, batch, kv_head, cols), v_smem.at[slot], v_full.at[slot]
+    )
 
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
   def _drain(j):
@@ -158,11 +167,19 @@ def kv_producer(refs: tuple, plan: QueryPlan, *,
     plgpu.barrier_wait(v_empty.at[slot])
 
 
-def run_kv_steps(plan: QueryPlan, ops: KernelOps, step: Callable[..., Any],
-                 q_smem: Any, k_smem: Any, ring: tuple, steps: Any,
-                 unmasked: Any, cta_steps: Any, wg: Any,
-                 rendezvous: Callable[[], None]
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def run_kv_steps(
+  plan: QueryPlan,
+  ops: KernelOps,
+  step: Callable[..., Any],
+  q_smem: Any,
+  k_smem: Any,
+  ring: tuple,
+  steps: Any,
+  unmasked: Any,
+  cta_steps: Any,
+  wg: Any,
+  rendezvous: Callable[[], None],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
 
   S_0 first; consumer 1 starts half a pingpong step behind; then the
@@ -183,10 +200,15 @@ def run_kv_steps(plan: QueryPlan, ops: KernelOps, step: Callable[..., Any],
 
   carry = (o0, m0, l0, s0)
   split = jnp.minimum(unmasked, steps - 1)
-  carry = lax.fori_loop(0, split, functools.partial(
-      step, has_next=True, masked=False), carry)
-  carry = lax.fori_loop(split, steps - 1, functools.partial(
-      step, has_next=True, masked=plan.needs_mask), carry)
+  carry = lax.fori_loop(
+    0, split, functools.partial(step, has_next=True, masked=False), carry
+  )
+  carry = lax.fori_loop(
+    split,
+    steps - 1,
+    functools.partial(step, has_next=True, masked=plan.needs_mask),
+    carry,
+  )
   o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
 
   @pl.loop(steps, cta_steps)
@@ -206,20 +228,37 @@ def run_kv_steps(plan: QueryPlan, ops: KernelOps, step: Callable[..., Any],
   return o, m, l
 
 
-def row_probabilities(ops: KernelOps, spec: AttentionSpec, s: jax.Array,
-                      lse2: jax.Array, q0: Any, kv0: Any, *, masked: bool,
-                      check_seq_kv: bool = True) -> jax.Array:
+def row_probabilities(
+  ops: KernelOps,
+  spec: AttentionSpec,
+  s: jax.Array,
+  lse2: jax.Array,
+  q0: Any,
+  kv0: Any,
+  *,
+  masked: bool,
+  check_seq_kv: bool = True,
+) -> jax.Array:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
   dK/dV consumer."""
   shape = s.shape
-  p = jnp.exp2(s * jnp.float32(spec.softmax_scale * LOG2E)
-               - lax.broadcast_in_dim(lse2, shape, [0]))
+  p = jnp.exp2(
+    s * jnp.float32(spec.softmax_scale * LOG2E)
+    - lax.broadcast_in_dim(lse2, shape, [0])
+  )
   if masked:
-    mask = masking.visible_tile_at(spec, q0, kv0, ops.row_index(shape[0]),
-                                   ops.col_index(shape[1]), shape, 0,
-                                   check_seq_kv=check_seq_kv)
+    mask = masking.visible_tile_at(
+      spec,
+      q0,
+      kv0,
+      ops.row_index(shape[0]),
+      ops.col_index(shape[1]),
+      shape,
+      0,
+      check_seq_kv=check_seq_kv,
+    )
     p = jnp.where(mask, p, 0.0)
   return p
 
@@ -229,8 +268,9 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def pad_axis(x: jax.Array, axis: int, length: int, value: float = 0
-             ) -> jax.Array:
+def pad_axis(
+  x: jax.Array, axis: int, length: int, value: float = 0
+) -> jax.Array:
   """x padded with `value` to `length` along `axis` (no copy if already there)."""
   pad = length - x.shape[axis]
   if pad == 0:
@@ -240,9 +280,16 @@ def pad_axis(x: jax.Array, axis: int, length: int, value: float = 0
   return jnp.pad(x, widths, constant_values=value)
 
 
-def build_kernel(body: Callable[..., None], *, out_type: Any, scratch: tuple,
-                 grid: tuple[int, ...], grid_names: tuple[str, ...],
-                 warpgroups: int, interpret: Any) -> Callable[..., Any]:
+def build_kernel(
+  body: Callable[..., None],
+  *,
+  out_type: Any,
+  scratch: tuple,
+  grid: tuple[int, ...],
+  grid_names: tuple[str, ...],
+  warpgroups: int,
+  interpret: Any,
+) -> Callable[..., Any]:
   """`plgpu.kernel` with the settings every sm90 kernel here shares.
 
   `warpgroups` threads named "wg" (consumers first, the producer last),
@@ -250,7 +297,13 @@ def build_kernel(body: Callable[..., None], *, out_type: Any, scratch: tuple,
   interpret-mode parameters).
   """
   return plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=grid,
-      grid_names=grid_names, num_threads=warpgroups, thread_name="wg",
-      compiler_params=compat.compiler_params(approx_math=True),
-      interpret=interpret)
+    body,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=grid,
+    grid_names=grid_names,
+    num_threads=warpgroups,
+    thread_name="wg",
+    compiler_params=compat.compiler_params(approx_math=True),
+    interpret=interpret,
+  )

@@ -20,19 +20,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 def compiler_params(*, approx_math: bool) -> Any:
   """CompilerParams with the lowering semantics pinned (the default moved)."""
   return plgpu.CompilerParams(
-      approx_math=approx_math,
-      lowering_semantics=_mgpu.LoweringSemantics.Lane,
+    approx_math=approx_math,
+    lowering_semantics=_mgpu.LoweringSemantics.Lane,
   )
 
 
 def _interpret_module() -> Any:
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
   return interpret_pallas_call
 
 
 def interpret_params(*, detect_races: bool) -> Any:
   """Parameters that make `plgpu.kernel` run in GPU interpret mode on a CPU."""
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
   return InterpretGPUParams(detect_races=detect_races)
 
 

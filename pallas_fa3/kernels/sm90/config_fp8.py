@@ -5,11 +5,17 @@ and block_kv are also the quantization tiles (`pallas_fa3.fp8`).
 
 from __future__ import annotations
 
-from pallas_fa3.kernels.sm90.config import (BARRIER_BYTES, BLOCK_KV_CHOICES,
-                                            BLOCK_Q_CHOICES, MAX_SMEM_BYTES,
-                                            NUM_CONSUMERS, RESERVED_SMEM,
-                                            STAGE_CHOICES, Sm90ForwardConfig,
-                                            align_smem)
+from pallas_fa3.kernels.sm90.config import (
+  BARRIER_BYTES,
+  BLOCK_KV_CHOICES,
+  BLOCK_Q_CHOICES,
+  MAX_SMEM_BYTES,
+  NUM_CONSUMERS,
+  RESERVED_SMEM,
+  STAGE_CHOICES,
+  Sm90ForwardConfig,
+  align_smem,
+)
 from pallas_fa3.spec import AttentionSpec
 
 FP8_HEAD_DIMS = (64, 128, 256)  # the randomized Hadamard needs a power of two
@@ -17,8 +23,9 @@ FP8_OUT_DTYPES = ("bfloat16", "float16")
 _FP8_ITEMSIZE = 1
 
 
-def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
-                           out_itemsize: int = 2) -> int:
+def fp8_forward_smem_bytes(
+  config: Sm90ForwardConfig, head_dim: int, out_itemsize: int = 2
+) -> int:
   """Shared memory the FP8 forward kernel allocates for one CTA, in bytes.
 
   As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus a separate output
@@ -29,7 +36,9 @@ def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
   q = align_smem(rows * head_dim * _FP8_ITEMSIZE)
   out = align_smem(rows * head_dim * out_itemsize)
   p = align_smem(rows * config.block_kv * _FP8_ITEMSIZE)
-  ring = align_smem(config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE)
+  ring = align_smem(
+    config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE
+  )
   lse = align_smem(rows * 4)
   barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * BARRIER_BYTES
   return q + out + p + 2 * ring + lse + RESERVED_SMEM + barriers
@@ -40,48 +49,64 @@ def fp8_forward_smem_bytes(config: Sm90ForwardConfig, head_dim: int,
 # configs within it spill and are excluded as measured.
 # Calibrated with the sm_90a compile: docs/design_notes.md#tile-budgets.
 _FP8_CONSUMER_ACC_REGS = 208
-_FP8_MEASURED_SPILLS = frozenset({
+_FP8_MEASURED_SPILLS = frozenset(
+  {
     (64, Sm90ForwardConfig(block_q=128, block_kv=64, num_stages=3)),
     (128, Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3)),
-})
+  }
+)
 
 
-def fp8_forward_config_unsupported(config: Sm90ForwardConfig, head_dim: int,
-                                   out_itemsize: int = 2) -> str | None:
+def fp8_forward_config_unsupported(
+  config: Sm90ForwardConfig, head_dim: int, out_itemsize: int = 2
+) -> str | None:
   """Why this config cannot run the FP8 kernel at this head_dim, or None."""
   if head_dim not in FP8_HEAD_DIMS:
-    return (f"head_dim {head_dim} is not one of the FP8 kernel's"
-            f" {FP8_HEAD_DIMS}")
+    return f"head_dim {head_dim} is not one of the FP8 kernel's {FP8_HEAD_DIMS}"
   need = fp8_forward_smem_bytes(config, head_dim, out_itemsize)
   if need > MAX_SMEM_BYTES:
-    return (f"{config} needs {need} bytes of shared memory for FP8 at"
-            f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}")
-  regs = (config.block_q * (head_dim + 2 * config.block_kv) // 128
-          + config.block_kv // 8)
+    return (
+      f"{config} needs {need} bytes of shared memory for FP8 at"
+      f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
+    )
+  regs = (
+    config.block_q * (head_dim + 2 * config.block_kv) // 128
+    + config.block_kv // 8
+  )
   if regs > _FP8_CONSUMER_ACC_REGS:
-    return (f"{config} keeps about {regs} registers of tiles per thread in"
-            f" the FP8 consumer at head_dim {head_dim}; the budget is"
-            f" {_FP8_CONSUMER_ACC_REGS}")
+    return (
+      f"{config} keeps about {regs} registers of tiles per thread in"
+      f" the FP8 consumer at head_dim {head_dim}; the budget is"
+      f" {_FP8_CONSUMER_ACC_REGS}"
+    )
   if (head_dim, config) in _FP8_MEASURED_SPILLS:
-    return (f"{config} spills registers in the FP8 kernel at head_dim"
-            f" {head_dim} (measured with the sm_90a compile)")
+    return (
+      f"{config} spills registers in the FP8 kernel at head_dim"
+      f" {head_dim} (measured with the sm_90a compile)"
+    )
   return None
 
 
-def fp8_forward_config_space(head_dim: int, out_itemsize: int = 2
-                             ) -> tuple[Sm90ForwardConfig, ...]:
+def fp8_forward_config_space(
+  head_dim: int, out_itemsize: int = 2
+) -> tuple[Sm90ForwardConfig, ...]:
   """Every FP8 config that fits at this head_dim (the autotuning space)."""
   return tuple(
-      c for c in (Sm90ForwardConfig(bq, bkv, st)
-                  for bq in BLOCK_Q_CHOICES for bkv in BLOCK_KV_CHOICES
-                  for st in STAGE_CHOICES)
-      if fp8_forward_config_unsupported(c, head_dim, out_itemsize) is None)
+    c
+    for c in (
+      Sm90ForwardConfig(bq, bkv, st)
+      for bq in BLOCK_Q_CHOICES
+      for bkv in BLOCK_KV_CHOICES
+      for st in STAGE_CHOICES
+    )
+    if fp8_forward_config_unsupported(c, head_dim, out_itemsize) is None
+  )
 
 
 _FP8_DEFAULTS = {
-    64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+  64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+  128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+  256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
 
@@ -92,19 +117,27 @@ def default_fp8_forward_config(head_dim: int) -> Sm90ForwardConfig:
   return config
 
 
-def fp8_forward_unsupported(spec: AttentionSpec,
-                            config: Sm90ForwardConfig | None = None
-                            ) -> str | None:
+def fp8_forward_unsupported(
+  spec: AttentionSpec, config: Sm90ForwardConfig | None = None
+) -> str | None:
   """Why the FP8 kernel cannot compute `spec` (output dtype `spec.dtype`), or None."""
   if str(spec.dtype) not in FP8_OUT_DTYPES:
-    return (f"the FP8 kernel writes {', '.join(FP8_OUT_DTYPES)}; got output"
-            f" dtype {spec.dtype}")
+    return (
+      f"the FP8 kernel writes {', '.join(FP8_OUT_DTYPES)}; got output"
+      f" dtype {spec.dtype}"
+    )
   if spec.head_dim != spec.head_dim_v:
-    return (f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
-            " the FP8 kernel needs equal q/k and v head dims")
+    return (
+      f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
+      " the FP8 kernel needs equal q/k and v head dims"
+    )
   if spec.head_dim not in FP8_HEAD_DIMS:
-    return (f"head_dim {spec.head_dim} is not one of the FP8 kernel's"
-            f" {FP8_HEAD_DIMS}")
-  config = default_fp8_forward_config(spec.head_dim) if config is None else config
-  return fp8_forward_config_unsupported(config, spec.head_dim,
-                                        spec.dtype.itemsize)
+    return (
+      f"head_dim {spec.head_dim} is not one of the FP8 kernel's {FP8_HEAD_DIMS}"
+    )
+  config = (
+    default_fp8_forward_config(spec.head_dim) if config is None else config
+  )
+  return fp8_forward_config_unsupported(
+    config, spec.head_dim, spec.dtype.itemsize
+  )

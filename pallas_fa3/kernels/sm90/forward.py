@@ -22,18 +22,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90.common import (CONSUMER_REGS, LN2, QueryPlan,
-                                            build_kernel, kv_producer,
-                                            kv_steps, pad_axis, run_kv_steps,
-                                            smem_transforms)
+from pallas_fa3.kernels.sm90.common import (
+  CONSUMER_REGS,
+  LN2,
+  QueryPlan,
+  build_kernel,
+  kv_producer,
+  kv_steps,
+  pad_axis,
+  run_kv_steps,
+  smem_transforms,
+)
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
-def _online_softmax(s: jax.Array, m: jax.Array, l: jax.Array, *,
-                    scale_log2: jax.Array, mask: jax.Array | None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _online_softmax(
+  s: jax.Array,
+  m: jax.Array,
+  l: jax.Array,
+  *,
+  scale_log2: jax.Array,
+  mask: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
 
   `s` holds raw scores, `m` the running max of the scaled ones: the scale is
@@ -51,8 +63,21 @@ def _online_softmax(s: jax.Array, m: jax.Array, l: jax.Array, *,
 
 def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
-  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, k_full, v_full,
-   k_empty, v_empty, q_bar, sched) = refs
+  (
+    q_ref,
+    o_ref,
+    lse_ref,
+    qo_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    q_bar,
+    sched,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
@@ -66,8 +91,9 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
 
-  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
-                          q_smem, q_bar.at[wg])
+  plgpu.copy_gmem_to_smem(
+    q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
+  )
   plgpu.barrier_wait(q_bar.at[wg])
 
   steps, unmasked = kv_steps(plan, row0, cfg.block_q)
@@ -81,8 +107,15 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
 
   def mask_for(j):  # 1-D index vectors: no index tile lives in registers
     return masking.visible_tile_at(
-        spec, row0, j * cfg.block_kv, ops.row_index(cfg.block_q),
-        ops.col_index(cfg.block_kv), shape, 0, check_seq_kv=check_seq_kv)
+      spec,
+      row0,
+      j * cfg.block_kv,
+      ops.row_index(cfg.block_q),
+      ops.col_index(cfg.block_kv),
+      shape,
+      0,
+      check_seq_kv=check_seq_kv,
+    )
 
   def step(j, carry, *, has_next: bool, masked: bool):
     o, m, l, s = carry
@@ -93,7 +126,8 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
       plgpu.barrier_arrive(sched)  # pingpong: my S_{j+1} is issued
       plgpu.barrier_wait(sched)
       p, alpha, m_new, l_new = _online_softmax(
-          s, m, l, scale_log2=scale_log2, mask=mask_for(j) if masked else None)
+        s, m, l, scale_log2=scale_log2, mask=mask_for(j) if masked else None
+      )
       o_scaled = o * lax.broadcast_in_dim(alpha, o.shape, [0])
       p = p.astype(spec.dtype)
       plgpu.barrier_arrive(sched)  # pingpong: softmax done, tensor cores next
@@ -110,26 +144,43 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
       return out
     return body(lambda: s)
 
-  o, m, l = run_kv_steps(plan, ops, step, q_smem, k_smem,
-                         (k_full, v_full, k_empty, v_empty), steps, unmasked,
-                         cta_steps, wg, rendezvous)
-  _epilogue(plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref,
-            batch, head, row0)
+  o, m, l = run_kv_steps(
+    plan,
+    ops,
+    step,
+    q_smem,
+    k_smem,
+    (k_full, v_full, k_empty, v_empty),
+    steps,
+    unmasked,
+    cta_steps,
+    wg,
+    rendezvous,
+  )
+  _epilogue(
+    plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
+  )
 
 
-def _epilogue(plan: QueryPlan, o, m, l, o_smem, lse_smem, o_ref, lse_ref,
-              batch, head, row0) -> None:
+def _epilogue(
+  plan: QueryPlan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0
+) -> None:
   """Normalizes O, writes it and the lse through shared memory by TMA."""
   cfg = plan.config
   empty = l == 0.0
   inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
   o_smem[...] = (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(
-      plan.spec.dtype)
+    plan.spec.dtype
+  )
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
   lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(LN2))
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)])
+  plgpu.copy_smem_to_gmem(
+    o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head]
+  )
+  plgpu.copy_smem_to_gmem(
+    lse_smem, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)]
+  )
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -138,48 +189,98 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
-  def fa3_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
-              lse_smem, k_full, v_full, k_empty, v_empty, q_bar, sched):
+  def fa3_fwd(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    qo_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    q_bar,
+    sched,
+  ):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      _consumer((q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,
-                 k_full, v_full, k_empty, v_empty, q_bar, sched), plan, ops)
+      _consumer(
+        (
+          q_ref,
+          o_ref,
+          lse_ref,
+          qo_smem,
+          k_smem,
+          v_smem,
+          lse_smem,
+          k_full,
+          v_full,
+          k_empty,
+          v_empty,
+          q_bar,
+          sched,
+        ),
+        plan,
+        ops,
+      )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      kv_producer((k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty,
-                 v_empty), plan)
+      kv_producer(
+        (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty), plan
+      )
 
-  ring = lambda: plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), spec.dtype,
-                            transforms=transforms)
+  ring = lambda: plgpu.SMEM(
+    (cfg.num_stages, cfg.block_kv, d), spec.dtype, transforms=transforms
+  )
   scratch = (
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
-                 transforms=transforms),
-      ring(), ring(),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
-      plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
-      plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS),   # Q tile per consumer
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),   # pingpong schedule
+    plgpu.SMEM(
+      (NUM_CONSUMERS, cfg.block_q, d), spec.dtype, transforms=transforms
+    ),
+    ring(),
+    ring(),
+    plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
+    plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
+    plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+    plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # pingpong schedule
   )
   out_type = (
-      jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
-      jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32),
+    jax.ShapeDtypeStruct(
+      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
+    ),
+    jax.ShapeDtypeStruct(
+      (spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32
+    ),
   )
   return build_kernel(
-      fa3_fwd, out_type=out_type,
-      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"), warpgroups=NUM_CONSUMERS + 1,
-      interpret=interpret)
+    fa3_fwd,
+    out_type=out_type,
+    scratch=scratch,
+    grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+    grid_names=("heads", "q_tiles", "batch"),
+    warpgroups=NUM_CONSUMERS + 1,
+    interpret=interpret,
+  )
 
 
-def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
-                 q: jax.Array, k: jax.Array, v: jax.Array, *,
-                 interpret: Any = None) -> tuple[jax.Array, jax.Array]:
+def sm90_forward(
+  spec: AttentionSpec,
+  config: Sm90ForwardConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
   """Runs the forward kernel.
 
   Args:
@@ -195,11 +296,16 @@ def sm90_forward(spec: AttentionSpec, config: Sm90ForwardConfig,
     (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
   """
   tile_q = config.rows_per_cta
-  plan = QueryPlan(spec, config,
-               seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
-               seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
+  plan = QueryPlan(
+    spec,
+    config,
+    seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
+    seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv,
+  )
   ops = COMPILED if interpret is None else INTERPRETED
   out, lse = _build(plan, ops, interpret)(
-      pad_axis(q, 1, plan.seq_q_pad), pad_axis(k, 1, plan.seq_kv_pad),
-      pad_axis(v, 1, plan.seq_kv_pad))
-  return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]
+    pad_axis(q, 1, plan.seq_q_pad),
+    pad_axis(k, 1, plan.seq_kv_pad),
+    pad_axis(v, 1, plan.seq_kv_pad),
+  )
+  return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

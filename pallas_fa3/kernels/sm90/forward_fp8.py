@@ -23,13 +23,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90.common import (
+  QueryPlan,
+  build_kernel,
+  kv_producer,
+  kv_steps,
+  pad_axis,
+  run_kv_steps,
+  smem_transforms,
+)
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps, async_proxy_read
-from pallas_fa3.kernels.sm90.common import (QueryPlan, build_kernel,
-                                            kv_producer, kv_steps, pad_axis,
-                                            run_kv_steps, smem_transforms)
-from pallas_fa3.quant.e4m3 import (FP8_DTYPE, finalize_fp8, online_softmax_fp8,
-                                    v_scale_ratios)
+from pallas_fa3.quant.e4m3 import (
+  FP8_DTYPE,
+  finalize_fp8,
+  online_softmax_fp8,
+  v_scale_ratios,
+)
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 _F32 = jnp.float32
@@ -48,27 +58,41 @@ class Fp8Ops(KernelOps):
   as the wgmma does.
   """
 
-  def with_scores(self, q_smem: Any, k_smem: Any,
-                  body: Callable[[Callable[[], jax.Array]], Any]) -> Any:
+  def with_scores(
+    self,
+    q_smem: Any,
+    k_smem: Any,
+    body: Callable[[Callable[[], jax.Array]], Any],
+  ) -> Any:
     """`KernelOps.with_scores` on e4m3 tiles (one Q and one K tile)."""
     if self.interpreted:
-      s = async_proxy_read(jnp.dot(q_smem[...].astype(_F32),
-                                   k_smem[...].astype(_F32).T,
-                                   preferred_element_type=_F32))
+      s = async_proxy_read(
+        jnp.dot(
+          q_smem[...].astype(_F32),
+          k_smem[...].astype(_F32).T,
+          preferred_element_type=_F32,
+        )
+      )
       return body(lambda: s)
     return super().with_scores(q_smem, k_smem, body)
 
-  def accumulate_pv_t(self, o: jax.Array, p_smem: Any, vt_smem: Any
-                      ) -> jax.Array:
+  def accumulate_pv_t(
+    self, o: jax.Array, p_smem: Any, vt_smem: Any
+  ) -> jax.Array:
     """o + P V with P `[bq, bkv]` and V^T `[d, bkv]` in shared memory (FP8).
 
     Both operands are k-major (the contraction runs over their minor,
     sequence axis), which FP8 wgmma requires; waits for all wgmma.
     """
     if self.interpreted:
-      return async_proxy_read(o + jnp.dot(
-          p_smem[...].astype(_F32), vt_smem[...].astype(_F32).T,
-          preferred_element_type=_F32))
+      return async_proxy_read(
+        o
+        + jnp.dot(
+          p_smem[...].astype(_F32),
+          vt_smem[...].astype(_F32).T,
+          preferred_element_type=_F32,
+        )
+      )
 
     def pv(acc):
       plgpu.wgmma(acc, p_smem, vt_smem.transpose((1, 0)))
@@ -82,9 +106,27 @@ INTERPRETED_FP8 = Fp8Ops(interpreted=True)
 
 def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
-  (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem_all,
-   o_smem_all, p_smem_all, k_smem, vt_smem, lse_smem, k_full, v_full, k_empty,
-   v_empty, q_bar, sched) = refs
+  (
+    q_ref,
+    qs_ref,
+    ks_ref,
+    vs_ref,
+    vr_ref,
+    o_ref,
+    lse_ref,
+    q_smem_all,
+    o_smem_all,
+    p_smem_all,
+    k_smem,
+    vt_smem,
+    lse_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    q_bar,
+    sched,
+  ) = refs
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
@@ -99,8 +141,9 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
 
-  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
-                          q_smem, q_bar.at[wg])
+  plgpu.copy_gmem_to_smem(
+    q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
+  )
   # The Q tile's descale, folded into the softmax scale.
   q_scale = qs_ref[batch, head, lax.div(row0, jnp.int32(cfg.block_q))]
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * q_scale
@@ -111,20 +154,26 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   shape = (cfg.block_q, cfg.block_kv)
   # The mask as one per-row bound against the column index: one compare per
   # element, few live registers.
-  keys_end = ops.rows(masking.visible_keys_end(
-      spec, row0 + ops.row_index(cfg.block_q)))
+  keys_end = ops.rows(
+    masking.visible_keys_end(spec, row0 + ops.row_index(cfg.block_q))
+  )
 
   def mask_for(j):  # 1-D vectors broadcast: no index tile in registers
     return lax.broadcast_in_dim(ops.col_index(cfg.block_kv), shape, [1]) < (
-        lax.broadcast_in_dim(keys_end - j * cfg.block_kv, shape, [0]))
+      lax.broadcast_in_dim(keys_end - j * cfg.block_kv, shape, [0])
+    )
 
   def softmax_to_smem(j, o, m, l, s, masked):
     """Softmax of S_j; P_j (e4m3) into shared memory; O rescaled."""
     k_scale = ks_ref[batch, kv_head, j]
     v_ratio = vr_ref[batch, kv_head, j]  # sv_{j-1} / sv_j
     p, alpha, m_new, l_new = online_softmax_fp8(
-        s, m, l, scale_log2=scale_log2 * k_scale,
-        mask=mask_for(j) if masked else None)
+      s,
+      m,
+      l,
+      scale_log2=scale_log2 * k_scale,
+      mask=mask_for(j) if masked else None,
+    )
     p_smem[...] = p.astype(FP8_DTYPE)
     plgpu.commit_smem()  # P visible to the wgmma (async proxy)
     # O stays in units of the current V tile's scale.
@@ -170,16 +219,30 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
     plgpu.barrier_arrive(v_empty.at[slot])
     return o_new, m_new, l_new, s_next
 
-  o, m, l = run_kv_steps(plan, ops, step, q_smem, k_smem,
-                         (k_full, v_full, k_empty, v_empty), steps, unmasked,
-                         cta_steps, wg, rendezvous)
+  o, m, l = run_kv_steps(
+    plan,
+    ops,
+    step,
+    q_smem,
+    k_smem,
+    (k_full, v_full, k_empty, v_empty),
+    steps,
+    unmasked,
+    cta_steps,
+    wg,
+    rendezvous,
+  )
   out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
   o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
   o_smem[...] = out.astype(spec.dtype)
   lse_wg[...] = lse
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head])
-  plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)])
+  plgpu.copy_smem_to_gmem(
+    o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head]
+  )
+  plgpu.copy_smem_to_gmem(
+    lse_wg, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)]
+  )
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -194,57 +257,125 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
   qk_transforms = smem_transforms(FP8_DTYPE, d)
   seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
 
-  def fa3_fwd_fp8(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref,
-                  lse_ref, q_smem, o_smem, p_smem, k_smem, vt_smem, lse_smem,
-                  k_full, v_full, k_empty, v_empty, q_bar, sched):
+  def fa3_fwd_fp8(
+    q_ref,
+    k_ref,
+    vt_ref,
+    qs_ref,
+    ks_ref,
+    vs_ref,
+    vr_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    o_smem,
+    p_smem,
+    k_smem,
+    vt_smem,
+    lse_smem,
+    k_full,
+    v_full,
+    k_empty,
+    v_empty,
+    q_bar,
+    sched,
+  ):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      _consumer((q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref, q_smem,
-                 o_smem, p_smem, k_smem, vt_smem, lse_smem, k_full, v_full,
-                 k_empty, v_empty, q_bar, sched), plan, ops)
+      _consumer(
+        (
+          q_ref,
+          qs_ref,
+          ks_ref,
+          vs_ref,
+          vr_ref,
+          o_ref,
+          lse_ref,
+          q_smem,
+          o_smem,
+          p_smem,
+          k_smem,
+          vt_smem,
+          lse_smem,
+          k_full,
+          v_full,
+          k_empty,
+          v_empty,
+          q_bar,
+          sched,
+        ),
+        plan,
+        ops,
+      )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      kv_producer((k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty,
-                 v_empty), plan, registers=PRODUCER_REGS, v_tile=_vt_cols)
+      kv_producer(
+        (k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty, v_empty),
+        plan,
+        registers=PRODUCER_REGS,
+        v_tile=_vt_cols,
+      )
 
   scratch = (
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE,
-                 transforms=qk_transforms),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, d), spec.dtype,
-                 transforms=smem_transforms(spec.dtype, d)),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q, cfg.block_kv), FP8_DTYPE,
-                 transforms=seq_transforms),
-      plgpu.SMEM((cfg.num_stages, cfg.block_kv, d), FP8_DTYPE,
-                 transforms=qk_transforms),
-      plgpu.SMEM((cfg.num_stages, d, cfg.block_kv), FP8_DTYPE,
-                 transforms=seq_transforms),
-      plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), _F32),
-      plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
-      plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS),   # Q tile per consumer
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),   # pingpong schedule
+    plgpu.SMEM(
+      (NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE, transforms=qk_transforms
+    ),
+    plgpu.SMEM(
+      (NUM_CONSUMERS, cfg.block_q, d),
+      spec.dtype,
+      transforms=smem_transforms(spec.dtype, d),
+    ),
+    plgpu.SMEM(
+      (NUM_CONSUMERS, cfg.block_q, cfg.block_kv),
+      FP8_DTYPE,
+      transforms=seq_transforms,
+    ),
+    plgpu.SMEM(
+      (cfg.num_stages, cfg.block_kv, d), FP8_DTYPE, transforms=qk_transforms
+    ),
+    plgpu.SMEM(
+      (cfg.num_stages, d, cfg.block_kv), FP8_DTYPE, transforms=seq_transforms
+    ),
+    plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), _F32),
+    plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
+    plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+    plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # pingpong schedule
   )
   out_type = (
-      jax.ShapeDtypeStruct((spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype),
-      jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
+    jax.ShapeDtypeStruct(
+      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
+    ),
+    jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
   )
   return build_kernel(
-      fa3_fwd_fp8, out_type=out_type,
-      scratch=scratch, grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-      grid_names=("heads", "q_tiles", "batch"), warpgroups=NUM_CONSUMERS + 1,
-      interpret=interpret)
+    fa3_fwd_fp8,
+    out_type=out_type,
+    scratch=scratch,
+    grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
+    grid_names=("heads", "q_tiles", "batch"),
+    warpgroups=NUM_CONSUMERS + 1,
+    interpret=interpret,
+  )
 
 
-def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
-                     q8: jax.Array, k8: jax.Array, v8t: jax.Array,
-                     q_scale: jax.Array, k_scale: jax.Array,
-                     v_scale: jax.Array, *, interpret: Any = None
-                     ) -> tuple[jax.Array, jax.Array]:
+def sm90_forward_fp8(
+  spec: AttentionSpec,
+  config: Sm90ForwardConfig,
+  q8: jax.Array,
+  k8: jax.Array,
+  v8t: jax.Array,
+  q_scale: jax.Array,
+  k_scale: jax.Array,
+  v_scale: jax.Array,
+  *,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
   """Runs the FP8 forward kernel.
 
   Args:
@@ -261,15 +392,22 @@ def sm90_forward_fp8(spec: AttentionSpec, config: Sm90ForwardConfig,
     (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
   """
   tile_q = config.rows_per_cta
-  plan = QueryPlan(spec, config,
-               seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
-               seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv)
+  plan = QueryPlan(
+    spec,
+    config,
+    seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
+    seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv,
+  )
   ops = COMPILED_FP8 if interpret is None else INTERPRETED_FP8
   n_q_tiles = plan.seq_q_pad // config.block_q
   v_scale = v_scale.astype(_F32)
   out, lse = _build(plan, ops, interpret)(
-      pad_axis(q8, 1, plan.seq_q_pad), pad_axis(k8, 1, plan.seq_kv_pad),
-      pad_axis(v8t, 3, plan.seq_kv_pad),
-      pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
-      k_scale.astype(_F32), v_scale, v_scale_ratios(v_scale))
-  return out[:, :spec.seq_q], lse[:, :, :spec.seq_q]
+    pad_axis(q8, 1, plan.seq_q_pad),
+    pad_axis(k8, 1, plan.seq_kv_pad),
+    pad_axis(v8t, 3, plan.seq_kv_pad),
+    pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
+    k_scale.astype(_F32),
+    v_scale,
+    v_scale_ratios(v_scale),
+  )
+  return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

@@ -62,17 +62,25 @@ class KernelOps:
     """int32 0..n-1 laid out as the rows of a wgmma accumulator."""
     if self.interpreted:
       return lax.iota(jnp.int32, n)
-    return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.layout_cast(
+      lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(1)
+    )
 
   def col_index(self, n: int) -> jax.Array:
     """int32 0..n-1 laid out as the columns of a wgmma accumulator."""
     if self.interpreted:
       return lax.iota(jnp.int32, n)
-    return plgpu.layout_cast(lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(0))
+    return plgpu.layout_cast(
+      lax.iota(jnp.int32, n), plgpu.Layout.WGMMA.reduce(0)
+    )
 
   # -- matmuls -----------------------------------------------------------------
-  def with_scores(self, q_smem: Any, k_smem: Any,
-                  body: Callable[[Callable[[], jax.Array]], Any]) -> Any:
+  def with_scores(
+    self,
+    q_smem: Any,
+    k_smem: Any,
+    body: Callable[[Callable[[], jax.Array]], Any],
+  ) -> Any:
     """Starts S = Q K^T (float32) and runs `body(read_s)` while it computes.
 
     On the GPU the wgmma is issued asynchronously into a scoped accumulator;
@@ -82,9 +90,12 @@ class KernelOps:
     """
     q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
-      s = async_proxy_read(sum(
+      s = async_proxy_read(
+        sum(
           jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
-          for q, k in zip(q_chunks, k_chunks)))
+          for q, k in zip(q_chunks, k_chunks)
+        )
+      )
       return body(lambda: s)
 
     def scoped(acc):
@@ -99,38 +110,42 @@ class KernelOps:
     """S = Q K^T in float32, waited for (chunks as in `with_scores`)."""
     return self.with_scores(q_smem, k_smem, lambda read: read())
 
-  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem: Any
-                    ) -> jax.Array:
+  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem: Any) -> jax.Array:
     """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
     if self.interpreted:
       return async_proxy_read(
-          o + jnp.dot(p, v_smem[...], preferred_element_type=_F32))
+        o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
+      )
 
     def pv(acc):
       plgpu.wgmma(acc, p, v_smem)
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
 
-  def accumulate_ss(self, acc: jax.Array, a_smem: Any, b_smem: Any
-                    ) -> jax.Array:
+  def accumulate_ss(
+    self, acc: jax.Array, a_smem: Any, b_smem: Any
+  ) -> jax.Array:
     """acc + A B with A `[m, k]` and B `[k, n]` in shared memory, float32
     accumulation; waits for all wgmma."""
     if self.interpreted:
       return async_proxy_read(
-          acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32))
+        acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32)
+      )
 
     def ss(ref):
       plgpu.wgmma(ref, a_smem, b_smem)
 
     return pl.run_state(ss)(plgpu.ACC.init(acc))
 
-  def accumulate_tn(self, acc: jax.Array, a_smem: Any, b_smem: Any
-                    ) -> jax.Array:
+  def accumulate_tn(
+    self, acc: jax.Array, a_smem: Any, b_smem: Any
+  ) -> jax.Array:
     """acc + A^T B with A `[k, m]` and B `[k, n]` in shared memory (the
     wgmma reads A transposed), float32 accumulation; waits for all wgmma."""
     if self.interpreted:
       return async_proxy_read(
-          acc + jnp.dot(a_smem[...].T, b_smem[...], preferred_element_type=_F32))
+        acc + jnp.dot(a_smem[...].T, b_smem[...], preferred_element_type=_F32)
+      )
 
     def tn(ref):
       plgpu.wgmma(ref, a_smem.transpose((1, 0)), b_smem)
