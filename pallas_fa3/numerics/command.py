@@ -2,9 +2,10 @@
 
 Each study module provides a frozen config class (its CPU default) and a
 `GPU_DEFAULT`, `run(config, progress=...) -> dict`, `markdown(result)` and
-`plot(result, out_dir)`; this module picks the platform default, applies the
-flags, adds the environment header, writes `results.json`, `summary.md` and
-`plots/*.png` under `<out>/<study>`, and prints the summary.
+`plot(result, out_dir)` (these two in the report module `REPORTS` names,
+if any); this module picks the platform default, applies the flags, adds the
+environment header, writes `results.json`, `summary.md` and `plots/*.png`
+under `<out>/<study>`, and prints the summary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ STUDIES = {
   "fp8": ("pallas_fa3.numerics.fp8", "FP8StudyConfig"),
   "divergence": ("pallas_fa3.numerics.divergence", "DivergenceConfig"),
   "bias": ("pallas_fa3.numerics.bias", "BiasConfig"),
+}
+# study -> module of its markdown() and plot(), where not the study's own
+REPORTS = {
+  "deviation": "pallas_fa3.numerics.deviation_report",
+  "divergence": "pallas_fa3.numerics.divergence_report",
 }
 
 
@@ -53,10 +59,13 @@ def default_config(
 
 
 def _deviation_extras(result: dict) -> None:
-  from pallas_fa3.numerics import deviation_checks  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.numerics import (  # pylint: disable=g-import-not-at-top
+    deviation_checks,
+    deviation_report,
+  )
 
   result["checks"] = deviation_checks.checks(result["records"])
-  result["headline"] = deviation_checks.summary_numbers(result)
+  result["headline"] = deviation_report.summary_numbers(result)
 
 
 def run(
@@ -80,12 +89,11 @@ def run(
   out_dir = os.path.join(out_root, study)
   result = module.run(cfg, progress=progress)
   if study == "deviation":
-    from pallas_fa3.numerics import deviation_checks  # pylint: disable=g-import-not-at-top
-
     _deviation_extras(result)
-    markdown, plot = deviation_checks.markdown, deviation_checks.plot
-  else:
-    markdown, plot = module.markdown, module.plot
+  shown = (
+    importlib.import_module(REPORTS[study]) if study in REPORTS else module
+  )
+  markdown, plot = shown.markdown, shown.plot
   result = {
     "study": study,
     "environment": report.environment(invoked_as or study, argv),

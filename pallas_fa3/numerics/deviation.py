@@ -16,7 +16,8 @@ attention of those rounded values:
 
 Two sweeps: sequence length at one fixed tile (every head dim, input
 distribution and format), and tile sizes (squares and swapped pairs) at one
-sequence length. The checks against the paper are in `deviation_checks`.
+sequence length. The checks against the paper are in `deviation_checks`, the
+markdown and plots in `deviation_report`.
 """
 
 from __future__ import annotations
