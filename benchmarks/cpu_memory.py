@@ -61,11 +61,11 @@ which default tile is fastest on this CPU.
 Timings are wall-clock on a shared machine: the 1-minute load average is
 recorded for each case so that noisy numbers can be recognized (re-run them).
 
-Files: this script (command line, environment header, case scheduling; run
-with `--worker`, it is also the subprocess entry point),
-`cpu_memory_worker.py` (one case in the subprocess: inputs, compilation,
-measurement) and `cpu_memory_report.py` (markdown tables, ratios, growth
-factors, checks).
+Files: this script (command line and the run; with `--worker`, it is also
+the subprocess entry point), `cpu_memory_runner.py` (environment header,
+each case in fresh subprocesses), `cpu_memory_worker.py` (one case in the
+subprocess: inputs, compilation, measurement) and `cpu_memory_report.py`
+(markdown tables, ratios, growth factors, checks).
 
 Examples (from the repository root):
   python benchmarks/cpu_memory.py
@@ -76,15 +76,9 @@ Examples (from the repository root):
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
-import time
 
 # benchmarks/ is not a package: import the sibling modules from this file's
 # directory, wherever the script is run from.
@@ -99,12 +93,12 @@ from cpu_memory_report import (
   progress_note,  # noqa: E402
   sweep_report,  # noqa: E402
 )
-from cpu_memory_worker import (
-  REPO_ROOT,  # noqa: E402
-  worker,  # noqa: E402
+from cpu_memory_runner import (
+  RESULT_TAG,  # noqa: E402
+  environment,  # noqa: E402
+  run_case,  # noqa: E402
 )
-
-_RESULT_TAG = "CPU_MEMORY_RESULT_JSON:"
+from cpu_memory_worker import worker  # noqa: E402
 
 DEFAULT_SEQS = (1024, 2048, 4096, 8192)
 SWEEP_BLOCKS = (
@@ -115,136 +109,6 @@ SWEEP_BLOCKS = (
   (128, 256),
   (256, 128),
 )
-
-
-# ---------------------------------------------------------------------------
-# Environment and case scheduling (parent side).
-
-
-def _environment(argv: list[str]) -> dict:
-  def version(pkg):
-    try:
-      return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      return None
-
-  cpu_model = None
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu_model = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  mem_total = None
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemTotal:"):
-          mem_total = int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  git = {}
-  try:
-    git["commit"] = subprocess.run(
-      ["git", "rev-parse", "HEAD"],
-      cwd=REPO_ROOT,
-      capture_output=True,
-      text=True,
-      check=True,
-    ).stdout.strip()
-    git["dirty_pallas_fa3"] = bool(
-      subprocess.run(
-        ["git", "status", "--porcelain", "pallas_fa3"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-      ).stdout.strip()
-    )
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return dict(
-    date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    platform=platform.platform(),
-    machine=platform.machine(),
-    cpu_model=cpu_model,
-    cpu_count=os.cpu_count(),
-    cpu_affinity=len(os.sched_getaffinity(0)),
-    mem_total_gib=None if mem_total is None else round(mem_total / 2**30, 1),
-    python=platform.python_version(),
-    jax=version("jax"),
-    jaxlib=version("jaxlib"),
-    numpy=version("numpy"),
-    git=git,
-    command=shlex.join([sys.executable] + argv),
-    xla_flags=os.environ.get("XLA_FLAGS"),
-  )
-
-
-def _run_worker(case: dict, timeout_s: float, extra_env: dict) -> dict:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-    p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p
-  )
-  env.update(extra_env)
-  cmd = [
-    sys.executable,
-    os.path.abspath(__file__),
-    "--worker",
-    json.dumps(case),
-  ]
-  t0 = time.perf_counter()
-  try:
-    proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=timeout_s, env=env
-    )
-  except subprocess.TimeoutExpired:
-    return dict(
-      case=case, error=f"{case['role']}: timed out after {timeout_s:.0f} s"
-    )
-  wall = time.perf_counter() - t0
-  for line in proc.stdout.splitlines():
-    if line.startswith(_RESULT_TAG):
-      res = json.loads(line[len(_RESULT_TAG) :])
-      res["subprocess_wall_s"] = wall
-      return res
-  tail = (proc.stderr or proc.stdout)[-2000:]
-  return dict(
-    case=case,
-    error=f"{case['role']} worker exit code {proc.returncode}: {tail}",
-  )
-
-
-def _run_case(case: dict, timeout_s: float, mmap_threshold: int | None) -> dict:
-  """Two fresh subprocesses: memory (fixed mmap threshold), then timing."""
-  extra = (
-    {}
-    if not mmap_threshold
-    else {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
-  )
-  mem = _run_worker(dict(case, role="memory"), timeout_s, extra)
-  if "error" in mem or "skipped" in mem:
-    return dict(mem, case=case, memory=mem, timing=None)
-  tim = _run_worker(dict(case, role="time"), timeout_s, {})
-  merged = dict(
-    case=case,
-    memory=mem,
-    timing=tim,
-    compiled=mem["compiled"],
-    hwm_reset_ok=mem["hwm_reset_ok"],
-    hwm_note=mem["hwm_note"],
-  )
-  for key in ("peak_delta_first_kib", "peak_delta_max_kib"):
-    merged[key] = mem[key]
-  if "error" in tim:
-    merged["error"] = tim["error"]
-  else:
-    for key in ("time_median_s", "time_min_s", "time_max_s", "times_s"):
-      merged[key] = tim[key]
-    merged["loadavg_before"] = tim["loadavg_before"]
-  return merged
 
 
 def _parse_args(argv):
@@ -404,10 +268,10 @@ def main(argv=None) -> int:
   args = _parse_args(argv)
   if args.worker:
     res = worker(json.loads(args.worker))
-    print(_RESULT_TAG + json.dumps(res), flush=True)
+    print(RESULT_TAG + json.dumps(res), flush=True)
     return 0
 
-  env = _environment([os.path.relpath(__file__)] + argv)
+  env = environment([os.path.relpath(__file__)] + argv)
   base = dict(
     dtype=args.dtype,
     causal=args.causal,
@@ -453,7 +317,7 @@ def main(argv=None) -> int:
         end="",
         flush=True,
       )
-      res = _run_case(case, args.case_timeout, args.mmap_threshold)
+      res = run_case(case, args.case_timeout, args.mmap_threshold)
       print(" " + progress_note(res), file=sys.stderr, flush=True)
       results.append(res)
     return results

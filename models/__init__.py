@@ -4,9 +4,10 @@
               attention is pallas_fa3.flax.FlashMultiHeadAttention
   data        the Python standard library's sources as a byte corpus;
               deterministic batches
-  train       TrainConfig, build_program (the jitted step), train()
+  step        TrainConfig, build_program (the jitted step), evaluate
+  train       train(): the loop, evaluation, checkpoints and resume
   checkpoint  orbax checkpoints of the training state
   report      progress bar and metrics log
 
-The command line is `pallas-fa3 train` (pallas_fa3/cli.py).
+The command line is `pallas-fa3 train` (pallas_fa3/cli_train.py).
 """

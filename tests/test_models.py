@@ -13,7 +13,7 @@ from flax import nnx
 
 from models import data
 from models.gpt import GPT, GPTConfig, count_params
-from models.train import TrainConfig, build_program
+from models.step import TrainConfig, build_program
 
 TINY = GPTConfig(
   num_layers=2,

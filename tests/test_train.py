@@ -9,18 +9,13 @@ import pytest
 
 from models import data
 from models.gpt import GPTConfig
-from models.train import (
-  CHECKPOINT_DIR,
-  METRICS_FILE,
-  SUMMARY_FILE,
-  TrainConfig,
-  train,
-)
-from pallas_fa3 import cli
+from models.step import TrainConfig
+from models.train import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, train
+from pallas_fa3 import cli, cli_train
 
 TINY_MODEL = GPTConfig(num_layers=1, d_model=32, num_heads=2, max_seq_len=32)
 # One tiny setting for every test, so they share one compilation
-# (models.train caches programs); steps are milliseconds each.
+# (models.step caches programs); steps are milliseconds each.
 TINY_TRAIN = TrainConfig(
   steps=40,
   batch_size=8,
@@ -173,7 +168,7 @@ def test_cli_train_end_to_end(tmp_path, capsys):
 
 def test_cli_train_defaults_are_the_config_defaults():
   args = cli.build_parser().parse_args(["train"])
-  model_cfg, train_cfg = cli._train_configs(args)  # pylint: disable=protected-access
+  model_cfg, train_cfg = cli_train.train_configs(args)
   assert train_cfg == TrainConfig()
   assert model_cfg == dataclasses.replace(
     GPTConfig(), max_seq_len=TrainConfig().seq_len

@@ -120,7 +120,7 @@ class DivergenceConfig:
     """{run: (GPTConfig, TrainConfig)} of the four runs."""
     example_models.require_models("pallas-fa3 numerics divergence")
     from models.gpt import GPTConfig  # pylint: disable=g-import-not-at-top
-    from models.train import TrainConfig  # pylint: disable=g-import-not-at-top
+    from models.step import TrainConfig  # pylint: disable=g-import-not-at-top
 
     flash = (
       None if self.flash_implementation == "auto" else self.flash_implementation
@@ -223,7 +223,7 @@ def run(cfg: DivergenceConfig, *, progress: bool = True) -> dict:
   """Trains the four runs in lockstep, comparing them every `interval` steps."""
   example_models.require_models("pallas-fa3 numerics divergence")
   from models import data  # pylint: disable=g-import-not-at-top
-  from models.train import build_program  # pylint: disable=g-import-not-at-top
+  from models.step import build_program  # pylint: disable=g-import-not-at-top
 
   start = time.perf_counter()
   configs = cfg.model_configs()

@@ -1,0 +1,300 @@
+"""`pallas-fa3 train`: the flags and the handler of the training command.
+
+Trains the byte-level GPT of `models/` on the Python standard library's
+sources; the `models` package (and its optax/orbax extra) is imported only
+when the command runs, so `--help` needs neither Flax nor a checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pallas_fa3 import example_models
+
+# XLA flag that makes GPU reductions and autotuning deterministic (a no-op on
+# CPU, which is deterministic already): two `train` runs give bitwise-equal
+# losses on a GPU too.
+XLA_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+# `train` defaults: the CPU default run (about 3 minutes on 2 idle cores,
+# benchmarks/RESULTS.md "CPU training (issue 5)"). They equal the defaults of
+# models.gpt.GPTConfig / models.step.TrainConfig (tests/test_train.py
+# checks), written out here so that `--help` does not import Flax.
+TRAIN_MODEL_DEFAULTS = dict(
+  layers=4,
+  d_model=128,
+  heads=2,
+  kv_heads=None,
+  mlp_ratio=4,
+  norm="rmsnorm",
+  position="rope",
+  dtype="bfloat16",
+)
+TRAIN_DEFAULTS = dict(
+  steps=1000,
+  batch=16,
+  seq_len=128,
+  lr=3e-3,
+  warmup_steps=50,
+  min_lr_ratio=0.1,
+  weight_decay=0.1,
+  grad_clip=1.0,
+  seed=0,
+  data_seed=0,
+  max_bytes=None,
+  eval_interval=100,
+  eval_batches=8,
+  checkpoint_interval=200,
+)
+
+
+def add_parser(sub, formatter_class) -> None:
+  """Adds the `train` subcommand (flags and handler) to `sub`."""
+  p = sub.add_parser(
+    "train",
+    help="train the byte-level GPT on the Python standard library",
+    description=(
+      "Train a GPT-style byte-level language model (models/, attention by"
+      " pallas_fa3.flax.FlashMultiHeadAttention) on the .py sources of"
+      " this Python's standard library, read from disk (no download)."
+      " AdamW with warmup + cosine decay and gradient clipping; losses in"
+      " bits per byte (8 = uniform). Writes checkpoints/, metrics.jsonl"
+      " and summary.json to --out; --resume continues bitwise-exactly."
+      " The defaults train a small model (0.8M parameters, bfloat16"
+      " compute) to about 2 bits/byte in about 3 minutes on an idle"
+      " 2-core CPU; the same command runs unchanged on a GPU."
+    ),
+    formatter_class=formatter_class,
+  )
+  m, d = TRAIN_MODEL_DEFAULTS, TRAIN_DEFAULTS
+  model = p.add_argument_group("model (models.gpt.GPTConfig)")
+  model.add_argument(
+    "--layers", type=int, default=m["layers"], help="transformer blocks"
+  )
+  model.add_argument(
+    "--d-model", type=int, default=m["d_model"], help="residual width"
+  )
+  model.add_argument(
+    "--heads", type=int, default=m["heads"], help="query heads"
+  )
+  model.add_argument(
+    "--kv-heads",
+    type=int,
+    default=m["kv_heads"],
+    help="key/value heads, for GQA/MQA (None: as --heads)",
+  )
+  model.add_argument(
+    "--mlp-ratio", type=int, default=m["mlp_ratio"], help="MLP width / d_model"
+  )
+  model.add_argument(
+    "--norm",
+    default=m["norm"],
+    choices=("rmsnorm", "layernorm"),
+    help="pre-norm type",
+  )
+  model.add_argument(
+    "--position",
+    default=m["position"],
+    choices=("rope", "learned"),
+    help="position encoding",
+  )
+  model.add_argument(
+    "--tie-embeddings",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="logits use the token embedding",
+  )
+  model.add_argument(
+    "--dtype",
+    default=m["dtype"],
+    choices=("bfloat16", "float32"),
+    help="compute dtype (parameters stay float32)",
+  )
+  model.add_argument(
+    "--implementation",
+    default="auto",
+    choices=("auto", "blockwise", "reference", "mosaic", "interpret"),
+    help="flash_attention backend (auto: the automatic choice)",
+  )
+  opt = p.add_argument_group("training (models.step.TrainConfig)")
+  opt.add_argument(
+    "--steps",
+    type=int,
+    default=d["steps"],
+    help="optimizer steps (the schedule's length)",
+  )
+  opt.add_argument(
+    "--batch", type=int, default=d["batch"], help="sequences per step"
+  )
+  opt.add_argument(
+    "--seq-len", type=int, default=d["seq_len"], help="bytes per sequence"
+  )
+  opt.add_argument(
+    "--lr", type=float, default=d["lr"], help="peak learning rate"
+  )
+  opt.add_argument(
+    "--warmup-steps",
+    type=int,
+    default=d["warmup_steps"],
+    help="linear warmup steps",
+  )
+  opt.add_argument(
+    "--min-lr-ratio",
+    type=float,
+    default=d["min_lr_ratio"],
+    help="final lr / peak lr (cosine decay)",
+  )
+  opt.add_argument(
+    "--weight-decay",
+    type=float,
+    default=d["weight_decay"],
+    help="AdamW decay of the weight matrices",
+  )
+  opt.add_argument(
+    "--grad-clip",
+    type=float,
+    default=d["grad_clip"],
+    help="global gradient norm clip",
+  )
+  opt.add_argument(
+    "--seed", type=int, default=d["seed"], help="model initialization seed"
+  )
+  opt.add_argument(
+    "--data-seed",
+    type=int,
+    default=d["data_seed"],
+    help="seed of the batch order",
+  )
+  opt.add_argument(
+    "--max-bytes",
+    type=int,
+    default=d["max_bytes"],
+    help="cap on the corpus bytes read (None: all)",
+  )
+  run = p.add_argument_group("run")
+  run.add_argument(
+    "--out",
+    default="runs/train",
+    help="output folder (checkpoints, metrics, summary)",
+  )
+  run.add_argument(
+    "--eval-interval",
+    type=int,
+    default=d["eval_interval"],
+    help="evaluate every N steps",
+  )
+  run.add_argument(
+    "--eval-batches",
+    type=int,
+    default=d["eval_batches"],
+    help="validation batches per evaluation",
+  )
+  run.add_argument(
+    "--checkpoint-interval",
+    type=int,
+    default=d["checkpoint_interval"],
+    help="checkpoint every N steps (0: only at the end)",
+  )
+  run.add_argument(
+    "--resume",
+    action="store_true",
+    help="continue from the newest checkpoint in --out",
+  )
+  run.add_argument(
+    "--progress",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="progress bar (on a terminal)",
+  )
+  run.add_argument(
+    "--deterministic",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help=f"add {XLA_DETERMINISTIC} to XLA_FLAGS (GPU bitwise reproducibility)",
+  )
+  p.set_defaults(func=run_train, parser=p)
+
+
+def train_configs(args):
+  """`(GPTConfig, TrainConfig)` from the parsed flags."""
+  example_models.require_models("pallas-fa3 train")
+  from models.gpt import GPTConfig  # pylint: disable=g-import-not-at-top
+  from models.step import TrainConfig  # pylint: disable=g-import-not-at-top
+
+  model_cfg = GPTConfig(
+    num_layers=args.layers,
+    d_model=args.d_model,
+    num_heads=args.heads,
+    num_kv_heads=args.kv_heads,
+    mlp_ratio=args.mlp_ratio,
+    max_seq_len=args.seq_len,
+    position=args.position,
+    norm=args.norm,
+    tie_embeddings=args.tie_embeddings,
+    dtype=args.dtype,
+    attention_implementation=(
+      None if args.implementation == "auto" else args.implementation
+    ),
+  )
+  train_cfg = TrainConfig(
+    steps=args.steps,
+    batch_size=args.batch,
+    seq_len=args.seq_len,
+    lr=args.lr,
+    warmup_steps=args.warmup_steps,
+    min_lr_ratio=args.min_lr_ratio,
+    weight_decay=args.weight_decay,
+    grad_clip=args.grad_clip,
+    seed=args.seed,
+    data_seed=args.data_seed,
+    max_bytes=args.max_bytes,
+    eval_interval=args.eval_interval,
+    eval_batches=args.eval_batches,
+    checkpoint_interval=args.checkpoint_interval,
+  )
+  return model_cfg, train_cfg
+
+
+def run_train(args) -> int:
+  """Runs `pallas-fa3 train`; returns the exit status."""
+  if args.deterministic and XLA_DETERMINISTIC not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
+    # Read when the JAX backend starts, which has not happened yet here.
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " " + XLA_DETERMINISTIC
+    ).strip()
+  try:
+    example_models.require_models("pallas-fa3 train")
+  except ImportError as e:
+    print(f"pallas-fa3 train: error: {e}", file=sys.stderr)
+    return 1
+  try:
+    model_cfg, train_cfg = train_configs(args)
+  except (TypeError, ValueError) as e:
+    args.parser.error(str(e))
+  from models.train import SUMMARY_FILE, train  # pylint: disable=g-import-not-at-top
+
+  try:
+    summary = train(
+      model_cfg, train_cfg, args.out, resume=args.resume, progress=args.progress
+    )
+  except (
+    FileExistsError,
+    FileNotFoundError,
+    NotImplementedError,
+    ValueError,
+  ) as e:
+    print(f"pallas-fa3 train: error: {e}", file=sys.stderr)
+    return 1
+  speed = summary["tokens_per_s"]
+  print(
+    f"step {summary['final_step']}/{train_cfg.steps}: val"
+    f" {summary['init_val_bpb']:.3f} -> {summary['final_val_bpb']:.3f}"
+    f" bits/byte; {summary['num_params']:,} params;"
+    f" {summary['wall_time_s']:.1f} s wall"
+    + (f"; {speed:,.0f} tokens/s" if speed else "")
+  )
+  print(f"summary: {os.path.join(args.out, SUMMARY_FILE)}")
+  return 0
