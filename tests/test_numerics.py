@@ -211,7 +211,7 @@ def test_deviation_study_tiny(tmp_path):
 def test_fp8_study_tiny(tmp_path):
   # Kernel rows: mosaic only (skipped without a GPU): the FP8 kernel in
   # interpret mode now and then hangs in a barrier wait (JAX 0.11.2);
-  # test_fp8.py compares it with its twin.
+  # test_fp8_kernel.py compares it with its twin.
   cfg = fp8.FP8StudyConfig(seq=64, heads=1, head_dim=64, kernels=("mosaic",))
   saved = _run_study("fp8", cfg, tmp_path)
   rows = {(r["method"], r["impl"]): r for r in saved["rows"]}

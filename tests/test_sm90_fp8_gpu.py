@@ -1,6 +1,6 @@
 """The FP8 kernel on a real Hopper GPU: every FP8 config against its twin and the golden.
 
-Skipped without an sm90 GPU (the CPU tiers are in test_fp8.py). What only a
+Skipped without an sm90 GPU (the CPU tiers are in test_fp8_kernel.py). What only a
 GPU shows: FP8 wgmma (its accumulation), the P staging through shared memory
 under real asynchrony, approximate exp2, the barrier protocol under real
 concurrency (a hang is a timeout). Run by `benchmarks/device_check.sh`;
