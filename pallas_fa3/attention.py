@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_fa3 import backends, vjp
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.fp8 import FP8Config, check_fp8
-from pallas_fa3.parallel import partitioning
+from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
@@ -113,7 +113,7 @@ def flash_attention(
       f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
     )
   return_lse = check_bool("return_lse", return_lse)
-  partitioning.check_array_shardings(spec, q=q, k=k, v=v)
+  sharding_checks.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
   _check_device_for_eager_call(backend, q, k, v)
   out, lse = _attention_jit(

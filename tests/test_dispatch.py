@@ -14,7 +14,10 @@ from jax import export
 
 import pallas_fa3
 from pallas_fa3 import backends
-from pallas_fa3.kernels.sm90 import backward as sm90_bwd, config as sm90_config
+from pallas_fa3.kernels.sm90 import (
+  backward as sm90_bwd,
+  config_backward as sm90_bwd_config,
+)
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (
   Shape,
@@ -102,7 +105,7 @@ def test_backward_tiling_is_reachable_from_flash_attention(
   text = _lower_grad(config)
   assert_lowered_attention(text, kernels=3, seq_q=192, seq_kv=256)
   q, kv = _shapes(192, 256)
-  default = sm90_config.default_backward_config(
+  default = sm90_bwd_config.default_backward_config(
     make_spec(q, kv, kv, causal=True)
   )
   assert seen == [want or default]

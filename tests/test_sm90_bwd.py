@@ -24,6 +24,7 @@ from pallas_fa3.kernels.sm90 import (
   backward as sm90_bwd,
   compat,
   config as sm90_config,
+  config_backward as sm90_bwd_config,
 )
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.spec import make_spec
@@ -148,7 +149,8 @@ def test_interpret_gradients_match_golden(shape, dtype, causal, config, key):
   q, k, v, dout = random_inputs(key, shape, dtype)
   spec = make_spec(q, k, v, causal=causal)
   assert (
-    sm90_config.backward_config_unsupported(config, shape.head_dim, 2) is None
+    sm90_bwd_config.backward_config_unsupported(config, shape.head_dim, 2)
+    is None
   )
   dq, dk, dv = _interpret_grads(spec, config, q, k, v, dout)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
@@ -191,7 +193,7 @@ def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(
 def _backward_configs():
   for dtype in ("bfloat16", "float16"):
     for d in sm90_config.KERNEL_HEAD_DIMS:
-      for config in sm90_config.backward_config_space(d):
+      for config in sm90_bwd_config.backward_config_space(d):
         yield pytest.param(dtype, d, config, id=case_id(dtype, d, config))
 
 
@@ -237,7 +239,7 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     return out.astype(jnp.float32).sum() + lse.sum()
 
   spec = make_spec(q, kv, kv, causal=True)
-  reason = sm90_config.backward_unsupported(spec)
+  reason = sm90_bwd_config.backward_unsupported(spec)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     exported = export.export(
@@ -271,7 +273,7 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(
 ):
   """A config rejected for shared memory fails lowering with the estimate's
   number for the first kernel over the limit (dK/dV is lowered first)."""
-  reason = sm90_config.backward_config_unsupported(config, head_dim, 2)
+  reason = sm90_bwd_config.backward_config_unsupported(config, head_dim, 2)
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
   stats = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
@@ -280,7 +282,7 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     export.export(fn, platforms=["cuda"])(q, q, q, q, stats, q, stats)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  sizes = sm90_config.backward_kernel_smem_bytes(config, head_dim, 2)
+  sizes = sm90_bwd_config.backward_kernel_smem_bytes(config, head_dim, 2)
   assert used == sizes[kernel] > sm90_config.MAX_SMEM_BYTES
 
 
@@ -288,9 +290,9 @@ def test_every_head_dim_has_a_backward_kernel_config():
   for d in sm90_config.KERNEL_HEAD_DIMS:
     q = jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16)
     spec = make_spec(q, q, q)
-    assert sm90_config.backward_unsupported(spec) is None, d
-    config = sm90_config.default_backward_config(spec)
-    assert config in sm90_config.backward_config_space(d)
+    assert sm90_bwd_config.backward_unsupported(spec) is None, d
+    config = sm90_bwd_config.default_backward_config(spec)
+    assert config in sm90_bwd_config.backward_config_space(d)
     # Head-dim splits only where nothing else fits; never recomputation.
     assert (config.dkdv_head_splits == 2) == (d >= 192), (d, config)
     assert (config.dq_head_splits == 2) == (d >= 192), (d, config)
@@ -299,7 +301,7 @@ def test_every_head_dim_has_a_backward_kernel_config():
 
 
 def test_head_split_needs_32_column_chunks():
-  reason = sm90_config.backward_config_unsupported(
+  reason = sm90_bwd_config.backward_config_unsupported(
     Sm90BackwardConfig(64, 64, 2, 1, 2, 2), 96, 2
   )
   assert reason and "48-column chunks" in reason and "multiples of 32" in reason

@@ -24,6 +24,7 @@ from pallas_fa3 import backends, reference
 from pallas_fa3.kernels.sm90 import (
   backward as sm90_bwd,
   config as sm90_config,
+  config_backward as sm90_bwd_config,
   forward as sm90_fwd,
 )
 from pallas_fa3.spec import make_spec
@@ -115,7 +116,8 @@ def test_rows_without_keys_and_determinism():
   "dtype,head_dim,config,default",
   list(
     _cases(
-      sm90_config.backward_config_space, sm90_config.default_backward_config
+      sm90_bwd_config.backward_config_space,
+      sm90_bwd_config.default_backward_config,
     )
   ),
 )

@@ -48,9 +48,7 @@ from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
 
-_LN2 = math.log(
-  2.0
-)  # converts the base-2 LSE back to the natural-log convention
+_LN2 = math.log(2.0)  # converts the base-2 LSE back to natural log
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
 
@@ -100,20 +98,17 @@ def _pad_seq(x: jax.Array, length: int, value: float = 0) -> jax.Array:
   pad = length - x.shape[1]
   if pad == 0:
     return x
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, pad)
+  widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
   return jnp.pad(x, widths, constant_values=value)
 
 
 def _varying_like(tree: Any, *operands: jax.Array) -> Any:
   """Gives fresh loop carries the manual-axis type of `operands` (shard_map).
 
-  Inside `jax.shard_map` (default `check_vma=True`) the operands vary over
-  the manual mesh axes while a fresh `jnp.zeros` does not, and a loop whose
-  body mixes the two would change its carry's type. Adding a zero that
-  varies like every operand (built from zero-size slices: no values, only
-  their type) fixes the type and leaves the values, -inf included, as they
-  are. Outside shard_map nothing varies and this only adds 0.
+  Inside `jax.shard_map` (`check_vma=True`) the operands vary over the
+  manual axes while a fresh `jnp.zeros` does not, so a loop mixing the two
+  would change its carry's type. Adding a zero that varies like every
+  operand (from zero-size slices) fixes the type; values stay as they are.
   """
   empty = [x.reshape(-1)[:0].astype(jnp.float32) for x in operands]
   ref = functools.reduce(operator.add, empty)
@@ -278,10 +273,8 @@ def blockwise_backward(
 
     def q_step(i, carry):
       dq_acc, dk, dv = carry
-      q_tile, do_tile = (
-        _seq_tile(qp, i, t.block_q),
-        _seq_tile(dop, i, t.block_q),
-      )
+      q_tile = _seq_tile(qp, i, t.block_q)
+      do_tile = _seq_tile(dop, i, t.block_q)
       # [b, bq, hk, g] -> [b, hk, g, bq] to broadcast against the scores.
       lse2_t = jnp.moveaxis(_seq_tile(lse2, i, t.block_q), 1, 3)
       delta_t = jnp.moveaxis(_seq_tile(delta, i, t.block_q), 1, 3)
@@ -354,8 +347,7 @@ def blockwise_backward(
   untile = lambda x: jnp.moveaxis(x, 0, 1).reshape(
     (spec.batch, skv_pad) + x.shape[3:]
   )[:, : spec.seq_kv]
-  dk = untile(dks) * scale
-  dv = untile(dvs)
+  dk, dv = untile(dks) * scale, untile(dvs)
   return dq.astype(spec.dtype), dk.astype(spec.dtype), dv.astype(spec.dtype)
 
 

@@ -17,6 +17,7 @@ from pallas_fa3.backends import blockwise
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
   config as sm90_config,
+  config_backward as sm90_bwd_config,
   config_fp8 as sm90_fp8_config,
 )
 from pallas_fa3.kernels.sm90.config import (
@@ -64,7 +65,7 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
     return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
   reason = sm90_config.forward_unsupported(spec, config.forward)
   if reason is None and config.backward is not None:
-    reason = sm90_config.backward_config_unsupported(
+    reason = sm90_bwd_config.backward_config_unsupported(
       config.backward, spec.head_dim, spec.dtype.itemsize
     )
   return reason
@@ -124,7 +125,7 @@ def _backward(
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     tiling: Sm90BackwardConfig | None = config.backward
     if tiling is None:
-      reason = sm90_config.backward_unsupported(spec)
+      reason = sm90_bwd_config.backward_unsupported(spec)
       if reason:
         # The same gradients from the same residuals, by the blockwise twin;
         # said once per trace, never silently.
@@ -137,7 +138,7 @@ def _backward(
         return blockwise.blockwise_backward(
           spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse
         )
-      tiling = sm90_config.default_backward_config(spec)
+      tiling = sm90_bwd_config.default_backward_config(spec)
     from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
 
     return kernel.sm90_backward(

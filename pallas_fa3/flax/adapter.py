@@ -64,16 +64,19 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import layout
+from pallas_fa3.flax.adapter_masks import (
+  mask_kind,
+  poison_unless_causal,
+  top_left_causal_mask,
+  unsupported_feature,
+)
 from pallas_fa3.spec import (
-  MAX_HEAD_DIM,
-  SUPPORTED_DTYPES,
   check_bool,
   check_softmax_scale,
 )
@@ -94,11 +97,6 @@ _LINEN_ONLY = object()
 
 class FlashAttentionFallbackWarning(UserWarning):
   """A call ran Flax's dot_product_attention instead of flash attention."""
-
-
-def _top_left_causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
-  """Flax's causal mask (`is_causal`, `make_causal_mask`): key j <= query i."""
-  return np.tril(np.ones((seq_q, seq_kv), dtype=bool))
 
 
 def _flash_top_left(
@@ -127,92 +125,6 @@ def _flash_top_left(
   head = call(q[:, :seq_kv], k, v, True)
   tail = call(q[:, seq_kv:], k, v, False)
   return jnp.concatenate([head, tail], axis=1)
-
-
-def _mask_kind(mask: Any, weights_shape: tuple[int, ...]) -> str:
-  """'none', 'causal', 'other' for a concrete mask; 'traced' for a tracer.
-
-  Raises:
-    ValueError: the mask does not broadcast to the attention weights' shape.
-  """
-  if mask is None:
-    return "none"
-  try:
-    broadcast_ok = (
-      np.broadcast_shapes(tuple(mask.shape), weights_shape) == weights_shape
-    )
-  except ValueError:
-    broadcast_ok = False
-  if not broadcast_ok:
-    raise ValueError(
-      f"mask of shape {tuple(mask.shape)} does not broadcast to the attention"
-      f" weights [batch..., heads, seq_q, seq_kv] = {weights_shape}"
-    )
-  if isinstance(mask, jax.core.Tracer):
-    return "traced"
-  visible = np.asarray(mask).astype(bool)
-  # Causal first: with seq_kv = 1 the causal mask is all True as well.
-  if np.all(visible == _top_left_causal_mask(*weights_shape[-2:])):
-    return "causal"
-  return "none" if visible.all() else "other"
-
-
-def _poison_unless_causal(
-  out: jax.Array, mask: jax.Array, seq_q: int, seq_kv: int
-) -> jax.Array:
-  """NaN output unless the traced mask is the causal mask it was declared to be."""
-  causal = jnp.asarray(_top_left_causal_mask(seq_q, seq_kv))
-  ok = jnp.all(mask.astype(bool) == causal)
-  return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
-
-
-def _unsupported_feature(
-  query,
-  bias,
-  dropout_rate,
-  deterministic,
-  module,
-  custom_einsums,
-  mask_kind: str,
-  declared_causal: bool,
-) -> tuple[str, str] | None:
-  """(feature key, description) of the first unsupported feature, else None."""
-  if bias is not None:
-    return "bias", "an attention bias (bias=...)"
-  if dropout_rate > 0.0 and not deterministic:
-    return "dropout", (
-      f"attention dropout (dropout_rate={dropout_rate} with"
-      " deterministic=False)"
-    )
-  if module is not None:
-    return "sow", (
-      "sowing the attention weights (sow_weights=True, i.e. a"
-      " module passed as module=...)"
-    )
-  if custom_einsums:
-    return "einsum", f"custom einsums ({', '.join(custom_einsums)})"
-  if jnp.dtype(query.dtype) not in SUPPORTED_DTYPES:
-    return "dtype", (
-      f"dtype {jnp.dtype(query.dtype)} (flash attention takes"
-      f" {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
-    )
-  if query.shape[-1] > MAX_HEAD_DIM:
-    return "head_dim", (
-      f"head_dim {query.shape[-1]} (flash attention takes at"
-      f" most {MAX_HEAD_DIM})"
-    )
-  if mask_kind == "other":
-    return "mask", (
-      "a dense attention mask that is neither all True nor the"
-      " causal mask tril(ones(seq_q, seq_kv))"
-    )
-  if mask_kind == "traced" and not declared_causal:
-    return "traced_mask", (
-      "an attention mask under a JAX transformation (a traced mask cannot be"
-      " inspected; for the causal mask pass is_causal=True and no mask, or"
-      " declare make_attention_fn(causal=True))"
-    )
-  return None
 
 
 def _refuse_or_warn(
@@ -330,7 +242,7 @@ def make_attention_fn(
     )
     layout.check_qkv(query, key, value)
     seq_q, seq_kv = query.shape[-3], key.shape[-3]
-    kind = _mask_kind(
+    kind = mask_kind(
       mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv)
     )
     if declared_causal and kind in ("none", "other") and mask is not None:
@@ -344,7 +256,7 @@ def make_attention_fn(
       for name, fn in linen_kwargs.items()
       if name != "force_fp32_for_softmax" and fn is not None
     ]
-    unsupported = _unsupported_feature(
+    unsupported = unsupported_feature(
       query,
       bias,
       dropout_rate,
@@ -384,7 +296,7 @@ def make_attention_fn(
     )
     out = layout.unfold_batch(out, query)
     if kind == "traced":
-      out = _poison_unless_causal(out, mask, seq_q, seq_kv)
+      out = poison_unless_causal(out, mask, seq_q, seq_kv)
     return out
 
   attention_fn.__doc__ = (
@@ -432,9 +344,7 @@ def _fallback(
   )
   if isinstance(module, linen.Module) or linen_kwargs:
     if is_causal:  # linen's function has no is_causal; fold it into the mask
-      causal = jnp.asarray(
-        _top_left_causal_mask(query.shape[-3], key.shape[-3])
-      )
+      causal = jnp.asarray(top_left_causal_mask(query.shape[-3], key.shape[-3]))
       mask = causal if mask is None else jnp.logical_and(mask, causal)
     return linen.dot_product_attention(
       query, key, value, mask=mask, **common, **linen_kwargs

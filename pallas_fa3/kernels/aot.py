@@ -5,7 +5,7 @@ compile-only target description and reads ptxas's report, so register
 spills are caught without a GPU. Needs the package's `aot` extra (the CUDA
 plugin and PJRT at the installed JAX's version, and ptxas). The command
 fails on any spill; `--profile` adds each kernel's static profile
-(`ptx_profile`):
+(`ptx_profile`). The sweeps (what is compiled) are in `aot_sweeps`:
 
     pallas-fa3 aot            # or: JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
 
@@ -218,58 +218,6 @@ def compile_backward(
   )
 
 
-def sweep() -> Iterator[SweepItem]:
-  """(compile function, spec, config) for every supported config of every
-  kernel: both dtypes, causal with GQA and ragged lengths."""
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_fa3.kernels.sm90 import config as sm90_config
-  from pallas_fa3.spec import make_spec
-
-  for dtype in (jnp.bfloat16, jnp.float16):
-    size = jnp.dtype(dtype).itemsize
-    for d in sm90_config.KERNEL_HEAD_DIMS:
-      q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
-      kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
-      spec = make_spec(q, kv, kv, causal=True)
-      for config in sm90_config.forward_config_space(d, size):
-        yield compile_forward, spec, config
-      for config in sm90_config.backward_config_space(d, size):
-        yield compile_backward, spec, config
-
-
-# (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
-# MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
-# and the causal offset are compiled in).
-BACKWARD_SHAPES = (
-  (1000, 1100, 4, 2),
-  (1024, 1024, 2, 2),
-  (4096, 4096, 1, 1),
-  (100, 300, 2, 1),
-  (2048, 1024, 2, 2),
-)
-
-
-def backward_shapes_sweep() -> Iterator[SweepItem]:
-  """Every backward config of the space at every head dim over
-  `BACKWARD_SHAPES`, causal and not, bf16."""
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_fa3.kernels.sm90 import config as sm90_config
-  from pallas_fa3.spec import make_spec
-
-  for d in sm90_config.KERNEL_HEAD_DIMS:
-    for sq, skv, hq, hk in BACKWARD_SHAPES:
-      for causal in (True, False):
-        q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
-        kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
-        spec = make_spec(q, kv, kv, causal=causal)
-        for config in sm90_config.backward_config_space(d):
-          yield compile_backward, spec, config
-
-
 def compile_forward_fp8(
   spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
 ) -> CompileReport:
@@ -309,64 +257,10 @@ def compile_forward_fp8(
   )
 
 
-def fp8_forward_sweep() -> Iterator[
-  tuple[AttentionSpec, sm90.Sm90ForwardConfig]
-]:
-  """(spec, config) for every supported FP8 forward config, both output dtypes.
-
-  GQA with a ragged K/V length, causal (masked diagonal tiles with a
-  successor) and non-causal (one masked edge tile, the last).
-  """
-  import jax.numpy as jnp
-
-  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
-  from pallas_fa3.spec import AttentionSpec
-
-  for dtype in sm90_fp8_config.FP8_OUT_DTYPES:
-    for d in sm90_fp8_config.FP8_HEAD_DIMS:
-      for config in sm90_fp8_config.fp8_forward_config_space(d):
-        for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
-          yield (
-            AttentionSpec(
-              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5
-            ),
-            config,
-          )
-
-
-# The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
-PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
-
-
-def defaults_sweep() -> Iterator[SweepItem]:
-  """(compile function, spec, config): the default config of every kernel at
-  every head dim, at `PROFILE_SHAPE`, causal and not."""
-  import jax.numpy as jnp
-
-  from pallas_fa3.kernels.sm90 import (
-    config as sm90_config,
-    config_fp8 as sm90_fp8_config,
-  )
-  from pallas_fa3.spec import AttentionSpec
-
-  b, s, hq, hk = PROFILE_SHAPE
-  for d in sm90_config.KERNEL_HEAD_DIMS:
-    for causal in (True, False):
-      spec = AttentionSpec(
-        b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
-      )
-      yield compile_forward, spec, sm90_config.default_forward_config(spec)
-      yield compile_backward, spec, sm90_config.default_backward_config(spec)
-      if d in sm90_fp8_config.FP8_HEAD_DIMS:
-        yield (
-          compile_forward_fp8,
-          spec,
-          sm90_fp8_config.default_fp8_forward_config(d),
-        )
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The flags of `pallas-fa3 aot` / `python -m pallas_fa3.kernels.aot`."""
+  from pallas_fa3.kernels.aot_sweeps import PROFILE_SHAPE
+
   parser.add_argument(
     "--max-configs", type=int, default=None, help="stop after this many configs"
   )
@@ -404,14 +298,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
+  from pallas_fa3.kernels import aot_sweeps as sweeps
+
   if args.fp8:
     return (
       (compile_forward_fp8, spec, config)
-      for spec, config in fp8_forward_sweep()
+      for spec, config in sweeps.fp8_forward_sweep()
     )
   if args.defaults:
-    return defaults_sweep()
-  return backward_shapes_sweep() if args.backward_shapes else sweep()
+    return sweeps.defaults_sweep()
+  if args.backward_shapes:
+    return sweeps.backward_shapes_sweep()
+  return sweeps.sweep()
 
 
 def run(args: argparse.Namespace) -> int:

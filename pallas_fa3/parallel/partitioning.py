@@ -5,13 +5,13 @@
 backend call (forward `(q, k, v) -> (out, lse)` and backward
 `(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`) is a
 `jax.experimental.custom_partitioning` op. XLA's partitioner hands it the
-operand shardings; `_plan` keeps q's batch and head sharding, checks that it
-can be honoured, and the op runs the backend on the local shard. So no
-collective is emitted for q, k, v or the output, whatever the backend (the
-kernels are custom calls that XLA could not split by itself). The Shardy
-rules (`_FWD_RULE`) tell propagation which dimensions correspond: batch, and
-query heads = kv heads times the group, so that a kv head and its query
-heads move together.
+operand shardings; `_Op.plan` keeps q's batch and head sharding, checks
+(`sharding_checks`) that it can be honoured, and the op runs the backend on
+the local shard. So no collective is emitted for q, k, v or the output,
+whatever the backend (the kernels are custom calls that XLA could not split
+by itself). The Shardy rules (`_FWD_RULE`) tell propagation which
+dimensions correspond: batch, and query heads = kv heads times the group,
+so that a kv head and its query heads move together.
 
 What can be honoured:
   * batch sharded over any mesh axes;
@@ -42,24 +42,27 @@ unpartitioned.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_fa3.parallel.sharding_checks import (
+  CHECKED,
+  axes_entry,
+  check_shardings,
+  explicit_sharding,
+  fit_explicit,
+  mesh_axes,
+  mesh_ways,
+  spec_entries,
+)
 from pallas_fa3.spec import AttentionSpec
 
 if TYPE_CHECKING:  # vjp imports this module
   from pallas_fa3.vjp import StaticCall
-
-_BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
-_AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
-# The tensors whose layout the user chose; the others (out, lse, cotangents)
-# are only resharded to match.
-_CHECKED = ("q", "k", "v")
 
 # Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
 # d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).
@@ -91,123 +94,16 @@ def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
   return "(k g)", {"g": spec.group_size}
 
 
-def mesh_axes(entry: Any) -> tuple[str, ...]:
-  """Mesh axes of one PartitionSpec entry (None, a name, or a tuple)."""
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-  """The PartitionSpec entry for mesh axes `axes` (inverse of `mesh_axes`)."""
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _spec_of(sharding: Any, ndim: int) -> tuple:
-  spec = tuple(getattr(sharding, "spec", ()))
-  return spec + (None,) * (ndim - len(spec))
-
-
-def check_shardings(
-  spec: AttentionSpec, axis_sizes: dict[str, int], shardings: dict[str, tuple]
-) -> tuple[tuple, tuple]:
-  """Checks that q, k, v shardings can run shard-locally.
-
-  Args:
-    spec: the global call.
-    axis_sizes: mesh axis name -> size.
-    shardings: "q"/"k"/"v" -> PartitionSpec entries of that `[b, s, h, d]`
-      operand (missing names are taken as replicated).
-
-  Returns:
-    (batch axes, head axes): the mesh axes of q's batch and head dimensions,
-    the layout every operand and result gets.
-
-  Raises:
-    ValueError: a sharded sequence or head_dim axis, or a head sharding that
-      would split a group of query heads sharing a kv head; the message names
-      the argument.
-  """
-  for name in _CHECKED:
-    entries = shardings.get(name, (None,) * 4)
-    for axis in (_SEQ, _HEAD_DIM):
-      split = mesh_axes(entries[axis])
-      if not split:
-        continue
-      hint = (
-        " Sequence (context) parallelism is pallas_fa3.ring_attention;"
-        " or replicate the axis first (jax.reshard, or"
-        " jax.lax.with_sharding_constraint)"
-        if axis == _SEQ
-        else " A head_dim split would need a reduction inside every score;"
-        " shard batch or heads instead"
-      )
-      raise ValueError(
-        f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
-        f" {axis}) over mesh axes {split}; flash_attention runs each"
-        f" device's shard locally and can only split batch (axis 0) and"
-        f" heads (axis 2).{hint}"
-      )
-  q = shardings.get("q", (None,) * 4)
-  batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
-  ways = math.prod(axis_sizes[a] for a in head_axes)
-  if spec.heads_kv % ways:
-    raise ValueError(
-      f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
-      f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
-      f" {ways}: every device must hold whole groups (a kv head and its"
-      f" {spec.group_size} query heads). Shard heads at most"
-      f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead"
-    )
-  return batch_axes, head_axes
-
-
-def known_sharding(x: Any) -> NamedSharding | None:
-  """The `NamedSharding` of `x` if it is known at trace time, else None.
-
-  Known means a concrete `jax.Array` with a `NamedSharding`, or a traced
-  value whose type carries `Explicit` mesh axes (`jax.typeof(x).sharding`).
-  Under `jax.jit` with automatic axes only the partitioner knows the layout.
-  """
-  sharding = (
-    jax.typeof(x).sharding
-    if isinstance(x, jax.core.Tracer)
-    else getattr(x, "sharding", None)
-  )
-  return sharding if isinstance(sharding, NamedSharding) else None
-
-
-def spec_entries(sharding: NamedSharding, ndim: int = 4) -> tuple:
-  """The PartitionSpec of `sharding`, padded with None to `ndim` entries."""
-  return _spec_of(sharding, ndim)
-
-
-def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
-  """Runs `check_shardings` at trace time on the layouts known then.
-
-  The partitioner runs the same check at compile time for the others.
-  """
-  sizes: dict[str, int] = {}
-  shardings: dict[str, tuple] = {}
-  for name, x in arrays.items():
-    sharding = known_sharding(x)
-    if sharding is not None:
-      sizes.update(dict(sharding.mesh.shape))
-      shardings[name] = spec_entries(sharding)
-  if shardings:
-    check_shardings(spec, sizes, shardings)
-
-
 def _local_call(
-  call: StaticCall, batch_ways: int, head_ways: int
+  call: StaticCall, batchmesh_ways: int, headmesh_ways: int
 ) -> StaticCall:
   """`call` for one device's shard: batch and heads divided."""
   spec = call.spec
   local = dataclasses.replace(
     spec,
-    batch=spec.batch // batch_ways,
-    heads_q=spec.heads_q // head_ways,
-    heads_kv=spec.heads_kv // head_ways,
+    batch=spec.batch // batchmesh_ways,
+    heads_q=spec.heads_q // headmesh_ways,
+    heads_kv=spec.heads_kv // headmesh_ways,
   )
   return dataclasses.replace(call, spec=local)
 
@@ -219,10 +115,6 @@ def _layout_specs(
   b, h = axes_entry(batch_axes), axes_entry(head_axes)
   by_name = {"lse": P(b, h, None), "dlse": P(b, h, None)}
   return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
-
-
-def _ways(mesh: Any, axes: tuple[str, ...]) -> int:
-  return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +139,7 @@ class _Op:
   ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[P, ...], tuple[P, ...]]:
     """(batch axes, head axes, arg specs, result specs) for these operands."""
     shardings = {
-      n: spec for n, spec in zip(self.arg_names, arg_specs) if n in _CHECKED
+      n: spec for n, spec in zip(self.arg_names, arg_specs) if n in CHECKED
     }
     batch_axes, head_axes = check_shardings(
       call.spec, dict(mesh.shape), shardings
@@ -265,9 +157,11 @@ class _Op:
     """custom_partitioning: the local computation and the layouts it needs."""
     del result_shape
     batch_axes, head_axes, args, results = self.plan(
-      call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+      call, mesh, [spec_entries(a.sharding, len(a.shape)) for a in arg_shapes]
     )
-    local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
+    local = _local_call(
+      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
+    )
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return (mesh, lambda *a: self.run(local, *a), named(results), named(args))
 
@@ -277,7 +171,7 @@ class _Op:
     """Result shardings for the GSPMD partitioner (Shardy uses `rule`)."""
     del result_shape
     results = self.plan(
-      call, mesh, [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+      call, mesh, [spec_entries(a.sharding, len(a.shape)) for a in arg_shapes]
     )[3]
     return tuple(NamedSharding(mesh, s) for s in results)
 
@@ -287,7 +181,7 @@ class _Op:
     """`Explicit` mesh axes: the layout is in the types, so a shard_map runs
     the local computation (operands whose layout differs are resharded)."""
     mesh = sharding.mesh
-    specs = [_spec_of(jax.typeof(x).sharding, x.ndim) for x in args]
+    specs = [spec_entries(jax.typeof(x).sharding, x.ndim) for x in args]
     batch_axes, head_axes, arg_specs, result_specs = self.plan(
       call, mesh, specs
     )
@@ -295,7 +189,9 @@ class _Op:
       fit_explicit(x, NamedSharding(mesh, want))
       for x, want in zip(args, arg_specs)
     ]
-    local = _local_call(call, _ways(mesh, batch_axes), _ways(mesh, head_axes))
+    local = _local_call(
+      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
+    )
     return tuple(
       jax.shard_map(
         lambda *a: self.run(local, *a),
@@ -348,33 +244,6 @@ def _with_vmap(
   return apply(*args)
 
 
-def _explicit_sharding(x: Any) -> NamedSharding | None:
-  """x's type sharding if x is traced on a mesh with `Explicit` axes."""
-  if not isinstance(x, jax.core.Tracer):
-    return None
-  sharding = known_sharding(x)
-  if sharding is None or AxisType.Explicit not in sharding.mesh.axis_types:
-    return None
-  return sharding
-
-
-def fit_explicit(x: jax.Array, target: NamedSharding) -> jax.Array:
-  """Reshards x to `target` when `target`'s mesh has `Explicit` axes.
-
-  `jax.shard_map` on such a mesh insists that its operands' types already
-  carry its `in_specs`; under automatic axes XLA reshards by itself, and x is
-  returned as is.
-  """
-  if AxisType.Explicit not in target.mesh.axis_types:
-    return x
-  current = known_sharding(x) if isinstance(x, jax.core.Tracer) else None
-  if current is not None and _spec_of(current, x.ndim) == _spec_of(
-    target, x.ndim
-  ):
-    return x
-  return jax.reshard(x, target)
-
-
 def _run_forward(
   call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -409,8 +278,10 @@ def _dispatch(
 ) -> tuple[jax.Array, ...]:
   if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
-  sharding = _explicit_sharding(args[0])
-  if sharding is not None and any(mesh_axes(e) for e in _spec_of(sharding, 4)):
+  sharding = explicit_sharding(args[0])
+  if sharding is not None and any(
+    mesh_axes(e) for e in spec_entries(sharding, 4)
+  ):
     return op.shard_map(call, sharding, *args)
   return _with_vmap(partitioned, call, *args)
 

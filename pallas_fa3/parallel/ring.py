@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from pallas_fa3 import backends
-from pallas_fa3.parallel import partitioning, ring_steps
+from pallas_fa3.parallel import ring_steps, sharding_checks
 from pallas_fa3.parallel.ring_steps import RingPlan
 from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
 from pallas_fa3.vjp import StaticCall
@@ -116,22 +116,22 @@ def _check_known_layout(plan: RingPlan, **arrays: Any) -> None:
     2: ("head_axes", plan.head_axes),
   }
   for name, x in arrays.items():
-    sharding = partitioning.known_sharding(x)
+    sharding = sharding_checks.known_sharding(x)
     if sharding is None:
       continue
-    entries = partitioning.spec_entries(sharding)
+    entries = sharding_checks.spec_entries(sharding)
     for axis, (arg, axes) in declared.items():
-      split = partitioning.mesh_axes(entries[axis])
+      split = sharding_checks.mesh_axes(entries[axis])
       if split and split != axes:
         raise ValueError(
           f"{name} is sharded along {'batch' if axis == 0 else 'heads'}"
           f" over mesh axes {split}, but {arg}={axes or None}: pass"
           f" {arg}={split!r} (otherwise every device would gather it)"
         )
-    if partitioning.mesh_axes(entries[3]):
+    if sharding_checks.mesh_axes(entries[3]):
       raise ValueError(
         f"{name} is sharded along head_dim (axis 3) over mesh axes"
-        f" {partitioning.mesh_axes(entries[3])}; ring_attention splits"
+        f" {sharding_checks.mesh_axes(entries[3])}; ring_attention splits"
         " batch, sequence and heads only"
       )
 
@@ -256,7 +256,7 @@ def _forward_global(
 
   seq, lse = plan.seq_spec(), plan.lse_spec()
   args = [
-    partitioning.fit_explicit(x, NamedSharding(plan.mesh, seq))
+    sharding_checks.fit_explicit(x, NamedSharding(plan.mesh, seq))
     for x in (q, k, v)
   ]
   return _shard_map(plan, body, (seq, seq, seq), (seq, lse))(*args)
@@ -292,7 +292,7 @@ def _ring_bwd(
   seq, lse = plan.seq_spec(), plan.lse_spec()
   specs = (seq,) * 3 + (seq, lse, seq, lse)
   args = [
-    partitioning.fit_explicit(x, NamedSharding(plan.mesh, spec))
+    sharding_checks.fit_explicit(x, NamedSharding(plan.mesh, spec))
     for x, spec in zip((*residuals, dout, dlse), specs)
   ]
   return _shard_map(plan, body, specs, (seq,) * 3)(*args)

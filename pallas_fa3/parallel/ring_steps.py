@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pallas_fa3.parallel import partitioning
+from pallas_fa3.parallel import partitioning, sharding_checks
 from pallas_fa3.spec import AttentionSpec
 from pallas_fa3.vjp import StaticCall
 
@@ -59,16 +59,16 @@ class RingPlan:
   def seq_spec(self) -> P:
     """`[b, s, h, d]` operands: batch, sequence and heads split."""
     return P(
-      partitioning.axes_entry(self.batch_axes),
+      sharding_checks.axes_entry(self.batch_axes),
       self.seq_axis,
-      partitioning.axes_entry(self.head_axes),
+      sharding_checks.axes_entry(self.head_axes),
     )
 
   def lse_spec(self) -> P:
     """`[b, h, s]` lse: batch, heads and sequence split."""
     return P(
-      partitioning.axes_entry(self.batch_axes),
-      partitioning.axes_entry(self.head_axes),
+      sharding_checks.axes_entry(self.batch_axes),
+      sharding_checks.axes_entry(self.head_axes),
       self.seq_axis,
     )
 

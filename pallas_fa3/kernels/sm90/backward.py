@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.kernels.sm90.backward_dkdv import DkdvPlan, dkdv_kernel
+from pallas_fa3.kernels.sm90.backward_dkdv import dkdv_kernel
+from pallas_fa3.kernels.sm90.backward_dkdv_plan import DkdvPlan
 from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
 from pallas_fa3.kernels.sm90.common import pad_axis, round_up
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig

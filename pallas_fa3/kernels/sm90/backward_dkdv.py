@@ -1,4 +1,5 @@
-"""The sm90 dK/dV kernel (the backward's design: `backward`).
+"""The sm90 dK/dV kernel and its consumers (the backward's design:
+`backward`; the plan and the producer: `backward_dkdv_plan`).
 
 Parallel over (kv head, K/V tile, batch, head-dim chunk): consumer
 warpgroups hold K/V tiles and float32 dK, dV; the producer streams Q, dO,
@@ -7,7 +8,6 @@ lse and delta tiles of every query head of the GQA group.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -19,88 +19,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
+  DkdvPlan,
+  copy_chunks,
+  cta_position,
+  dkdv_producer,
+  first_q_tile,
+)
 from pallas_fa3.kernels.sm90.common import (
   build_kernel,
   consumer_regs,
-  producer_regs,
   row_probabilities,
   smem_transforms,
   swizzle64,
 )
-from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
-from pallas_fa3.spec import LOG2E, AttentionSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class DkdvPlan:
-  """Static facts of one dK/dV kernel instance (padded lengths included)."""
-
-  spec: AttentionSpec
-  config: Sm90BackwardConfig
-  seq_q_pad: int
-  seq_kv_pad: int
-
-  @property
-  def num_q_blocks(self) -> int:
-    return self.seq_q_pad // self.config.block_q
-
-  @property
-  def shared(self) -> bool:
-    """Two consumers share one K/V tile, each owning half of dK/dV's head
-    dim; else each consumer owns its K/V tile (and a split is across CTAs)."""
-    return self.config.dkdv_consumers == 2 and self.splits == 2
-
-  @property
-  def kv_rows_per_cta(self) -> int:
-    return self.config.block_kv * (
-      1 if self.shared else self.config.dkdv_consumers
-    )
-
-  @property
-  def cta_splits(self) -> int:
-    """CTAs per K/V tile (head-dim chunks split across CTAs)."""
-    return 1 if self.shared else self.splits
-
-  @property
-  def splits(self) -> int:
-    """Head-dim chunks of dK and dV (`config.dkdv_head_splits`)."""
-    return self.config.dkdv_head_splits
-
-  @property
-  def q_halves(self) -> int:
-    """Query tiles are taken in 2 halves by CTA-split (register-tight) configs."""
-    return 2 if self.cta_splits > 1 else 1
-
-  @property
-  def chunk(self) -> int:
-    """Head-dim columns of dK, dV one CTA accumulates."""
-    return self.spec.head_dim // self.splits
-
-
-def _cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
-  """(first key row of the CTA, head-dim chunk it accumulates)."""
-  index = lax.axis_index("kv_tiles")
-  tile, chunk = lax.div(index, plan.cta_splits), lax.rem(index, plan.cta_splits)
-  return tile * plan.kv_rows_per_cta, chunk
-
-
-def _copy_chunks(
-  ref: Any, tile: tuple, dst: Any, barrier: Any, plan: DkdvPlan
-) -> None:
-  """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
-  chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
-  for c in range(plan.splits):
-    cols = pl.ds(c * plan.chunk, plan.chunk)
-    plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
-
-
-def _first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:
-  """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
-  (earlier ones are skipped: causal)."""
-  spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
-  first = masking.first_q_block_visible(spec, kv0, bq, nq)
-  return jnp.asarray(first, jnp.int32)
+from pallas_fa3.spec import LOG2E
 
 
 def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
@@ -125,20 +59,20 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   plgpu.set_max_registers(consumer_regs(consumers), action="increase")
   wg = lax.axis_index("wg")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_kv0, chunk = _cta_position(plan)
+  cta_kv0, chunk = cta_position(plan)
   kv0 = cta_kv0 + wg * cfg.block_kv
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
   # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
   # contract over all of them, dK and dV are accumulated for chunk `chunk`.
   my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-  _copy_chunks(k_ref, rows, my_k, kv_bar.at[wg], plan)
-  _copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + wg], plan)
+  copy_chunks(k_ref, rows, my_k, kv_bar.at[wg], plan)
+  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + wg], plan)
   plgpu.barrier_wait(kv_bar.at[wg])
   plgpu.barrier_wait(kv_bar.at[consumers + wg])
   k_chunks = [my_k.at[c] for c in range(plan.splits)]
   v_chunks = [my_v.at[c] for c in range(plan.splits)]
 
-  first = _first_q_tile(plan, cta_kv0)
+  first = first_q_tile(plan, cta_kv0)
   per_head = plan.num_q_blocks - first
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
   # CTA-split head dims take each query tile in halves of `block_q / 2`
@@ -256,7 +190,7 @@ def _dkdv_shared_consumer(
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(consumer_regs(2), action="increase")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv0, _ = _cta_position(plan)
+  kv0, _ = cta_position(plan)
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
   cols = pl.ds(w * plan.chunk, plan.chunk)
   k_tile, v_tile = k_smem.at[0], v_smem.at[0]  # [splits, block_kv, chunk]
@@ -269,7 +203,7 @@ def _dkdv_shared_consumer(
   k_mine = [k_tile.at[c].at[mine] for c in range(plan.splits)]
   v_mine = [v_tile.at[c].at[mine] for c in range(plan.splits)]
 
-  first = _first_q_tile(plan, kv0)
+  first = first_q_tile(plan, kv0)
   per_head = plan.num_q_blocks - first
   shape = (cfg.block_q, half)
 
@@ -327,54 +261,6 @@ def _dkdv_shared_consumer(
   plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
   plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
   plgpu.wait_smem_to_gmem(0)
-
-
-def _dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
-  """Streams Q, dO, lse and delta tiles of every visible query tile of every
-  query head of the group."""
-  (
-    q_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    full,
-    empty,
-  ) = refs
-  spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
-  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_kv0, _ = _cta_position(plan)
-  first = _first_q_tile(plan, cta_kv0)
-  per_head = plan.num_q_blocks - first
-  steps = spec.group_size * per_head
-  stages = cfg.num_stages
-
-  @pl.loop(0, steps)
-  def _load(t):
-    slot = lax.rem(t, stages)
-    head = kv_head * spec.group_size + lax.div(t, per_head)
-    q0 = (first + lax.rem(t, per_head)) * cfg.block_q
-
-    @pl.when(t >= stages)
-    def _():
-      plgpu.barrier_wait(empty.at[slot])
-
-    tile = (batch, pl.ds(q0, cfg.block_q), head)
-    row = (batch, head, pl.ds(q0, cfg.block_q))
-    _copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan)
-    _copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan)
-    plgpu.copy_gmem_to_smem(
-      lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
-    )
-    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
-
-  @pl.loop(jnp.maximum(steps - stages, 0), steps)
-  def _drain(t):
-    plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
 
 def dkdv_kernel(
@@ -448,7 +334,7 @@ def dkdv_kernel(
 
     @pl.when(wg == consumers)
     def _():
-      _dkdv_producer(
+      dkdv_producer(
         (
           q_ref,
           do_ref,

@@ -1,0 +1,138 @@
+"""The sweeps of the deviceless compile (`aot`): which kernel configs and
+call shapes `pallas-fa3 aot` compiles, as (compile function, spec, config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from pallas_fa3.kernels.aot import (
+  SweepItem,
+  compile_backward,
+  compile_forward,
+  compile_forward_fp8,
+)
+
+if TYPE_CHECKING:
+  from pallas_fa3.kernels.sm90 import config as sm90
+  from pallas_fa3.spec import AttentionSpec
+
+
+def sweep() -> Iterator[SweepItem]:
+  """(compile function, spec, config) for every supported config of every
+  kernel: both dtypes, causal with GQA and ragged lengths."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  for dtype in (jnp.bfloat16, jnp.float16):
+    size = jnp.dtype(dtype).itemsize
+    for d in sm90_config.KERNEL_HEAD_DIMS:
+      q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
+      kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
+      spec = make_spec(q, kv, kv, causal=True)
+      for config in sm90_config.forward_config_space(d, size):
+        yield compile_forward, spec, config
+      for config in sm90_bwd_config.backward_config_space(d, size):
+        yield compile_backward, spec, config
+
+
+# (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
+# MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
+# and the causal offset are compiled in).
+BACKWARD_SHAPES = (
+  (1000, 1100, 4, 2),
+  (1024, 1024, 2, 2),
+  (4096, 4096, 1, 1),
+  (100, 300, 2, 1),
+  (2048, 1024, 2, 2),
+)
+
+
+def backward_shapes_sweep() -> Iterator[SweepItem]:
+  """Every backward config of the space at every head dim over
+  `BACKWARD_SHAPES`, causal and not, bf16."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    for sq, skv, hq, hk in BACKWARD_SHAPES:
+      for causal in (True, False):
+        q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
+        spec = make_spec(q, kv, kv, causal=causal)
+        for config in sm90_bwd_config.backward_config_space(d):
+          yield compile_backward, spec, config
+
+
+def fp8_forward_sweep() -> Iterator[
+  tuple[AttentionSpec, sm90.Sm90ForwardConfig]
+]:
+  """(spec, config) for every supported FP8 forward config, both output dtypes.
+
+  GQA with a ragged K/V length, causal (masked diagonal tiles with a
+  successor) and non-causal (one masked edge tile, the last).
+  """
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+  from pallas_fa3.spec import AttentionSpec
+
+  for dtype in sm90_fp8_config.FP8_OUT_DTYPES:
+    for d in sm90_fp8_config.FP8_HEAD_DIMS:
+      for config in sm90_fp8_config.fp8_forward_config_space(d):
+        for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
+          yield (
+            AttentionSpec(
+              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5
+            ),
+            config,
+          )
+
+
+# The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
+PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
+
+
+def defaults_sweep() -> Iterator[SweepItem]:
+  """(compile function, spec, config): the default config of every kernel at
+  every head dim, at `PROFILE_SHAPE`, causal and not."""
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+    config_fp8 as sm90_fp8_config,
+  )
+  from pallas_fa3.spec import AttentionSpec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    for causal in (True, False):
+      spec = AttentionSpec(
+        b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
+      )
+      yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      yield (
+        compile_backward,
+        spec,
+        sm90_bwd_config.default_backward_config(spec),
+      )
+      if d in sm90_fp8_config.FP8_HEAD_DIMS:
+        yield (
+          compile_forward_fp8,
+          spec,
+          sm90_fp8_config.default_fp8_forward_config(d),
+        )

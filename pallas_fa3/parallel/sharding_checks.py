@@ -1,0 +1,154 @@
+"""Checks of batch/head sharding: which layouts of q, k, v can run
+shard-locally (`check_shardings`, `check_array_shardings`), and the mesh
+and PartitionSpec helpers that `partitioning` and `ring` share.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from pallas_fa3.spec import AttentionSpec
+
+_BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
+_AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
+# The tensors whose layout the user chose; the others (out, lse, cotangents)
+# are only resharded to match.
+CHECKED = ("q", "k", "v")
+
+
+def mesh_axes(entry: Any) -> tuple[str, ...]:
+  """Mesh axes of one PartitionSpec entry (None, a name, or a tuple)."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+  """The PartitionSpec entry for mesh axes `axes` (inverse of `mesh_axes`)."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_shardings(
+  spec: AttentionSpec, axis_sizes: dict[str, int], shardings: dict[str, tuple]
+) -> tuple[tuple, tuple]:
+  """Checks that q, k, v shardings can run shard-locally.
+
+  Args:
+    spec: the global call.
+    axis_sizes: mesh axis name -> size.
+    shardings: "q"/"k"/"v" -> PartitionSpec entries of that `[b, s, h, d]`
+      operand (missing names are taken as replicated).
+
+  Returns:
+    (batch axes, head axes): the mesh axes of q's batch and head dimensions,
+    the layout every operand and result gets.
+
+  Raises:
+    ValueError: a sharded sequence or head_dim axis, or a head sharding that
+      would split a group of query heads sharing a kv head; the message names
+      the argument.
+  """
+  for name in CHECKED:
+    entries = shardings.get(name, (None,) * 4)
+    for axis in (_SEQ, _HEAD_DIM):
+      split = mesh_axes(entries[axis])
+      if not split:
+        continue
+      hint = (
+        " Sequence (context) parallelism is pallas_fa3.ring_attention;"
+        " or replicate the axis first (jax.reshard, or"
+        " jax.lax.with_sharding_constraint)"
+        if axis == _SEQ
+        else " A head_dim split would need a reduction inside every score;"
+        " shard batch or heads instead"
+      )
+      raise ValueError(
+        f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
+        f" {axis}) over mesh axes {split}; flash_attention runs each"
+        f" device's shard locally and can only split batch (axis 0) and"
+        f" heads (axis 2).{hint}"
+      )
+  q = shardings.get("q", (None,) * 4)
+  batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
+  ways = math.prod(axis_sizes[a] for a in head_axes)
+  if spec.heads_kv % ways:
+    raise ValueError(
+      f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
+      f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
+      f" {ways}: every device must hold whole groups (a kv head and its"
+      f" {spec.group_size} query heads). Shard heads at most"
+      f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead"
+    )
+  return batch_axes, head_axes
+
+
+def known_sharding(x: Any) -> NamedSharding | None:
+  """The `NamedSharding` of `x` if it is known at trace time, else None.
+
+  Known means a concrete `jax.Array` with a `NamedSharding`, or a traced
+  value whose type carries `Explicit` mesh axes (`jax.typeof(x).sharding`).
+  Under `jax.jit` with automatic axes only the partitioner knows the layout.
+  """
+  sharding = (
+    jax.typeof(x).sharding
+    if isinstance(x, jax.core.Tracer)
+    else getattr(x, "sharding", None)
+  )
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def spec_entries(sharding: Any, ndim: int = 4) -> tuple:
+  """The PartitionSpec of `sharding`, padded with None to `ndim` entries."""
+  spec = tuple(getattr(sharding, "spec", ()))
+  return spec + (None,) * (ndim - len(spec))
+
+
+def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
+  """Runs `check_shardings` at trace time on the layouts known then.
+
+  The partitioner runs the same check at compile time for the others.
+  """
+  sizes: dict[str, int] = {}
+  shardings: dict[str, tuple] = {}
+  for name, x in arrays.items():
+    sharding = known_sharding(x)
+    if sharding is not None:
+      sizes.update(dict(sharding.mesh.shape))
+      shardings[name] = spec_entries(sharding)
+  if shardings:
+    check_shardings(spec, sizes, shardings)
+
+
+def mesh_ways(mesh: Any, axes: tuple[str, ...]) -> int:
+  return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def explicit_sharding(x: Any) -> NamedSharding | None:
+  """x's type sharding if x is traced on a mesh with `Explicit` axes."""
+  if not isinstance(x, jax.core.Tracer):
+    return None
+  sharding = known_sharding(x)
+  if sharding is None or AxisType.Explicit not in sharding.mesh.axis_types:
+    return None
+  return sharding
+
+
+def fit_explicit(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """Reshards x to `target` when `target`'s mesh has `Explicit` axes.
+
+  `jax.shard_map` on such a mesh insists that its operands' types already
+  carry its `in_specs`; under automatic axes XLA reshards by itself, and x is
+  returned as is.
+  """
+  if AxisType.Explicit not in target.mesh.axis_types:
+    return x
+  current = known_sharding(x) if isinstance(x, jax.core.Tracer) else None
+  if current is not None and spec_entries(current, x.ndim) == spec_entries(
+    target, x.ndim
+  ):
+    return x
+  return jax.reshard(x, target)
