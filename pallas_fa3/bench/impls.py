@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import IMPLEMENTATIONS, backends, flash_attention
-from pallas_fa3.bench import fp8_case, specs
+from pallas_fa3.bench import specs
 
 OURS: tuple[str, ...] = (
   IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
@@ -91,8 +91,6 @@ def _ours_unsupported(name):
 
 def _ours_build(name):
   def build(spec):
-    if spec.dtype == "fp8" and name in fp8_case.FP8_IMPLS:  # as it is timed
-      return fp8_case.functions(name, spec)[2]
     return lambda q, k, v: flash_attention(
       q, k, v, causal=spec.causal, implementation=name
     )

@@ -149,10 +149,8 @@ def text(result: dict, ours: str, width: int = WIDTH) -> str:
     lines.append("")
   for impl, why, n, first in groups:
     lines += textwrap.wrap(
-      f"skipped {impl} x{n} (e.g. {first}): {why}",
-      width,
-      subsequent_indent="  ",
-    )
+      f"{impl} x{n} (e.g. {first}): {why}", width, subsequent_indent="  "
+    )  # why: "[status] reason"
   return "\n".join(lines)
 
 
