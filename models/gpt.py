@@ -34,6 +34,7 @@ from flax import nnx
 
 from pallas_fa3 import IMPLEMENTATIONS
 from pallas_fa3.flax import FlashMultiHeadAttention
+from pallas_fa3.spec import check_int
 
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["rope", "learned"]
@@ -49,13 +50,7 @@ _MAX_HEAD_DIM = 256  # the largest head dim flash_attention accepts
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-      f"GPTConfig.{name} must be an int; got {value!r} of type"
-      f" {type(value).__name__}"
-    )
-  if value < minimum:
-    raise ValueError(f"GPTConfig.{name} must be >= {minimum}; got {value}")
+  check_int(f"GPTConfig.{name}", value, minimum=minimum)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:

@@ -7,23 +7,13 @@ what happens between the projections lives here once.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
 
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax import layout, rope as rope_lib
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-  if (
-    isinstance(value, bool)
-    or not isinstance(value, numbers.Integral)
-    or value <= 0
-  ):
-    raise ValueError(f"{name} must be a positive integer; got {value!r}")
-  return int(value)
+from pallas_fa3.spec import check_int
 
 
 def head_layout(
@@ -40,13 +30,13 @@ def head_layout(
   Raises:
     ValueError: naming the argument and its value.
   """
-  num_heads = _check_positive_int("num_heads", num_heads)
+  num_heads = check_int("num_heads", num_heads, minimum=1)
   num_kv_heads = (
     num_heads
     if num_kv_heads is None
-    else _check_positive_int("num_kv_heads", num_kv_heads)
+    else check_int("num_kv_heads", num_kv_heads, minimum=1)
   )
-  qkv_features = _check_positive_int("qkv_features", qkv_features)
+  qkv_features = check_int("qkv_features", qkv_features, minimum=1)
   if num_heads % num_kv_heads:
     raise ValueError(
       f"num_heads ({num_heads}) must be divisible by num_kv_heads"

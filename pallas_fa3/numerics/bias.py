@@ -40,6 +40,7 @@ import numpy as np
 from pallas_fa3 import stable_max as stable_max_lib
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.numerics import inputs, lowprec, report
+from pallas_fa3.spec import check_int
 
 COMPUTATIONS = ("tile P V", "flash / all", "blockwise")
 # The paper's mechanism: a row whose maximum repeats. The headline is taken
@@ -96,15 +97,7 @@ class BiasConfig:
       object.__setattr__(self, name, tuple(getattr(self, name)))
     for name in ("rows", "keys", "head_dim", "seed"):
       value = getattr(self, name)
-      low = 0 if name == "seed" else 1
-      if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < low
-      ):
-        raise ValueError(
-          f"BiasConfig.{name} must be an int >= {low}; got {value!r}"
-        )
+      check_int(f"BiasConfig.{name}", value, minimum=0 if name == "seed" else 1)
     if not self.ties or any(
       isinstance(t, bool)
       or not isinstance(t, numbers.Integral)

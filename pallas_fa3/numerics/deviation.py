@@ -23,7 +23,6 @@ markdown and plots in `deviation_report`.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from typing import Any
 
@@ -35,7 +34,7 @@ from pallas_fa3 import backends
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.backends.blockwise import BlockwiseConfig
 from pallas_fa3.numerics import inputs, lowprec, metrics
-from pallas_fa3.spec import SUPPORTED_DTYPES, make_spec
+from pallas_fa3.spec import SUPPORTED_DTYPES, check_int, make_spec
 
 DTYPES = tuple(str(d) for d in SUPPORTED_DTYPES)  # float16, bfloat16, float32
 KERNELS = ("interpret", "mosaic")
@@ -49,16 +48,7 @@ def _check_ints(name: str, values, low: int = 1, high: int | None = None):
   if not values:
     raise ValueError(f"DeviationConfig.{name} must not be empty")
   for x in values:
-    if (
-      isinstance(x, bool)
-      or not isinstance(x, numbers.Integral)
-      or x < low
-      or (high is not None and x > high)
-    ):
-      bound = f"in [{low}, {high}]" if high else f">= {low}"
-      raise ValueError(
-        f"DeviationConfig.{name} entries must be ints {bound}; got {x!r}"
-      )
+    check_int(f"DeviationConfig.{name} entries", x, minimum=low, maximum=high)
 
 
 def _check_choices(name: str, values, choices) -> None:

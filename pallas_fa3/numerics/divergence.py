@@ -34,6 +34,7 @@ import numpy as np
 
 from pallas_fa3 import example_models
 from pallas_fa3.numerics import metrics, report
+from pallas_fa3.spec import check_int
 
 RUNS = {
   "R0": "reference attention, bf16 compute (float32 inside attention):"
@@ -94,14 +95,7 @@ class DivergenceConfig:
     ):
       value = getattr(self, name)
       low = 0 if name in ("warmup_steps", "seed", "data_seed") else 1
-      if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < low
-      ):
-        raise ValueError(
-          f"DivergenceConfig.{name} must be an int >= {low}; got {value!r}"
-        )
+      check_int(f"DivergenceConfig.{name}", value, minimum=low)
     if self.interval > self.steps:
       raise ValueError(
         f"DivergenceConfig.interval ({self.interval}) must be"

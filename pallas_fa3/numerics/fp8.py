@@ -17,7 +17,6 @@ alone (`fp8_methods.source_errors`).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from typing import Any
 
@@ -29,7 +28,7 @@ from pallas_fa3.backends.blockwise import BlockwiseConfig
 from pallas_fa3.kernels.sm90.config_fp8 import FP8_HEAD_DIMS
 from pallas_fa3.numerics import fp8_methods, metrics, report
 from pallas_fa3.numerics.fp8_methods import BASELINES, METHODS, PAPER_RMSE
-from pallas_fa3.spec import make_spec
+from pallas_fa3.spec import check_int, make_spec
 
 # Implementation label of the baselines' rows.
 MATERIALIZED = "materialized"
@@ -78,14 +77,7 @@ class FP8StudyConfig:
       if value is None and name in ("block_q", "block_kv"):
         continue
       low = 0 if name in ("seed", "interpret_max_seq") else 1
-      if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < low
-      ):
-        raise ValueError(
-          f"FP8StudyConfig.{name} must be an int >= {low}; got {value!r}"
-        )
+      check_int(f"FP8StudyConfig.{name}", value, minimum=low)
     if self.head_dim not in FP8_HEAD_DIMS:
       raise ValueError(
         f"FP8StudyConfig.head_dim must be one of the FP8"
