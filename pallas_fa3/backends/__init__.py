@@ -91,11 +91,6 @@ def get(name: str) -> Backend:
   return _BY_NAME[check_implementation(name)]
 
 
-def all_backends() -> tuple[Backend, ...]:
-  """Every registered backend, fastest first (`BACKENDS`)."""
-  return BACKENDS
-
-
 def check_implementation(implementation: Any) -> str | None:
   """Validates `implementation=` (None means automatic); returns it.
 
