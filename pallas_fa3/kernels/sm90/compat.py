@@ -60,3 +60,19 @@ def capture_race_report() -> Iterator[io.StringIO]:
 def load_with_layout(ref: Any, layout: Any) -> Any:
   """The whole of a shared-memory `ref` in registers, in `layout`."""
   return plgpu.load(ref, layout=layout)
+
+
+def named_barrier(bar_id: int, threads: int, *, sync: bool) -> None:
+  """`bar.sync` (waits) or `bar.arrive` (does not) on hardware barrier
+  `bar_id` for `threads` threads; Pallas exposes no named barrier, so this
+  is inline PTX. Mosaic itself uses ids 0 (the CTA) and 1-4 (warpgroups)."""
+
+  @plgpu.inline_mgpu()
+  def _emit(ctx):
+    del ctx
+    op = "sync" if sync else "arrive"
+    _mgpu.utils.inline_ptx(
+      f"bar.{op} {bar_id}, {threads};", has_side_effects=True
+    )
+
+  _emit()

@@ -80,12 +80,12 @@ def forward_smem_bytes(
 
   Q tiles (reused for O on the way out) for both consumers, the K and V
   rings, the lse staging rows and the barriers (K full/empty, V full/empty
-  per stage, one Q barrier per consumer, one schedule barrier).
+  per stage, one Q barrier per consumer; the pingpong uses named barriers).
   """
   qo = align_smem(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
   ring = align_smem(config.num_stages * config.block_kv * head_dim * itemsize)
   lse = align_smem(NUM_CONSUMERS * config.block_q * 4)
-  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * BARRIER_BYTES
+  barriers = (4 * config.num_stages + NUM_CONSUMERS) * BARRIER_BYTES
   return qo + 2 * ring + lse + RESERVED_SMEM + barriers
 
 
@@ -99,23 +99,23 @@ def forward_config_unsupported(
       f"{config} needs {need} bytes of shared memory at head_dim"
       f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
     )
-  # Register budget of a consumer (128 threads): the float32 O accumulator
-  # (block_q x d), and the S tile (block_q x block_kv) counted twice: S and
-  # its exponentials are live together during the softmax.
-  regs = config.block_q * (head_dim + 2 * config.block_kv) // 128
+  # Register budget of a consumer (128 threads) in FA3's order: the float32
+  # O accumulator (block_q x d) and S tile (block_q x block_kv), and the
+  # previous tile's P in 16 bits, read by the P V wgmma still in flight.
+  regs = config.block_q * (2 * head_dim + 3 * config.block_kv) // 256
   if regs > _CONSUMER_ACC_REGS:
     return (
-      f"{config} keeps {regs} float32 accumulator registers per thread"
+      f"{config} keeps {regs} tile registers per thread"
       f" at head_dim {head_dim}; a consumer warpgroup has room for"
       f" {_CONSUMER_ACC_REGS}"
     )
   return None
 
 
-# Float32 tile registers a forward consumer may hold (of its 240; the rest
-# hold P, the statistics and addresses). Calibrated with the sm_90a compile:
-# docs/design_notes.md#tile-budgets.
-_CONSUMER_ACC_REGS = 192
+# Tile registers a forward consumer may hold (of its 240; the rest hold the
+# statistics and addresses). Calibrated with the sm_90a compile (176 fits
+# everywhere, 192 spills at d96 64x192): docs/design_notes.md#tile-budgets.
+_CONSUMER_ACC_REGS = 184
 
 
 def forward_unsupported(
@@ -143,7 +143,7 @@ def forward_unsupported(
 # The heuristic default per head dim (bf16/fp16 alike): the largest K/V
 # tile and deepest ring that fit. docs/design_notes.md#default-tilings
 _DEFAULTS = {
-  64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3),
+  64: Sm90ForwardConfig(block_q=64, block_kv=192, num_stages=3),
   96: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
   128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
   192: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),

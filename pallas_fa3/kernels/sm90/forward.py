@@ -12,6 +12,7 @@ Design and measurements: docs/design_notes.md#forward-kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +31,11 @@ from pallas_fa3.kernels.sm90.common import (
   kv_producer,
   kv_steps,
   pad_axis,
-  run_kv_steps,
   smem_transforms,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.kernels.sm90.pingpong import Turns, turn_barriers
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -62,34 +63,23 @@ def _online_softmax(
 
 
 def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
-  """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
-  (
-    q_ref,
-    o_ref,
-    lse_ref,
-    qo_smem,
-    k_smem,
-    v_smem,
-    lse_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    q_bar,
-    sched,
-  ) = refs
+  """A consumer warpgroup in FA3's order: in its pingpong turn it issues
+  S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
+  while P_j V_j is still in flight."""
+  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, ring, q_bar) = (
+    refs[:9]
+  )
+  k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
+  turns = Turns(refs[9] if ops.interpreted else None, wg)
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
   row0 = cta_row0 + wg * cfg.block_q
   q_smem = qo_smem.at[wg]
   stages = cfg.num_stages
-
-  def rendezvous():
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
+  turns.start()
 
   plgpu.copy_gmem_to_smem(
     q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
@@ -98,65 +88,94 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
 
   steps, unmasked = kv_steps(plan, row0, cfg.block_q)
   cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
-  shape = (cfg.block_q, cfg.block_kv)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
-
   # Padded keys matter only without causal masking (bottom-right causal rows
   # never see a key at or past seq_kv).
   check_seq_kv = not spec.causal
 
-  def mask_for(j):  # 1-D index vectors: no index tile lives in registers
-    return masking.visible_tile_at(
-      spec,
-      row0,
-      j * cfg.block_kv,
-      ops.row_index(cfg.block_q),
-      ops.col_index(cfg.block_kv),
-      shape,
-      0,
-      check_seq_kv=check_seq_kv,
-    )
-
-  def step(j, carry, *, has_next: bool, masked: bool):
-    o, m, l, s = carry
-    slot = lax.rem(j, stages)
-    nslot = lax.rem(j + 1, stages)
-
-    def body(read_next):
-      plgpu.barrier_arrive(sched)  # pingpong: my S_{j+1} is issued
-      plgpu.barrier_wait(sched)
-      p, alpha, m_new, l_new = _online_softmax(
-        s, m, l, scale_log2=scale_log2, mask=mask_for(j) if masked else None
+  def softmax(s, j, m, l, *, masked: bool):
+    mask = None
+    if masked:  # 1-D index vectors: no index tile lives in registers
+      mask = masking.visible_tile_at(
+        spec,
+        row0,
+        j * cfg.block_kv,
+        ops.row_index(cfg.block_q),
+        ops.col_index(cfg.block_kv),
+        s.shape,
+        0,
+        check_seq_kv=check_seq_kv,
       )
-      o_scaled = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-      p = p.astype(spec.dtype)
-      plgpu.barrier_arrive(sched)  # pingpong: softmax done, tensor cores next
-      plgpu.barrier_wait(v_full.at[slot])
-      plgpu.barrier_wait(sched)
-      o_new = ops.accumulate_pv(o_scaled, p, v_smem.at[slot])
-      plgpu.barrier_arrive(v_empty.at[slot])
-      return o_new, m_new, l_new, read_next()
+    return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
-    if has_next:
-      plgpu.barrier_wait(k_full.at[nslot])
-      out = ops.with_scores(q_smem, k_smem.at[nslot], body)
-      plgpu.barrier_arrive(k_empty.at[nslot])
-      return out
-    return body(lambda: s)
-
-  o, m, l = run_kv_steps(
-    plan,
-    ops,
-    step,
-    q_smem,
-    k_smem,
-    (k_full, v_full, k_empty, v_empty),
-    steps,
-    unmasked,
-    cta_steps,
-    wg,
-    rendezvous,
+  # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
+  turns.wait()
+  plgpu.barrier_wait(k_full.at[0])
+  s0 = ops.with_scores(
+    q_smem, k_smem.at[0], lambda read: (turns.pass_on(), read())[1]
   )
+  plgpu.barrier_arrive(k_empty.at[0])
+  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
+  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
+  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
+  like = (ops.tile(jnp.zeros(s0.shape, jnp.float32)), m0, m0, l0)
+
+  def step(j, carry, *, masked: bool):
+    # Tile j + 1's scores and softmax with tile j's P V in flight.
+    o, p, m, l = carry
+    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+    turns.wait()
+    plgpu.barrier_wait(k_full.at[nslot])
+    plgpu.barrier_wait(v_full.at[slot])
+
+    def with_s(s):
+      plgpu.barrier_arrive(k_empty.at[nslot])  # K_{j+1} read: release it
+      return softmax(s, j + 1, m, l, masked=masked)
+
+    o, (p, alpha, m, l) = ops.scores_then_pv(
+      q_smem,
+      k_smem.at[nslot],
+      o,
+      p,
+      v_smem.at[slot],
+      like,
+      issued=turns.pass_on,
+      with_s=with_s,
+    )
+    plgpu.barrier_arrive(v_empty.at[slot])
+    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+    return o, p.astype(spec.dtype), m, l
+
+  # Step j softmaxes tile j + 1: unmasked while j + 1 < unmasked.
+  split = jnp.clip(unmasked - 1, 0, steps - 1)
+  carry = (o0, p0.astype(spec.dtype), m0, l0)
+  carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(
+    split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
+  )
+  o, p, m, l = carry
+  last = lax.rem(steps - 1, stages)
+  turns.wait()
+  plgpu.barrier_wait(v_full.at[last])
+  o = ops.accumulate_pv(o, p, v_smem.at[last], issued=turns.pass_on)
+  plgpu.barrier_arrive(v_empty.at[last])
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    # Tiles loaded only for the other consumer (causal): release them (every
+    # warpgroup waits on every phase of a barrier it uses) and keep taking
+    # turns, one per step, as the other consumer does.
+    slot = lax.rem(j, stages)
+    turns.wait()
+    turns.pass_on()
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+
+  turns.finish()
   _epilogue(
     plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
   )
@@ -189,52 +208,19 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
-  def fa3_fwd(
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    lse_ref,
-    qo_smem,
-    k_smem,
-    v_smem,
-    lse_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    q_bar,
-    sched,
-  ):
+  def fa3_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
+    qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
+    ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      _consumer(
-        (
-          q_ref,
-          o_ref,
-          lse_ref,
-          qo_smem,
-          k_smem,
-          v_smem,
-          lse_smem,
-          k_full,
-          v_full,
-          k_empty,
-          v_empty,
-          q_bar,
-          sched,
-        ),
-        plan,
-        ops,
-      )
+      consumer_refs = (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem)
+      _consumer((*consumer_refs, lse_smem, ring, q_bar, *turns), plan, ops)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      kv_producer(
-        (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty), plan
-      )
+      kv_producer((k_ref, v_ref, k_smem, v_smem, *ring), plan)
 
   ring = lambda: plgpu.SMEM(
     (cfg.num_stages, cfg.block_kv, d), spec.dtype, transforms=transforms
@@ -251,7 +237,7 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
     plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
-    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # pingpong schedule
+    *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   out_type = (
     jax.ShapeDtypeStruct(

@@ -110,17 +110,72 @@ class KernelOps:
     """S = Q K^T in float32, waited for (chunks as in `with_scores`)."""
     return self.with_scores(q_smem, k_smem, lambda read: read())
 
-  def accumulate_pv(self, o: jax.Array, p: jax.Array, v_smem: Any) -> jax.Array:
-    """o + P V with P in registers, float32 accumulation; waits for all wgmma."""
+  def accumulate_pv(
+    self,
+    o: jax.Array,
+    p: jax.Array,
+    v_smem: Any,
+    issued: Callable[[], None] = lambda: None,
+  ) -> jax.Array:
+    """o + P V with P in registers, float32 accumulation; calls `issued()`
+    once the wgmma is issued, then waits for all wgmma."""
     if self.interpreted:
-      return async_proxy_read(
+      out = async_proxy_read(
         o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
       )
+      issued()
+      return out
 
     def pv(acc):
       plgpu.wgmma(acc, p, v_smem)
+      issued()
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
+
+  def scores_then_pv(
+    self,
+    q_smem: Any,
+    k_smem: Any,
+    o: jax.Array,
+    p: jax.Array,
+    v_smem: Any,
+    like: tuple,
+    *,
+    issued: Callable[[], None],
+    with_s: Callable[[jax.Array], tuple],
+  ) -> tuple[jax.Array, tuple]:
+    """FA3's intra-warpgroup order: issues S = Q K^T, then O + P V with `p`
+    in registers, calls `issued()`, waits for S alone (`wait_group 1`: P V
+    stays in flight) and runs `with_s(s)`, which returns arrays shaped as
+    `like`. Returns (O + P V, what `with_s` returned) once both wgmma are
+    done. `with_s` must not write registers that the P V wgmma reads:
+    convert its P for the next step only after this returns."""
+    if self.interpreted:
+      s = async_proxy_read(
+        jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
+      )
+      o_new = async_proxy_read(
+        o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
+      )
+      issued()
+      return o_new, with_s(s)
+
+    shape = (q_smem.shape[0], k_smem.shape[0])
+
+    def body(refs):
+      o_acc, out_refs = refs
+
+      def scoped(s_acc):
+        plgpu.wgmma(s_acc, q_smem, k_smem.transpose((1, 0)))
+        plgpu.wgmma(o_acc, p, v_smem)
+        issued()
+        s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+        for ref, value in zip(out_refs, with_s(s)):
+          ref[...] = value
+
+      pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
+
+    return pl.run_state(body)((plgpu.ACC.init(o), tuple(like)))
 
   def accumulate_ss(
     self, acc: jax.Array, a_smem: Any, b_smem: Any
