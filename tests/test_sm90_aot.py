@@ -180,6 +180,12 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
       if k["name"].startswith("fa3_fwd"):
         # Online softmax: one exp2 per score, the scale inside its argument.
         assert k["loop"]["ex2"] >= k["loop"]["ffma"] - 8 > 0, k["name"]
+        # FA3's order: P V stays in flight past the wait for the next S
+        # (wait_group 1), ptxas keeps the wgmma asynchronous, and the
+        # pingpong hand-off is by named barrier.
+        assert k["wait_group"].get("1", 0) > 0, k["name"]
+        assert not k["wgmma_serialized"], k["name"]
+        assert k["loop"]["bar"] >= 2, k["name"]
 
 
 @_needs_packages

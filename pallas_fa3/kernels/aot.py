@@ -49,6 +49,8 @@ _SPILL = re.compile(
 )
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+# ptxas's note when it serializes wgmma (it then waits after each one).
+_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def _found(module: str) -> bool:
@@ -108,7 +110,8 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
   profiles = []
   for ptxas in sorted(dump.glob("*.ptxas")):
     stem = ptxas.name[: -len(".ptxas")]
-    regs, stores, loads = _parse_ptxas(ptxas.read_text())
+    report = ptxas.read_text()
+    regs, stores, loads = _parse_ptxas(report)
     resources = dump / f"{stem}.resources.txt"
     smem = _SMEM.search(resources.read_text()) if resources.exists() else None
     ptx = dump / f"{stem}.ptx"
@@ -120,6 +123,7 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
         spill_store_bytes=stores,
         spill_load_bytes=loads,
         smem_bytes=int(smem.group(1)) if smem else None,
+        wgmma_serialized=_SERIALIZED in report,
       )
     )
   if not profiles:

@@ -64,6 +64,9 @@ class KernelProfile:
   tma: dict[str, int]  # load / store / reduce -> static sites
   loop: dict[str, int]  # steady-state loop: column -> count
   instructions: int
+  # ptxas C7513: it serialized the wgmma (waits after each), e.g. because
+  # registers a wgmma in flight reads were rewritten before its wait.
+  wgmma_serialized: bool = False
 
 
 def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
@@ -162,6 +165,7 @@ def profile_ptx(
   spill_store_bytes: int,
   spill_load_bytes: int,
   smem_bytes: int | None,
+  wgmma_serialized: bool = False,
 ) -> KernelProfile:
   """The profile of one kernel from its PTX text and ptxas's figures."""
   lines = ptx.splitlines()
@@ -193,6 +197,7 @@ def profile_ptx(
     tma={k: tma.get(k, 0) for k in ("load", "store", "reduce")},
     loop=steady_state_loop(ptx),
     instructions=len(ops),
+    wgmma_serialized=wgmma_serialized,
   )
 
 
@@ -213,7 +218,8 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     rows.append(
       f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
       f" {p.spill_store_bytes}/"
-      f"{p.spill_load_bytes} | {smem} | {shapes} | {waits} |"
+      f"{p.spill_load_bytes} | {smem} | {shapes}"
+      f"{' (serialized)' if p.wgmma_serialized else ''} | {waits} |"
       f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
       f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |"
     )

@@ -6,7 +6,6 @@ build settings.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -165,67 +164,6 @@ def kv_producer(
     slot = lax.rem(j, stages)
     plgpu.barrier_wait(k_empty.at[slot])
     plgpu.barrier_wait(v_empty.at[slot])
-
-
-def run_kv_steps(
-  plan: QueryPlan,
-  ops: KernelOps,
-  step: Callable[..., Any],
-  q_smem: Any,
-  k_smem: Any,
-  ring: tuple,
-  steps: Any,
-  unmasked: Any,
-  cta_steps: Any,
-  wg: Any,
-  rendezvous: Callable[[], None],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A consumer's walk over its K/V steps, shared by the bf16 and FP8 kernels.
-
-  S_0 first; consumer 1 starts half a pingpong step behind; then the
-  unmasked steps, the masked ones and the last step (which issues no next
-  S), each by `step(j, (o, m, l, s), has_next=, masked=)`; then the drain of
-  tiles loaded only for the other consumer; consumer 0 meets the schedule
-  barrier once more at the end. Returns the final (o, m, l).
-  """
-  cfg = plan.config
-  k_full, v_full, k_empty, v_empty = ring
-  o0 = ops.tile(jnp.zeros((cfg.block_q, plan.spec.head_dim), jnp.float32))
-  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
-  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
-  plgpu.barrier_wait(k_full.at[0])
-  s0 = ops.scores(q_smem, k_smem.at[0])
-  plgpu.barrier_arrive(k_empty.at[0])
-  pl.when(wg == 1)(rendezvous)  # consumer 1 runs half a step behind
-
-  carry = (o0, m0, l0, s0)
-  split = jnp.minimum(unmasked, steps - 1)
-  carry = lax.fori_loop(
-    0, split, functools.partial(step, has_next=True, masked=False), carry
-  )
-  carry = lax.fori_loop(
-    split,
-    steps - 1,
-    functools.partial(step, has_next=True, masked=plan.needs_mask),
-    carry,
-  )
-  o, m, l, _ = step(steps - 1, carry, has_next=False, masked=plan.needs_mask)
-
-  @pl.loop(steps, cta_steps)
-  def _drain(j):
-    # Tiles loaded only for the other consumer (causal): wait for and
-    # release them (every warpgroup waits on every phase of a barrier it
-    # uses), and keep the pingpong in step.
-    slot = lax.rem(j, cfg.num_stages)
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
-    rendezvous()
-    rendezvous()
-
-  pl.when(wg == 0)(rendezvous)
-  return o, m, l
 
 
 def row_probabilities(

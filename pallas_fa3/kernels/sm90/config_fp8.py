@@ -40,7 +40,7 @@ def fp8_forward_smem_bytes(
     config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE
   )
   lse = align_smem(rows * 4)
-  barriers = (4 * config.num_stages + NUM_CONSUMERS + 1) * BARRIER_BYTES
+  barriers = (4 * config.num_stages + NUM_CONSUMERS) * BARRIER_BYTES
   return q + out + p + 2 * ring + lse + RESERVED_SMEM + barriers
 
 

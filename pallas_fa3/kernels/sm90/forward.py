@@ -35,7 +35,7 @@ from pallas_fa3.kernels.sm90.common import (
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kernels.sm90.pingpong import Turns, turn_barriers
+from pallas_fa3.kernels.sm90.pingpong import Turns, finish_walk, turn_barriers
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -162,20 +162,7 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
   o = ops.accumulate_pv(o, p, v_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
 
-  @pl.loop(steps, cta_steps)
-  def _drain(j):
-    # Tiles loaded only for the other consumer (causal): release them (every
-    # warpgroup waits on every phase of a barrier it uses) and keep taking
-    # turns, one per step, as the other consumer does.
-    slot = lax.rem(j, stages)
-    turns.wait()
-    turns.pass_on()
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
-
-  turns.finish()
+  finish_walk(turns, ring, stages, steps, cta_steps)
   _epilogue(
     plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
   )

@@ -12,6 +12,7 @@ Design and measurements: docs/design_notes.md#fp8-forward-kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,6 @@ from pallas_fa3.kernels.sm90.common import (
   kv_producer,
   kv_steps,
   pad_axis,
-  run_kv_steps,
   smem_transforms,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
@@ -37,6 +37,7 @@ from pallas_fa3.kernels.sm90.ops_fp8 import (
   INTERPRETED_FP8,
   Fp8Ops,
 )
+from pallas_fa3.kernels.sm90.pingpong import Turns, finish_walk, turn_barriers
 from pallas_fa3.quant.e4m3 import (
   FP8_DTYPE,
   finalize_fp8,
@@ -73,21 +74,18 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
     k_empty,
     v_empty,
     q_bar,
-    sched,
-  ) = refs
+  ) = refs[:18]
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(CONSUMER_REGS, action="increase")
   wg = lax.axis_index("wg")
+  turns = Turns(refs[18] if ops.interpreted else None, wg)
+  turns.start()
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(spec.group_size))
   cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
   row0 = cta_row0 + wg * cfg.block_q
   q_smem, p_smem = q_smem_all.at[wg], p_smem_all.at[wg]
   stages = cfg.num_stages
-
-  def rendezvous():
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
 
   plgpu.copy_gmem_to_smem(
     q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
@@ -111,74 +109,79 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
       lax.broadcast_in_dim(keys_end - j * cfg.block_kv, shape, [0])
     )
 
-  def softmax_to_smem(j, o, m, l, s, masked):
-    """Softmax of S_j; P_j (e4m3) into shared memory; O rescaled."""
+  def softmax(j, m, l, s, masked):
+    """Softmax of S_j: (P_j in float32, O's rescale factor, m, l)."""
     k_scale = ks_ref[batch, kv_head, j]
     v_ratio = vr_ref[batch, kv_head, j]  # sv_{j-1} / sv_j
-    p, alpha, m_new, l_new = online_softmax_fp8(
+    p, alpha, m, l = online_softmax_fp8(
       s,
       m,
       l,
       scale_log2=scale_log2 * k_scale,
       mask=mask_for(j) if masked else None,
     )
+    # O stays in units of the current V tile's scale.
+    return p, alpha * v_ratio, m, l
+
+  def store_p(p):
     p_smem[...] = p.astype(FP8_DTYPE)
     plgpu.commit_smem()  # P visible to the wgmma (async proxy)
-    # O stays in units of the current V tile's scale.
-    o = o * lax.broadcast_in_dim(alpha * v_ratio, o.shape, [0])
-    return o, m_new, l_new
 
-  def step(j, carry, *, has_next: bool, masked: bool):
-    o, m, l, s = carry
-    slot = lax.rem(j, stages)
-    nslot = lax.rem(j + 1, stages)
+  # S_0 and its softmax (FA3's order as in the bf16 kernel, with P_j in
+  # shared memory: it is stored only once the P V wgmma reading the previous
+  # P is done).
+  turns.wait()
+  plgpu.barrier_wait(k_full.at[0])
+  s0 = ops.with_scores(
+    q_smem, k_smem.at[0], lambda read: (turns.pass_on(), read())[1]
+  )
+  plgpu.barrier_arrive(k_empty.at[0])
+  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
+  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  p0, _, m0, l0 = softmax(0, m0, l0, s0, plan.needs_mask)
+  store_p(p0)
+  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  like = (ops.tile(jnp.zeros(shape, jnp.float32)), m0, m0, l0)
 
-    def body(read_next):
-      plgpu.barrier_arrive(sched)  # pingpong: my S_{j+1} is issued
-      plgpu.barrier_wait(sched)
-      o_scaled, m_new, l_new = softmax_to_smem(j, o, m, l, s, masked)
-      plgpu.barrier_arrive(sched)  # pingpong: softmax done, tensor cores next
-      plgpu.barrier_wait(v_full.at[slot])
-      plgpu.barrier_wait(sched)
-      o_new = ops.accumulate_pv_t(o_scaled, p_smem, vt_smem.at[slot])
-      plgpu.barrier_arrive(v_empty.at[slot])
-      return o_new, m_new, l_new, read_next()
-
-    if not has_next:
-      return body(lambda: s)
-    if not masked:
-      plgpu.barrier_wait(k_full.at[nslot])
-      out = ops.with_scores(q_smem, k_smem.at[nslot], body)
-      plgpu.barrier_arrive(k_empty.at[nslot])
-      return out
-    # Masked steps with a successor issue S_{j+1} after their softmax: the
-    # mask, P's store and an S tile in flight together exceed the registers
-    # (docs/design_notes.md#fp8-forward-kernel).
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
-    o_scaled, m_new, l_new = softmax_to_smem(j, o, m, l, s, masked)
-    plgpu.barrier_arrive(sched)
+  def step(j, carry, *, masked: bool):
+    o, m, l = carry
+    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+    turns.wait()
     plgpu.barrier_wait(k_full.at[nslot])
     plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_wait(sched)
-    s_next = ops.scores(q_smem, k_smem.at[nslot])
-    plgpu.barrier_arrive(k_empty.at[nslot])
-    o_new = ops.accumulate_pv_t(o_scaled, p_smem, vt_smem.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
-    return o_new, m_new, l_new, s_next
 
-  o, m, l = run_kv_steps(
-    plan,
-    ops,
-    step,
-    q_smem,
-    k_smem,
-    (k_full, v_full, k_empty, v_empty),
-    steps,
-    unmasked,
-    cta_steps,
-    wg,
-    rendezvous,
+    def with_s(s):
+      plgpu.barrier_arrive(k_empty.at[nslot])
+      return softmax(j + 1, m, l, s, masked)
+
+    o, (p, rescale, m, l) = ops.scores_then_pv(
+      q_smem,
+      k_smem.at[nslot],
+      o,
+      p_smem,
+      vt_smem.at[slot],
+      like,
+      issued=turns.pass_on,
+      with_s=with_s,
+    )
+    plgpu.barrier_arrive(v_empty.at[slot])
+    store_p(p)
+    return o * lax.broadcast_in_dim(rescale, o.shape, [0]), m, l
+
+  split = jnp.clip(unmasked - 1, 0, steps - 1)
+  carry = (o0, m0, l0)
+  carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(
+    split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
+  )
+  o, m, l = carry
+  last = lax.rem(steps - 1, stages)
+  turns.wait()
+  plgpu.barrier_wait(v_full.at[last])
+  o = ops.accumulate_pv_t(o, p_smem, vt_smem.at[last], issued=turns.pass_on)
+  plgpu.barrier_arrive(v_empty.at[last])
+  finish_walk(
+    turns, (k_full, v_full, k_empty, v_empty), stages, steps, cta_steps
   )
   out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
   o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
@@ -226,7 +229,7 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
     k_empty,
     v_empty,
     q_bar,
-    sched,
+    *turns,
   ):
     wg = lax.axis_index("wg")
 
@@ -252,7 +255,7 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
           k_empty,
           v_empty,
           q_bar,
-          sched,
+          *turns,
         ),
         plan,
         ops,
@@ -293,7 +296,7 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
     plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
-    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),  # pingpong schedule
+    *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   out_type = (
     jax.ShapeDtypeStruct(

@@ -144,19 +144,15 @@ class KernelOps:
     issued: Callable[[], None],
     with_s: Callable[[jax.Array], tuple],
   ) -> tuple[jax.Array, tuple]:
-    """FA3's intra-warpgroup order: issues S = Q K^T, then O + P V with `p`
-    in registers, calls `issued()`, waits for S alone (`wait_group 1`: P V
+    """FA3's intra-warpgroup order: issues S = Q K^T, then O + P V (`p` in
+    registers; the FP8 ops take it in shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V
     stays in flight) and runs `with_s(s)`, which returns arrays shaped as
     `like`. Returns (O + P V, what `with_s` returned) once both wgmma are
     done. `with_s` must not write registers that the P V wgmma reads:
     convert its P for the next step only after this returns."""
     if self.interpreted:
-      s = async_proxy_read(
-        jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
-      )
-      o_new = async_proxy_read(
-        o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
-      )
+      s = async_proxy_read(self._dot_qk(q_smem, k_smem))
+      o_new = async_proxy_read(o + self._dot_pv(p, v_smem))
       issued()
       return o_new, with_s(s)
 
@@ -167,7 +163,7 @@ class KernelOps:
 
       def scoped(s_acc):
         plgpu.wgmma(s_acc, q_smem, k_smem.transpose((1, 0)))
-        plgpu.wgmma(o_acc, p, v_smem)
+        self._wgmma_pv(o_acc, p, v_smem)
         issued()
         s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
         for ref, value in zip(out_refs, with_s(s)):
@@ -176,6 +172,17 @@ class KernelOps:
       pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
 
     return pl.run_state(body)((plgpu.ACC.init(o), tuple(like)))
+
+  # The products `scores_then_pv` takes, in interpret mode and as wgmma; the
+  # FP8 ops override them (e4m3 operands, V transposed).
+  def _dot_qk(self, q_smem: Any, k_smem: Any) -> jax.Array:
+    return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
+
+  def _dot_pv(self, p: Any, v_smem: Any) -> jax.Array:
+    return jnp.dot(p, v_smem[...], preferred_element_type=_F32)
+
+  def _wgmma_pv(self, acc: Any, p: Any, v_smem: Any) -> None:
+    plgpu.wgmma(acc, p, v_smem)
 
   def accumulate_ss(
     self, acc: jax.Array, a_smem: Any, b_smem: Any

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -77,3 +78,26 @@ class Turns:
   def finish(self) -> None:
     """Consumer 0 takes consumer 1's last hand-off."""
     pl.when(self.wg == 0)(lambda: self._on(0, wait=True))
+
+
+def finish_walk(
+  turns: Turns, ring: tuple, stages: int, steps: Any, cta_steps: Any
+) -> None:
+  """A consumer's end of the K/V walk after its `steps` tiles: the tiles the
+  CTA loaded only for the other consumer (causal: `steps` to `cta_steps`)
+  are waited for and released (every warpgroup waits on every phase of a
+  barrier it uses) with one turn each, as the other consumer takes one per
+  step; then consumer 0 takes the last hand-off."""
+  k_full, v_full, k_empty, v_empty = ring
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    slot = lax.rem(j, stages)
+    turns.wait()
+    turns.pass_on()
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+
+  turns.finish()
