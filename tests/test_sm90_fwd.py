@@ -104,6 +104,15 @@ _CASES = [
     True,
     Sm90ForwardConfig(128, 64, 4),
   ),
+  # The persistent grid: 3 query tiles x 4 heads = 12 tiles of 1-3 K/V steps
+  # on the interpreter's 2 CTAs, longest first; the ring runs on across
+  # tiles of different lengths, so a tile's first step lands in any slot.
+  (
+    Shape(1, 260, 260, 4, 2, 64),
+    jnp.bfloat16,
+    True,
+    Sm90ForwardConfig(64, 128, 3),
+  ),
 ]
 
 

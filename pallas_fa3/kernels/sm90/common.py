@@ -68,6 +68,11 @@ class QueryPlan:
     return self.seq_q_pad // self.rows_per_cta
 
   @property
+  def num_tiles(self) -> int:
+    """Query tiles of the whole call (every batch and head)."""
+    return self.spec.batch * self.spec.heads_q * self.num_q_tiles
+
+  @property
   def needs_mask(self) -> bool:
     return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
 

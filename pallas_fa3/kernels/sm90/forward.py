@@ -1,11 +1,13 @@
 """FlashAttention-3 forward kernel for Hopper (sm90) in Pallas Mosaic GPU.
 
-Per CTA, `2 * block_q` query rows of one (batch, head): a producer
-warpgroup streams K/V tiles by TMA into a `num_stages` ring; two consumer
-warpgroups compute S = Q K^T, an exp2 online softmax and O += P V with
-wgmma, in pingpong, each issuing S_{j+1} before the softmax of S_j. Fully
-masked K/V tiles are skipped, fully visible ones are not masked; GQA heads
-share their K/V head; ragged sequences are padded to whole tiles. The leaf
+A persistent grid (`persistent.py`: one CTA per SM, causal tiles longest
+first) of query tiles of `2 * block_q` rows of one (batch, head): a producer
+warpgroup streams K/V tiles by TMA into a `num_stages` ring that runs on
+across tiles; two consumer warpgroups compute S = Q K^T, an exp2 online
+softmax and O += P V with wgmma, in pingpong (`pingpong.py`), in FA3's
+order: the softmax of S_{j+1} runs while P_j V_j is in flight. Fully masked
+K/V tiles are skipped, fully visible ones are not masked; GQA heads share
+their K/V head; ragged sequences are padded to whole tiles. The leaf
 operations that differ in interpret mode are `ops.KernelOps`.
 Design and measurements: docs/design_notes.md#forward-kernel.
 """
@@ -26,16 +28,22 @@ from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
   LN2,
+  PRODUCER_REGS,
   QueryPlan,
   build_kernel,
-  kv_producer,
   kv_steps,
   pad_axis,
   smem_transforms,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kernels.sm90.pingpong import Turns, finish_walk, turn_barriers
+from pallas_fa3.kernels.sm90.persistent import (
+  Tile,
+  TileWalk,
+  kv_producer,
+  num_ctas,
+)
+from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -62,24 +70,52 @@ def _online_softmax(
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
-  """A consumer warpgroup in FA3's order: in its pingpong turn it issues
+def _consumer(
+  refs: tuple, plan: QueryPlan, walk: TileWalk, ops: KernelOps
+) -> None:
+  """A consumer warpgroup: its `block_q` rows of each of the CTA's query
+  tiles. The turns run on across tiles (both consumers take the same
+  number per tile); a tile's O and lse leave by TMA while the next starts."""
+  wg = lax.axis_index("wg")
+  turns = Turns(refs[9] if ops.interpreted else None, wg)
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  turns.start()
+
+  def one_tile(tile: Tile, base: jax.Array) -> None:
+    # The previous tile's O and lse leave from these buffers: read yet?
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _query_tile(refs, plan, ops, turns, tile, base)
+
+  walk.for_each(one_tile)
+  turns.finish()
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _query_tile(
+  refs: tuple,
+  plan: QueryPlan,
+  ops: KernelOps,
+  turns: Turns,
+  tile: Tile,
+  base: jax.Array,
+) -> None:
+  """One query tile in FA3's order: in its pingpong turn the consumer issues
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
-  while P_j V_j is still in flight."""
+  while P_j V_j is still in flight. K/V step j sits in ring slot
+  `(base + j) % num_stages`."""
   (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, ring, q_bar) = (
     refs[:9]
   )
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-  wg = lax.axis_index("wg")
-  turns = Turns(refs[9] if ops.interpreted else None, wg)
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
-  row0 = cta_row0 + wg * cfg.block_q
+  wg = turns.wg
+  batch, head = tile.batch, tile.head
+  row0 = tile.row0 + wg * cfg.block_q
   q_smem = qo_smem.at[wg]
   stages = cfg.num_stages
-  turns.start()
+
+  def slot_of(j):
+    return lax.rem(base + j, stages)
 
   plgpu.copy_gmem_to_smem(
     q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
@@ -87,7 +123,7 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
   plgpu.barrier_wait(q_bar.at[wg])
 
   steps, unmasked = kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
+  cta_steps, _ = kv_steps(plan, tile.row0, plan.rows_per_cta)
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
   # Padded keys matter only without causal masking (bottom-right causal rows
   # never see a key at or past seq_kv).
@@ -109,12 +145,13 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
     return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
   # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
+  first = slot_of(0)
   turns.wait()
-  plgpu.barrier_wait(k_full.at[0])
+  plgpu.barrier_wait(k_full.at[first])
   s0 = ops.with_scores(
-    q_smem, k_smem.at[0], lambda read: (turns.pass_on(), read())[1]
+    q_smem, k_smem.at[first], lambda read: (turns.pass_on(), read())[1]
   )
-  plgpu.barrier_arrive(k_empty.at[0])
+  plgpu.barrier_arrive(k_empty.at[first])
   m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
   l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
   p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
@@ -125,7 +162,7 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
   def step(j, carry, *, masked: bool):
     # Tile j + 1's scores and softmax with tile j's P V in flight.
     o, p, m, l = carry
-    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+    slot, nslot = slot_of(j), slot_of(j + 1)
     turns.wait()
     plgpu.barrier_wait(k_full.at[nslot])
     plgpu.barrier_wait(v_full.at[slot])
@@ -156,13 +193,13 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
     split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
   )
   o, p, m, l = carry
-  last = lax.rem(steps - 1, stages)
+  last = slot_of(steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])
   o = ops.accumulate_pv(o, p, v_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
 
-  finish_walk(turns, ring, stages, steps, cta_steps)
+  release_rest(turns, ring, stages, base, steps, cta_steps)
   _epilogue(
     plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
   )
@@ -171,7 +208,8 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: KernelOps) -> None:
 def _epilogue(
   plan: QueryPlan, o, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, row0
 ) -> None:
-  """Normalizes O, writes it and the lse through shared memory by TMA."""
+  """Normalizes O, writes it and the lse through shared memory by TMA (not
+  waited for here)."""
   cfg = plan.config
   empty = l == 0.0
   inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
@@ -187,11 +225,11 @@ def _epilogue(
   plgpu.copy_smem_to_gmem(
     lse_smem, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)]
   )
-  plgpu.wait_smem_to_gmem(0)
 
 
 def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
   spec, cfg = plan.spec, plan.config
+  walk = TileWalk(plan, num_ctas(plan.num_tiles, ops.interpreted))
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
@@ -203,11 +241,15 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
     @pl.when(wg < NUM_CONSUMERS)
     def _():
       consumer_refs = (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem)
-      _consumer((*consumer_refs, lse_smem, ring, q_bar, *turns), plan, ops)
+      _consumer(
+        (*consumer_refs, lse_smem, ring, q_bar, *turns), plan, walk, ops
+      )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
-      kv_producer((k_ref, v_ref, k_smem, v_smem, *ring), plan)
+      kv_producer(
+        (k_ref, v_ref, k_smem, v_smem, *ring), walk, registers=PRODUCER_REGS
+      )
 
   ring = lambda: plgpu.SMEM(
     (cfg.num_stages, cfg.block_kv, d), spec.dtype, transforms=transforms
@@ -238,8 +280,8 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
     fa3_fwd,
     out_type=out_type,
     scratch=scratch,
-    grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-    grid_names=("heads", "q_tiles", "batch"),
+    grid=(walk.num_ctas,),
+    grid_names=("cta",),
     warpgroups=NUM_CONSUMERS + 1,
     interpret=interpret,
   )

@@ -26,7 +26,6 @@ from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   build_kernel,
-  kv_producer,
   kv_steps,
   pad_axis,
   smem_transforms,
@@ -37,7 +36,13 @@ from pallas_fa3.kernels.sm90.ops_fp8 import (
   INTERPRETED_FP8,
   Fp8Ops,
 )
-from pallas_fa3.kernels.sm90.pingpong import Turns, finish_walk, turn_barriers
+from pallas_fa3.kernels.sm90.persistent import (
+  Tile,
+  TileWalk,
+  kv_producer,
+  num_ctas,
+)
+from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
 from pallas_fa3.quant.e4m3 import (
   FP8_DTYPE,
   finalize_fp8,
@@ -53,8 +58,36 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 32
 
 
-def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
-  """A consumer warpgroup: S = Q K^T, softmax, O += P V over its K/V steps."""
+def _consumer(
+  refs: tuple, plan: QueryPlan, walk: TileWalk, ops: Fp8Ops
+) -> None:
+  """A consumer warpgroup over the CTA's query tiles (as the bf16 kernel's:
+  turns run on across tiles, a tile's output leaves while the next starts)."""
+  wg = lax.axis_index("wg")
+  turns = Turns(refs[18] if ops.interpreted else None, wg)
+  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+  turns.start()
+
+  def one_tile(tile: Tile, base: jax.Array) -> None:
+    # The previous tile's O and lse leave from shared memory: read yet?
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _query_tile(refs, plan, ops, turns, tile, base)
+
+  walk.for_each(one_tile)
+  turns.finish()
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _query_tile(
+  refs: tuple,
+  plan: QueryPlan,
+  ops: Fp8Ops,
+  turns: Turns,
+  tile: Tile,
+  base: jax.Array,
+) -> None:
+  """One query tile: S = Q K^T, softmax, O += P V over its K/V steps, K/V
+  step j in ring slot `(base + j) % num_stages`."""
   (
     q_ref,
     qs_ref,
@@ -76,16 +109,14 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
     q_bar,
   ) = refs[:18]
   spec, cfg = plan.spec, plan.config
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-  wg = lax.axis_index("wg")
-  turns = Turns(refs[18] if ops.interpreted else None, wg)
-  turns.start()
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
-  row0 = cta_row0 + wg * cfg.block_q
+  wg = turns.wg
+  batch, head, kv_head = tile.batch, tile.head, tile.kv_head
+  row0 = tile.row0 + wg * cfg.block_q
   q_smem, p_smem = q_smem_all.at[wg], p_smem_all.at[wg]
   stages = cfg.num_stages
+
+  def slot_of(j):
+    return lax.rem(base + j, stages)
 
   plgpu.copy_gmem_to_smem(
     q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
@@ -96,7 +127,7 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   plgpu.barrier_wait(q_bar.at[wg])
 
   steps, unmasked = kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
+  cta_steps, _ = kv_steps(plan, tile.row0, plan.rows_per_cta)
   shape = (cfg.block_q, cfg.block_kv)
   # The mask as one per-row bound against the column index: one compare per
   # element, few live registers.
@@ -130,12 +161,13 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   # S_0 and its softmax (FA3's order as in the bf16 kernel, with P_j in
   # shared memory: it is stored only once the P V wgmma reading the previous
   # P is done).
+  first = slot_of(0)
   turns.wait()
-  plgpu.barrier_wait(k_full.at[0])
+  plgpu.barrier_wait(k_full.at[first])
   s0 = ops.with_scores(
-    q_smem, k_smem.at[0], lambda read: (turns.pass_on(), read())[1]
+    q_smem, k_smem.at[first], lambda read: (turns.pass_on(), read())[1]
   )
-  plgpu.barrier_arrive(k_empty.at[0])
+  plgpu.barrier_arrive(k_empty.at[first])
   m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
   l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
   p0, _, m0, l0 = softmax(0, m0, l0, s0, plan.needs_mask)
@@ -145,7 +177,7 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
 
   def step(j, carry, *, masked: bool):
     o, m, l = carry
-    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+    slot, nslot = slot_of(j), slot_of(j + 1)
     turns.wait()
     plgpu.barrier_wait(k_full.at[nslot])
     plgpu.barrier_wait(v_full.at[slot])
@@ -175,14 +207,13 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
     split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
   )
   o, m, l = carry
-  last = lax.rem(steps - 1, stages)
+  last = slot_of(steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])
   o = ops.accumulate_pv_t(o, p_smem, vt_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
-  finish_walk(
-    turns, (k_full, v_full, k_empty, v_empty), stages, steps, cta_steps
-  )
+  ring = (k_full, v_full, k_empty, v_empty)
+  release_rest(turns, ring, stages, base, steps, cta_steps)
   out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
   o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
   o_smem[...] = out.astype(spec.dtype)
@@ -194,7 +225,6 @@ def _consumer(refs: tuple, plan: QueryPlan, ops: Fp8Ops) -> None:
   plgpu.copy_smem_to_gmem(
     lse_wg, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)]
   )
-  plgpu.wait_smem_to_gmem(0)
 
 
 def _vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
@@ -204,6 +234,7 @@ def _vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
 
 def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
   spec, cfg = plan.spec, plan.config
+  walk = TileWalk(plan, num_ctas(plan.num_tiles, ops.interpreted))
   d = spec.head_dim
   qk_transforms = smem_transforms(FP8_DTYPE, d)
   seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
@@ -258,6 +289,7 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
           *turns,
         ),
         plan,
+        walk,
         ops,
       )
 
@@ -265,7 +297,7 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
     def _():
       kv_producer(
         (k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty, v_empty),
-        plan,
+        walk,
         registers=PRODUCER_REGS,
         v_tile=_vt_cols,
       )
@@ -308,8 +340,8 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
     fa3_fwd_fp8,
     out_type=out_type,
     scratch=scratch,
-    grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
-    grid_names=("heads", "q_tiles", "batch"),
+    grid=(walk.num_ctas,),
+    grid_names=("cta",),
     warpgroups=NUM_CONSUMERS + 1,
     interpret=interpret,
   )

@@ -80,24 +80,22 @@ class Turns:
     pl.when(self.wg == 0)(lambda: self._on(0, wait=True))
 
 
-def finish_walk(
-  turns: Turns, ring: tuple, stages: int, steps: Any, cta_steps: Any
+def release_rest(
+  turns: Turns, ring: tuple, stages: int, base: Any, steps: Any, cta_steps: Any
 ) -> None:
-  """A consumer's end of the K/V walk after its `steps` tiles: the tiles the
-  CTA loaded only for the other consumer (causal: `steps` to `cta_steps`)
-  are waited for and released (every warpgroup waits on every phase of a
-  barrier it uses) with one turn each, as the other consumer takes one per
-  step; then consumer 0 takes the last hand-off."""
+  """A consumer's end of one query tile's K/V walk after its `steps` tiles:
+  the K/V tiles the CTA loaded only for the other consumer (causal: `steps`
+  to `cta_steps`, global step `base + j`) are waited for and released
+  (every warpgroup waits on every phase of a barrier it uses) with one turn
+  each, as the other consumer takes one per step."""
   k_full, v_full, k_empty, v_empty = ring
 
   @pl.loop(steps, cta_steps)
   def _drain(j):
-    slot = lax.rem(j, stages)
+    slot = lax.rem(base + j, stages)
     turns.wait()
     turns.pass_on()
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
-
-  turns.finish()

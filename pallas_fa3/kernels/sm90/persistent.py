@@ -1,0 +1,161 @@
+"""The forward kernels' persistent grid: one CTA per SM walks its query tiles.
+
+Tile t of the call (a `2 * block_q`-row query tile of one (batch, head))
+goes to CTA `t % num_ctas`, which takes its tiles in order `t = cta,
+cta + num_ctas, ...`. Causal calls number the tiles longest first (the last
+query tile, which sees the most keys, of every (batch, head) first), so the
+waves of tiles the CTAs take together shrink in step and the short tiles
+fill in at the end (FA3's LPT order). Non-causal calls number the tiles
+head by head, so the CTAs working at once share K/V heads in L2.
+
+The K/V ring runs on across tiles: a global step counter (`base + j`)
+picks the slot, so the producer streams the next tile's K/V while the
+consumers finish the current one and write it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps, v_rows
+
+# SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
+# compile); with a GPU its own count is used.
+HOPPER_SMS = 132
+# CTAs in interpret mode: few, so that every CTA walks several tiles.
+INTERPRET_CTAS = 2
+
+
+def num_ctas(num_tiles: int, interpreted: bool) -> int:
+  """CTAs of the persistent grid for `num_tiles` query tiles."""
+  if interpreted:
+    return min(num_tiles, INTERPRET_CTAS)
+  sms = HOPPER_SMS
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:  # no GPU backend here: compiling deviceless
+    gpus = []
+  if gpus and getattr(gpus[0], "core_count", None):
+    sms = int(gpus[0].core_count)
+  return min(num_tiles, sms)
+
+
+def tile_coords(plan: QueryPlan, t: Any) -> tuple[Any, Any, Any]:
+  """(batch, query head, query tile) of tile number `t` (an int or an int32
+  array, 0 <= t < plan.num_tiles): causal longest first, else head by head."""
+  spec, n_q = plan.spec, plan.num_q_tiles
+  heads = spec.batch * spec.heads_q
+  if spec.causal:
+    q_tile, bh = n_q - 1 - t // heads, t % heads
+  else:
+    q_tile, bh = t % n_q, t // n_q
+  return bh // spec.heads_q, bh % spec.heads_q, q_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """One query tile: its (batch, query head, K/V head) and first row."""
+
+  batch: Any
+  head: Any
+  kv_head: Any
+  row0: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TileWalk:
+  """The query tiles of this CTA (inside the kernel) for `plan`."""
+
+  plan: QueryPlan
+  num_ctas: int
+
+  def tile(self, i: Any) -> Tile:
+    """This CTA's i-th tile."""
+    t = lax.axis_index("cta") + i * self.num_ctas
+    batch, head, q_tile = tile_coords(self.plan, t)
+    return Tile(
+      batch=batch,
+      head=head,
+      kv_head=lax.div(head, jnp.int32(self.plan.spec.group_size)),
+      row0=q_tile * self.plan.rows_per_cta,
+    )
+
+  def steps(self, tile: Tile) -> jax.Array:
+    """K/V steps the CTA streams for `tile` (its slowest consumer's)."""
+    return kv_steps(self.plan, tile.row0, self.plan.rows_per_cta)[0]
+
+  def for_each(self, body: Callable[[Tile, Any], None]) -> jax.Array:
+    """Runs `body(tile, base)` over this CTA's tiles, `base` the global K/V
+    step of the tile's first step; returns the steps streamed in all."""
+    cta = lax.axis_index("cta")
+    count = lax.div(self.plan.num_tiles - 1 - cta, self.num_ctas) + 1
+
+    def one(i, base):
+      tile = self.tile(i)
+      body(tile, base)
+      return base + self.steps(tile)
+
+    return lax.fori_loop(0, count, one, jnp.int32(0))
+
+
+def kv_producer(
+  refs: tuple,
+  walk: TileWalk,
+  *,
+  registers: int,
+  v_tile: Callable[..., Any] = v_rows,
+) -> None:
+  """The producer warpgroup: streams every tile's K and V into the ring.
+
+  `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
+  tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
+  """
+  (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
+  cfg = walk.plan.config
+  stages = cfg.num_stages
+  plgpu.set_max_registers(registers, action="decrease")
+
+  def tile_loads(tile: Tile, base: Any) -> None:
+    @pl.loop(0, walk.steps(tile))
+    def _load(j):
+      g = base + j
+      slot = lax.rem(g, stages)
+      cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
+
+      @pl.when(g >= stages)
+      def _wait_k():  # the slot's previous tile has been read by both
+        plgpu.barrier_wait(k_empty.at[slot])
+
+      plgpu.copy_gmem_to_smem(
+        k_ref.at[tile.batch, cols, tile.kv_head],
+        k_smem.at[slot],
+        k_full.at[slot],
+      )
+
+      @pl.when(g >= stages)
+      def _wait_v():
+        plgpu.barrier_wait(v_empty.at[slot])
+
+      plgpu.copy_gmem_to_smem(
+        v_tile(v_ref, tile.batch, tile.kv_head, cols),
+        v_smem.at[slot],
+        v_full.at[slot],
+      )
+
+  total = walk.for_each(tile_loads)
+
+  @pl.loop(jnp.maximum(total - stages, 0), total)
+  def _drain(g):
+    # Wait until the last tiles are consumed: the CTA must not retire (and
+    # its shared memory be reused) under a TMA or a read in flight.
+    slot = lax.rem(g, stages)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
