@@ -113,6 +113,13 @@ _CASES = [
     True,
     Sm90ForwardConfig(64, 128, 3),
   ),
+  # One CTA per query tile (the form d256 uses), ragged, GQA.
+  (
+    Shape(2, 200, 330, 2, 1, 64),
+    jnp.bfloat16,
+    True,
+    Sm90ForwardConfig(64, 64, 2, persistent=False),
+  ),
 ]
 
 
@@ -284,6 +291,7 @@ def test_mosaic_through_flash_attention_exports_with_grad():
     ("num_stages", 1, ValueError),
     ("block_q", 64.0, TypeError),
     ("num_stages", True, TypeError),
+    ("persistent", 1, TypeError),
   ],
 )
 def test_config_validation_names_the_field(field, value, error):
@@ -296,6 +304,21 @@ def test_config_is_hashable_static_data():
   assert a == b and hash(a) == hash(b)
   with pytest.raises(AttributeError):
     a.block_q = 128
+
+
+def test_persistent_walk_is_refused_where_it_spills():
+  persistent = Sm90ForwardConfig(64, 64, 2)
+  per_tile = Sm90ForwardConfig(64, 64, 2, persistent=False)
+  reason = sm90_config.forward_config_unsupported(persistent, 256, 2)
+  assert "persistent=False" in reason and "head_dim 256" in reason
+  assert sm90_config.forward_config_unsupported(per_tile, 256, 2) is None
+  assert sm90_config.forward_config_unsupported(persistent, 192, 2) is None
+  # Each tiling appears once in the space, persistent wherever that fits.
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    space = sm90_config.forward_config_space(d)
+    tilings = [(c.block_q, c.block_kv, c.num_stages) for c in space]
+    assert len(set(tilings)) == len(tilings)
+    assert all(c.persistent == (d <= 192) for c in space)
 
 
 @pytest.mark.parametrize("head_dim", sm90_config.KERNEL_HEAD_DIMS)

@@ -137,6 +137,8 @@ def short_label(
   """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
   dK/dV and dQ consumers/head splits): the profile table's row label."""
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
+  if not getattr(config, "persistent", True):
+    tiles += " per-tile grid"
   if hasattr(config, "dkdv_consumers"):
     tiles += (
       f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"

@@ -223,6 +223,20 @@ def pad_axis(
   return jnp.pad(x, widths, constant_values=value)
 
 
+# Rows of a TMA box's tiling (`smem_transforms`): Mosaic needs the array's
+# length along them to be a multiple of it.
+TMA_TILE_ROWS = 8
+
+
+def tma_extent(x: jax.Array, axis: int, tile: int) -> jax.Array:
+  """x zero-padded along `axis` to at least `tile` entries and a multiple of
+  `TMA_TILE_ROWS` (a copy only where it is not already), else x itself. The
+  forward kernels read and write the ragged edge of a sequence by TMA, which
+  fills reads past the array with zeros and drops writes past it."""
+  length = max(round_up(x.shape[axis], TMA_TILE_ROWS), tile)
+  return pad_axis(x, axis, length)
+
+
 def build_kernel(
   body: Callable[..., None],
   *,

@@ -25,6 +25,12 @@ def compiler_params(*, approx_math: bool) -> Any:
   )
 
 
+# TMA reads past an array fill zeros (the default of `copy_gmem_to_smem` in
+# 0.11.2 and 0.12, passed explicitly: the forward kernels rely on it at the
+# ragged edge of a sequence).
+ZERO_FILL = plgpu.OOBFillMode.ZEROS
+
+
 def _interpret_module() -> Any:
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 

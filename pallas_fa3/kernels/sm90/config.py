@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pallas_fa3.spec import AttentionSpec, check_int_fields
+from pallas_fa3.spec import AttentionSpec, check_bool, check_int_fields
 
 # Hardware facts (sm90), each named once.
 MAX_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
@@ -53,11 +53,15 @@ class Sm90ForwardConfig:
     block_q: query rows per consumer warpgroup (the CTA holds 2 * block_q).
     block_kv: key/value rows per pipeline stage.
     num_stages: shared-memory slots in the K/V ring (2-4).
+    persistent: one CTA per SM walking its query tiles (causal tiles
+      longest first), or one CTA per query tile (the same order of CTAs):
+      the walk keeps a few more registers live, which spills at d = 256.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  persistent: bool = True
 
   def __post_init__(self) -> None:
     check_int_fields(
@@ -66,6 +70,7 @@ class Sm90ForwardConfig:
       block_kv=dict(choices=BLOCK_KV_CHOICES),
       num_stages=dict(choices=STAGE_CHOICES),
     )
+    check_bool("Sm90ForwardConfig.persistent", self.persistent)
 
   @property
   def rows_per_cta(self) -> int:
@@ -109,6 +114,11 @@ def forward_config_unsupported(
       f" at head_dim {head_dim}; a consumer warpgroup has room for"
       f" {_CONSUMER_ACC_REGS}"
     )
+  if config.persistent and head_dim > _PERSISTENT_MAX_HEAD_DIM:
+    return (
+      f"{config}: the persistent tile walk spills registers at head_dim"
+      f" {head_dim} (over {_PERSISTENT_MAX_HEAD_DIM}); use persistent=False"
+    )
   return None
 
 
@@ -116,6 +126,10 @@ def forward_config_unsupported(
 # statistics and addresses). Calibrated with the sm_90a compile (176 fits
 # everywhere, 192 spills at d96 64x192): docs/design_notes.md#tile-budgets.
 _CONSUMER_ACC_REGS = 184
+# The persistent walk keeps the tile's coordinates and the walk's counters
+# live beside the O accumulator: at d256 (64x64x2) it spilled 48-64 B, at
+# d192 and below 0 (docs/design_notes.md#tile-budgets).
+_PERSISTENT_MAX_HEAD_DIM = 192
 
 
 def forward_unsupported(
@@ -147,7 +161,9 @@ _DEFAULTS = {
   96: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
   128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
   192: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
-  256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+  256: Sm90ForwardConfig(
+    block_q=64, block_kv=64, num_stages=2, persistent=False
+  ),
 }
 
 
@@ -161,17 +177,19 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig:
 def forward_config_space(
   head_dim: int, itemsize: int = 2
 ) -> tuple[Sm90ForwardConfig, ...]:
-  """Every config that fits at this head_dim (the autotuning space)."""
-  return tuple(
-    c
-    for c in (
-      Sm90ForwardConfig(bq, bkv, st)
-      for bq in BLOCK_Q_CHOICES
-      for bkv in BLOCK_KV_CHOICES
-      for st in STAGE_CHOICES
-    )
-    if forward_config_unsupported(c, head_dim, itemsize) is None
-  )
+  """Every tiling that fits at this head_dim (the autotuning space), each
+  once: persistent where that fits."""
+  space = []
+  for bq in BLOCK_Q_CHOICES:
+    for bkv in BLOCK_KV_CHOICES:
+      for st in STAGE_CHOICES:
+        # Each tiling once: persistent where that fits, else one CTA a tile.
+        for persistent in (True, False):
+          c = Sm90ForwardConfig(bq, bkv, st, persistent)
+          if forward_config_unsupported(c, head_dim, itemsize) is None:
+            space.append(c)
+            break
+  return tuple(space)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
   LN2,
@@ -32,8 +33,8 @@ from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   build_kernel,
   kv_steps,
-  pad_axis,
   smem_transforms,
+  tma_extent,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
@@ -118,7 +119,10 @@ def _query_tile(
     return lax.rem(base + j, stages)
 
   plgpu.copy_gmem_to_smem(
-    q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
+    q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
+    q_smem,
+    q_bar.at[wg],
+    oob_mode=compat.ZERO_FILL,
   )
   plgpu.barrier_wait(q_bar.at[wg])
 
@@ -213,9 +217,12 @@ def _epilogue(
   cfg = plan.config
   empty = l == 0.0
   inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-  o_smem[...] = (o * lax.broadcast_in_dim(inv_l, o.shape, [0])).astype(
-    plan.spec.dtype
-  )
+  chunk = 64
+  for c in range(0, o.shape[1], chunk):
+    part = o[:, c : c + chunk]
+    o_smem[:, c : c + chunk] = (
+      part * lax.broadcast_in_dim(inv_l, part.shape, [0])
+    ).astype(plan.spec.dtype)
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
   lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(LN2))
   plgpu.commit_smem()
@@ -227,9 +234,13 @@ def _epilogue(
   )
 
 
-def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
+def _build(
+  plan: QueryPlan, ops: KernelOps, interpret: Any, q_rows: int
+) -> Callable:
   spec, cfg = plan.spec, plan.config
-  walk = TileWalk(plan, num_ctas(plan.num_tiles, ops.interpreted))
+  walk = TileWalk(
+    plan, num_ctas(plan.num_tiles, ops.interpreted, cfg.persistent)
+  )
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
@@ -269,9 +280,9 @@ def _build(plan: QueryPlan, ops: KernelOps, interpret: Any) -> Callable:
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   out_type = (
-    jax.ShapeDtypeStruct(
-      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
-    ),
+    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
+    # The lse tile's store is a plain bulk copy, whose bound is the end of
+    # the whole buffer, not of a row: its buffer is padded to whole tiles.
     jax.ShapeDtypeStruct(
       (spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32
     ),
@@ -318,9 +329,12 @@ def sm90_forward(
     seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv,
   )
   ops = COMPILED if interpret is None else INTERPRETED
-  out, lse = _build(plan, ops, interpret)(
-    pad_axis(q, 1, plan.seq_q_pad),
-    pad_axis(k, 1, plan.seq_kv_pad),
-    pad_axis(v, 1, plan.seq_kv_pad),
+  # Ragged edges by TMA (zero-filled reads, dropped writes): no padded copy
+  # unless a length is shorter than one tile or not a multiple of 8.
+  q = tma_extent(q, 1, config.block_q)
+  out, lse = _build(plan, ops, interpret, q.shape[1])(
+    q,
+    tma_extent(k, 1, config.block_kv),
+    tma_extent(v, 1, config.block_kv),
   )
   return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

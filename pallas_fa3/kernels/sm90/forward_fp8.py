@@ -23,12 +23,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   build_kernel,
   kv_steps,
   pad_axis,
   smem_transforms,
+  tma_extent,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops_fp8 import (
@@ -119,7 +121,10 @@ def _query_tile(
     return lax.rem(base + j, stages)
 
   plgpu.copy_gmem_to_smem(
-    q_ref.at[batch, pl.ds(row0, cfg.block_q), head], q_smem, q_bar.at[wg]
+    q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
+    q_smem,
+    q_bar.at[wg],
+    oob_mode=compat.ZERO_FILL,
   )
   # The Q tile's descale, folded into the softmax scale.
   q_scale = qs_ref[batch, head, lax.div(row0, jnp.int32(cfg.block_q))]
@@ -232,9 +237,13 @@ def _vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
   return vt_ref.at[batch, kv_head, :, cols]
 
 
-def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
+def _build(
+  plan: QueryPlan, ops: Fp8Ops, interpret: Any, q_rows: int
+) -> Callable:
   spec, cfg = plan.spec, plan.config
-  walk = TileWalk(plan, num_ctas(plan.num_tiles, ops.interpreted))
+  walk = TileWalk(
+    plan, num_ctas(plan.num_tiles, ops.interpreted, cfg.persistent)
+  )
   d = spec.head_dim
   qk_transforms = smem_transforms(FP8_DTYPE, d)
   seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
@@ -331,9 +340,8 @@ def _build(plan: QueryPlan, ops: Fp8Ops, interpret: Any) -> Callable:
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   out_type = (
-    jax.ShapeDtypeStruct(
-      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
-    ),
+    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
+    # Padded to whole tiles, as in the bf16 kernel (a bulk copy's bound).
     jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
   )
   return build_kernel(
@@ -384,9 +392,13 @@ def sm90_forward_fp8(
   ops = COMPILED_FP8 if interpret is None else INTERPRETED_FP8
   n_q_tiles = plan.seq_q_pad // config.block_q
   v_scale = v_scale.astype(_F32)
-  out, lse = _build(plan, ops, interpret)(
-    pad_axis(q8, 1, plan.seq_q_pad),
-    pad_axis(k8, 1, plan.seq_kv_pad),
+  # Ragged edges of Q and K by TMA, as in the bf16 kernel.
+  q8 = tma_extent(q8, 1, config.block_q)
+  out, lse = _build(plan, ops, interpret, q8.shape[1])(
+    q8,
+    tma_extent(k8, 1, config.block_kv),
+    # V^T's sequence runs along its swizzled rows, whose tiling is a whole
+    # block here: it stays padded (the quantization pass writes it anyway).
     pad_axis(v8t, 3, plan.seq_kv_pad),
     pad_axis(q_scale.astype(_F32), 2, n_q_tiles, 1.0),
     k_scale.astype(_F32),

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps, v_rows
 
 # SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
@@ -34,8 +35,11 @@ HOPPER_SMS = 132
 INTERPRET_CTAS = 2
 
 
-def num_ctas(num_tiles: int, interpreted: bool) -> int:
-  """CTAs of the persistent grid for `num_tiles` query tiles."""
+def num_ctas(num_tiles: int, interpreted: bool, persistent: bool = True) -> int:
+  """CTAs of the grid for `num_tiles` query tiles: one per tile unless
+  `persistent`."""
+  if not persistent:
+    return num_tiles
   if interpreted:
     return min(num_tiles, INTERPRET_CTAS)
   sms = HOPPER_SMS
@@ -103,6 +107,8 @@ class TileWalk:
       body(tile, base)
       return base + self.steps(tile)
 
+    if self.num_ctas == self.plan.num_tiles:  # one tile each: no loop
+      return one(0, jnp.int32(0))
     return lax.fori_loop(0, count, one, jnp.int32(0))
 
 
@@ -138,6 +144,7 @@ def kv_producer(
         k_ref.at[tile.batch, cols, tile.kv_head],
         k_smem.at[slot],
         k_full.at[slot],
+        oob_mode=compat.ZERO_FILL,
       )
 
       @pl.when(g >= stages)
@@ -148,6 +155,7 @@ def kv_producer(
         v_tile(v_ref, tile.batch, tile.kv_head, cols),
         v_smem.at[slot],
         v_full.at[slot],
+        oob_mode=compat.ZERO_FILL,
       )
 
   total = walk.for_each(tile_loads)
