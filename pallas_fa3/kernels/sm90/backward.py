@@ -32,7 +32,7 @@ from jax import lax
 from pallas_fa3.kernels.sm90.backward_dkdv import dkdv_kernel
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import DkdvPlan
 from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
-from pallas_fa3.kernels.sm90.common import pad_axis, round_up
+from pallas_fa3.kernels.sm90.common import pad_axis, round_up, tma_extent
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
 from pallas_fa3.spec import LOG2E, AttentionSpec
@@ -77,15 +77,25 @@ def sm90_backward(
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(LOG2E))
   lse2 = pad_axis(lse2, 2, sq_pad, jnp.inf)
   delta = pad_axis(delta, 2, sq_pad)
-  qp, dop = pad_axis(q, 1, sq_pad), pad_axis(dout, 1, sq_pad)
-  kp, vp = pad_axis(k, 1, skv_pad), pad_axis(v, 1, skv_pad)
+  # Ragged edges by TMA, as in the forward: Q, dO, K and V unpadded unless
+  # shorter than a tile or not a multiple of 8; dQ, dK, dV rows past the end
+  # are dropped by their (swizzled, tensor-map) stores. lse2 and delta are
+  # padded: their tiles are plain bulk copies, and padded rows need lse2 =
+  # +inf.
+  qp, dop = (
+    tma_extent(q, 1, config.block_q),
+    tma_extent(dout, 1, config.block_q),
+  )
+  kp, vp = tma_extent(k, 1, config.block_kv), tma_extent(v, 1, config.block_kv)
   dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad)
-  dk, dv = dkdv_kernel(dkdv_plan, ops, interpret)(qp, kp, vp, dop, lse2, delta)
+  dk, dv = dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1])(
+    qp, kp, vp, dop, lse2, delta
+  )
   if interpret is not None:
     # Interpret mode: the dQ kernel waits for the dK/dV kernel
     # (docs/design_notes.md#interpret-mode-and-memory-proxies).
     (dk, dv), qp = lax.optimization_barrier(((dk, dv), qp))
-  dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret)(
+  dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1])(
     qp, kp, vp, dop, lse2, delta
   )
   return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
   DkdvPlan,
   copy_chunks,
@@ -194,8 +195,18 @@ def _dkdv_shared_consumer(
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
   cols = pl.ds(w * plan.chunk, plan.chunk)
   k_tile, v_tile = k_smem.at[0], v_smem.at[0]  # [splits, block_kv, chunk]
-  plgpu.copy_gmem_to_smem(k_ref.at[rows + (cols,)], k_tile.at[w], kv_bar.at[0])
-  plgpu.copy_gmem_to_smem(v_ref.at[rows + (cols,)], v_tile.at[w], kv_bar.at[1])
+  plgpu.copy_gmem_to_smem(
+    k_ref.at[rows + (cols,)],
+    k_tile.at[w],
+    kv_bar.at[0],
+    oob_mode=compat.ZERO_FILL,
+  )
+  plgpu.copy_gmem_to_smem(
+    v_ref.at[rows + (cols,)],
+    v_tile.at[w],
+    kv_bar.at[1],
+    oob_mode=compat.ZERO_FILL,
+  )
   plgpu.barrier_wait(kv_bar.at[0])
   plgpu.barrier_wait(kv_bar.at[1])
   half = cfg.block_kv // 2
@@ -264,9 +275,10 @@ def _dkdv_shared_consumer(
 
 
 def dkdv_kernel(
-  plan: DkdvPlan, ops: KernelOps, interpret: Any
+  plan: DkdvPlan, ops: KernelOps, interpret: Any, kv_rows: int
 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """The dK/dV kernel: `(q, k, v, dout, lse2, delta) -> (dk, dv)`, padded."""
+  """The dK/dV kernel: `(q, k, v, dout, lse2, delta) -> (dk, dv)`; k, v, dk
+  and dv have `kv_rows` rows (TMA reads past them zeros, drops writes)."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   tf = (
@@ -374,7 +386,7 @@ def dkdv_kernel(
       (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
     )
     scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
-  kv_shape = (spec.batch, plan.seq_kv_pad, spec.heads_kv, spec.head_dim)
+  kv_shape = (spec.batch, kv_rows, spec.heads_kv, spec.head_dim)
   kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
   return build_kernel(
     fa3_bwd_dkdv,

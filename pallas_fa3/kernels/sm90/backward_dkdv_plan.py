@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import producer_regs
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.spec import AttentionSpec
@@ -79,7 +80,9 @@ def copy_chunks(
   chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
   for c in range(plan.splits):
     cols = pl.ds(c * plan.chunk, plan.chunk)
-    plgpu.copy_gmem_to_smem(ref.at[tile + (cols,)], dst.at[c], barrier)
+    plgpu.copy_gmem_to_smem(
+      ref.at[tile + (cols,)], dst.at[c], barrier, oob_mode=compat.ZERO_FILL
+    )
 
 
 def first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:

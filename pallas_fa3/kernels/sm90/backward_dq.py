@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common
+from pallas_fa3.kernels.sm90 import common, compat
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import AttentionSpec
@@ -52,8 +52,12 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
   tile = (batch, pl.ds(row0, cfg.block_q), head)
   row = (batch, head, pl.ds(row0, cfg.block_q))
   bars = [tile_bar.at[4 * wg + i] for i in range(4)]
-  plgpu.copy_gmem_to_smem(q_ref.at[tile], my_q, bars[0])
-  plgpu.copy_gmem_to_smem(do_ref.at[tile], my_do, bars[1])
+  plgpu.copy_gmem_to_smem(
+    q_ref.at[tile], my_q, bars[0], oob_mode=compat.ZERO_FILL
+  )
+  plgpu.copy_gmem_to_smem(
+    do_ref.at[tile], my_do, bars[1], oob_mode=compat.ZERO_FILL
+  )
   plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[wg], bars[2])
   plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[wg], bars[3])
   for bar in bars:
@@ -153,8 +157,12 @@ def _dq_shared_consumer(
   tile = (batch, pl.ds(row0, cfg.block_q), head)
   row = (batch, head, pl.ds(row0, cfg.block_q))
   if w == 0:  # one consumer loads the shared tiles; both wait for them
-    plgpu.copy_gmem_to_smem(q_ref.at[tile], my_q, tile_bar.at[0])
-    plgpu.copy_gmem_to_smem(do_ref.at[tile], my_do, tile_bar.at[1])
+    plgpu.copy_gmem_to_smem(
+      q_ref.at[tile], my_q, tile_bar.at[0], oob_mode=compat.ZERO_FILL
+    )
+    plgpu.copy_gmem_to_smem(
+      do_ref.at[tile], my_do, tile_bar.at[1], oob_mode=compat.ZERO_FILL
+    )
     plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[0], tile_bar.at[2])
     plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[0], tile_bar.at[3])
   for i in range(4):
@@ -218,8 +226,10 @@ def dq_kernel(
   seq_kv_pad: int,
   ops: KernelOps,
   interpret: Any,
+  q_rows: int,
 ) -> Callable[..., jax.Array]:
-  """The dQ kernel: `(q, k, v, dout, lse2, delta) -> dq`, padded.
+  """The dQ kernel: `(q, k, v, dout, lse2, delta) -> dq`; q, dout and dq
+  have `q_rows` rows (TMA reads past them zeros, drops writes past them).
 
   `config.dq_consumers` warpgroups, each with its own `block_q` rows, or
   (`dq_head_splits=2`) two sharing one query tile's head dim.
@@ -325,7 +335,7 @@ def dq_kernel(
   return common.build_kernel(
     fa3_bwd_dq,
     out_type=jax.ShapeDtypeStruct(
-      (spec.batch, plan.seq_q_pad, spec.heads_q, d), spec.dtype
+      (spec.batch, q_rows, spec.heads_q, d), spec.dtype
     ),
     scratch=scratch,
     grid=(spec.heads_q, plan.num_q_tiles, spec.batch),

@@ -151,7 +151,10 @@ def kv_producer(
       plgpu.barrier_wait(k_empty.at[slot])
 
     plgpu.copy_gmem_to_smem(
-      k_ref.at[batch, cols, kv_head], k_smem.at[slot], k_full.at[slot]
+      k_ref.at[batch, cols, kv_head],
+      k_smem.at[slot],
+      k_full.at[slot],
+      oob_mode=compat.ZERO_FILL,
     )
 
     @pl.when(j >= stages)
@@ -159,7 +162,10 @@ def kv_producer(
       plgpu.barrier_wait(v_empty.at[slot])
 
     plgpu.copy_gmem_to_smem(
-      v_tile(v_ref, batch, kv_head, cols), v_smem.at[slot], v_full.at[slot]
+      v_tile(v_ref, batch, kv_head, cols),
+      v_smem.at[slot],
+      v_full.at[slot],
+      oob_mode=compat.ZERO_FILL,
     )
 
   @pl.loop(jnp.maximum(steps - stages, 0), steps)
