@@ -120,10 +120,10 @@ def test_visible_keys_end_is_the_mask_rule():
       dict(
         fp8=True,
         implementation="interpret",
-        config=Sm90ForwardConfig(64, 128, 3),
+        config=Sm90ForwardConfig(128, 128, 2),
       ),
       NotImplementedError,
-      r"spills registers",
+      r"registers of tiles per thread in the FP8 consumer",
     ),
   ],
 )

@@ -243,6 +243,26 @@ def tma_extent(x: jax.Array, axis: int, tile: int) -> jax.Array:
   return pad_axis(x, axis, length)
 
 
+# Every sm90 kernel here is a cluster of one CTA: barriers declared over it
+# (`consumer_release`) count one arrival per warpgroup.
+CLUSTER = "cluster"
+
+
+def consumer_release(num_barriers: int, consumers: int = NUM_CONSUMERS) -> Any:
+  """Slot-release barriers for `consumers` warpgroups, each arriving once.
+
+  A `plgpu.ClusterBarrier` over the one-CTA cluster: Mosaic initializes it
+  with `consumers` (a plain `plgpu.Barrier` in the default lane semantics
+  counts every thread, 128 per warpgroup) and one elected thread of a
+  warpgroup arrives, after the warpgroup's own waits, as FA3 does.
+  """
+  return plgpu.ClusterBarrier(
+    collective_axes=(CLUSTER,),
+    num_arrivals=consumers,
+    num_barriers=num_barriers,
+  )
+
+
 def build_kernel(
   body: Callable[..., None],
   *,
@@ -267,6 +287,8 @@ def build_kernel(
     grid_names=grid_names,
     num_threads=warpgroups,
     thread_name="wg",
+    cluster=(1,),
+    cluster_names=(CLUSTER,),
     compiler_params=compat.compiler_params(approx_math=True),
     interpret=interpret,
   )

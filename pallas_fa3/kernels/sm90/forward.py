@@ -32,6 +32,7 @@ from pallas_fa3.kernels.sm90.common import (
   PRODUCER_REGS,
   QueryPlan,
   build_kernel,
+  consumer_release,
   kv_steps,
   smem_transforms,
   tma_extent,
@@ -274,8 +275,8 @@ def _build(
     plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
     plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
     plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
-    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
-    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=cfg.num_stages),
+    consumer_release(cfg.num_stages),  # k_empty: one arrival per consumer
+    consumer_release(cfg.num_stages),  # v_empty
     plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
@@ -291,8 +292,8 @@ def _build(
     fa3_fwd,
     out_type=out_type,
     scratch=scratch,
-    grid=(walk.num_ctas,),
-    grid_names=("cta",),
+    grid=walk.grid[0],
+    grid_names=walk.grid[1],
     warpgroups=NUM_CONSUMERS + 1,
     interpret=interpret,
   )
