@@ -18,6 +18,8 @@
 #              the blockwise twin, cuDNN, XLA, attention_mgpu side by side
 #   bench_bwd  bf16 backward at d128/256 (--quick: d128)
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
+#   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
+#              (not in --quick)
 #   headline   $OUT/headline.md: one table of the three timing steps
 # $OUT/steps.tsv has one line per step: name, exit code (124: timed out),
 # seconds. Without a GPU (a CPU rehearsal) every GPU step runs its
@@ -63,11 +65,13 @@ if [ "$QUICK" = 1 ]; then
   DIMS_FWD="128"; DIMS_BWD="128"; DIMS_FP8="128"
   # Worst case 225 s: the FP8 configs are left to the smoke call.
   T_SMOKE=45; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=40; T_BWD=25; T_FP8=20
+  T_GRID=0
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
   # Worst case 470 s (every step at its limit).
-  T_SMOKE=55; T_CAUSAL=35; T_TESTS=120; T_FP8T=45; T_FWD=85; T_BWD=55; T_FP8=40
+  T_SMOKE=55; T_CAUSAL=35; T_TESTS=110; T_FP8T=45; T_FWD=70; T_BWD=50; T_FP8=35
+  T_GRID=35
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
@@ -85,6 +89,8 @@ if [ "$GPU" = 1 ]; then
     --time-budget $(( T_BWD - 20 )) --out "$OUT/bench_bwd"
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
+  [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
+    --out "$OUT/grid" --time-budget $(( T_GRID - 15 ))
 else
   echo "no Hopper GPU: rehearsal (imports and test collection only)"
   run_step smoke 60 "$PY" benchmarks/device_smoke.py smoke --out "$OUT"
@@ -99,6 +105,8 @@ else
     --time-budget 0 --out "$OUT/bench_bwd"
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
+  run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \
+    --time-budget 0
 fi
 run_step headline 15 "$PY" benchmarks/headline.py "$OUT"
 echo "== [$(( $(date +%s) - START )) s] done: $OUT/steps.tsv, $OUT/headline.md"

@@ -58,6 +58,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_fwd",
     "bench_bwd",
     "fp8_speed",
+    "grid",
     "headline",
   ]
   assert all(r["exit"] == "0" for r in steps.values()), steps
@@ -69,6 +70,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_fwd/results.json",
     "bench_bwd/results.json",
     "fp8/fp8.json",
+    "grid/grid.json",
   ):
     assert (tmp_path / name).exists(), name
   assert "collected" in (tmp_path / "gpu_tests.txt").read_text()

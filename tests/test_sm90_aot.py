@@ -186,6 +186,10 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
         assert k["wait_group"].get("1", 0) > 0, k["name"]
         assert not k["wgmma_serialized"], k["name"]
         assert k["loop"]["bar"] >= 2, k["name"]
+        # Slot releases count warpgroups (one elected arrival each); only
+        # Pallas's TMA barriers count 128 threads.
+        assert 2 in k["mbarrier_arrival_counts"], k["name"]
+        assert k["max_mbarrier_arrivals"] <= 128, k["name"]
 
 
 @_needs_packages
