@@ -17,6 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_fa3.kernels.sm90 import common, compat
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.kernels.sm90.persistent import TileWalk, kv_producer
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -304,9 +305,10 @@ def dq_kernel(
 
     @pl.when(wg == consumers)
     def _():
-      common.kv_producer(
+      # One query tile per CTA: the forward's K/V producer without a walk.
+      kv_producer(
         (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty),
-        plan,
+        TileWalk(plan, plan.num_tiles),
         registers=common.producer_regs(consumers),
       )
 

@@ -1,6 +1,6 @@
 """What the sm90 kernels share: register budgets, the query-tile plan and its
-K/V walk, the K/V producer, shared-memory layouts, padding and the kernel
-build settings.
+K/V walk, shared-memory layouts, padding, release barriers and the kernel
+build settings. (The K/V producer is `persistent.kv_producer`.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
@@ -113,68 +112,6 @@ def swizzle64(dtype: Any) -> tuple:
   rows for 16-bit types, where the 128-byte swizzle steps 64)."""
   cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
-
-
-def v_rows(v_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
-  """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
-  return v_ref.at[batch, cols, kv_head]
-
-
-def kv_producer(
-  refs: tuple,
-  plan: QueryPlan,
-  *,
-  registers: int = PRODUCER_REGS,
-  v_tile: Callable[..., Any] = v_rows,
-) -> None:
-  """The producer warpgroup: streams K and V tiles into the ring by TMA.
-
-  `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
-  tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
-  """
-  (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
-  cfg = plan.config
-  plgpu.set_max_registers(registers, action="decrease")
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(plan.spec.group_size))
-  cta_row0 = lax.axis_index("q_tiles") * plan.rows_per_cta
-  steps, _ = kv_steps(plan, cta_row0, plan.rows_per_cta)
-  stages = cfg.num_stages
-
-  @pl.loop(0, steps)
-  def _load(j):
-    slot = lax.rem(j, stages)
-    cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
-
-    @pl.when(j >= stages)
-    def _wait_k():  # the slot's previous tile has been read by both consumers
-      plgpu.barrier_wait(k_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(
-      k_ref.at[batch, cols, kv_head],
-      k_smem.at[slot],
-      k_full.at[slot],
-      oob_mode=compat.ZERO_FILL,
-    )
-
-    @pl.when(j >= stages)
-    def _wait_v():
-      plgpu.barrier_wait(v_empty.at[slot])
-
-    plgpu.copy_gmem_to_smem(
-      v_tile(v_ref, batch, kv_head, cols),
-      v_smem.at[slot],
-      v_full.at[slot],
-      oob_mode=compat.ZERO_FILL,
-    )
-
-  @pl.loop(jnp.maximum(steps - stages, 0), steps)
-  def _drain(j):
-    # Wait until the last tiles are consumed: the CTA must not retire (and
-    # its shared memory be reused) under a TMA or a read in flight.
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(k_empty.at[slot])
-    plgpu.barrier_wait(v_empty.at[slot])
 
 
 def row_probabilities(

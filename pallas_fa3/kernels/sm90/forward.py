@@ -44,6 +44,7 @@ from pallas_fa3.kernels.sm90.persistent import (
   TileWalk,
   kv_producer,
   num_ctas,
+  run_consumer,
 )
 from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
 from pallas_fa3.spec import LOG2E, AttentionSpec
@@ -75,22 +76,14 @@ def _online_softmax(
 def _consumer(
   refs: tuple, plan: QueryPlan, walk: TileWalk, ops: KernelOps
 ) -> None:
-  """A consumer warpgroup: its `block_q` rows of each of the CTA's query
-  tiles. The turns run on across tiles (both consumers take the same
-  number per tile); a tile's O and lse leave by TMA while the next starts."""
-  wg = lax.axis_index("wg")
-  turns = Turns(refs[9] if ops.interpreted else None, wg)
-  plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-  turns.start()
-
-  def one_tile(tile: Tile, base: jax.Array) -> None:
-    # The previous tile's O and lse leave from these buffers: read yet?
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _query_tile(refs, plan, ops, turns, tile, base)
-
-  walk.for_each(one_tile)
-  turns.finish()
-  plgpu.wait_smem_to_gmem(0)
+  """A consumer warpgroup: its `block_q` rows of each of the CTA's tiles."""
+  turns = Turns(refs[9] if ops.interpreted else None, lax.axis_index("wg"))
+  run_consumer(
+    walk,
+    turns,
+    CONSUMER_REGS,
+    lambda tile, base: _query_tile(refs, plan, ops, turns, tile, base),
+  )
 
 
 def _query_tile(

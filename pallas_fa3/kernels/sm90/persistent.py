@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps, v_rows
+from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps
+from pallas_fa3.kernels.sm90.pingpong import Turns
 
 # SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
 # compile); with a GPU its own count is used.
@@ -133,6 +134,34 @@ class TileWalk:
     cta = lax.axis_index("cta")
     count = lax.div(self.plan.num_tiles - 1 - cta, self.num_ctas) + 1
     return lax.fori_loop(0, count, one, jnp.int32(0))
+
+
+def run_consumer(
+  walk: TileWalk,
+  turns: Turns,
+  registers: int,
+  query_tile: Callable[[Tile, Any], None],
+) -> None:
+  """A consumer warpgroup of a forward kernel: `query_tile(tile, base)` for
+  each of the CTA's tiles. The turns run on across tiles (both consumers
+  take the same number per tile); a tile's O and lse leave by TMA while the
+  next starts, waited for (read-only) before the next Q load reuses their
+  buffers, and fully at the end."""
+  plgpu.set_max_registers(registers, action="increase")
+  turns.start()
+
+  def one_tile(tile: Tile, base: jax.Array) -> None:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    query_tile(tile, base)
+
+  walk.for_each(one_tile)
+  turns.finish()
+  plgpu.wait_smem_to_gmem(0)
+
+
+def v_rows(v_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
+  """One V tile as stored, `[block_kv, d]` rows of `[b, s, h, d]`."""
+  return v_ref.at[batch, cols, kv_head]
 
 
 def kv_producer(
