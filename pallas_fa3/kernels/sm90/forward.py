@@ -73,19 +73,6 @@ def _online_softmax(
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def _consumer(
-  refs: tuple, plan: QueryPlan, walk: TileWalk, ops: KernelOps
-) -> None:
-  """A consumer warpgroup: its `block_q` rows of each of the CTA's tiles."""
-  turns = Turns(refs[9] if ops.interpreted else None, lax.axis_index("wg"))
-  run_consumer(
-    walk,
-    turns,
-    CONSUMER_REGS,
-    lambda tile, base: _query_tile(refs, plan, ops, turns, tile, base),
-  )
-
-
 def _query_tile(
   refs: tuple,
   plan: QueryPlan,
@@ -98,9 +85,7 @@ def _query_tile(
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
   while P_j V_j is still in flight. K/V step j sits in ring slot
   `(base + j) % num_stages`."""
-  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, ring, q_bar) = (
-    refs[:9]
-  )
+  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, ring, q_bar) = refs
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
@@ -245,9 +230,12 @@ def _build(
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      consumer_refs = (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem)
-      _consumer(
-        (*consumer_refs, lse_smem, ring, q_bar, *turns), plan, walk, ops
+      refs = (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem)
+      run_consumer(
+        walk,
+        turns,
+        CONSUMER_REGS,
+        lambda *at: _query_tile((*refs, ring, q_bar), plan, ops, *at),
       )
 
     @pl.when(wg == NUM_CONSUMERS)

@@ -62,19 +62,6 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 32
 
 
-def _consumer(
-  refs: tuple, plan: QueryPlan, walk: TileWalk, ops: Fp8Ops
-) -> None:
-  """A consumer warpgroup: its `block_q` rows of each of the CTA's tiles."""
-  turns = Turns(refs[18] if ops.interpreted else None, lax.axis_index("wg"))
-  run_consumer(
-    walk,
-    turns,
-    CONSUMER_REGS,
-    lambda tile, base: _query_tile(refs, plan, ops, turns, tile, base),
-  )
-
-
 def _query_tile(
   refs: tuple,
   plan: QueryPlan,
@@ -104,7 +91,7 @@ def _query_tile(
     k_empty,
     v_empty,
     q_bar,
-  ) = refs[:18]
+  ) = refs
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
   batch, head, kv_head = tile.batch, tile.head, tile.kv_head
@@ -210,7 +197,7 @@ def _query_tile(
   last = slot_of(steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])
-  o = ops.accumulate_pv_t(o, p_smem, vt_smem.at[last], issued=turns.pass_on)
+  o = ops.accumulate_pv(o, p_smem, vt_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
   ring = (k_full, v_full, k_empty, v_empty)
   release_rest(turns, ring, stages, base, steps, cta_steps)
@@ -253,54 +240,31 @@ def _build(
     vr_ref,
     o_ref,
     lse_ref,
-    q_smem,
-    o_smem,
-    p_smem,
-    k_smem,
-    vt_smem,
-    lse_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    q_bar,
-    *turns,
+    *scratch,
   ):
+    # scratch: q, o, p, k, V^T, lse tiles; k/v full and empty; q; turns.
+    tiles, ring, q_bar, turns = (
+      scratch[:6],
+      scratch[6:10],
+      scratch[10],
+      scratch[11:],
+    )
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      _consumer(
-        (
-          q_ref,
-          qs_ref,
-          ks_ref,
-          vs_ref,
-          vr_ref,
-          o_ref,
-          lse_ref,
-          q_smem,
-          o_smem,
-          p_smem,
-          k_smem,
-          vt_smem,
-          lse_smem,
-          k_full,
-          v_full,
-          k_empty,
-          v_empty,
-          q_bar,
-          *turns,
-        ),
-        plan,
+      refs = (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref)
+      run_consumer(
         walk,
-        ops,
+        turns,
+        CONSUMER_REGS,
+        lambda *at: _query_tile((*refs, *tiles, *ring, q_bar), plan, ops, *at),
       )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
       kv_producer(
-        (k_ref, vt_ref, k_smem, vt_smem, k_full, v_full, k_empty, v_empty),
+        (k_ref, vt_ref, tiles[3], tiles[4], *ring),
         walk,
         registers=PRODUCER_REGS,
         v_tile=_vt_cols,

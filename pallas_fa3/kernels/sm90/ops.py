@@ -91,10 +91,7 @@ class KernelOps:
     q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
       s = async_proxy_read(
-        sum(
-          jnp.dot(q[...], k[...].T, preferred_element_type=_F32)
-          for q, k in zip(q_chunks, k_chunks)
-        )
+        sum(self._dot_qk(q, k) for q, k in zip(q_chunks, k_chunks))
       )
       return body(lambda: s)
 
@@ -117,17 +114,16 @@ class KernelOps:
     v_smem: Any,
     issued: Callable[[], None] = lambda: None,
   ) -> jax.Array:
-    """o + P V with P in registers, float32 accumulation; calls `issued()`
-    once the wgmma is issued, then waits for all wgmma."""
+    """o + P V with P in registers (the FP8 ops: P in shared memory and V
+    transposed), float32 accumulation; calls `issued()` once the wgmma is
+    issued, then waits for all wgmma."""
     if self.interpreted:
-      out = async_proxy_read(
-        o + jnp.dot(p, v_smem[...], preferred_element_type=_F32)
-      )
+      out = async_proxy_read(o + self._dot_pv(p, v_smem))
       issued()
       return out
 
     def pv(acc):
-      plgpu.wgmma(acc, p, v_smem)
+      self._wgmma_pv(acc, p, v_smem)
       issued()
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
@@ -173,8 +169,9 @@ class KernelOps:
 
     return pl.run_state(body)((plgpu.ACC.init(o), tuple(like)))
 
-  # The products `scores_then_pv` takes, in interpret mode and as wgmma; the
-  # FP8 ops override them (e4m3 operands, V transposed).
+  # The products `scores_then_pv` and `accumulate_pv` take, in interpret
+  # mode and as wgmma; the FP8 ops override them (e4m3 operands, V
+  # transposed).
   def _dot_qk(self, q_smem: Any, k_smem: Any) -> jax.Array:
     return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=_F32)
 

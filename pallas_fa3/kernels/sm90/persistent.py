@@ -138,21 +138,25 @@ class TileWalk:
 
 def run_consumer(
   walk: TileWalk,
-  turns: Turns,
+  turn_barriers: tuple,
   registers: int,
-  query_tile: Callable[[Tile, Any], None],
+  query_tile: Callable[[Turns, Tile, Any], None],
 ) -> None:
-  """A consumer warpgroup of a forward kernel: `query_tile(tile, base)` for
-  each of the CTA's tiles. The turns run on across tiles (both consumers
-  take the same number per tile); a tile's O and lse leave by TMA while the
-  next starts, waited for (read-only) before the next Q load reuses their
-  buffers, and fully at the end."""
+  """A consumer warpgroup of a forward kernel: `query_tile(turns, tile,
+  base)` for each of the CTA's tiles. `turn_barriers` is the scratch of
+  `pingpong.turn_barriers` (empty compiled). The turns run on across tiles
+  (both consumers take the same number per tile); a tile's O and lse leave
+  by TMA while the next starts, waited for (read-only) before the next Q
+  load reuses their buffers, and fully at the end."""
+  turns = Turns(
+    turn_barriers[0] if turn_barriers else None, lax.axis_index("wg")
+  )
   plgpu.set_max_registers(registers, action="increase")
   turns.start()
 
   def one_tile(tile: Tile, base: jax.Array) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    query_tile(tile, base)
+    query_tile(turns, tile, base)
 
   walk.for_each(one_tile)
   turns.finish()
