@@ -16,7 +16,8 @@
 #   fp8_tests  tests/test_sm90_fp8_gpu.py (likewise; not in --quick)
 #   bench_fwd  bf16 forward, d64/128/256, 16k tokens, causal and not: ours,
 #              the blockwise twin, cuDNN, XLA, attention_mgpu side by side
-#   bench_bwd  bf16 backward at d128/256 (--quick: d128)
+#   bench_bwd  bf16 backward at d128/256 (--quick: d128): the fused kernel
+#              (mosaic) and deterministic=True (mosaic-det) beside cuDNN
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
@@ -63,20 +64,20 @@ GPU=$(grep -c '"hopper": "yes"' "$OUT/versions.json" 2>/dev/null)
 if [ "$QUICK" = 1 ]; then
   export PALLAS_FA3_GPU_TIER=quick
   DIMS_FWD="128"; DIMS_BWD="128"; DIMS_FP8="128"
-  # Worst case 225 s: the FP8 configs are left to the smoke call.
-  T_SMOKE=45; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=40; T_BWD=25; T_FP8=20
+  # Worst case 230 s: the FP8 configs are left to the smoke call.
+  T_SMOKE=45; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=40; T_BWD=30; T_FP8=20
   T_GRID=0
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
-  # Worst case 470 s (every step at its limit).
-  T_SMOKE=55; T_CAUSAL=35; T_TESTS=110; T_FP8T=45; T_FWD=70; T_BWD=50; T_FP8=35
+  # Worst case 480 s (every step at its limit).
+  T_SMOKE=55; T_CAUSAL=35; T_TESTS=110; T_FP8T=45; T_FWD=70; T_BWD=60; T_FP8=35
   T_GRID=35
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
        --hidden 2048 --runs 10 --warmup 2 --no-progress --no-plots
-       --impl mosaic blockwise cudnn xla mgpu)
+       --impl mosaic mosaic-det blockwise cudnn xla mgpu)
 
 if [ "$GPU" = 1 ]; then
   run_step smoke "$T_SMOKE" "$PY" benchmarks/device_smoke.py smoke --out "$OUT"

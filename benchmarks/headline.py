@@ -16,7 +16,7 @@ import json
 import pathlib
 import sys
 
-IMPLS = ("mosaic", "blockwise", "cudnn", "xla", "mgpu")
+IMPLS = ("mosaic", "mosaic-det", "blockwise", "cudnn", "xla", "mgpu")
 BASELINES = ("cudnn", "xla", "mgpu")
 
 

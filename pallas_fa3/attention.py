@@ -60,10 +60,12 @@ def flash_attention(
       backward=Sm90BackwardConfig(...))` for mosaic/interpret (a bare
       `Sm90ForwardConfig` means `Sm90Config(forward=...)`; a None part is the
       heuristic default). None picks the backend's default.
-    deterministic: require bitwise run-to-run reproducible gradients. Every
-      backend guarantees it: the Hopper backward sums dQ in a fixed
-      order in its own kernel (no atomics), the blockwise twin accumulates
-      dQ in a fixed loop order, and the reference is plain XLA.
+    deterministic: require bitwise run-to-run reproducible gradients. The
+      Hopper backward is by default one fused kernel that sums dQ in
+      float32 by TMA reduce-add (order varies run to run); with True it
+      runs a dK/dV kernel and a separate dQ kernel that sums dQ in a fixed
+      order. The blockwise twin and the reference are deterministic either
+      way.
     stable_max: the repeated-max fix of arXiv 2510.04212 (see
       `pallas_fa3.stable_max`): None/False (off), True (defaults) or a
       `pallas_fa3.StableMax`. Implemented by `blockwise` (the automatic
@@ -97,7 +99,6 @@ def flash_attention(
     ((2, 128, 8, 64), (2, 8, 128))
   """
   check_arrays(q=q, k=k, v=v)
-  check_bool("deterministic", deterministic)  # every path is deterministic
   spec = make_spec(
     q,
     k,
@@ -106,6 +107,7 @@ def flash_attention(
     softmax_scale=softmax_scale,
     fp8=check_fp8(fp8),
     stable_max=check_stable_max(stable_max),
+    deterministic=deterministic,
   )
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
     raise ValueError(

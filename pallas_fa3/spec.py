@@ -60,6 +60,9 @@ class AttentionSpec:
   # serve them say so (`Backend.unsupported`).
   fp8: Any = None  # a pallas_fa3.FP8Config: quantize Q, K, V to e4m3
   stable_max: Any = None  # a pallas_fa3.StableMax: the repeated-max fix
+  # Gradients bitwise reproducible run to run (same function either way; the
+  # Hopper backward then sums dQ in a fixed order instead of by reduce-add).
+  deterministic: bool = False
 
   @property
   def group_size(self) -> int:
@@ -238,6 +241,7 @@ def make_spec(
   softmax_scale: Any = None,
   fp8: Any = None,
   stable_max: Any = None,
+  deterministic: Any = False,
 ) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
@@ -295,4 +299,5 @@ def make_spec(
     softmax_scale=scale,
     fp8=fp8,
     stable_max=stable_max,
+    deterministic=check_bool("deterministic", deterministic),
   )

@@ -70,6 +70,7 @@ def forward_and_grads(
   softmax_scale=None,
   config=None,
   dlse=None,
+  deterministic=False,
 ):
   """Jitted (out, lse, dq, dk, dv) of `flash_attention` for cotangents (dout, dlse)."""
 
@@ -84,6 +85,7 @@ def forward_and_grads(
       return_lse=True,
       implementation=implementation,
       config=config,
+      deterministic=deterministic,
     )
     (out, lse), pullback = jax.vjp(f, q, k, v)
     dlse = jnp.zeros_like(lse) if dlse is None else dlse

@@ -1,4 +1,6 @@
-"""The sm90 backward kernels on a CPU: interpret mode and CUDA lowering.
+"""The sm90 deterministic backward (`deterministic=True`: the dK/dV and dQ
+kernels) on a CPU: interpret mode and CUDA lowering; the fused kernel is in
+test_sm90_fused_bwd.py.
 
 Interpret mode runs the dK/dV and dQ kernels at small shapes against the
 float64 golden gradients with the tolerance rule, race detection on, under
@@ -147,7 +149,7 @@ _CASES = [
 @pytest.mark.parametrize("shape,dtype,causal,config", _CASES, ids=case_id)
 def test_interpret_gradients_match_golden(shape, dtype, causal, config, key):
   q, k, v, dout = random_inputs(key, shape, dtype)
-  spec = make_spec(q, k, v, causal=causal)
+  spec = make_spec(q, k, v, causal=causal, deterministic=True)
   assert (
     sm90_bwd_config.backward_config_unsupported(config, shape.head_dim, 2)
     is None
@@ -177,7 +179,7 @@ def test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent(
   shape = Shape(1, 70, 100, 1, 1, head_dim)
   q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
   dlse = jax.random.normal(jax.random.fold_in(key, 1), (1, 1, 70))
-  spec = make_spec(q, k, v, causal=True)
+  spec = make_spec(q, k, v, causal=True, deterministic=True)
   first = _interpret_grads(spec, config, q, k, v, dout, dlse)
   second = _interpret_grads(spec, config, q, k, v, dout, dlse)
   for name, a, b in zip(("dq", "dk", "dv"), first, second):
@@ -205,7 +207,7 @@ def test_every_backward_config_lowers_for_cuda(dtype, head_dim, config):
   ):
     q = jax.ShapeDtypeStruct((2, sq, hq, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, skv, hk, head_dim), dtype)
-    spec = make_spec(q, kv, kv, causal=causal)
+    spec = make_spec(q, kv, kv, causal=causal, deterministic=True)
     stats = jax.ShapeDtypeStruct((2, hq, sq), jnp.float32)
     fn = jax.jit(
       lambda q, k, v, o, lse, do, dlse: sm90_bwd.sm90_backward(
@@ -238,7 +240,7 @@ def test_grad_of_mosaic_exports_for_cuda(head_dim):
     )
     return out.astype(jnp.float32).sum() + lse.sum()
 
-  spec = make_spec(q, kv, kv, causal=True)
+  spec = make_spec(q, kv, kv, causal=True, deterministic=True)
   reason = sm90_bwd_config.backward_unsupported(spec)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -277,7 +279,7 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
   stats = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
-  spec = make_spec(q, q, q)
+  spec = make_spec(q, q, q, deterministic=True)
   fn = jax.jit(lambda *a: sm90_bwd.sm90_backward(spec, config, *a))
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     export.export(fn, platforms=["cuda"])(q, q, q, q, stats, q, stats)
@@ -289,7 +291,7 @@ def test_backward_smem_estimate_is_exactly_what_mosaic_allocates(
 def test_every_head_dim_has_a_backward_kernel_config():
   for d in sm90_config.KERNEL_HEAD_DIMS:
     q = jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16)
-    spec = make_spec(q, q, q)
+    spec = make_spec(q, q, q, deterministic=True)
     assert sm90_bwd_config.backward_unsupported(spec) is None, d
     config = sm90_bwd_config.default_backward_config(spec)
     assert config in sm90_bwd_config.backward_config_space(d)

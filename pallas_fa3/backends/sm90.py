@@ -66,7 +66,7 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
   reason = sm90_config.forward_unsupported(spec, config.forward)
   if reason is None and config.backward is not None:
     reason = sm90_bwd_config.backward_config_unsupported(
-      config.backward, spec.head_dim, spec.dtype.itemsize
+      config.backward, spec.head_dim, spec.dtype.itemsize, spec.deterministic
     )
   return reason
 

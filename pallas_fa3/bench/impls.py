@@ -24,8 +24,11 @@ from pallas_fa3.bench import specs
 OURS: tuple[str, ...] = (
   IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
 )
+# `mosaic` with deterministic=True: its backward is the dK/dV and dQ kernels
+# (bitwise reproducible) instead of the fused kernel's dQ reduce-add.
+DETERMINISTIC = "mosaic-det"
 BASELINES: tuple[str, ...] = ("cudnn", "xla", "mgpu")
-ALL: tuple[str, ...] = OURS + BASELINES
+ALL: tuple[str, ...] = OURS + (DETERMINISTIC,) + BASELINES
 # The implementation every other one is compared with, per platform.
 OURS_ON = {"gpu": "mosaic", "cpu": "blockwise"}
 
@@ -89,10 +92,15 @@ def _ours_unsupported(name):
   return check
 
 
-def _ours_build(name):
+def _ours_build(name, deterministic=False):
   def build(spec):
     return lambda q, k, v: flash_attention(
-      q, k, v, causal=spec.causal, implementation=name
+      q,
+      k,
+      v,
+      causal=spec.causal,
+      implementation=name,
+      deterministic=deterministic,
     )
 
   return build
@@ -201,6 +209,13 @@ REGISTRY: dict[str, Impl] = {
     )
     for n in OURS
   },
+  DETERMINISTIC: Impl(
+    DETERMINISTIC,
+    "ours",
+    "ours: mosaic with deterministic=True (dK/dV and dQ kernels)",
+    _ours_unsupported("mosaic"),
+    _ours_build("mosaic", deterministic=True),
+  ),
   "cudnn": Impl(
     "cudnn",
     "baseline",

@@ -135,15 +135,19 @@ def short_label(
   spec: AttentionSpec, config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
 ) -> str:
   """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
-  dK/dV and dQ consumers/head splits): the profile table's row label."""
+  dK/dV consumers/head splits, then "fused" or the dQ kernel's): the
+  profile table's row label."""
+  from pallas_fa3.kernels.sm90.config_backward import fused_backward
+
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
   if not getattr(config, "persistent", True):
     tiles += " per-tile grid"
   if hasattr(config, "dkdv_consumers"):
-    tiles += (
-      f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
-      f" q{config.dq_consumers}/{config.dq_head_splits}"
-    )
+    tiles += f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
+    if fused_backward(spec, config):
+      tiles += " fused"
+    else:
+      tiles += f" q{config.dq_consumers}/{config.dq_head_splits}"
   return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
 
 
@@ -211,12 +215,14 @@ def compile_forward(
 def compile_backward(
   spec: AttentionSpec, config: sm90.Sm90BackwardConfig, mesh: Mesh | None = None
 ) -> CompileReport:
-  """Compiles both backward kernels (dK/dV and dQ) for sm_90a; ptxas's report."""
+  """Compiles the backward for sm_90a (the fused kernel, or with
+  `spec.deterministic` the dK/dV and dQ kernels); ptxas's report."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 
   mesh = _mesh() if mesh is None else mesh
   return _compile(
-    f"bwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+    f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}"
+    f" {spec.dtype} causal={spec.causal}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
     lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
     _operands(spec, mesh, backward=True),

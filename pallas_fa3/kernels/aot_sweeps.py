@@ -4,6 +4,8 @@ call shapes `pallas-fa3 aot` compiles, as (compile function, spec, config).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -39,8 +41,10 @@ def sweep() -> Iterator[SweepItem]:
       spec = make_spec(q, kv, kv, causal=True)
       for config in sm90_config.forward_config_space(d, size):
         yield compile_forward, spec, config
-      for config in sm90_bwd_config.backward_config_space(d, size):
-        yield compile_backward, spec, config
+      for det in (False, True):  # the fused kernel, and dK/dV + dQ
+        spec = make_spec(q, kv, kv, causal=True, deterministic=det)
+        for config in sm90_bwd_config.backward_config_space(d, size, det):
+          yield compile_backward, spec, config
 
 
 # (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
@@ -56,8 +60,8 @@ BACKWARD_SHAPES = (
 
 
 def backward_shapes_sweep() -> Iterator[SweepItem]:
-  """Every backward config of the space at every head dim over
-  `BACKWARD_SHAPES`, causal and not, bf16."""
+  """Every backward config of both spaces (fused and deterministic) at
+  every head dim over `BACKWARD_SHAPES`, causal and not, bf16."""
   import jax
   import jax.numpy as jnp
 
@@ -69,11 +73,11 @@ def backward_shapes_sweep() -> Iterator[SweepItem]:
 
   for d in sm90_config.KERNEL_HEAD_DIMS:
     for sq, skv, hq, hk in BACKWARD_SHAPES:
-      for causal in (True, False):
+      for causal, det in itertools.product((True, False), (False, True)):
         q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
-        spec = make_spec(q, kv, kv, causal=causal)
-        for config in sm90_bwd_config.backward_config_space(d):
+        spec = make_spec(q, kv, kv, causal=causal, deterministic=det)
+        for config in sm90_bwd_config.backward_config_space(d, 2, det):
           yield compile_backward, spec, config
 
 
@@ -125,11 +129,10 @@ def defaults_sweep() -> Iterator[SweepItem]:
         b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
       )
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
-      yield (
-        compile_backward,
-        spec,
-        sm90_bwd_config.default_backward_config(spec),
-      )
+      for det in (False, True):  # the fused backward, and dK/dV + dQ
+        bwd = dataclasses.replace(spec, deterministic=det)
+        config = sm90_bwd_config.default_backward_config(bwd)
+        yield compile_backward, bwd, config
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
         yield (
           compile_forward_fp8,

@@ -3,16 +3,20 @@
 Gradients by recomputation from the residuals (out, lse), after FA2/FA3:
 `delta = rowsum(dO * O) - dlse`, `P = exp2(S * scale * log2(e) - lse2)`,
 `dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - delta)`, `dK = scale dS^T Q`,
-`dQ = scale dS K`. Two kernels, each warp specialized like the forward:
+`dQ = scale dS K`. Warp specialized like the forward; parallel over K/V
+tiles and kv heads: consumers hold K/V tiles and float32 dK, dV; the
+producer streams Q, dO, lse and delta tiles of every query head of the GQA
+group and every query tile that sees the keys.
 
-- **dK/dV kernel** (`backward_dkdv`), parallel over K/V tiles and kv heads:
-  consumers hold K/V tiles and float32 dK, dV; the producer streams Q, dO,
-  lse and delta tiles of every query head of the GQA group and every query
-  tile that sees the keys. dK/dV of the group are summed in registers.
-- **dQ kernel** (`backward_dq`), parallel over query tiles: the forward's
-  structure, dQ accumulated in float32 registers. A separate kernel rather
-  than atomic adds: dQ is summed in a fixed order, so gradients are bitwise
-  reproducible.
+- **Fused** (`deterministic=False`, the default; `backward_fused`): one
+  kernel, FA3's five GEMMs per tile pair; dQ is TMA reduce-added in float32
+  into an accumulator in HBM (converted here). Its summation order varies
+  run to run.
+- **Deterministic** (`deterministic=True`, and configs the fused kernel
+  cannot run: CTA-split head dims, d = 256): the dK/dV kernel
+  (`backward_dkdv`) and a dQ kernel (`backward_dq`, the forward's
+  structure, dQ summed in a fixed order in registers): seven GEMMs per
+  pair, bitwise reproducible.
 
 At d = 192, 256 two consumers share each K/V tile (and each query tile in
 the dQ kernel), each owning half of the head dim and exchanging P and dS
@@ -23,17 +27,20 @@ Design and measurements: docs/design_notes.md#backward-kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.kernels.sm90.backward_dkdv import dkdv_kernel
+from pallas_fa3.kernels.sm90.backward_dkdv_kernel import dkdv_kernel
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import DkdvPlan
 from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
+from pallas_fa3.kernels.sm90.backward_fused import sum_slab
 from pallas_fa3.kernels.sm90.common import pad_axis, round_up, tma_extent
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config_backward import fused_backward
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
@@ -51,7 +58,8 @@ def sm90_backward(
   *,
   interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Runs the dK/dV and dQ kernels.
+  """Runs the fused kernel, or with `spec.deterministic` the dK/dV and dQ
+  kernels (`config_backward.fused_backward` says which).
 
   Args:
     spec: the call (as the forward's).
@@ -67,6 +75,26 @@ def sm90_backward(
   Returns:
     (dq, dk, dv), shaped like q, k, v, in `spec.dtype`.
   """
+  args = (q, k, v, out, lse, dout, dlse)
+  if fused_backward(spec, config) and interpret is None:
+    return _fused_compiled(spec, config, *args)
+  return _kernels(spec, config, *args, interpret=interpret)
+
+
+def _kernels(
+  spec: AttentionSpec,
+  config: Sm90BackwardConfig,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+  *,
+  interpret: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  fused = fused_backward(spec, config)
   ops = COMPILED if interpret is None else INTERPRETED
   sq_pad = round_up(spec.seq_q, 2 * config.block_q)
   skv_pad = round_up(spec.seq_kv, DkdvPlan(spec, config, 0, 0).kv_rows_per_cta)
@@ -87,10 +115,21 @@ def sm90_backward(
     tma_extent(dout, 1, config.block_q),
   )
   kp, vp = tma_extent(k, 1, config.block_kv), tma_extent(v, 1, config.block_kv)
-  dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad)
-  dk, dv = dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1])(
-    qp, kp, vp, dop, lse2, delta
-  )
+  dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad, fused=fused)
+  kernel = dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1])
+  if fused:
+    scale = jnp.float32(spec.softmax_scale)
+    if interpret is None:
+      acc = jax.new_ref(jnp.zeros(qp.shape, jnp.float32))
+      dk, dv = kernel(qp, kp, vp, dop, lse2, delta, acc)
+      dq = jax.freeze(acc) * scale
+    else:
+      slab, dk, dv = kernel(qp, kp, vp, dop, lse2, delta)
+      dq = sum_slab(dkdv_plan, slab) * scale
+    dq = dq.astype(spec.dtype)
+    return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+
+  dk, dv = kernel(qp, kp, vp, dop, lse2, delta)
   if interpret is not None:
     # Interpret mode: the dQ kernel waits for the dK/dV kernel
     # (docs/design_notes.md#interpret-mode-and-memory-proxies).
@@ -99,3 +138,27 @@ def sm90_backward(
     qp, kp, vp, dop, lse2, delta
   )
   return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+
+
+def _fused_compiled(spec: AttentionSpec, config: Sm90BackwardConfig, *args):
+  """The compiled fused backward with a vmap rule: its kernel updates a
+  `jax.new_ref` in place, which has none, so a vmapped axis is folded into
+  the batch."""
+
+  @jax.custom_batching.custom_vmap
+  def run(*args):
+    return _kernels(spec, config, *args, interpret=None)
+
+  @run.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [
+      a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+      for a, batched in zip(args, in_batched)
+    ]
+    flat = [a.reshape((axis_size * a.shape[1],) + a.shape[2:]) for a in args]
+    wide = dataclasses.replace(spec, batch=axis_size * spec.batch)
+    outs = _fused_compiled(wide, config, *flat)
+    outs = [o.reshape((axis_size, spec.batch) + o.shape[1:]) for o in outs]
+    return tuple(outs), (True, True, True)
+
+  return run(*args)

@@ -9,10 +9,8 @@ lse and delta tiles of every query head of the GQA group.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -22,23 +20,20 @@ from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
   DkdvPlan,
-  copy_chunks,
   cta_position,
-  dkdv_producer,
   first_q_tile,
+  own_kv_tile,
+  store_dkdv,
 )
 from pallas_fa3.kernels.sm90.common import (
-  build_kernel,
   consumer_regs,
   row_probabilities,
-  smem_transforms,
-  swizzle64,
 )
-from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
 from pallas_fa3.spec import LOG2E
 
 
-def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
+def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps."""
   (
     k_ref,
@@ -58,18 +53,12 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   spec, cfg = plan.spec, plan.config
   consumers = cfg.dkdv_consumers
   plgpu.set_max_registers(consumer_regs(consumers), action="increase")
-  wg = lax.axis_index("wg")
-  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, chunk = cta_position(plan)
-  kv0 = cta_kv0 + wg * cfg.block_kv
-  rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
   # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
   # contract over all of them, dK and dV are accumulated for chunk `chunk`.
-  my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-  copy_chunks(k_ref, rows, my_k, kv_bar.at[wg], plan)
-  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + wg], plan)
-  plgpu.barrier_wait(kv_bar.at[wg])
-  plgpu.barrier_wait(kv_bar.at[consumers + wg])
+  kv0, rows, my_k, my_v = own_kv_tile(
+    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, lax.axis_index("wg")
+  )
   k_chunks = [my_k.at[c] for c in range(plan.splits)]
   v_chunks = [my_v.at[c] for c in range(plan.splits)]
 
@@ -122,8 +111,8 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
 
   def step(qi, carry, *, base, masked):
     slot = lax.rem(base + qi - first, cfg.num_stages)
-    for i in range(4):
-      plgpu.barrier_wait(full[i].at[slot])
+    for bar in full:
+      plgpu.barrier_wait(bar.at[slot])
     for h in range(halves):
       carry = part(qi, h, slot, carry, masked)
     # lse and delta were read by ordinary loads (generic proxy) and TMA
@@ -145,18 +134,18 @@ def _dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
 
   zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
   dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
-  out_k, out_v = my_k.at[chunk], my_v.at[chunk]  # K, V are done: reuse them
-  out_v[...] = dv.astype(spec.dtype)
-  out_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
-  plgpu.commit_smem()
   cols = pl.ds(chunk * plan.chunk, plan.chunk)
-  plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
-  plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
-  plgpu.wait_smem_to_gmem(0)
+  store_dkdv(  # K, V are done: stage dK, dV in them
+    plan,
+    dk,
+    dv,
+    (my_k.at[chunk], my_v.at[chunk]),
+    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols,)]),
+  )
 
 
-def _dkdv_shared_consumer(
-  refs: tuple, plan: DkdvPlan, ops: KernelOps, w: int
+def dkdv_shared_consumer(
+  refs: tuple, plan: DkdvPlan, ops: KernelOps, w: int, sink: Any = None
 ) -> None:
   """Consumer `w` of a CTA whose two consumers share one K/V tile: it
   accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
@@ -168,7 +157,8 @@ def _dkdv_shared_consumer(
   (transposed by the wgmma) for dV_w += P^T dO_w and dK_w += dS^T Q_w. No
   GEMM is repeated. P/dS buffers alternate by step parity: a consumer
   rewrites one only after the other has passed the next rendezvous, hence
-  finished the wgmmas that read it.
+  finished the wgmmas that read it. With a `sink` (the fused kernel) it
+  also issues dQ_w = dS K_w under the same wait and hands it to the sink.
   """
   (
     k_ref,
@@ -217,13 +207,15 @@ def _dkdv_shared_consumer(
   first = first_q_tile(plan, kv0)
   per_head = plan.num_q_blocks - first
   shape = (cfg.block_q, half)
+  # Fused: keys past seq_kv masked (dQ sums their rows; see fused_consumer).
+  ragged = sink is not None and spec.seq_kv % plan.kv_rows_per_cta != 0
 
-  def step(qi, carry, *, base):
+  def step(qi, carry, *, h):
     dk, dv = carry
-    t = base + qi - first
+    t = h * per_head + qi - first
     slot, buf = lax.rem(t, cfg.num_stages), lax.rem(t, 2)
-    for i in range(4):
-      plgpu.barrier_wait(full[i].at[slot])
+    for bar in full:
+      plgpu.barrier_wait(bar.at[slot])
     q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
     s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
     # Causal: masked on every tile (exact there too); padded keys' rows of
@@ -235,8 +227,8 @@ def _dkdv_shared_consumer(
       ops.load_rows(lse_smem.at[slot]),
       qi * cfg.block_q,
       kv0 + w * half,
-      masked=spec.causal,
-      check_seq_kv=False,
+      masked=spec.causal or ragged,
+      check_seq_kv=ragged,
     )
     p = p.astype(spec.dtype)
     dp = ops.scores([do_tile.at[c] for c in range(plan.splits)], v_mine)
@@ -248,16 +240,30 @@ def _dkdv_shared_consumer(
     plgpu.commit_smem()  # my halves visible to both consumers' wgmmas
     plgpu.barrier_arrive(xchg)
     plgpu.barrier_wait(xchg)
-    dv = ops.accumulate_tn(dv, p_smem.at[buf], do_tile.at[w])  # P^T dO_w
-    dk = ops.accumulate_tn(dk, ds_smem.at[buf], q_tile.at[w])  # dS^T Q_w
+    if sink is None:
+      dv = ops.accumulate_tn(dv, p_smem.at[buf], do_tile.at[w])  # P^T dO_w
+      dk = ops.accumulate_tn(dk, ds_smem.at[buf], q_tile.at[w])  # dS^T Q_w
+      plgpu.barrier_arrive(empty.at[slot])
+      return dk, dv
+    dq = ops.tile(jnp.zeros((cfg.block_q, plan.dq_cols), jnp.float32))
+    dv, dk, dq = ops.accumulate(
+      (dv, dk, dq),
+      [
+        (0, SmemA(p_smem.at[buf], transposed=True), do_tile.at[w]),
+        (1, SmemA(ds_smem.at[buf], transposed=True), q_tile.at[w]),
+        (2, SmemA(ds_smem.at[buf]), k_tile.at[w]),  # dS K_w
+      ],
+    )
     plgpu.barrier_arrive(empty.at[slot])
+    head = kv_head * spec.group_size + h
+    sink.flush(dq, batch, qi * cfg.block_q, head, w)
     return dk, dv
 
   def per_group_head(h, carry):
     return lax.fori_loop(
       first,
       plan.num_q_blocks,
-      functools.partial(step, base=h * per_head),
+      functools.partial(step, h=h),
       carry,
     )
 
@@ -265,135 +271,10 @@ def _dkdv_shared_consumer(
   dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
   # My K, V chunks were last read by the other consumer before our last
   # rendezvous: reuse them for dK, dV.
-  out_k, out_v = k_tile.at[w], v_tile.at[w]
-  out_v[...] = dv.astype(spec.dtype)
-  out_k[...] = (dk * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows + (cols,)])
-  plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows + (cols,)])
-  plgpu.wait_smem_to_gmem(0)
-
-
-def dkdv_kernel(
-  plan: DkdvPlan, ops: KernelOps, interpret: Any, kv_rows: int
-) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """The dK/dV kernel: `(q, k, v, dout, lse2, delta) -> (dk, dv)`; k, v, dk
-  and dv have `kv_rows` rows (TMA reads past them zeros, drops writes)."""
-  spec, cfg = plan.spec, plan.config
-  st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
-  tf = (
-    swizzle64(spec.dtype)
-    if plan.q_halves > 1 or plan.shared
-    else smem_transforms(spec.dtype, plan.chunk)
-  )
-  kv_tiles = 1 if plan.shared else consumers
-
-  def fa3_bwd_dkdv(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    dk_ref,
-    dv_ref,
-    k_smem,
-    v_smem,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    q_full,
-    do_full,
-    lse_full,
-    dl_full,
-    empty,
-    kv_bar,
-    *exchange,
-  ):
-    wg = lax.axis_index("wg")
-    full = (q_full, do_full, lse_full, dl_full)
-    refs = (
-      k_ref,
-      v_ref,
-      dk_ref,
-      dv_ref,
-      k_smem,
-      v_smem,
-      q_smem,
-      do_smem,
-      lse_smem,
-      dl_smem,
-    )
-    if plan.shared:
-      p_smem, ds_smem, xchg = exchange
-      for w in range(consumers):
-        pl.when(wg == w)(
-          functools.partial(
-            _dkdv_shared_consumer,
-            refs + (p_smem, ds_smem, full, empty, kv_bar, xchg),
-            plan,
-            ops,
-            w,
-          )
-        )
-    else:
-      pl.when(wg < consumers)(
-        functools.partial(
-          _dkdv_consumer, refs + (full, empty, kv_bar), plan, ops
-        )
-      )
-
-    @pl.when(wg == consumers)
-    def _():
-      dkdv_producer(
-        (
-          q_ref,
-          do_ref,
-          lse_ref,
-          dl_ref,
-          q_smem,
-          do_smem,
-          lse_smem,
-          dl_smem,
-          full,
-          empty,
-        ),
-        plan,
-      )
-
-  chunked = lambda n, rows: plgpu.SMEM(
-    (n, splits, rows, plan.chunk), spec.dtype, transforms=tf
-  )
-  scratch = (
-    chunked(kv_tiles, cfg.block_kv),
-    chunked(kv_tiles, cfg.block_kv),
-    chunked(st, cfg.block_q),
-    chunked(st, cfg.block_q),
-    plgpu.SMEM((st, cfg.block_q), jnp.float32),
-    plgpu.SMEM((st, cfg.block_q), jnp.float32),
-    # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse, delta.
-    plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-    plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-    plgpu.Barrier(num_barriers=st),
-    plgpu.Barrier(num_barriers=st),
-    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-    # K, V of each K/V tile (one TMA per head-dim chunk)
-    plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
-  )
-  if plan.shared:  # P and dS by step parity, and the consumers' rendezvous
-    exchange = lambda: plgpu.SMEM(
-      (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
-    )
-    scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
-  kv_shape = (spec.batch, kv_rows, spec.heads_kv, spec.head_dim)
-  kv_ctas = plan.seq_kv_pad // plan.kv_rows_per_cta
-  return build_kernel(
-    fa3_bwd_dkdv,
-    out_type=(jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2,
-    scratch=scratch,
-    grid=(spec.heads_kv, kv_ctas * plan.cta_splits, spec.batch),
-    grid_names=("heads", "kv_tiles", "batch"),
-    warpgroups=consumers + 1,
-    interpret=interpret,
+  store_dkdv(
+    plan,
+    dk,
+    dv,
+    (k_tile.at[w], v_tile.at[w]),
+    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols,)]),
   )

@@ -17,6 +17,7 @@ from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import producer_regs
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -28,6 +29,8 @@ class DkdvPlan:
   config: Sm90BackwardConfig
   seq_q_pad: int
   seq_kv_pad: int
+  # The fused kernel (`backward_fused`): dQ by reduce-add as well.
+  fused: bool = False
 
   @property
   def num_q_blocks(self) -> int:
@@ -61,6 +64,30 @@ class DkdvPlan:
     return 2 if self.cta_splits > 1 else 1
 
   @property
+  def kv_ctas(self) -> int:
+    """CTAs along the keys (times `cta_splits` in the grid)."""
+    return self.seq_kv_pad // self.kv_rows_per_cta
+
+  @property
+  def dq_cols(self) -> int:
+    """Head-dim columns of one consumer's dQ tile (fused)."""
+    return fused_dq_cols(
+      self.config, self.spec.head_dim, self.spec.dtype.itemsize
+    )
+
+  @property
+  def dq_by_cols(self) -> bool:
+    """Fused: each consumer adds dQ for its share of the head dim over all
+    of the CTA's keys (after exchanging dS); else the whole head dim over
+    its own keys."""
+    return self.dq_cols < self.spec.head_dim
+
+  @property
+  def dq_parts(self) -> int:
+    """dQ tiles per CTA and query tile that cover the same columns."""
+    return 1 if self.dq_by_cols else self.config.dkdv_consumers
+
+  @property
   def chunk(self) -> int:
     """Head-dim columns of dK, dV one CTA accumulates."""
     return self.spec.head_dim // self.splits
@@ -83,6 +110,42 @@ def copy_chunks(
     plgpu.copy_gmem_to_smem(
       ref.at[tile + (cols,)], dst.at[c], barrier, oob_mode=compat.ZERO_FILL
     )
+
+
+def own_kv_tile(refs: tuple, plan: DkdvPlan, w: Any) -> tuple:
+  """Loads consumer `w`'s K/V tile (`block_kv` keys, as head-dim chunks
+  `[splits, block_kv, chunk]`) and waits for it. `refs` are (k_ref, v_ref,
+  k_smem, v_smem, kv_bar). Returns (its first key, its global rows, its K
+  chunks, its V chunks)."""
+  k_ref, v_ref, k_smem, v_smem, kv_bar = refs
+  consumers, block_kv = plan.config.dkdv_consumers, plan.config.block_kv
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, _ = cta_position(plan)
+  kv0 = cta_kv0 + w * block_kv
+  rows = (batch, pl.ds(kv0, block_kv), kv_head)
+  my_k, my_v = k_smem.at[w], v_smem.at[w]
+  copy_chunks(k_ref, rows, my_k, kv_bar.at[w], plan)
+  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + w], plan)
+  plgpu.barrier_wait(kv_bar.at[w])
+  plgpu.barrier_wait(kv_bar.at[consumers + w])
+  return kv0, rows, my_k, my_v
+
+
+def store_dkdv(
+  plan: DkdvPlan, dk: Any, dv: Any, staging: tuple, dst: tuple
+) -> None:
+  """Writes float32 dK (scaled) and dV in the input dtype through the
+  shared `staging` tiles (K, V tiles no longer read) to the global `dst`
+  tiles, and waits for the stores."""
+  out_k, out_v = staging
+  out_v[...] = dv.astype(plan.spec.dtype)
+  out_k[...] = (dk * jnp.float32(plan.spec.softmax_scale)).astype(
+    plan.spec.dtype
+  )
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_k, dst[0])
+  plgpu.copy_smem_to_gmem(out_v, dst[1])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:

@@ -6,6 +6,7 @@ build settings. (The K/V producer is `persistent.kv_producer`.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
@@ -124,25 +126,28 @@ def row_probabilities(
   *,
   masked: bool,
   check_seq_kv: bool = True,
+  q_axis: int = 0,
 ) -> jax.Array:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
-  entries 0 where `masked`. Shared by the dQ kernel and the shared-tile
-  dK/dV consumer."""
+  entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
+  (keys as rows, `lse2` per column). Shared by the dQ kernel, the
+  shared-tile dK/dV consumer and the fused consumer."""
   shape = s.shape
   p = jnp.exp2(
     s * jnp.float32(spec.softmax_scale * LOG2E)
-    - lax.broadcast_in_dim(lse2, shape, [0])
+    - lax.broadcast_in_dim(lse2, shape, [q_axis])
   )
   if masked:
+    rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     mask = masking.visible_tile_at(
       spec,
       q0,
       kv0,
-      ops.row_index(shape[0]),
-      ops.col_index(shape[1]),
+      rows if q_axis == 0 else cols,
+      cols if q_axis == 0 else rows,
       shape,
-      0,
+      q_axis,
       check_seq_kv=check_seq_kv,
     )
     p = jnp.where(mask, p, 0.0)
@@ -209,13 +214,39 @@ def build_kernel(
   grid_names: tuple[str, ...],
   warpgroups: int,
   interpret: Any,
+  in_place: bool = False,
 ) -> Callable[..., Any]:
   """`plgpu.kernel` with the settings every sm90 kernel here shares.
 
   `warpgroups` threads named "wg" (consumers first, the producer last),
   approximate math for exp2 and the reciprocal, and `interpret` (None, or
-  interpret-mode parameters).
+  interpret-mode parameters). `in_place` (compiled only) builds it on
+  `pl.kernel`, whose operands may be `jax.new_ref`s the kernel updates in
+  place (`plgpu.kernel`'s vmap wrapper takes arrays only; such a kernel has
+  no vmap rule, so its caller batches it).
   """
+  if in_place and interpret is None:
+    mesh = plgpu.Mesh(
+      grid=grid,
+      grid_names=grid_names,
+      cluster=(1,),
+      cluster_names=(CLUSTER,),
+      num_threads=warpgroups,
+      thread_name="wg",
+    )
+
+    def kernel_body(*refs):
+      pl.run_scoped(
+        functools.partial(body, *refs), *scratch, collective_axes="wg"
+      )
+
+    return pl.kernel(
+      kernel_body,
+      out_type=out_type,
+      mesh=mesh,
+      compiler_params=compat.compiler_params(approx_math=True),
+      name=body.__name__,
+    )
   return plgpu.kernel(
     body,
     out_type=out_type,

@@ -194,7 +194,10 @@ def forward_config_space(
 
 @dataclasses.dataclass(frozen=True)
 class Sm90BackwardConfig:
-  """Tiling of the sm90 backward kernels (dK/dV kernel and dQ kernel).
+  """Tiling of the sm90 backward: the fused kernel (`deterministic=False`:
+  `block_q`, `block_kv`, `num_stages`, `dkdv_consumers`, `dkdv_head_splits`
+  apply), or the dK/dV and dQ kernels (`deterministic=True`, and configs
+  the fused kernel cannot run: `config_backward.fused_backward`).
 
   Attributes:
     block_q: query rows per tile streamed through the dK/dV kernel's ring,

@@ -47,15 +47,91 @@ def backward_kernel_smem_bytes(
   )
   if config.dq_head_splits == 2:
     dq += align_smem(2 * bq * bkv * itemsize) + BARRIER_BYTES
-  # No RESERVED_SMEM: neither kernel has a cross-warp reduction.
-  return {"dkdv": dkdv, "dq": dq}
+  # Fused: the dK/dV kernel plus float32 dQ staging per consumer and (own
+  # tiles) dS^T tiles by step parity.
+  fused = dkdv + align_smem(c * bq * fused_dq_cols(config, d, itemsize) * 4)
+  if not shared:
+    fused += align_smem(2 * c * bkv * bq * itemsize) + BARRIER_BYTES
+  # No RESERVED_SMEM: no kernel has a cross-warp reduction.
+  return {"dkdv": dkdv, "dq": dq, "fused": fused}
+
+
+def fused_dq_cols(
+  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+) -> int:
+  """Head-dim columns of one consumer's dQ tile in the fused kernel: half
+  when two consumers share a K/V tile, or own tiles whose halves are whole
+  128-byte rows (d = 128: each adds its half over the CTA's keys, FA3's
+  split); else all (each adds its own keys' dQ)."""
+  half = head_dim // 2
+  if config.dkdv_consumers == 2 and (
+    _dkdv_shared(config) or half * itemsize % 128 == 0
+  ):
+    return half
+  return head_dim
+
+
+def fused_unsupported(
+  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+) -> str | None:
+  """Why the fused backward (dQ by reduce-add) cannot run this config, or
+  None (then `deterministic=False` runs it)."""
+  if config.dkdv_consumers == 1 and config.dkdv_head_splits == 2:
+    return f"{config}: the head dim split across CTAs would add dQ once per CTA"
+  cols = head_dim // config.dkdv_head_splits
+  if config.dkdv_head_splits > 1 and cols % 32:
+    return f"{config}: {cols}-column halves of head_dim {head_dim}"
+  need = backward_kernel_smem_bytes(config, head_dim, itemsize)["fused"]
+  if need > MAX_SMEM_BYTES:
+    return (
+      f"{config}: the fused backward needs {need} bytes of shared memory at"
+      f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
+    )
+  regs = _fused_tile_regs(config, head_dim, itemsize)
+  room = _FUSED_TILE_REGS[config.dkdv_consumers]
+  if regs > room:
+    return (
+      f"{config}: the fused backward keeps {regs} float32 tile registers per"
+      f" thread at head_dim {head_dim}; room for {room}"
+    )
+  return None
+
+
+# Float32 tile registers a fused consumer may hold, by consumers per CTA;
+# calibrated with the sm_90a compile (benchmarks/RESULTS.md, "Fused
+# backward"): 224 is d = 128's 64 x 64 layout, 0 spill bytes.
+_FUSED_TILE_REGS = {2: 224, 1: 240}
+
+
+def _fused_tile_regs(
+  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+) -> int:
+  """dK, dV accumulators, S^T and dP^T (shared: half of the keys each) and
+  the dQ tile of one fused consumer."""
+  bq, bkv = config.block_q, config.block_kv
+  sdp = 2 * bq * bkv // (2 if _dkdv_shared(config) else 1)
+  dkdv = 2 * bkv * head_dim // config.dkdv_head_splits
+  dq = bq * fused_dq_cols(config, head_dim, itemsize)
+  return (dkdv + sdp + dq) // 128
+
+
+def fused_backward(spec: AttentionSpec, config: Sm90BackwardConfig) -> bool:
+  """Whether `spec`'s gradients run the fused kernel: not deterministic,
+  and `config` fits it (else the dK/dV and dQ kernels, the same function,
+  run: CTA-split layouts, and d = 256, whose shared layout leaves no room
+  for the dQ staging)."""
+  if spec.deterministic:
+    return False
+  return fused_unsupported(config, spec.head_dim, spec.dtype.itemsize) is None
 
 
 def backward_smem_bytes(
   config: Sm90BackwardConfig, head_dim: int, itemsize: int
 ) -> int:
-  """Shared memory of the larger of the two backward kernels, per CTA."""
-  return max(backward_kernel_smem_bytes(config, head_dim, itemsize).values())
+  """Shared memory of the larger of the two deterministic backward kernels
+  (dK/dV and dQ), per CTA."""
+  sizes = backward_kernel_smem_bytes(config, head_dim, itemsize)
+  return max(sizes["dkdv"], sizes["dq"])
 
 
 # Float32 tile registers a backward consumer may hold, by consumers per CTA
@@ -89,9 +165,18 @@ def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
 
 
 def backward_config_unsupported(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  deterministic: bool = True,
 ) -> str | None:
-  """Why this backward config cannot run at this head_dim, or None."""
+  """Why this backward config cannot run at this head_dim, or None. Not
+  `deterministic`, a config the fused kernel runs is supported; any other
+  runs the dK/dV and dQ kernels (`fused_backward`) and is checked for them."""
+  if (
+    not deterministic and fused_unsupported(config, head_dim, itemsize) is None
+  ):
+    return None
   for field in ("dkdv_head_splits", "dq_head_splits"):
     splits = getattr(config, field)
     cols = head_dim // splits
@@ -135,12 +220,12 @@ def backward_unsupported(
   if reason:
     return reason
   if config is None and not backward_config_space(
-    spec.head_dim, spec.dtype.itemsize
+    spec.head_dim, spec.dtype.itemsize, spec.deterministic
   ):
     return f"no backward tiling fits head_dim {spec.head_dim}"
   if config is not None:
     return backward_config_unsupported(
-      config, spec.head_dim, spec.dtype.itemsize
+      config, spec.head_dim, spec.dtype.itemsize, spec.deterministic
     )
   return None
 
@@ -199,13 +284,37 @@ def _tilings(
 
 
 def backward_config_space(
-  head_dim: int, itemsize: int = 2
+  head_dim: int, itemsize: int = 2, deterministic: bool = True
 ) -> tuple[Sm90BackwardConfig, ...]:
   """Every backward tiling that fits at this head_dim, in order of
-  preference: consumers owning whole K/V tiles, then two consumers sharing
-  a tile's head dim; the head dim split across CTAs only where neither
-  fits; one dQ consumer only where two do not fit."""
+  preference. Deterministic (the dK/dV and dQ kernels): consumers owning
+  whole K/V tiles, then two consumers sharing a tile's head dim; the head
+  dim split across CTAs only where neither fits; one dQ consumer only
+  where two do not fit. Not deterministic: the tilings the fused kernel
+  runs (two consumers owning K/V tiles, two sharing one, one), or where it
+  fits none (d = 256) the deterministic ones."""
+  if not deterministic:
+    fused = _fused_space(head_dim, itemsize)
+    if fused:
+      return fused
   return _space(head_dim, itemsize)
+
+
+def _fused_space(
+  head_dim: int, itemsize: int, **choices: tuple[int, ...]
+) -> tuple[Sm90BackwardConfig, ...]:
+  blocks = choices.get("block_choices", (64, 128))
+  stages = choices.get("stage_choices", STAGE_CHOICES)
+  found = (
+    Sm90BackwardConfig(bq, bkv, st, consumers, splits)
+    for consumers, splits in _OWN_TILES[:1] + _SHARED_TILE + _OWN_TILES[1:]
+    for bq in blocks
+    for bkv in blocks
+    for st in stages
+  )
+  return tuple(
+    c for c in found if fused_unsupported(c, head_dim, itemsize) is None
+  )
 
 
 def _space(
@@ -219,14 +328,19 @@ def _space(
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   """The heuristic backward tiling for `spec`: 64 x 64 tiles, 2 stages, in
-  the first form of `backward_config_space` that fits.
+  the first form of `backward_config_space` (for `spec.deterministic`)
+  that fits.
 
   Raises:
     ValueError: no form fits `spec.head_dim`.
   """
-  space = _space(
-    spec.head_dim, spec.dtype.itemsize, block_choices=(64,), stage_choices=(2,)
+  small = dict(block_choices=(64,), stage_choices=(2,))
+  space = (
+    ()
+    if spec.deterministic
+    else _fused_space(spec.head_dim, spec.dtype.itemsize, **small)
   )
+  space = space or _space(spec.head_dim, spec.dtype.itemsize, **small)
   if not space:
     raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
   return space[0]

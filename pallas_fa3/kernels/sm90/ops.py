@@ -181,6 +181,84 @@ class KernelOps:
   def _wgmma_pv(self, acc: Any, p: Any, v_smem: Any) -> None:
     plgpu.wgmma(acc, p, v_smem)
 
+  def score_pair(
+    self,
+    first: tuple[Any, Any],
+    second: tuple[Any, Any],
+    body: Callable[[Callable[[], jax.Array], Callable[[], jax.Array]], Any],
+  ) -> Any:
+    """Issues S1 = A1 B1^T, then S2 = A2 B2^T (each pair `(a, b)` as
+    `with_scores` takes Q and K) and runs `body(read_1, read_2)` while they
+    compute: `read_1` waits for S1 alone (`wait_group 1`), `read_2` for
+    both. Returns what `body` returns."""
+    pairs = [(_chunks(a), _chunks(b)) for a, b in (first, second)]
+    if self.interpreted:
+      s1, s2 = (
+        async_proxy_read(sum(self._dot_qk(x, y) for x, y in zip(a, b)))
+        for a, b in pairs
+      )
+      return body(lambda: s1, lambda: s2)
+
+    def scoped(acc1, acc2):
+      for acc, (a, b) in zip((acc1, acc2), pairs):
+        for x, y in zip(a, b):
+          plgpu.wgmma(acc, x, y.transpose((1, 0)))
+      return body(
+        lambda: plgpu.wgmma_accumulator_load(acc1, wait_n=1),
+        lambda: acc2[...],
+      )
+
+    shapes = [(a[0].shape[0], b[0].shape[0]) for a, b in pairs]
+    return pl.run_scoped(scoped, *(plgpu.ACC(s, _F32) for s in shapes))
+
+  def accumulate(
+    self,
+    accs: tuple[Any, ...],
+    terms: list[tuple[int, Any, Any]],
+    *,
+    first: int | None = None,
+    between: Callable[[], None] = lambda: None,
+  ) -> tuple[jax.Array, ...]:
+    """`accs[i] += A B` for every term `(i, A, B)`: A in registers or an
+    `SmemA`; B a shared-memory ref; an `accs` entry that is a shape is a
+    fresh float32 zero accumulator (scoped: no zero tile is kept live
+    before the wgmma). Issues `terms[:first]`, calls `between()`, issues
+    the rest, and waits once for all of them. Returns the accumulators."""
+    first = len(terms) if first is None else first
+    fresh = [isinstance(a, tuple) for a in accs]
+    if self.interpreted:
+      out = [jnp.zeros(a, _F32) if f else a for a, f in zip(accs, fresh)]
+      for n, (i, a, b) in enumerate(terms):
+        if n == first:
+          between()
+        out[i] = out[i] + jnp.dot(
+          _value(a), b[...], preferred_element_type=_F32
+        )
+      if first >= len(terms):
+        between()
+      plgpu.commit_smem()
+      return tuple(out)
+
+    def scoped(*scoped_refs):
+      def body(state_refs):
+        it_s, it_f = iter(state_refs), iter(scoped_refs)
+        refs = [next(it_f) if f else next(it_s) for f in fresh]
+        for n, (i, a, b) in enumerate(terms):
+          if n == first:
+            between()
+          plgpu.wgmma(refs[i], _operand(a), b)
+        if first >= len(terms):
+          between()
+
+      kept = pl.run_state(body)(
+        tuple(plgpu.ACC.init(a) for a, f in zip(accs, fresh) if not f)
+      )
+      it_k, it_f = iter(kept), iter(scoped_refs)
+      return tuple(next(it_f)[...] if f else next(it_k) for f in fresh)
+
+    shapes = [plgpu.ACC(a, _F32) for a, f in zip(accs, fresh) if f]
+    return pl.run_scoped(scoped, *shapes)
+
   def accumulate_ss(
     self, acc: jax.Array, a_smem: Any, b_smem: Any
   ) -> jax.Array:
@@ -217,6 +295,29 @@ def async_proxy_read(result: jax.Array) -> jax.Array:
   wgmma's async-proxy reads, after the proxy fence that makes them so."""
   plgpu.commit_smem()
   return result
+
+
+@dataclasses.dataclass(frozen=True)
+class SmemA:
+  """A wgmma A operand in shared memory: `ref` is `[m, k]`, or `[k, m]` read
+  transposed."""
+
+  ref: Any
+  transposed: bool = False
+
+
+def _value(a: Any) -> jax.Array:
+  """An `accumulate` A operand's value (interpret mode)."""
+  if isinstance(a, SmemA):
+    return a.ref[...].T if a.transposed else a.ref[...]
+  return a
+
+
+def _operand(a: Any) -> Any:
+  """An `accumulate` A operand as wgmma takes it."""
+  if isinstance(a, SmemA):
+    return a.ref.transpose((1, 0)) if a.transposed else a.ref
+  return a
 
 
 def _chunks(ref_or_refs: Any) -> tuple:
