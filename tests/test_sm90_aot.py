@@ -190,6 +190,22 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
         # Pallas's TMA barriers count 128 threads.
         assert 2 in k["mbarrier_arrival_counts"], k["name"]
         assert k["max_mbarrier_arrivals"] <= 128, k["name"]
+      if k["name"].endswith("fused"):
+        # One backward kernel: dQ by TMA reduce-add; S^T waited alone
+        # while dP^T computes; asynchronous wgmma; slot releases by
+        # warpgroup.
+        assert k["tma"]["reduce"] > 0, k["name"]
+        assert k["wait_group"].get("1", 0) > 0, k["name"]
+        assert not k["wgmma_serialized"], k["name"]
+        assert 2 in k["mbarrier_arrival_counts"], k["name"]
+  # The default backward is fused at every head dim but 256.
+  fused = {
+    k["name"].split()[1]
+    for r in reports
+    for k in r["kernels"]
+    if k["name"].endswith("fused")
+  }
+  assert fused == {"d64", "d96", "d128", "d192"}, fused
 
 
 @_needs_packages
