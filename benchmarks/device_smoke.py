@@ -114,13 +114,24 @@ def _check(name, got, naive, golden) -> dict:
 
 
 def _kernel_item(
-  head_dim: int, backward: bool, dtype=jnp.bfloat16, causal=True, shape=None
+  head_dim: int,
+  backward: bool,
+  dtype=jnp.bfloat16,
+  causal=True,
+  shape=None,
+  deterministic=False,
 ):
   shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
   golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
   f = lambda q, k, v: pallas_fa3.flash_attention(
-    q, k, v, causal=causal, return_lse=True, implementation="mosaic"
+    q,
+    k,
+    v,
+    causal=causal,
+    return_lse=True,
+    implementation="mosaic",
+    deterministic=deterministic,
   )
   out, lse = jax.jit(f)(q, k, v)
   result = {
@@ -158,7 +169,12 @@ def _fp8_item():
 
 def _smoke_items():
   yield "fwd bf16 d128", lambda: _kernel_item(128, False)
-  yield "fwd+bwd bf16 d128", lambda: _kernel_item(128, True)
+  yield "fwd+bwd bf16 d128 (fused)", lambda: _kernel_item(128, True)
+  yield (
+    "fwd+bwd bf16 d128 deterministic",
+    lambda: _kernel_item(128, True, deterministic=True),
+  )
+  yield "fwd+bwd bf16 d192 (fused)", lambda: _kernel_item(192, True)
   yield "fwd+bwd bf16 d256", lambda: _kernel_item(256, True)
   yield "fwd fp8 d128", _fp8_item
 
