@@ -29,15 +29,7 @@ _REASON_CHARS = 400  # keep error messages readable in tables and CSV
 DEFAULT_RUNS = {"gpu": 20, "cpu": 3}
 DEFAULT_WARMUP = {"gpu": 5, "cpu": 1}
 DEFAULT_IMPLS = {
-  "gpu": (
-    "mosaic",
-    "mosaic-det",
-    "blockwise",
-    "reference",
-    "cudnn",
-    "xla",
-    "mgpu",
-  ),
+  "gpu": ("mosaic", "blockwise", "reference", "cudnn", "xla", "mgpu"),
   "cpu": ("blockwise", "reference", "xla", "interpret"),
 }
 

@@ -217,26 +217,31 @@ def dkdv_shared_consumer(
     for bar in full:
       plgpu.barrier_wait(bar.at[slot])
     q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-    s = ops.scores([q_tile.at[c] for c in range(plan.splits)], k_mine)
-    # Causal: masked on every tile (exact there too); padded keys' rows of
-    # dK, dV are sliced off.
-    p = row_probabilities(
-      ops,
-      spec,
-      s,
-      ops.load_rows(lse_smem.at[slot]),
-      qi * cfg.block_q,
-      kv0 + w * half,
-      masked=spec.causal or ragged,
-      check_seq_kv=ragged,
-    )
-    p = p.astype(spec.dtype)
-    dp = ops.scores([do_tile.at[c] for c in range(plan.splits)], v_mine)
-    ds = p.astype(jnp.float32) * (
-      dp - lax.broadcast_in_dim(ops.load_rows(dl_smem.at[slot]), shape, [0])
-    )
+    q_chunks = [q_tile.at[c] for c in range(plan.splits)]
+    do_chunks = [do_tile.at[c] for c in range(plan.splits)]
+
+    def grads(read_s, read_dp):  # dP is in flight while P is computed
+      # Causal: masked on every tile (exact there too); padded keys' rows
+      # of dK, dV are sliced off.
+      p = row_probabilities(
+        ops,
+        spec,
+        read_s(),
+        ops.load_rows(lse_smem.at[slot]),
+        qi * cfg.block_q,
+        kv0 + w * half,
+        masked=spec.causal or ragged,
+        check_seq_kv=ragged,
+      ).astype(spec.dtype)
+      delta = ops.load_rows(dl_smem.at[slot])
+      ds = p.astype(jnp.float32) * (
+        read_dp() - lax.broadcast_in_dim(delta, shape, [0])
+      )
+      return p, ds.astype(spec.dtype)
+
+    p, ds = ops.score_pair((q_chunks, k_mine), (do_chunks, v_mine), grads)
     p_smem.at[buf].at[:, mine][...] = p
-    ds_smem.at[buf].at[:, mine][...] = ds.astype(spec.dtype)
+    ds_smem.at[buf].at[:, mine][...] = ds
     plgpu.commit_smem()  # my halves visible to both consumers' wgmmas
     plgpu.barrier_arrive(xchg)
     plgpu.barrier_wait(xchg)
