@@ -207,8 +207,6 @@ def dkdv_shared_consumer(
   first = first_q_tile(plan, kv0)
   per_head = plan.num_q_blocks - first
   shape = (cfg.block_q, half)
-  # Fused: keys past seq_kv masked (dQ sums their rows; see fused_consumer).
-  ragged = sink is not None and spec.seq_kv % plan.kv_rows_per_cta != 0
 
   def step(qi, carry, *, h):
     dk, dv = carry
@@ -230,8 +228,9 @@ def dkdv_shared_consumer(
         ops.load_rows(lse_smem.at[slot]),
         qi * cfg.block_q,
         kv0 + w * half,
-        masked=spec.causal or ragged,
-        check_seq_kv=ragged,
+        masked=spec.causal,
+        check_seq_kv=False,
+        at_most_one=sink is not None,  # finite P past seq_kv: fused_consumer
       ).astype(spec.dtype)
       delta = ops.load_rows(dl_smem.at[slot])
       ds = p.astype(jnp.float32) * (

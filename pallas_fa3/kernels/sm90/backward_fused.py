@@ -150,9 +150,6 @@ def fused_consumer(
   first = first_q_tile(plan, cta_kv0)
   per_head = plan.num_q_blocks - first
   shape = (cfg.block_kv, cfg.block_q)
-  # Keys past seq_kv are masked too: P^T there would be exp2(-lse2), which
-  # overflows for very negative lse, and dQ sums those rows (times K = 0).
-  ragged = spec.seq_kv % plan.kv_rows_per_cta != 0
   cols = pl.ds(w * plan.dq_cols, plan.dq_cols)
   # dQ = dS K: over both consumers' keys for my columns, or over mine.
   sources = range(consumers) if plan.dq_by_cols else (w,)
@@ -173,9 +170,12 @@ def fused_consumer(
         ops.load_cols(lse_smem.at[slot]),
         qi * cfg.block_q,
         kv0,
-        masked=spec.causal or ragged,
-        check_seq_kv=ragged,
+        masked=spec.causal,
+        check_seq_kv=False,
         q_axis=1,
+        # dQ sums over keys past seq_kv (times zero K rows): P^T must stay
+        # finite there; clamping is cheaper than masking them.
+        at_most_one=True,
       )
       delta = ops.load_cols(dl_smem.at[slot])
       ds_t = p_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))

@@ -127,17 +127,21 @@ def row_probabilities(
   masked: bool,
   check_seq_kv: bool = True,
   q_axis: int = 0,
+  at_most_one: bool = False,
 ) -> jax.Array:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
-  (keys as rows, `lse2` per column). Shared by the dQ kernel, the
-  shared-tile dK/dV consumer and the fused consumer."""
+  (keys as rows, `lse2` per column). `at_most_one` clamps the exponent at
+  0: exact for every key a row sees (lse >= each of its scores), and it
+  keeps P finite for keys past seq_kv (zero K rows: P = exp2(-lse2) would
+  overflow where lse < -88) without masking them. Shared by the dQ kernel,
+  the shared-tile dK/dV consumer and the fused consumer."""
   shape = s.shape
-  p = jnp.exp2(
-    s * jnp.float32(spec.softmax_scale * LOG2E)
-    - lax.broadcast_in_dim(lse2, shape, [q_axis])
+  arg = s * jnp.float32(spec.softmax_scale * LOG2E) - lax.broadcast_in_dim(
+    lse2, shape, [q_axis]
   )
+  p = jnp.exp2(jnp.minimum(arg, 0.0) if at_most_one else arg)
   if masked:
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     mask = masking.visible_tile_at(

@@ -87,20 +87,24 @@ def fused_unsupported(
       f"{config}: the fused backward needs {need} bytes of shared memory at"
       f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
     )
-  regs = _fused_tile_regs(config, head_dim, itemsize)
-  room = _FUSED_TILE_REGS[config.dkdv_consumers]
-  if regs > room:
-    return (
-      f"{config}: the fused backward keeps {regs} float32 tile registers per"
-      f" thread at head_dim {head_dim}; room for {room}"
-    )
   return None
 
 
-# Float32 tile registers a fused consumer may hold, by consumers per CTA;
-# calibrated with the sm_90a compile (benchmarks/RESULTS.md, "Fused
-# backward"): 224 is d = 128's 64 x 64 layout, 0 spill bytes.
-_FUSED_TILE_REGS = {2: 224, 1: 240}
+# Float32 tile registers a fused consumer may hold, by consumers per CTA,
+# for a config to enter the space; calibrated with the sm_90a compile over
+# `aot --backward-shapes` (benchmarks/RESULTS.md, "Fused backward"): the
+# layouts at 224 (d128 two own-key consumers 64 x 64, FA3's; d128 shared
+# 64 x 128) spill 4-64 B with GQA and causal at seq_q != seq_kv. Configs
+# over it stay selectable (`fused_unsupported` does not check registers).
+_FUSED_TILE_REGS = {2: 208, 1: 240}
+
+
+def fused_fits_registers(
+  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+) -> bool:
+  """The fused register model within its room (the space's filter)."""
+  regs = _fused_tile_regs(config, head_dim, itemsize)
+  return regs <= _FUSED_TILE_REGS[config.dkdv_consumers]
 
 
 def _fused_tile_regs(
@@ -313,7 +317,10 @@ def _fused_space(
     for st in stages
   )
   return tuple(
-    c for c in found if fused_unsupported(c, head_dim, itemsize) is None
+    c
+    for c in found
+    if fused_unsupported(c, head_dim, itemsize) is None
+    and fused_fits_registers(c, head_dim, itemsize)
   )
 
 
