@@ -6,9 +6,11 @@ together, waited apart), P^T and dS^T, then issues dV += P^T dO and
 dK += dS^T Q from registers, writes dS^T to shared memory and issues
 dQ = dS K, all under one wait. The float32 dQ tile goes through shared
 memory to a TMA reduce-add into a float32 `[b, sq, hq, d]` accumulator,
-converted afterwards. Two consumers of d = 128 share dS through shared
-memory and each adds half of dQ's head dim over all of the CTA's keys
-(FA3); otherwise each adds its own keys' dQ over the whole head dim. The
+converted afterwards. Two consumers owning keys at d = 128 (FA3's layout,
+outside the config space: it spills with GQA) share dS through shared
+memory and each adds half of dQ's head dim over all of the CTA's keys;
+otherwise each adds its own keys' dQ over the whole head dim. The
+shared-tile layout (d = 128, 192) is `backward_dkdv`'s with a sink. The
 interpreter has no reduce-add: there each dQ tile is stored to its own
 slot of a slab that XLA sums (`DqSink`).
 """
