@@ -94,7 +94,7 @@ def fused_unsupported(
 # for a config to enter the space; calibrated with the sm_90a compile over
 # `aot --backward-shapes` (benchmarks/RESULTS.md, "Fused backward"): the
 # layouts at 224 (d128 two own-key consumers 64 x 64, FA3's; d128 shared
-# 64 x 128) spill 4-64 B with GQA and causal at seq_q != seq_kv. Configs
+# 64 x 128) spill 4-32 B at GQA shapes (causal at seq_q != seq_kv). Configs
 # over it stay selectable (`fused_unsupported` does not check registers).
 _FUSED_TILE_REGS = {2: 208, 1: 240}
 
