@@ -71,6 +71,21 @@ def fused_dq_cols(
   return head_dim
 
 
+def _split_unsupported(
+  config: Sm90BackwardConfig, field: str, head_dim: int
+) -> str | None:
+  """Why `config.<field>` (a head-dim split) cannot cut this head dim."""
+  splits = getattr(config, field)
+  cols = head_dim // splits
+  if splits > 1 and cols % 32:
+    return (
+      f"{config}: {field}={splits} leaves {cols}-column chunks of"
+      f" head_dim {head_dim}; a split needs multiples of 32 (one"
+      " 64-byte swizzle row)"
+    )
+  return None
+
+
 def fused_unsupported(
   config: Sm90BackwardConfig, head_dim: int, itemsize: int
 ) -> str | None:
@@ -78,9 +93,9 @@ def fused_unsupported(
   None (then `deterministic=False` runs it)."""
   if config.dkdv_consumers == 1 and config.dkdv_head_splits == 2:
     return f"{config}: the head dim split across CTAs would add dQ once per CTA"
-  cols = head_dim // config.dkdv_head_splits
-  if config.dkdv_head_splits > 1 and cols % 32:
-    return f"{config}: {cols}-column halves of head_dim {head_dim}"
+  reason = _split_unsupported(config, "dkdv_head_splits", head_dim)
+  if reason:
+    return reason
   need = backward_kernel_smem_bytes(config, head_dim, itemsize)["fused"]
   if need > MAX_SMEM_BYTES:
     return (
@@ -182,14 +197,9 @@ def backward_config_unsupported(
   ):
     return None
   for field in ("dkdv_head_splits", "dq_head_splits"):
-    splits = getattr(config, field)
-    cols = head_dim // splits
-    if splits > 1 and cols % 32:
-      return (
-        f"{config}: {field}={splits} leaves {cols}-column chunks of"
-        f" head_dim {head_dim}; a split needs multiples of 32 (one"
-        " 64-byte swizzle row)"
-      )
+    reason = _split_unsupported(config, field, head_dim)
+    if reason:
+      return reason
   need = backward_smem_bytes(config, head_dim, itemsize)
   if need > MAX_SMEM_BYTES:
     return (
