@@ -41,6 +41,8 @@ class Backend:
       explicit backend still lowers for another platform.
     fp8_forward: `(spec, config, FP8Inputs) -> (out, lse)`, or None.
     fp8_tiles: `config -> (block_q, block_kv)`, the quantization tiles.
+    fp8_quantize: the quantization pass, with `e4m3.quantize_inputs`'s
+      signature and bits (default: that pure-JAX pass).
     automatic: a candidate of the automatic choice (computes the kernels'
       function, with P rounded to the input dtype).
     partitionable: may run as a `custom_partitioning` op (a backend whose
@@ -59,6 +61,7 @@ class Backend:
   device_reason: Callable[[], str | None] = lambda: None
   fp8_forward: Callable[..., Any] | None = None
   fp8_tiles: Callable[[Any], tuple[int, int]] | None = None
+  fp8_quantize: Callable[..., Any] = e4m3.quantize_inputs
   automatic: bool = False
   partitionable: bool = True
   backward_uses_lse: bool = True
@@ -84,7 +87,7 @@ class Backend:
     if spec.fp8 is None:
       return self.forward(spec, config, q, k, v)
     block_q, block_kv = self.fp8_tiles(config)
-    x = e4m3.quantize_inputs(
+    x = self.fp8_quantize(
       q,
       k,
       v,

@@ -109,6 +109,17 @@ def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   return fp8_forward
 
 
+def _fp8_quantize(interpret: bool) -> Callable[..., Any]:
+  def quantize(*args: Any, **kwargs: Any) -> Any:
+    from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
+
+    return kernel.quantize_inputs_kernel(
+      *args, interpret=_interpret_params(interpret), **kwargs
+    )
+
+  return quantize
+
+
 def _backward(
   interpret: bool,
 ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
@@ -174,6 +185,7 @@ def _kernel_backend(
     make_config=_make_config,
     fp8_forward=_fp8_forward(interpret),
     fp8_tiles=_fp8_tiles,
+    fp8_quantize=_fp8_quantize(interpret),
     **kwargs,
   )
 

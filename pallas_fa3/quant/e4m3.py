@@ -5,14 +5,14 @@ FP8 kernel and its blockwise twin (same float32 operations, same order).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_fa3.quant.hadamard import rotate, rotation_signs
+from pallas_fa3.quant.hadamard import rotation_signs
 from pallas_fa3.spec import LOG2E
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -83,6 +83,44 @@ def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
   return x8.astype(jnp.float32) * per_row[..., None]
 
 
+def rotation_matrix(signs: jax.Array) -> jax.Array:
+  """`D H` (float32 `[d, d]`, +-1 and 0 entries) with H Sylvester's
+  Walsh-Hadamard matrix of size p = the largest power of two dividing d
+  (block-diagonal when p < d, as `hadamard.hadamard_transform`): `x @ D H /
+  sqrt(p)` is `hadamard.rotate(x, signs)` up to float32 summation order."""
+  d = signs.shape[-1]
+  p = d & -d
+  # H_ij = (-1)^popcount(i & j) within a block, from iotas: no array
+  # constant (custom_partitioning rejects closed-over constants).
+  i = lax.broadcasted_iota(jnp.int32, (d, d), 0)
+  j = lax.broadcasted_iota(jnp.int32, (d, d), 1)
+  odd = lax.population_count((i % p) & (j % p)) % 2
+  h = jnp.where(i // p == j // p, 1.0 - 2.0 * odd.astype(_F32), 0.0)
+  return signs.astype(_F32)[:, None] * h
+
+
+def identity(n: int, dtype: Any) -> jax.Array:
+  """`I_n` in `dtype`, from iotas (no array constant)."""
+  i = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return (i == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(dtype)
+
+
+def rotate_for_quantization(x: jax.Array, signs: jax.Array) -> jax.Array:
+  """The pass's rotation: float32 `(x @ D H) * (1 / sqrt(d))`.
+
+  A matmul with the +-1 matrix in x's dtype (exact products) and float32
+  accumulation, as the quantization kernel does on the tensor cores; the
+  1/sqrt(d) is applied after, in float32.
+  """
+  d = x.shape[-1]
+  m = rotation_matrix(signs)
+  if x.dtype == _F32:
+    y = jnp.dot(x, m, precision=lax.Precision.HIGHEST)
+  else:
+    y = jnp.dot(x, m.astype(x.dtype), preferred_element_type=_F32)
+  return y * jnp.float32(1.0 / np.sqrt(d & -d))
+
+
 @functools.partial(
   jax.jit,
   static_argnames=("block_q", "block_kv", "block_quantization", "rotation"),
@@ -98,16 +136,18 @@ def quantize_inputs(
   block_quantization: bool,
   rotation: bool,
 ) -> FP8Inputs:
-  """Rotates (if `rotation`) and quantizes q, k, v to `FP8Inputs`.
+  """Rotates (if `rotation`) and quantizes q, k, v to `FP8Inputs` in JAX.
 
   Q is quantized in `block_q`-row tiles, K and V in `block_kv`-row tiles
   (one scale per tensor instead when not `block_quantization`); V is
-  transposed to `[b, hk, d, skv]`. The validated entry point is
-  `pallas_fa3.fp8.quantize`.
+  transposed to `[b, hk, d, skv]`. The twin of the quantization kernel
+  (`kernels/sm90/quantize.py`): the same float32 steps, the same bits. The
+  validated entry point is `pallas_fa3.fp8.quantize`.
   """
   if rotation:
     signs = rotation_signs(key, q.shape[-1])
-    q, k = rotate(q, signs), rotate(k, signs)
+    q = rotate_for_quantization(q, signs)
+    k = rotate_for_quantization(k, signs)
   per_tensor = not block_quantization
   q8, q_scale = quantize_tiles(q, block_q, per_tensor)
   k8, k_scale = quantize_tiles(k, block_kv, per_tensor)

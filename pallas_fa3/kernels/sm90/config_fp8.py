@@ -23,18 +23,25 @@ FP8_OUT_DTYPES = ("bfloat16", "float16")
 _FP8_ITEMSIZE = 1
 
 
+def out_cols(head_dim: int) -> int:
+  """Columns of the FP8 kernel's output staging tile: O leaves in chunks of
+  at most 128 columns (at d = 256 the whole tile would not fit beside a
+  128-key ring)."""
+  return min(head_dim, 128)
+
+
 def fp8_forward_smem_bytes(
   config: Sm90ForwardConfig, head_dim: int, out_itemsize: int = 2
 ) -> int:
   """Shared memory the FP8 forward kernel allocates for one CTA, in bytes.
 
-  As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus a separate output
-  tile per consumer (in the output dtype) and one e4m3 P tile per consumer
-  (P is staged through shared memory for the P V wgmma).
+  As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus an output staging
+  tile per consumer (`out_cols` columns in the output dtype) and one e4m3 P
+  tile per consumer (P is staged through shared memory for the P V wgmma).
   """
   rows = NUM_CONSUMERS * config.block_q
   q = align_smem(rows * head_dim * _FP8_ITEMSIZE)
-  out = align_smem(rows * head_dim * out_itemsize)
+  out = align_smem(rows * out_cols(head_dim) * out_itemsize)
   p = align_smem(rows * config.block_kv * _FP8_ITEMSIZE)
   ring = align_smem(
     config.num_stages * config.block_kv * head_dim * _FP8_ITEMSIZE

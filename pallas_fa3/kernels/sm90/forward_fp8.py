@@ -34,6 +34,7 @@ from pallas_fa3.kernels.sm90.common import (
   tma_extent,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.config_fp8 import out_cols
 from pallas_fa3.kernels.sm90.ops_fp8 import (
   COMPILED_FP8,
   INTERPRETED_FP8,
@@ -127,10 +128,18 @@ def _query_tile(
       lax.broadcast_in_dim(keys_end - j * cfg.block_kv, shape, [0])
     )
 
-  def softmax(j, m, l, s, masked):
-    """Softmax of S_j: (P_j in float32, O's rescale factor, m, l)."""
-    k_scale = ks_ref[batch, kv_head, j]
-    v_ratio = vr_ref[batch, kv_head, j]  # sv_{j-1} / sv_j
+  last_kv = plan.seq_kv_pad // cfg.block_kv - 1
+
+  def scales(j):
+    """(K descale, sv_{j-1} / sv_j) of K/V step j (clamped: a prefetch past
+    the last step reads the last)."""
+    j = jnp.minimum(j, last_kv)
+    return ks_ref[batch, kv_head, j], vr_ref[batch, kv_head, j]
+
+  def softmax(j, m, l, s, masked, sc):
+    """Softmax of S_j with its scales `sc` (loaded a step ahead): (P_j in
+    float32, O's rescale factor, m, l)."""
+    k_scale, v_ratio = sc
     p, alpha, m, l = online_softmax_fp8(
       s,
       m,
@@ -149,6 +158,7 @@ def _query_tile(
   # shared memory: it is stored only once the P V wgmma reading the previous
   # P is done).
   first = slot_of(0)
+  sc0, sc1 = scales(0), scales(1)
   turns.wait()
   plgpu.barrier_wait(k_full.at[first])
   s0 = ops.with_scores(
@@ -157,13 +167,14 @@ def _query_tile(
   plgpu.barrier_arrive(k_empty.at[first])
   m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
   l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
-  p0, _, m0, l0 = softmax(0, m0, l0, s0, plan.needs_mask)
+  p0, _, m0, l0 = softmax(0, m0, l0, s0, plan.needs_mask, sc0)
   store_p(p0)
   o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
   like = (ops.tile(jnp.zeros(shape, jnp.float32)), m0, m0, l0)
 
   def step(j, carry, *, masked: bool):
-    o, m, l = carry
+    o, m, l, sc = carry
+    ahead = scales(j + 2)  # used by the next step: its latency is hidden
     slot, nslot = slot_of(j), slot_of(j + 1)
     turns.wait()
     plgpu.barrier_wait(k_full.at[nslot])
@@ -171,7 +182,7 @@ def _query_tile(
 
     def with_s(s):
       plgpu.barrier_arrive(k_empty.at[nslot])
-      return softmax(j + 1, m, l, s, masked)
+      return softmax(j + 1, m, l, s, masked, sc)
 
     o, (p, rescale, m, l) = ops.scores_then_pv(
       q_smem,
@@ -185,15 +196,15 @@ def _query_tile(
     )
     plgpu.barrier_arrive(v_empty.at[slot])
     store_p(p)
-    return o * lax.broadcast_in_dim(rescale, o.shape, [0]), m, l
+    return o * lax.broadcast_in_dim(rescale, o.shape, [0]), m, l, ahead
 
   split = jnp.clip(unmasked - 1, 0, steps - 1)
-  carry = (o0, m0, l0)
+  carry = (o0, m0, l0, sc1)
   carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(
     split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
   )
-  o, m, l = carry
+  o, m, l, _ = carry
   last = slot_of(steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])
@@ -203,12 +214,19 @@ def _query_tile(
   release_rest(turns, ring, stages, base, steps, cta_steps)
   out, lse = finalize_fp8(o, m, l, vs_ref[batch, kv_head, steps - 1])
   o_smem, lse_wg = o_smem_all.at[wg], lse_smem.at[wg]
-  o_smem[...] = out.astype(spec.dtype)
   lse_wg[...] = lse
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(
-    o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head]
-  )
+  # O leaves in column chunks through one staging tile (d = 256: half of
+  # it), each rewritten once the previous chunk's store has read it.
+  cols = o_smem.shape[-1]
+  for c in range(spec.head_dim // cols):
+    if c:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = out[:, c * cols : (c + 1) * cols].astype(spec.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+      o_smem,
+      o_ref.at[batch, pl.ds(row0, cfg.block_q), head, pl.ds(c * cols, cols)],
+    )
   plgpu.copy_smem_to_gmem(
     lse_wg, lse_ref.at[batch, head, pl.ds(row0, cfg.block_q)]
   )
@@ -275,9 +293,9 @@ def _build(
       (NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE, transforms=qk_transforms
     ),
     plgpu.SMEM(
-      (NUM_CONSUMERS, cfg.block_q, d),
+      (NUM_CONSUMERS, cfg.block_q, out_cols(d)),
       spec.dtype,
-      transforms=smem_transforms(spec.dtype, d),
+      transforms=smem_transforms(spec.dtype, out_cols(d)),
     ),
     plgpu.SMEM(
       (NUM_CONSUMERS, cfg.block_q, cfg.block_kv),

@@ -1,0 +1,259 @@
+"""The FP8 quantization pass as one Pallas Mosaic GPU kernel (sm90).
+
+One CTA per `rows x d` tile of one head: it reads the bf16/fp16 tile once
+by TMA, rotates it on the tensor cores (Q and K: `y = (X @ (D H)) / sqrt(d)`,
+a `d x d` +-1 matrix, exact in 16 bits, with float32 accumulation), takes
+the tile's amax, and writes e4m3 and the tile's float32 scale (`amax /
+448`). V is not rotated but written transposed (`[b, hk, d, skv]`, the
+layout FP8 wgmma needs): each warpgroup computes `I_64 @ X_c^T`, 64 columns
+of the tile transposed, which is exact. One warpgroup per 64 output rows;
+they meet once through shared memory for the tile's amax.
+
+`pallas_fa3.quant.e4m3.quantize_inputs` is the pure-JAX twin (the same
+float32 operations in the same order); interpret mode gives its bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90.common import (
+  smem_transforms,
+  tma_extent,
+)
+from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.quant.e4m3 import (
+  E4M3_MAX,
+  FP8_DTYPE,
+  FP8Inputs,
+  identity,
+  quantize_inputs,
+  rotation_matrix,
+  scale_of,
+)
+from pallas_fa3.quant.hadamard import rotation_signs
+
+_F32 = jnp.float32
+_CHUNK = 64  # output rows per warpgroup (one wgmma M)
+# Hardware barrier of the warpgroups' amax exchange (Mosaic uses 0-4).
+_AMAX_BARRIER = 11
+KERNEL_DTYPES = ("bfloat16", "float16")
+
+
+def kernel_unsupported(x: jax.Array, rows: int) -> str | None:
+  """Why the kernel cannot quantize `x` in `rows`-row tiles, or None."""
+  if str(x.dtype) not in KERNEL_DTYPES:
+    return f"the quantization kernel reads {KERNEL_DTYPES}; got {x.dtype}"
+  d = x.shape[-1]
+  if d % _CHUNK or d > 256:
+    return f"head_dim {d} is not a multiple of {_CHUNK} up to 256"
+  if rows % _CHUNK or rows > 256:
+    return f"tile rows {rows} is not a multiple of {_CHUNK} up to 256"
+  return None
+
+
+def _meet(sync: Any, warpgroups: int) -> None:
+  """Every warpgroup of the CTA reaches this point (shared memory ordered)."""
+  if sync is not None:  # interpret mode: an mbarrier
+    plgpu.barrier_arrive(sync)
+    plgpu.barrier_wait(sync)
+  else:
+    compat.named_barrier(_AMAX_BARRIER, 128 * warpgroups, sync=True)
+
+
+def _tile_body(
+  ops: KernelOps, transpose: bool, rotate: bool, rows: int, d: int, *refs
+) -> None:
+  (x_ref, m_ref, out_ref, scale_ref, (x_smem, out_smem), m_smem, amax_smem,
+   scale_smem, loaded, *sync) = refs  # fmt: skip
+  sync = sync[0] if sync else None
+  wg = lax.axis_index("wg")
+  batch, tile, head = (lax.axis_index(n) for n in ("batch", "tile", "head"))
+  row0 = tile * rows
+  out_rows = d if transpose else rows
+  warpgroups = out_rows // _CHUNK
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_gmem_to_smem(
+      x_ref.at[batch, pl.ds(row0, rows), head],
+      x_smem,
+      loaded.at[0],
+      oob_mode=compat.ZERO_FILL,  # past the sequence: zeros, amax unchanged
+    )
+    plgpu.copy_gmem_to_smem(m_ref, m_smem, loaded.at[1])
+
+  plgpu.barrier_wait(loaded.at[0])
+  plgpu.barrier_wait(loaded.at[1])
+  mine = pl.ds(wg * _CHUNK, _CHUNK)
+  if transpose:  # V^T rows [64 wg, 64 wg + 64) = I_64 @ X[:, those cols]^T
+    y = ops.scores(m_smem, x_smem.at[:, mine])
+  else:  # y = X_c @ M with m_smem = M^T
+    y = ops.scores(x_smem.at[mine], m_smem)
+    if rotate:
+      y = y * jnp.float32(1.0 / math.sqrt(d))
+  # The tile's amax: row maxima through shared memory, then every thread
+  # reduces all of them (a column vector broadcast along the rows).
+  amax_smem.at[mine][...] = jnp.max(jnp.abs(y), axis=1)
+  _meet(sync, warpgroups)
+  cols = ops.load_cols(amax_smem)
+  amax = jnp.max(lax.broadcast_in_dim(cols, (_CHUNK, out_rows), [1]), axis=1)
+  scale = scale_of(amax)  # one value, repeated per row
+  y8 = jnp.clip(
+    y / lax.broadcast_in_dim(scale, y.shape, [0]), -E4M3_MAX, E4M3_MAX
+  )
+  out_smem.at[mine][...] = y8.astype(FP8_DTYPE)
+
+  @pl.when(wg == 0)
+  def _():
+    scale_smem[...] = scale
+
+  plgpu.commit_smem()
+  if transpose:
+    dst = out_ref.at[batch, head, mine, pl.ds(row0, rows)]
+  else:
+    dst = out_ref.at[batch, pl.ds(row0 + wg * _CHUNK, _CHUNK), head]
+  plgpu.copy_smem_to_gmem(out_smem.at[mine], dst)
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_smem_to_gmem(scale_smem, scale_ref.at[batch, head, tile])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build(
+  shape: tuple, dtype: Any, rows: int, transpose: bool, rotate: bool,
+  interpret: Any,
+) -> Any:  # fmt: skip
+  b, s, h, d = shape
+  n = -(-s // rows)
+  ops = COMPILED if interpret is None else INTERPRETED
+  out_rows, out_cols = (d, rows) if transpose else (rows, d)
+  warpgroups = out_rows // _CHUNK
+  m_shape = (_CHUNK, _CHUNK) if transpose else (d, d)
+  # V^T's rows (the sequence) are whole tiles: its TMA box is a tile wide.
+  out_shape = (b, h, d, n * rows) if transpose else (b, s, h, d)
+  scratch = [
+    # The e4m3 tile reuses the input's memory: it is written once every
+    # warpgroup's wgmma has read the input (the amax exchange).
+    plgpu.RefUnion(
+      plgpu.SMEM((rows, d), dtype, transforms=smem_transforms(dtype, d)),
+      plgpu.SMEM(
+        (out_rows, out_cols),
+        FP8_DTYPE,
+        transforms=smem_transforms(FP8_DTYPE, out_cols),
+      ),
+    ),
+    plgpu.SMEM(m_shape, dtype, transforms=smem_transforms(dtype, m_shape[1])),
+    plgpu.SMEM((out_rows,), _F32),
+    plgpu.SMEM((_CHUNK,), _F32),
+    plgpu.Barrier(num_barriers=2),
+  ]
+  if interpret is not None:
+    scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
+  return plgpu.kernel(
+    functools.partial(_tile_body, ops, transpose, rotate, rows, d),
+    out_type=(
+      jax.ShapeDtypeStruct(out_shape, FP8_DTYPE),
+      jax.ShapeDtypeStruct((b, h, n, _CHUNK), _F32),
+    ),
+    scratch_types=tuple(scratch),
+    grid=(b, n, h),
+    grid_names=("batch", "tile", "head"),
+    num_threads=warpgroups,
+    thread_name="wg",
+    # Exact division and no approximate math: the twin's bits.
+    compiler_params=compat.compiler_params(approx_math=False),
+    interpret=interpret,
+  )
+
+
+def quantize_tensor(
+  x: jax.Array,
+  rows: int,
+  *,
+  signs: jax.Array | None = None,
+  transpose: bool = False,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+  """One tensor through the kernel: (e4m3, scale `[b, h, ceil(s / rows)]`).
+
+  Args:
+    x: `[b, s, h, d]` bfloat16 or float16.
+    rows: the tile rows (the attention's block_q or block_kv).
+    signs: the rotation's +-1 diagonal `[d]` (Q and K), or None.
+    transpose: write `[b, h, d, s]` (V; not rotated).
+    interpret: None compiles for sm90; interpret-mode parameters run it on
+      a CPU.
+
+  Raises:
+    ValueError: `kernel_unsupported(x, rows)`, or a rotated transpose.
+  """
+  reason = kernel_unsupported(x, rows)
+  if reason:
+    raise ValueError(reason)
+  if transpose and signs is not None:
+    raise ValueError("the transposed (V) pass is not rotated")
+  b, s, h, d = x.shape
+  if transpose:
+    m = identity(_CHUNK, x.dtype)
+  elif signs is not None:
+    m = rotation_matrix(signs).T.astype(x.dtype)  # +-1: exact
+  else:
+    m = identity(d, x.dtype)
+  # TMA boxes: reads past the end are zeros, writes past it dropped.
+  xp = tma_extent(x, 1, rows)
+  call = _build(
+    tuple(xp.shape), x.dtype, rows, transpose, signs is not None, interpret
+  )
+  out, scale = call(xp, m)
+  out = out[..., :s] if transpose else out[:, :s]
+  return out, scale[..., 0]
+
+
+def quantize_inputs_kernel(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  key: jax.Array,
+  *,
+  block_q: int,
+  block_kv: int,
+  block_quantization: bool,
+  rotation: bool,
+  interpret: Any = None,
+) -> FP8Inputs:
+  """`e4m3.quantize_inputs` through the kernel (three launches, one per
+  tensor), or through the pure-JAX twin where the kernel does not apply
+  (float32 inputs, per-tensor scales, other tiles): the same function."""
+  if not block_quantization or any(
+    kernel_unsupported(x, rows)
+    for x, rows in ((q, block_q), (k, block_kv), (v, block_kv))
+  ):
+    return quantize_inputs(
+      q,
+      k,
+      v,
+      key,
+      block_q=block_q,
+      block_kv=block_kv,
+      block_quantization=block_quantization,
+      rotation=rotation,
+    )
+  signs = rotation_signs(key, q.shape[-1]) if rotation else None
+  q8, q_scale = quantize_tensor(q, block_q, signs=signs, interpret=interpret)
+  k8, k_scale = quantize_tensor(k, block_kv, signs=signs, interpret=interpret)
+  v8t, v_scale = quantize_tensor(
+    v, block_kv, transpose=True, interpret=interpret
+  )
+  return FP8Inputs(q8, k8, v8t, q_scale, k_scale, v_scale)
