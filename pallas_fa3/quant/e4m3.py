@@ -114,10 +114,13 @@ def rotate_for_quantization(x: jax.Array, signs: jax.Array) -> jax.Array:
   """
   d = x.shape[-1]
   m = rotation_matrix(signs)
+  # As 2-D operands, the kernel's form (XLA's summation order depends on it).
+  x2 = x.reshape(-1, d)
   if x.dtype == _F32:
-    y = jnp.dot(x, m, precision=lax.Precision.HIGHEST)
+    y = jnp.dot(x2, m, precision=lax.Precision.HIGHEST)
   else:
-    y = jnp.dot(x, m.astype(x.dtype), preferred_element_type=_F32)
+    y = jnp.dot(x2, m.astype(x.dtype), preferred_element_type=_F32)
+  y = y.reshape(x.shape)
   return y * jnp.float32(1.0 / np.sqrt(d & -d))
 
 

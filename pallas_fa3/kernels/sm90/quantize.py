@@ -30,7 +30,12 @@ from pallas_fa3.kernels.sm90.common import (
   smem_transforms,
   tma_extent,
 )
-from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.kernels.sm90.ops import (
+  COMPILED,
+  INTERPRETED,
+  KernelOps,
+  async_proxy_read,
+)
 from pallas_fa3.quant.e4m3 import (
   E4M3_MAX,
   FP8_DTYPE,
@@ -70,6 +75,23 @@ def _meet(sync: Any, warpgroups: int) -> None:
     compat.named_barrier(_AMAX_BARRIER, 128 * warpgroups, sync=True)
 
 
+def _times(ops: KernelOps, a_smem: Any, b_smem: Any) -> jax.Array:
+  """`A @ B` in float32 (both in shared memory, B not transposed): the
+  twin's product, `jnp.dot` of the 2-D operands."""
+  if ops.interpreted:
+    return async_proxy_read(
+      jnp.dot(a_smem[...], b_smem[...], preferred_element_type=_F32)
+    )
+
+  def scoped(acc):
+    plgpu.wgmma(acc, a_smem, b_smem)
+    return acc[...]  # waits for the wgmma
+
+  return pl.run_scoped(
+    scoped, plgpu.ACC((a_smem.shape[0], b_smem.shape[1]), _F32)
+  )
+
+
 def _tile_body(
   ops: KernelOps, transpose: bool, rotate: bool, rows: int, d: int, *refs
 ) -> None:
@@ -97,8 +119,8 @@ def _tile_body(
   mine = pl.ds(wg * _CHUNK, _CHUNK)
   if transpose:  # V^T rows [64 wg, 64 wg + 64) = I_64 @ X[:, those cols]^T
     y = ops.scores(m_smem, x_smem.at[:, mine])
-  else:  # y = X_c @ M with m_smem = M^T
-    y = ops.scores(x_smem.at[mine], m_smem)
+  else:  # y = X_c @ M
+    y = _times(ops, x_smem.at[mine], m_smem)
     if rotate:
       y = y * jnp.float32(1.0 / math.sqrt(d))
   # The tile's amax: row maxima through shared memory, then every thread
@@ -208,7 +230,7 @@ def quantize_tensor(
   if transpose:
     m = identity(_CHUNK, x.dtype)
   elif signs is not None:
-    m = rotation_matrix(signs).T.astype(x.dtype)  # +-1: exact
+    m = rotation_matrix(signs).astype(x.dtype)  # +-1: exact
   else:
     m = identity(d, x.dtype)
   # TMA boxes: reads past the end are zeros, writes past it dropped.

@@ -1,0 +1,157 @@
+"""The FP8 quantization kernel (`kernels/sm90/quantize.py`) on a CPU.
+
+Interpret mode (race detection on) must give its pure-JAX twin's bits,
+`e4m3.quantize_inputs`; every tile it serves lowers for CUDA; the calls it
+does not serve take the twin. The deviceless compile (spills, and the
+temporaries of an `fp8=True` call) is in `test_sm90_aot.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pallas_fa3
+from pallas_fa3.kernels.sm90 import compat, quantize as quant_kernel
+from pallas_fa3.quant import e4m3, hadamard
+from pallas_fa3.testing import lowered_kernel_count
+
+_INTERPRET = compat.interpret_params(detect_races=True)
+
+
+def _inputs(key, b, s, hq, hk, d, dtype):
+  kq, kk, kv = jax.random.split(jax.random.key(key), 3)
+  # Outliers make the tiles' scales differ (and the rotation matter).
+  q = jax.random.normal(kq, (b, s, hq, d)) * jnp.where(
+    jax.random.bernoulli(kq, 0.01, (b, s, hq, d)), 30.0, 1.0
+  )
+  k = jax.random.normal(kk, (b, s, hk, d)) * 0.5
+  v = jax.random.normal(kv, (b, s, hk, d)) * 4.0
+  return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _assert_same_bits(got: e4m3.FP8Inputs, want: e4m3.FP8Inputs) -> None:
+  for name, a, b in zip(want._fields, got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_array_equal(
+      np.asarray(a.astype(jnp.float32)),
+      np.asarray(b.astype(jnp.float32)),
+      err_msg=name,
+    )
+
+
+@pytest.mark.parametrize(
+  "d, block_q, block_kv, s, dtype, rotation",
+  [
+    (128, 64, 128, 256, jnp.bfloat16, True),
+    (128, 128, 64, 190, jnp.float16, True),  # ragged: a partial tile
+    (64, 64, 128, 300, jnp.bfloat16, True),
+    (256, 64, 128, 130, jnp.bfloat16, True),
+    (128, 64, 128, 200, jnp.bfloat16, False),
+    (64, 64, 256, 100, jnp.float16, True),  # shorter than a tile
+  ],
+)
+def test_interpret_kernel_gives_the_twins_bits(
+  d, block_q, block_kv, s, dtype, rotation
+):
+  q, k, v = _inputs(d + s, 2, s, 4, 2, d, dtype)
+  kw = dict(
+    block_q=block_q,
+    block_kv=block_kv,
+    block_quantization=True,
+    rotation=rotation,
+  )
+  got = quant_kernel.quantize_inputs_kernel(
+    q, k, v, jax.random.key(3), interpret=_INTERPRET, **kw
+  )
+  assert not compat.races_found()
+  _assert_same_bits(got, e4m3.quantize_inputs(q, k, v, jax.random.key(3), **kw))
+
+
+def test_twin_rotation_is_the_randomized_hadamard():
+  """The matmul rotation equals the fast Walsh-Hadamard transform (16-bit
+  inputs: exact products), and dequantizing gives back the rotated input."""
+  for d in (64, 96, 128, 256):
+    x = jax.random.normal(jax.random.key(d), (1, 40, 2, d), jnp.bfloat16)
+    signs = hadamard.rotation_signs(jax.random.key(1), d)
+    y = e4m3.rotate_for_quantization(x, signs)
+    np.testing.assert_allclose(
+      np.asarray(y), np.asarray(hadamard.rotate(x, signs)), rtol=0, atol=1e-6
+    )
+    m = np.asarray(e4m3.rotation_matrix(signs), np.float64) / np.sqrt(d & -d)
+    np.testing.assert_allclose(m @ m.T, np.eye(d), atol=1e-12)
+
+
+def test_calls_the_kernel_does_not_serve_take_the_twin():
+  q, k, v = _inputs(0, 1, 128, 2, 2, 128, jnp.float32)
+  for dtype, block_quantization in ((jnp.float32, True), (jnp.bfloat16, False)):
+    args = (q.astype(dtype), k.astype(dtype), v.astype(dtype))
+    kw = dict(
+      block_q=64,
+      block_kv=128,
+      block_quantization=block_quantization,
+      rotation=True,
+    )
+    got = quant_kernel.quantize_inputs_kernel(
+      *args, jax.random.key(0), interpret=_INTERPRET, **kw
+    )
+    _assert_same_bits(got, e4m3.quantize_inputs(*args, jax.random.key(0), **kw))
+
+
+def test_kernel_unsupported_names_the_reason():
+  x = jnp.zeros((1, 64, 1, 128), jnp.float32)
+  assert "float32" in quant_kernel.kernel_unsupported(x, 64)
+  x = x.astype(jnp.bfloat16)
+  assert quant_kernel.kernel_unsupported(x, 64) is None
+  assert "96" in quant_kernel.kernel_unsupported(x, 96)
+  assert "head_dim 96" in quant_kernel.kernel_unsupported(
+    jnp.zeros((1, 64, 1, 96), jnp.bfloat16), 64
+  )
+  with pytest.raises(ValueError, match="tile rows 96"):
+    quant_kernel.quantize_tensor(x, 96)
+  with pytest.raises(ValueError, match="not rotated"):
+    quant_kernel.quantize_tensor(x, 64, signs=jnp.ones(128), transpose=True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [64, 128])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_quantization_kernel_lowers_for_cuda(d, rows, transpose):
+  x = jax.ShapeDtypeStruct((2, 1000, 4, d), jnp.bfloat16)
+  signs = None if transpose else jnp.ones(d, jnp.float32)
+  f = jax.jit(
+    lambda x: quant_kernel.quantize_tensor(
+      x, rows, signs=signs, transpose=transpose
+    )
+  )
+  exported = export.export(f, platforms=["cuda"])(x)
+  assert lowered_kernel_count(exported.mlir_module()) == 1
+  x8, scale = exported.out_avals
+  assert x8.dtype == jnp.float8_e4m3fn
+  assert x8.shape == ((2, 4, d, 1000) if transpose else (2, 1000, 4, d))
+  assert scale.shape == (2, 4, -(-1000 // rows))
+
+
+def test_interpret_flash_attention_fp8_equals_the_blockwise_twin():
+  """End to end: the quantization kernel and the attention kernel in
+  interpret mode against the blockwise twin (same quantized operands)."""
+  q, k, v = _inputs(7, 1, 192, 4, 2, 128, jnp.bfloat16)
+  kw = dict(causal=True, fp8=True, return_lse=True)
+  out, lse = pallas_fa3.flash_attention(
+    q, k, v, implementation="interpret", **kw
+  )
+  ref, ref_lse = pallas_fa3.flash_attention(
+    q,
+    k,
+    v,
+    implementation="blockwise",
+    config=pallas_fa3.BlockwiseConfig(64, 128),
+    **kw,
+  )
+  f32 = lambda a: np.asarray(a, np.float32)
+  # Same operands and steps; only exp2 and summation order may differ.
+  np.testing.assert_allclose(f32(out), f32(ref), rtol=0, atol=2e-2)
+  np.testing.assert_allclose(f32(lse), f32(ref_lse), rtol=0, atol=1e-4)
