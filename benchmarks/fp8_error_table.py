@@ -34,11 +34,12 @@ from pallas_fa3.numerics import fp8_methods
 
 _RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 _START, _END = "<!-- fp8-error-table:start -->", "<!-- fp8-error-table:end -->"
-_PAIR = ("baseline FP8 per-tensor", "ours FP8")
+_PAIR = ("baseline FP8 per-tensor", "ours FP8", fp8_methods.Q_RESIDUAL)
+_RES = fp8_methods.Q_RESIDUAL
 
 
-def _ratio(r: dict) -> float:
-  return r["baseline FP8 per-tensor"] / r["ours FP8"]
+def _ratio(r: dict, method: str = "ours FP8") -> float:
+  return r["baseline FP8 per-tensor"] / r[method]
 
 
 def _run(args) -> dict:
@@ -49,6 +50,12 @@ def _run(args) -> dict:
   draws = [main] + [
     fp8_methods.error_table(jax.random.key(i), b, s, h, d, _PAIR)
     for i in range(1, args.draws)
+  ]
+  short = args.short_seq
+  short_heads = max(1, args.tokens // short)
+  draws_short = [
+    fp8_methods.error_table(jax.random.key(i), 1, short, short_heads, d, _PAIR)
+    for i in range(args.draws)
   ]
   print(f"draws {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
   by_seq = {}
@@ -69,6 +76,7 @@ def _run(args) -> dict:
     shape=args.shape,
     main=main,
     draws=draws,
+    draws_short=dict(seq=short, heads=short_heads, tables=draws_short),
     by_seq=by_seq,
     by_dim=by_dim,
     sources=sources,
@@ -85,7 +93,7 @@ def _markdown(res: dict, command: str) -> str:
   now = datetime.datetime.fromtimestamp(res["finished"], datetime.UTC)
   lines = [
     _START,
-    "## FP8 attention error: FA3 Table 3 on a CPU (issue 8)",
+    "## FP8 attention error: FA3 Table 3 on a CPU (issues 8 and 18)",
     "",
     f"- **Date:** {now:%a %b %d %Y %H:%M} UTC. **Machine:** CPU"
     f" ({platform.machine()}, `{platform.platform()}`), no GPU."
@@ -107,7 +115,9 @@ def _markdown(res: dict, command: str) -> str:
     "|---|---:|---:|",
   ]
   for m in fp8_methods.METHODS:
-    lines.append(f"| {m} | {main[m]:.2e} | {fp8_methods.PAPER_RMSE[m]:.1e} |")
+    paper = fp8_methods.PAPER_RMSE.get(m)
+    paper = "-" if paper is None else f"{paper:.1e}"
+    lines.append(f"| {m} | {main[m]:.2e} | {paper} |")
   lines += [
     "",
     f"Ours FP8 vs per-tensor baseline over {len(draws)} input draws"
@@ -115,27 +125,53 @@ def _markdown(res: dict, command: str) -> str:
     f" {np.mean(ratios):.2f}, max {max(ratios):.2f} (paper: 2.6); ours RMSE"
     f" {min(ours):.2e} .. {max(ours):.2e} (paper 9.1e-3).",
     "",
+    "Over input draws (RMSE min .. max; ratio = per-tensor baseline / ours,"
+    " min / mean / max):",
+    "",
+    "| seq | heads | draws | baseline FP8 per-tensor | ours FP8 | ratio |"
+    f" {_RES} | ratio |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  short = res.get("draws_short")
+  for seq, heads, tables in [(s, h, draws)] + (
+    [(short["seq"], short["heads"], short["tables"])] if short else []
+  ):
+    cells = []
+    for m in _PAIR:
+      v = [t[m] for t in tables]
+      cells.append(f"{min(v):.2e} .. {max(v):.2e}")
+      if m != _PAIR[0]:
+        r = [_ratio(t, m) for t in tables]
+        cells.append(f"{min(r):.2f} / {np.mean(r):.2f} / {max(r):.2f}")
+    lines.append(
+      f"| {seq} | {heads} | {len(tables)} | " + " | ".join(cells) + " |"
+    )
+  lines += [
+    "",
     "Ratio against sequence length (head_dim "
     f"{d}, heads = {res.get('tokens', '')} tokens / seq; draw 0):",
     "",
-    "| seq | heads | baseline FP8 per-tensor | ours FP8 | ratio |",
-    "|---:|---:|---:|---:|---:|",
+    "| seq | heads | baseline FP8 per-tensor | ours FP8 | ratio |"
+    f" {_RES} | ratio |",
+    "|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for seq, (heads, r) in sorted(res["by_seq"].items()):
     lines.append(
       f"| {seq} | {heads} | {r[_PAIR[0]]:.2e} | {r[_PAIR[1]]:.2e}"
-      f" | {_ratio(r):.2f} |"
+      f" | {_ratio(r):.2f} | {r[_RES]:.2e} | {_ratio(r, _RES):.2f} |"
     )
   lines += [
     "",
     f"Ratio against head_dim (batch {b}, seq {s}, {h} heads; draw 0):",
     "",
-    "| head_dim | baseline FP8 per-tensor | ours FP8 | ratio |",
-    "|---:|---:|---:|---:|",
+    f"| head_dim | baseline FP8 per-tensor | ours FP8 | ratio | {_RES} |"
+    " ratio |",
+    "|---:|---:|---:|---:|---:|---:|",
   ]
   for dim, r in sorted(res["by_dim"].items()):
     lines.append(
-      f"| {dim} | {r[_PAIR[0]]:.2e} | {r[_PAIR[1]]:.2e} | {_ratio(r):.2f} |"
+      f"| {dim} | {r[_PAIR[0]]:.2e} | {r[_PAIR[1]]:.2e} | {_ratio(r):.2f}"
+      f" | {r[_RES]:.2e} | {_ratio(r, _RES):.2f} |"
     )
   src = res["sources"]
   lines += [
@@ -191,6 +227,12 @@ def main(argv=None) -> int:
     metavar=("BATCH", "SEQ", "HEADS", "HEAD_DIM"),
   )
   parser.add_argument("--draws", type=int, default=5)
+  parser.add_argument(
+    "--short-seq",
+    type=int,
+    default=1024,
+    help="the second sequence length drawn --draws times",
+  )
   parser.add_argument(
     "--seqs", type=int, nargs="*", default=(1024, 2048, 4096, 8192)
   )

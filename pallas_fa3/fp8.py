@@ -117,14 +117,21 @@ class FP8Config:
       `D H / sqrt(d)` (True), or not (False, the ablation).
     key: the rotation's randomness, an int seed or a concrete JAX PRNG key
       (stored as its key data, so the config stays hashable).
+    q_residual: carry Q as two e4m3 terms, its rounding residual quantized
+      again in the same scale (`FP8Inputs.q_residual`): S = (Q + Q_res) K^T
+      is two chained wgmma, which removes Q's share of the FP8 error (the
+      largest single source, docs/design_notes.md#fp8-accuracy) at the
+      price of a second QK^T product: 1.5x the tensor-core work. Off by
+      default (FA3's recipe).
   """
 
   block_quantization: bool = True
   rotation: bool = True
   key: Any = 0
+  q_residual: bool = False
 
   def __post_init__(self) -> None:
-    for name in ("block_quantization", "rotation"):
+    for name in ("block_quantization", "rotation", "q_residual"):
       value = getattr(self, name)
       if not isinstance(value, (bool, np.bool_)):
         raise TypeError(
@@ -174,6 +181,7 @@ def quantize(
   block_kv: int,
   config: FP8Config | None = None,
   key: jax.Array | None = None,
+  implementation: str | None = None,
 ) -> FP8Inputs:
   """The quantization pass: bf16/fp16/fp32 Q, K, V -> `FP8Inputs` (jitted).
 
@@ -187,6 +195,13 @@ def quantize(
     config: block quantization / rotation switches and the rotation's key
       (default `FP8Config()`: both on, seed 0).
     key: a PRNG key (may be traced) that overrides `config.key`.
+    implementation: whose pass runs it: "mosaic" (the Hopper quantization
+      kernel, `kernels/sm90/quantize.py`), "interpret" (that kernel in GPU
+      interpret mode), "blockwise"/"reference" (its pure-JAX twin,
+      `pallas_fa3.quant.e4m3.quantize_inputs`, the same bits), or None:
+      the kernel where a Hopper GPU is present, else the twin. The kernel
+      serves bf16/fp16 inputs with per-tile scales; other calls take the
+      twin (the same function).
 
   Returns:
     `FP8Inputs(q, k, v_t, q_scale, k_scale, v_scale)`.
@@ -205,7 +220,12 @@ def quantize(
       f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
     )
   key = config.prng_key() if key is None else key
-  return quantize_inputs(
+  if backends.check_implementation(implementation) is None:
+    mosaic = backends.get("mosaic")
+    run = mosaic.fp8_quantize if mosaic.device_reason() is None else None
+  else:
+    run = backends.get(implementation).fp8_quantize
+  return (run or quantize_inputs)(
     jnp.asarray(q),
     jnp.asarray(k),
     jnp.asarray(v),
@@ -214,6 +234,7 @@ def quantize(
     block_kv=check_int("block_kv", block_kv, minimum=1),
     block_quantization=config.block_quantization,
     rotation=config.rotation,
+    q_residual=config.q_residual,
   )
 
 
@@ -279,6 +300,7 @@ def flash_attention_fp8(
   q_scale: jax.Array,
   k_scale: jax.Array,
   v_scale: jax.Array,
+  q_residual: jax.Array | None = None,
   *,
   causal: bool = False,
   softmax_scale: float | None = None,
@@ -301,6 +323,9 @@ def flash_attention_fp8(
     q_scale: `[batch, heads_q, ceil(seq_q / block_q)]` float32.
     k_scale, v_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32,
       positive and finite.
+    q_residual: None, or Q's rounding residual (`quantize` with
+      `FP8Config(q_residual=True)`), float8_e4m3fn shaped as q8: the
+      scores use q8 + q_residual. `FP8Inputs` unpacks into these seven.
     causal, softmax_scale, return_lse: as `pallas_fa3.flash_attention`.
     implementation: None (mosaic on a Hopper GPU, else blockwise), "mosaic",
       "interpret" or "blockwise".
@@ -330,6 +355,10 @@ def flash_attention_fp8(
       f" i.e. shape {(ks[0], ks[2], ks[3], ks[1])} for k8.shape={ks}; got"
       f" {vs}"
     )
+  if q_residual is not None:
+    rs = _check_fp8_operand("q_residual", q_residual, 4, "shaped as q8")
+    if rs != qs:
+      raise ValueError(f"q_residual must have q8's shape {qs}; got {rs}")
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in _OUT_DTYPES:
     raise TypeError(
@@ -345,7 +374,7 @@ def flash_attention_fp8(
     like(ks),
     causal=causal,
     softmax_scale=softmax_scale,
-    fp8=FP8Config(),
+    fp8=FP8Config(q_residual=q_residual is not None),
   )
   return_lse = check_bool("return_lse", return_lse)
   backend, config = backends.resolve(spec, implementation, config)
@@ -360,7 +389,8 @@ def flash_attention_fp8(
   if not any(isinstance(a, jax.core.Tracer) for a in (q8, k8, v8_t)):
     backends.require_runnable_here(backend)
   x = FP8Inputs(
-    *(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale, v_scale))
+    *(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale, v_scale)),
+    None if q_residual is None else jnp.asarray(q_residual),
   )
   out, lse = _quantized_jit(StaticCall(spec, backend, config), x)
   return (out, lse) if return_lse else out

@@ -82,15 +82,22 @@ def test_quantize_round_trip_error_bound(key):
   per_row = np.repeat(np.asarray(scale).transpose(0, 2, 1), 64, axis=1)[:, :300]
   bound = np.maximum(2.0**-4 * np.abs(xs), 2.0**-10 * per_row[..., None])
   assert np.all(np.abs(back - xs) <= bound * (1 + 1e-6))
-  # Each tile's amax lands exactly on 448: the scale is amax / 448.
+  # The scale is the smallest power of two with 448 * scale >= the tile's
+  # amax (exact to divide by): each tile's amax lands in (224, 448].
   tiles = (
     np.pad(np.abs(xs), [(0, 0), (0, 20), (0, 0), (0, 0)])
     .reshape(2, 5, 64, 3, 64)
     .max(axis=(2, 4))
     .transpose(0, 2, 1)
   )
-  np.testing.assert_allclose(np.asarray(scale), tiles / 448.0, rtol=1e-6)
-  assert np.max(np.abs(np.asarray(x8, np.float32))) == 448.0
+  sc = np.asarray(scale, np.float64)
+  np.testing.assert_array_equal(np.exp2(np.round(np.log2(sc))), sc)
+  assert np.all(448.0 * sc >= tiles) and np.all(224.0 * sc < tiles)
+  top = np.max(np.abs(np.asarray(x8, np.float32)))
+  assert 224.0 < top <= 448.0
+  # The per-tensor baseline's option: amax / 448 exactly.
+  _, plain = fp8.quantize_tiles(x, 64, pow2=False)
+  np.testing.assert_allclose(np.asarray(plain), tiles / 448.0, rtol=1e-6)
 
 
 def test_quantize_per_tensor_and_zero_tiles():

@@ -96,6 +96,7 @@ class Backend:
       block_kv=block_kv,
       block_quantization=spec.fp8.block_quantization,
       rotation=spec.fp8.rotation,
+      q_residual=spec.fp8.q_residual,
     )
     return self.fp8_forward(spec, config, x)
 

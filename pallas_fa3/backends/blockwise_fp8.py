@@ -63,15 +63,20 @@ def blockwise_forward_fp8(
   q_scale: jax.Array,
   k_scale: jax.Array,
   v_scale: jax.Array,
+  q_residual: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Tiled FP8 forward; returns (out `[b, sq, hq, d]` in `spec.dtype`, lse `[b, hq, sq]`).
 
   Operands as `pallas_fa3.fp8.quantize` writes them (`FP8Inputs`), quantized
-  with tiles `block_q` x `block_kv`.
+  with tiles `block_q` x `block_kv`. With `q_residual` the scores use
+  Q + Q_res (exact in float32: the kernel's two chained products).
   """
   b, hk, g = spec.batch, spec.heads_kv, spec.group_size
   nq, nkv = -(-spec.seq_q // block_q), -(-spec.seq_kv // block_kv)
-  qp = group_heads(_pad(q8, 1, nq * block_q).astype(_F32), hk)
+  q = q8.astype(_F32)
+  if q_residual is not None:
+    q = q + q_residual.astype(_F32)
+  qp = group_heads(_pad(q, 1, nq * block_q), hk)
   kp = _pad(k8, 1, nkv * block_kv).astype(_F32)
   vp = _pad(v8_t, 3, nkv * block_kv).astype(_F32)  # [b, hk, d, skv]
   qs = q_scale.astype(_F32).reshape(b, hk, g, nq)

@@ -1,8 +1,10 @@
 """FP8 cases: the quantization and the FP8 attention, timed apart and together.
 
 An "fp8" spec starts from bf16 Q, K, V, as a model holds them. The
-quantization pass (`pallas_fa3.fp8.quantize`, FA3's recipe: per-tile scales
-and the Hadamard rotation, `FP8Config()`) writes e4m3 operands, and
+quantization pass (`pallas_fa3.fp8.quantize` with the case's
+implementation: the quantization kernel on mosaic/interpret, its pure-JAX
+twin on blockwise; FA3's recipe: per-tile scales and the Hadamard rotation,
+`FP8Config()`) writes e4m3 operands, and
 `pallas_fa3.fp8.flash_attention_fp8` runs the attention on them, writing
 bf16. Three timings per case: the quantization alone, the attention kernel
 alone on pre-quantized inputs, and the total, both in one call of
@@ -94,6 +96,7 @@ def functions(
       block_q=config.block_q,
       block_kv=config.block_kv,
       config=pallas_fa3.FP8Config(),
+      implementation=name,
     )
 
   def attend(x):

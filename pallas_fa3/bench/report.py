@@ -52,9 +52,12 @@ def _cell(r: dict, show_peak: bool) -> str:
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
   peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
-  kernel = (
-    f"; kernel {r['kernel_tflops']:.3g}" if r.get("kernel_tflops") else ""
-  )  # fp8: the attention alone, without the quantization
+  kernel = (  # fp8: the attention alone and the quantization alone
+    f"; kernel {r['kernel_tflops']:.3g} in {r['kernel_ms']:.3g} ms,"
+    f" quantization {r['quantize_ms']:.3g} ms"
+    if r.get("kernel_tflops")
+    else ""
+  )
   return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
 
 

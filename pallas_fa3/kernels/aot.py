@@ -95,7 +95,8 @@ def _parse_ptxas(text: str) -> tuple[int, int, int]:
   )
 
 
-def _mesh() -> Mesh:
+def h200_mesh() -> Mesh:
+  """A one-device mesh of the H200 compile-only target."""
   import jax
   from jax.experimental import topologies
 
@@ -151,9 +152,11 @@ def short_label(
   return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
 
 
-def _compile(
+def compile_report(
   name: str, fn: Callable[..., Any], shapes: list, label: str | None = None
 ) -> CompileReport:
+  """Compiles `jax.jit(fn)` on `shapes` for sm_90a; ptxas's report and each
+  Mosaic kernel's profile."""
   import jax
 
   with tempfile.TemporaryDirectory() as dump:
@@ -180,7 +183,8 @@ def _compile(
   )
 
 
-def _operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
+def bf16_operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
+  """Shapes of q, k, v (and out, lse, dout, dlse with `backward`)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
@@ -203,11 +207,11 @@ def compile_forward(
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 
-  mesh = _mesh() if mesh is None else mesh
-  return _compile(
+  mesh = h200_mesh() if mesh is None else mesh
+  return compile_report(
     f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
     lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
-    _operands(spec, mesh, backward=False),
+    bf16_operands(spec, mesh, backward=False),
     short_label(spec, config),
   )
 
@@ -219,52 +223,13 @@ def compile_backward(
   `spec.deterministic` the dK/dV and dQ kernels); ptxas's report."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 
-  mesh = _mesh() if mesh is None else mesh
-  return _compile(
+  mesh = h200_mesh() if mesh is None else mesh
+  return compile_report(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}"
     f" {spec.dtype} causal={spec.causal}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
     lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
-    _operands(spec, mesh, backward=True),
-    short_label(spec, config),
-  )
-
-
-def compile_forward_fp8(
-  spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
-) -> CompileReport:
-  """Compiles the FP8 forward kernel for sm_90a; ptxas's report.
-
-  `spec.dtype` is the output dtype; the operands are e4m3 with float32
-  scales, in the layouts `pallas_fa3.fp8.quantize` writes.
-  """
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from pallas_fa3.kernels.sm90 import forward_fp8 as sm90_fwd_fp8
-
-  mesh = _mesh() if mesh is None else mesh
-  sharding = NamedSharding(mesh, PartitionSpec())
-  f8, f32 = sm90_fwd_fp8.FP8_DTYPE, jnp.float32
-  b, hq, hk, d = spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim
-  n_q = -(-spec.seq_q // config.block_q)
-  n_kv = -(-spec.seq_kv // config.block_kv)
-  shapes = [
-    jax.ShapeDtypeStruct(s, t, sharding=sharding)
-    for s, t in (
-      ((b, spec.seq_q, hq, d), f8),
-      ((b, spec.seq_kv, hk, d), f8),
-      ((b, hk, d, spec.seq_kv), f8),
-      ((b, hq, n_q), f32),
-      ((b, hk, n_kv), f32),
-      ((b, hk, n_kv), f32),
-    )
-  ]
-  return _compile(
-    f"fwd-fp8 d={d} out={spec.dtype} causal={spec.causal} {config}",
-    lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a),
-    shapes,
+    bf16_operands(spec, mesh, backward=True),
     short_label(spec, config),
   )
 
@@ -299,7 +264,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     " causal and not",
   )
   sweeps.add_argument(
-    "--fp8", action="store_true", help="sweep the FP8 forward kernel instead"
+    "--fp8",
+    action="store_true",
+    help="sweep the FP8 forward kernel (with and without Q's residual) and"
+    " the quantization kernel instead",
   )
   sweeps.add_argument(
     "--backward-shapes",
@@ -313,10 +281,7 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
   from pallas_fa3.kernels import aot_sweeps as sweeps
 
   if args.fp8:
-    return (
-      (compile_forward_fp8, spec, config)
-      for spec, config in sweeps.fp8_forward_sweep()
-    )
+    return sweeps.fp8_forward_sweep()
   if args.defaults:
     return sweeps.defaults_sweep()
   if args.backward_shapes:
@@ -331,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
   if reason:
     print(f"skipped: {reason}")
     return 2
-  mesh, reports = _mesh(), []
+  mesh, reports = h200_mesh(), []
   for i, (compile_fn, spec, config) in enumerate(_items(args)):
     if args.max_configs is not None and i >= args.max_configs:
       break

@@ -13,12 +13,11 @@ from pallas_fa3.kernels.aot import (
   SweepItem,
   compile_backward,
   compile_forward,
-  compile_forward_fp8,
 )
+from pallas_fa3.kernels.aot_fp8 import compile_forward_fp8, compile_quantize
 
 if TYPE_CHECKING:
-  from pallas_fa3.kernels.sm90 import config as sm90
-  from pallas_fa3.spec import AttentionSpec
+  pass
 
 
 def sweep() -> Iterator[SweepItem]:
@@ -81,29 +80,36 @@ def backward_shapes_sweep() -> Iterator[SweepItem]:
           yield compile_backward, spec, config
 
 
-def fp8_forward_sweep() -> Iterator[
-  tuple[AttentionSpec, sm90.Sm90ForwardConfig]
-]:
-  """(spec, config) for every supported FP8 forward config, both output dtypes.
+def fp8_forward_sweep() -> Iterator[SweepItem]:
+  """Every supported FP8 forward config, both output dtypes, with and
+  without Q's residual; and the quantization kernel at each config's tiles.
 
   GQA with a ragged K/V length, causal (masked diagonal tiles with a
   successor) and non-causal (one masked edge tile, the last).
   """
   import jax.numpy as jnp
 
+  from pallas_fa3 import fp8
   from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
   from pallas_fa3.spec import AttentionSpec
 
+  tiles = set()
   for dtype in sm90_fp8_config.FP8_OUT_DTYPES:
     for d in sm90_fp8_config.FP8_HEAD_DIMS:
-      for config in sm90_fp8_config.fp8_forward_config_space(d):
-        for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
-          yield (
-            AttentionSpec(
-              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5
-            ),
-            config,
-          )
+      for terms in (1, 2):
+        fp8_config = fp8.FP8Config(q_residual=terms == 2)
+        for config in sm90_fp8_config.fp8_forward_config_space(
+          d, q_terms=terms
+        ):
+          for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
+            spec = AttentionSpec(
+              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5,
+              fp8=fp8_config,
+            )  # fmt: skip
+            yield compile_forward_fp8, spec, config
+            if (d, config.block_q, config.block_kv, terms) not in tiles:
+              tiles.add((d, config.block_q, config.block_kv, terms))
+              yield compile_quantize, spec, config
 
 
 # The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
@@ -134,8 +140,7 @@ def defaults_sweep() -> Iterator[SweepItem]:
         config = sm90_bwd_config.default_backward_config(bwd)
         yield compile_backward, bwd, config
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
-        yield (
-          compile_forward_fp8,
-          spec,
-          sm90_fp8_config.default_fp8_forward_config(d),
-        )
+        config = sm90_fp8_config.default_fp8_forward_config(d)
+        yield compile_forward_fp8, spec, config
+        if not causal:  # the quantization pass does not depend on it
+          yield compile_quantize, spec, config

@@ -127,7 +127,7 @@ def _row(
     impl=impl,
     status=status,
     reason=reason,
-    paper_rmse=PAPER_RMSE[method],
+    paper_rmse=PAPER_RMSE.get(method),
   )
   if got is not None:
     row.update(metrics.deviation_stats(got, golden))
@@ -306,7 +306,9 @@ def plot(result: dict, out_dir: str) -> list[str]:
   ax.bar(range(len(rows)), [r["rmse"] for r in rows], label="ours")
   ax.plot(
     range(len(rows)),
-    [r["paper_rmse"] for r in rows],
+    [
+      float("nan") if r["paper_rmse"] is None else r["paper_rmse"] for r in rows
+    ],
     "k_",
     markersize=20,
     mew=2,

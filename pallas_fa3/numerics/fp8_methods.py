@@ -20,6 +20,9 @@ inputs. Methods (paper's figures in `PAPER_RMSE`):
   + rotation; the FP8 kernel, or its blockwise twin with the kernel's tiles,
   P rounding and descales), and its two ablations
   (`FP8Config(block_quantization=False)`, `FP8Config(rotation=False)`).
+- ours FP8 + Q residual: beyond the paper, `FP8Config(q_residual=True)`:
+  Q's rounding residual quantized again and added in a second QK^T product
+  (not in the paper's table: no paper figure).
 
 Example:
   >>> import jax
@@ -56,14 +59,18 @@ PAPER_RMSE = {
   "ours FP8 w/o block quantization": 9.3e-3,
   "ours FP8 w/o rotation": 2.4e-2,
 }
-METHODS: tuple[str, ...] = tuple(PAPER_RMSE)
+# Beyond the paper: Q carried as two e4m3 terms (`FP8Config(q_residual=True)`).
+Q_RESIDUAL = "ours FP8 + Q residual"
+METHODS: tuple[str, ...] = (*PAPER_RMSE, Q_RESIDUAL)
 # Materialized (never tiled): one implementation each.
 BASELINES = ("baseline FP16", "baseline FP8 per-tensor")
-# The FP8Config switches (block_quantization, rotation) of each FP8 row.
+# The FP8Config switches (block_quantization, rotation, q_residual) of each
+# FP8 row.
 FP8_SWITCHES = {
-  "ours FP8": (True, True),
-  "ours FP8 w/o block quantization": (False, True),
-  "ours FP8 w/o rotation": (True, False),
+  "ours FP8": (True, True, False),
+  "ours FP8 w/o block quantization": (False, True, False),
+  "ours FP8 w/o rotation": (True, False, False),
+  Q_RESIDUAL: (True, True, True),
 }
 _F32 = jnp.float32
 
@@ -93,9 +100,9 @@ def default_tiles(head_dim: int) -> tuple[int, int]:
 def baseline_fp8_per_tensor(q, k, v) -> jax.Array:
   """Materialized FP8 attention with per-tensor scales (see the module doc)."""
   d = q.shape[-1]
-  q8, qs = fp8.quantize_tiles(q, q.shape[1], per_tensor=True)
-  k8, ks = fp8.quantize_tiles(k, k.shape[1], per_tensor=True)
-  v8, vs = fp8.quantize_tiles(v, v.shape[1], per_tensor=True)
+  q8, qs = fp8.quantize_tiles(q, q.shape[1], per_tensor=True, pow2=False)
+  k8, ks = fp8.quantize_tiles(k, k.shape[1], per_tensor=True, pow2=False)
+  v8, vs = fp8.quantize_tiles(v, v.shape[1], per_tensor=True, pow2=False)
   f32 = lambda x: x.astype(_F32)
   s = jnp.einsum(
     "bqhd,bkhd->bhqk", f32(q8), f32(k8), precision=jax.lax.Precision.HIGHEST
@@ -119,9 +126,12 @@ def fp8_config(method: str, key: Any = 0) -> fp8.FP8Config | None:
     raise ValueError(f"method must be one of {METHODS}; got {method!r}")
   if method not in FP8_SWITCHES:
     return None
-  block_quantization, rotation = FP8_SWITCHES[method]
+  block_quantization, rotation, q_residual = FP8_SWITCHES[method]
   return fp8.FP8Config(
-    block_quantization=block_quantization, rotation=rotation, key=key
+    block_quantization=block_quantization,
+    rotation=rotation,
+    key=key,
+    q_residual=q_residual,
   )
 
 

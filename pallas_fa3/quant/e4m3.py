@@ -36,6 +36,9 @@ class FP8Inputs(NamedTuple):
     q_scale: `[batch, heads_q, ceil(seq_q / block_q)]` float32: Q ~ q * scale.
     k_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
     v_scale: `[batch, heads_kv, ceil(seq_kv / block_kv)]` float32.
+    q_residual: None, or (`FP8Config(q_residual=True)`) Q's rounding
+      residual in e4m3, in the same units: Q ~ (q + q_residual) * scale,
+      about 2^-4 of q's error.
   """
 
   q: jax.Array
@@ -44,6 +47,7 @@ class FP8Inputs(NamedTuple):
   q_scale: jax.Array
   k_scale: jax.Array
   v_scale: jax.Array
+  q_residual: jax.Array | None = None
 
 
 def scale_of(amax: jax.Array) -> jax.Array:
@@ -51,15 +55,47 @@ def scale_of(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, _TINY), 1.0)
 
 
+def pow2_scale_of(amax: jax.Array) -> jax.Array:
+  """The smallest power of two `p >= 2^-126` with `448 p >= amax` (1 for an
+  all-zero tile): a tile scale whose products and reciprocal are exact.
+
+  Binary lifting over the exponent with exact products and compares only,
+  so the quantization kernel and this twin agree to the bit (a division
+  would not: XLA may compute it as a product with the reciprocal). The
+  largest element lands in (224, 448]; e4m3's relative rounding error does
+  not depend on where.
+  """
+  p = jnp.full_like(amax, 2.0**-126)
+  for step in (64, 64, 64, 32, 16, 8, 4, 2, 1):
+    up = p * jnp.float32(2.0**step)
+    p = jnp.where(up * E4M3_MAX < amax, up, p)
+  p = jnp.where(p * E4M3_MAX < amax, p * 2.0, p)
+  return jnp.where(amax > 0, p, 1.0)
+
+
+def split_residual(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 values in e4m3's range -> (e4m3 y, e4m3 of what that rounding
+  left out). The difference is exact in float32 and at most half an e4m3
+  step of y (<= 16), so one scale serves both terms."""
+  hi = y.astype(FP8_DTYPE)
+  return hi, (y - hi.astype(_F32)).astype(FP8_DTYPE)
+
+
 def quantize_tiles(
-  x: jax.Array, rows: int, per_tensor: bool = False
-) -> tuple[jax.Array, jax.Array]:
+  x: jax.Array,
+  rows: int,
+  per_tensor: bool = False,
+  residual: bool = False,
+  pow2: bool = True,
+) -> tuple[jax.Array, ...]:
   """Quantizes `[b, s, h, d]` to e4m3 with one scale per `rows x d` tile.
 
   Returns (x8 `[b, s, h, d]` e4m3, scale `[b, h, ceil(s / rows)]` float32) with
   `x ~ x8 * scale` tile by tile; `per_tensor` uses one scale (the amax of the
   whole tensor) for every tile instead. Values are rounded to nearest
-  (even) after clipping to +-448.
+  (even) after clipping to +-448. The scale is `pow2_scale_of(amax)` (the
+  quantization kernel's), or with `pow2=False` `amax / 448`. `residual`
+  adds a third result, the rounding's residual in e4m3 (`split_residual`).
   """
   b, s, h, d = x.shape
   n = -(-s // rows)
@@ -70,10 +106,15 @@ def quantize_tiles(
   amax = jnp.max(jnp.abs(xt), axis=(2, 4))  # [b, n, h]
   if per_tensor:
     amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
-  scale = scale_of(amax)
-  x8 = jnp.clip(xt / scale[:, :, None, :, None], -E4M3_MAX, E4M3_MAX)
-  x8 = x8.astype(FP8_DTYPE).reshape(b, n * rows, h, d)[:, :s]
-  return x8, jnp.transpose(scale, (0, 2, 1))
+  scale = pow2_scale_of(amax) if pow2 else scale_of(amax)
+  inv = 1.0 / scale  # exact for a power of two
+  y = jnp.clip(xt * inv[:, :, None, :, None], -E4M3_MAX, E4M3_MAX)
+  scale = jnp.transpose(scale, (0, 2, 1))
+  untile = lambda t: t.reshape(b, n * rows, h, d)[:, :s]
+  if residual:
+    hi, lo = split_residual(y)
+    return untile(hi), scale, untile(lo)
+  return untile(y.astype(FP8_DTYPE)), scale
 
 
 def dequantize_tiles(x8: jax.Array, scale: jax.Array, rows: int) -> jax.Array:
@@ -126,7 +167,13 @@ def rotate_for_quantization(x: jax.Array, signs: jax.Array) -> jax.Array:
 
 @functools.partial(
   jax.jit,
-  static_argnames=("block_q", "block_kv", "block_quantization", "rotation"),
+  static_argnames=(
+    "block_q",
+    "block_kv",
+    "block_quantization",
+    "rotation",
+    "q_residual",
+  ),
 )
 def quantize_inputs(
   q: jax.Array,
@@ -138,12 +185,14 @@ def quantize_inputs(
   block_kv: int,
   block_quantization: bool,
   rotation: bool,
+  q_residual: bool = False,
 ) -> FP8Inputs:
   """Rotates (if `rotation`) and quantizes q, k, v to `FP8Inputs` in JAX.
 
   Q is quantized in `block_q`-row tiles, K and V in `block_kv`-row tiles
   (one scale per tensor instead when not `block_quantization`); V is
-  transposed to `[b, hk, d, skv]`. The twin of the quantization kernel
+  transposed to `[b, hk, d, skv]`; `q_residual` adds Q's rounding residual
+  (`FP8Inputs.q_residual`). The twin of the quantization kernel
   (`kernels/sm90/quantize.py`): the same float32 steps, the same bits. The
   validated entry point is `pallas_fa3.fp8.quantize`.
   """
@@ -152,12 +201,11 @@ def quantize_inputs(
     q = rotate_for_quantization(q, signs)
     k = rotate_for_quantization(k, signs)
   per_tensor = not block_quantization
-  q8, q_scale = quantize_tiles(q, block_q, per_tensor)
+  q8, q_scale, *q_lo = quantize_tiles(q, block_q, per_tensor, q_residual)
   k8, k_scale = quantize_tiles(k, block_kv, per_tensor)
   v8, v_scale = quantize_tiles(v, block_kv, per_tensor)
-  return FP8Inputs(
-    q8, k8, jnp.transpose(v8, (0, 2, 3, 1)), q_scale, k_scale, v_scale
-  )
+  v8t = jnp.transpose(v8, (0, 2, 3, 1))
+  return FP8Inputs(q8, k8, v8t, q_scale, k_scale, v_scale, *q_lo)
 
 
 def online_softmax_fp8(

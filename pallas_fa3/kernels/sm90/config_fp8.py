@@ -31,16 +31,20 @@ def out_cols(head_dim: int) -> int:
 
 
 def fp8_forward_smem_bytes(
-  config: Sm90ForwardConfig, head_dim: int, out_itemsize: int = 2
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  out_itemsize: int = 2,
+  q_terms: int = 1,
 ) -> int:
   """Shared memory the FP8 forward kernel allocates for one CTA, in bytes.
 
   As `forward_smem_bytes`, with e4m3 Q/K/V tiles, plus an output staging
   tile per consumer (`out_cols` columns in the output dtype) and one e4m3 P
   tile per consumer (P is staged through shared memory for the P V wgmma).
+  `q_terms=2`: Q and its rounding residual (`FP8Config(q_residual=True)`).
   """
   rows = NUM_CONSUMERS * config.block_q
-  q = align_smem(rows * head_dim * _FP8_ITEMSIZE)
+  q = align_smem(q_terms * rows * head_dim * _FP8_ITEMSIZE)
   out = align_smem(rows * out_cols(head_dim) * out_itemsize)
   p = align_smem(rows * config.block_kv * _FP8_ITEMSIZE)
   ring = align_smem(
@@ -60,12 +64,20 @@ _FP8_CONSUMER_ACC_REGS = 208
 
 
 def fp8_forward_config_unsupported(
-  config: Sm90ForwardConfig, head_dim: int, out_itemsize: int = 2
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  out_itemsize: int = 2,
+  q_terms: int = 1,
 ) -> str | None:
   """Why this config cannot run the FP8 kernel at this head_dim, or None."""
   if head_dim not in FP8_HEAD_DIMS:
     return f"head_dim {head_dim} is not one of the FP8 kernel's {FP8_HEAD_DIMS}"
-  need = fp8_forward_smem_bytes(config, head_dim, out_itemsize)
+  if q_terms == 2 and head_dim > 128:
+    return (
+      f"q_residual is served up to head_dim 128 (the second QK^T product"
+      f" spills registers at {head_dim}); got head_dim {head_dim}"
+    )
+  need = fp8_forward_smem_bytes(config, head_dim, out_itemsize, q_terms)
   if need > MAX_SMEM_BYTES:
     return (
       f"{config} needs {need} bytes of shared memory for FP8 at"
@@ -85,9 +97,10 @@ def fp8_forward_config_unsupported(
 
 
 def fp8_forward_config_space(
-  head_dim: int, out_itemsize: int = 2
+  head_dim: int, out_itemsize: int = 2, q_terms: int = 1
 ) -> tuple[Sm90ForwardConfig, ...]:
-  """Every FP8 config that fits at this head_dim (the autotuning space)."""
+  """Every FP8 config that fits at this head_dim (the autotuning space);
+  `q_terms=2`: with Q's rounding residual (`FP8Config(q_residual=True)`)."""
   return tuple(
     c
     for c in (
@@ -96,7 +109,8 @@ def fp8_forward_config_space(
       for bkv in BLOCK_KV_CHOICES
       for st in STAGE_CHOICES
     )
-    if fp8_forward_config_unsupported(c, head_dim, out_itemsize) is None
+    if fp8_forward_config_unsupported(c, head_dim, out_itemsize, q_terms)
+    is None
   )
 
 
@@ -135,6 +149,7 @@ def fp8_forward_unsupported(
   config = (
     default_fp8_forward_config(spec.head_dim) if config is None else config
   )
+  q_terms = 2 if spec.fp8 is not None and spec.fp8.q_residual else 1
   return fp8_forward_config_unsupported(
-    config, spec.head_dim, spec.dtype.itemsize
+    config, spec.head_dim, spec.dtype.itemsize, q_terms
   )

@@ -72,9 +72,10 @@ def _query_tile(
   base: jax.Array,
 ) -> None:
   """One query tile: S = Q K^T, softmax, O += P V over its K/V steps, K/V
-  step j in ring slot `(base + j) % num_stages`."""
+  step j in ring slot `(base + j) % num_stages`. `q_refs`: Q, or Q and its
+  rounding residual (S = Q K^T + Q_res K^T, two chained wgmma)."""
   (
-    q_ref,
+    q_refs,
     qs_ref,
     ks_ref,
     vs_ref,
@@ -103,12 +104,14 @@ def _query_tile(
   def slot_of(j):
     return lax.rem(base + j, stages)
 
-  plgpu.copy_gmem_to_smem(
-    q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
-    q_smem,
-    q_bar.at[wg],
-    oob_mode=compat.ZERO_FILL,
-  )
+  for t, q_ref in enumerate(q_refs):  # one arrival each on the Q barrier
+    plgpu.copy_gmem_to_smem(
+      q_ref.at[batch, pl.ds(row0, cfg.block_q), head],
+      q_smem.at[t],
+      q_bar.at[wg],
+      oob_mode=compat.ZERO_FILL,
+    )
+  q_terms = tuple(q_smem.at[t] for t in range(len(q_refs)))
   # The Q tile's descale, folded into the softmax scale.
   q_scale = qs_ref[batch, head, lax.div(row0, jnp.int32(cfg.block_q))]
   scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * q_scale
@@ -162,7 +165,9 @@ def _query_tile(
   turns.wait()
   plgpu.barrier_wait(k_full.at[first])
   s0 = ops.with_scores(
-    q_smem, k_smem.at[first], lambda read: (turns.pass_on(), read())[1]
+    q_terms,
+    (k_smem.at[first],) * len(q_terms),
+    lambda read: (turns.pass_on(), read())[1],
   )
   plgpu.barrier_arrive(k_empty.at[first])
   m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
@@ -185,8 +190,8 @@ def _query_tile(
       return softmax(j + 1, m, l, s, masked, sc)
 
     o, (p, rescale, m, l) = ops.scores_then_pv(
-      q_smem,
-      k_smem.at[nslot],
+      q_terms,
+      (k_smem.at[nslot],) * len(q_terms),
       o,
       p_smem,
       vt_smem.at[slot],
@@ -238,7 +243,7 @@ def _vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
 
 
 def _build(
-  plan: QueryPlan, ops: Fp8Ops, interpret: Any, q_rows: int
+  plan: QueryPlan, ops: Fp8Ops, interpret: Any, q_rows: int, terms: int
 ) -> Callable:
   spec, cfg = plan.spec, plan.config
   walk = TileWalk(
@@ -248,18 +253,10 @@ def _build(
   qk_transforms = smem_transforms(FP8_DTYPE, d)
   seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
 
-  def fa3_fwd_fp8(
-    q_ref,
-    k_ref,
-    vt_ref,
-    qs_ref,
-    ks_ref,
-    vs_ref,
-    vr_ref,
-    o_ref,
-    lse_ref,
-    *scratch,
-  ):
+  def fa3_fwd_fp8(*refs):
+    q_refs, refs = refs[:terms], refs[terms:]
+    k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref = refs[:8]
+    scratch = refs[8:]
     # scratch: q, o, p, k, V^T, lse tiles; k/v full and empty; q; turns.
     tiles, ring, q_bar, turns = (
       scratch[:6],
@@ -271,7 +268,7 @@ def _build(
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      refs = (q_ref, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref)
+      refs = (q_refs, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref)
       run_consumer(
         walk,
         turns,
@@ -290,7 +287,9 @@ def _build(
 
   scratch = (
     plgpu.SMEM(
-      (NUM_CONSUMERS, cfg.block_q, d), FP8_DTYPE, transforms=qk_transforms
+      (NUM_CONSUMERS, terms, cfg.block_q, d),
+      FP8_DTYPE,
+      transforms=qk_transforms,
     ),
     plgpu.SMEM(
       (NUM_CONSUMERS, cfg.block_q, out_cols(d)),
@@ -313,7 +312,8 @@ def _build(
     plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
     consumer_release(cfg.num_stages),  # k_empty: one arrival per consumer
     consumer_release(cfg.num_stages),  # v_empty
-    plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
+    # Q tile(s) per consumer
+    plgpu.Barrier(num_arrivals=terms, num_barriers=NUM_CONSUMERS),
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   out_type = (
@@ -341,10 +341,11 @@ def sm90_forward_fp8(
   q_scale: jax.Array,
   k_scale: jax.Array,
   v_scale: jax.Array,
+  q_residual: jax.Array | None = None,
   *,
   interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Runs the FP8 forward kernel.
+  """Runs the FP8 forward kernel (the fields of `FP8Inputs` in order).
 
   Args:
     spec: the call; `spec.dtype` is the output dtype (bf16 or fp16).
@@ -353,6 +354,8 @@ def sm90_forward_fp8(
     v8t: `[b, hk, d, skv]` e4m3 (V transposed: sequence-contiguous).
     q_scale: `[b, hq, ceil(sq / block_q)]` float32.
     k_scale, v_scale: `[b, hk, ceil(skv / block_kv)]` float32, positive.
+    q_residual: None, or Q's rounding residual `[b, sq, hq, d]` e4m3 in
+      q_scale's units (`FP8Config(q_residual=True)`).
     interpret: None compiles for sm90; interpret-mode parameters run the same
       kernel on a CPU.
 
@@ -370,9 +373,11 @@ def sm90_forward_fp8(
   n_q_tiles = plan.seq_q_pad // config.block_q
   v_scale = v_scale.astype(_F32)
   # Ragged edges of Q and K by TMA, as in the bf16 kernel.
-  q8 = tma_extent(q8, 1, config.block_q)
-  out, lse = _build(plan, ops, interpret, q8.shape[1])(
-    q8,
+  qs = [
+    tma_extent(q, 1, config.block_q) for q in (q8, q_residual) if q is not None
+  ]
+  out, lse = _build(plan, ops, interpret, qs[0].shape[1], len(qs))(
+    *qs,
     tma_extent(k8, 1, config.block_kv),
     # V^T's sequence runs along its swizzled rows, whose tiling is a whole
     # block here: it stays padded (the quantization pass writes it anyway).

@@ -140,25 +140,30 @@ class KernelOps:
     issued: Callable[[], None],
     with_s: Callable[[jax.Array], tuple],
   ) -> tuple[jax.Array, tuple]:
-    """FA3's intra-warpgroup order: issues S = Q K^T, then O + P V (`p` in
-    registers; the FP8 ops take it in shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V
+    """FA3's intra-warpgroup order: issues S = Q K^T (chunks as in
+    `with_scores`), then O + P V (`p` in registers; the FP8 ops take it in
+    shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V
     stays in flight) and runs `with_s(s)`, which returns arrays shaped as
     `like`. Returns (O + P V, what `with_s` returned) once both wgmma are
     done. `with_s` must not write registers that the P V wgmma reads:
     convert its P for the next step only after this returns."""
+    q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
     if self.interpreted:
-      s = async_proxy_read(self._dot_qk(q_smem, k_smem))
+      s = async_proxy_read(
+        sum(self._dot_qk(q, k) for q, k in zip(q_chunks, k_chunks))
+      )
       o_new = async_proxy_read(o + self._dot_pv(p, v_smem))
       issued()
       return o_new, with_s(s)
 
-    shape = (q_smem.shape[0], k_smem.shape[0])
+    shape = (q_chunks[0].shape[0], k_chunks[0].shape[0])
 
     def body(refs):
       o_acc, out_refs = refs
 
       def scoped(s_acc):
-        plgpu.wgmma(s_acc, q_smem, k_smem.transpose((1, 0)))
+        for q, k in zip(q_chunks, k_chunks):
+          plgpu.wgmma(s_acc, q, k.transpose((1, 0)))
         self._wgmma_pv(o_acc, p, v_smem)
         issued()
         s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)

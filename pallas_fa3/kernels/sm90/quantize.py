@@ -3,11 +3,13 @@
 One CTA per `rows x d` tile of one head: it reads the bf16/fp16 tile once
 by TMA, rotates it on the tensor cores (Q and K: `y = (X @ (D H)) / sqrt(d)`,
 a `d x d` +-1 matrix, exact in 16 bits, with float32 accumulation), takes
-the tile's amax, and writes e4m3 and the tile's float32 scale (`amax /
-448`). V is not rotated but written transposed (`[b, hk, d, skv]`, the
-layout FP8 wgmma needs): each warpgroup computes `I_64 @ X_c^T`, 64 columns
-of the tile transposed, which is exact. One warpgroup per 64 output rows;
-they meet once through shared memory for the tile's amax.
+the tile's amax, and writes e4m3 and the tile's float32 scale (the power of
+two just above `amax / 448`, so dividing by it is exact), and with
+`residual` Q's rounding residual in e4m3. V is not rotated but written
+transposed (`[b, hk, d, skv]`, the layout FP8 wgmma needs): each warpgroup
+computes `I_64 @ X_c^T`, 64 columns of the tile transposed, which is exact.
+One warpgroup per 64 output rows; they meet once through shared memory for
+the tile's amax.
 
 `pallas_fa3.quant.e4m3.quantize_inputs` is the pure-JAX twin (the same
 float32 operations in the same order); interpret mode gives its bits.
@@ -15,7 +17,6 @@ float32 operations in the same order); interpret mode gives its bits.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -41,9 +42,10 @@ from pallas_fa3.quant.e4m3 import (
   FP8_DTYPE,
   FP8Inputs,
   identity,
+  pow2_scale_of,
   quantize_inputs,
   rotation_matrix,
-  scale_of,
+  split_residual,
 )
 from pallas_fa3.quant.hadamard import rotation_signs
 
@@ -93,10 +95,18 @@ def _times(ops: KernelOps, a_smem: Any, b_smem: Any) -> jax.Array:
 
 
 def _tile_body(
-  ops: KernelOps, transpose: bool, rotate: bool, rows: int, d: int, *refs
+  ops: KernelOps,
+  transpose: bool,
+  rotate: bool,
+  terms: int,
+  rows: int,
+  d: int,
+  *refs,
 ) -> None:
-  (x_ref, m_ref, out_ref, scale_ref, (x_smem, out_smem), m_smem, amax_smem,
-   scale_smem, loaded, *sync) = refs  # fmt: skip
+  x_ref, m_ref, *out_refs, scale_ref = refs[: 3 + terms]
+  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded, *sync = refs[
+    3 + terms :
+  ]
   sync = sync[0] if sync else None
   wg = lax.axis_index("wg")
   batch, tile, head = (lax.axis_index(n) for n in ("batch", "tile", "head"))
@@ -129,22 +139,25 @@ def _tile_body(
   _meet(sync, warpgroups)
   cols = ops.load_cols(amax_smem)
   amax = jnp.max(lax.broadcast_in_dim(cols, (_CHUNK, out_rows), [1]), axis=1)
-  scale = scale_of(amax)  # one value, repeated per row
+  scale = pow2_scale_of(amax)  # one value, repeated per row
   y8 = jnp.clip(
-    y / lax.broadcast_in_dim(scale, y.shape, [0]), -E4M3_MAX, E4M3_MAX
+    y * lax.broadcast_in_dim(1.0 / scale, y.shape, [0]), -E4M3_MAX, E4M3_MAX
   )
-  out_smem.at[mine][...] = y8.astype(FP8_DTYPE)
+  parts = split_residual(y8) if terms == 2 else (y8.astype(FP8_DTYPE),)
+  for t, part in enumerate(parts):
+    out_smem.at[t, mine][...] = part
 
   @pl.when(wg == 0)
   def _():
     scale_smem[...] = scale
 
   plgpu.commit_smem()
-  if transpose:
-    dst = out_ref.at[batch, head, mine, pl.ds(row0, rows)]
-  else:
-    dst = out_ref.at[batch, pl.ds(row0 + wg * _CHUNK, _CHUNK), head]
-  plgpu.copy_smem_to_gmem(out_smem.at[mine], dst)
+  for t, out_ref in enumerate(out_refs):
+    if transpose:
+      dst = out_ref.at[batch, head, mine, pl.ds(row0, rows)]
+    else:
+      dst = out_ref.at[batch, pl.ds(row0 + wg * _CHUNK, _CHUNK), head]
+    plgpu.copy_smem_to_gmem(out_smem.at[t, mine], dst)
 
   @pl.when(wg == 0)
   def _():
@@ -155,7 +168,7 @@ def _tile_body(
 
 def _build(
   shape: tuple, dtype: Any, rows: int, transpose: bool, rotate: bool,
-  interpret: Any,
+  terms: int, interpret: Any,
 ) -> Any:  # fmt: skip
   b, s, h, d = shape
   n = -(-s // rows)
@@ -171,7 +184,7 @@ def _build(
     plgpu.RefUnion(
       plgpu.SMEM((rows, d), dtype, transforms=smem_transforms(dtype, d)),
       plgpu.SMEM(
-        (out_rows, out_cols),
+        (terms, out_rows, out_cols),
         FP8_DTYPE,
         transforms=smem_transforms(FP8_DTYPE, out_cols),
       ),
@@ -183,10 +196,13 @@ def _build(
   ]
   if interpret is not None:
     scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
+  def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
+    _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
+
   return plgpu.kernel(
-    functools.partial(_tile_body, ops, transpose, rotate, rows, d),
+    fp8_quantize,
     out_type=(
-      jax.ShapeDtypeStruct(out_shape, FP8_DTYPE),
+      *(jax.ShapeDtypeStruct(out_shape, FP8_DTYPE) for _ in range(terms)),
       jax.ShapeDtypeStruct((b, h, n, _CHUNK), _F32),
     ),
     scratch_types=tuple(scratch),
@@ -206,15 +222,19 @@ def quantize_tensor(
   *,
   signs: jax.Array | None = None,
   transpose: bool = False,
+  residual: bool = False,
   interpret: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  """One tensor through the kernel: (e4m3, scale `[b, h, ceil(s / rows)]`).
+) -> tuple[jax.Array, ...]:
+  """One tensor through the kernel: (e4m3, scale `[b, h, ceil(s / rows)]`),
+  with `residual` (e4m3, scale, e4m3 rounding residual).
 
   Args:
     x: `[b, s, h, d]` bfloat16 or float16.
     rows: the tile rows (the attention's block_q or block_kv).
     signs: the rotation's +-1 diagonal `[d]` (Q and K), or None.
     transpose: write `[b, h, d, s]` (V; not rotated).
+    residual: also write the rounding's residual (`e4m3.split_residual`;
+      not with `transpose`).
     interpret: None compiles for sm90; interpret-mode parameters run it on
       a CPU.
 
@@ -224,8 +244,8 @@ def quantize_tensor(
   reason = kernel_unsupported(x, rows)
   if reason:
     raise ValueError(reason)
-  if transpose and signs is not None:
-    raise ValueError("the transposed (V) pass is not rotated")
+  if transpose and (signs is not None or residual):
+    raise ValueError("the transposed (V) pass has no rotation or residual")
   b, s, h, d = x.shape
   if transpose:
     m = identity(_CHUNK, x.dtype)
@@ -235,12 +255,14 @@ def quantize_tensor(
     m = identity(d, x.dtype)
   # TMA boxes: reads past the end are zeros, writes past it dropped.
   xp = tma_extent(x, 1, rows)
+  terms = 2 if residual else 1
   call = _build(
-    tuple(xp.shape), x.dtype, rows, transpose, signs is not None, interpret
-  )
-  out, scale = call(xp, m)
-  out = out[..., :s] if transpose else out[:, :s]
-  return out, scale[..., 0]
+    tuple(xp.shape), x.dtype, rows, transpose, signs is not None, terms,
+    interpret,
+  )  # fmt: skip
+  *outs, scale = call(xp, m)
+  outs = [o[..., :s] if transpose else o[:, :s] for o in outs]
+  return (outs[0], scale[..., 0], *outs[1:])
 
 
 def quantize_inputs_kernel(
@@ -253,6 +275,7 @@ def quantize_inputs_kernel(
   block_kv: int,
   block_quantization: bool,
   rotation: bool,
+  q_residual: bool = False,
   interpret: Any = None,
 ) -> FP8Inputs:
   """`e4m3.quantize_inputs` through the kernel (three launches, one per
@@ -271,11 +294,14 @@ def quantize_inputs_kernel(
       block_kv=block_kv,
       block_quantization=block_quantization,
       rotation=rotation,
+      q_residual=q_residual,
     )
   signs = rotation_signs(key, q.shape[-1]) if rotation else None
-  q8, q_scale = quantize_tensor(q, block_q, signs=signs, interpret=interpret)
+  q8, q_scale, *q_lo = quantize_tensor(
+    q, block_q, signs=signs, residual=q_residual, interpret=interpret
+  )
   k8, k_scale = quantize_tensor(k, block_kv, signs=signs, interpret=interpret)
   v8t, v_scale = quantize_tensor(
     v, block_kv, transpose=True, interpret=interpret
   )
-  return FP8Inputs(q8, k8, v8t, q_scale, k_scale, v_scale)
+  return FP8Inputs(q8, k8, v8t, q_scale, k_scale, v_scale, *q_lo)
