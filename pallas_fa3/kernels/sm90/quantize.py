@@ -196,6 +196,7 @@ def _build(
   ]
   if interpret is not None:
     scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
+
   def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
     _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
 
