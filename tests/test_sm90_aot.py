@@ -55,8 +55,10 @@ $L__BB0_5:
 \t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r10}, %rd2, %rd3, p, 1, 1, 0, 0; }
 \t// end inline asm
 \t{ .reg .pred P1; LAB_WAIT: mbarrier.try_wait.parity.shared.b64 P1, [%r6], %r7; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
+\tld.global.f32 \t%f9, [%rd6];
 \twgmma.commit_group.sync.aligned;
 \twgmma.wait_group.sync.aligned 1;
+\tld.global.f32 \t%f8, [%rd6];
 \tfma.rn.f32 \t%f1, %f2, %f3, %f4;
 \tex2.approx.ftz.f32 \t%f5, %f1;
 \tmul.f32 \t%f6, %f5, %f7;
@@ -99,11 +101,13 @@ def test_ptx_profile_reads_the_loop_and_the_sync():
     "shfl": 1,
     "mbarrier": 2,
     "bar": 1,
+    "ldg": 2,
+    "ldg_exposed": 1,  # the one between the wait and the exp2
     "total": p.loop["total"],
   }
-  # The loop: setp, wgmma, try_wait and its two branches, commit, wait, fma,
-  # ex2, mul, shfl, bar, arrive, the back branch.
-  assert p.loop["total"] == 14
+  # The loop: setp, wgmma, try_wait and its two branches, two loads,
+  # commit, wait, fma, ex2, mul, shfl, bar, arrive, the back branch.
+  assert p.loop["total"] == 16
   row = ptx_profile.table([p]).splitlines()[2]
   assert row.startswith("| k | 384 | 168 | inc 240 | 0/0 | 2.0 | 1x m64n128k16")
 

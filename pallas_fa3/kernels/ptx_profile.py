@@ -42,6 +42,7 @@ LOOP_COLUMNS = {
   "shfl": ("shfl.",),
   "mbarrier": ("mbarrier.",),
   "bar": ("bar.", "barrier."),
+  "ldg": ("ld.global",),
 }
 
 
@@ -118,7 +119,8 @@ def loop_mix(ops: Sequence[str]) -> dict[str, int]:
 
 def steady_state_loop(ptx: str) -> dict[str, int]:
   """The instruction mix of the innermost loop with the most wgmma (empty
-  counts if the kernel has no loop)."""
+  counts if the kernel has no loop), and `ldg_exposed`: its global loads
+  that the softmax waits for (`_exposed_loads`)."""
   lines = ptx.splitlines()
   instrs = list(_instructions(lines))
   best = []
@@ -128,7 +130,32 @@ def steady_state_loop(ptx: str) -> dict[str, int]:
       op.startswith("wgmma.mma_async") for op in best
     ):
       best = ops
-  return loop_mix(best)
+  mix = loop_mix(best)
+  mix["ldg_exposed"] = _exposed_loads(best)
+  return mix
+
+
+def _exposed_loads(ops: Sequence[str]) -> int:
+  """Global loads between a wgmma wait and the next exp2 with no wgmma
+  issued after them (a load issued before a wgmma overlaps it), reading
+  the loop body cyclically (LLVM rotates loops: it may start mid-step)."""
+  waits = [i for i, op in enumerate(ops) if op.startswith("wgmma.wait_group")]
+  if not waits:
+    return 0
+  cyc = list(ops[waits[0] :]) + list(ops[: waits[0]])
+  count, pending, active = 0, 0, False
+  for op in cyc:
+    if op.startswith("wgmma.wait_group"):
+      active = True
+    elif not active:
+      continue
+    elif op.startswith("ld.global"):
+      pending += 1
+    elif op.startswith("wgmma.mma_async"):
+      pending = 0
+    elif op.startswith("ex2."):
+      count, pending, active = count + pending, 0, False
+  return count
 
 
 def _arrival_counts(ptx: str) -> tuple[int, ...]:
@@ -203,7 +230,7 @@ def profile_ptx(
 
 def table(profiles: Iterable[KernelProfile]) -> str:
   """A Markdown table of profiles, one row per kernel."""
-  loop_cols = (*LOOP_COLUMNS, "total")
+  loop_cols = (*LOOP_COLUMNS, "ldg_exposed", "total")
   head = (
     "| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"
     " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
