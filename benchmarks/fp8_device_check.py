@@ -1,12 +1,14 @@
 """FP8 forward on a Hopper GPU: RMSE against the CPU twin, then speed.
 
-1. The FA3 Table 3 error ("ours FP8", seq 4096, 2 heads, d 128) computed by
-   the kernel (`mosaic`) and by its twin (`blockwise`, on this machine's
-   CPU): they should agree within rounding.
+1. The FA3 Table 3 error ("ours FP8" and "ours FP8 + Q residual", seq 4096,
+   2 heads, d 128) computed by the kernels (`mosaic`: the quantization
+   kernel and the attention kernel) and by their twins (`blockwise`, on
+   this machine's CPU): they should agree within rounding.
 2. Speed at the paper's grid point of 16k tokens (batch 1, seq 16384,
    hidden 2048: 16 heads at d 128, 8 at d 256), non-causal and causal: the
    quantization pass alone, the FP8 kernel alone (pre-quantized inputs), the
-   total (`flash_attention(..., fp8=True)`), and the bf16 kernel for
+   total (`flash_attention(..., fp8=True)`; at d 128 also with
+   `FP8Config(q_residual=True)`), and the bf16 kernel for
    comparison. TFLOPs/s count the attention FLOPs only (4 b s^2 h d, halved
    for causal), also for the total. Targets (issue 8, H200): FP8 forward
    16k non-causal d256 >= 1100 TFLOPs/s, d128 >= 900.
@@ -37,21 +39,24 @@ from pallas_fa3.numerics import fp8_methods, metrics
 
 
 def _rmse_check() -> dict:
+  """FA3's recipe and Q's residual (issue 18), the kernels (quantization
+  and attention) against the twins on this machine's CPU."""
   q, k, v, golden, key = fp8_methods.draw(jax.random.key(0), 1, 4096, 2, 128)
-  gpu = fp8_methods.run_method(
-    "ours FP8", q, k, v, key, implementation="mosaic"
-  )
-  cpu_dev = jax.devices("cpu")[0]
-  with jax.default_device(cpu_dev):
-    qc, kc, vc = (jax.device_put(x, cpu_dev) for x in (q, k, v))
-    twin = fp8_methods.run_method(
-      "ours FP8", qc, kc, vc, key, implementation="blockwise"
-    )
-  return dict(
-    rmse_gpu=metrics.rmse(gpu, golden),
-    rmse_twin=metrics.rmse(twin, golden),
-    rmse_gpu_vs_twin=metrics.rmse(gpu, twin),
-  )
+  out = {}
+  for method, tag in (("ours FP8", ""), (fp8_methods.Q_RESIDUAL, "_q_res")):
+    gpu = fp8_methods.run_method(method, q, k, v, key, implementation="mosaic")
+    cpu_dev = jax.devices("cpu")[0]
+    with jax.default_device(cpu_dev):
+      qc, kc, vc = (jax.device_put(x, cpu_dev) for x in (q, k, v))
+      twin = fp8_methods.run_method(
+        method, qc, kc, vc, key, implementation="blockwise"
+      )
+    out.update({
+      f"rmse_gpu{tag}": metrics.rmse(gpu, golden),
+      f"rmse_twin{tag}": metrics.rmse(twin, golden),
+      f"rmse_gpu_vs_twin{tag}": metrics.rmse(gpu, twin),
+    })  # fmt: skip
+  return out
 
 
 def _timings(args, on_row) -> list[dict]:
@@ -96,6 +101,19 @@ def _timings(args, on_row) -> list[dict]:
         ),
         sets,
       ),
+      "fp8 total q-residual": (
+        jax.jit(
+          lambda q, k, v: pallas_fa3.flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            fp8=fp8.FP8Config(q_residual=True),
+            implementation="mosaic",
+          )
+        ),
+        sets if d <= 128 else [],
+      ),
       "bf16 kernel": (
         jax.jit(
           lambda q, k, v: pallas_fa3.flash_attention(
@@ -117,6 +135,8 @@ def _timings(args, on_row) -> list[dict]:
     work = flops.attention_flops(bench_spec)
     row = dict(head_dim=d, causal=causal, heads=heads, config=str(cfg))
     for name, (fn, arg_sets) in fns.items():
+      if not arg_sets:  # q-residual: served up to d 128
+        continue
       try:
         t, _ = timing.measure(fn, arg_sets, warmup=2, runs=args.runs)
         row[name + " ms"] = t.median_s * 1e3
@@ -167,6 +187,7 @@ def main(argv=None) -> int:
     "quantize ms",
     "fp8 kernel TFLOPs/s",
     "fp8 total TFLOPs/s",
+    "fp8 total q-residual TFLOPs/s",
     "bf16 kernel TFLOPs/s",
   )
   print("| d | causal | " + " | ".join(cols) + " |")
