@@ -4,22 +4,27 @@ FlashAttention-3's accuracy techniques for FP8 (paper section 3.3), which the
 public CUDA kernel leaves out and ours carry:
 
 - **Block quantization.** One float32 scale per `block_q x d` tile of Q and
-  per `block_kv x d` tile of K and of V, `scale = amax(tile) / 448` (448 is
-  e4m3's largest finite value), so a tile's outliers only coarsen that tile.
+  per `block_kv x d` tile of K and of V, the power of two just above
+  `amax(tile) / 448` (448 is e4m3's largest finite value; a power of two
+  keeps every descale exact), so a tile's outliers only coarsen that tile.
   The tiles are the kernel's tiles: the kernel folds the Q and K scales of a
   tile pair into its softmax scale and carries the V scale through O.
 - **Incoherent processing.** Q and K are multiplied along head_dim by the
   orthogonal `M = D H / sqrt(d)` (D a random +-1 diagonal from a JAX PRNG
   key, H the Walsh-Hadamard matrix), which leaves `(QM)(KM)^T = QK^T` exact
   in real arithmetic and spreads outlier features across the row before
-  quantization. Computed with a fast Walsh-Hadamard transform in
-  O(d log d) per row, fused with the quantization. V is not rotated.
+  quantization. Computed as a matmul with the +-1 matrix D H (exact
+  products, float32 sums), fused with the quantization. V is not rotated.
+- **Beyond FA3** (`FP8Config(q_residual=True)`): Q's rounding residual in
+  e4m3, added in a second Q K^T product, which removes Q's share of the
+  error (docs/design_notes.md#fp8-accuracy).
 - **Layout.** FP8 wgmma wants both operands k-major; for O = P V the
   contraction runs over the sequence, so V is written transposed,
   `[batch, heads_kv, head_dim, seq_kv]` (sequence-contiguous).
 
-The quantization pass is a jitted pure-JAX function (`pallas_fa3.quant`);
-it runs on any device.
+The quantization pass is a Pallas Mosaic GPU kernel on Hopper
+(`kernels/sm90/quantize.py`) and its pure-JAX twin elsewhere
+(`pallas_fa3.quant.e4m3.quantize_inputs`, the same bits).
 
 Entry points:
   `pallas_fa3.flash_attention(q, k, v, fp8=True | FP8Config(...))`
