@@ -200,7 +200,10 @@ def _markdown(res: dict, command: str) -> str:
     " to ~2.8 at 8192 (not separated here; the likely cause is P: with one"
     " scale for all of P, more small probabilities fall into e4m3's"
     " subnormal range as rows get longer). The paper's 2.6 at its"
-    " unstated shape is within that range.",
+    " unstated shape is within that range. Beyond the paper,"
+    f" `FP8Config(q_residual=True)` ({_RES}) quantizes Q's rounding"
+    " residual again and adds a second Q K^T product: Q's half of the Q/K"
+    " error goes, leaving K, V and P (design notes, FP8 accuracy).",
     "",
     _END,
   ]
