@@ -241,7 +241,17 @@ def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
   """The quantization kernel writes e4m3 and scales only: the fp8=True call
   at 16k tokens, hidden 2048 needs at most 0.6x its bf16 arguments (the
   e4m3 Q, K, V^T are 0.5x); the pure-JAX pass needed 2.0x."""
-  from pallas_fa3.kernels import aot_fp8
-
-  args, temp = aot_fp8.fp8_call_memory(head_dim)
+  code = (
+    "from pallas_fa3.kernels import aot_fp8;"
+    f" print(*aot_fp8.fp8_call_memory({head_dim}))"
+  )
+  run = subprocess.run(  # a fresh process, as `_run_aot`
+    [sys.executable, "-c", code],
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert run.returncode == 0, run.stderr[-4000:]
+  args, temp = map(int, run.stdout.split()[-2:])
   assert temp <= 0.6 * args, (temp, args)

@@ -185,7 +185,10 @@ def _kernel_backend(
     make_config=_make_config,
     fp8_forward=_fp8_forward(interpret),
     fp8_tiles=_fp8_tiles,
-    fp8_quantize=_fp8_quantize(interpret),
+    # The interpreter's twin of the quantization kernel is its pure-JAX
+    # twin (the same bits): several interpreted kernels in one executable
+    # can deadlock the interpreter's threads on a 2-core CPU.
+    **({} if interpret else {"fp8_quantize": _fp8_quantize(False)}),
     **kwargs,
   )
 

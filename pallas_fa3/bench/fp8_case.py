@@ -2,8 +2,8 @@
 
 An "fp8" spec starts from bf16 Q, K, V, as a model holds them. The
 quantization pass (`pallas_fa3.fp8.quantize` with the case's
-implementation: the quantization kernel on mosaic/interpret, its pure-JAX
-twin on blockwise; FA3's recipe: per-tile scales and the Hadamard rotation,
+implementation: the quantization kernel on mosaic, its pure-JAX twin
+elsewhere; FA3's recipe: per-tile scales and the Hadamard rotation,
 `FP8Config()`) writes e4m3 operands, and
 `pallas_fa3.fp8.flash_attention_fp8` runs the attention on them, writing
 bf16. Three timings per case: the quantization alone, the attention kernel
