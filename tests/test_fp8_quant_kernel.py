@@ -17,6 +17,7 @@ from jax import export
 import pallas_fa3
 from pallas_fa3.kernels.sm90 import compat, quantize as quant_kernel
 from pallas_fa3.quant import e4m3, hadamard
+from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import lowered_kernel_count
 
 _INTERPRET = compat.interpret_params(detect_races=True)
@@ -138,21 +139,41 @@ def test_quantization_kernel_lowers_for_cuda(d, rows, transpose):
   assert scale.shape == (2, 4, -(-1000 // rows))
 
 
-def test_interpret_flash_attention_fp8_equals_the_blockwise_twin():
-  """End to end: the quantization kernel and the attention kernel in
-  interpret mode against the blockwise twin (same quantized operands)."""
-  q, k, v = _inputs(7, 1, 192, 4, 2, 128, jnp.bfloat16)
-  kw = dict(causal=True, fp8=True, return_lse=True)
-  out, lse = pallas_fa3.flash_attention(
-    q, k, v, implementation="interpret", **kw
-  )
-  ref, ref_lse = pallas_fa3.flash_attention(
+def _interpret_attention(q, k, v, fp8_config, causal):
+  """The twin's quantization, then the FP8 attention kernel in interpret
+  mode and its blockwise twin, each called on its own (interpreted kernels
+  sharing one executable with other work can deadlock the interpreter)."""
+  from pallas_fa3.backends import blockwise_fp8
+  from pallas_fa3.kernels.sm90 import config_fp8, forward_fp8
+
+  config = config_fp8.default_fp8_forward_config(q.shape[-1])
+  x = e4m3.quantize_inputs(
     q,
     k,
     v,
-    implementation="blockwise",
-    config=pallas_fa3.BlockwiseConfig(64, 128),
-    **kw,
+    fp8_config.prng_key(),
+    block_q=config.block_q,
+    block_kv=config.block_kv,
+    block_quantization=True,
+    rotation=True,
+    q_residual=fp8_config.q_residual,
+  )
+  spec = make_spec(q, k, v, causal=causal, fp8=fp8_config)
+  out, lse = forward_fp8.sm90_forward_fp8(
+    spec, config, *x, interpret=_INTERPRET
+  )
+  assert not compat.races_found()
+  twin = blockwise_fp8.blockwise_forward_fp8(
+    spec, config.block_q, config.block_kv, *x
+  )
+  return (out, lse), twin
+
+
+@pytest.mark.timeout(300)
+def test_interpret_attention_on_the_passs_output_equals_the_blockwise_twin():
+  q, k, v = _inputs(7, 1, 192, 4, 2, 128, jnp.bfloat16)
+  (out, lse), (ref, ref_lse) = _interpret_attention(
+    q, k, v, pallas_fa3.FP8Config(), causal=True
   )
   f32 = lambda a: np.asarray(a, np.float32)
   # Same operands and steps; only exp2 and summation order may differ.
@@ -195,6 +216,7 @@ def test_q_residual_kernel_gives_the_twins_bits_and_the_residual_is_exact():
   assert np.abs(both - y).max() < np.abs(hi - y).max() / 8
 
 
+@pytest.mark.timeout(300)
 def test_q_residual_attention_kernel_matches_the_twin_and_cuts_the_error():
   from pallas_fa3.numerics import fp8_methods, metrics
 
@@ -202,17 +224,7 @@ def test_q_residual_attention_kernel_matches_the_twin_and_cuts_the_error():
   err = {}
   for residual in (False, True):
     cfg = pallas_fa3.FP8Config(key=key, q_residual=residual)
-    out = pallas_fa3.flash_attention(
-      q, k, v, fp8=cfg, implementation="interpret"
-    )
-    twin = pallas_fa3.flash_attention(
-      q,
-      k,
-      v,
-      fp8=cfg,
-      implementation="blockwise",
-      config=pallas_fa3.BlockwiseConfig(64, 128),
-    )
+    (out, _), (twin, _) = _interpret_attention(q, k, v, cfg, causal=False)
     np.testing.assert_allclose(
       np.asarray(out, np.float32), np.asarray(twin, np.float32), atol=2e-3
     )
