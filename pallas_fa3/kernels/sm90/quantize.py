@@ -68,13 +68,12 @@ def kernel_unsupported(x: jax.Array, rows: int) -> str | None:
   return None
 
 
-def _meet(sync: Any, warpgroups: int) -> None:
-  """Every warpgroup of the CTA reaches this point (shared memory ordered)."""
-  if sync is not None:  # interpret mode: an mbarrier
-    plgpu.barrier_arrive(sync)
-    plgpu.barrier_wait(sync)
-  else:
-    compat.named_barrier(_AMAX_BARRIER, 128 * warpgroups, sync=True)
+def _warpgroups(ops: KernelOps, out_rows: int) -> int:
+  """One warpgroup per 64 output rows compiled (they meet once, at a named
+  barrier, for the tile's amax). Interpreted, one warpgroup takes every
+  chunk in turn: the interpreter's mbarrier standing in for that meeting
+  deadlocked intermittently on 2 cores (JAX 0.12)."""
+  return 1 if ops.interpreted else out_rows // _CHUNK
 
 
 def _times(ops: KernelOps, a_smem: Any, b_smem: Any) -> jax.Array:
@@ -104,15 +103,13 @@ def _tile_body(
   *refs,
 ) -> None:
   x_ref, m_ref, *out_refs, scale_ref = refs[: 3 + terms]
-  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded, *sync = refs[
-    3 + terms :
-  ]
-  sync = sync[0] if sync else None
+  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded = refs[3 + terms :]
   wg = lax.axis_index("wg")
   batch, tile, head = (lax.axis_index(n) for n in ("batch", "tile", "head"))
   row0 = tile * rows
   out_rows = d if transpose else rows
-  warpgroups = out_rows // _CHUNK
+  warpgroups = _warpgroups(ops, out_rows)
+  per_wg = out_rows // _CHUNK // warpgroups
 
   @pl.when(wg == 0)
   def _():
@@ -126,38 +123,46 @@ def _tile_body(
 
   plgpu.barrier_wait(loaded.at[0])
   plgpu.barrier_wait(loaded.at[1])
-  mine = pl.ds(wg * _CHUNK, _CHUNK)
-  if transpose:  # V^T rows [64 wg, 64 wg + 64) = I_64 @ X[:, those cols]^T
-    y = ops.scores(m_smem, x_smem.at[:, mine])
-  else:  # y = X_c @ M
-    y = _times(ops, x_smem.at[mine], m_smem)
-    if rotate:
-      y = y * jnp.float32(1.0 / math.sqrt(d))
-  # The tile's amax: row maxima through shared memory, then every thread
-  # reduces all of them (a column vector broadcast along the rows).
-  amax_smem.at[mine][...] = jnp.max(jnp.abs(y), axis=1)
-  _meet(sync, warpgroups)
+  chunks = [(wg * per_wg + i) * _CHUNK for i in range(per_wg)]
+  ys = []
+  for c0 in chunks:  # 64 output rows each
+    mine = pl.ds(c0, _CHUNK)
+    if transpose:  # V^T rows [c0, c0 + 64) = I_64 @ X[:, those cols]^T
+      y = ops.scores(m_smem, x_smem.at[:, mine])
+    else:  # y = X_c @ M
+      y = _times(ops, x_smem.at[mine], m_smem)
+      if rotate:
+        y = y * jnp.float32(1.0 / math.sqrt(d))
+    # The tile's amax: row maxima through shared memory, then every thread
+    # reduces all of them (a column vector broadcast along the rows).
+    amax_smem.at[mine][...] = jnp.max(jnp.abs(y), axis=1)
+    ys.append(y)
+  if not ops.interpreted:  # interpreted: one warpgroup, program order
+    compat.named_barrier(_AMAX_BARRIER, 128 * warpgroups, sync=True)
   cols = ops.load_cols(amax_smem)
   amax = jnp.max(lax.broadcast_in_dim(cols, (_CHUNK, out_rows), [1]), axis=1)
   scale = pow2_scale_of(amax)  # one value, repeated per row
-  y8 = jnp.clip(
-    y * lax.broadcast_in_dim(1.0 / scale, y.shape, [0]), -E4M3_MAX, E4M3_MAX
-  )
-  parts = split_residual(y8) if terms == 2 else (y8.astype(FP8_DTYPE),)
-  for t, part in enumerate(parts):
-    out_smem.at[t, mine][...] = part
+  for c0, y in zip(chunks, ys):
+    y8 = jnp.clip(
+      y * lax.broadcast_in_dim(1.0 / scale, y.shape, [0]), -E4M3_MAX, E4M3_MAX
+    )
+    parts = split_residual(y8) if terms == 2 else (y8.astype(FP8_DTYPE),)
+    for t, part in enumerate(parts):
+      out_smem.at[t, pl.ds(c0, _CHUNK)][...] = part
 
   @pl.when(wg == 0)
   def _():
     scale_smem[...] = scale
 
   plgpu.commit_smem()
-  for t, out_ref in enumerate(out_refs):
-    if transpose:
-      dst = out_ref.at[batch, head, mine, pl.ds(row0, rows)]
-    else:
-      dst = out_ref.at[batch, pl.ds(row0 + wg * _CHUNK, _CHUNK), head]
-    plgpu.copy_smem_to_gmem(out_smem.at[t, mine], dst)
+  for c0 in chunks:
+    mine = pl.ds(c0, _CHUNK)
+    for t, out_ref in enumerate(out_refs):
+      if transpose:
+        dst = out_ref.at[batch, head, mine, pl.ds(row0, rows)]
+      else:
+        dst = out_ref.at[batch, pl.ds(row0 + c0, _CHUNK), head]
+      plgpu.copy_smem_to_gmem(out_smem.at[t, mine], dst)
 
   @pl.when(wg == 0)
   def _():
@@ -174,7 +179,7 @@ def _build(
   n = -(-s // rows)
   ops = COMPILED if interpret is None else INTERPRETED
   out_rows, out_cols = (d, rows) if transpose else (rows, d)
-  warpgroups = out_rows // _CHUNK
+  warpgroups = _warpgroups(ops, out_rows)
   m_shape = (_CHUNK, _CHUNK) if transpose else (d, d)
   # V^T's rows (the sequence) are whole tiles: its TMA box is a tile wide.
   out_shape = (b, h, d, n * rows) if transpose else (b, s, h, d)
@@ -194,8 +199,6 @@ def _build(
     plgpu.SMEM((_CHUNK,), _F32),
     plgpu.Barrier(num_barriers=2),
   ]
-  if interpret is not None:
-    scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
 
   def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
     _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
