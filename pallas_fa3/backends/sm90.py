@@ -109,15 +109,10 @@ def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   return fp8_forward
 
 
-def _fp8_quantize(interpret: bool) -> Callable[..., Any]:
-  def quantize(*args: Any, **kwargs: Any) -> Any:
-    from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
+def _fp8_quantize(*args: Any, **kwargs: Any) -> Any:
+  from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
 
-    return kernel.quantize_inputs_kernel(
-      *args, interpret=_interpret_params(interpret), **kwargs
-    )
-
-  return quantize
+  return kernel.quantize_inputs_kernel(*args, **kwargs)  # compiled for sm90
 
 
 def _backward(
@@ -185,10 +180,10 @@ def _kernel_backend(
     make_config=_make_config,
     fp8_forward=_fp8_forward(interpret),
     fp8_tiles=_fp8_tiles,
-    # The interpreter's twin of the quantization kernel is its pure-JAX
-    # twin (the same bits): several interpreted kernels in one executable
-    # can deadlock the interpreter's threads on a 2-core CPU.
-    **({} if interpret else {"fp8_quantize": _fp8_quantize(False)}),
+    # `interpret` quantizes with the kernel's pure-JAX twin (the same
+    # bits): several interpreted kernels in one executable can deadlock the
+    # interpreter's threads on a 2-core CPU.
+    **({} if interpret else {"fp8_quantize": _fp8_quantize}),
     **kwargs,
   )
 
