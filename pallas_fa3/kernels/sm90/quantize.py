@@ -9,7 +9,7 @@ two just above `amax / 448`, so dividing by it is exact), and with
 transposed (`[b, hk, d, skv]`, the layout FP8 wgmma needs): each warpgroup
 computes `I_64 @ X_c^T`, 64 columns of the tile transposed, which is exact.
 One warpgroup per 64 output rows; they meet once through shared memory for
-the tile's amax.
+the tile's amax (interpreted, one warpgroup takes every chunk in turn).
 
 `pallas_fa3.quant.e4m3.quantize_inputs` is the pure-JAX twin (the same
 float32 operations in the same order); interpret mode gives its bits.
