@@ -7,16 +7,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, vjp
+from pallas_fa3 import backends, modifiers, vjp
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
+
+def _attention(
+  call: vjp.StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+  if sinks is not None:  # [hq] -> float32 [b, hq]; d/dsinks sums over b
+    sinks = modifiers.batch_sinks(sinks, call.spec.batch)
+  return vjp.attention_with_lse(call, q, k, v, sinks)
+
+
 # Jitted once per static call, so that eager (un-jitted) use compiles each
 # shape once instead of dispatching the tiled loops op by op.
-_attention_jit = jax.jit(vjp.attention_with_lse, static_argnums=0)
+_attention_jit = jax.jit(_attention, static_argnums=0)
 
 
 def flash_attention(
@@ -32,6 +45,9 @@ def flash_attention(
   deterministic: bool = False,
   stable_max: bool | StableMax | None = None,
   fp8: bool | FP8Config = False,
+  window_size: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
@@ -42,7 +58,8 @@ def flash_attention(
   Causal masking is **bottom-right aligned** as in FlashAttention-2/3: query i
   sees key j iff `j <= i + seq_kv - seq_q`. With `seq_q > seq_kv` the first
   `seq_q - seq_kv` queries see no key: their output is 0 and their lse is
-  `-inf`, and their gradients are finite (zero).
+  `-inf`, and their gradients are finite (zero). Windows, softcap and sinks
+  are described in `pallas_fa3.modifiers`.
 
   Args:
     q: `[batch, seq_q, heads_q, head_dim]`, float16, bfloat16 or float32.
@@ -108,7 +125,16 @@ def flash_attention(
     fp8=check_fp8(fp8),
     stable_max=check_stable_max(stable_max),
     deterministic=deterministic,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
   )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  if spec.fp8 is not None and modifiers.active(spec):
+    raise NotImplementedError(
+      f"fp8=True does not support {', '.join(modifiers.active(spec))}:"
+      " the FP8 forward has no window, softcap or sinks; call with fp8=False"
+    )
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
     raise ValueError(
       f"fp8 needs v's head_dim equal to q's; got q.shape="
@@ -123,6 +149,7 @@ def flash_attention(
     jnp.asarray(q),
     jnp.asarray(k),
     jnp.asarray(v),
+    sinks,
   )
   return (out, lse) if return_lse else out
 

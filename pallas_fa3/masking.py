@@ -8,6 +8,9 @@ derived from the same rule, per tile, so the two can never disagree.
 Causal attention is **bottom-right aligned** (as in FlashAttention-2/3): with
 `offset = seq_kv - seq_q`, query i sees key j iff `j <= i + offset`. When
 `seq_q > seq_kv` the first `seq_q - seq_kv` queries see no key at all.
+A sliding window `(left, right)` is aligned the same way: query i sees key
+j iff `p - left <= j <= p + right` with `p = i + offset` (a None side is
+unbounded; causal is `right = 0`, and the two intersect).
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ def visible_tile(
   the same rule from 1-D index vectors.
   """
   mask = kv_pos < spec.seq_kv
-  if spec.causal:
-    mask = mask & (kv_pos <= q_pos + spec.causal_offset)
+  p = q_pos + spec.causal_offset
+  if spec.window_right is not None:
+    mask = mask & (kv_pos <= p + spec.window_right)
+  if spec.window_left is not None:
+    mask = mask & (kv_pos >= p - spec.window_left)
   return mask
 
 
@@ -70,42 +76,100 @@ def visible_tile_at(
   kv_dim = 1 - q_dim
   keys = lax.broadcast_in_dim(kv_idx, shape, [kv_dim])
   mask = None
-  if spec.causal:
-    last = q_idx + (q0 + spec.causal_offset - kv0)  # last visible key per row
+  p = q_idx + (q0 + spec.causal_offset - kv0)  # each row's own key position
+  if spec.window_right is not None:
+    last = p + spec.window_right  # last visible key per row
     mask = keys <= lax.broadcast_in_dim(last, shape, [q_dim])
+  if spec.window_left is not None:
+    first = keys >= lax.broadcast_in_dim(p - spec.window_left, shape, [q_dim])
+    mask = first if mask is None else mask & first
   if check_seq_kv:
     in_seq = keys < (spec.seq_kv - kv0)
     mask = in_seq if mask is None else mask & in_seq
   return jnp.ones(shape, bool) if mask is None else mask
 
 
+def kv_block_range(
+  spec: AttentionSpec,
+  q_start: Any,
+  q_end: Any,
+  block_kv: int,
+  num_kv_blocks: int,
+) -> tuple[Any, Any]:
+  """(first, end) kv blocks that the query rows `[q_start, q_end)` need.
+
+  Blocks outside are fully masked for every row of the tile and are
+  skipped (never loaded). `end <= first` when no row sees any key. Either
+  bound may be traced.
+  """
+  first, end = 0, num_kv_blocks
+  off = spec.causal_offset
+  if spec.window_left is not None:
+    lo = q_start + off - spec.window_left  # first key of the tile's first row
+    first = jnp.clip(lo // block_kv, 0, num_kv_blocks)
+  if spec.window_right is not None:
+    last_row = jnp.minimum(q_end, spec.seq_q) - 1
+    hi = last_row + off + spec.window_right  # last key of the last row
+    end = jnp.clip(hi // block_kv + 1, 0, num_kv_blocks)
+  return first, end
+
+
+def kv_blocks_unmasked(
+  spec: AttentionSpec, q_start: Any, q_end: Any, block_kv: int
+) -> tuple[Any, Any]:
+  """(lo, hi): kv blocks `lo <= j < hi` are visible to every row of
+  `[q_start, q_end)` (no padded key either), so they skip the mask; empty
+  when `hi <= lo`."""
+  lo, hi = 0, spec.seq_kv // block_kv
+  off = spec.causal_offset
+  if spec.window_left is not None:
+    first_key = q_end - 1 + off - spec.window_left  # of the last row
+    lo = -(-jnp.maximum(first_key, 0) // block_kv)
+  if spec.window_right is not None:
+    seen = q_start + off + spec.window_right + 1  # keys of the first row
+    hi = jnp.minimum(jnp.maximum(seen, 0) // block_kv, hi)
+  return lo, hi
+
+
 def num_kv_blocks_visible(
   spec: AttentionSpec, q_block_end: Any, block_kv: int, num_kv_blocks: int
 ) -> int | jax.Array:
-  """Number of leading kv blocks a query tile ending at `q_block_end` needs.
+  """Number of leading kv blocks a query tile ending at `q_block_end` needs
+  (the end of `kv_block_range`; for calls without a left window bound,
+  whose tiles all start at block 0)."""
+  return kv_block_range(spec, 0, q_block_end, block_kv, num_kv_blocks)[1]
 
-  `q_block_end` is one past the tile's last query row (may be traced). Blocks
-  after this count are fully masked for every row of the tile and are skipped.
-  """
-  if not spec.causal:
-    return num_kv_blocks
-  last_row = jnp.minimum(q_block_end, spec.seq_q) - 1
-  last_key = last_row + spec.causal_offset  # last visible key of the tile
-  return jnp.clip(last_key // block_kv + 1, 0, num_kv_blocks)
+
+def q_block_range(
+  spec: AttentionSpec,
+  kv_start: Any,
+  kv_end: Any,
+  block_q: int,
+  num_q_blocks: int,
+) -> tuple[Any, Any]:
+  """(first, end) query blocks that see any key of `[kv_start, kv_end)`;
+  the others are fully masked for the whole kv tile and are skipped by
+  the backward pass."""
+  first, end = 0, num_q_blocks
+  off = spec.causal_offset
+  if spec.window_right is not None:
+    row = kv_start - off - spec.window_right  # first query seeing kv_start
+    first = jnp.clip(row // block_q, 0, num_q_blocks)
+  if spec.window_left is not None:
+    last_key = jnp.minimum(kv_end, spec.seq_kv) - 1
+    row = last_key - off + spec.window_left  # last query seeing it
+    end = jnp.clip(row // block_q + 1, 0, num_q_blocks)
+  return first, end
 
 
 def first_q_block_visible(
   spec: AttentionSpec, kv_block_start: Any, block_q: int, num_q_blocks: int
 ) -> int | jax.Array:
-  """Index of the first query tile that sees any key of a kv tile.
-
-  Query tiles before it are fully masked for the whole kv tile (causal) and
-  are skipped by the backward pass.
-  """
-  if not spec.causal:
-    return 0
-  first_row = kv_block_start - spec.causal_offset  # first query seeing the tile
-  return jnp.clip(first_row // block_q, 0, num_q_blocks)
+  """Index of the first query tile that sees any key of a kv tile (the
+  first of `q_block_range`)."""
+  return q_block_range(
+    spec, kv_block_start, kv_block_start + 1, block_q, num_q_blocks
+  )[0]
 
 
 def visible_keys_end(spec: AttentionSpec, q_pos: jax.Array) -> jax.Array:
@@ -115,6 +179,7 @@ def visible_keys_end(spec: AttentionSpec, q_pos: jax.Array) -> jax.Array:
   compare a column index against it.
   """
   end = jnp.full_like(q_pos, spec.seq_kv)
-  if spec.causal:
-    end = jnp.minimum(end, jnp.maximum(q_pos + spec.causal_offset + 1, 0))
+  if spec.window_right is not None:
+    seen = q_pos + spec.causal_offset + spec.window_right + 1
+    end = jnp.minimum(end, jnp.maximum(seen, 0))
   return end

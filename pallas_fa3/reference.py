@@ -8,10 +8,12 @@ and, with a low `intermediate_dtype`, the "naive low-precision" attention of
 the tolerance rule and the numerics study.
 
 LSE convention (shared by every backend): `lse[b, h, i]` is the float32
-natural log of `sum_j exp(scale * q_i . k_j)` over the keys query i sees. A row
-that sees no key (bottom-right causal with `seq_q > seq_kv`) has output 0 and
-`lse = -inf` (the log of an empty sum, and the identity element when partial
-results are merged by log-sum-exp).
+natural log of `sum_j exp(s_ij)` over the keys query i sees, `s_ij = scale *
+q_i . k_j` (softcapped when `softcap` is set), plus `exp(sink_h)` with
+sinks. A row that sees no key (bottom-right causal with `seq_q > seq_kv`, or
+outside its window) has output 0 and `lse = -inf` (the log of an empty sum,
+and the identity element when partial results are merged by log-sum-exp),
+or `lse = sink_h` with sinks. See `pallas_fa3.modifiers` for the options.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import masking
+from pallas_fa3 import masking, modifiers
 from pallas_fa3.spec import AttentionSpec, group_heads, make_spec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -43,11 +45,13 @@ def reference_forward(
   k: jax.Array,
   v: jax.Array,
   intermediate_dtype: Any = jnp.float32,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Materialized attention for a validated spec; returns (out, lse).
 
   Every intermediate (scores, softmax, P V accumulation) is kept in
   `intermediate_dtype`; out is cast to `spec.dtype`, lse is float32.
+  `sinks`: `[batch, heads_q]` (`modifiers.batch_sinks`) when `spec.sinks`.
   """
   dt = jnp.dtype(intermediate_dtype)
   qg = group_heads(q.astype(dt), spec.heads_kv)
@@ -59,14 +63,23 @@ def reference_forward(
     precision=_HIGHEST,
   )
   s = s * jnp.asarray(spec.softmax_scale, dt)
+  if spec.softcap is not None:
+    cap = jnp.asarray(spec.softcap, dt)
+    s = cap * jnp.tanh(s / cap)
   mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
   s = jnp.where(mask, s, -jnp.inf)
   # The row max only stabilizes exp; it carries no gradient. Rows with no
   # visible key use 0 so that exp(-inf - 0) = 0 instead of NaN.
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:  # [b, hq] -> [b, hk, g, 1, 1], like m
+    sk = sinks.astype(dt).reshape(m.shape[:3] + (1, 1))
+    m = jnp.maximum(m, sk)
+  m = jax.lax.stop_gradient(m)
   m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
   e = jnp.exp(s - m)
   l = jnp.sum(e, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sk - m)
   empty = l == 0
   l_safe = jnp.where(empty, jnp.ones_like(l), l)
   p = e / l_safe
@@ -92,8 +105,12 @@ def reference_attention(
   softmax_scale: float | None = None,
   return_lse: bool = False,
   intermediate_dtype: Any = jnp.float32,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Materialized baseline attention, differentiable by plain JAX autodiff.
+  """Materialized baseline attention, differentiable by plain JAX autodiff
+  (in q, k, v and sinks).
 
   Args:
     q: `[batch, seq_q, heads_q, head_dim]`.
@@ -105,13 +122,26 @@ def reference_attention(
     intermediate_dtype: dtype of every intermediate (scores, softmax, P V).
       float32 (default) is the oracle; the input dtype gives the naive
       low-precision baseline of the tolerance rule and the numerics study.
+    window_size, softcap, sinks: as in `pallas_fa3.flash_attention`.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype, and the lse
     if `return_lse`.
   """
-  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
-  out, lse = reference_forward(spec, q, k, v, intermediate_dtype)
+  spec = make_spec(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
+  )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  if sinks is not None:
+    sinks = modifiers.batch_sinks(sinks, spec.batch)
+  out, lse = reference_forward(spec, q, k, v, intermediate_dtype, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -120,28 +150,53 @@ def reference_attention(
 
 
 def _golden_parts(
-  q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None
+  q: Any,
+  k: Any,
+  v: Any,
+  causal: bool,
+  softmax_scale: float | None,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: Any = None,
 ) -> tuple:
-  spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  spec = make_spec(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
+  )
   f64 = lambda x: np.asarray(x).astype(np.float64)
   q64, k64, v64 = f64(q), f64(k), f64(v)
   qg = q64.reshape(
     spec.batch, spec.seq_q, spec.heads_kv, spec.group_size, spec.head_dim
   )
   s = np.einsum("bqhgd,bkhd->bhgqk", qg, k64) * spec.softmax_scale
+  t = None  # tanh of the capped scores (their derivative is 1 - t^2)
+  if spec.softcap is not None:
+    t = np.tanh(s / spec.softcap)
+    s = spec.softcap * t
   mask = np.asarray(
     masking.visible(spec, np.arange(spec.seq_q), np.arange(spec.seq_kv))
   )
   s = np.where(mask, s, -np.inf)
   m = s.max(axis=-1, keepdims=True)
+  sk = None
+  if sinks is not None:  # [hq] -> [1, hk, g, 1, 1]
+    sk = f64(sinks).reshape(1, spec.heads_kv, spec.group_size, 1, 1)
+    m = np.maximum(m, sk)
   m = np.where(np.isfinite(m), m, 0.0)
   e = np.exp(s - m)
   l = e.sum(axis=-1, keepdims=True)
+  if sk is not None:
+    l = l + np.exp(sk - m)
   empty = l == 0
   p = e / np.where(empty, 1.0, l)
   with np.errstate(divide="ignore"):
     lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))
-  return spec, qg, k64, v64, p, lse[..., 0]
+  return spec, qg, k64, v64, p, lse[..., 0], t, sk
 
 
 def golden_attention(
@@ -151,13 +206,18 @@ def golden_attention(
   *,
   causal: bool = False,
   softmax_scale: float | None = None,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 attention in numpy; returns (out, lse) as float64 numpy arrays.
 
-  Same conventions as `reference_attention` (layout, bottom-right causal,
-  natural-log lse, -inf for rows that see no key).
+  Same conventions as `reference_attention` (layout, bottom-right causal
+  and windows, natural-log lse, -inf for rows that see no key, sinks).
   """
-  spec, _, _, v64, p, lse = _golden_parts(q, k, v, causal, softmax_scale)
+  spec, _, _, v64, p, lse, _, _ = _golden_parts(
+    q, k, v, causal, softmax_scale, window_size, softcap, sinks
+  )
   o = np.einsum("bhgqk,bkhd->bqhgd", p, v64)
   return o.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
 
@@ -171,14 +231,22 @@ def golden_attention_vjp(
   *,
   causal: bool = False,
   softmax_scale: float | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse).
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: Any = None,
+) -> tuple[np.ndarray, ...]:
+  """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse),
+  and d/dsinks `[heads_q]` as a fourth when `sinks` is given.
 
   Analytic backward in numpy: dV = P^T dO, dP = dO V^T,
-  dS = P * (dP - delta + dlse) with delta = rowsum(dO * O), dQ = scale dS K,
-  dK = scale dS^T Q; GQA gradients are summed over each query-head group.
+  dS = P * (dP - delta + dlse) with delta = rowsum(dO * O) (times
+  `1 - tanh^2` with softcap), dQ = scale dS K, dK = scale dS^T Q; GQA
+  gradients are summed over each query-head group. A sink is a key with no
+  value: d/dsink = sum over rows of `p_sink * (dlse - delta)`.
   """
-  spec, qg, k64, v64, p, _ = _golden_parts(q, k, v, causal, softmax_scale)
+  spec, qg, k64, v64, p, lse, t, sk = _golden_parts(
+    q, k, v, causal, softmax_scale, window_size, softcap, sinks
+  )
   g = spec.group_size
   do = (
     np.asarray(dout)
@@ -197,6 +265,13 @@ def golden_attention_vjp(
   dv = np.einsum("bhgqk,bqhgd->bkhd", p, do)
   dp = np.einsum("bqhgd,bkhd->bhgqk", do, v64)
   ds = p * (dp - delta[..., None])
+  if t is not None:
+    ds = ds * (1.0 - t * t)
   dq = np.einsum("bhgqk,bkhd->bqhgd", ds, k64) * spec.softmax_scale
   dk = np.einsum("bhgqk,bqhgd->bkhd", ds, qg) * spec.softmax_scale
-  return dq.reshape(np.shape(q)), dk, dv
+  grads = (dq.reshape(np.shape(q)), dk, dv)
+  if sk is None:
+    return grads
+  p_sink = np.exp(sk[..., 0] - lse)  # [b, hk, g, q]
+  dsinks = -(p_sink * delta).sum(axis=(0, 3)).reshape(spec.heads_q)
+  return grads + (dsinks,)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa3 import modifiers
+
 # Input dtypes every backend must accept. A float64 JAX array (x64 enabled)
 # is refused: it is the golden's precision. numpy float64 arrays are taken
 # as jnp.asarray takes them (float32 unless x64 is enabled).
@@ -63,6 +65,16 @@ class AttentionSpec:
   # Gradients bitwise reproducible run to run (same function either way; the
   # Hopper backward then sums dQ in a fixed order instead of by reduce-add).
   deterministic: bool = False
+  # Local attention: (left, right) keys around query i's position
+  # `i + causal_offset`, each an int or None (unbounded); None: no window.
+  # Canonical: a side that every row's bound already covers (or causal
+  # makes moot) is None, and a window with no bound left is None.
+  window_size: tuple[int | None, int | None] | None = None
+  # Logit softcap: scores become softcap * tanh(score / softcap); None: off.
+  softcap: float | None = None
+  # Learnable sinks: one logit per query head in every row's denominator
+  # (the [heads_q] array is an operand of the call, not part of the spec).
+  sinks: bool = False
 
   @property
   def group_size(self) -> int:
@@ -73,6 +85,24 @@ class AttentionSpec:
   def causal_offset(self) -> int:
     """Bottom-right causal alignment: query i sees keys j <= i + offset."""
     return self.seq_kv - self.seq_q
+
+  @property
+  def window_left(self) -> int | None:
+    """Keys before the query's position it sees (None: unbounded)."""
+    return None if self.window_size is None else self.window_size[0]
+
+  @property
+  def window_right(self) -> int | None:
+    """Keys after the query's position it sees (None: unbounded; 0 when
+    causal)."""
+    if self.causal:
+      return 0
+    return None if self.window_size is None else self.window_size[1]
+
+  @property
+  def masked(self) -> bool:
+    """Whether any (query, key) pair of the unpadded sequences is hidden."""
+    return self.causal or self.window_size is not None
 
   @property
   def out_shape(self) -> tuple[int, int, int, int]:
@@ -242,13 +272,18 @@ def make_spec(
   fp8: Any = None,
   stable_max: Any = None,
   deterministic: Any = False,
+  window_size: Any = None,
+  softcap: Any = None,
+  sinks: bool = False,
 ) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
   q, k and v may be arrays or shape descriptors (`jax.ShapeDtypeStruct`):
   only their shapes and dtypes are read; numpy arrays count with the dtype
   `jnp.asarray` gives them. `fp8` and `stable_max` are stored as given (a
-  validated `FP8Config` / `StableMax`, or None).
+  validated `FP8Config` / `StableMax`, or None); `window_size` and
+  `softcap` are checked and made canonical (`pallas_fa3.modifiers`);
+  `sinks` says whether the call has a sinks operand.
 
   Raises:
     TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool
@@ -300,4 +335,9 @@ def make_spec(
     fp8=fp8,
     stable_max=stable_max,
     deterministic=check_bool("deterministic", deterministic),
+    window_size=modifiers.check_window_size(
+      window_size, seq_q=q_shape[1], seq_kv=k_shape[1], causal=causal
+    ),
+    softcap=modifiers.check_softcap(softcap),
+    sinks=bool(sinks),
   )

@@ -5,6 +5,9 @@ Each backend supplies `forward(spec, config, q, k, v) -> (out, lse)` and
 residuals are always `(q, k, v, out, lse)`, so a backend's backward never
 depends on private state of its forward, and the lse cotangent is passed
 through (a caller may differentiate through the lse as well as the output).
+With sinks (`spec.sinks`) both also take the `[b, heads_q]` float32 sinks
+last; their gradient is computed here from the residuals
+(`modifiers.sinks_gradient`), by no backend.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, NoReturn
 
 import jax
 
+from pallas_fa3 import modifiers
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.parallel import partitioning
 from pallas_fa3.spec import AttentionSpec
@@ -31,29 +35,41 @@ class StaticCall:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention_with_lse(
-  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns (out, lse) of `call.backend`; differentiable through both.
+  """Returns (out, lse) of `call.backend`; differentiable through both (and
+  in `sinks`, `[b, heads_q]` float32 or None).
 
   Both passes go through `partitioning`, so that under SPMD sharding each
   device runs the backend on its own batch/head shard.
   """
-  return partitioning.forward(call, q, k, v)
+  return partitioning.forward(call, q, k, v, sinks)
 
 
 def _fwd(
-  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-  out, lse = attention_with_lse(call, q, k, v)
-  return (out, lse), (q, k, v, out, lse)
+  out, lse = attention_with_lse(call, q, k, v, sinks)
+  return (out, lse), (q, k, v, out, lse, sinks)
 
 
-def _bwd(
-  call: StaticCall, residuals: tuple, cotangents: tuple
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  q, k, v, out, lse = residuals
+def _bwd(call: StaticCall, residuals: tuple, cotangents: tuple) -> tuple:
+  q, k, v, out, lse, sinks = residuals
   dout, dlse = cotangents
-  return _backward_once(call, q, k, v, out, lse, dout, dlse)
+  extra = () if sinks is None else (sinks,)
+  dq, dk, dv = _backward_once(call, q, k, v, out, lse, dout, dlse, *extra)
+  dsinks = None
+  if sinks is not None:
+    dsinks = modifiers.sinks_gradient(sinks, out, lse, dout, dlse)
+  return dq, dk, dv, dsinks
 
 
 NO_HIGHER_ORDER = (

@@ -26,10 +26,15 @@ hopper_reason = sm90.hopper_reason  # re-exported: None on an sm90 GPU
 
 
 def _reference_forward(
-  spec: AttentionSpec, config: Any, q: jax.Array, k: jax.Array, v: jax.Array
+  spec: AttentionSpec,
+  config: Any,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   del config
-  return reference.reference_forward(spec, q, k, v)
+  return reference.reference_forward(spec, q, k, v, sinks=sinks)
 
 
 def _reference_backward(
@@ -42,10 +47,11 @@ def _reference_backward(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   del config, out, lse  # plain autodiff through the materialized forward
   _, pullback = jax.vjp(
-    lambda *a: reference.reference_forward(spec, *a), q, k, v
+    lambda *a: reference.reference_forward(spec, *a, sinks=sinks), q, k, v
   )
   return pullback((dout, dlse))
 

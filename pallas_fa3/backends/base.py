@@ -30,10 +30,14 @@ class Backend:
   Attributes:
     name: the `implementation=` string.
     summary: one line for `pallas-fa3 info` and the README table.
-    forward: `(spec, config, q, k, v) -> (out, lse)`.
-    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`.
+    forward: `(spec, config, q, k, v) -> (out, lse)`; with `spec.sinks`
+      also `sinks=` (`[b, heads_q]` float32).
+    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
+      (sinks are in the lse; `sinks=` reaches only a backend with
+      `backward_uses_lse=False`).
     unsupported: `(spec, config) -> reason or None`, config as `make_config`
-      returns it; covers `spec.fp8` and `spec.stable_max`.
+      returns it; covers `spec.fp8`, `spec.stable_max` and the modifiers
+      (`spec.window_size`, `spec.softcap`, `spec.sinks`).
     config_types: the `config=` classes it takes (empty: none).
     make_config: `(spec, config) -> config` with defaults filled in.
     device_reason: `() -> reason or None`: whether the devices present can
@@ -82,10 +86,13 @@ class Backend:
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    sinks: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """`forward`, or with `spec.fp8` the quantization pass and `fp8_forward`."""
     if spec.fp8 is None:
-      return self.forward(spec, config, q, k, v)
+      if sinks is None:
+        return self.forward(spec, config, q, k, v)
+      return self.forward(spec, config, q, k, v, sinks=sinks)
     block_q, block_kv = self.fp8_tiles(config)
     x = self.fp8_quantize(
       q,
@@ -103,11 +110,15 @@ class Backend:
   def run_backward(
     self, spec: AttentionSpec, config: Any, *residuals_and_cts: jax.Array
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`backward` on `(q, k, v, out, lse, dout, dlse)`; returns (dq, dk, dv).
+    """`backward` on `(q, k, v, out, lse, dout, dlse[, sinks])`; returns
+    (dq, dk, dv).
 
     Raises:
       NotImplementedError: an FP8 call (FP8 has no backward).
     """
     if spec.fp8 is not None:
       raise NotImplementedError(NO_FP8_GRADIENT)
-    return self.backward(spec, config, *residuals_and_cts)
+    args, sinks = residuals_and_cts[:7], residuals_and_cts[7:]
+    if sinks and not self.backward_uses_lse:
+      return self.backward(spec, config, *args, sinks=sinks[0])
+    return self.backward(spec, config, *args)

@@ -10,7 +10,12 @@ tensor-core kernel must), accumulated in float32; the tile is normalized by
 work is about half; the full `[seq_q, seq_kv]` score matrix never exists
 (memory is linear in sequence length).
 
-Backward (FlashAttention-2 recomputation from the residuals out and lse):
+Windows skip every tile outside a query tile's window and mask only the
+boundary tiles; softcap is fused into the score (`c * tanh(s / c)`, with
+`1 - tanh^2` in the backward); sinks seed the running max and sum.
+
+Backward (`blockwise_backward.py`; FlashAttention-2 recomputation from the
+residuals out and lse):
 `delta = rowsum(dO * O)`, P recomputed as `exp2(S * scale * log2(e) - lse *
 log2(e))`, `dS = P * (dP - delta)`. The outer loop runs over kv tiles (as the
 kernel's grid does), the inner loop over the query tiles that see them,
@@ -34,22 +39,31 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import masking, stable_max as stable_max_lib
+from pallas_fa3 import masking, modifiers, stable_max as stable_max_lib
 from pallas_fa3.backends import blockwise_fp8
 from pallas_fa3.backends.base import Backend
+from pallas_fa3.backends.blockwise_backward import (
+  blockwise_backward as blockwise_backward,
+)
+from pallas_fa3.backends.blockwise_tiles import (
+  HIGHEST,
+  Tiling,
+  pad_seq,
+  scores_log2,
+  seq_tile,
+  varying_like,
+  walk_tiles,
+)
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
 
 _LN2 = math.log(2.0)  # converts the base-2 LSE back to natural log
-_HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
 
 
@@ -73,99 +87,45 @@ class BlockwiseConfig:
     check_int_fields(self, block_q=block, block_kv=block)
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-  """Effective tile sizes and counts for one spec."""
-
-  block_q: int
-  block_kv: int
-  num_q: int
-  num_kv: int
-
-  @classmethod
-  def of(cls, spec: AttentionSpec, config: BlockwiseConfig) -> _Tiling:
-    bq = min(config.block_q, spec.seq_q)
-    bkv = min(config.block_kv, spec.seq_kv)
-    return cls(bq, bkv, _cdiv(spec.seq_q, bq), _cdiv(spec.seq_kv, bkv))
-
-
-def _pad_seq(x: jax.Array, length: int, value: float = 0) -> jax.Array:
-  """Pads axis 1 (sequence) up to `length`; a no-op when already that long."""
-  pad = length - x.shape[1]
-  if pad == 0:
-    return x
-  widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _varying_like(tree: Any, *operands: jax.Array) -> Any:
-  """Gives fresh loop carries the manual-axis type of `operands` (shard_map).
-
-  Inside `jax.shard_map` (`check_vma=True`) the operands vary over the
-  manual axes while a fresh `jnp.zeros` does not, so a loop mixing the two
-  would change its carry's type. Adding a zero that varies like every
-  operand (from zero-size slices) fixes the type; values stay as they are.
-  """
-  empty = [x.reshape(-1)[:0].astype(jnp.float32) for x in operands]
-  ref = functools.reduce(operator.add, empty)
-  return jax.tree.map(
-    lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree
-  )
-
-
-def _seq_tile(x: jax.Array, index: Any, size: int) -> jax.Array:
-  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
-
-
-def _scores_log2(
-  spec: AttentionSpec,
-  q_tile: jax.Array,
-  k_tile: jax.Array,
-  q_pos: jax.Array,
-  kv_pos: jax.Array,
-) -> jax.Array:
-  """Masked base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`."""
-  s = jnp.einsum(
-    "bqhgd,bkhd->bhgqk",
-    q_tile,
-    k_tile,
-    preferred_element_type=jnp.float32,
-    precision=_HIGHEST,
-  )
-  s = s * jnp.float32(spec.softmax_scale * LOG2E)
-  return jnp.where(masking.visible(spec, q_pos, kv_pos), s, -jnp.inf)
-
-
 def blockwise_forward(
   spec: AttentionSpec,
   config: BlockwiseConfig,
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`)."""
-  t = _Tiling.of(spec, config)
-  qp = group_heads(_pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
-  kp = _pad_seq(k, t.num_kv * t.block_kv)
-  vp = _pad_seq(v, t.num_kv * t.block_kv)
+  """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`).
+
+  Each query tile walks only the kv tiles its rows see (a window's or the
+  causal diagonal's others are never computed), masking only the boundary
+  ones. `sinks` (`[b, hq]` float32) seed the running max and sum.
+  """
+  t = Tiling.of(spec, config.block_q, config.block_kv)
+  qp = group_heads(pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
+  kp = pad_seq(k, t.num_kv * t.block_kv)
+  vp = pad_seq(v, t.num_kv * t.block_kv)
   stat_shape = (spec.batch, spec.heads_kv, spec.group_size, t.block_q)
+  masked = spec.masked or spec.seq_kv % t.block_kv != 0
+  if sinks is None:
+    m0, l0 = jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape)
+  else:  # the sink is one more term of every row's sum, exp2(sink2 - m)
+    sink2 = sinks.reshape(stat_shape[:3] + (1,)) * jnp.float32(LOG2E)
+    m0, l0 = jnp.broadcast_to(sink2, stat_shape), jnp.ones(stat_shape)
 
   def q_tile_fn(iq):
-    q_tile = _seq_tile(qp, iq, t.block_q)
+    q_tile = seq_tile(qp, iq, t.block_q)
     q_pos = iq * t.block_q + jnp.arange(t.block_q)
 
-    def kv_step(j, carry):
+    def kv_step(j, carry, *, masked):
       m, l, acc = carry
-      s = _scores_log2(
+      s, _ = scores_log2(
         spec,
         q_tile,
-        _seq_tile(kp, j, t.block_kv),
+        seq_tile(kp, j, t.block_kv),
         q_pos,
         j * t.block_kv + jnp.arange(t.block_kv),
+        masked=masked,
       )
       if spec.stable_max is None:
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -188,26 +148,26 @@ def blockwise_forward(
       pv = jnp.einsum(
         "bhgqk,bkhd->bhgqd",
         p.astype(spec.dtype),
-        _seq_tile(vp, j, t.block_kv),
+        seq_tile(vp, j, t.block_kv),
         preferred_element_type=jnp.float32,
-        precision=_HIGHEST,
+        precision=HIGHEST,
       )
       return m_new, l, alpha[..., None] * acc + pv
 
-    init = _varying_like(
+    init = varying_like(
       (
-        jnp.full(stat_shape, -jnp.inf, jnp.float32),
-        jnp.zeros(stat_shape, jnp.float32),
+        m0.astype(jnp.float32),
+        l0.astype(jnp.float32),
         jnp.zeros(stat_shape + (spec.head_dim_v,), jnp.float32),
       ),
       q,
       k,
       v,
     )
-    n_kv = masking.num_kv_blocks_visible(
-      spec, (iq + 1) * t.block_q, t.block_kv, t.num_kv
-    )
-    m, l, acc = jax.lax.fori_loop(0, n_kv, kv_step, init)
+    rows = (iq * t.block_q, (iq + 1) * t.block_q)
+    bounds = masking.kv_block_range(spec, *rows, t.block_kv, t.num_kv)
+    bounds += masking.kv_blocks_unmasked(spec, *rows, t.block_kv)
+    m, l, acc = walk_tiles(bounds, kv_step, init, masked=masked)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = (acc * inv_l[..., None]).astype(spec.dtype)
@@ -225,130 +185,6 @@ def blockwise_forward(
     spec.batch, spec.heads_q, t.num_q * t.block_q
   )
   return out[:, : spec.seq_q], lse[..., : spec.seq_q]
-
-
-def blockwise_backward(
-  spec: AttentionSpec,
-  config: BlockwiseConfig,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  out: jax.Array,
-  lse: jax.Array,
-  dout: jax.Array,
-  dlse: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """FlashAttention-2 backward by recomputation; returns (dq, dk, dv).
-
-  `out` and `lse` are the forward's residuals, `dout` and `dlse` their
-  cotangents (`dlse` zeros when the caller only used the attention output);
-  `dlse` enters as `delta - dlse` since d lse_i / d s_ij = P_ij. The
-  gradients are shaped like q, k, v, in `spec.dtype`.
-  """
-  t = _Tiling.of(spec, config)
-  sq_pad, skv_pad = t.num_q * t.block_q, t.num_kv * t.block_kv
-  hk, g = spec.heads_kv, spec.group_size
-  stat = lambda x: x.reshape(spec.batch, hk, g, spec.seq_q)
-
-  delta = jnp.einsum(
-    "bqhd,bqhd->bhq",
-    dout.astype(jnp.float32),
-    out.astype(jnp.float32),
-    precision=_HIGHEST,
-  )
-  delta = stat(delta - dlse.astype(jnp.float32))
-  # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
-  # rows get +inf so that their P is exactly 0 (finite gradients).
-  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E))
-  delta = _pad_seq(jnp.moveaxis(delta, 3, 1), sq_pad)
-  lse2 = _pad_seq(jnp.moveaxis(lse2, 3, 1), sq_pad, value=jnp.inf)
-  qp = group_heads(_pad_seq(q, sq_pad), hk)
-  dop = group_heads(_pad_seq(dout, sq_pad), hk)
-  kp, vp = _pad_seq(k, skv_pad), _pad_seq(v, skv_pad)
-
-  def kv_tile_fn(dq_acc, jk):
-    k_tile = _seq_tile(kp, jk, t.block_kv)
-    v_tile = _seq_tile(vp, jk, t.block_kv)
-    kv_pos = jk * t.block_kv + jnp.arange(t.block_kv)
-
-    def q_step(i, carry):
-      dq_acc, dk, dv = carry
-      q_tile = _seq_tile(qp, i, t.block_q)
-      do_tile = _seq_tile(dop, i, t.block_q)
-      # [b, bq, hk, g] -> [b, hk, g, bq] to broadcast against the scores.
-      lse2_t = jnp.moveaxis(_seq_tile(lse2, i, t.block_q), 1, 3)
-      delta_t = jnp.moveaxis(_seq_tile(delta, i, t.block_q), 1, 3)
-      s = _scores_log2(
-        spec, q_tile, k_tile, i * t.block_q + jnp.arange(t.block_q), kv_pos
-      )
-      p = jnp.exp2(s - lse2_t[..., None])
-      dv = dv + jnp.einsum(
-        "bhgqk,bqhgd->bkhd",
-        p.astype(spec.dtype),
-        do_tile,
-        preferred_element_type=jnp.float32,
-        precision=_HIGHEST,
-      )
-      dp = jnp.einsum(
-        "bqhgd,bkhd->bhgqk",
-        do_tile,
-        v_tile,
-        preferred_element_type=jnp.float32,
-        precision=_HIGHEST,
-      )
-      ds = (p * (dp - delta_t[..., None])).astype(spec.dtype)
-      dk = dk + jnp.einsum(
-        "bhgqk,bqhgd->bkhd",
-        ds,
-        q_tile,
-        preferred_element_type=jnp.float32,
-        precision=_HIGHEST,
-      )
-      dq_tile = jnp.einsum(
-        "bhgqk,bkhd->bqhgd",
-        ds,
-        k_tile,
-        preferred_element_type=jnp.float32,
-        precision=_HIGHEST,
-      )
-      start = i * t.block_q
-      dq_acc = jax.lax.dynamic_update_slice_in_dim(
-        dq_acc, _seq_tile(dq_acc, i, t.block_q) + dq_tile, start, axis=1
-      )
-      return dq_acc, dk, dv
-
-    init = (dq_acc,) + _varying_like(
-      (
-        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
-        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32),
-      ),
-      q,
-      k,
-      v,
-      dout,
-    )
-    first = masking.first_q_block_visible(
-      spec, jk * t.block_kv, t.block_q, t.num_q
-    )
-    dq_acc, dk, dv = jax.lax.fori_loop(first, t.num_q, q_step, init)
-    return dq_acc, (dk, dv)
-
-  dq0 = _varying_like(
-    jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32),
-    q,
-    k,
-    v,
-    dout,
-  )
-  dq_acc, (dks, dvs) = jax.lax.scan(kv_tile_fn, dq0, jnp.arange(t.num_kv))
-  scale = jnp.float32(spec.softmax_scale)
-  dq = (dq_acc[:, : spec.seq_q] * scale).reshape(q.shape)
-  # dks: [nkv, b, bkv, hk, d] -> [b, nkv * bkv, hk, d].
-  untile = lambda x: jnp.moveaxis(x, 0, 1).reshape(
-    (spec.batch, skv_pad) + x.shape[3:]
-  )[:, : spec.seq_kv]
-  dk, dv = untile(dks) * scale, untile(dvs)
-  return dq.astype(spec.dtype), dk.astype(spec.dtype), dv.astype(spec.dtype)
 
 
 # Quantization tiles of FP8 calls without a config: the FP8 kernel's default
@@ -374,6 +210,9 @@ def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
   del config
   if spec.fp8 is not None and spec.stable_max is not None:
     return "stable_max is not implemented for fp8 attention"
+  if spec.stable_max is not None and modifiers.active(spec):
+    names = ", ".join(modifiers.active(spec))
+    return f"stable_max is not implemented together with {names}"
   return None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from pallas_fa3 import modifiers
 from pallas_fa3.backends import blockwise
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
@@ -57,6 +58,8 @@ def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
 
 
 def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
+  if modifiers.active(spec):
+    return f"{', '.join(modifiers.active(spec))}: not yet in the sm90 kernels"
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   if spec.fp8 is not None:

@@ -66,17 +66,24 @@ if TYPE_CHECKING:  # vjp imports this module
 
 # Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
 # d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).
-_Q, _KV, _V, _O, _L = (
+_Q, _KV, _V, _O, _L, _S = (
   "b s {h} d",
   "b t k d",
   "b t k e",
   "b s {h} e",
   "b {h} s",
+  "b {h}",  # sinks, batched (`modifiers.batch_sinks`)
 )
 _FWD_RULE = f"{_Q}, {_KV}, {_V} -> {_O}, {_L}"
 _BWD_RULE = f"{_Q}, {_KV}, {_V}, {_O}, {_L}, {_O}, {_L} -> {_Q}, {_KV}, {_V}"
 _FWD_NAMES = ("q", "k", "v")
 _BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
+
+
+def _with_sinks(rule: str) -> str:
+  """The rule with a trailing sinks operand."""
+  args, results = rule.split(" -> ")
+  return f"{args}, {_S} -> {results}"
 
 
 def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
@@ -113,7 +120,7 @@ def _layout_specs(
 ) -> tuple[P, ...]:
   """PartitionSpecs with batch and heads split, for operands named `names`."""
   b, h = axes_entry(batch_axes), axes_entry(head_axes)
-  by_name = {"lse": P(b, h, None), "dlse": P(b, h, None)}
+  by_name = {"lse": P(b, h, None), "dlse": P(b, h, None), "sinks": P(b, h)}
   return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
 
 
@@ -245,9 +252,11 @@ def _with_vmap(
 
 
 def _run_forward(
-  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array, *sinks: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  return tuple(call.backend.run_forward(call.spec, call.config, q, k, v))
+  return tuple(
+    call.backend.run_forward(call.spec, call.config, q, k, v, *sinks)
+  )
 
 
 def _run_backward(
@@ -259,18 +268,31 @@ def _run_backward(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
+  *sinks: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   return tuple(
     call.backend.run_backward(
-      call.spec, call.config, q, k, v, out, lse, dout, dlse
+      call.spec, call.config, q, k, v, out, lse, dout, dlse, *sinks
     )
   )
 
 
 _FORWARD_OP = _Op(_FWD_NAMES, ("out", "lse"), _run_forward, _FWD_RULE)
 _BACKWARD_OP = _Op(_BWD_NAMES, ("q", "k", "v"), _run_backward, _BWD_RULE)
+# The same with a trailing sinks operand `[b, heads_q]`.
+_FORWARD_SINKS_OP = _Op(
+  _FWD_NAMES + ("sinks",), ("out", "lse"), _run_forward, _with_sinks(_FWD_RULE)
+)
+_BACKWARD_SINKS_OP = _Op(
+  _BWD_NAMES + ("sinks",),
+  ("q", "k", "v"),
+  _run_backward,
+  _with_sinks(_BWD_RULE),
+)
 _FORWARD = _partitioned(_FORWARD_OP)
 _BACKWARD = _partitioned(_BACKWARD_OP)
+_FORWARD_SINKS = _partitioned(_FORWARD_SINKS_OP)
+_BACKWARD_SINKS = _partitioned(_BACKWARD_SINKS_OP)
 
 
 def _dispatch(
@@ -293,9 +315,16 @@ def _global_scales(spec: AttentionSpec) -> bool:
 
 
 def forward(
-  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """The backend's `(out, lse)`, computed shard-locally under SPMD sharding."""
+  """The backend's `(out, lse)`, computed shard-locally under SPMD sharding
+  (`sinks`: `[b, heads_q]` float32, when the call has them)."""
+  if sinks is not None:
+    return _dispatch(_FORWARD_SINKS_OP, _FORWARD_SINKS, call, q, k, v, sinks)
   return _dispatch(_FORWARD_OP, _FORWARD, call, q, k, v)
 
 
@@ -308,6 +337,10 @@ def backward(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The backend's `(dq, dk, dv)`, computed shard-locally under SPMD sharding."""
-  return _dispatch(_BACKWARD_OP, _BACKWARD, call, q, k, v, out, lse, dout, dlse)
+  args = (q, k, v, out, lse, dout, dlse)
+  if sinks is not None:
+    return _dispatch(_BACKWARD_SINKS_OP, _BACKWARD_SINKS, call, *args, sinks)
+  return _dispatch(_BACKWARD_OP, _BACKWARD, call, *args)

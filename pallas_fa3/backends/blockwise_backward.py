@@ -1,0 +1,150 @@
+"""The blockwise twin's backward: FlashAttention-2 recomputation from the
+residuals out and lse (see `blockwise.py` for the algorithm).
+
+Each kv tile walks only the query tiles that see it (causal diagonal and
+window bounds), masking only the boundary ones. Softcap multiplies dS by its
+derivative `1 - tanh^2` (tanh recomputed with the scores); sinks are in the
+lse, so nothing here sees them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import masking
+from pallas_fa3.backends.blockwise_tiles import (
+  HIGHEST,
+  Tiling,
+  pad_seq,
+  scores_log2,
+  seq_tile,
+  varying_like,
+  walk_tiles,
+)
+from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.einsum(
+    spec, a, b, preferred_element_type=jnp.float32, precision=HIGHEST
+  )
+
+
+def blockwise_backward(
+  spec: AttentionSpec,
+  config: object,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """FlashAttention-2 backward by recomputation; returns (dq, dk, dv).
+
+  `config` is a `BlockwiseConfig` (its tiles). `out` and `lse` are the
+  forward's residuals, `dout` and `dlse` their cotangents (`dlse` zeros when
+  the caller only used the attention output); `dlse` enters as
+  `delta - dlse` since d lse_i / d s_ij = P_ij. The gradients are shaped
+  like q, k, v, in `spec.dtype`.
+  """
+  t = Tiling.of(spec, config.block_q, config.block_kv)
+  sq_pad, skv_pad = t.num_q * t.block_q, t.num_kv * t.block_kv
+  hk, g = spec.heads_kv, spec.group_size
+  stat = lambda x: x.reshape(spec.batch, hk, g, spec.seq_q)
+
+  delta = _dot(
+    "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
+  )
+  delta = stat(delta - dlse.astype(jnp.float32))
+  # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
+  # rows get +inf so that their P is exactly 0 (finite gradients).
+  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E))
+  delta = pad_seq(jnp.moveaxis(delta, 3, 1), sq_pad)
+  lse2 = pad_seq(jnp.moveaxis(lse2, 3, 1), sq_pad, value=jnp.inf)
+  qp = group_heads(pad_seq(q, sq_pad), hk)
+  dop = group_heads(pad_seq(dout, sq_pad), hk)
+  kp, vp = pad_seq(k, skv_pad), pad_seq(v, skv_pad)
+  masked = spec.masked or spec.seq_kv % t.block_kv != 0
+
+  def kv_tile_fn(dq_acc, jk):
+    k_tile = seq_tile(kp, jk, t.block_kv)
+    v_tile = seq_tile(vp, jk, t.block_kv)
+    kv_pos = jk * t.block_kv + jnp.arange(t.block_kv)
+
+    def q_step(i, carry, *, masked):
+      dq_acc, dk, dv = carry
+      q_tile = seq_tile(qp, i, t.block_q)
+      do_tile = seq_tile(dop, i, t.block_q)
+      # [b, bq, hk, g] -> [b, hk, g, bq] to broadcast against the scores.
+      lse2_t = jnp.moveaxis(seq_tile(lse2, i, t.block_q), 1, 3)
+      delta_t = jnp.moveaxis(seq_tile(delta, i, t.block_q), 1, 3)
+      q_pos = i * t.block_q + jnp.arange(t.block_q)
+      s, tanh = scores_log2(spec, q_tile, k_tile, q_pos, kv_pos, masked=masked)
+      p = jnp.exp2(s - lse2_t[..., None])
+      dv = dv + _dot("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile)
+      dp = _dot("bqhgd,bkhd->bhgqk", do_tile, v_tile)
+      ds = p * (dp - delta_t[..., None])
+      if tanh is not None:  # d(c tanh(x / c)) / dx
+        ds = ds * (1.0 - tanh * tanh)
+      ds = ds.astype(spec.dtype)
+      dk = dk + _dot("bhgqk,bqhgd->bkhd", ds, q_tile)
+      dq_tile = _dot("bhgqk,bkhd->bqhgd", ds, k_tile)
+      dq_acc = jax.lax.dynamic_update_slice_in_dim(
+        dq_acc,
+        seq_tile(dq_acc, i, t.block_q) + dq_tile,
+        i * t.block_q,
+        axis=1,
+      )
+      return dq_acc, dk, dv
+
+    init = (dq_acc,) + varying_like(
+      (
+        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim), jnp.float32),
+        jnp.zeros((spec.batch, t.block_kv, hk, spec.head_dim_v), jnp.float32),
+      ),
+      q,
+      k,
+      v,
+      dout,
+    )
+    cols = (jk * t.block_kv, (jk + 1) * t.block_kv)
+    bounds = masking.q_block_range(spec, *cols, t.block_q, t.num_q)
+    bounds += _unmasked_q_blocks(spec, jk, t)
+    dq_acc, dk, dv = walk_tiles(bounds, q_step, init, masked=masked)
+    return dq_acc, (dk, dv)
+
+  dq0 = varying_like(
+    jnp.zeros((spec.batch, sq_pad, hk, g, spec.head_dim), jnp.float32),
+    q,
+    k,
+    v,
+    dout,
+  )
+  dq_acc, (dks, dvs) = jax.lax.scan(kv_tile_fn, dq0, jnp.arange(t.num_kv))
+  scale = jnp.float32(spec.softmax_scale)
+  dq = (dq_acc[:, : spec.seq_q] * scale).reshape(q.shape)
+  # dks: [nkv, b, bkv, hk, d] -> [b, nkv * bkv, hk, d].
+  untile = lambda x: jnp.moveaxis(x, 0, 1).reshape(
+    (spec.batch, skv_pad) + x.shape[3:]
+  )[:, : spec.seq_kv]
+  dk, dv = untile(dks) * scale, untile(dvs)
+  return dq.astype(spec.dtype), dk.astype(spec.dtype), dv.astype(spec.dtype)
+
+
+def _unmasked_q_blocks(
+  spec: AttentionSpec, jk: jax.Array, t: Tiling
+) -> tuple[jax.Array, jax.Array]:
+  """(lo, hi): the query tiles `lo <= i < hi` that see every key of kv tile
+  `jk` (a tile with padded keys: none)."""
+  lo, hi = jnp.int32(0), jnp.int32(t.num_q)
+  kv0, kv_last = jk * t.block_kv, (jk + 1) * t.block_kv - 1
+  off = spec.causal_offset
+  if spec.window_right is not None:  # row i sees kv_last: i + off + r >= it
+    lo = -(-jnp.maximum(kv_last - off - spec.window_right, 0) // t.block_q)
+  if spec.window_left is not None:  # the tile's last row sees kv0
+    hi = (kv0 - off + spec.window_left + 1) // t.block_q
+  full = kv_last < spec.seq_kv
+  return lo, jnp.where(full, jnp.maximum(hi, 0), lo)

@@ -1,0 +1,125 @@
+"""What the blockwise forward and backward share: the tiling, padding, one
+tile's scores (mask and softcap), and the walk over a tile range that masks
+only its boundary tiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import masking
+from pallas_fa3.spec import LOG2E, AttentionSpec
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Effective tile sizes and counts for one spec (a tile larger than its
+  sequence is clamped to it)."""
+
+  block_q: int
+  block_kv: int
+  num_q: int
+  num_kv: int
+
+  @classmethod
+  def of(cls, spec: AttentionSpec, block_q: int, block_kv: int) -> Tiling:
+    bq = min(block_q, spec.seq_q)
+    bkv = min(block_kv, spec.seq_kv)
+    return cls(bq, bkv, cdiv(spec.seq_q, bq), cdiv(spec.seq_kv, bkv))
+
+
+def pad_seq(x: jax.Array, length: int, value: float = 0) -> jax.Array:
+  """Pads axis 1 (sequence) up to `length`; a no-op when already that long."""
+  pad = length - x.shape[1]
+  if pad == 0:
+    return x
+  widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def varying_like(tree: Any, *operands: jax.Array) -> Any:
+  """Gives fresh loop carries the manual-axis type of `operands` (shard_map).
+
+  Inside `jax.shard_map` (`check_vma=True`) the operands vary over the
+  manual axes while a fresh `jnp.zeros` does not, so a loop mixing the two
+  would change its carry's type. Adding a zero that varies like every
+  operand (from zero-size slices) fixes the type; values stay as they are.
+  """
+  empty = [x.reshape(-1)[:0].astype(jnp.float32) for x in operands]
+  ref = functools.reduce(operator.add, empty)
+  return jax.tree.map(
+    lambda x: x + jnp.zeros_like(ref, shape=x.shape, dtype=x.dtype), tree
+  )
+
+
+def seq_tile(x: jax.Array, index: Any, size: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
+
+
+def scores_log2(
+  spec: AttentionSpec,
+  q_tile: jax.Array,
+  k_tile: jax.Array,
+  q_pos: jax.Array,
+  kv_pos: jax.Array,
+  *,
+  masked: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`
+  (hidden entries -inf where `masked`), and the softcap's tanh (None
+  without softcap: the backward's `1 - tanh^2`)."""
+  s = jnp.einsum(
+    "bqhgd,bkhd->bhgqk",
+    q_tile,
+    k_tile,
+    preferred_element_type=jnp.float32,
+    precision=HIGHEST,
+  )
+  t = None
+  if spec.softcap is None:
+    s = s * jnp.float32(spec.softmax_scale * LOG2E)
+  else:
+    t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
+    s = t * jnp.float32(spec.softcap * LOG2E)
+  if masked:
+    s = jnp.where(masking.visible(spec, q_pos, kv_pos), s, -jnp.inf)
+  return s, t
+
+
+def walk_tiles(
+  bounds: tuple[Any, Any, Any, Any],
+  step: Callable[..., Any],
+  carry: Any,
+  *,
+  masked: bool,
+) -> Any:
+  """`step(j, carry, masked=...)` for j in `[first, end)`, where
+  `bounds = (first, end, lo, hi)` and tiles in `[lo, hi)` need no mask:
+  three loops (boundary tiles masked, interior ones not). `masked=False`
+  (no mask at all): one unmasked loop."""
+  first, end, lo, hi = bounds
+  if not masked:
+    return jax.lax.fori_loop(
+      first, end, functools.partial(step, masked=False), carry
+    )
+  lo = jnp.clip(lo, first, end)
+  hi = jnp.clip(hi, lo, end)
+  carry = jax.lax.fori_loop(
+    first, lo, functools.partial(step, masked=True), carry
+  )
+  carry = jax.lax.fori_loop(
+    lo, hi, functools.partial(step, masked=False), carry
+  )
+  return jax.lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
