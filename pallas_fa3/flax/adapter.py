@@ -39,6 +39,17 @@ broadcastable to `[batch..., heads, seq_q, seq_kv]`. The rule:
   it turns the output into NaN (checked on device; the check reads the mask,
   which costs far less than the attention).
 
+Local attention and softcap. `make_attention_fn(window_size=(left, right),
+softcap=c)` applies them to every call. The window is aligned like Flax's
+`is_causal`, **top-left**: query i sees key j iff `i - left <= j <= i + right`
+(a None side is unbounded), intersected with the causal mask when the call
+is causal; a query that then sees no key outputs 0 (flash_attention's rule).
+For self-attention (seq_q == seq_kv) this is the core's bottom-right window.
+Flax's attention has neither option, so with either set a call that flash
+attention cannot compute raises `NotImplementedError` even with
+`on_unsupported="fallback"`. Sinks need a parameter that Flax's modules do
+not have: use `FlashMultiHeadAttention(sinks=True)`.
+
 `precision` is accepted and not used: the kernels choose their own matmul
 precision (float32 accumulation). `force_fp32_for_softmax` is accepted: the
 softmax statistics are always float32.
@@ -67,15 +78,16 @@ import jax.numpy as jnp
 from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from pallas_fa3.attention import flash_attention
+from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
-from pallas_fa3.flax import layout
+from pallas_fa3.flax import attend, layout
 from pallas_fa3.flax.adapter_masks import (
   mask_kind,
   poison_unless_causal,
   top_left_causal_mask,
   unsupported_feature,
 )
+from pallas_fa3.flax.top_left import flash_top_left
 from pallas_fa3.spec import (
   check_bool,
   check_softmax_scale,
@@ -86,6 +98,8 @@ ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
 # Options forwarded to flash_attention. `causal`, `return_lse` and
 # `implementation` are not: the first is the adapter's own declaration, an
 # attention_fn returns only the output, and the backend is the first argument.
+# `window_size` and `softcap` are keywords of their own (checked up front; the
+# window is aligned top-left, see `pallas_fa3.flax.top_left`).
 _FORWARDED_OPTIONS: tuple[str, ...] = ("softmax_scale", "config")
 
 
@@ -97,34 +111,6 @@ _LINEN_ONLY = object()
 
 class FlashAttentionFallbackWarning(UserWarning):
   """A call ran Flax's dot_product_attention instead of flash attention."""
-
-
-def _flash_top_left(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  causal: bool,
-  options: dict[str, Any],
-  implementation: str | None,
-) -> jax.Array:
-  """flash_attention on rank-4 inputs with Flax's top-left causal alignment.
-
-  The core aligns causal masks bottom-right. Top-left, query i sees keys
-  j <= i: with seq_q < seq_kv the keys past seq_q are never seen (slice them
-  off, then the mask is square); with seq_q > seq_kv the first seq_kv queries
-  see a square causal mask and the others see every key.
-  """
-  call = lambda q, k, v, causal: flash_attention(
-    q, k, v, causal=causal, implementation=implementation, **options
-  )
-  seq_q, seq_kv = q.shape[1], k.shape[1]
-  if not causal or seq_q == seq_kv:
-    return call(q, k, v, causal)
-  if seq_q < seq_kv:
-    return call(q, k[:, :seq_q], v[:, :seq_q], True)
-  head = call(q[:, :seq_kv], k, v, True)
-  tail = call(q[:, seq_kv:], k, v, False)
-  return jnp.concatenate([head, tail], axis=1)
 
 
 def _refuse_or_warn(
@@ -149,6 +135,18 @@ def _refuse_or_warn(
     )
 
 
+def _refuse_modified_fallback(
+  unsupported: tuple[str, str], modified: tuple[str, ...]
+) -> None:
+  """Raises: Flax's attention would drop the window / softcap."""
+  raise NotImplementedError(
+    f"pallas_fa3 flash attention does not support {unsupported[1]}, and"
+    f" make_attention_fn({', '.join(modified)}) cannot fall back to Flax's"
+    " dot_product_attention, which has no sliding window or softcap (it"
+    " would compute another function)"
+  )
+
+
 def _check_options(
   implementation: Any, causal: Any, on_unsupported: Any, options: dict[str, Any]
 ) -> tuple[str | None, bool]:
@@ -160,9 +158,16 @@ def _check_options(
     )
   unknown = sorted(set(options) - set(_FORWARDED_OPTIONS))
   if unknown:
+    hint = (
+      "; sinks are a parameter, which Flax's attention modules do not"
+      " have: use pallas_fa3.flax.FlashMultiHeadAttention(sinks=True)"
+      if "sinks" in unknown
+      else ""
+    )
     raise TypeError(
       f"make_attention_fn got unknown option(s) {unknown}; options forwarded"
-      f" to flash_attention are {_FORWARDED_OPTIONS}"
+      f" to flash_attention are {_FORWARDED_OPTIONS}, window_size and"
+      f" softcap{hint}"
     )
   if options.get("softmax_scale") is not None:
     # head_dim only matters for the default scale, which this is not.
@@ -175,6 +180,8 @@ def make_attention_fn(
   *,
   causal: bool = False,
   on_unsupported: OnUnsupported = "raise",
+  window_size: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
   **options: Any,
 ) -> Callable[..., jax.Array]:
   """Returns an `attention_fn` for Flax's attention modules that runs flash_attention.
@@ -186,7 +193,14 @@ def make_attention_fn(
       is what lets a traced mask (under `jit`) use flash attention.
     on_unsupported: `"raise"` (default) raises `NotImplementedError` naming
       the feature flash attention cannot compute; `"fallback"` runs Flax's
-      `dot_product_attention` with a one-time `FlashAttentionFallbackWarning`.
+      `dot_product_attention` with a one-time `FlashAttentionFallbackWarning`
+      (never with `window_size` or `softcap` set: such calls raise).
+    window_size: None, or `(left, right)` (ints >= 0, or None for an
+      unbounded side) for every call: query i sees key j iff
+      `i - left <= j <= i + right` (top-left aligned, like Flax's
+      `is_causal`; intersected with the causal mask of a causal call).
+    softcap: None (off) or c > 0 for every call: the scaled scores s become
+      `c * tanh(s / c)` (0.0 is also off).
     **options: forwarded to `flash_attention`: `softmax_scale` (default
       `1/sqrt(head_dim)`, Flax's; the fallback applies the same scale) and
       `config`.
@@ -203,7 +217,17 @@ def make_attention_fn(
   implementation, declared_causal = _check_options(
     implementation, causal, on_unsupported, options
   )
+  window = attend.check_window(window_size)
   options = {k: v for k, v in options.items() if v is not None}
+  softcap = modifiers.check_softcap(softcap)
+  if softcap is not None:
+    options["softcap"] = softcap
+  # What Flax's attention cannot compute: no fallback with these.
+  modified = tuple(
+    f"{name}={value!r}"
+    for name, value in (("window_size", window), ("softcap", softcap))
+    if value is not None
+  )
   warned: set[str] = set()
 
   def attention_fn(
@@ -267,6 +291,8 @@ def make_attention_fn(
       declared_causal,
     )
     if unsupported is not None:
+      if modified:
+        _refuse_modified_fallback(unsupported, modified)
       _refuse_or_warn(unsupported, on_unsupported, warned)
       return _fallback(
         query,
@@ -286,13 +312,14 @@ def make_attention_fn(
         linen_kwargs=linen_kwargs,
       )
     causal = declared_causal or is_causal or kind in ("causal", "traced")
-    out = _flash_top_left(
+    out = flash_top_left(
       layout.fold_batch(query),
       layout.fold_batch(key),
       layout.fold_batch(value),
-      causal,
-      options,
-      implementation,
+      causal=causal,
+      window=window,
+      options=options,
+      implementation=implementation,
     )
     out = layout.unfold_batch(out, query)
     if kind == "traced":
@@ -302,7 +329,9 @@ def make_attention_fn(
   attention_fn.__doc__ = (
     "Flax-compatible attention_fn running pallas_fa3.flash_attention"
     f" (implementation={implementation!r}, causal={declared_causal},"
-    f" on_unsupported={on_unsupported!r}); see"
+    f" on_unsupported={on_unsupported!r}"
+    + "".join(f", {m}" for m in modified)
+    + "); see"
     " pallas_fa3.flax.make_attention_fn."
   )
   return attention_fn

@@ -2,7 +2,8 @@
 
 Both modules project with Flax's own layers (so their parameters are Flax's)
 and call `attend` on the projected `[batch..., seq, heads, head_dim]` tensors;
-what happens between the projections lives here once.
+what happens between the projections lives here once, with the checks of
+the options both modules (and `make_attention_fn`) take.
 """
 
 from __future__ import annotations
@@ -11,9 +12,28 @@ from typing import Any
 
 import jax
 
+from pallas_fa3 import modifiers
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax import layout, rope as rope_lib
 from pallas_fa3.spec import check_int
+
+Window = tuple[int | None, int | None]
+
+
+def check_window(window_size: Any) -> Window | None:
+  """`window_size` as None or a `(left, right)` tuple of ints >= 0 or None.
+
+  The rules are `flash_attention`'s (`pallas_fa3.modifiers`); checked here
+  so a layer refuses a bad window when it is built, not at its first call.
+
+  Raises:
+    TypeError / ValueError naming `window_size`.
+  """
+  if window_size is None:
+    return None
+  # Only the checks matter here; the lengths given do not change them.
+  modifiers.check_window_size(window_size, seq_q=1, seq_kv=1, causal=False)
+  return tuple(None if side is None else int(side) for side in window_size)
 
 
 def head_layout(
@@ -81,6 +101,9 @@ def attend(
   positions: jax.Array | None,
   implementation: str | None,
   config: Any,
+  window_size: Window | None = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """RoPE (optional) on q and k, then `flash_attention` over the folded batch.
 
@@ -95,6 +118,10 @@ def attend(
     positions: None or integers `[seq]` / `[batch..., seq]`; only with rope.
     implementation: forwarded to `flash_attention`.
     config: forwarded to `flash_attention`.
+    window_size: forwarded to `flash_attention` (bottom-right aligned, like
+      `causal`; intersects with it).
+    softcap: forwarded to `flash_attention`.
+    sinks: None or the `[heads_q]` sink logits, forwarded.
 
   Returns:
     `[batch..., seq_q, heads_q, head_dim]` in the dtype of the inputs.
@@ -119,5 +146,8 @@ def attend(
     causal=causal,
     implementation=implementation,
     config=config,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks,
   )
   return layout.unfold_batch(out, query)

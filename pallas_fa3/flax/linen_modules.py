@@ -5,7 +5,9 @@ Its parameters are those of `flax.linen.MultiHeadDotProductAttention`:
 `[in_features, heads, head_dim]`, biases `[heads, head_dim]`) and `out`
 (kernel `[heads, head_dim, out_features]`, bias `[out_features]`), so a Linen
 params dict loads as it is. `num_kv_heads` (GQA) is an addition: with it the
-`key`/`value` kernels are `[in_features, num_kv_heads, head_dim]`.
+`key`/`value` kernels are `[in_features, num_kv_heads, head_dim]`; with
+`sinks=True` the params also hold `sinks` (float32 `[num_heads]`, zeros at
+initialization).
 
 Example:
   >>> import jax
@@ -28,6 +30,7 @@ from flax import linen as nn
 from flax.linen.linear import default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
+from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import attend
 from pallas_fa3.flax.rope import (
@@ -44,8 +47,9 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   Same fields (first ones in the same order) and parameters as
   `flax.linen.MultiHeadDotProductAttention`, minus dropout, masks, decoding
   and weight sowing (use `make_attention_fn` with Flax's module for those),
-  plus `num_kv_heads`, `causal`, `rope`, `implementation` and `config`. The
-  softmax scale is `1/sqrt(head_dim)`, Flax's.
+  plus `num_kv_heads`, `causal`, `rope`, `window_size`, `softcap`, `sinks`,
+  `implementation` and `config`. The softmax scale is `1/sqrt(head_dim)`,
+  Flax's.
 
   Attributes:
     num_heads: number of query heads.
@@ -63,6 +67,14 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     causal: causal self-attention; bottom-right aligned when seq_q != seq_kv.
     rope: apply rotary position embeddings (float32) to q and k.
     rope_base: RoPE frequency base.
+    window_size: None, or `(left, right)` (ints >= 0, or None for an
+      unbounded side): query i, at key position `p = i + seq_kv - seq_q`,
+      sees key j iff `p - left <= j <= p + right` (bottom-right aligned like
+      `causal`, and intersected with it).
+    softcap: None (off) or c > 0: the scaled scores s become
+      `c * tanh(s / c)` (0.0 is also off).
+    sinks: add a learnable sink logit per query head to every row's softmax
+      denominator: the param `sinks`, float32 `[num_heads]`, zeros at init.
     implementation: `flash_attention` backend (None: automatic).
     config: backend tiling config, e.g. `pallas_fa3.BlockwiseConfig`.
   """
@@ -82,6 +94,9 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   causal: bool = False
   rope: bool = False
   rope_base: float = DEFAULT_ROPE_BASE
+  window_size: tuple[int | None, int | None] | None = None
+  softcap: float | None = None
+  sinks: bool = False
   implementation: str | None = None
   config: Any = None
 
@@ -118,6 +133,16 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     rope = check_bool("rope", self.rope)
     if rope:
       check_rope_head_dim(head_dim)
+    window_size = attend.check_window(self.window_size)
+    softcap = modifiers.check_softcap(self.softcap)
+    sinks = (
+      # Float32 whatever `param_dtype`: the softmax statistics are float32.
+      self.param(
+        "sinks", nn.initializers.zeros_init(), (num_heads,), jnp.float32
+      )
+      if check_bool("sinks", self.sinks)
+      else None
+    )
     dense = functools.partial(
       nn.DenseGeneral,
       axis=-1,
@@ -138,6 +163,9 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       positions=positions,
       implementation=check_implementation(self.implementation),
       config=self.config,
+      window_size=window_size,
+      softcap=softcap,
+      sinks=sinks,
     )
     return nn.DenseGeneral(
       features=features,

@@ -6,7 +6,9 @@ kernels `[in_features, heads, head_dim]` (key/value: `num_kv_heads` heads)
 and `[heads, head_dim, out_features]`, biases `[heads, head_dim]` and
 `[out_features]`, created in Flax's order. A Flax checkpoint therefore loads
 as it is (`nnx.update(layer, nnx.state(flax_layer, nnx.Param))`), and the
-same `nnx.Rngs` seed initializes both to the same values.
+same `nnx.Rngs` seed initializes both to the same values. With `sinks=True`
+the layer has one more parameter, `sinks` (float32 `[num_heads]`, zeros at
+initialization), which a Flax checkpoint lacks and leaves as it is.
 
 Example:
   >>> import jax
@@ -29,6 +31,7 @@ from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
 from flax.typing import Dtype, Initializer
 
+from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import attend
 from pallas_fa3.flax.rope import (
@@ -47,7 +50,8 @@ class FlashMultiHeadAttention(nnx.Module):
   (`pallas_fa3.flax.rope`, float32), runs `pallas_fa3.flash_attention` with
   the softmax scale `1/sqrt(head_dim)` (Flax's), and projects back. K/V are
   never repeated for GQA. No attention dropout, mask or bias: use
-  `make_attention_fn` with `flax.nnx.MultiHeadAttention` for those.
+  `make_attention_fn` with `flax.nnx.MultiHeadAttention` for those. Sliding
+  windows, a logit softcap and learnable attention sinks are options.
 
   Args:
     num_heads: number of query heads.
@@ -61,6 +65,16 @@ class FlashMultiHeadAttention(nnx.Module):
       bottom-right aligned (pallas_fa3's convention, FlashAttention-2/3).
     rope: apply rotary position embeddings to q and k.
     rope_base: RoPE frequency base.
+    window_size: None, or `(left, right)` (ints >= 0, or None for an
+      unbounded side): query i, at key position `p = i + seq_kv - seq_q`,
+      sees key j iff `p - left <= j <= p + right` (bottom-right aligned like
+      `causal`, and intersected with it: `(w, None)` with `causal=True` is a
+      causal sliding window of w keys back).
+    softcap: None (off) or c > 0: the scaled scores s become
+      `c * tanh(s / c)` (0.0 is also off).
+    sinks: add a learnable sink logit per query head to every row's softmax
+      denominator: a parameter `sinks`, float32 `[num_heads]`, zeros at
+      initialization (see `pallas_fa3.modifiers`).
     dtype: computation dtype (default: inferred from inputs and params, as
       in Flax); the attention runs in the projections' dtype.
     param_dtype: dtype of the parameters.
@@ -84,6 +98,9 @@ class FlashMultiHeadAttention(nnx.Module):
     causal: bool = False,
     rope: bool = False,
     rope_base: float = DEFAULT_ROPE_BASE,
+    window_size: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     use_bias: bool = True,
@@ -107,6 +124,8 @@ class FlashMultiHeadAttention(nnx.Module):
     self.rope_base = check_rope_base(rope_base)
     if self.rope:
       check_rope_head_dim(self.head_dim)
+    self.window_size = attend.check_window(window_size)
+    self.softcap = modifiers.check_softcap(softcap)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.use_bias = use_bias
@@ -142,6 +161,13 @@ class FlashMultiHeadAttention(nnx.Module):
       out_features,
       axis=(-2, -1),
       kernel_init=out_kernel_init or kernel_init,
+    )
+    # After Flax's parameters (zeros: draws no random numbers). Float32
+    # whatever `param_dtype`: the softmax statistics it joins are float32.
+    self.sinks = (
+      nnx.Param(jnp.zeros((self.num_heads,), jnp.float32))
+      if check_bool("sinks", sinks)
+      else None
     )
 
   def __call__(
@@ -188,5 +214,8 @@ class FlashMultiHeadAttention(nnx.Module):
       positions=positions,
       implementation=self.implementation,
       config=self.config,
+      window_size=self.window_size,
+      softcap=self.softcap,
+      sinks=None if self.sinks is None else self.sinks[...],
     )
     return self.out(x)
