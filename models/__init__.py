@@ -2,6 +2,7 @@
 
   gpt         GPTConfig and GPT: a byte-level decoder-only transformer whose
               attention is pallas_fa3.flax.FlashMultiHeadAttention
+              (optionally: per-layer sliding windows, softcap, sinks)
   data        the Python standard library's sources as a byte corpus;
               deterministic batches
   step        TrainConfig, build_program (the jitted step), evaluate

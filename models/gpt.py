@@ -6,7 +6,10 @@ Blocks are pre-norm (LayerNorm or RMSNorm), causal self-attention through
 config field: the numerics study trains the same model with `"blockwise"`
 and `"reference"`), and a GELU MLP. Positions are either rotary (inside the
 attention module) or a learned table; the output projection is either tied
-to the token embedding or a separate matrix.
+to the token embedding or a separate matrix. Optional attention variants:
+per-layer causal sliding windows (`window_pattern`, e.g. Gemma's alternation
+of local and global layers), an attention logit softcap and learnable
+attention sinks (one logit per head in every softmax denominator).
 
 Parameters live in `param_dtype` (float32 by default); the forward computes
 in `dtype` (float32 or bfloat16) and returns float32 logits.
@@ -82,6 +85,15 @@ class GPTConfig:
     param_dtype: storage dtype of the parameters (float32 by default).
     attention_implementation: `flash_attention(implementation=...)`: None
       (automatic) or one of `pallas_fa3.IMPLEMENTATIONS`.
+    window_pattern: left windows of the blocks, repeated: block i attends
+      causally to the `window_pattern[i % len]` previous tokens and itself
+      (`window_size=(w, None)`), or to every previous token for None; empty
+      (the default): every block is global. E.g. `(64, None)` alternates
+      local and global blocks. A list (from JSON) becomes a tuple.
+    softcap: attention logit softcap c (scores become `c * tanh(s / c)`),
+      a positive number, or None (off).
+    sinks: each attention layer learns one sink logit per query head
+      (`FlashMultiHeadAttention(sinks=True)`).
   """
 
   vocab_size: int = 256
@@ -99,6 +111,9 @@ class GPTConfig:
   dtype: ComputeDtype = "bfloat16"
   param_dtype: ParamDtype = "float32"
   attention_implementation: str | None = None
+  window_pattern: tuple[int | None, ...] = ()
+  softcap: float | None = None
+  sinks: bool = False
 
   def __post_init__(self) -> None:
     for name in (
@@ -147,6 +162,19 @@ class GPTConfig:
       self.attention_implementation,
       (None,) + IMPLEMENTATIONS,
     )
+    # Made canonical (frozen: through object.__setattr__) so that a config
+    # rebuilt from JSON equals, and hashes like, the one it was saved from.
+    object.__setattr__(
+      self, "window_pattern", _check_window_pattern(self.window_pattern)
+    )
+    object.__setattr__(self, "softcap", _check_softcap(self.softcap))
+    _check_choice("sinks", self.sinks, (True, False))
+
+  def layer_window(self, layer: int) -> int | None:
+    """The left window of block `layer` (None: global causal attention)."""
+    if not self.window_pattern:
+      return None
+    return self.window_pattern[layer % len(self.window_pattern)]
 
   @property
   def kv_heads(self) -> int:
@@ -157,8 +185,49 @@ class GPTConfig:
     return self.d_model // self.num_heads
 
   def to_dict(self) -> dict[str, Any]:
-    """A JSON-ready dict; `GPTConfig(**d)` rebuilds the config."""
-    return dataclasses.asdict(self)
+    """A JSON-ready dict; `GPTConfig(**d)` rebuilds the config.
+
+    `window_pattern` is a list, as JSON gives it back, so a dict read from a
+    checkpoint compares equal to a fresh one.
+    """
+    d = dataclasses.asdict(self)
+    d["window_pattern"] = list(self.window_pattern)
+    return d
+
+
+def _check_window_pattern(pattern: Any) -> tuple[int | None, ...]:
+  if isinstance(pattern, (str, bytes)) or not isinstance(
+    pattern, (tuple, list)
+  ):
+    raise TypeError(
+      "GPTConfig.window_pattern must be a tuple of left windows (ints >= 0,"
+      f" or None for a global block); got {pattern!r}"
+    )
+  for i, w in enumerate(pattern):
+    if w is not None and (
+      isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0
+    ):
+      raise ValueError(
+        f"GPTConfig.window_pattern[{i}] must be an int >= 0 or None (a"
+        f" global block); got {w!r} in {tuple(pattern)!r}"
+      )
+  return tuple(None if w is None else int(w) for w in pattern)
+
+
+def _check_softcap(softcap: Any) -> float | None:
+  if softcap is None:
+    return None
+  if (
+    isinstance(softcap, bool)
+    or not isinstance(softcap, numbers.Real)
+    or not math.isfinite(softcap)
+    or softcap <= 0
+  ):
+    raise ValueError(
+      "GPTConfig.softcap must be None (off) or a positive finite number;"
+      f" got {softcap!r}"
+    )
+  return float(softcap)
 
 
 def _dtype(cfg: GPTConfig) -> jnp.dtype:
@@ -209,9 +278,13 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+  """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs) -> None:
+  Block number `layer` attends within `cfg.layer_window(layer)`.
+  """
+
+  def __init__(self, cfg: GPTConfig, layer: int = 0, *, rngs: nnx.Rngs) -> None:
+    window = cfg.layer_window(layer)
     self.norm_attn = _make_norm(cfg, rngs)
     self.attn = FlashMultiHeadAttention(
       cfg.num_heads,
@@ -220,6 +293,9 @@ class Block(nnx.Module):
       causal=True,
       rope=cfg.position == "rope",
       rope_base=cfg.rope_base,
+      window_size=None if window is None else (window, None),
+      softcap=cfg.softcap,
+      sinks=cfg.sinks,
       dtype=_dtype(cfg),
       param_dtype=_pdtype(cfg),
       use_bias=cfg.use_bias,
@@ -253,7 +329,7 @@ class GPT(nnx.Module):
         )
       )
     self.blocks = nnx.List(
-      [Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+      [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
     )
     self.norm_out = _make_norm(cfg, rngs)
     if not cfg.tie_embeddings:

@@ -60,11 +60,15 @@ def _check_resumable(
 ) -> None:
   """Raises ValueError naming the first setting that differs from the checkpoint."""
   saved_model, saved_train = meta["model_config"], meta["train_config"]
+  # A field newer than the checkpoint has its default there (e.g. the
+  # attention variants, which older runs did not use).
+  defaults = GPTConfig().to_dict()
   for name, value in model_cfg.to_dict().items():
-    if saved_model.get(name) != value:
+    saved = saved_model.get(name, defaults[name])
+    if saved != value:
       raise ValueError(
         f"cannot resume: GPTConfig.{name} is {value!r} but the"
-        f" checkpoint has {saved_model.get(name)!r}"
+        f" checkpoint has {saved!r}"
       )
   for name, value in train_cfg.to_dict().items():
     if name not in _RESUMABLE_FIELDS and saved_train.get(name) != value:
@@ -80,7 +84,8 @@ def _check_resumable(
 
 
 def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
-  """The backend `flash_attention` runs for this model's attention calls."""
+  """The backend `flash_attention` runs for this model's attention calls
+  (the distinct ones in block order, comma-separated, if blocks differ)."""
   from pallas_fa3 import backends  # pylint: disable=g-import-not-at-top
   from pallas_fa3.spec import make_spec  # pylint: disable=g-import-not-at-top
 
@@ -92,10 +97,25 @@ def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
     (1, train_cfg.seq_len, model_cfg.kv_heads, model_cfg.head_dim),
     model_cfg.dtype,
   )
-  spec = make_spec(q, kv, kv, causal=True)
-  backend, _ = backends.resolve(spec, model_cfg.attention_implementation, None)
-  backends.require_runnable_here(backend)
-  return backend.name
+  names: list[str] = []
+  for layer in range(model_cfg.num_layers):
+    window = model_cfg.layer_window(layer)
+    spec = make_spec(
+      q,
+      kv,
+      kv,
+      causal=True,
+      window_size=None if window is None else (window, None),
+      softcap=model_cfg.softcap,
+      sinks=model_cfg.sinks,
+    )
+    backend, _ = backends.resolve(
+      spec, model_cfg.attention_implementation, None
+    )
+    backends.require_runnable_here(backend)
+    if backend.name not in names:
+      names.append(backend.name)
+  return ", ".join(names)
 
 
 def _meta(

@@ -30,6 +30,8 @@ TRAIN_MODEL_DEFAULTS = dict(
   norm="rmsnorm",
   position="rope",
   dtype="bfloat16",
+  softcap=None,
+  sinks=False,
 )
 TRAIN_DEFAULTS = dict(
   steps=1000,
@@ -47,6 +49,28 @@ TRAIN_DEFAULTS = dict(
   eval_batches=8,
   checkpoint_interval=200,
 )
+
+
+def parse_window_pattern(text: str) -> tuple[int | None, ...]:
+  """`--window-pattern`: "64,none" -> (64, None); "" -> () (all global).
+
+  Raises:
+    argparse.ArgumentTypeError: an entry is neither an int nor "none".
+  """
+  pattern: list[int | None] = []
+  for entry in text.split(",") if text.strip() else ():
+    entry = entry.strip()
+    if entry.lower() == "none":
+      pattern.append(None)
+      continue
+    try:
+      pattern.append(int(entry))
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+        f"window pattern entries are ints (left windows) or 'none'"
+        f" (global); got {entry!r} in {text!r}"
+      ) from None
+  return tuple(pattern)
 
 
 def add_parser(sub, formatter_class) -> None:
@@ -110,6 +134,30 @@ def add_parser(sub, formatter_class) -> None:
     default=m["dtype"],
     choices=("bfloat16", "float32"),
     help="compute dtype (parameters stay float32)",
+  )
+  model.add_argument(
+    "--window-pattern",
+    type=parse_window_pattern,
+    default=None,  # GPTConfig's (): every block global
+    metavar="W,W,...",
+    help=(
+      "causal sliding windows by block, repeated over the blocks: block i"
+      " sees the W[i %% len] previous tokens and itself; 'none' = global,"
+      " e.g. 64,none alternates local and global blocks (unset: every"
+      " block global)"
+    ),
+  )
+  model.add_argument(
+    "--softcap",
+    type=float,
+    default=m["softcap"],
+    help="attention logit softcap c > 0: scores -> c*tanh(s/c) (unset: off)",
+  )
+  model.add_argument(
+    "--sinks",
+    action=argparse.BooleanOptionalAction,
+    default=m["sinks"],
+    help="a learnable attention sink logit per head",
   )
   model.add_argument(
     "--implementation",
@@ -233,6 +281,9 @@ def train_configs(args):
     norm=args.norm,
     tie_embeddings=args.tie_embeddings,
     dtype=args.dtype,
+    window_pattern=args.window_pattern or (),
+    softcap=args.softcap,
+    sinks=args.sinks,
     attention_implementation=(
       None if args.implementation == "auto" else args.implementation
     ),

@@ -10,6 +10,12 @@ Public API:
                                      linen.MultiHeadDotProductAttention
   apply_rope                         rotary position embedding (half-split, float32)
 
+The native layers take flash_attention's `window_size`, `softcap` and
+`sinks=True` (a learnable float32 sink logit per head, zeros at init);
+`make_attention_fn(window_size=..., softcap=...)` applies a window (aligned
+top-left, like Flax's `is_causal`) and a softcap to every call of Flax's
+layers.
+
 Example:
   >>> import jax
   >>> from flax import nnx
@@ -24,6 +30,11 @@ Example:
   >>> # 2. The native layer: GQA and RoPE; loads nnx.MultiHeadAttention's state.
   >>> layer = fa3_flax.FlashMultiHeadAttention(
   ...     4, 32, num_kv_heads=2, causal=True, rope=True, rngs=nnx.Rngs(0))
+  >>> local = fa3_flax.FlashMultiHeadAttention(
+  ...     4, 32, causal=True, window_size=(8, None), softcap=50.0, sinks=True,
+  ...     rngs=nnx.Rngs(0))
+  >>> local.sinks[...].shape
+  (4,)
   >>> y = nnx.jit(lambda m, x: m(x))(layer, x)
   >>> y.shape, y.dtype
   ((2, 16, 32), dtype('float32'))
