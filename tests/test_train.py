@@ -8,8 +8,9 @@ import json
 import pytest
 
 from models import data
+from models.checkpoint import Checkpointer
 from models.gpt import GPTConfig
-from models.step import TrainConfig
+from models.step import TrainConfig, build_program
 from models.train import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, train
 from pallas_fa3 import cli, cli_train
 
@@ -112,6 +113,29 @@ def test_resume_refuses_a_different_config(tmp_path):
     _train(
       tmp_path,
       model=dataclasses.replace(TINY_MODEL, norm="layernorm"),
+      resume=True,
+    )
+
+
+def test_resume_of_a_checkpoint_older_than_the_attention_variants(tmp_path):
+  """A checkpoint whose GPTConfig lacks window_pattern/softcap/sinks means
+  their defaults: resuming it with the default model works."""
+  _train(tmp_path / "new", stop_at_step=2)
+  target = build_program(TINY_MODEL, TINY_TRAIN).init_state()
+  ckpt = Checkpointer(tmp_path / "new" / CHECKPOINT_DIR)
+  state, meta = ckpt.restore(2, target)
+  ckpt.close()
+  for name in ("window_pattern", "softcap", "sinks"):
+    del meta["model_config"][name]
+  old = Checkpointer(tmp_path / "old" / CHECKPOINT_DIR)
+  old.save(2, state, meta)
+  old.close()
+  resumed = _train(tmp_path / "old", resume=True, stop_at_step=3)
+  assert sorted(resumed["losses"]) == [3]
+  with pytest.raises(ValueError, match="GPTConfig.sinks"):
+    _train(
+      tmp_path / "old",
+      model=dataclasses.replace(TINY_MODEL, sinks=True),
       resume=True,
     )
 
