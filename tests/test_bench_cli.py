@@ -91,6 +91,9 @@ def test_bench_help_lists_flags(capsys):
     "--runs",
     "--warmup",
     "--out",
+    "--window",
+    "--softcap",
+    "--sinks",
   ):
     assert flag in text
 

@@ -2,7 +2,8 @@
 
 Roles, one file each:
   specs.py     named, tagged benchmark shapes and the default grids (data).
-  flops.py     the one FLOPs model (causal: exact unmasked-pair count).
+  options.py   window, softcap and sinks of a case: checks, labels, sinks.
+  flops.py     the one FLOPs model (causal, windows: exact visible pairs).
   impls.py     what is benchmarked: our backends and the JAX baselines, each
                turning a spec into a function or saying why it cannot.
   fp8_case.py  fp8 cases: the quantization pass, the FP8 attention and both

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,47 @@ def _non_negative_float(text: str) -> float:
   return value
 
 
+def _positive_float(text: str) -> float:
+  """An argparse `type`: a finite float > 0, else a usage error."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"expected a number; got {text!r}"
+    ) from None
+  if not 0 < value < math.inf:  # also rejects nan
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+  return value
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+  """An argparse `type`: "LEFT,RIGHT", each an int >= 0 or "none"
+  (unbounded), not both none; else a usage error."""
+  usage = (
+    "expected LEFT,RIGHT, each an integer >= 0 or 'none' (unbounded),"
+    f" e.g. 256,0 or 256,none; got {text!r}"
+  )
+  parts = [part.strip().lower() for part in text.split(",")]
+  if len(parts) != 2:
+    raise argparse.ArgumentTypeError(usage)
+  sides = []
+  for part in parts:
+    if part == "none":
+      sides.append(None)
+      continue
+    try:
+      sides.append(int(part))
+    except ValueError:
+      raise argparse.ArgumentTypeError(usage) from None
+    if sides[-1] < 0:
+      raise argparse.ArgumentTypeError(usage)
+  if sides == [None, None]:
+    raise argparse.ArgumentTypeError(
+      f"none,none is no window; leave --window out instead (got {text!r})"
+    )
+  return tuple(sides)
+
+
 def _unset(gpu, cpu) -> str:
   """Help text: what an unset flag means on each platform."""
   show = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -83,7 +125,9 @@ def add_parser(
       " bf16 matmul rate for % of peak. Without a GPU: a small CPU sweep"
       " of blockwise vs reference vs XLA (about a minute). Unset flags"
       " keep the platform default; every skipped case is reported with"
-      " its reason."
+      " its reason. --window, --softcap and --sinks apply to every case"
+      " and implementation; one that cannot serve them is skipped, saying"
+      " why, and FLOPs count only the pairs a window leaves visible."
     ),
     formatter_class=formatter_class,
   )
@@ -155,6 +199,26 @@ def add_parser(
     nargs="+",
     type=positive,
     help="query heads per key/value head, 1: MHA (unset: 1)",
+  )
+  p.add_argument(
+    "--window",
+    type=_window,
+    metavar="LEFT,RIGHT",
+    help="sliding window of every case, bottom-right aligned like --causal:"
+    " query i at p = i + seq_kv - seq_q sees keys p-LEFT..p+RIGHT; each"
+    " side an int or 'none' (unbounded), e.g. 256,0 (unset: no window)",
+  )
+  p.add_argument(
+    "--softcap",
+    type=_positive_float,
+    metavar="CAP",
+    help="logit softcap of every case: scores become CAP * tanh(score"
+    " / CAP) (unset: none)",
+  )
+  p.add_argument(
+    "--sinks",
+    action="store_true",
+    help="per-head sinks in every case: random float32 logits, fixed seed",
   )
   p.add_argument(
     "--tokens",
@@ -232,6 +296,9 @@ def grid_axes(args, platform: str) -> specs.GridAxes:
     tokens=args.tokens,
     hidden=args.hidden,
     causals=None if args.causal is None else (args.causal,),
+    window=args.window,
+    softcap=args.softcap,
+    sinks=args.sinks or None,
   )
   return dataclasses.replace(
     axes,

@@ -1,10 +1,13 @@
 """The one FLOPs model of the benchmarks.
 
 Forward: two matmuls (S = Q K^T, O = P V), `2 * d` and `2 * dv` FLOPs per
-(query, key) pair and query head. Causal counts exactly the unmasked pairs
-under bottom-right alignment (query i sees keys j <= i + seq_kv - seq_q),
-not half the square. Backward counts 2.5x the forward (five matmuls instead
-of two: FA2/FA3 convention), forward+backward 3.5x.
+visible (query, key) pair and query head. Causal masks and sliding windows
+count exactly the visible pairs under bottom-right alignment (query i sits
+at key position p = i + seq_kv - seq_q; causal: keys j <= p; window (left,
+right): p - left <= j <= p + right), not half the square. A softcap's tanh
+and the sinks are not matmul work and are not counted. Backward counts 2.5x
+the forward (five matmuls instead of two: FA2/FA3 convention),
+forward+backward 3.5x.
 """
 
 from __future__ import annotations
@@ -16,44 +19,74 @@ FWD_BWD_FACTOR = (7, 2)
 _MODE_FACTOR = {"fwd": (1, 1), "bwd": BWD_FACTOR, "fwd+bwd": FWD_BWD_FACTOR}
 
 
+def pairs_up_to(seq_q: int, seq_kv: int, diagonal: int) -> int:
+  """Pairs (i, j) of `[0, seq_q) x [0, seq_kv)` with `j <= i + diagonal`.
+
+  Row i holds `clip(i + diagonal + 1, 0, seq_kv)` of them: rows before
+  `first` none, rows from `full_from` on all `seq_kv`, the rows between an
+  arithmetic series.
+  """
+  first = min(seq_q, max(0, -diagonal))
+  full_from = min(seq_q, max(first, seq_kv - 1 - diagonal))
+  partial = 0
+  if full_from > first:
+    lo = first + diagonal + 1
+    hi = full_from - 1 + diagonal + 1
+    partial = (lo + hi) * (full_from - first) // 2
+  return partial + (seq_q - full_from) * seq_kv
+
+
 def causal_pairs(seq_q: int, seq_kv: int) -> int:
   """Unmasked (query, key) pairs of a bottom-right aligned causal mask.
 
   Query i (0-based) sees keys 0..min(i + seq_kv - seq_q, seq_kv - 1), i.e.
   `clip(i + seq_kv - seq_q + 1, 0, seq_kv)` keys.
   """
+  return pairs_up_to(seq_q, seq_kv, seq_kv - seq_q)
+
+
+def visible_pairs(
+  seq_q: int,
+  seq_kv: int,
+  causal: bool = False,
+  window: tuple[int | None, int | None] | None = None,
+) -> int:
+  """Visible (query, key) pairs of a causal mask and/or a sliding window.
+
+  The band `p - left <= j <= p + right` (p = i + seq_kv - seq_q; a None
+  side unbounded, causal caps right at 0) clipped to the score matrix: the
+  pairs up to its upper diagonal minus those below its lower one. Exact.
+  """
   offset = seq_kv - seq_q
-  # Rows with 0 < count < seq_kv form an arithmetic series; rows past the
-  # diagonal see every key, rows before it none.
-  first = max(0, -offset)  # first row that sees a key
-  full_from = max(0, seq_kv - 1 - offset)  # first row that sees all keys
-  full_from = min(full_from, seq_q)
-  partial = 0
-  if full_from > first:
-    lo = first + offset + 1
-    hi = full_from - 1 + offset + 1
-    partial = (lo + hi) * (full_from - first) // 2
-  return partial + (seq_q - full_from) * seq_kv
+  left, right = (None, None) if window is None else window
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  upper = (
+    seq_q * seq_kv
+    if right is None
+    else pairs_up_to(seq_q, seq_kv, offset + right)
+  )
+  below = 0 if left is None else pairs_up_to(seq_q, seq_kv, offset - left - 1)
+  return upper - below
 
 
 def attention_flops(spec, head_dim_v: int | None = None) -> int:
   """FLOPs of one benchmark case (`spec`: a `BenchSpec`-like object).
 
   Args:
-    spec: has batch, seq_q, seq_kv, heads_q, head_dim, causal and mode.
+    spec: has batch, seq_q, seq_kv, heads_q, head_dim, causal and mode; a
+      `window` (a `BenchSpec`'s) or `window_size` (an `AttentionSpec`'s)
+      attribute, when present, is counted too.
     head_dim_v: value head dim when it differs from `head_dim`.
 
   Returns:
     `2 * b * pairs * hq * (d + dv)` for the forward (`4 * b * sq * skv * hq
-    * d` when dv == d and not causal), times 2.5 for "bwd" and 3.5 for
-    "fwd+bwd"; an int.
+    * d` when dv == d and nothing is masked), times 2.5 for "bwd" and 3.5
+    for "fwd+bwd"; an int.
   """
   dv = spec.head_dim if head_dim_v is None else head_dim_v
-  pairs = (
-    causal_pairs(spec.seq_q, spec.seq_kv)
-    if spec.causal
-    else spec.seq_q * spec.seq_kv
-  )
+  window = getattr(spec, "window", None) or getattr(spec, "window_size", None)
+  pairs = visible_pairs(spec.seq_q, spec.seq_kv, spec.causal, window)
   fwd = 2 * spec.batch * pairs * spec.heads_q * (spec.head_dim + dv)
   num, den = _MODE_FACTOR[spec.mode]
   return fwd * num // den

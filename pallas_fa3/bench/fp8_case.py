@@ -10,7 +10,8 @@ bf16. Three timings per case: the quantization alone, the attention kernel
 alone on pre-quantized inputs, and the total, both in one call of
 `flash_attention(..., fp8=FP8Config(), config=<the same tiles>)`. The
 FLOPs are the attention's; the quantization's O(n d) work is not counted.
-FP8 is forward only: backward modes are skipped with the reason.
+FP8 is forward only: backward modes are skipped with the reason, and so
+are cases with a window, softcap or sinks (the FP8 path has none).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 import pallas_fa3
 from pallas_fa3 import backends, fp8
-from pallas_fa3.bench import specs, timing
+from pallas_fa3.bench import options, specs, timing
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 
 # The backends with an FP8 path, as the registry says.
@@ -47,6 +48,11 @@ def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
   """Why `name` cannot run the fp8 `spec`; None for non-fp8 specs."""
   if spec.dtype != "fp8":
     return None
+  if spec.modifiers:
+    return (
+      f"the FP8 forward has no {options.join_names(spec.modifiers)}"
+      " (flash_attention(fp8=...) refuses them; compare the bf16 rows)"
+    )
   if name not in FP8_IMPLS:
     return (
       f"{name} has no FP8 path: fp8 cases run on"

@@ -2,10 +2,12 @@
 
 Each `Impl` turns a `BenchSpec` into a function `(q, k, v) -> out` with our
 conventions (layout `[batch, seq, heads, head_dim]`, scale `1/sqrt(d)`,
-bottom-right causal), or gives the reason it cannot serve the spec. A
-backend that raises `NotImplementedError` while being traced is reported as
-skipped with that message by the runner, so a backend starts being measured
-by itself as soon as it is implemented.
+bottom-right causal, the spec's window, softcap and sinks), or gives the
+reason it cannot serve the spec. A backend that raises `NotImplementedError`
+while being traced (e.g. for a window it does not implement yet) is reported
+as skipped with that message by the runner, so a backend starts being
+measured by itself as soon as it is implemented. Sinks are inputs of the
+timed function but not differentiated (their gradient is O(n) work).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import IMPLEMENTATIONS, backends, flash_attention
-from pallas_fa3.bench import specs
+from pallas_fa3.bench import options, specs
 
 OURS: tuple[str, ...] = (
   IMPLEMENTATIONS  # mosaic, interpret, blockwise, reference
@@ -94,6 +96,7 @@ def _ours_unsupported(name):
 
 def _ours_build(name, deterministic=False):
   def build(spec):
+    sinks = options.sinks_for(spec.heads_q) if spec.sinks else None
     return lambda q, k, v: flash_attention(
       q,
       k,
@@ -101,9 +104,20 @@ def _ours_build(name, deterministic=False):
       causal=spec.causal,
       implementation=name,
       deterministic=deterministic,
+      window_size=spec.window,
+      softcap=spec.softcap,
+      sinks=sinks,
     )
 
   return build
+
+
+def _no_options(spec, who: str, has: tuple[str, ...] = ()) -> str | None:
+  """The reason `who` cannot serve the spec's options beyond `has`."""
+  missing = tuple(n for n in spec.modifiers if n not in has)
+  if not missing:
+    return None
+  return f"{who} has no {options.join_names(missing)} option"
 
 
 def _dpa_unsupported(implementation):
@@ -113,17 +127,42 @@ def _dpa_unsupported(implementation):
         return f"cuDNN attention needs a GPU (default backend: {platform})"
       if spec.dtype not in _HALF_DTYPES:
         return f"cuDNN flash attention takes bf16/fp16, not {spec.dtype}"
+    reason = _no_options(spec, "jax.nn.dot_product_attention", has=("window",))
+    if reason:
+      return reason
     if spec.causal and spec.seq_q != spec.seq_kv:
       return _TOP_LEFT
+    if spec.window is not None and spec.seq_q != spec.seq_kv:
+      return _TOP_LEFT.replace("is_causal", "local_window_size")
+    if (
+      implementation == "cudnn"
+      and spec.window is not None
+      and not spec.causal
+      and spec.window[1] != 0
+    ):
+      return "cuDNN's window has no right side unless causal (right must be 0)"
     return None
 
   return check
 
 
+def _dpa_window(spec) -> tuple[int, int] | None:
+  """The spec's window as `local_window_size` (top-left aligned, equal to
+  ours at seq_q == seq_kv; an unbounded side becomes seq_kv)."""
+  if spec.window is None:
+    return None
+  return tuple(spec.seq_kv if w is None else w for w in spec.window)
+
+
 def _dpa_build(implementation):
   def build(spec):
     return lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=spec.causal, implementation=implementation
+      q,
+      k,
+      v,
+      is_causal=spec.causal,
+      local_window_size=_dpa_window(spec),
+      implementation=implementation,
     )
 
   return build
@@ -142,6 +181,9 @@ def _mgpu_unsupported(spec, platform):
   if platform != "gpu":
     return f"attention_mgpu needs a Hopper GPU (default backend: {platform})"
   _, reason = _import_mgpu()
+  if reason:
+    return reason
+  reason = _no_options(spec, "attention_mgpu")
   if reason:
     return reason
   if spec.dtype not in _HALF_DTYPES:

@@ -1,17 +1,21 @@
 """PNG plots made from the records: FLOP/s vs sequence length.
 
-One figure per (mode, dtype); one panel per head dim x causal; one line per
-implementation at the median time, with error bars from the fastest and the
-slowest timed call (min/max). The title names the device and the JAX
-version. fp8 plots the total (quantization + attention). matplotlib with
-the Agg backend (no display needed).
+One figure per (mode, dtype, options: window, softcap, sinks); one panel
+per head dim x causal; one line per implementation at the median time, with
+error bars from the fastest and the slowest timed call (min/max). The title
+names the device, the JAX version and the options that are set (they also
+suffix the file name). fp8 plots the total (quantization + attention).
+matplotlib with the Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
 from typing import Any
+
+from pallas_fa3.bench import options
 
 
 def _unit(records: list[dict]) -> tuple[str, float]:
@@ -51,9 +55,9 @@ def figures(
   unit, scale = _unit(ok)
   groups = collections.defaultdict(list)
   for r in ok:
-    groups[(r["mode"], r["dtype"])].append(r)
+    groups[(r["mode"], r["dtype"], options.record_label(r))].append(r)
   out = []
-  for (mode, dtype), rows in sorted(groups.items()):
+  for (mode, dtype, label), rows in sorted(groups.items()):
     dims = sorted({r["head_dim"] for r in rows})
     causals = sorted({r["causal"] for r in rows})
     fig, axes = plt.subplots(
@@ -94,19 +98,22 @@ def figures(
         if lines:
           ax.legend(fontsize="small")
     what = " (quantization + attention)" if dtype == "fp8" else ""
+    what += f", {label}" if label else ""
     fig.suptitle(
       f"{mode} {dtype}{what}: {unit} of the median call, bars:"
       f" fastest to slowest\n{where}"
     )
     fig.tight_layout()
-    out.append((f"tflops_{mode.replace('+', '_')}_{dtype}.png", fig))
+    slug = re.sub(r"[^0-9a-z.]+", "_", label).strip("_")
+    name = f"tflops_{mode.replace('+', '_')}_{dtype}{'_' if slug else ''}{slug}"
+    out.append((f"{name}.png", fig))
   return out
 
 
 def plot(
   records: list[dict], out_dir: str, environment: dict | None = None
 ) -> list[str]:
-  """Writes `tflops_<mode>_<dtype>.png` files; returns their paths.
+  """Writes `tflops_<mode>_<dtype>[_<options>].png` files; returns paths.
 
   Args:
     records: the sweep's records.

@@ -10,6 +10,8 @@ import csv
 import json
 import os
 
+from pallas_fa3.bench import options
+
 CSV_FILE = "results.csv"
 # Environment fields repeated on every CSV row, so that the CSV loads with a
 # plain `pandas.read_csv(path)` and CSVs of several machines concatenate;
@@ -62,8 +64,10 @@ def _cell(r: dict, show_peak: bool) -> str:
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
-  """Header and rows of the summary table: one row per spec."""
+  """Header and rows of the summary table: one row per spec; an "options"
+  column (window, softcap, sinks) when any case sets one."""
   records = result["records"]
+  with_options = any(options.record_label(r) for r in records)
   show_peak = bool(result.get("matmul_peak_tflops"))
   impl_names = list(dict.fromkeys(r["impl"] for r in records))
   specs = list(dict.fromkeys(r["spec"] for r in records))
@@ -72,7 +76,9 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
   for x in ratios(records, ours):
     speed[x["spec"]].append(f"{x['baseline']} {x['speedup']:.2f}x")
   header = (
-    ["mode", "dtype", "d", "causal", "seq", "b x hq/hk"]
+    ["mode", "dtype", "d", "causal"]
+    + (["options"] if with_options else [])
+    + ["seq", "b x hq/hk"]
     + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)" for n in impl_names]
     + [f"{ours} temp MiB", f"{ours} / baseline"]
   )
@@ -87,6 +93,9 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
         first["dtype"],
         str(first["head_dim"]),
         "yes" if first["causal"] else "no",
+      ]
+      + ([options.record_label(first) or "-"] if with_options else [])
+      + [
         str(first["seq_q"])
         if first["seq_q"] == first["seq_kv"]
         else f"{first['seq_q']}x{first['seq_kv']}",

@@ -1,10 +1,12 @@
 """The sweep: plan (impl, spec) cases, measure each, collect records.
 
-Every planned case yields one record (a flat dict, one CSV row): status "ok"
-with times, TFLOPs/s and memory (fp8: also the quantization and the
-attention timed apart); "skipped" with the reason (unsupported shape,
-backend not implemented, no GPU, FP8 backward, time budget); or "error"
-with the exception. Nothing is dropped silently.
+Every planned case yields one record (a flat dict, one CSV row): status
+"ok" with times, TFLOPs/s and memory (fp8: also the quantization and the
+attention timed apart); "skipped" with the reason (unsupported shape or
+option, backend not implemented, no GPU, FP8 backward, time budget); or
+"error" with the exception. Nothing is dropped silently. A record's
+`window` is "LEFT,RIGHT" text as on the command line (None: no window),
+`softcap` a float or None and `sinks` a bool.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pallas_fa3.bench import flops, fp8_case, impls, specs, timing
+from pallas_fa3.bench import flops, fp8_case, impls, options, specs, timing
 
 _MIB = 2**20
 _REASON_CHARS = 400  # keep error messages readable in tables and CSV
@@ -101,6 +103,9 @@ def _base_record(impl, spec) -> dict:
     heads_kv=spec.heads_kv,
     head_dim=spec.head_dim,
     causal=spec.causal,
+    window=options.format_window(spec.window),
+    softcap=spec.softcap,
+    sinks=spec.sinks,
     gqa=spec.gqa,
     tags=" ".join(spec.tags),
     flops=flops.attention_flops(spec),

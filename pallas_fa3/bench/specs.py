@@ -13,6 +13,13 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 
+from pallas_fa3.bench.options import (
+  Window,
+  check_modifiers,
+  format_window,
+  modifier_names,
+)
+
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
 # Short names used on the command line -> the inputs' JAX dtype. fp8 cases
 # take bf16 inputs and quantize them to e4m3 (bench/fp8_case.py); fp32 is
@@ -63,6 +70,10 @@ class BenchSpec:
     dtype: a key of `DTYPES` ("bf16", "fp16", "fp32", "fp8").
     mode: "fwd", "bwd" (the backward pass alone) or "fwd+bwd".
     tags: free labels for selection and reports.
+    window: `flash_attention`'s `window_size`, `(left, right)` with each
+      side a non-negative int or None (unbounded); None: no window.
+    softcap: `flash_attention`'s `softcap` (a positive float) or None.
+    sinks: pass per-head sinks (`options.sinks_for`: random, fixed seed).
   """
 
   name: str
@@ -76,6 +87,9 @@ class BenchSpec:
   dtype: str
   mode: str
   tags: tuple[str, ...] = ()
+  window: Window | None = None
+  softcap: float | None = None
+  sinks: bool = False
 
   def __post_init__(self):
     for field in (
@@ -105,6 +119,9 @@ class BenchSpec:
       raise ValueError(
         f"BenchSpec {self.name!r}: mode {self.mode!r} not in {MODES}"
       )
+    check_modifiers(
+      self.window, self.softcap, self.sinks, f"BenchSpec {self.name!r}: "
+    )
 
   @property
   def gqa(self) -> int:
@@ -120,6 +137,11 @@ class BenchSpec:
   def correctness_only(self) -> bool:
     return TINY_TAG in self.tags
 
+  @property
+  def modifiers(self) -> tuple[str, ...]:
+    """The `flash_attention` options this case sets beyond causal."""
+    return modifier_names(self.window, self.softcap, self.sinks)
+
 
 @dataclasses.dataclass(frozen=True)
 class GridAxes:
@@ -127,6 +149,7 @@ class GridAxes:
 
   `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
   query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
+  `window`, `softcap` and `sinks` are not axes: every spec gets them.
   """
 
   tokens: int
@@ -138,6 +161,9 @@ class GridAxes:
   modes: tuple[str, ...] = ("fwd",)
   gqa: tuple[int, ...] = (1,)
   tags: tuple[str, ...] = ()
+  window: Window | None = None
+  softcap: float | None = None
+  sinks: bool = False
 
 
 PAPER_AXES = GridAxes(
@@ -159,12 +185,31 @@ CPU_AXES = GridAxes(
 
 
 def spec_name(
-  mode, dtype, batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, causal
+  mode,
+  dtype,
+  batch,
+  seq_q,
+  seq_kv,
+  heads_q,
+  heads_kv,
+  head_dim,
+  causal,
+  *,
+  window=None,
+  softcap=None,
+  sinks=False,
 ) -> str:
+  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks"."""
   seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
+  win = format_window(window)
+  extra = (
+    ("" if win is None else f"-win{win.replace(',', '_')}")
+    + ("" if softcap is None else f"-softcap{softcap:g}")
+    + ("-sinks" if sinks else "")
+  )
   return (
     f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
-    f"{'causal' if causal else 'full'}"
+    f"{'causal' if causal else 'full'}{extra}"
   )
 
 
@@ -194,9 +239,12 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
 
   Raises:
     ValueError: a head dim over MAX_HEAD_DIM or not dividing the hidden size,
-      or a GQA ratio not dividing the number of query heads.
+      a GQA ratio not dividing the number of query heads, or a bad window,
+      softcap or sinks.
   """
   check_head_dims(axes.head_dims, axes.hidden)
+  check_modifiers(axes.window, axes.softcap, axes.sinks)
+  mods = dict(window=axes.window, softcap=axes.softcap, sinks=axes.sinks)
   specs = []
   for mode, dtype, d, causal, gqa, seq in itertools.product(
     axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa, axes.seqs
@@ -211,11 +259,21 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
       axes.tags
       + (f"d{d}", "causal" if causal else "full", mode, dtype)
       + (("gqa",) if gqa > 1 else ())
+      + modifier_names(**mods)
     )
     specs.append(
       BenchSpec(
         spec_name(
-          mode, dtype, batch, seq, seq, heads_q, heads_q // gqa, d, causal
+          mode,
+          dtype,
+          batch,
+          seq,
+          seq,
+          heads_q,
+          heads_q // gqa,
+          d,
+          causal,
+          **mods,
         ),
         batch,
         seq,
@@ -227,6 +285,7 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
         dtype,
         mode,
         tags,
+        **mods,
       )
     )
   return specs
@@ -240,12 +299,18 @@ def tiny_spec(
   head_dim: int = 64,
   causal: bool = True,
   gqa: int = 1,
+  window: Window | None = None,
+  softcap: float | None = None,
+  sinks: bool = False,
 ) -> BenchSpec:
   """A small case for the interpret backend (correctness, not speed)."""
   heads_kv = 1 if gqa > 1 else 2
   heads_q = heads_kv * gqa
+  mods = dict(window=window, softcap=softcap, sinks=sinks)
   return BenchSpec(
-    spec_name(mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal),
+    spec_name(
+      mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal, **mods
+    ),
     1,
     seq,
     seq,
@@ -256,6 +321,7 @@ def tiny_spec(
     dtype,
     mode,
     (TINY_TAG,),
+    **mods,
   )
 
 
@@ -264,7 +330,8 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
 
   The cheapest grid point (forward first, then the shortest sequence, the
   smallest head dim, causal before not) at batch 1 and two key/value heads:
-  its dtype, mode, mask, sequence, head dim and GQA ratio are the grid's.
+  its dtype, mode, mask, sequence, head dim, GQA ratio, window, softcap
+  and sinks are the grid's.
   The runner skips it, saying why, when its sequence exceeds TINY_MAX_SEQ.
   """
   s = min(
@@ -284,6 +351,9 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
     head_dim=s.head_dim,
     causal=s.causal,
     gqa=s.gqa,
+    window=s.window,
+    softcap=s.softcap,
+    sinks=s.sinks,
   )
 
 

@@ -1,6 +1,7 @@
 """The terminal summary: small tables that fit 80 columns.
 
-One table per (mode, dtype): a row per shape (head dim, causal, seq), a
+One table per (mode, dtype, options): its title names the window, softcap
+and sinks when set; a row per shape (head dim, causal, seq), a
 column per implementation that ran (TFLOP/s of the median time; GFLOP/s
 when every figure is under 1 TFLOP/s), and the speedup of ours over the
 fastest other implementation. fp8 cells are total/kernel (quantization
@@ -15,7 +16,7 @@ import collections
 import textwrap
 from typing import Any
 
-from pallas_fa3.bench import report
+from pallas_fa3.bench import options, report
 
 WIDTH = 80
 _KEY_COLUMNS = ("d", "causal", "seq")
@@ -49,7 +50,8 @@ def _speedup(cases: dict, ours: str) -> str:
 def tables(
   result: dict, ours: str
 ) -> list[tuple[str, list[str], list[list[str]]]]:
-  """(title, header, rows) of each (mode, dtype) table, in sweep order.
+  """(title, header, rows) of each (mode, dtype, options) table, in sweep
+  order.
 
   An implementation gets a column where it ran at least one shape of the
   table (its skips are listed after the tables).
@@ -62,9 +64,10 @@ def tables(
   runs = result["settings"]["runs"]
   groups = collections.defaultdict(lambda: collections.defaultdict(dict))
   for r in timed:
-    groups[(r["mode"], r["dtype"])][r["spec"]][r["impl"]] = r
+    key = (r["mode"], r["dtype"], options.record_label(r))
+    groups[key][r["spec"]][r["impl"]] = r
   out = []
-  for (mode, dtype), by_spec in groups.items():
+  for (mode, dtype, label), by_spec in groups.items():
     names = list(
       dict.fromkeys(
         n
@@ -90,7 +93,8 @@ def tables(
         + [_cell(cases[n], scale) if n in cases else "" for n in names]
         + ([_speedup(cases, ours)] if speedup else [])
       )
-    title = f"{mode} {dtype}: {unit}, median of {runs} runs"
+    title = f"{mode} {dtype}{', ' + label if label else ''}: {unit}, median"
+    title += f" of {runs} runs"
     if dtype == "fp8":
       title += "; cells: total/kernel"
     out.append((title, header, rows))
