@@ -116,30 +116,36 @@ def golden_and_naive(
   causal: bool = False,
   softmax_scale: float | None = None,
   dlse: Any = None,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: Any = None,
 ) -> tuple[tuple, tuple]:
-  """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem.
+  """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem,
+  with d/dsinks last when `sinks` is given.
 
   The naive attention keeps every intermediate in the inputs' dtype (float32
   for float32 inputs) and is differentiated by plain JAX autodiff.
   """
-  g_out, g_lse = golden_attention(
-    q, k, v, causal=causal, softmax_scale=softmax_scale
+  options = dict(
+    causal=causal,
+    softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
   )
-  g_grads = golden_attention_vjp(
-    q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale
-  )
-  naive = lambda q, k, v: reference_attention(
+  g_out, g_lse = golden_attention(q, k, v, sinks=sinks, **options)
+  g_grads = golden_attention_vjp(q, k, v, dout, dlse, sinks=sinks, **options)
+  naive = lambda q, k, v, sinks: reference_attention(
     q,
     k,
     v,
-    causal=causal,
-    softmax_scale=softmax_scale,
+    sinks=sinks,
     return_lse=True,
     intermediate_dtype=q.dtype,
+    **options,
   )
-  (n_out, n_lse), pullback = jax.vjp(naive, q, k, v)
+  (n_out, n_lse), pullback = jax.vjp(naive, q, k, v, sinks)
   n_dlse = jnp.zeros_like(n_lse) if dlse is None else dlse
-  n_grads = pullback((dout, n_dlse))
+  n_grads = [g for g in pullback((dout, n_dlse)) if g is not None]
   return (g_out, g_lse) + tuple(g_grads), (n_out, n_lse) + tuple(n_grads)
 
 

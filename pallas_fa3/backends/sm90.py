@@ -58,11 +58,12 @@ def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
 
 
 def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
-  if modifiers.active(spec):
-    return f"{', '.join(modifiers.active(spec))}: not yet in the sm90 kernels"
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   if spec.fp8 is not None:
+    if modifiers.active(spec):
+      names = ", ".join(modifiers.active(spec))
+      return f"the FP8 kernel has no {names}"
     if config.backward is not None:
       return "fp8 has no backward, so Sm90Config.backward must be None"
     return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
@@ -89,11 +90,18 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    sinks: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
     return kernel.sm90_forward(
-      spec, config.forward, q, k, v, interpret=_interpret_params(interpret)
+      spec,
+      config.forward,
+      q,
+      k,
+      v,
+      interpret=_interpret_params(interpret),
+      sinks=sinks,
     )
 
   return forward

@@ -149,7 +149,8 @@ def short_label(
       tiles += " fused"
     else:
       tiles += f" q{config.dq_consumers}/{config.dq_head_splits}"
-  return f"d{spec.head_dim} {'causal' if spec.causal else 'full'} {tiles}"
+  mask = "causal" if spec.causal else "full"
+  return f"d{spec.head_dim} {mask}{modifier_label(spec)} {tiles}"
 
 
 def compile_report(
@@ -205,15 +206,33 @@ def compile_forward(
   spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
 ) -> CompileReport:
   """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+  import jax.numpy as jnp
+
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 
   mesh = h200_mesh() if mesh is None else mesh
+  sinks = None  # a constant stand-in: the kernel still reads it
+  if spec.sinks:
+    sinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
   return compile_report(
-    f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal} {config}",
-    lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v),
+    f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+    f"{modifier_label(spec)} {config}",
+    lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v, sinks=sinks),
     bf16_operands(spec, mesh, backward=False),
     short_label(spec, config),
   )
+
+
+def modifier_label(spec: AttentionSpec) -> str:
+  """ " window=(l, r) softcap=c sinks" for the modifiers a spec uses."""
+  parts = []
+  if spec.window_size is not None:
+    parts.append(f"window={spec.window_size}")
+  if spec.softcap is not None:
+    parts.append(f"softcap={spec.softcap:g}")
+  if spec.sinks:
+    parts.append("sinks")
+  return "".join(" " + p for p in parts)
 
 
 def compile_backward(
@@ -226,7 +245,7 @@ def compile_backward(
   mesh = h200_mesh() if mesh is None else mesh
   return compile_report(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}"
-    f" {spec.dtype} causal={spec.causal}"
+    f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
     lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
     bf16_operands(spec, mesh, backward=True),
@@ -270,6 +289,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     " the quantization kernel instead",
   )
   sweeps.add_argument(
+    "--modifiers",
+    action="store_true",
+    help="the default forward and backward kernels of every head dim with"
+    " windows, softcap and sinks (MODIFIER_CASES) instead",
+  )
+  sweeps.add_argument(
     "--backward-shapes",
     action="store_true",
     help="sweep every backward config over more shapes"
@@ -286,6 +311,8 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
     return sweeps.defaults_sweep()
   if args.backward_shapes:
     return sweeps.backward_shapes_sweep()
+  if args.modifiers:
+    return sweeps.modifiers_sweep()
   return sweeps.sweep()
 
 

@@ -19,6 +19,17 @@ from pallas_fa3.kernels.aot_fp8 import compile_forward_fp8, compile_quantize
 if TYPE_CHECKING:
   pass
 
+# `--modifiers`: (window_size, softcap, sinks, causal) at `PROFILE_SHAPE`.
+MODIFIER_CASES = (
+  ((256, None), None, False, True),  # sliding window, causal (FA3's (256, 0))
+  ((128, 128), None, False, False),  # both sides, not causal
+  ((128, None), None, False, False),  # left only, not causal
+  ((None, 128), None, False, False),  # right only, not causal
+  (None, 30.0, False, True),  # softcap (Gemma 2)
+  (None, None, True, True),  # sinks (gpt-oss)
+  ((256, None), 30.0, True, True),  # all three
+)
+
 
 def sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config) for every supported config of every
@@ -144,3 +155,30 @@ def defaults_sweep() -> Iterator[SweepItem]:
         yield compile_forward_fp8, spec, config
         if not causal:  # the quantization pass does not depend on it
           yield compile_quantize, spec, config
+
+
+def modifiers_sweep() -> Iterator[SweepItem]:
+  """The default forward and both backwards (fused; dK/dV + dQ) of every
+  head dim with each of `MODIFIER_CASES` (windows, softcap, sinks), bf16 at
+  `PROFILE_SHAPE`."""
+  import jax
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((b, s, hq, d), "bfloat16")
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), "bfloat16")
+    for window, cap, sinks, causal in MODIFIER_CASES:
+      spec = make_spec(
+        q, kv, kv, causal=causal, window_size=window, softcap=cap, sinks=sinks
+      )
+      yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      for det in (False, True):
+        bwd = dataclasses.replace(spec, deterministic=det)
+        config = sm90_bwd_config.default_backward_config(bwd)
+        yield compile_backward, bwd, config

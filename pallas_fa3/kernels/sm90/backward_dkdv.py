@@ -21,16 +21,17 @@ from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
   DkdvPlan,
   cta_position,
-  first_q_tile,
   own_kv_tile,
+  q_tile_range,
   store_dkdv,
 )
 from pallas_fa3.kernels.sm90.common import (
   consumer_regs,
   row_probabilities,
+  softcap_grad,
+  softcapped,
 )
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
-from pallas_fa3.spec import LOG2E
 
 
 def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
@@ -62,9 +63,7 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   k_chunks = [my_k.at[c] for c in range(plan.splits)]
   v_chunks = [my_v.at[c] for c in range(plan.splits)]
 
-  first = first_q_tile(plan, cta_kv0)
-  per_head = plan.num_q_blocks - first
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
+  first, per_head = q_tile_range(plan, cta_kv0)
   # CTA-split head dims take each query tile in halves of `block_q / 2`
   # rows (64-byte swizzle: a half is a whole wgmma K step).
   halves = plan.q_halves
@@ -77,13 +76,13 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     # S^T = K Q^T, [block_kv, sub]
-    s_t = ops.scores(k_chunks, q_parts)
-    s_t = s_t * scale_log2 - lax.broadcast_in_dim(
+    t_t, scale_log2 = softcapped(spec, ops.scores(k_chunks, q_parts))
+    s_t = t_t * scale_log2 - lax.broadcast_in_dim(
       ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
     )
     p_t = jnp.exp2(s_t)
     if masked:
-      # Causal only: padded keys' rows of dK, dV are sliced off.
+      # Causal/window only: padded keys' rows of dK, dV are sliced off.
       mask = masking.visible_tile_at(
         spec,
         qi * cfg.block_q + h * sub,
@@ -95,13 +94,18 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
         check_seq_kv=False,
       )
       p_t = jnp.where(mask, p_t, 0.0)
+    # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T.
+    pg_t = None
+    if spec.softcap is not None:
+      pg_t = softcap_grad(p_t, t_t).astype(spec.dtype)
     p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
+    pg_t = p_t if pg_t is None else pg_t
     dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
     # dP^T = V dO^T
     dp_t = ops.scores(v_chunks, do_parts)
     # Loaded only now: the dK, dV accumulators leave few registers.
     delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
-    ds_t = p_t.astype(jnp.float32) * (
+    ds_t = pg_t.astype(jnp.float32) * (
       dp_t - lax.broadcast_in_dim(delta, shape, [1])
     )
     dk = ops.accumulate_pv(
@@ -122,13 +126,13 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     return carry
 
   def per_group_head(h, carry):
-    # Causal: every step masks (exact on visible tiles too); a separate
-    # masked loop spilled (docs/design_notes.md#backward-kernels).
+    # Causal/window: every step masks (exact on visible tiles too); a
+    # separate masked loop spilled (docs/design_notes.md#backward-kernels).
     base = h * per_head
     return lax.fori_loop(
       first,
-      plan.num_q_blocks,
-      functools.partial(step, base=base, masked=spec.causal),
+      first + per_head,
+      functools.partial(step, base=base, masked=spec.masked),
       carry,
     )
 
@@ -204,8 +208,7 @@ def dkdv_shared_consumer(
   k_mine = [k_tile.at[c].at[mine] for c in range(plan.splits)]
   v_mine = [v_tile.at[c].at[mine] for c in range(plan.splits)]
 
-  first = first_q_tile(plan, kv0)
-  per_head = plan.num_q_blocks - first
+  first, per_head = q_tile_range(plan, kv0)
   shape = (cfg.block_q, half)
 
   def step(qi, carry, *, h):
@@ -219,21 +222,24 @@ def dkdv_shared_consumer(
     do_chunks = [do_tile.at[c] for c in range(plan.splits)]
 
     def grads(read_s, read_dp):  # dP is in flight while P is computed
-      # Causal: masked on every tile (exact there too); padded keys' rows
-      # of dK, dV are sliced off.
-      p = row_probabilities(
+      # Causal/window: masked on every tile (exact there too); padded
+      # keys' rows of dK, dV are sliced off.
+      p, t = row_probabilities(
         ops,
         spec,
         read_s(),
         ops.load_rows(lse_smem.at[slot]),
         qi * cfg.block_q,
         kv0 + w * half,
-        masked=spec.causal,
+        masked=spec.masked,
         check_seq_kv=False,
         at_most_one=sink is not None,  # finite P past seq_kv: fused_consumer
-      ).astype(spec.dtype)
+      )
+      pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)
+      p = p.astype(spec.dtype)
+      pg = p if pg is None else pg
       delta = ops.load_rows(dl_smem.at[slot])
-      ds = p.astype(jnp.float32) * (
+      ds = pg.astype(jnp.float32) * (
         read_dp() - lax.broadcast_in_dim(delta, shape, [0])
       )
       return p, ds.astype(spec.dtype)
@@ -266,7 +272,7 @@ def dkdv_shared_consumer(
   def per_group_head(h, carry):
     return lax.fori_loop(
       first,
-      plan.num_q_blocks,
+      first + per_head,
       functools.partial(step, h=h),
       carry,
     )

@@ -148,12 +148,16 @@ def store_dkdv(
   plgpu.wait_smem_to_gmem(0)
 
 
-def first_q_tile(plan: DkdvPlan, kv0: Any) -> jax.Array:
-  """The first query tile that sees any of the CTA's keys [kv0, kv0 + rows)
-  (earlier ones are skipped: causal)."""
+def q_tile_range(plan: DkdvPlan, kv0: Any) -> tuple[jax.Array, jax.Array]:
+  """(first query tile, query tiles per head) that see any of the CTA's
+  keys `[kv0, kv0 + kv_rows_per_cta)`; the others (causal diagonal, window)
+  are skipped. The count may be 0: no row sees these keys."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
-  first = masking.first_q_block_visible(spec, kv0, bq, nq)
-  return jnp.asarray(first, jnp.int32)
+  first, end = masking.q_block_range(
+    spec, kv0, kv0 + plan.kv_rows_per_cta, bq, nq
+  )
+  first = jnp.asarray(first, jnp.int32)
+  return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
 
 
 def dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
@@ -175,8 +179,7 @@ def dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
   plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = cta_position(plan)
-  first = first_q_tile(plan, cta_kv0)
-  per_head = plan.num_q_blocks - first
+  first, per_head = q_tile_range(plan, cta_kv0)
   steps = spec.group_size * per_head
   stages = cfg.num_stages
 

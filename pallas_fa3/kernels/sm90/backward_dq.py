@@ -66,8 +66,7 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
   lse2 = ops.load_rows(lse_smem.at[wg])
   delta = ops.load_rows(dl_smem.at[wg])
 
-  steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = common.kv_steps(plan, cta_row0, plan.rows_per_cta)
+  walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q)
   # A lone consumer takes each K/V tile in halves of `block_kv / 2` keys
   # (64-byte swizzle: a half is a whole wgmma K step).
   halves = 2 if plan.row_blocks == 1 else 1
@@ -80,9 +79,11 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
     s = ops.scores(my_q, k_tile)
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
-      p = common.row_probabilities(
-        ops, spec, s, lse2, row0, j * cfg.block_kv + h * sub, masked=masked
+      kv0 = (walk.first + j) * cfg.block_kv + h * sub
+      p, t = common.row_probabilities(
+        ops, spec, s, lse2, row0, kv0, masked=masked
       )
+      p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
 
@@ -99,12 +100,9 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
     return dq
 
   dq = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
-  dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(
-    unmasked, steps, functools.partial(step, masked=plan.needs_mask), dq
-  )
+  dq = common.walk_steps(walk, step, dq, masked=plan.needs_mask)
 
-  @pl.loop(steps, cta_steps)
+  @pl.loop(walk.steps, walk.cta_steps)
   def _drain(j):  # tiles loaded for the other consumer's rows (causal)
     slot = lax.rem(j, cfg.num_stages)
     plgpu.barrier_wait(k_full.at[slot])
@@ -171,7 +169,7 @@ def _dq_shared_consumer(
   lse2 = ops.load_rows(lse_smem.at[0])
   delta = ops.load_rows(dl_smem.at[0])
 
-  steps, unmasked = common.kv_steps(plan, row0, cfg.block_q)
+  walk = common.kv_walk(plan, row0, row0, cfg.block_q)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
@@ -185,9 +183,11 @@ def _dq_shared_consumer(
     s = ops.scores(my_q, k_tile.at[mine])
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      p = common.row_probabilities(
-        ops, spec, s, lse2, row0, j * cfg.block_kv + w * half, masked=masked
+      kv0 = (walk.first + j) * cfg.block_kv + w * half
+      p, t = common.row_probabilities(
+        ops, spec, s, lse2, row0, kv0, masked=masked
       )
+      p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)
 
@@ -203,10 +203,7 @@ def _dq_shared_consumer(
     return dq
 
   dq = ops.tile(jnp.zeros((cfg.block_q, dc), jnp.float32))
-  dq = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(
-    unmasked, steps, functools.partial(step, masked=plan.needs_mask), dq
-  )
+  dq = common.walk_steps(walk, step, dq, masked=plan.needs_mask)
   # Both consumers passed the last rendezvous after their last read of Q:
   # each writes its half of dQ into the Q tile, and consumer 0 stores it.
   my_q.at[:, cols][...] = (dq * jnp.float32(spec.softmax_scale)).astype(

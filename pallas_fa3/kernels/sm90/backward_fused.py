@@ -32,14 +32,15 @@ from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
   DkdvPlan,
   cta_position,
-  first_q_tile,
   own_kv_tile,
+  q_tile_range,
   store_dkdv,
 )
 from pallas_fa3.kernels.sm90.common import (
   consumer_regs,
   row_probabilities,
   smem_transforms,
+  softcap_grad,
 )
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
 
@@ -149,8 +150,7 @@ def fused_consumer(
   )
   my_k, my_v = k_chunks.at[0], v_chunks.at[0]  # fused: no head-dim split
 
-  first = first_q_tile(plan, cta_kv0)
-  per_head = plan.num_q_blocks - first
+  first, per_head = q_tile_range(plan, cta_kv0)
   shape = (cfg.block_kv, cfg.block_q)
   cols = pl.ds(w * plan.dq_cols, plan.dq_cols)
   # dQ = dS K: over both consumers' keys for my columns, or over mine.
@@ -165,14 +165,14 @@ def fused_consumer(
     q_tile, do_tile = q_smem.at[slot, 0], do_smem.at[slot, 0]
 
     def grads(read_s, read_dp):
-      p_t = row_probabilities(
+      p_t, t_t = row_probabilities(
         ops,
         spec,
         read_s(),
         ops.load_cols(lse_smem.at[slot]),
         qi * cfg.block_q,
         kv0,
-        masked=spec.causal,
+        masked=spec.masked,
         check_seq_kv=False,
         q_axis=1,
         # dQ sums over keys past seq_kv (times zero K rows): P^T must stay
@@ -180,7 +180,8 @@ def fused_consumer(
         at_most_one=True,
       )
       delta = ops.load_cols(dl_smem.at[slot])
-      ds_t = p_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
+      pg_t = softcap_grad(p_t, t_t)  # P^T (1 - t^2) with softcap
+      ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
       return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
 
     p_t, ds_t = ops.score_pair((my_k, q_tile), (my_v, do_tile), grads)
@@ -210,7 +211,7 @@ def fused_consumer(
 
   def per_group_head(h, carry):
     return lax.fori_loop(
-      first, plan.num_q_blocks, functools.partial(step, h=h), carry
+      first, first + per_head, functools.partial(step, h=h), carry
     )
 
   zeros = ops.tile(jnp.zeros((cfg.block_kv, spec.head_dim), jnp.float32))
@@ -226,15 +227,21 @@ def sum_slab(plan: DkdvPlan, slab: jax.Array) -> jax.Array:
   wrote, query tiles that see none of its keys, are left out)."""
   spec, bq = plan.spec, plan.config.block_q
   with jax.ensure_compile_time_eval():  # static: Python ints under jit
-    firsts = [
-      int(
-        masking.first_q_block_visible(
-          spec, c * plan.kv_rows_per_cta, bq, plan.num_q_blocks
+    ranges = [
+      tuple(
+        int(x)
+        for x in masking.q_block_range(
+          spec,
+          c * plan.kv_rows_per_cta,
+          (c + 1) * plan.kv_rows_per_cta,
+          bq,
+          plan.num_q_blocks,
         )
       )
       for c in range(plan.kv_ctas)
     ]
-  starts = jnp.repeat(jnp.asarray(firsts, jnp.int32) * bq, plan.dq_parts)
+  starts = jnp.repeat(jnp.asarray([r[0] for r in ranges]) * bq, plan.dq_parts)
+  ends = jnp.repeat(jnp.asarray([r[1] for r in ranges]) * bq, plan.dq_parts)
   rows = jnp.arange(slab.shape[2], dtype=jnp.int32)
-  written = rows[None, :] >= starts[:, None]  # [slots, sq_pad]
+  written = (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
   return jnp.where(written[:, None, :, None, None], slab, 0.0).sum(0)

@@ -75,7 +75,7 @@ class QueryPlan:
 
   @property
   def needs_mask(self) -> bool:
-    return self.spec.causal or self.spec.seq_kv % self.config.block_kv != 0
+    return self.spec.masked or self.spec.seq_kv % self.config.block_kv != 0
 
 
 def kv_steps(
@@ -99,6 +99,87 @@ def kv_steps(
   return n, jnp.minimum(jnp.asarray(full, jnp.int32), n)
 
 
+@dataclasses.dataclass(frozen=True)
+class KvWalk:
+  """A consumer's K/V walk for one query tile: step j is K/V tile
+  `first + j` of the CTA's `cta_steps` tiles; the consumer takes steps
+  `j < steps` (the CTA's others are for the other consumer's rows), and
+  steps `lo <= j < hi` are visible to all its rows (no mask). `first` is
+  0 (an int) unless the window has a left bound."""
+
+  first: Any
+  steps: Any
+  cta_steps: Any
+  lo: Any
+  hi: Any
+
+
+# From this head dim on, a forward with a left-bounded window masks every
+# step in one loop: its three loops (masked, unmasked, masked) spill 4-8 B
+# at d256 (the sm_90a compile), the one loop does not.
+MASK_EVERY_STEP_HEAD_DIM = 256
+
+
+def cta_kv_range(plan: QueryPlan, cta_row0: Any) -> tuple[Any, Any]:
+  """(first K/V tile, steps) the CTA streams for its query tile at
+  `cta_row0`: the tiles any of its rows sees (at least one, so that rows
+  that see nothing still run one fully masked step and write out = 0)."""
+  spec, bkv, n = plan.spec, plan.config.block_kv, plan.num_kv_blocks
+  first, end = masking.kv_block_range(
+    spec, cta_row0, cta_row0 + plan.rows_per_cta, bkv, n
+  )
+  if spec.window_left is not None:
+    first = jnp.minimum(first, n - 1)
+  return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 1)
+
+
+def kv_walk(plan: QueryPlan, cta_row0: Any, row0: Any, rows: int) -> KvWalk:
+  """The walk of a consumer with query rows `[row0, row0 + rows)` in the
+  CTA whose rows start at `cta_row0`."""
+  spec, bkv, n = plan.spec, plan.config.block_kv, plan.num_kv_blocks
+  first, cta_steps = cta_kv_range(plan, cta_row0)
+  _, end = masking.kv_block_range(spec, row0, row0 + rows, bkv, n)
+  steps = jnp.clip(jnp.asarray(end, jnp.int32) - first, 1, cta_steps)
+  lo, hi = masking.kv_blocks_unmasked(spec, row0, row0 + rows, bkv)
+  if spec.window_left is not None:
+    lo = jnp.clip(lo - first, 0, steps)
+  hi = jnp.clip(jnp.asarray(hi, jnp.int32) - first, lo, steps)
+  return KvWalk(first, steps, cta_steps, lo, hi)
+
+
+def walk_steps(
+  walk: KvWalk,
+  step: Callable[..., Any],
+  carry: Any,
+  *,
+  masked: bool,
+  start: int = 0,
+  ahead: int = 0,
+  split: bool = True,
+) -> Any:
+  """`step(j, carry, masked=...)` for `start <= j < walk.steps - ahead`,
+  where step j handles tile `j + ahead` (the forward's step j softmaxes
+  tile j + 1): tiles in `[walk.lo, walk.hi)` unmasked, the others masked
+  where `masked`. A window with a left bound adds a leading masked loop;
+  `split=False` masks every step in one loop instead."""
+  end = walk.steps - ahead
+  if masked and not split:
+    return lax.fori_loop(
+      start, end, functools.partial(step, masked=True), carry
+    )
+  if not masked:
+    return lax.fori_loop(
+      start, end, functools.partial(step, masked=False), carry
+    )
+  b = jnp.clip(walk.hi - ahead, start, end)
+  a = start
+  if not isinstance(walk.lo, int) or walk.lo:
+    a = jnp.clip(walk.lo - ahead, start, b)
+    carry = lax.fori_loop(start, a, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(b, end, functools.partial(step, masked=True), carry)
+
+
 def smem_transforms(dtype: Any, head_dim: int) -> tuple:
   """Tiling and swizzle of a shared-memory tile with `head_dim`-wide rows."""
   itemsize_bits = jnp.dtype(dtype).itemsize * 8
@@ -116,6 +197,16 @@ def swizzle64(dtype: Any) -> tuple:
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
 
 
+def softcapped(spec: AttentionSpec, s: jax.Array) -> tuple[jax.Array, Any]:
+  """(scores, their base-2 scale): raw scores and `scale * log2(e)`, or
+  with softcap `tanh(s * scale / c)` and `c * log2(e)` (the tanh is also
+  the backward's `1 - tanh^2`)."""
+  if spec.softcap is None:
+    return s, jnp.float32(spec.softmax_scale * LOG2E)
+  t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
+  return t, jnp.float32(spec.softcap * LOG2E)
+
+
 def row_probabilities(
   ops: KernelOps,
   spec: AttentionSpec,
@@ -128,7 +219,7 @@ def row_probabilities(
   check_seq_kv: bool = True,
   q_axis: int = 0,
   at_most_one: bool = False,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array | None]:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
@@ -136,11 +227,11 @@ def row_probabilities(
   0: exact for every key a row sees (lse >= each of its scores), and it
   keeps P finite for keys past seq_kv (zero K rows: P = exp2(-lse2) would
   overflow where lse < -88) without masking them. Shared by the dQ kernel,
-  the shared-tile dK/dV consumer and the fused consumer."""
+  the shared-tile dK/dV consumer and the fused consumer. Returns (P, the
+  softcap's tanh or None)."""
   shape = s.shape
-  arg = s * jnp.float32(spec.softmax_scale * LOG2E) - lax.broadcast_in_dim(
-    lse2, shape, [q_axis]
-  )
+  t, scale_log2 = softcapped(spec, s)
+  arg = t * scale_log2 - lax.broadcast_in_dim(lse2, shape, [q_axis])
   p = jnp.exp2(jnp.minimum(arg, 0.0) if at_most_one else arg)
   if masked:
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
@@ -155,7 +246,12 @@ def row_probabilities(
       check_seq_kv=check_seq_kv,
     )
     p = jnp.where(mask, p, 0.0)
-  return p
+  return p, (None if spec.softcap is None else t)
+
+
+def softcap_grad(ds: jax.Array, t: jax.Array | None) -> jax.Array:
+  """dS times the softcap's derivative `1 - tanh^2` (as is without)."""
+  return ds if t is None else ds * (1.0 - t * t)
 
 
 def round_up(n: int, multiple: int) -> int:

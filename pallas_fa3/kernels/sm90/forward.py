@@ -14,7 +14,6 @@ Design and measurements: docs/design_notes.md#forward-kernel.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +28,16 @@ from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
   LN2,
+  MASK_EVERY_STEP_HEAD_DIM,
   PRODUCER_REGS,
   QueryPlan,
   build_kernel,
   consumer_release,
-  kv_steps,
+  kv_walk,
   smem_transforms,
+  softcapped,
   tma_extent,
+  walk_steps,
 )
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
@@ -60,8 +62,9 @@ def _online_softmax(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
 
-  `s` holds raw scores, `m` the running max of the scaled ones: the scale is
-  positive, so it is applied inside the exp2 argument (one FFMA).
+  `s` holds raw (or softcapped: `common.softcapped`) scores, `m` the running
+  max of the scaled ones: the scale is positive, so it is applied inside the
+  exp2 argument (one FFMA).
   """
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
@@ -85,7 +88,10 @@ def _query_tile(
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
   while P_j V_j is still in flight. K/V step j sits in ring slot
   `(base + j) % num_stages`."""
-  (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, ring, q_bar) = refs
+  (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem, lse_smem) = refs[
+    :8
+  ]
+  ring, q_bar = refs[8:]
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
@@ -105,20 +111,19 @@ def _query_tile(
   )
   plgpu.barrier_wait(q_bar.at[wg])
 
-  steps, unmasked = kv_steps(plan, row0, cfg.block_q)
-  cta_steps, _ = kv_steps(plan, tile.row0, plan.rows_per_cta)
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E)
-  # Padded keys matter only without causal masking (bottom-right causal rows
-  # never see a key at or past seq_kv).
-  check_seq_kv = not spec.causal
+  walk = kv_walk(plan, tile.row0, row0, cfg.block_q)
+  # Padded keys matter only where rows see keys after their own position
+  # (bottom-right causal rows never see a key at or past seq_kv).
+  check_seq_kv = spec.window_right != 0
 
   def softmax(s, j, m, l, *, masked: bool):
     mask = None
+    s, scale_log2 = softcapped(spec, s)
     if masked:  # 1-D index vectors: no index tile lives in registers
       mask = masking.visible_tile_at(
         spec,
         row0,
-        j * cfg.block_kv,
+        (walk.first + j) * cfg.block_kv,
         ops.row_index(cfg.block_q),
         ops.col_index(cfg.block_kv),
         s.shape,
@@ -135,8 +140,13 @@ def _query_tile(
     q_smem, k_smem.at[first], lambda read: (turns.pass_on(), read())[1]
   )
   plgpu.barrier_arrive(k_empty.at[first])
-  m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
-  l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  if sinks_ref is None:
+    m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
+    l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
+  else:  # the sink seeds the running max and sum: exp2(sink2 - m) in l
+    sink2 = sinks_ref[batch, head] * jnp.float32(LOG2E)
+    m0 = ops.rows(jnp.broadcast_to(sink2, (cfg.block_q,)))
+    l0 = ops.rows(jnp.ones((cfg.block_q,), jnp.float32))
   p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
   o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
   # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
@@ -168,21 +178,24 @@ def _query_tile(
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
     return o, p.astype(spec.dtype), m, l
 
-  # Step j softmaxes tile j + 1: unmasked while j + 1 < unmasked.
-  split = jnp.clip(unmasked - 1, 0, steps - 1)
+  # Step j softmaxes tile j + 1.
   carry = (o0, p0.astype(spec.dtype), m0, l0)
-  carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(
-    split, steps - 1, functools.partial(step, masked=plan.needs_mask), carry
+  carry = walk_steps(
+    walk,
+    step,
+    carry,
+    masked=plan.needs_mask,
+    ahead=1,
+    split=spec.head_dim < MASK_EVERY_STEP_HEAD_DIM,
   )
   o, p, m, l = carry
-  last = slot_of(steps - 1)
+  last = slot_of(walk.steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])
   o = ops.accumulate_pv(o, p, v_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
 
-  release_rest(turns, ring, stages, base, steps, cta_steps)
+  release_rest(turns, ring, stages, base, walk.steps, walk.cta_steps)
   _epilogue(
     plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
   )
@@ -223,14 +236,17 @@ def _build(
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
 
-  def fa3_fwd(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
+  def fa3_fwd(q_ref, k_ref, v_ref, *refs):
+    sinks_ref = refs[0] if spec.sinks else None
+    o_ref, lse_ref, *scratch = refs[1:] if spec.sinks else refs
     qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
     ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      refs = (q_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem)
+      refs = (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem)
+      refs += (lse_smem,)
       run_consumer(
         walk,
         turns,
@@ -288,6 +304,7 @@ def sm90_forward(
   v: jax.Array,
   *,
   interpret: Any = None,
+  sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the forward kernel.
 
@@ -299,6 +316,7 @@ def sm90_forward(
     v: `[b, skv, hk, d]`.
     interpret: None compiles for sm90; interpret-mode parameters
       (`compat.interpret_params(...)`) run the same kernel on a CPU.
+    sinks: float32 `[b, hq]` when `spec.sinks`.
 
   Returns:
     (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
@@ -318,5 +336,6 @@ def sm90_forward(
     q,
     tma_extent(k, 1, config.block_kv),
     tma_extent(v, 1, config.block_kv),
+    *(() if sinks is None else (sinks.astype(jnp.float32),)),
   )
   return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps
+from pallas_fa3.kernels.sm90.common import QueryPlan, cta_kv_range
 from pallas_fa3.kernels.sm90.pingpong import Turns
 
 # SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
@@ -118,7 +118,12 @@ class TileWalk:
 
   def steps(self, tile: Tile) -> jax.Array:
     """K/V steps the CTA streams for `tile` (its slowest consumer's)."""
-    return kv_steps(self.plan, tile.row0, self.plan.rows_per_cta)[0]
+    return cta_kv_range(self.plan, tile.row0)[1]
+
+  def first(self, tile: Tile) -> Any:
+    """The first K/V tile the CTA streams for `tile` (0 unless a window
+    has a left bound)."""
+    return cta_kv_range(self.plan, tile.row0)[0]
 
   def for_each(self, body: Callable[[Tile, Any], None]) -> jax.Array:
     """Runs `body(tile, base)` over this CTA's tiles, `base` the global K/V
@@ -186,11 +191,13 @@ def kv_producer(
   plgpu.set_max_registers(registers, action="decrease")
 
   def tile_loads(tile: Tile, base: Any) -> None:
+    first = walk.first(tile)  # K/V tiles outside every row's window: never
+
     @pl.loop(0, walk.steps(tile))
     def _load(j):
       g = base + j
       slot = lax.rem(g, stages)
-      cols = pl.ds(j * cfg.block_kv, cfg.block_kv)
+      cols = pl.ds((first + j) * cfg.block_kv, cfg.block_kv)
 
       @pl.when(g >= stages)
       def _wait_k():  # the slot's previous tile has been read by both
