@@ -192,3 +192,18 @@ def active(spec: Any) -> tuple[str, ...]:
     )
     if on
   )
+
+
+def refuse(where: str, **options: Any) -> None:
+  """Raises NotImplementedError naming the options given (not None, not
+  off) to an entry point that does not implement them."""
+  given = [
+    name
+    for name, value in options.items()
+    if value is not None and not (name == "softcap" and value == 0.0)
+  ]
+  if given:
+    raise NotImplementedError(
+      f"{where} does not implement {', '.join(given)}; flash_attention has"
+      " them (batch/head sharding, no sequence sharding)"
+    )

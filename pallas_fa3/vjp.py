@@ -20,7 +20,7 @@ import jax
 
 from pallas_fa3 import modifiers
 from pallas_fa3.backends.base import Backend
-from pallas_fa3.parallel import partitioning
+from pallas_fa3.parallel import partitioning, sharding_checks
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -69,6 +69,9 @@ def _bwd(call: StaticCall, residuals: tuple, cotangents: tuple) -> tuple:
   dsinks = None
   if sinks is not None:
     dsinks = modifiers.sinks_gradient(sinks, out, lse, dout, dlse)
+    layout = sharding_checks.explicit_sharding(sinks)
+    if layout is not None:  # `Explicit` axes: the type of the sinks' own
+      dsinks = sharding_checks.fit_explicit(dsinks, layout)
   return dq, dk, dv, dsinks
 
 

@@ -326,3 +326,19 @@ def test_sinks_gradient_keeps_the_sinks_dtype():
     )
   )(sinks)
   assert g.dtype == jnp.bfloat16 and g.shape == (2,)
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(window_size=(4, 0)),
+    dict(softcap=5.0),
+    dict(sinks=np.zeros(2, np.float32)),
+  ],
+  ids=["window_size", "softcap", "sinks"],
+)
+def test_ring_attention_refuses_modifiers_naming_them(options):
+  q = jnp.zeros((1, 8, 2, 16))
+  mesh = jax.make_mesh((1,), ("seq",))
+  with pytest.raises(NotImplementedError, match=next(iter(options))):
+    pallas_fa3.ring_attention(q, q, q, mesh=mesh, seq_axis="seq", **options)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from pallas_fa3 import backends
+from pallas_fa3 import backends, modifiers
 from pallas_fa3.parallel import ring_steps, sharding_checks
 from pallas_fa3.parallel.ring_steps import RingPlan
 from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
@@ -320,6 +320,9 @@ def ring_attention(
   layout: Layout = "natural",
   batch_axes: str | tuple[str, ...] | None = None,
   head_axes: str | tuple[str, ...] | None = None,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Context-parallel attention: the sequence sharded over one mesh axis.
 
@@ -356,6 +359,8 @@ def ring_attention(
     head_axes: None, or the mesh axes that shard the heads (axis 2); they
       must divide heads_kv (whole GQA groups per device). Mesh axes named
       nowhere replicate the work.
+    window_size, softcap, sinks: not implemented here (NotImplementedError
+      when set; `flash_attention` has them).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` sharded like q, and with
@@ -369,6 +374,9 @@ def ring_attention(
   """
   check_arrays(q=q, k=k, v=v)
   spec = make_spec(q, k, v, causal=causal, softmax_scale=softmax_scale)
+  modifiers.refuse(
+    "ring_attention", window_size=window_size, softcap=softcap, sinks=sinks
+  )
   implementation = backends.check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
   n = _check_mesh(mesh, seq_axis)

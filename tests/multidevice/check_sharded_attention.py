@@ -202,3 +202,41 @@ def test_head_sharding_that_splits_gqa_groups_is_refused(mode, error, key):
   q_spec = P(None, None, "model")  # 8 query heads 4 ways; k, v: 2 heads
   with pytest.raises(error, match=r"heads_kv=2 heads, not a multiple of 4"):
     _call_with(mode, (q_spec, P(), P()), Shape(2, 32, 32, 8, 2, 16), key)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_window_softcap_sinks_shard_over_batch_and_heads(explicit, key):
+  """The sinks operand shards with the heads (and is broadcast over the
+  batch); q, k, v are never gathered; out, lse and every gradient
+  (d/dsinks too) match the single-device call."""
+  mesh = mh.mesh((2, 4), _AXES, explicit=explicit)
+  shape = Shape(4, 40, 56, 8, 4, 32)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  sinks = jax.random.normal(jax.random.fold_in(key, 3), (8,))
+  opts = dict(causal=True, window_size=(9, None), softcap=4.0)
+
+  def run(q, k, v, s, dout):
+    f = lambda q, k, v, s: pallas_fa3.flash_attention(
+      q, k, v, sinks=s, return_lse=True, **opts
+    )
+    (out, lse), pullback = jax.vjp(f, q, k, v, s)
+    return (out, lse) + tuple(pullback((dout, jnp.zeros_like(lse))))
+
+  spec = NamedSharding(mesh, P("data", None, "model"))
+  args = [jax.device_put(x, spec) for x in (q, k, v)]
+  args += [jax.device_put(sinks, NamedSharding(mesh, P("model")))]
+  args += [jax.device_put(dout, spec)]
+  compiled = jax.jit(run).lower(*args).compile()
+  gathers = [
+    line
+    for line in compiled.as_text().splitlines()
+    if " all-gather(" in line or " all-gather-start(" in line
+  ]
+  # At most d/dsinks' [batch, heads] partial sums: no operand is gathered.
+  assert all("[4,8]" in line or "[4,2]" in line for line in gathers), gathers
+  got = compiled(*args)
+  single = jax.jit(run)(q, k, v, sinks, dout)
+  for name, x, s in zip(mh.NAMES + ("dsinks",), got, single):
+    assert jnp.allclose(
+      x.astype(jnp.float32), s.astype(jnp.float32), atol=1e-2, rtol=1e-2
+    ), name
