@@ -14,6 +14,10 @@ Public API (everything else is private or lives in a submodule):
   ring_attention       context parallelism: the sequence sharded over a mesh axis
   zigzag_order         the token order of ring_attention's causal zig-zag layout
   FP8Config            FP8 quantization options of flash_attention(fp8=...)
+  SegmentIds           packed sequences: flash_attention(segment_ids=...)
+  segment_ids_from_lengths, segment_positions
+                       segment ids of packed documents and their restarting
+                       positions (for RoPE)
 """
 
 from pallas_fa3.attention import flash_attention as flash_attention
@@ -31,6 +35,11 @@ from pallas_fa3.kernels.sm90.config import (
 from pallas_fa3.parallel.ring import ring_attention as ring_attention
 from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order
 from pallas_fa3.reference import reference_attention as reference_attention
+from pallas_fa3.segments import (
+  SegmentIds as SegmentIds,
+  segment_ids_from_lengths as segment_ids_from_lengths,
+  segment_positions as segment_positions,
+)
 from pallas_fa3.spec import AttentionSpec as AttentionSpec
 from pallas_fa3.stable_max import StableMax as StableMax
 

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, modifiers, vjp
+from pallas_fa3 import backends, modifiers, segments, vjp
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.parallel import sharding_checks
@@ -21,10 +21,11 @@ def _attention(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None,
+  segment_ids: segments.SegmentIds | None,
 ) -> tuple[jax.Array, jax.Array]:
   if sinks is not None:  # [hq] -> float32 [b, hq]; d/dsinks sums over b
     sinks = modifiers.batch_sinks(sinks, call.spec.batch)
-  return vjp.attention_with_lse(call, q, k, v, sinks)
+  return vjp.attention_with_lse(call, q, k, v, sinks, segment_ids)
 
 
 # Jitted once per static call, so that eager (un-jitted) use compiles each
@@ -48,6 +49,7 @@ def flash_attention(
   window_size: tuple[int | None, int | None] | None = None,
   softcap: float | None = None,
   sinks: jax.Array | None = None,
+  segment_ids: segments.SegmentIds | tuple | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
@@ -128,12 +130,17 @@ def flash_attention(
     window_size=window_size,
     softcap=softcap,
     sinks=sinks is not None,
+    segmented=segment_ids is not None,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  segment_ids = segments.check_segment_ids(
+    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
+  )
   if spec.fp8 is not None and modifiers.active(spec):
     raise NotImplementedError(
       f"fp8=True does not support {', '.join(modifiers.active(spec))}:"
-      " the FP8 forward has no window, softcap or sinks; call with fp8=False"
+      " the FP8 forward has no window, softcap, sinks or segment ids; call"
+      " with fp8=False"
     )
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
     raise ValueError(
@@ -150,6 +157,7 @@ def flash_attention(
     jnp.asarray(k),
     jnp.asarray(v),
     sinks,
+    segment_ids,
   )
   return (out, lse) if return_lse else out
 

@@ -189,6 +189,7 @@ def active(spec: Any) -> tuple[str, ...]:
       ("window_size", spec.window_size is not None),
       ("softcap", spec.softcap is not None),
       ("sinks", spec.sinks),
+      ("segment_ids", spec.segmented),
     )
     if on
   )

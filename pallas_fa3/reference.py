@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import masking, modifiers
+from pallas_fa3 import masking, modifiers, segments
 from pallas_fa3.spec import AttentionSpec, group_heads, make_spec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -46,12 +46,14 @@ def reference_forward(
   v: jax.Array,
   intermediate_dtype: Any = jnp.float32,
   sinks: jax.Array | None = None,
+  segment_ids: segments.SegmentIds | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Materialized attention for a validated spec; returns (out, lse).
 
   Every intermediate (scores, softmax, P V accumulation) is kept in
   `intermediate_dtype`; out is cast to `spec.dtype`, lse is float32.
-  `sinks`: `[batch, heads_q]` (`modifiers.batch_sinks`) when `spec.sinks`.
+  `sinks`: `[batch, heads_q]` (`modifiers.batch_sinks`) when `spec.sinks`;
+  `segment_ids` (int32 `SegmentIds`) when `spec.segmented`.
   """
   dt = jnp.dtype(intermediate_dtype)
   qg = group_heads(q.astype(dt), spec.heads_kv)
@@ -67,6 +69,8 @@ def reference_forward(
     cap = jnp.asarray(spec.softcap, dt)
     s = cap * jnp.tanh(s / cap)
   mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
+  if segment_ids is not None:  # [b, sq, skv] -> [b, 1, 1, sq, skv]
+    mask = mask & segments.visible_ids(*segment_ids)[:, None, None]
   s = jnp.where(mask, s, -jnp.inf)
   # The row max only stabilizes exp; it carries no gradient. Rows with no
   # visible key use 0 so that exp(-inf - 0) = 0 instead of NaN.
@@ -108,6 +112,7 @@ def reference_attention(
   window_size: Any = None,
   softcap: float | None = None,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Materialized baseline attention, differentiable by plain JAX autodiff
   (in q, k, v and sinks).
@@ -122,7 +127,8 @@ def reference_attention(
     intermediate_dtype: dtype of every intermediate (scores, softmax, P V).
       float32 (default) is the oracle; the input dtype gives the naive
       low-precision baseline of the tolerance rule and the numerics study.
-    window_size, softcap, sinks: as in `pallas_fa3.flash_attention`.
+    window_size, softcap, sinks, segment_ids: as in
+      `pallas_fa3.flash_attention`.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype, and the lse
@@ -137,11 +143,17 @@ def reference_attention(
     window_size=window_size,
     softcap=softcap,
     sinks=sinks is not None,
+    segmented=segment_ids is not None,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
-  out, lse = reference_forward(spec, q, k, v, intermediate_dtype, sinks)
+  segment_ids = segments.check_segment_ids(
+    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
+  )
+  out, lse = reference_forward(
+    spec, q, k, v, intermediate_dtype, sinks, segment_ids
+  )
   return (out, lse) if return_lse else out
 
 
@@ -158,6 +170,7 @@ def _golden_parts(
   window_size: Any = None,
   softcap: float | None = None,
   sinks: Any = None,
+  segment_ids: Any = None,
 ) -> tuple:
   spec = make_spec(
     q,
@@ -181,6 +194,9 @@ def _golden_parts(
   mask = np.asarray(
     masking.visible(spec, np.arange(spec.seq_q), np.arange(spec.seq_kv))
   )
+  if segment_ids is not None:  # [b, sq, skv] -> [b, 1, 1, sq, skv]
+    q_ids, kv_ids = (np.asarray(x) for x in segment_ids)
+    mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
   s = np.where(mask, s, -np.inf)
   m = s.max(axis=-1, keepdims=True)
   sk = None
@@ -209,14 +225,16 @@ def golden_attention(
   window_size: Any = None,
   softcap: float | None = None,
   sinks: Any = None,
+  segment_ids: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 attention in numpy; returns (out, lse) as float64 numpy arrays.
 
   Same conventions as `reference_attention` (layout, bottom-right causal
-  and windows, natural-log lse, -inf for rows that see no key, sinks).
+  and windows, natural-log lse, -inf for rows that see no key, sinks,
+  segment ids as a `(q_ids, kv_ids)` pair).
   """
   spec, _, _, v64, p, lse, _, _ = _golden_parts(
-    q, k, v, causal, softmax_scale, window_size, softcap, sinks
+    q, k, v, causal, softmax_scale, window_size, softcap, sinks, segment_ids
   )
   o = np.einsum("bhgqk,bkhd->bqhgd", p, v64)
   return o.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
@@ -234,6 +252,7 @@ def golden_attention_vjp(
   window_size: Any = None,
   softcap: float | None = None,
   sinks: Any = None,
+  segment_ids: Any = None,
 ) -> tuple[np.ndarray, ...]:
   """Float64 gradients (dq, dk, dv) of attention for cotangents (dout, dlse),
   and d/dsinks `[heads_q]` as a fourth when `sinks` is given.
@@ -245,7 +264,7 @@ def golden_attention_vjp(
   value: d/dsink = sum over rows of `p_sink * (dlse - delta)`.
   """
   spec, qg, k64, v64, p, lse, t, sk = _golden_parts(
-    q, k, v, causal, softmax_scale, window_size, softcap, sinks
+    q, k, v, causal, softmax_scale, window_size, softcap, sinks, segment_ids
   )
   g = spec.group_size
   do = (

@@ -75,6 +75,9 @@ class AttentionSpec:
   # Learnable sinks: one logit per query head in every row's denominator
   # (the [heads_q] array is an operand of the call, not part of the spec).
   sinks: bool = False
+  # Packed sequences: the call has segment ids (`pallas_fa3.segments`);
+  # the arrays are operands, not part of the spec.
+  segmented: bool = False
 
   @property
   def group_size(self) -> int:
@@ -101,8 +104,9 @@ class AttentionSpec:
 
   @property
   def masked(self) -> bool:
-    """Whether any (query, key) pair of the unpadded sequences is hidden."""
-    return self.causal or self.window_size is not None
+    """Whether any (query, key) pair of the unpadded sequences may be
+    hidden (causal, a window or segment ids)."""
+    return self.causal or self.window_size is not None or self.segmented
 
   @property
   def out_shape(self) -> tuple[int, int, int, int]:
@@ -275,6 +279,7 @@ def make_spec(
   window_size: Any = None,
   softcap: Any = None,
   sinks: bool = False,
+  segmented: bool = False,
 ) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
@@ -283,7 +288,8 @@ def make_spec(
   `jnp.asarray` gives them. `fp8` and `stable_max` are stored as given (a
   validated `FP8Config` / `StableMax`, or None); `window_size` and
   `softcap` are checked and made canonical (`pallas_fa3.modifiers`);
-  `sinks` says whether the call has a sinks operand.
+  `sinks` / `segmented` say whether the call has a sinks / segment ids
+  operand.
 
   Raises:
     TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool
@@ -340,4 +346,5 @@ def make_spec(
     ),
     softcap=modifiers.check_softcap(softcap),
     sinks=bool(sinks),
+    segmented=bool(segmented),
   )

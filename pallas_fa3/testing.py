@@ -119,6 +119,7 @@ def golden_and_naive(
   window_size: Any = None,
   softcap: float | None = None,
   sinks: Any = None,
+  segment_ids: Any = None,
 ) -> tuple[tuple, tuple]:
   """Float64 golden and naive low-dtype (out, lse, dq, dk, dv) for one problem,
   with d/dsinks last when `sinks` is given.
@@ -131,6 +132,7 @@ def golden_and_naive(
     softmax_scale=softmax_scale,
     window_size=window_size,
     softcap=softcap,
+    segment_ids=segment_ids,
   )
   g_out, g_lse = golden_attention(q, k, v, sinks=sinks, **options)
   g_grads = golden_attention_vjp(q, k, v, dout, dlse, sinks=sinks, **options)

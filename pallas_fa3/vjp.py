@@ -17,6 +17,7 @@ import functools
 from typing import Any, NoReturn
 
 import jax
+import numpy as np
 
 from pallas_fa3 import modifiers
 from pallas_fa3.backends.base import Backend
@@ -40,14 +41,16 @@ def attention_with_lse(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None,
+  segment_ids: Any,
 ) -> tuple[jax.Array, jax.Array]:
   """Returns (out, lse) of `call.backend`; differentiable through both (and
-  in `sinks`, `[b, heads_q]` float32 or None).
+  in `sinks`, `[b, heads_q]` float32 or None). `segment_ids`: a
+  `segments.SegmentIds` of int32 arrays, or None (no cotangent).
 
   Both passes go through `partitioning`, so that under SPMD sharding each
   device runs the backend on its own batch/head shard.
   """
-  return partitioning.forward(call, q, k, v, sinks)
+  return partitioning.forward(call, q, k, v, sinks, segment_ids)
 
 
 def _fwd(
@@ -56,23 +59,33 @@ def _fwd(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None,
+  segment_ids: Any,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-  out, lse = attention_with_lse(call, q, k, v, sinks)
-  return (out, lse), (q, k, v, out, lse, sinks)
+  out, lse = attention_with_lse(call, q, k, v, sinks, segment_ids)
+  return (out, lse), (q, k, v, out, lse, sinks, segment_ids)
 
 
 def _bwd(call: StaticCall, residuals: tuple, cotangents: tuple) -> tuple:
-  q, k, v, out, lse, sinks = residuals
+  q, k, v, out, lse, sinks, segment_ids = residuals
   dout, dlse = cotangents
-  extra = () if sinks is None else (sinks,)
-  dq, dk, dv = _backward_once(call, q, k, v, out, lse, dout, dlse, *extra)
+  dq, dk, dv = _backward_once(
+    call, q, k, v, out, lse, dout, dlse, sinks, segment_ids
+  )
   dsinks = None
   if sinks is not None:
     dsinks = modifiers.sinks_gradient(sinks, out, lse, dout, dlse)
     layout = sharding_checks.explicit_sharding(sinks)
     if layout is not None:  # `Explicit` axes: the type of the sinks' own
       dsinks = sharding_checks.fit_explicit(dsinks, layout)
-  return dq, dk, dv, dsinks
+  ids_cotangent = None if segment_ids is None else _zero_cotangents(segment_ids)
+  return dq, dk, dv, dsinks, ids_cotangent
+
+
+def _zero_cotangents(tree: Any) -> Any:
+  """float0 zeros: the cotangent of integer inputs."""
+  return jax.tree.map(
+    lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0), tree
+  )
 
 
 NO_HIGHER_ORDER = (
@@ -84,14 +97,16 @@ NO_HIGHER_ORDER = (
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _backward_once(
-  call: StaticCall, *residuals_and_cotangents: jax.Array
+  call: StaticCall, *residuals_and_cotangents: Any
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The backward pass, itself not differentiable (a clear error if asked)."""
+  """The backward pass, itself not differentiable (a clear error if asked).
+
+  Takes `(q, k, v, out, lse, dout, dlse, sinks, segment_ids)`."""
   return partitioning.backward(call, *residuals_and_cotangents)
 
 
 def _backward_once_fwd(
-  call: StaticCall, *args: jax.Array
+  call: StaticCall, *args: Any
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
   return _backward_once(call, *args), None
 

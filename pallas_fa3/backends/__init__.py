@@ -32,9 +32,12 @@ def _reference_forward(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   del config
-  return reference.reference_forward(spec, q, k, v, sinks=sinks)
+  return reference.reference_forward(
+    spec, q, k, v, sinks=sinks, segment_ids=segment_ids
+  )
 
 
 def _reference_backward(
@@ -48,10 +51,16 @@ def _reference_backward(
   dout: jax.Array,
   dlse: jax.Array,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   del config, out, lse  # plain autodiff through the materialized forward
   _, pullback = jax.vjp(
-    lambda *a: reference.reference_forward(spec, *a, sinks=sinks), q, k, v
+    lambda *a: reference.reference_forward(
+      spec, *a, sinks=sinks, segment_ids=segment_ids
+    ),
+    q,
+    k,
+    v,
   )
   return pullback((dout, dlse))
 

@@ -31,10 +31,11 @@ class Backend:
     name: the `implementation=` string.
     summary: one line for `pallas-fa3 info` and the README table.
     forward: `(spec, config, q, k, v) -> (out, lse)`; with `spec.sinks`
-      also `sinks=` (`[b, heads_q]` float32).
-    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`
-      (sinks are in the lse; `sinks=` reaches only a backend with
-      `backward_uses_lse=False`).
+      also `sinks=` (`[b, heads_q]` float32), with `spec.segmented` also
+      `segment_ids=` (a `segments.SegmentIds`).
+    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`,
+      with `segment_ids=` when segmented (sinks are in the lse; `sinks=`
+      reaches only a backend with `backward_uses_lse=False`).
     unsupported: `(spec, config) -> reason or None`, config as `make_config`
       returns it; covers `spec.fp8`, `spec.stable_max` and the modifiers
       (`spec.window_size`, `spec.softcap`, `spec.sinks`).
@@ -86,13 +87,14 @@ class Backend:
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    sinks: jax.Array | None = None,
+    **extras: Any,
   ) -> tuple[jax.Array, jax.Array]:
-    """`forward`, or with `spec.fp8` the quantization pass and `fp8_forward`."""
+    """`forward`, or with `spec.fp8` the quantization pass and `fp8_forward`.
+
+    `extras`: `sinks=` and `segment_ids=` when the call has them.
+    """
     if spec.fp8 is None:
-      if sinks is None:
-        return self.forward(spec, config, q, k, v)
-      return self.forward(spec, config, q, k, v, sinks=sinks)
+      return self.forward(spec, config, q, k, v, **extras)
     block_q, block_kv = self.fp8_tiles(config)
     x = self.fp8_quantize(
       q,
@@ -108,17 +110,23 @@ class Backend:
     return self.fp8_forward(spec, config, x)
 
   def run_backward(
-    self, spec: AttentionSpec, config: Any, *residuals_and_cts: jax.Array
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    *residuals_and_cts: jax.Array,
+    sinks: jax.Array | None = None,
+    segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`backward` on `(q, k, v, out, lse, dout, dlse[, sinks])`; returns
-    (dq, dk, dv).
+    """`backward` on `(q, k, v, out, lse, dout, dlse)`; returns (dq, dk, dv).
+    `segment_ids` reach every backward (the mask); `sinks` only one with
+    `backward_uses_lse=False` (elsewhere they are in the lse).
 
     Raises:
       NotImplementedError: an FP8 call (FP8 has no backward).
     """
     if spec.fp8 is not None:
       raise NotImplementedError(NO_FP8_GRADIENT)
-    args, sinks = residuals_and_cts[:7], residuals_and_cts[7:]
-    if sinks and not self.backward_uses_lse:
-      return self.backward(spec, config, *args, sinks=sinks[0])
-    return self.backward(spec, config, *args)
+    extras = {} if segment_ids is None else {"segment_ids": segment_ids}
+    if sinks is not None and not self.backward_uses_lse:
+      extras["sinks"] = sinks
+    return self.backward(spec, config, *residuals_and_cts, **extras)

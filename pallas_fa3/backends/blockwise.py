@@ -45,7 +45,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import masking, modifiers, stable_max as stable_max_lib
+from pallas_fa3 import (
+  masking,
+  modifiers,
+  segments,
+  stable_max as stable_max_lib,
+)
 from pallas_fa3.backends import blockwise_fp8
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.backends.blockwise_backward import (
@@ -54,6 +59,8 @@ from pallas_fa3.backends.blockwise_backward import (
 from pallas_fa3.backends.blockwise_tiles import (
   HIGHEST,
   Tiling,
+  clip_range,
+  id_tiles,
   pad_seq,
   scores_log2,
   seq_tile,
@@ -94,12 +101,14 @@ def blockwise_forward(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`).
 
   Each query tile walks only the kv tiles its rows see (a window's or the
-  causal diagonal's others are never computed), masking only the boundary
-  ones. `sinks` (`[b, hq]` float32) seed the running max and sum.
+  causal diagonal's others, and those whose segment ids cannot meet, are
+  never computed), masking only the boundary ones (every one with segment
+  ids). `sinks` (`[b, hq]` float32) seed the running max and sum.
   """
   t = Tiling.of(spec, config.block_q, config.block_kv)
   qp = group_heads(pad_seq(q, t.num_q * t.block_q), spec.heads_kv)
@@ -112,10 +121,15 @@ def blockwise_forward(
   else:  # the sink is one more term of every row's sum, exp2(sink2 - m)
     sink2 = sinks.reshape(stat_shape[:3] + (1,)) * jnp.float32(LOG2E)
     m0, l0 = jnp.broadcast_to(sink2, stat_shape), jnp.ones(stat_shape)
+  spans = ids = None
+  if segment_ids is not None:
+    spans = segments.kv_tile_spans(segment_ids, t.block_q, t.block_kv)
+    ids = id_tiles(segment_ids, t)
 
   def q_tile_fn(iq):
     q_tile = seq_tile(qp, iq, t.block_q)
     q_pos = iq * t.block_q + jnp.arange(t.block_q)
+    q_ids = None if ids is None else seq_tile(ids[0], iq, t.block_q)
 
     def kv_step(j, carry, *, masked):
       m, l, acc = carry
@@ -126,6 +140,7 @@ def blockwise_forward(
         q_pos,
         j * t.block_kv + jnp.arange(t.block_kv),
         masked=masked,
+        ids=None if ids is None else (q_ids, seq_tile(ids[1], j, t.block_kv)),
       )
       if spec.stable_max is None:
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -166,7 +181,11 @@ def blockwise_forward(
     )
     rows = (iq * t.block_q, (iq + 1) * t.block_q)
     bounds = masking.kv_block_range(spec, *rows, t.block_kv, t.num_kv)
-    bounds += masking.kv_blocks_unmasked(spec, *rows, t.block_kv)
+    bounds = clip_range(bounds, spans, iq)
+    if spans is None:
+      bounds += masking.kv_blocks_unmasked(spec, *rows, t.block_kv)
+    else:  # every tile masked (the ids)
+      bounds += (0, 0)
     m, l, acc = walk_tiles(bounds, kv_step, init, masked=masked)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)

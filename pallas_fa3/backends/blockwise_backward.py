@@ -1,21 +1,26 @@
 """The blockwise twin's backward: FlashAttention-2 recomputation from the
 residuals out and lse (see `blockwise.py` for the algorithm).
 
-Each kv tile walks only the query tiles that see it (causal diagonal and
-window bounds), masking only the boundary ones. Softcap multiplies dS by its
+Each kv tile walks only the query tiles that see it (causal diagonal,
+window bounds, segment ids that can meet), masking only the boundary ones
+(every one with segment ids). Softcap multiplies dS by its
 derivative `1 - tanh^2` (tanh recomputed with the scores); sinks are in the
 lse, so nothing here sees them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import masking
+from pallas_fa3 import masking, segments
 from pallas_fa3.backends.blockwise_tiles import (
   HIGHEST,
   Tiling,
+  clip_range,
+  id_tiles,
   pad_seq,
   scores_log2,
   seq_tile,
@@ -41,6 +46,7 @@ def blockwise_backward(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """FlashAttention-2 backward by recomputation; returns (dq, dk, dv).
 
@@ -68,11 +74,16 @@ def blockwise_backward(
   dop = group_heads(pad_seq(dout, sq_pad), hk)
   kp, vp = pad_seq(k, skv_pad), pad_seq(v, skv_pad)
   masked = spec.masked or spec.seq_kv % t.block_kv != 0
+  spans = ids = None
+  if segment_ids is not None:
+    spans = segments.q_tile_spans(segment_ids, t.block_kv, t.block_q)
+    ids = id_tiles(segment_ids, t)
 
   def kv_tile_fn(dq_acc, jk):
     k_tile = seq_tile(kp, jk, t.block_kv)
     v_tile = seq_tile(vp, jk, t.block_kv)
     kv_pos = jk * t.block_kv + jnp.arange(t.block_kv)
+    kv_ids = None if ids is None else seq_tile(ids[1], jk, t.block_kv)
 
     def q_step(i, carry, *, masked):
       dq_acc, dk, dv = carry
@@ -82,7 +93,12 @@ def blockwise_backward(
       lse2_t = jnp.moveaxis(seq_tile(lse2, i, t.block_q), 1, 3)
       delta_t = jnp.moveaxis(seq_tile(delta, i, t.block_q), 1, 3)
       q_pos = i * t.block_q + jnp.arange(t.block_q)
-      s, tanh = scores_log2(spec, q_tile, k_tile, q_pos, kv_pos, masked=masked)
+      tile_ids = None
+      if ids is not None:
+        tile_ids = (seq_tile(ids[0], i, t.block_q), kv_ids)
+      s, tanh = scores_log2(
+        spec, q_tile, k_tile, q_pos, kv_pos, masked=masked, ids=tile_ids
+      )
       p = jnp.exp2(s - lse2_t[..., None])
       dv = dv + _dot("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile)
       dp = _dot("bqhgd,bkhd->bhgqk", do_tile, v_tile)
@@ -112,7 +128,11 @@ def blockwise_backward(
     )
     cols = (jk * t.block_kv, (jk + 1) * t.block_kv)
     bounds = masking.q_block_range(spec, *cols, t.block_q, t.num_q)
-    bounds += _unmasked_q_blocks(spec, jk, t)
+    bounds = clip_range(bounds, spans, jk)
+    if spans is None:
+      bounds += _unmasked_q_blocks(spec, jk, t)
+    else:  # every tile masked (the ids)
+      bounds += (0, 0)
     dq_acc, dk, dv = walk_tiles(bounds, q_step, init, masked=masked)
     return dq_acc, (dk, dv)
 

@@ -76,10 +76,12 @@ def scores_log2(
   kv_pos: jax.Array,
   *,
   masked: bool = True,
+  ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`
-  (hidden entries -inf where `masked`), and the softcap's tanh (None
-  without softcap: the backward's `1 - tanh^2`)."""
+  (hidden entries -inf where `masked`; `ids`: the tile's query and key
+  segment ids, `[b, block_q]` and `[b, block_kv]`), and the softcap's tanh
+  (None without softcap: the backward's `1 - tanh^2`)."""
   s = jnp.einsum(
     "bqhgd,bkhd->bhgqk",
     q_tile,
@@ -94,8 +96,32 @@ def scores_log2(
     t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
     s = t * jnp.float32(spec.softcap * LOG2E)
   if masked:
-    s = jnp.where(masking.visible(spec, q_pos, kv_pos), s, -jnp.inf)
+    mask = masking.visible(spec, q_pos, kv_pos)
+    if ids is not None:
+      mask = mask & (ids[0][:, :, None] == ids[1][:, None, :])[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
   return s, t
+
+
+def id_tiles(segment_ids: Any, t: Tiling) -> tuple[jax.Array, jax.Array]:
+  """The ids padded to whole tiles (padding matches nothing: the positional
+  mask hides it anyway)."""
+  q_ids, kv_ids = segment_ids
+  return (
+    pad_seq(q_ids, t.num_q * t.block_q, value=-1),
+    pad_seq(kv_ids, t.num_kv * t.block_kv, value=-2),
+  )
+
+
+def clip_range(
+  bounds: tuple[Any, Any], spans: tuple[jax.Array, jax.Array] | None, i: Any
+) -> tuple[Any, Any]:
+  """A tile's positional range `bounds` intersected with its segment-id
+  span (the union over the batch of `spans[.][b, i]`)."""
+  if spans is None:
+    return bounds
+  first = jnp.maximum(bounds[0], spans[0][:, i].min())
+  return first, jnp.minimum(bounds[1], spans[1][:, i].max())
 
 
 def walk_tiles(

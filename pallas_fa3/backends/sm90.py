@@ -58,6 +58,8 @@ def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
 
 
 def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
+  if spec.segmented:
+    return "segment_ids are not yet in the sm90 kernels (blockwise has them)"
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   if spec.fp8 is not None:

@@ -42,6 +42,7 @@ unpartitioned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_fa3 import segments
 from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   axes_entry,
@@ -80,10 +82,11 @@ _FWD_NAMES = ("q", "k", "v")
 _BWD_NAMES = ("q", "k", "v", "out", "lse", "dout", "dlse")
 
 
-def _with_sinks(rule: str) -> str:
-  """The rule with a trailing sinks operand."""
+def _with_extras(rule: str, sinks: bool, ids: bool) -> str:
+  """The rule with trailing sinks and segment-ids operands."""
   args, results = rule.split(" -> ")
-  return f"{args}, {_S} -> {results}"
+  extra = ([_S] if sinks else []) + (["b s", "b t"] if ids else [])
+  return ", ".join([args, *extra]) + " -> " + results
 
 
 def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
@@ -120,7 +123,13 @@ def _layout_specs(
 ) -> tuple[P, ...]:
   """PartitionSpecs with batch and heads split, for operands named `names`."""
   b, h = axes_entry(batch_axes), axes_entry(head_axes)
-  by_name = {"lse": P(b, h, None), "dlse": P(b, h, None), "sinks": P(b, h)}
+  by_name = {
+    "lse": P(b, h, None),
+    "dlse": P(b, h, None),
+    "sinks": P(b, h),
+    "q_ids": P(b, None),
+    "kv_ids": P(b, None),
+  }
   return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
 
 
@@ -251,48 +260,48 @@ def _with_vmap(
   return apply(*args)
 
 
+def _extras(call: StaticCall, rest: tuple) -> dict[str, Any]:
+  """The trailing operands of an op as the backend's keywords."""
+  extras, rest = {}, list(rest)
+  if call.spec.sinks:
+    extras["sinks"] = rest.pop(0)
+  if call.spec.segmented:
+    extras["segment_ids"] = segments.SegmentIds(rest.pop(0), rest.pop(0))
+  return extras
+
+
 def _run_forward(
-  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array, *sinks: jax.Array
+  call: StaticCall, q: jax.Array, k: jax.Array, v: jax.Array, *rest: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   return tuple(
-    call.backend.run_forward(call.spec, call.config, q, k, v, *sinks)
-  )
-
-
-def _run_backward(
-  call: StaticCall,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  out: jax.Array,
-  lse: jax.Array,
-  dout: jax.Array,
-  dlse: jax.Array,
-  *sinks: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  return tuple(
-    call.backend.run_backward(
-      call.spec, call.config, q, k, v, out, lse, dout, dlse, *sinks
+    call.backend.run_forward(
+      call.spec, call.config, q, k, v, **_extras(call, rest)
     )
   )
 
 
-_FORWARD_OP = _Op(_FWD_NAMES, ("out", "lse"), _run_forward, _FWD_RULE)
-_BACKWARD_OP = _Op(_BWD_NAMES, ("q", "k", "v"), _run_backward, _BWD_RULE)
-# The same with a trailing sinks operand `[b, heads_q]`.
-_FORWARD_SINKS_OP = _Op(
-  _FWD_NAMES + ("sinks",), ("out", "lse"), _run_forward, _with_sinks(_FWD_RULE)
-)
-_BACKWARD_SINKS_OP = _Op(
-  _BWD_NAMES + ("sinks",),
-  ("q", "k", "v"),
-  _run_backward,
-  _with_sinks(_BWD_RULE),
-)
-_FORWARD = _partitioned(_FORWARD_OP)
-_BACKWARD = _partitioned(_BACKWARD_OP)
-_FORWARD_SINKS = _partitioned(_FORWARD_SINKS_OP)
-_BACKWARD_SINKS = _partitioned(_BACKWARD_SINKS_OP)
+def _run_backward(
+  call: StaticCall, *args: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  return tuple(
+    call.backend.run_backward(
+      call.spec, call.config, *args[:7], **_extras(call, args[7:])
+    )
+  )
+
+
+@functools.cache
+def _ops(backward: bool, sinks: bool, ids: bool) -> tuple[_Op, Any]:
+  """(op, its custom_partitioning function) for these trailing operands."""
+  names = _BWD_NAMES if backward else _FWD_NAMES
+  names += ("sinks",) * sinks + ("q_ids", "kv_ids") * ids
+  op = _Op(
+    names,
+    ("q", "k", "v") if backward else ("out", "lse"),
+    _run_backward if backward else _run_forward,
+    _with_extras(_BWD_RULE if backward else _FWD_RULE, sinks, ids),
+  )
+  return op, _partitioned(op)
 
 
 def _dispatch(
@@ -320,12 +329,14 @@ def forward(
   k: jax.Array,
   v: jax.Array,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The backend's `(out, lse)`, computed shard-locally under SPMD sharding
-  (`sinks`: `[b, heads_q]` float32, when the call has them)."""
-  if sinks is not None:
-    return _dispatch(_FORWARD_SINKS_OP, _FORWARD_SINKS, call, q, k, v, sinks)
-  return _dispatch(_FORWARD_OP, _FORWARD, call, q, k, v)
+  (`sinks`: `[b, heads_q]` float32, `segment_ids`: a `SegmentIds`, when the
+  call has them)."""
+  extra = _operands(sinks, segment_ids)
+  op, fn = _ops(False, sinks is not None, segment_ids is not None)
+  return _dispatch(op, fn, call, q, k, v, *extra)
 
 
 def backward(
@@ -338,9 +349,15 @@ def backward(
   dout: jax.Array,
   dlse: jax.Array,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The backend's `(dq, dk, dv)`, computed shard-locally under SPMD sharding."""
-  args = (q, k, v, out, lse, dout, dlse)
-  if sinks is not None:
-    return _dispatch(_BACKWARD_SINKS_OP, _BACKWARD_SINKS, call, *args, sinks)
-  return _dispatch(_BACKWARD_OP, _BACKWARD, call, *args)
+  extra = _operands(sinks, segment_ids)
+  op, fn = _ops(True, sinks is not None, segment_ids is not None)
+  return _dispatch(op, fn, call, q, k, v, out, lse, dout, dlse, *extra)
+
+
+def _operands(sinks: Any, segment_ids: Any) -> tuple:
+  return (() if sinks is None else (sinks,)) + (
+    () if segment_ids is None else tuple(segment_ids)
+  )

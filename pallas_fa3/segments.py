@@ -1,0 +1,177 @@
+"""Packed sequences: segment ids, their checks, helpers and tile ranges.
+
+`flash_attention(..., segment_ids=SegmentIds(q, kv))` confines attention to
+each document of a packed sequence: query i sees key j only if
+`q[b, i] == kv[b, j]`, intersected with `causal` / `window_size` on
+positions. Ids are traced int32 data (`[batch, seq_q]`, `[batch, seq_kv]`):
+a new packing never recompiles. Padding is ids that match nothing (e.g. -1
+for padded queries, -2 for padded keys): such rows give output 0 and lse
+-inf (or lse = sink with sinks), with finite gradients.
+
+Tile skipping: a small pre-pass takes each tile's min and max id
+(`tile_id_ranges`); a query tile and a K/V tile whose id ranges cannot
+meet are never computed. Per query tile the tiles that can meet are
+bounded by one contiguous range (`kv_tile_spans`; exact for sorted ids, as
+packing gives), so the backends reuse the window machinery's ranges.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from pallas_fa3 import segments
+  >>> ids = segments.segment_ids_from_lengths(jnp.array([[3, 2]]), 6)
+  >>> ids.tolist(), segments.segment_positions(ids).tolist()
+  ([[0, 0, 0, 1, 1, -1]], [[0, 1, 2, 0, 1, 0]])
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SegmentIds(NamedTuple):
+  """Segment ids of a packed call: int32 `q [batch, seq_q]` and
+  `kv [batch, seq_kv]` (a pytree; a plain `(q, kv)` tuple is accepted
+  too)."""
+
+  q: Any
+  kv: Any
+
+
+def check_segment_ids(
+  segment_ids: Any, batch: int, seq_q: int, seq_kv: int
+) -> SegmentIds | None:
+  """`segment_ids` as a `SegmentIds` of int32 arrays, or None.
+
+  Raises:
+    TypeError / ValueError naming `segment_ids` and the shapes/dtypes.
+  """
+  if segment_ids is None:
+    return None
+  if not isinstance(segment_ids, tuple) or len(segment_ids) != 2:
+    raise TypeError(
+      "segment_ids must be None, a pallas_fa3.SegmentIds(q, kv) or a"
+      f" (q_ids, kv_ids) tuple; got {type(segment_ids).__name__}"
+    )
+  out = []
+  for name, ids, seq in (
+    ("q", segment_ids[0], seq_q),
+    ("kv", segment_ids[1], seq_kv),
+  ):
+    if not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
+      raise TypeError(
+        f"segment_ids.{name} must be an int32 array [batch, seq]; got"
+        f" {type(ids).__name__}"
+      )
+    shape = tuple(int(s) for s in ids.shape)
+    if shape != (batch, seq):
+      raise ValueError(
+        f"segment_ids.{name} must have shape (batch, seq_{name}) ="
+        f" {(batch, seq)}; got {shape}"
+      )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(
+        f"segment_ids.{name} must have an integer dtype (int32); got"
+        f" {jnp.dtype(ids.dtype)}"
+      )
+    out.append(jnp.asarray(ids).astype(jnp.int32))
+  return SegmentIds(*out)
+
+
+def segment_ids_from_lengths(
+  lengths: Any, seq_len: int, pad_id: int = -1
+) -> jax.Array:
+  """int32 `[batch, seq_len]` ids of documents packed in order: document d
+  of row b (length `lengths[b, d]`, 0 for unused slots) gets id d; the
+  positions past the last document get `pad_id`.
+
+  Raises:
+    ValueError naming `lengths` when a row's lengths exceed `seq_len`
+    (concrete lengths only; traced ones are not checked).
+  """
+  lengths = jnp.asarray(lengths, jnp.int32)
+  if lengths.ndim != 2:
+    raise ValueError(
+      f"lengths must be [batch, documents]; got shape {lengths.shape}"
+    )
+  ends = jnp.cumsum(lengths, axis=1)  # [b, n]
+  if not isinstance(ends, jax.core.Tracer):
+    total = np.asarray(ends[:, -1])
+    if np.any(total > seq_len):
+      raise ValueError(
+        f"lengths sum to {total.max()} > seq_len {seq_len} in some row;"
+        f" lengths={np.asarray(lengths).tolist()}"
+      )
+  pos = jnp.arange(seq_len, dtype=jnp.int32)
+  doc = jnp.sum(pos[None, :, None] >= ends[:, None, :], axis=-1)
+  inside = pos[None, :] < ends[:, -1:]
+  return jnp.where(inside, doc, jnp.int32(pad_id)).astype(jnp.int32)
+
+
+def segment_positions(ids: Any) -> jax.Array:
+  """int32 positions restarting at 0 where the id changes (RoPE positions
+  of packed documents), `[batch, seq]` like `ids`."""
+  ids = jnp.asarray(ids)
+  seq = ids.shape[-1]
+  pos = jnp.arange(seq, dtype=jnp.int32)
+  start = jnp.concatenate(
+    [jnp.ones(ids.shape[:-1] + (1,), bool), ids[..., 1:] != ids[..., :-1]],
+    axis=-1,
+  )
+  first = jax.lax.cummax(jnp.where(start, pos, 0), axis=ids.ndim - 1)
+  return (pos - first).astype(jnp.int32)
+
+
+def tile_id_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """(min, max) id of each `block`-long tile of `ids [b, s]`: `[b, tiles]`
+  each (the last tile's padding takes no part)."""
+  b, s = ids.shape
+  tiles = -(-s // block)
+  pad = tiles * block - s
+  big = jnp.iinfo(jnp.int32).max
+  lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=big)
+  hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-big - 1)
+  return (
+    lo.reshape(b, tiles, block).min(-1),
+    hi.reshape(b, tiles, block).max(-1),
+  )
+
+
+def kv_tile_spans(
+  segment_ids: SegmentIds, block_q: int, block_kv: int
+) -> tuple[jax.Array, jax.Array]:
+  """(first, end) int32 `[b, q_tiles]`: the K/V tiles `first <= j < end`
+  hold every K/V tile whose id range can meet query tile i's (a contiguous
+  superset; exact when ids are sorted). `end <= first` when none can."""
+  return _spans(segment_ids.q, segment_ids.kv, block_q, block_kv)
+
+
+def q_tile_spans(
+  segment_ids: SegmentIds, block_kv: int, block_q: int
+) -> tuple[jax.Array, jax.Array]:
+  """(first, end) int32 `[b, kv_tiles]`: the query tiles that can meet
+  each K/V tile (the backward's walk)."""
+  return _spans(segment_ids.kv, segment_ids.q, block_kv, block_q)
+
+
+def _spans(
+  rows: jax.Array, cols: jax.Array, block_rows: int, block_cols: int
+) -> tuple[jax.Array, jax.Array]:
+  r_lo, r_hi = tile_id_ranges(rows, block_rows)  # [b, nr]
+  c_lo, c_hi = tile_id_ranges(cols, block_cols)  # [b, nc]
+  meet = (c_lo[:, None, :] <= r_hi[:, :, None]) & (
+    c_hi[:, None, :] >= r_lo[:, :, None]
+  )  # [b, nr, nc]
+  nc = c_lo.shape[1]
+  j = jnp.arange(nc, dtype=jnp.int32)
+  first = jnp.min(jnp.where(meet, j, nc), axis=-1)
+  end = jnp.max(jnp.where(meet, j + 1, 0), axis=-1)
+  return first.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def visible_ids(q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
+  """`q_ids[..., :, None] == kv_ids[..., None, :]`: the id part of the
+  mask, `[..., seq_q, seq_kv]`."""
+  return q_ids[..., :, None] == kv_ids[..., None, :]
