@@ -14,7 +14,10 @@ The native layers take flash_attention's `window_size`, `softcap` and
 `sinks=True` (a learnable float32 sink logit per head, zeros at init);
 `make_attention_fn(window_size=..., softcap=...)` applies a window (aligned
 top-left, like Flax's `is_causal`) and a softcap to every call of Flax's
-layers.
+layers. Packed sequences and padding: the native layers take
+`segment_ids=` at call time; `make_attention_fn` turns padding and segment
+masks into segment ids (`pallas_fa3.flax.mask_segments`; traced padding
+masks with `make_attention_fn(padding_mask=True)`).
 
 Example:
   >>> import jax

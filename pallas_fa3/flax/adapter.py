@@ -26,18 +26,29 @@ is not recognised (below). `on_unsupported` says what happens then:
   feature.
 
 Masks. A mask handed to the function is a dense boolean (or 0/1) array
-broadcastable to `[batch..., heads, seq_q, seq_kv]`. The rule:
+broadcastable to `[batch..., heads, seq_q, seq_kv]`; with `is_causal` the
+call computes it intersected with the causal mask, as Flax does. The rule:
 
 * a *concrete* mask (outside `jit`) is inspected: all True means no mask;
   exactly `tril(ones(seq_q, seq_kv))` (Flax's causal mask, e.g.
-  `nnx.make_causal_mask`) means causal; anything else is unsupported.
+  `nnx.make_causal_mask`) means causal; a padding mask
+  (`nnx.make_attention_mask(q_valid, kv_valid)`) or segment mask
+  (`make_attention_mask(seg, seg, jnp.equal)`), alone or intersected with
+  the causal mask, becomes `segment_ids` (`pallas_fa3.flax.mask_segments`;
+  padded queries -1, padded keys -2: a query that sees no key outputs 0,
+  where Flax's attention outputs the mean of the values); anything else is
+  unsupported.
 * a *traced* mask (under `jit`, `grad` of a jitted function, `nnx.jit` ...)
   cannot be inspected, so it is unsupported -- unless the caller declared
-  `make_attention_fn(causal=True)`: then every call is causal, and a mask,
-  if given, is promised to be the causal mask. The promise is checked: a
-  concrete mask that breaks it raises `ValueError`; a traced one that breaks
-  it turns the output into NaN (checked on device; the check reads the mask,
-  which costs far less than the attention).
+  what it is. `make_attention_fn(causal=True)`: every call is causal, and a
+  mask, if given, is promised to be the causal mask (a concrete mask may
+  also be a padding or segment mask within it: nothing above the diagonal).
+  `make_attention_fn(padding_mask=True)`: every mask is promised to be a
+  padding mask, intersected with the causal mask on causal calls; its ids
+  are computed on device. A promise is checked: a concrete mask that breaks
+  it raises `ValueError` (or is unsupported); a traced one that breaks it
+  turns the whole output into NaN (checked on device; the check reads the
+  mask, which costs far less than the attention).
 
 Local attention and softcap. `make_attention_fn(window_size=(left, right),
 softcap=c)` applies them to every call. The window is aligned like Flax's
@@ -82,8 +93,8 @@ from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import attend, layout
 from pallas_fa3.flax.adapter_masks import (
-  mask_kind,
-  poison_unless_causal,
+  plan_mask,
+  poison,
   top_left_causal_mask,
   unsupported_feature,
 )
@@ -179,6 +190,7 @@ def make_attention_fn(
   implementation: str | None = None,
   *,
   causal: bool = False,
+  padding_mask: bool = False,
   on_unsupported: OnUnsupported = "raise",
   window_size: tuple[int | None, int | None] | None = None,
   softcap: float | None = None,
@@ -191,6 +203,11 @@ def make_attention_fn(
     causal: declare every call causal (Flax's top-left `tril` mask); a mask
       handed to the function is then promised to be that causal mask, which
       is what lets a traced mask (under `jit`) use flash attention.
+    padding_mask: declare every mask a padding mask, `q_valid[..., i] &
+      kv_valid[..., j]` (e.g. `nnx.make_attention_mask(q_valid, kv_valid)`),
+      intersected with the causal mask on causal calls: what lets a traced
+      padding mask use flash attention (concrete ones are recognised
+      anyway).
     on_unsupported: `"raise"` (default) raises `NotImplementedError` naming
       the feature flash attention cannot compute; `"fallback"` runs Flax's
       `dot_product_attention` with a one-time `FlashAttentionFallbackWarning`
@@ -217,6 +234,7 @@ def make_attention_fn(
   implementation, declared_causal = _check_options(
     implementation, causal, on_unsupported, options
   )
+  padding_mask = check_bool("padding_mask", padding_mask)
   window = attend.check_window(window_size)
   options = {k: v for k, v in options.items() if v is not None}
   softcap = modifiers.check_softcap(softcap)
@@ -266,15 +284,13 @@ def make_attention_fn(
     )
     layout.check_qkv(query, key, value)
     seq_q, seq_kv = query.shape[-3], key.shape[-3]
-    kind = mask_kind(
-      mask, tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv)
+    plan = plan_mask(
+      mask,
+      tuple(query.shape[:-3]) + (query.shape[-2], seq_q, seq_kv),
+      is_causal=is_causal,
+      declared_causal=declared_causal,
+      padding_mask=padding_mask,
     )
-    if declared_causal and kind in ("none", "other") and mask is not None:
-      raise ValueError(
-        "make_attention_fn(causal=True) declared every mask causal, but the"
-        f" mask of shape {tuple(mask.shape)} is not the causal mask"
-        " tril(ones(seq_q, seq_kv))"
-      )
     custom_einsums = [
       name
       for name, fn in linen_kwargs.items()
@@ -287,8 +303,7 @@ def make_attention_fn(
       deterministic,
       module,
       custom_einsums,
-      kind,
-      declared_causal,
+      plan.kind,
     )
     if unsupported is not None:
       if modified:
@@ -311,24 +326,22 @@ def make_attention_fn(
         softmax_scale=options.get("softmax_scale"),
         linen_kwargs=linen_kwargs,
       )
-    causal = declared_causal or is_causal or kind in ("causal", "traced")
     out = flash_top_left(
       layout.fold_batch(query),
       layout.fold_batch(key),
       layout.fold_batch(value),
-      causal=causal,
+      causal=plan.causal,
       window=window,
       options=options,
       implementation=implementation,
+      segment_ids=plan.segment_ids,
     )
-    out = layout.unfold_batch(out, query)
-    if kind == "traced":
-      out = poison_unless_causal(out, mask, seq_q, seq_kv)
-    return out
+    return poison(layout.unfold_batch(out, query), plan.ok)
 
   attention_fn.__doc__ = (
     "Flax-compatible attention_fn running pallas_fa3.flash_attention"
     f" (implementation={implementation!r}, causal={declared_causal},"
+    f" padding_mask={padding_mask},"
     f" on_unsupported={on_unsupported!r}"
     + "".join(f", {m}" for m in modified)
     + "); see"

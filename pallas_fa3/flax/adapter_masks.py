@@ -1,16 +1,19 @@
 """The Flax adapter's call checks: which dense masks it recognises (none,
-Flax's top-left causal mask, traced), the on-device check of a declared
-causal mask, and the first feature flash attention cannot compute.
+Flax's top-left causal mask, padding and segment masks, traced), the
+on-device checks of declared masks, and the first feature flash attention
+cannot compute.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa3.flax import mask_segments
+from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 
@@ -47,12 +50,95 @@ def mask_kind(mask: Any, weights_shape: tuple[int, ...]) -> str:
   return "none" if visible.all() else "other"
 
 
-def poison_unless_causal(
-  out: jax.Array, mask: jax.Array, seq_q: int, seq_kv: int
-) -> jax.Array:
-  """NaN output unless the traced mask is the causal mask it was declared to be."""
+class MaskPlan(NamedTuple):
+  """How a call's mask is computed.
+
+  Attributes:
+    kind: "flash" (computable), or why not: "other" (a concrete mask that
+      is not recognised) or "traced" (a traced mask nothing was declared
+      for).
+    causal: the flash call is causal (Flax's top-left mask).
+    segment_ids: None, or int32 ids `[prod(batch...), seq]` giving the mask.
+    ok: None, or a traced bool scalar: whether a traced mask keeps the
+      promise it was declared with (the output is NaN where it does not).
+  """
+
+  kind: str
+  causal: bool = False
+  segment_ids: SegmentIds | None = None
+  ok: jax.Array | None = None
+
+
+def _by_heads(mask: Any, weights_shape: tuple[int, ...], xp) -> Any:
+  """The mask as `[prod(batch...), heads or 1, seq_q, seq_kv]` (a head axis
+  of the mask's own size: nothing is repeated over heads)."""
+  heads = mask.shape[-3] if mask.ndim >= 3 else 1
+  shape = weights_shape[:-3] + (heads,) + weights_shape[-2:]
+  return xp.broadcast_to(mask, shape).reshape((-1,) + shape[-3:])
+
+
+def plan_mask(
+  mask: Any,
+  weights_shape: tuple[int, ...],
+  *,
+  is_causal: bool,
+  declared_causal: bool,
+  padding_mask: bool,
+) -> MaskPlan:
+  """The `MaskPlan` of a call; `weights_shape` is `[batch..., heads, seq_q,
+  seq_kv]`.
+
+  Raises:
+    ValueError: the mask does not broadcast to `weights_shape`, or a
+      concrete mask breaks `make_attention_fn(causal=True)` (entries above
+      the diagonal) without `padding_mask=True`.
+  """
+  causal = declared_causal or is_causal
+  kind = mask_kind(mask, weights_shape)
+  if kind == "none" and mask is None:
+    return MaskPlan("flash", causal)
+  if kind == "traced":
+    if padding_mask:
+      ids, ok = mask_segments.traced_padding_ids(
+        _by_heads(mask, weights_shape, jnp), causal
+      )
+      return MaskPlan("flash", causal, ids, ok)
+    if declared_causal:
+      seq_q, seq_kv = weights_shape[-2:]
+      return MaskPlan("flash", True, None, causal_ok(mask, seq_q, seq_kv))
+    return MaskPlan("traced")
+  visible = np.asarray(mask).astype(bool)
+  tril = top_left_causal_mask(*weights_shape[-2:])
+  if declared_causal and not padding_mask and (visible & ~tril).any():
+    raise ValueError(
+      "make_attention_fn(causal=True) declared every mask causal, but the"
+      f" mask of shape {tuple(mask.shape)} has entries above the diagonal"
+      " of the causal mask tril(ones(seq_q, seq_kv)) (declare"
+      " padding_mask=True as well to intersect padding masks with it)"
+    )
+  if kind == "causal" or (causal and kind == "none"):
+    return MaskPlan("flash", True)
+  if kind == "none":
+    return MaskPlan("flash", False)
+  found = mask_segments.concrete_mask_ids(
+    _by_heads(visible, weights_shape, np), True if causal else None
+  )
+  if found is None:
+    return MaskPlan("other")
+  ids, ids_causal = found
+  return MaskPlan("flash", causal or ids_causal, ids)
+
+
+def causal_ok(mask: jax.Array, seq_q: int, seq_kv: int) -> jax.Array:
+  """Whether a traced mask is Flax's causal mask (a traced bool scalar)."""
   causal = jnp.asarray(top_left_causal_mask(seq_q, seq_kv))
-  ok = jnp.all(mask.astype(bool) == causal)
+  return jnp.all(mask.astype(bool) == causal)
+
+
+def poison(out: jax.Array, ok: jax.Array | None) -> jax.Array:
+  """`out`, or NaN everywhere where a traced check failed."""
+  if ok is None:
+    return out
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
@@ -64,7 +150,6 @@ def unsupported_feature(
   module,
   custom_einsums,
   kind: str,
-  declared_causal: bool,
 ) -> tuple[str, str] | None:
   """(feature key, description) of the first unsupported feature, else None."""
   if bias is not None:
@@ -93,13 +178,16 @@ def unsupported_feature(
     )
   if kind == "other":
     return "mask", (
-      "a dense attention mask that is neither all True nor the"
-      " causal mask tril(ones(seq_q, seq_kv))"
+      "a dense attention mask that is neither all True, the causal mask"
+      " tril(ones(seq_q, seq_kv)), nor a padding or segment mask"
+      " (q_ids[i] == kv_ids[j], the same for every head, optionally"
+      " intersected with the causal mask)"
     )
-  if kind == "traced" and not declared_causal:
+  if kind == "traced":
     return "traced_mask", (
       "an attention mask under a JAX transformation (a traced mask cannot be"
       " inspected; for the causal mask pass is_causal=True and no mask, or"
-      " declare make_attention_fn(causal=True))"
+      " declare make_attention_fn(causal=True); for padding masks declare"
+      " make_attention_fn(padding_mask=True))"
     )
   return None

@@ -11,10 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa3 import modifiers
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax import layout, rope as rope_lib
+from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import check_int
 
 Window = tuple[int | None, int | None]
@@ -90,6 +93,67 @@ def self_attention_inputs(
   return inputs_q, inputs_k, inputs_v
 
 
+def layer_segment_ids(
+  segment_ids: Any, query: jax.Array, key: jax.Array
+) -> SegmentIds | None:
+  """A layer's `segment_ids` as int32 `SegmentIds` over the folded batch.
+
+  Args:
+    segment_ids: None; a `pallas_fa3.SegmentIds(q, kv)` or `(q_ids, kv_ids)`
+      tuple of integer arrays `[batch..., seq_q]` / `[batch..., seq_kv]`;
+      or, when `seq_q == seq_kv`, one integer array `[batch..., seq]` for
+      both. Each may also be `[seq]` (or anything that broadcasts to the
+      batch axes and ends with seq): the same ids for every batch entry.
+    query: `[batch..., seq_q, heads, head_dim]`.
+    key: `[batch..., seq_kv, heads_kv, head_dim]`.
+
+  Raises:
+    TypeError / ValueError naming `segment_ids` and the shapes.
+  """
+  if segment_ids is None:
+    return None
+  if not isinstance(segment_ids, tuple):
+    if query.shape[-3] != key.shape[-3]:
+      raise ValueError(
+        "a single segment_ids array means the same ids for queries and keys"
+        " and needs seq_q == seq_kv; got query.shape="
+        f"{tuple(query.shape)}, key.shape={tuple(key.shape)}; pass"
+        " pallas_fa3.SegmentIds(q_ids, kv_ids)"
+      )
+    segment_ids = (segment_ids, segment_ids)
+  if len(segment_ids) != 2:
+    raise TypeError(
+      "segment_ids must be None, one array, a pallas_fa3.SegmentIds(q, kv)"
+      f" or a (q_ids, kv_ids) tuple; got a tuple of {len(segment_ids)}"
+    )
+  out = []
+  for name, ids, x in (
+    ("q", segment_ids[0], query),
+    ("kv", segment_ids[1], key),
+  ):
+    if not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
+      ids = np.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(
+        f"segment_ids.{name} must be integers; got dtype {ids.dtype}"
+      )
+    want = tuple(x.shape[:-2])  # [batch..., seq]
+    shape = tuple(ids.shape)
+    try:
+      ok = len(shape) >= 1 and shape[-1] == want[-1]
+      ok = ok and np.broadcast_shapes(shape, want) == want
+    except ValueError:
+      ok = False
+    if not ok:
+      raise ValueError(
+        f"segment_ids.{name} must have shape [seq] or [batch..., seq] ="
+        f" {want}; got shape {shape}"
+      )
+    ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), want)
+    out.append(ids.reshape(-1, want[-1]))
+  return SegmentIds(*out)
+
+
 def attend(
   query: jax.Array,
   key: jax.Array,
@@ -104,6 +168,7 @@ def attend(
   window_size: Window | None = None,
   softcap: float | None = None,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> jax.Array:
   """RoPE (optional) on q and k, then `flash_attention` over the folded batch.
 
@@ -122,11 +187,14 @@ def attend(
       `causal`; intersects with it).
     softcap: forwarded to `flash_attention`.
     sinks: None or the `[heads_q]` sink logits, forwarded.
+    segment_ids: None or packed-sequence ids (`layer_segment_ids`): query i
+      sees key j only if their ids are equal (and the mask allows it).
 
   Returns:
     `[batch..., seq_q, heads_q, head_dim]` in the dtype of the inputs.
   """
   layout.check_qkv(query, key, value)
+  segment_ids = layer_segment_ids(segment_ids, query, key)
   if rope:
     if query.shape[-3] != key.shape[-3]:
       raise ValueError(
@@ -149,5 +217,6 @@ def attend(
     window_size=window_size,
     softcap=softcap,
     sinks=sinks,
+    segment_ids=segment_ids,
   )
   return layout.unfold_batch(out, query)

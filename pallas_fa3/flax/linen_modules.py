@@ -48,8 +48,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   `flax.linen.MultiHeadDotProductAttention`, minus dropout, masks, decoding
   and weight sowing (use `make_attention_fn` with Flax's module for those),
   plus `num_kv_heads`, `causal`, `rope`, `window_size`, `softcap`, `sinks`,
-  `implementation` and `config`. The softmax scale is `1/sqrt(head_dim)`,
-  Flax's.
+  `implementation` and `config`, and `segment_ids` at call time (packed
+  sequences and padding). The softmax scale is `1/sqrt(head_dim)`, Flax's.
 
   Attributes:
     num_heads: number of query heads.
@@ -108,6 +108,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     inputs_v: jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
+    segment_ids: Any = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -116,7 +117,18 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       inputs_k: `[batch..., seq_kv, features_kv]`; default `inputs_q`.
       inputs_v: `[batch..., seq_kv, features_kv]`; default `inputs_k`.
       positions: RoPE positions, integers `[seq]` or `[batch..., seq]`
-        (default `arange(seq)`); only with `rope=True`.
+        (default `arange(seq)`); only with `rope=True`. For packed
+        sequences, `pallas_fa3.segment_positions(ids)` restarts them per
+        document (RoPE scores depend only on position differences, so
+        within a document this changes rounding, not the function).
+      segment_ids: packed sequences: query i sees key j only if their ids
+        are equal (intersected with `causal` / `window_size`). None; a
+        `pallas_fa3.SegmentIds(q_ids, kv_ids)` or `(q_ids, kv_ids)` tuple of
+        integer arrays `[batch..., seq_q]` / `[batch..., seq_kv]`; or, for
+        self-attention, one array `[batch..., seq]` for both (padding with
+        one id then attends to itself). A query whose id matches no key
+        (e.g. -1 for padded queries, -2 for padded keys) attends to nothing:
+        0 before the output projection.
 
     Returns:
       `[batch..., seq_q, out_features]`.
@@ -166,6 +178,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       window_size=window_size,
       softcap=softcap,
       sinks=sinks,
+      segment_ids=segment_ids,
     )
     return nn.DenseGeneral(
       features=features,

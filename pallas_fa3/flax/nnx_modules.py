@@ -49,9 +49,10 @@ class FlashMultiHeadAttention(nnx.Module):
   `[batch..., seq, num_kv_heads, head_dim]`, optionally applies RoPE to q and k
   (`pallas_fa3.flax.rope`, float32), runs `pallas_fa3.flash_attention` with
   the softmax scale `1/sqrt(head_dim)` (Flax's), and projects back. K/V are
-  never repeated for GQA. No attention dropout, mask or bias: use
+  never repeated for GQA. No attention dropout, dense mask or bias: use
   `make_attention_fn` with `flax.nnx.MultiHeadAttention` for those. Sliding
-  windows, a logit softcap and learnable attention sinks are options.
+  windows, a logit softcap and learnable attention sinks are options;
+  packed sequences and padding are `segment_ids` at call time.
 
   Args:
     num_heads: number of query heads.
@@ -177,6 +178,7 @@ class FlashMultiHeadAttention(nnx.Module):
     inputs_v: jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
+    segment_ids: Any = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -185,7 +187,18 @@ class FlashMultiHeadAttention(nnx.Module):
       inputs_k: `[batch..., seq_kv, in_features]`; default `inputs_q`.
       inputs_v: `[batch..., seq_kv, in_features]`; default `inputs_k`.
       positions: RoPE positions, integers `[seq]` or `[batch..., seq]`
-        (default `arange(seq)`); only with `rope=True`.
+        (default `arange(seq)`); only with `rope=True`. For packed
+        sequences, `pallas_fa3.segment_positions(ids)` restarts them per
+        document (RoPE scores depend only on position differences, so
+        within a document this changes rounding, not the function).
+      segment_ids: packed sequences: query i sees key j only if their ids
+        are equal (intersected with `causal` / `window_size`). None; a
+        `pallas_fa3.SegmentIds(q_ids, kv_ids)` or `(q_ids, kv_ids)` tuple of
+        integer arrays `[batch..., seq_q]` / `[batch..., seq_kv]`; or, for
+        self-attention, one array `[batch..., seq]` for both (padding with
+        one id then attends to itself). A query whose id matches no key
+        (e.g. -1 for padded queries, -2 for padded keys) attends to nothing:
+        0 before the output projection.
 
     Returns:
       `[batch..., seq_q, out_features]`.
@@ -217,5 +230,6 @@ class FlashMultiHeadAttention(nnx.Module):
       window_size=self.window_size,
       softcap=self.softcap,
       sinks=None if self.sinks is None else self.sinks[...],
+      segment_ids=segment_ids,
     )
     return self.out(x)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.flax.attend import Window
+from pallas_fa3.segments import SegmentIds
 
 
 def flash_top_left(
@@ -28,6 +29,7 @@ def flash_top_left(
   window: Window | None,
   options: dict[str, Any],
   implementation: str | None,
+  segment_ids: SegmentIds | None = None,
 ) -> jax.Array:
   """flash_attention on rank-4 inputs with Flax's top-left alignment.
 
@@ -44,16 +46,28 @@ def flash_top_left(
     options: other keywords of `flash_attention` (softmax_scale, config,
       softcap).
     implementation: `flash_attention`'s.
+    segment_ids: None or int32 ids `[batch, seq_q]` / `[batch, seq_kv]`,
+      sliced along with the queries and keys.
   """
-  call = lambda q, k, v, causal, window=None: flash_attention(
-    q,
-    k,
-    v,
-    causal=causal,
-    window_size=window,
-    implementation=implementation,
-    **options,
-  )
+
+  def call(q, k, v, causal, window=None, q_from=0):
+    ids = None
+    if segment_ids is not None:  # queries from q_from on, the leading keys
+      ids = SegmentIds(
+        segment_ids.q[:, q_from : q_from + q.shape[1]],
+        segment_ids.kv[:, : k.shape[1]],
+      )
+    return flash_attention(
+      q,
+      k,
+      v,
+      causal=causal,
+      window_size=window,
+      implementation=implementation,
+      segment_ids=ids,
+      **options,
+    )
+
   seq_q, seq_kv = q.shape[1], k.shape[1]
   if window is not None:
     return _window_top_left(q, k, v, causal, window, call)
@@ -62,7 +76,7 @@ def flash_top_left(
   if seq_q < seq_kv:
     return call(q, k[:, :seq_q], v[:, :seq_q], True)
   head = call(q[:, :seq_kv], k, v, True)
-  tail = call(q[:, seq_kv:], k, v, False)
+  tail = call(q[:, seq_kv:], k, v, False, q_from=seq_kv)
   return jnp.concatenate([head, tail], axis=1)
 
 
