@@ -3,8 +3,11 @@
   gpt         GPTConfig and GPT: a byte-level decoder-only transformer whose
               attention is pallas_fa3.flax.FlashMultiHeadAttention
               (optionally: per-layer sliding windows, softcap, sinks)
+  gpt_config  GPTConfig's fields and their checks
   data        the Python standard library's sources as a byte corpus;
               deterministic batches
+  packing     packed batches: files side by side, with segment ids,
+              restarting positions and a loss mask
   step        TrainConfig, build_program (the jitted step), evaluate
   train       train(): the loop, evaluation, checkpoints and resume
   checkpoint  orbax checkpoints of the training state

@@ -7,7 +7,8 @@ unless asked for). Each file goes to the validation split iff the CRC-32 of
 its relative path falls in the first `val_fraction` of the hash range, so a
 file's split never depends on which other files exist or on the byte cap.
 Files are concatenated in sorted order per split; bytes are the tokens
-(0..255).
+(0..255). Where each file starts is kept (`ByteCorpus.train_bounds` /
+`val_bounds`): packed batches (`models.packing`) keep files apart.
 
 Batches are windows of `seq_len + 1` bytes. Training windows for step n are
 drawn by `numpy.random.default_rng((data_seed, n))`: a fresh generator per
@@ -55,6 +56,9 @@ class ByteCorpus:
     root: the stdlib folder read.
     fingerprint: SHA-256 (hex, 16 chars) of both splits; identifies the data
       in checkpoints and summaries.
+    train_bounds: int64 `[train_files + 1]`: file i of the training split is
+      `train[train_bounds[i]:train_bounds[i + 1]]` (empty files included).
+    val_bounds: the same for the validation split.
   """
 
   train: np.ndarray
@@ -63,6 +67,8 @@ class ByteCorpus:
   val_files: int
   root: str
   fingerprint: str
+  train_bounds: np.ndarray
+  val_bounds: np.ndarray
 
   def describe(self) -> dict[str, object]:
     """Sizes and identity, JSON-ready."""
@@ -147,6 +153,7 @@ def load_stdlib_corpus(
   chunks: dict[bool, list[bytes]] = {False: [], True: []}
   sizes = {False: 0, True: 0}
   counts = {False: 0, True: 0}
+  bounds: dict[bool, list[int]] = {False: [0], True: [0]}
   for rel in stdlib_files(root, include_tests=include_tests):
     split = is_validation_file(rel, val_fraction)
     cap = caps[split]
@@ -158,6 +165,7 @@ def load_stdlib_corpus(
     chunks[split].append(text)
     sizes[split] += len(text)
     counts[split] += 1
+    bounds[split].append(sizes[split])
   train = np.frombuffer(b"".join(chunks[False]), np.uint8)
   val = np.frombuffer(b"".join(chunks[True]), np.uint8)
   if train.size == 0 or val.size == 0:
@@ -174,6 +182,8 @@ def load_stdlib_corpus(
     val_files=counts[True],
     root=str(root),
     fingerprint=digest.hexdigest()[:16],
+    train_bounds=np.asarray(bounds[False], np.int64),
+    val_bounds=np.asarray(bounds[True], np.int64),
   )
 
 
@@ -220,8 +230,15 @@ def val_batches(
   bytes.
   """
   _check_fits(corpus.val, seq_len, "validation")
-  count = num_batches * batch_size
-  starts = np.linspace(0, corpus.val.size - seq_len - 1, count).astype(np.int64)
+  starts = val_window_starts(corpus, num_batches * batch_size, seq_len)
   return _windows(corpus.val, starts, seq_len + 1).reshape(
     num_batches, batch_size, seq_len + 1
   )
+
+
+def val_window_starts(
+  corpus: ByteCorpus, count: int, seq_len: int
+) -> np.ndarray:
+  """int64 starts of the `count` validation windows of `seq_len + 1` bytes,
+  evenly spaced from the first byte to the last window that fits."""
+  return np.linspace(0, corpus.val.size - seq_len - 1, count).astype(np.int64)

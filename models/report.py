@@ -3,6 +3,7 @@
 Every step appends `{"step", "train_bpb", "lr", "grad_norm", "tokens_per_s"}`
 and every evaluation `{"step", "val_bpb"}` to the metrics file, so a run's
 history survives interruptions (a resumed run appends to the same file).
+Each invocation first appends `{"step", "run": {"packed"}}`.
 The progress bar is drawn only on a terminal; evaluation lines are printed
 either way.
 """
@@ -63,6 +64,10 @@ class RunLog:
 
   def _write(self, record: dict) -> None:
     self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+  def record(self, record: dict) -> None:
+    """Appends one record of its own (e.g. how this invocation runs)."""
+    self._write(record)
 
   def line(self, text: str) -> None:
     """Prints one line (above the progress bar when there is one)."""

@@ -5,7 +5,9 @@ with linear warmup + cosine decay) is one `jax.jit`-compiled function of a
 plain pytree state `{"params", "opt_state", "step"}` (parameters split off
 the nnx module with `nnx.split`), so the state is exactly what a checkpoint
 holds. Losses are reported in bits per byte (nats / ln 2; one token is one
-byte), so a uniform guess over 256 bytes scores 8.
+byte), so a uniform guess over 256 bytes scores 8. With
+`TrainConfig.packed` the step takes a `models.packing.PackedBatch` and
+averages the loss over the targets that `packing.loss_mask` counts.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from models import packing
 from models.gpt import GPT, GPTConfig, count_params
 
 LN2 = math.log(2.0)  # nats per bit
@@ -50,6 +54,8 @@ class TrainConfig:
     eval_interval: evaluate every this many steps (and at the start and end).
     eval_batches: validation batches (of `batch_size`) per evaluation.
     checkpoint_interval: save every this many steps (0: only at the end).
+    packed: train on packed batches (`models.packing`): stdlib files side by
+      side in a row, attention and loss kept within each file.
   """
 
   steps: int = 1000
@@ -69,6 +75,7 @@ class TrainConfig:
   eval_interval: int = 100
   eval_batches: int = 8
   checkpoint_interval: int = 200
+  packed: bool = False
 
   def __post_init__(self) -> None:
     positive = (
@@ -102,6 +109,10 @@ class TrainConfig:
       "grad_clip": self.grad_clip > 0,
       "val_fraction": 0 < self.val_fraction < 1,
     }
+    if not isinstance(self.packed, bool):
+      raise ValueError(
+        f"TrainConfig.packed must be True or False; got {self.packed!r}"
+      )
     for name, ok in checks.items():
       if not ok:
         raise ValueError(
@@ -167,6 +178,22 @@ def next_byte_loss(model: GPT, tokens: jax.Array) -> jax.Array:
   ).mean()
 
 
+def packed_next_byte_loss(model: GPT, batch: packing.PackedBatch) -> jax.Array:
+  """Mean next-token cross-entropy in nats over the targets that
+  `packing.loss_mask` counts (within a document) of a packed batch."""
+  logits = model(
+    batch.tokens[:, :-1],
+    segment_ids=batch.segment_ids[:, :-1],
+    positions=batch.positions[:, :-1],
+  )
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+    logits, batch.tokens[:, 1:]
+  )
+  mask = packing.loss_mask(batch.segment_ids)
+  count = jnp.maximum(jnp.sum(mask), 1)
+  return jnp.sum(jnp.where(mask, loss, 0.0)) / count
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
   """The model's structure and the compiled functions of one run.
@@ -176,8 +203,10 @@ class Program:
     rest: non-parameter nnx state (held constant).
     num_params: scalar parameters.
     init_state: `() -> state`, the initialized state (deterministic).
-    train_step: jitted `(state, tokens) -> (state, metrics)`; donates state.
-    eval_loss: jitted `(params, tokens) -> mean loss in nats`.
+    train_step: jitted `(state, batch) -> (state, metrics)`; donates state.
+      The batch is tokens `[batch, seq + 1]`, or a `PackedBatch` if packed.
+    eval_loss: jitted `(params, batch) -> mean loss in nats`.
+    packed: whether the functions take packed batches.
     schedule: the learning-rate schedule (for logging).
   """
 
@@ -188,6 +217,7 @@ class Program:
   train_step: Callable[..., Any]
   eval_loss: Callable[..., Any]
   schedule: optax.Schedule
+  packed: bool = False
 
 
 def check_seq_len(model_cfg: GPTConfig, train_cfg: TrainConfig) -> None:
@@ -228,8 +258,10 @@ def _cached_program(model_cfg: GPTConfig, train_cfg: TrainConfig) -> Program:
       "step": jnp.zeros((), jnp.int32),
     }
 
+  batch_loss = packed_next_byte_loss if train_cfg.packed else next_byte_loss
+
   def loss_fn(p, tokens):
-    return next_byte_loss(nnx.merge(graphdef, p, rest), tokens)
+    return batch_loss(nnx.merge(graphdef, p, rest), tokens)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state, tokens):
@@ -250,10 +282,21 @@ def _cached_program(model_cfg: GPTConfig, train_cfg: TrainConfig) -> Program:
     train_step=train_step,
     eval_loss=jax.jit(loss_fn),
     schedule=learning_rate_schedule(train_cfg),
+    packed=train_cfg.packed,
   )
 
 
 def evaluate(program: Program, params: Any, batches: Any) -> float:
-  """Mean validation loss in bits per byte over `batches` `[n, batch, seq + 1]`."""
-  losses = [program.eval_loss(params, jnp.asarray(b)) for b in batches]
-  return float(jnp.mean(jnp.stack(losses))) / LN2
+  """Mean validation loss in bits per byte over `batches` `[n, batch, seq + 1]`
+  (a `PackedBatch` of such arrays if packed: the mean over its counted
+  targets, each batch weighted by its count)."""
+  if not program.packed:
+    losses = [program.eval_loss(params, jnp.asarray(b)) for b in batches]
+    return float(jnp.mean(jnp.stack(losses))) / LN2
+  total, count = 0.0, 0
+  for i in range(batches.tokens.shape[0]):
+    batch = packing.PackedBatch(*(jnp.asarray(x[i]) for x in batches))
+    n = int(np.sum(packing.loss_mask(np.asarray(batches.segment_ids[i]))))
+    total += float(program.eval_loss(params, batch)) * n
+    count += n
+  return total / max(count, 1) / LN2

@@ -1,6 +1,7 @@
 """Training loop of the byte-level GPT: data, evaluation, checkpoints, resume.
 
-Runs the compiled step of `models.step` over the batches of `models.data`.
+Runs the compiled step of `models.step` over the batches of `models.data`
+(or, with `TrainConfig.packed`, the packed batches of `models.packing`).
 Runs are bitwise reproducible: the model is initialized from
 `TrainConfig.seed`, the batch of step n depends only on
 `(TrainConfig.data_seed, n)` (see `models.data`), and nothing else is random
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models import data
+from models import data, packing
 from models.checkpoint import Checkpointer
 from models.gpt import GPTConfig
 from models.report import RunLog
@@ -63,6 +64,7 @@ def _check_resumable(
   # A field newer than the checkpoint has its default there (e.g. the
   # attention variants, which older runs did not use).
   defaults = GPTConfig().to_dict()
+  train_defaults = TrainConfig().to_dict()
   for name, value in model_cfg.to_dict().items():
     saved = saved_model.get(name, defaults[name])
     if saved != value:
@@ -71,10 +73,11 @@ def _check_resumable(
         f" checkpoint has {saved!r}"
       )
   for name, value in train_cfg.to_dict().items():
-    if name not in _RESUMABLE_FIELDS and saved_train.get(name) != value:
+    saved = saved_train.get(name, train_defaults[name])
+    if name not in _RESUMABLE_FIELDS and saved != value:
       raise ValueError(
         f"cannot resume: TrainConfig.{name} is {value!r} but"
-        f" the checkpoint has {saved_train.get(name)!r}"
+        f" the checkpoint has {saved!r}"
       )
   if meta["data"]["fingerprint"] != fingerprint:
     raise ValueError(
@@ -108,6 +111,7 @@ def _attention_choice(model_cfg: GPTConfig, train_cfg: TrainConfig) -> str:
       window_size=None if window is None else (window, None),
       softcap=model_cfg.softcap,
       sinks=model_cfg.sinks,
+      segmented=train_cfg.packed,
     )
     backend, _ = backends.resolve(
       spec, model_cfg.attention_implementation, None
@@ -179,7 +183,7 @@ def train(
   corpus = data.load_stdlib_corpus(
     max_bytes=train_cfg.max_bytes, val_fraction=train_cfg.val_fraction
   )
-  val = data.val_batches(
+  val = (packing.packed_val_batches if train_cfg.packed else data.val_batches)(
     corpus,
     num_batches=train_cfg.eval_batches,
     batch_size=train_cfg.batch_size,
@@ -210,12 +214,15 @@ def train(
       run_log.line(f"resumed from step {step} of {train_cfg.steps}")
     else:
       step = 0
+    run_log.record({"step": step, "run": {"packed": train_cfg.packed}})
+    if not resume:
       init_val_bpb = evaluate(program, state["params"], val)
       run_log.eval(0, init_val_bpb)
     run_log.line(
       f"model: {program.num_params:,} params, attention {backend}, compute"
       f" {model_cfg.dtype}; data: {corpus.train.size:,} train /"
       f" {corpus.val.size:,} val bytes of {corpus.root}"
+      + (", packed" if train_cfg.packed else "")
     )
     end = (
       train_cfg.steps
@@ -250,6 +257,7 @@ def train(
     "device": str(jax.devices()[0].device_kind),
     "platform": jax.default_backend(),
     "resumed": resume,
+    "packed": train_cfg.packed,
     "final_step": final_step,
     "completed": final_step == train_cfg.steps,
     "init_val_bpb": init_val_bpb,
@@ -258,6 +266,9 @@ def train(
     "wall_time_s": time.perf_counter() - start_time,  # this invocation
     **timing,
   }
+  if train_cfg.packed:  # how full the rows were (train: this invocation)
+    val_fraction = packing.packing_stats(val)["target_fraction"]
+    summary["packing"]["val_target_fraction"] = val_fraction
   (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
   return {**summary, "losses": losses}
 
@@ -279,25 +290,24 @@ def _run_steps(
   step_time = 0.0  # seconds in train steps, excluding the first (compilation)
   timed_steps = 0
   val_bpb = None
-  batch = data.train_batch(
+  draw = packing.packed_train_batch if cfg.packed else data.train_batch
+  batch_at = lambda s: draw(
     corpus,
-    step=step,
+    step=s,
     data_seed=cfg.data_seed,
     batch_size=cfg.batch_size,
     seq_len=cfg.seq_len,
   )
+  stats: list[dict[str, float]] = []  # packed batches only
+  batch = batch_at(step)
   run_log.start(total=cfg.steps, completed=step)
   while step < end:
     tic = time.perf_counter()
-    state, metrics = program.train_step(state, jnp.asarray(batch))
+    state, metrics = program.train_step(state, jax.tree.map(jnp.asarray, batch))
+    if cfg.packed:
+      stats.append(packing.packing_stats(batch))
     # The next batch is drawn on the host while the device runs this step.
-    batch = data.train_batch(
-      corpus,
-      step=step + 1,
-      data_seed=cfg.data_seed,
-      batch_size=cfg.batch_size,
-      seq_len=cfg.seq_len,
-    )
+    batch = batch_at(step + 1)
     metrics = jax.device_get(metrics)
     if losses:
       step_time += time.perf_counter() - tic
@@ -328,4 +338,11 @@ def _run_steps(
       timed_steps * cfg.tokens_per_step / step_time if step_time else None
     ),
   }
+  if cfg.packed:
+    timing["packing"] = {
+      f"train_{name}": (
+        sum(x[name] for x in stats) / len(stats) if stats else None
+      )
+      for name in ("segments_per_row", "target_fraction")
+    }
   return state, losses, timing, val_bpb

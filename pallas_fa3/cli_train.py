@@ -48,6 +48,7 @@ TRAIN_DEFAULTS = dict(
   eval_interval=100,
   eval_batches=8,
   checkpoint_interval=200,
+  packed=False,
 )
 
 
@@ -215,6 +216,15 @@ def add_parser(sub, formatter_class) -> None:
     help="seed of the batch order",
   )
   opt.add_argument(
+    "--packed",
+    action=argparse.BooleanOptionalAction,
+    default=d["packed"],
+    help=(
+      "packed batches: whole or cut stdlib files side by side in each"
+      " sequence, attention (segment ids) and loss kept within each file"
+    ),
+  )
+  opt.add_argument(
     "--max-bytes",
     type=int,
     default=d["max_bytes"],
@@ -303,6 +313,7 @@ def train_configs(args):
     eval_interval=args.eval_interval,
     eval_batches=args.eval_batches,
     checkpoint_interval=args.checkpoint_interval,
+    packed=args.packed,
   )
   return model_cfg, train_cfg
 
@@ -346,6 +357,7 @@ def run_train(args) -> int:
     f" bits/byte; {summary['num_params']:,} params;"
     f" {summary['wall_time_s']:.1f} s wall"
     + (f"; {speed:,.0f} tokens/s" if speed else "")
+    + ("; packed" if summary["packed"] else "")
   )
   print(f"summary: {os.path.join(args.out, SUMMARY_FILE)}")
   return 0

@@ -169,6 +169,7 @@ def test_cli_train_end_to_end(tmp_path, capsys):
   assert summary["final_step"] == 40 and summary["completed"]
   assert summary["model_config"]["num_layers"] == 1
   assert summary["train_config"]["steps"] == 40
+  assert summary["packed"] is False and "packing" not in summary
   for key in (
     "init_val_bpb",
     "final_val_bpb",
@@ -221,6 +222,7 @@ def test_cli_train_help(capsys):
     "--eval-interval",
     "--checkpoint-interval",
     "--resume",
+    "--packed",
   ):
     assert flag in out, flag
 
