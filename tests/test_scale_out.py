@@ -26,11 +26,15 @@ import numpy as np
 import pytest
 
 import pallas_fa3
-from pallas_fa3.parallel import ring_steps
+from pallas_fa3.parallel import ring_layout, ring_skip, ring_steps
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUITE_DIR = REPO_ROOT / "tests" / "multidevice"
-SUITES = ("check_sharded_attention.py", "check_ring_attention.py")
+SUITES = (
+  "check_sharded_attention.py",
+  "check_ring_attention.py",
+  "check_ring_segments.py",
+)
 SIMULATED_DEVICES = 8
 # Each suite takes 1-2 minutes on 2 busy cores; the slow sweep longer.
 _TIMEOUT_S = {"not slow": 540, "slow": 1800}
@@ -143,7 +147,7 @@ def test_zigzag_order_needs_whole_chunks():
 def test_zigzag_perms_deliver_every_chunk_once():
   """Half-shard destinations of `to_zigzag` are two permutations of devices."""
   for n in (1, 2, 3, 4, 8):
-    first, second = ring_steps._zigzag_perms(n)
+    first, second = ring_layout._zigzag_perms(n)
     for perm in (first, second):
       assert sorted(dst for _, dst in perm) == list(range(n))
 
@@ -176,3 +180,19 @@ def test_merge_is_exact_and_ignores_empty_parts():
     jnp.zeros_like(full_out), empty_lse, jnp.zeros_like(full_out), empty_lse
   )
   assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_can_meet_compares_id_ranges_per_batch_row():
+  """A block is skipped only when no batch row's query and key id ranges
+  overlap; padding ids (-1 / -2) widen a range."""
+  ids = lambda q, kv: ring_skip.block_ids(
+    jnp.asarray(q, jnp.int32), jnp.asarray(kv, jnp.int32)
+  )
+  assert not ring_skip.can_meet(ids([[0, 0, 1]], [[2, 3, 3]]))
+  assert ring_skip.can_meet(ids([[0, 0, 2]], [[1, 3, 3]]))  # ranges overlap
+  assert not ring_skip.can_meet(ids([[-1, -1]], [[-2, -2]]))  # padding
+  assert ring_skip.can_meet(ids([[-1, 4]], [[0, 1]]))  # -1 widens the range
+  # Row 0 cannot meet, row 1 can: the block runs.
+  assert ring_skip.can_meet(ids([[0, 1], [5, 6]], [[2, 3], [6, 7]]))
+  assert not ring_skip.can_meet(ids([[0, 1], [5, 6]], [[2, 3], [7, 8]]))
+  assert ring_skip.block_ids(None, None) is None

@@ -8,22 +8,29 @@ zig-zag layout: the sequence is cut into `2n` chunks and device `i` holds
 chunks `i` and `2n-1-i`, so every step after the first is two unmasked
 `c x c` blocks on every device. The backward runs the ring in reverse with
 the merged out and lse; the float32 dK/dV accumulators travel with their
-K/V block and one more hop brings them home.
+K/V block and one more hop brings them home. With segment ids the kv ids
+travel with their K/V block, and a step (block) whose ids cannot meet is
+skipped (`pallas_fa3.parallel.ring_skip`). The layout and the transfers are
+in `pallas_fa3.parallel.ring_layout`.
 Step by step: docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pallas_fa3.parallel import partitioning, sharding_checks
+from pallas_fa3.parallel import partitioning, ring_skip, sharding_checks
+from pallas_fa3.parallel.ring_layout import (
+  ppermute,
+  zigzag_order as zigzag_order,
+)
+from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import AttentionSpec
 from pallas_fa3.vjp import StaticCall
 
@@ -72,97 +79,9 @@ class RingPlan:
       self.seq_axis,
     )
 
-
-def zigzag_order(seq_len: int, ring_size: int) -> np.ndarray:
-  """Token order of the zig-zag layout: `x[:, zigzag_order(s, n)]`.
-
-  The sequence is cut into `2 * ring_size` equal chunks and device `i` holds
-  chunks `i` and `2n-1-i`; sharding the permuted sequence contiguously over
-  the ring axis gives every device its two chunks. `np.argsort` of the result
-  is the inverse permutation.
-
-  Raises:
-    ValueError: `seq_len` is not a multiple of `2 * ring_size`.
-  """
-  n = int(ring_size)
-  if n < 1 or seq_len % (2 * n):
-    raise ValueError(
-      f"seq_len={seq_len} must be a positive multiple of 2 * ring_size ="
-      f" {2 * n} for the zig-zag layout"
-    )
-  c = seq_len // (2 * n)
-  chunks = [chunk for i in range(n) for chunk in (i, 2 * n - 1 - i)]
-  return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks])
-
-
-# ---------------------------------------------------------------------------
-# Transfers.
-
-# Floating types sent as their raw bits (an unsigned int of the same width).
-# XLA's CPU backend has no 16-bit-float collective-permute and would convert
-# bf16/f16 payloads to float32 around it: twice the bytes on the wire and in
-# memory. Bits are bits on every backend, and a bitcast costs nothing.
-_WIRE_TYPES = {
-  jnp.dtype(jnp.bfloat16): jnp.uint16,
-  jnp.dtype(jnp.float16): jnp.uint16,
-}
-
-
-def ppermute(tree: Any, axis_name: str, perm: Sequence[tuple[int, int]]) -> Any:
-  """`jax.lax.ppermute` of a pytree, 16-bit floats sent as their bits."""
-
-  def send(x):
-    wire = _WIRE_TYPES.get(jnp.dtype(x.dtype))
-    if wire is None:
-      return jax.lax.ppermute(x, axis_name, perm)
-    bits = jax.lax.ppermute(
-      jax.lax.bitcast_convert_type(x, wire), axis_name, perm
-    )
-    return jax.lax.bitcast_convert_type(bits, x.dtype)
-
-  return jax.tree.map(send, tree)
-
-
-# ---------------------------------------------------------------------------
-# Zig-zag permutation of the local shards (natural layout, causal).
-
-
-def _zigzag_perms(n: int) -> tuple[list, list]:
-  """Where each natural half-shard goes: (first halves, second halves).
-
-  Natural device `j` holds chunks `2j` and `2j+1`; chunk `ch` belongs to
-  zig-zag device `ch` if `ch < n`, else `2n-1-ch`.
-  """
-  owner = lambda ch: ch if ch < n else 2 * n - 1 - ch
-  return (
-    [(j, owner(2 * j)) for j in range(n)],
-    [(j, owner(2 * j + 1)) for j in range(n)],
-  )
-
-
-def to_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
-  """Local natural shard -> local zig-zag shard (sequence along `axis`)."""
-  perm0, perm1 = _zigzag_perms(n)
-  h0, h1 = jnp.split(x, 2, axis=axis)
-  r0 = ppermute(h0, axis_name, perm0)
-  r1 = ppermute(h1, axis_name, perm1)
-  # An even device receives its chunk i through perm0, an odd one its
-  # chunk 2n-1-i; see _zigzag_perms.
-  even = jax.lax.axis_index(axis_name) % 2 == 0
-  return jnp.concatenate(
-    [jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis
-  )
-
-
-def from_zigzag(x: jax.Array, axis: int, axis_name: str, n: int) -> jax.Array:
-  """Inverse of `to_zigzag`."""
-  perm0, perm1 = _zigzag_perms(n)
-  inverse = lambda perm: [(dst, src) for src, dst in perm]
-  a, b = jnp.split(x, 2, axis=axis)
-  even = jax.lax.axis_index(axis_name) % 2 == 0
-  h0 = ppermute(jnp.where(even, a, b), axis_name, inverse(perm0))
-  h1 = ppermute(jnp.where(even, b, a), axis_name, inverse(perm1))
-  return jnp.concatenate([h0, h1], axis=axis)
+  def ids_spec(self) -> P:
+    """`[b, s]` segment ids: batch and sequence split."""
+    return P(sharding_checks.axes_entry(self.batch_axes), self.seq_axis)
 
 
 # ---------------------------------------------------------------------------
@@ -202,6 +121,8 @@ def _merge_rows(
   acc_out, acc_lse = acc
   out, lse = part
   rows = out.shape[1]
+  if rows == acc_out.shape[1]:  # every row (start 0)
+    return _merge(acc_out, acc_lse, out, lse)
   cur_out = jax.lax.dynamic_slice_in_dim(acc_out, start, rows, axis=1)
   cur_lse = jax.lax.dynamic_slice_in_dim(acc_lse, start, rows, axis=2)
   new_out, new_lse = _merge(cur_out, cur_lse, out, lse)
@@ -209,10 +130,6 @@ def _merge_rows(
     jax.lax.dynamic_update_slice_in_dim(acc_out, new_out, start, axis=1),
     jax.lax.dynamic_update_slice_in_dim(acc_lse, new_lse, start, axis=2),
   )
-
-
-def _rows(x: jax.Array, start: Any, size: int) -> jax.Array:
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
 def _visiting_blocks(
@@ -264,35 +181,62 @@ def _run_ring(
 
 
 def ring_forward(
-  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  ids: SegmentIds | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Local shards (zig-zag order if causal) -> (out float32, lse)."""
+  """Local shards (zig-zag order if causal) -> (out float32, lse).
+
+  `ids`: the local segment ids, or None; the kv ids travel with K/V.
+  """
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
+  q_ids = None if ids is None else ids.q
   # Step s: device i holds the K/V block of device i - s (from i - 1).
   send = lambda kv: ppermute(kv, axis, [(j, (j + 1) % n) for j in range(n)])
 
+  def attend(call, kv, acc, q_start, kv_start, size_q, size_kv):
+    # Merges q rows [q_start, +size_q) x kv rows [kv_start, +size_kv) into
+    # acc, unless their ids cannot meet.
+    seg = ring_skip.block_ids(
+      ring_skip.rows(q_ids, q_start, size_q),
+      ring_skip.rows(kv[2], kv_start, size_kv),
+    )
+
+    def merge(acc):
+      part = partitioning.forward(
+        call,
+        ring_skip.rows(q, q_start, size_q),
+        ring_skip.rows(kv[0], kv_start, size_kv),
+        ring_skip.rows(kv[1], kv_start, size_kv),
+        segment_ids=seg,
+      )
+      return _merge_rows(acc, part, q_start)
+
+    return ring_skip.unless_apart(seg, merge, acc)
+
   def first(kv, acc):
-    del acc  # step 0: the own block, causal on the diagonal if causal
-    out, lse = partitioning.forward(plan.steps[0], q, *kv)
-    return out.astype(jnp.float32), lse
+    if ids is None:  # step 0: the own block, causal on the diagonal if causal
+      out, lse = partitioning.forward(plan.steps[0], q, kv[0], kv[1])
+      return out.astype(jnp.float32), lse
+    return attend(plan.steps[0], kv, acc, 0, 0, q.shape[1], kv[0].shape[1])
 
   def visit(step, kv, acc):
-    k_blk, v_blk = kv
     if not plan.spec.causal:
-      return _merge(*acc, *partitioning.forward(plan.steps[0], q, k_blk, v_blk))
+      return attend(plan.steps[0], kv, acc, 0, 0, q.shape[1], kv[0].shape[1])
     c, blocks = _visiting_blocks(plan, (me - step) % n, me)
     for q_start, kv_start in blocks:
-      part = partitioning.forward(
-        plan.steps[1],
-        _rows(q, q_start, c),
-        _rows(k_blk, kv_start, c),
-        _rows(v_blk, kv_start, c),
-      )
-      acc = _merge_rows(acc, part, q_start)
+      acc = attend(plan.steps[1], kv, acc, q_start, kv_start, c, c)
     return acc
 
-  return _run_ring(n, first, visit, send, ((k, v), None))
+  empty = (
+    jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),
+    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32),
+  )
+  kv_ids = None if ids is None else ids.kv
+  return _run_ring(n, first, visit, send, ((k, v, kv_ids), empty))
 
 
 # ---------------------------------------------------------------------------
@@ -301,6 +245,8 @@ def ring_forward(
 
 def _add_rows(acc: jax.Array, part: jax.Array, start: Any) -> jax.Array:
   rows = part.shape[1]
+  if rows == acc.shape[1]:  # every row (start 0)
+    return acc + part.astype(jnp.float32)
   cur = jax.lax.dynamic_slice_in_dim(acc, start, rows, axis=1)
   return jax.lax.dynamic_update_slice_in_dim(
     acc, cur + part.astype(jnp.float32), start, axis=1
@@ -316,10 +262,12 @@ def ring_backward(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
+  ids: SegmentIds | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Local shards (zig-zag order if causal) -> (dq, dk, dv) in float32."""
   n, axis = plan.ring_size, plan.seq_axis
   me = jax.lax.axis_index(axis)
+  q_ids = None if ids is None else ids.q
   # The reverse ring: step s, device i holds the block of device i + s (from
   # i + 1) together with that block's float32 dK/dV accumulators.
   to_prev = [(j, (j - 1) % n) for j in range(n)]
@@ -331,38 +279,53 @@ def ring_backward(
     # gradients are summed and let it finish under the next step.
     return dq, send((dk, dv))
 
+  def attend(call, kv, grads, q_start, kv_start, size_q, size_kv):
+    # Adds the gradients of q rows [q_start, +size_q) x kv rows
+    # [kv_start, +size_kv), unless their ids cannot meet.
+    q_rows = lambda x: ring_skip.rows(x, q_start, size_q)
+    kv_rows = lambda x: ring_skip.rows(x, kv_start, size_kv)
+    lse_rows = lambda x: ring_skip.rows(x, q_start, size_q, axis=2)
+    seg = ring_skip.block_ids(q_rows(q_ids), kv_rows(kv[2]))
+
+    def add(grads):
+      dq, dk, dv = grads
+      dq_p, dk_p, dv_p = partitioning.backward(
+        call,
+        q_rows(q),
+        kv_rows(kv[0]),
+        kv_rows(kv[1]),
+        q_rows(out),
+        lse_rows(lse),
+        q_rows(dout),
+        lse_rows(dlse),
+        segment_ids=seg,
+      )
+      return (
+        _add_rows(dq, dq_p, q_start),
+        _add_rows(dk, dk_p, kv_start),
+        _add_rows(dv, dv_p, kv_start),
+      )
+
+    return ring_skip.unless_apart(seg, add, grads)
+
   def first(kv, grads):
     dq, (dk, dv) = grads
-    dq_p, dk_p, dv_p = partitioning.backward(
-      plan.steps[0], q, *kv, out, lse, dout, dlse
-    )
-    return pass_on(dq + dq_p, dk + dk_p, dv + dv_p)
+    whole = (0, 0, q.shape[1], kv[0].shape[1])
+    return pass_on(*attend(plan.steps[0], kv, (dq, dk, dv), *whole))
 
   def visit(step, kv, grads):
     if not plan.spec.causal:
       return first(kv, grads)
-    k_blk, v_blk = kv
     dq, (dk, dv) = grads
+    grads = (dq, dk, dv)
     c, blocks = _visiting_blocks(plan, (me + step) % n, me)
     for q_start, kv_start in blocks:
-      rows = lambda x: _rows(x, q_start, c)
-      lse_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, q_start, c, axis=2)
-      dq_p, dk_p, dv_p = partitioning.backward(
-        plan.steps[1],
-        rows(q),
-        _rows(k_blk, kv_start, c),
-        _rows(v_blk, kv_start, c),
-        rows(out),
-        lse_rows(lse),
-        rows(dout),
-        lse_rows(dlse),
-      )
-      dq = _add_rows(dq, dq_p, q_start)
-      dk = _add_rows(dk, dk_p, kv_start)
-      dv = _add_rows(dv, dv_p, kv_start)
-    return pass_on(dq, dk, dv)
+      grads = attend(plan.steps[1], kv, grads, q_start, kv_start, c, c)
+    return pass_on(*grads)
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
   grads = (zeros(q), (zeros(k), zeros(v)))
-  dq, (dk, dv) = _run_ring(n, first, visit, send, ((k, v), grads))
+  kv_ids = None if ids is None else ids.kv
+  block = (k, v, kv_ids)
+  dq, (dk, dv) = _run_ring(n, first, visit, send, (block, grads))
   return dq, dk, dv

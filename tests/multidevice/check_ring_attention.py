@@ -7,7 +7,8 @@ devices in a subprocess), or directly with
 Each case: out, lse, dq, dk, dv (with an lse cotangent) within the tolerance
 rule of the float64 golden and of single-device flash_attention; the
 compiled program moves data only by collective-permute (no all-gather,
-all-to-all or reduce-scatter of the sequence).
+all-to-all or reduce-scatter of the sequence). Segment ids (packed
+sequences) are checked in `check_ring_segments.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from conftest import forward_and_grads
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
-from pallas_fa3.parallel import ring_steps
+from pallas_fa3.parallel import ring_layout
 from pallas_fa3.testing import (
   Shape,
   assert_within_tolerance,
@@ -191,10 +192,10 @@ def test_zigzag_permutation_round_trip():
         out_specs=P(None, "seq"),
       )
     )
-    zz = shard(ring_steps.to_zigzag)(x)
-    order = ring_steps.zigzag_order(4 * ring, ring)
+    zz = shard(ring_layout.to_zigzag)(x)
+    order = ring_layout.zigzag_order(4 * ring, ring)
     np.testing.assert_array_equal(np.asarray(zz), np.asarray(x)[:, order])
-    back = shard(ring_steps.from_zigzag)(zz)
+    back = shard(ring_layout.from_zigzag)(zz)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
 
 

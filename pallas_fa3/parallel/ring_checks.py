@@ -1,0 +1,183 @@
+"""Validation of `ring_attention`'s arguments, and its per-device calls.
+
+Every check raises naming the argument: the mesh and `seq_axis`, the
+`batch_axes` / `head_axes`, sequence lengths that the ring (or the causal
+zig-zag chunks) cannot divide, the layout, a known batch/head split that
+the plan would gather, and a backend that cannot serve a ring step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jax.sharding import AbstractMesh, Mesh
+
+from pallas_fa3 import backends
+from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel.ring_steps import RingPlan
+from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.vjp import StaticCall
+
+LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
+
+
+def check_mesh(mesh: Any, seq_axis: Any) -> int:
+  """The ring size: the size of `seq_axis`, an axis of `mesh`."""
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(
+      f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,),"
+      f" ('seq',))); got {type(mesh).__name__}"
+    )
+  if seq_axis not in mesh.axis_names:
+    raise ValueError(
+      f"seq_axis={seq_axis!r} is not an axis of the mesh; its axes are"
+      f" {tuple(mesh.axis_names)}"
+    )
+  return int(dict(mesh.shape)[seq_axis])
+
+
+def check_axes(
+  name: str,
+  axes: Any,
+  mesh: Mesh | AbstractMesh,
+  taken: tuple[str, ...],
+  dim: int,
+  what: str,
+) -> tuple[str, ...]:
+  """Validates `batch_axes`/`head_axes`: mesh axes, unused, dividing `dim`."""
+  if axes is None:
+    return ()
+  axes = (axes,) if isinstance(axes, str) else axes
+  if not (
+    isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes)
+  ):
+    raise TypeError(
+      f"{name} must be None, a mesh axis name or a tuple of them; got {axes!r}"
+    )
+  axes = tuple(axes)
+  for axis in axes:
+    if axis not in mesh.axis_names:
+      raise ValueError(
+        f"{name}={axes!r}: {axis!r} is not an axis of the mesh; its axes"
+        f" are {tuple(mesh.axis_names)}"
+      )
+    if axis in taken or axes.count(axis) > 1:
+      raise ValueError(
+        f"{name}={axes!r}: mesh axis {axis!r} is used twice (seq_axis and"
+        f" the batch/head axes must be distinct)"
+      )
+  ways = math.prod(dict(mesh.shape)[a] for a in axes)
+  if dim % ways:
+    raise ValueError(
+      f"{name}={axes!r} splits {what} {ways} ways, but {what} is {dim}"
+    )
+  return axes
+
+
+def check_known_layout(plan: RingPlan, **arrays: Any) -> None:
+  """Refuses a batch/head split (known at trace time) that `plan` would gather."""
+  declared = {
+    0: ("batch_axes", plan.batch_axes),
+    2: ("head_axes", plan.head_axes),
+  }
+  for name, x in arrays.items():
+    sharding = sharding_checks.known_sharding(x)
+    if sharding is None:
+      continue
+    entries = sharding_checks.spec_entries(sharding)
+    for axis, (arg, axes) in declared.items():
+      split = sharding_checks.mesh_axes(entries[axis])
+      if split and split != axes:
+        raise ValueError(
+          f"{name} is sharded along {'batch' if axis == 0 else 'heads'}"
+          f" over mesh axes {split}, but {arg}={axes or None}: pass"
+          f" {arg}={split!r} (otherwise every device would gather it)"
+        )
+    if sharding_checks.mesh_axes(entries[3]):
+      raise ValueError(
+        f"{name} is sharded along head_dim (axis 3) over mesh axes"
+        f" {sharding_checks.mesh_axes(entries[3])}; ring_attention splits"
+        " batch, sequence and heads only"
+      )
+
+
+def check_lengths(
+  spec: AttentionSpec, n: int, seq_axis: str, causal: bool
+) -> None:
+  """Sequence lengths in whole shards (whole zig-zag chunks if causal)."""
+  multiple, why = (
+    (2 * n, "zig-zag chunks: 2 per device")
+    if causal
+    else (n, "one shard per device")
+  )
+  for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
+    if length % multiple:
+      raise ValueError(
+        f"{name} has sequence length {length}, not a multiple of {multiple}"
+        f" ({why} over mesh axis {seq_axis!r} of size {n})"
+      )
+  if causal and spec.seq_q != spec.seq_kv:
+    raise ValueError(
+      f"causal ring attention needs q and k of the same sequence length;"
+      f" got q: {spec.seq_q}, k: {spec.seq_kv}"
+    )
+
+
+def check_layout(layout: Any) -> str:
+  """`layout`, one of `LAYOUTS`."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+  return layout
+
+
+def _step_call(
+  spec: AttentionSpec,
+  seq_q: int,
+  seq_kv: int,
+  causal: bool,
+  implementation: str | None,
+  config: Any,
+) -> StaticCall:
+  """The backend call of one ring step, resolved as flash_attention would."""
+  step = dataclasses.replace(spec, seq_q=seq_q, seq_kv=seq_kv, causal=causal)
+  backend, config = backends.resolve(step, implementation, config)
+  if not backend.backward_uses_lse:
+    raise NotImplementedError(
+      f"implementation={backend.name!r} cannot run ring attention: its"
+      " backward differentiates each block's own softmax and ignores the"
+      " merged lse every ring step passes; use 'blockwise' (or None)"
+    )
+  return StaticCall(step, backend, config)
+
+
+def step_calls(
+  spec: AttentionSpec,
+  mesh: Mesh | AbstractMesh,
+  n: int,
+  batch_axes: tuple[str, ...],
+  head_axes: tuple[str, ...],
+  implementation: str | None,
+  config: Any,
+) -> tuple[StaticCall, ...]:
+  """The per-device calls: causal (own block, c x c block), else (block,)."""
+  ways = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
+  nh = ways(head_axes)
+  local = dataclasses.replace(
+    spec,
+    batch=spec.batch // ways(batch_axes),
+    heads_q=spec.heads_q // nh,
+    heads_kv=spec.heads_kv // nh,
+  )
+  if spec.causal:
+    c = spec.seq_q // (2 * n)
+    return (
+      _step_call(local, 2 * c, 2 * c, True, implementation, config),
+      _step_call(local, c, c, False, implementation, config),
+    )
+  return (
+    _step_call(
+      local, spec.seq_q // n, spec.seq_kv // n, False, implementation, config
+    ),
+  )
