@@ -145,7 +145,7 @@ def kv_tile_spans(
   """(first, end) int32 `[b, q_tiles]`: the K/V tiles `first <= j < end`
   hold every K/V tile whose id range can meet query tile i's (a contiguous
   superset; exact when ids are sorted). `end <= first` when none can."""
-  return _spans(segment_ids.q, segment_ids.kv, block_q, block_kv)
+  return _spans(segment_ids[0], segment_ids[1], block_q, block_kv)
 
 
 def q_tile_spans(
@@ -153,7 +153,7 @@ def q_tile_spans(
 ) -> tuple[jax.Array, jax.Array]:
   """(first, end) int32 `[b, kv_tiles]`: the query tiles that can meet
   each K/V tile (the backward's walk)."""
-  return _spans(segment_ids.kv, segment_ids.q, block_kv, block_q)
+  return _spans(segment_ids[1], segment_ids[0], block_kv, block_q)
 
 
 def _spans(
@@ -175,3 +175,61 @@ def visible_ids(q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
   """`q_ids[..., :, None] == kv_ids[..., None, :]`: the id part of the
   mask, `[..., seq_q, seq_kv]`."""
   return q_ids[..., :, None] == kv_ids[..., None, :]
+
+
+def key_bounds(
+  segment_ids: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(lo, hi, contiguous): int32 `[b, seq_q]` bounds such that query i sees
+  exactly the keys `lo <= j < hi` of its segment, and a bool scalar that
+  says whether that is exact: every id's keys are one contiguous run in
+  every row (packed documents, padding included). The kernels mask with the
+  bounds (two compares per score, like a window) when it holds.
+  """
+  q_ids, kv_ids = segment_ids
+  lo, hi, ok = jax.vmap(_row_bounds)(q_ids, kv_ids)
+  return lo, hi, jnp.all(ok)
+
+
+def _row_bounds(q: jax.Array, kv: jax.Array):
+  n = kv.shape[0]
+  pos = jnp.arange(n, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones((1,), bool), kv[1:] != kv[:-1]])
+  run = jnp.cumsum(starts.astype(jnp.int32)) - 1  # run of each key
+  runs = run[-1] + 1
+  run_start = jnp.full((n,), n, jnp.int32).at[run].min(pos)
+  run_end = jnp.zeros((n,), jnp.int32).at[run].max(pos + 1)
+  used = pos < runs
+  big = jnp.iinfo(jnp.int32).max
+  run_id = jnp.full((n,), big, jnp.int32).at[run].set(kv)
+  order = jnp.argsort(jnp.where(used, run_id, big), stable=True)
+  sorted_ids = run_id[order]
+  sorted_used = used[order]
+  # Contiguous: no id has two runs.
+  dup = (sorted_ids[1:] == sorted_ids[:-1]) & sorted_used[1:]
+  idx = jnp.clip(jnp.searchsorted(sorted_ids, q), 0, n - 1)
+  found = (sorted_ids[idx] == q) & sorted_used[idx]
+  r = order[idx]
+  lo = jnp.where(found, run_start[r], 0)
+  hi = jnp.where(found, run_end[r], 0)
+  return lo.astype(jnp.int32), hi.astype(jnp.int32), ~jnp.any(dup)
+
+
+def spans_from_bounds(
+  lo: jax.Array, hi: jax.Array, block_q: int, block_kv: int, num_kv: int
+) -> tuple[jax.Array, jax.Array]:
+  """(first, end) K/V tiles of each `block_q` query tile from its rows'
+  key bounds (rows that see nothing take no part), `[b, q_tiles]`."""
+  b, s = lo.shape
+  tiles = -(-s // block_q)
+  pad = tiles * block_q - s
+  empty = hi <= lo
+  big = jnp.iinfo(jnp.int32).max
+  lo_t = jnp.pad(
+    jnp.where(empty, big, lo), ((0, 0), (0, pad)), constant_values=big
+  )
+  hi_t = jnp.pad(jnp.where(empty, 0, hi), ((0, 0), (0, pad)))
+  first = lo_t.reshape(b, tiles, block_q).min(-1) // block_kv
+  end = -(-hi_t.reshape(b, tiles, block_q).max(-1) // block_kv)
+  first = jnp.minimum(first, num_kv)
+  return first.astype(jnp.int32), end.astype(jnp.int32)

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from pallas_fa3 import modifiers
+from pallas_fa3 import modifiers, segments
 from pallas_fa3.backends import blockwise
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
@@ -58,8 +58,6 @@ def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
 
 
 def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
-  if spec.segmented:
-    return "segment_ids are not yet in the sm90 kernels (blockwise has them)"
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   if spec.fp8 is not None:
@@ -93,10 +91,11 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
     k: jax.Array,
     v: jax.Array,
     sinks: jax.Array | None = None,
+    segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
-    return kernel.sm90_forward(
+    run = lambda bounds: kernel.sm90_forward(
       spec,
       config.forward,
       q,
@@ -104,6 +103,26 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
       v,
       interpret=_interpret_params(interpret),
       sinks=sinks,
+      segment_ids=bounds,
+    )
+    if segment_ids is None:
+      return run(None)
+    # The kernel masks by each row's key bounds: exact when every id's keys
+    # are contiguous (packed documents). Otherwise the blockwise twin
+    # computes the call (same function), decided on the device.
+    lo, hi, contiguous = segments.key_bounds(segment_ids)
+    return jax.lax.cond(
+      contiguous,
+      lambda: run((lo, hi)),
+      lambda: blockwise.blockwise_forward(
+        spec,
+        blockwise.BlockwiseConfig(),
+        q,
+        k,
+        v,
+        sinks=sinks,
+        segment_ids=segment_ids,
+      ),
     )
 
   return forward
@@ -141,10 +160,13 @@ def _backward(
     lse: jax.Array,
     dout: jax.Array,
     dlse: jax.Array,
+    segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     tiling: Sm90BackwardConfig | None = config.backward
-    if tiling is None:
+    if tiling is None or spec.segmented:
       reason = sm90_bwd_config.backward_unsupported(spec)
+      if spec.segmented:
+        reason = "segment_ids are not yet in the sm90 backward kernels"
       if reason:
         # The same gradients from the same residuals, by the blockwise twin;
         # said once per trace, never silently.
@@ -155,7 +177,16 @@ def _backward(
           stacklevel=2,
         )
         return blockwise.blockwise_backward(
-          spec, blockwise.BlockwiseConfig(), q, k, v, out, lse, dout, dlse
+          spec,
+          blockwise.BlockwiseConfig(),
+          q,
+          k,
+          v,
+          out,
+          lse,
+          dout,
+          dlse,
+          segment_ids=segment_ids,
         )
       tiling = sm90_bwd_config.default_backward_config(spec)
     from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top

@@ -211,13 +211,23 @@ def compile_forward(
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
 
   mesh = h200_mesh() if mesh is None else mesh
-  sinks = None  # a constant stand-in: the kernel still reads it
+  sinks = ids = None  # constant stand-ins: the kernel still reads them
   if spec.sinks:
     sinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
+  if spec.segmented:  # documents of 512 tokens
+    from pallas_fa3 import segments
+
+    ids = tuple(
+      jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 512, (spec.batch, n))
+      for n in (spec.seq_q, spec.seq_kv)
+    )
+    ids = segments.key_bounds(ids)[:2]
   return compile_report(
     f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
     f"{modifier_label(spec)} {config}",
-    lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v, sinks=sinks),
+    lambda q, k, v: sm90_fwd.sm90_forward(
+      spec, config, q, k, v, sinks=sinks, segment_ids=ids
+    ),
     bf16_operands(spec, mesh, backward=False),
     short_label(spec, config),
   )
@@ -232,6 +242,8 @@ def modifier_label(spec: AttentionSpec) -> str:
     parts.append(f"softcap={spec.softcap:g}")
   if spec.sinks:
     parts.append("sinks")
+  if spec.segmented:
+    parts.append("segment_ids")
   return "".join(" " + p for p in parts)
 
 

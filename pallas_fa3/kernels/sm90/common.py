@@ -120,31 +120,56 @@ class KvWalk:
 MASK_EVERY_STEP_HEAD_DIM = 256
 
 
-def cta_kv_range(plan: QueryPlan, cta_row0: Any) -> tuple[Any, Any]:
+def cta_kv_range(
+  plan: QueryPlan, cta_row0: Any, span: tuple[Any, Any] | None = None
+) -> tuple[Any, Any]:
   """(first K/V tile, steps) the CTA streams for its query tile at
   `cta_row0`: the tiles any of its rows sees (at least one, so that rows
-  that see nothing still run one fully masked step and write out = 0)."""
+  that see nothing still run one fully masked step and write out = 0).
+  `span`: with segment ids, the (first, end) K/V tiles whose ids can meet
+  the tile's (`segments.kv_tile_spans`), intersected with the positions'."""
   spec, bkv, n = plan.spec, plan.config.block_kv, plan.num_kv_blocks
   first, end = masking.kv_block_range(
     spec, cta_row0, cta_row0 + plan.rows_per_cta, bkv, n
   )
-  if spec.window_left is not None:
+  if span is not None:
+    first, end = jnp.maximum(first, span[0]), jnp.minimum(end, span[1])
+  if spec.window_left is not None or span is not None:
     first = jnp.minimum(first, n - 1)
   return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 1)
 
 
-def kv_walk(plan: QueryPlan, cta_row0: Any, row0: Any, rows: int) -> KvWalk:
+def kv_walk(
+  plan: QueryPlan,
+  cta_row0: Any,
+  row0: Any,
+  rows: int,
+  span: tuple[Any, Any] | None = None,
+) -> KvWalk:
   """The walk of a consumer with query rows `[row0, row0 + rows)` in the
-  CTA whose rows start at `cta_row0`."""
+  CTA whose rows start at `cta_row0` (`span`: as in `cta_kv_range`; every
+  step is then masked)."""
   spec, bkv, n = plan.spec, plan.config.block_kv, plan.num_kv_blocks
-  first, cta_steps = cta_kv_range(plan, cta_row0)
+  first, cta_steps = cta_kv_range(plan, cta_row0, span)
   _, end = masking.kv_block_range(spec, row0, row0 + rows, bkv, n)
+  if span is not None:
+    end = jnp.minimum(end, span[1])
   steps = jnp.clip(jnp.asarray(end, jnp.int32) - first, 1, cta_steps)
+  if span is not None:  # the ids: no step is known to need no mask
+    return KvWalk(first, steps, cta_steps, 0, jnp.int32(0))
   lo, hi = masking.kv_blocks_unmasked(spec, row0, row0 + rows, bkv)
   if spec.window_left is not None:
     lo = jnp.clip(lo - first, 0, steps)
   hi = jnp.clip(jnp.asarray(hi, jnp.int32) - first, lo, steps)
   return KvWalk(first, steps, cta_steps, lo, hi)
+
+
+def tile_span(span_ref: Any, batch: Any, q_tile: Any) -> tuple[Any, Any]:
+  """The (first, end) K/V tiles of query tile `q_tile` of `batch` from a
+  `[2, b, q_tiles]` int32 spans operand (None without segment ids)."""
+  if span_ref is None:
+    return None
+  return span_ref[0, batch, q_tile], span_ref[1, batch, q_tile]
 
 
 def walk_steps(

@@ -167,9 +167,18 @@ _DEFAULTS = {
 }
 
 
+# Segment ids mask every step with each row's key bounds: at d64 the
+# 192-key tile then spills 4-8 B (the sm_90a compile); 128 keys do not.
+_SEGMENTED_DEFAULTS = {
+  64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+}
+
+
 def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig:
   """The heuristic forward config for `spec` (checked against the estimate)."""
   config = _DEFAULTS.get(spec.head_dim, Sm90ForwardConfig())
+  if spec.segmented:
+    config = _SEGMENTED_DEFAULTS.get(spec.head_dim, config)
   assert forward_config_unsupported(config, spec.head_dim, 2) is None, config
   return config
 

@@ -14,6 +14,7 @@ Design and measurements: docs/design_notes.md#forward-kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from pallas_fa3.kernels.sm90.common import (
   kv_walk,
   smem_transforms,
   softcapped,
+  tile_span,
   tma_extent,
   walk_steps,
 )
@@ -49,6 +51,11 @@ from pallas_fa3.kernels.sm90.persistent import (
   run_consumer,
 )
 from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
+from pallas_fa3.kernels.sm90.segment_operands import (
+  SegmentRefs,
+  bounds_mask,
+  id_operands,
+)
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -91,7 +98,7 @@ def _query_tile(
   (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem, lse_smem) = refs[
     :8
   ]
-  ring, q_bar = refs[8:]
+  ring, q_bar, seg = refs[8:]
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
@@ -109,9 +116,21 @@ def _query_tile(
     q_bar.at[wg],
     oob_mode=compat.ZERO_FILL,
   )
+  span = bounds = None
+  if seg is not None:  # the rows' key bounds arrive on the Q barrier too
+    for i, ref in enumerate((seg.lo, seg.hi)):
+      plgpu.copy_gmem_to_smem(
+        ref.at[batch, pl.ds(row0, cfg.block_q)],
+        seg.bounds_smem.at[i, wg],
+        q_bar.at[wg],
+      )
   plgpu.barrier_wait(q_bar.at[wg])
+  if seg is not None:
+    bounds = tuple(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1))
+    q_tile = lax.div(tile.row0, jnp.int32(plan.rows_per_cta))
+    span = tile_span(seg.spans, batch, q_tile)
 
-  walk = kv_walk(plan, tile.row0, row0, cfg.block_q)
+  walk = kv_walk(plan, tile.row0, row0, cfg.block_q, span)
   # Padded keys matter only where rows see keys after their own position
   # (bottom-right causal rows never see a key at or past seq_kv).
   check_seq_kv = spec.window_right != 0
@@ -130,6 +149,10 @@ def _query_tile(
         0,
         check_seq_kv=check_seq_kv,
       )
+      if bounds is not None:  # the segment: lo <= key < hi
+        kv0 = (walk.first + j) * cfg.block_kv
+        cols = ops.col_index(cfg.block_kv)
+        mask = mask & bounds_mask(cols, *bounds, kv0, s.shape)
     return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
   # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
@@ -235,12 +258,20 @@ def _build(
   )
   transforms = smem_transforms(spec.dtype, spec.head_dim)
   d = spec.head_dim
+  tmas = 3 if spec.segmented else 1  # TMA copies per Q barrier phase
 
   def fa3_fwd(q_ref, k_ref, v_ref, *refs):
-    sinks_ref = refs[0] if spec.sinks else None
-    o_ref, lse_ref, *scratch = refs[1:] if spec.sinks else refs
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if spec.sinks else None
+    ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
+    o_ref, lse_ref, *scratch = refs
     qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
     ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
+    seg, tiles = None, walk
+    if spec.segmented:  # (lo, hi, spans) and the bounds' shared tile
+      *turns, bounds_smem = turns
+      seg = SegmentRefs(ids[0], ids[1], bounds_smem, ids[2])
+      tiles = dataclasses.replace(walk, spans=ids[2])
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -248,16 +279,18 @@ def _build(
       refs = (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem)
       refs += (lse_smem,)
       run_consumer(
-        walk,
+        tiles,
         turns,
         CONSUMER_REGS,
-        lambda *at: _query_tile((*refs, ring, q_bar), plan, ops, *at),
+        lambda *at: _query_tile((*refs, ring, q_bar, seg), plan, ops, *at),
       )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
       kv_producer(
-        (k_ref, v_ref, k_smem, v_smem, *ring), walk, registers=PRODUCER_REGS
+        (k_ref, v_ref, k_smem, v_smem, *ring),
+        tiles,
+        registers=PRODUCER_REGS,
       )
 
   ring = lambda: plgpu.SMEM(
@@ -274,9 +307,12 @@ def _build(
     plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
     consumer_release(cfg.num_stages),  # k_empty: one arrival per consumer
     consumer_release(cfg.num_stages),  # v_empty
-    plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # Q tile per consumer
+    # Q tile per consumer (and its rows' key bounds: one arrival each)
+    plgpu.Barrier(num_arrivals=tmas, num_barriers=NUM_CONSUMERS),
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
+  if spec.segmented:
+    scratch += (plgpu.SMEM((2, NUM_CONSUMERS, cfg.block_q), jnp.int32),)
   out_type = (
     jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
     # The lse tile's store is a plain bulk copy, whose bound is the end of
@@ -305,6 +341,7 @@ def sm90_forward(
   *,
   interpret: Any = None,
   sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the forward kernel.
 
@@ -317,6 +354,9 @@ def sm90_forward(
     interpret: None compiles for sm90; interpret-mode parameters
       (`compat.interpret_params(...)`) run the same kernel on a CPU.
     sinks: float32 `[b, hq]` when `spec.sinks`.
+    segment_ids: with `spec.segmented`, each query row's key bounds
+      `(lo, hi)` (`segments.key_bounds`, exact for contiguous ids): the CTA
+      walks only the K/V tiles its rows reach and masks by the bounds.
 
   Returns:
     (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
@@ -337,5 +377,6 @@ def sm90_forward(
     tma_extent(k, 1, config.block_kv),
     tma_extent(v, 1, config.block_kv),
     *(() if sinks is None else (sinks.astype(jnp.float32),)),
+    *(() if segment_ids is None else id_operands(plan, *segment_ids)),
   )
   return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

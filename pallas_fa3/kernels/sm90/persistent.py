@@ -26,7 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kernels.sm90.common import QueryPlan, cta_kv_range
+from pallas_fa3.kernels.sm90.common import (
+  QueryPlan,
+  cta_kv_range,
+  tile_span,
+)
 from pallas_fa3.kernels.sm90.pingpong import Turns
 
 # SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
@@ -81,6 +85,9 @@ class TileWalk:
 
   plan: QueryPlan
   num_ctas: int
+  # With segment ids: the `[2, b, q_tiles]` int32 K/V tile spans operand
+  # (set inside the kernel, `dataclasses.replace`).
+  spans: Any = None
 
   @property
   def one_tile_each(self) -> bool:
@@ -116,14 +123,19 @@ class TileWalk:
       row0=q_tile * self.plan.rows_per_cta,
     )
 
+  def span(self, tile: Tile) -> tuple[Any, Any] | None:
+    """The tile's K/V span from its segment ids (None without)."""
+    q_tile = lax.div(tile.row0, jnp.int32(self.plan.rows_per_cta))
+    return tile_span(self.spans, tile.batch, q_tile)
+
   def steps(self, tile: Tile) -> jax.Array:
     """K/V steps the CTA streams for `tile` (its slowest consumer's)."""
-    return cta_kv_range(self.plan, tile.row0)[1]
+    return cta_kv_range(self.plan, tile.row0, self.span(tile))[1]
 
   def first(self, tile: Tile) -> Any:
     """The first K/V tile the CTA streams for `tile` (0 unless a window
-    has a left bound)."""
-    return cta_kv_range(self.plan, tile.row0)[0]
+    has a left bound or the call has segment ids)."""
+    return cta_kv_range(self.plan, tile.row0, self.span(tile))[0]
 
   def for_each(self, body: Callable[[Tile, Any], None]) -> jax.Array:
     """Runs `body(tile, base)` over this CTA's tiles, `base` the global K/V
