@@ -125,9 +125,10 @@ def add_parser(
       " bf16 matmul rate for % of peak. Without a GPU: a small CPU sweep"
       " of blockwise vs reference vs XLA (about a minute). Unset flags"
       " keep the platform default; every skipped case is reported with"
-      " its reason. --window, --softcap and --sinks apply to every case"
+      " its reason. --window, --softcap, --sinks and --docs apply to every case"
       " and implementation; one that cannot serve them is skipped, saying"
-      " why, and FLOPs count only the pairs a window leaves visible."
+      " why, and FLOPs count only the pairs a window and the documents"
+      " leave visible."
     ),
     formatter_class=formatter_class,
   )
@@ -221,6 +222,14 @@ def add_parser(
     help="per-head sinks in every case: random float32 logits, fixed seed",
   )
   p.add_argument(
+    "--docs",
+    type=positive,
+    metavar="N",
+    help="pack every sequence with N documents of equal length (the last"
+    " takes the remainder), passed as segment_ids; N <= every --seq"
+    " (unset: one document)",
+  )
+  p.add_argument(
     "--tokens",
     type=positive,
     help="batch x seq per case, batch = tokens // seq ("
@@ -299,6 +308,7 @@ def grid_axes(args, platform: str) -> specs.GridAxes:
     window=args.window,
     softcap=args.softcap,
     sinks=args.sinks or None,
+    docs=args.docs,
   )
   return dataclasses.replace(
     axes,

@@ -4,7 +4,9 @@ Forward: two matmuls (S = Q K^T, O = P V), `2 * d` and `2 * dv` FLOPs per
 visible (query, key) pair and query head. Causal masks and sliding windows
 count exactly the visible pairs under bottom-right alignment (query i sits
 at key position p = i + seq_kv - seq_q; causal: keys j <= p; window (left,
-right): p - left <= j <= p + right), not half the square. A softcap's tanh
+right): p - left <= j <= p + right), not half the square. Packed documents
+(`--docs`) keep only the pairs of a query and a key of the same document,
+intersected with that mask. A softcap's tanh
 and the sinks are not matmul work and are not counted. Backward counts 2.5x
 the forward (five matmuls instead of two: FA2/FA3 convention),
 forward+backward 3.5x.
@@ -50,14 +52,17 @@ def visible_pairs(
   seq_kv: int,
   causal: bool = False,
   window: tuple[int | None, int | None] | None = None,
+  offset: int | None = None,
 ) -> int:
   """Visible (query, key) pairs of a causal mask and/or a sliding window.
 
-  The band `p - left <= j <= p + right` (p = i + seq_kv - seq_q; a None
-  side unbounded, causal caps right at 0) clipped to the score matrix: the
-  pairs up to its upper diagonal minus those below its lower one. Exact.
+  The band `p - left <= j <= p + right` (p = i + offset, by default
+  `seq_kv - seq_q`: bottom-right aligned; a None side unbounded, causal
+  caps right at 0) clipped to the score matrix: the pairs up to its upper
+  diagonal minus those below its lower one. Exact.
   """
-  offset = seq_kv - seq_q
+  if offset is None:
+    offset = seq_kv - seq_q
   left, right = (None, None) if window is None else window
   if causal:
     right = 0 if right is None else min(right, 0)
@@ -70,13 +75,39 @@ def visible_pairs(
   return upper - below
 
 
+def doc_lengths(docs: int, seq: int) -> list[int]:
+  """`docs` documents packed in `seq` positions: equal lengths `seq //
+  docs`, the last one taking the remainder (`--docs`)."""
+  size = seq // docs
+  return [size] * (docs - 1) + [seq - size * (docs - 1)]
+
+
+def document_pairs(
+  seq_q: int,
+  seq_kv: int,
+  docs: int,
+  causal: bool = False,
+  window: tuple[int | None, int | None] | None = None,
+) -> int:
+  """Visible pairs of `docs` packed documents (`doc_lengths` of seq_q and
+  of seq_kv): per document, the pairs its block of the score matrix keeps
+  of the whole matrix's causal mask and window (bottom-right aligned per
+  document when seq_q == seq_kv). Exact."""
+  total, q0, k0 = 0, 0, 0
+  for nq, nk in zip(doc_lengths(docs, seq_q), doc_lengths(docs, seq_kv)):
+    offset = seq_kv - seq_q + q0 - k0
+    total += visible_pairs(nq, nk, causal, window, offset)
+    q0, k0 = q0 + nq, k0 + nk
+  return total
+
+
 def attention_flops(spec, head_dim_v: int | None = None) -> int:
   """FLOPs of one benchmark case (`spec`: a `BenchSpec`-like object).
 
   Args:
     spec: has batch, seq_q, seq_kv, heads_q, head_dim, causal and mode; a
       `window` (a `BenchSpec`'s) or `window_size` (an `AttentionSpec`'s)
-      attribute, when present, is counted too.
+      attribute, when present, is counted too, and so is a `docs` one.
     head_dim_v: value head dim when it differs from `head_dim`.
 
   Returns:
@@ -86,7 +117,11 @@ def attention_flops(spec, head_dim_v: int | None = None) -> int:
   """
   dv = spec.head_dim if head_dim_v is None else head_dim_v
   window = getattr(spec, "window", None) or getattr(spec, "window_size", None)
-  pairs = visible_pairs(spec.seq_q, spec.seq_kv, spec.causal, window)
+  docs = getattr(spec, "docs", None)
+  if docs:
+    pairs = document_pairs(spec.seq_q, spec.seq_kv, docs, spec.causal, window)
+  else:
+    pairs = visible_pairs(spec.seq_q, spec.seq_kv, spec.causal, window)
   fwd = 2 * spec.batch * pairs * spec.heads_q * (spec.head_dim + dv)
   num, den = _MODE_FACTOR[spec.mode]
   return fwd * num // den

@@ -2,8 +2,9 @@
 
 Each `Impl` turns a `BenchSpec` into a function `(q, k, v) -> out` with our
 conventions (layout `[batch, seq, heads, head_dim]`, scale `1/sqrt(d)`,
-bottom-right causal, the spec's window, softcap and sinks), or gives the
-reason it cannot serve the spec. A backend that raises `NotImplementedError`
+bottom-right causal, the spec's window, softcap, sinks and packed
+documents as segment ids), or gives the reason it cannot serve the spec.
+Baselines without segment ids skip --docs cases, saying so. A backend that raises `NotImplementedError`
 while being traced (e.g. for a window it does not implement yet) is reported
 as skipped with that message by the runner, so a backend starts being
 measured by itself as soon as it is implemented. Sinks are inputs of the
@@ -97,6 +98,7 @@ def _ours_unsupported(name):
 def _ours_build(name, deterministic=False):
   def build(spec):
     sinks = options.sinks_for(spec.heads_q) if spec.sinks else None
+    segment_ids = options.segment_ids_for(spec)
     return lambda q, k, v: flash_attention(
       q,
       k,
@@ -107,6 +109,7 @@ def _ours_build(name, deterministic=False):
       window_size=spec.window,
       softcap=spec.softcap,
       sinks=sinks,
+      segment_ids=segment_ids,
     )
 
   return build

@@ -1,7 +1,8 @@
 """The attention options a bench case may set beyond causal: a sliding
-window, a logit softcap and per-head sinks (`flash_attention`'s
-`window_size=`, `softcap=`, `sinks=`): their checks, their text in names,
-records and titles, and the sinks values every implementation gets.
+window, a logit softcap, per-head sinks and packed documents
+(`flash_attention`'s `window_size=`, `softcap=`, `sinks=`,
+`segment_ids=`): their checks, their text in names, records and titles,
+and the sinks values and segment ids every implementation gets.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_fa3 import SegmentIds, segment_ids_from_lengths
+from pallas_fa3.bench import flops
 
 Window = tuple[int | None, int | None]
 # The sinks of every case: standard-normal float32 logits from this seed, so
@@ -26,11 +30,16 @@ def format_window(window: Window | None) -> str | None:
 
 
 def check_modifiers(
-  window: Window | None, softcap: float | None, sinks: bool, where: str = ""
+  window: Window | None,
+  softcap: float | None,
+  sinks: bool,
+  where: str = "",
+  docs: int | None = None,
 ) -> None:
   """Raises ValueError, naming the field and its value, unless `window` is
   None or a pair of non-negative ints or Nones, `softcap` None or a positive
-  finite number and `sinks` a bool; `where` prefixes the message."""
+  finite number, `sinks` a bool and `docs` None or an int >= 1; `where`
+  prefixes the message."""
   side_ok = lambda w: (
     w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
   )
@@ -52,36 +61,50 @@ def check_modifiers(
     )
   if not isinstance(sinks, bool):
     raise ValueError(f"{where}sinks must be a bool; got {sinks!r}")
+  if docs is not None and not (
+    isinstance(docs, int) and not isinstance(docs, bool) and docs >= 1
+  ):
+    raise ValueError(f"{where}docs must be None or an int >= 1; got {docs!r}")
 
 
 def modifier_names(
-  window: Window | str | None, softcap: float | None, sinks: bool
+  window: Window | str | None,
+  softcap: float | None,
+  sinks: bool,
+  docs: int | None = None,
 ) -> tuple[str, ...]:
-  """Which of window, softcap and sinks are set (a record holds its window
-  as `format_window` text, a spec as a pair)."""
+  """Which of window, softcap, sinks and docs are set (a record holds its
+  window as `format_window` text, a spec as a pair)."""
   return tuple(
     name
     for name, on in (
       ("window", window is not None),
       ("softcap", softcap is not None),
       ("sinks", bool(sinks)),
+      ("docs", docs is not None),
     )
     if on
   )
 
 
 def modifier_label(
-  window: Window | str | None, softcap: float | None, sinks: bool
+  window: Window | str | None,
+  softcap: float | None,
+  sinks: bool,
+  docs: int | None = None,
 ) -> str:
-  """ "window 256,0, softcap 30, sinks": the options that are set, or ""."""
+  """ "window 256,0, softcap 30, sinks, docs 4": the options that are set,
+  or ""."""
   if not isinstance(window, str):
     window = format_window(window)
   text = dict(
     window=f"window {window}",
     softcap=f"softcap {softcap:g}" if softcap is not None else "",
     sinks="sinks",
+    docs=f"docs {docs}",
   )
-  return ", ".join(text[n] for n in modifier_names(window, softcap, sinks))
+  names = modifier_names(window, softcap, sinks, docs)
+  return ", ".join(text[n] for n in names)
 
 
 def join_names(names: tuple[str, ...]) -> str:
@@ -96,8 +119,28 @@ def sinks_for(heads_q: int) -> jax.Array:
   return jnp.asarray(rng.standard_normal(heads_q), jnp.float32)
 
 
+def segment_ids_for(spec) -> SegmentIds | None:
+  """The segment ids of a `BenchSpec` with `docs` (None without): every
+  row packs `flops.doc_lengths(docs, seq)` documents, the same ids for q
+  and kv when seq_q == seq_kv, kv ids of the same proportions otherwise."""
+  if spec.docs is None:
+    return None
+
+  def ids(seq):
+    lengths = np.tile(flops.doc_lengths(spec.docs, seq), (spec.batch, 1))
+    return segment_ids_from_lengths(lengths, seq)
+
+  q_ids = ids(spec.seq_q)
+  return SegmentIds(
+    q_ids, q_ids if spec.seq_kv == spec.seq_q else ids(spec.seq_kv)
+  )
+
+
 def record_label(record: dict) -> str:
   """`modifier_label` of a sweep record (older records have no fields)."""
   return modifier_label(
-    record.get("window"), record.get("softcap"), record.get("sinks", False)
+    record.get("window"),
+    record.get("softcap"),
+    record.get("sinks", False),
+    record.get("docs"),
   )

@@ -1,11 +1,12 @@
 """PNG plots made from the records: FLOP/s vs sequence length.
 
-One figure per (mode, dtype, options: window, softcap, sinks); one panel
-per head dim x causal; one line per implementation at the median time, with
-error bars from the fastest and the slowest timed call (min/max). The title
-names the device, the JAX version and the options that are set (they also
-suffix the file name). fp8 plots the total (quantization + attention).
-matplotlib with the Agg backend (no display needed).
+One figure per (mode, dtype, options: window, softcap, sinks, docs); one
+panel per head dim x causal; one line per implementation at the median
+time, with error bars from the fastest and the slowest timed call
+(min/max). The title names the device, the JAX version and the options
+that are set (they also suffix the file name). fp8 plots the total
+(quantization + attention). matplotlib with the Agg backend (no display
+needed).
 """
 
 from __future__ import annotations

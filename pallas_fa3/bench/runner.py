@@ -6,7 +6,8 @@ attention timed apart); "skipped" with the reason (unsupported shape or
 option, backend not implemented, no GPU, FP8 backward, time budget); or
 "error" with the exception. Nothing is dropped silently. A record's
 `window` is "LEFT,RIGHT" text as on the command line (None: no window),
-`softcap` a float or None and `sinks` a bool.
+`softcap` a float or None, `sinks` a bool and `docs` an int or None (one
+document).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _base_record(impl, spec) -> dict:
     window=options.format_window(spec.window),
     softcap=spec.softcap,
     sinks=spec.sinks,
+    docs=spec.docs,
     gqa=spec.gqa,
     tags=" ".join(spec.tags),
     flops=flops.attention_flops(spec),

@@ -74,6 +74,8 @@ class BenchSpec:
       side a non-negative int or None (unbounded); None: no window.
     softcap: `flash_attention`'s `softcap` (a positive float) or None.
     sinks: pass per-head sinks (`options.sinks_for`: random, fixed seed).
+    docs: pack every sequence with this many documents (`segment_ids=`,
+      `options.segment_ids_for`), at most min(seq_q, seq_kv); None: one.
   """
 
   name: str
@@ -90,6 +92,7 @@ class BenchSpec:
   window: Window | None = None
   softcap: float | None = None
   sinks: bool = False
+  docs: int | None = None
 
   def __post_init__(self):
     for field in (
@@ -119,9 +122,13 @@ class BenchSpec:
       raise ValueError(
         f"BenchSpec {self.name!r}: mode {self.mode!r} not in {MODES}"
       )
-    check_modifiers(
-      self.window, self.softcap, self.sinks, f"BenchSpec {self.name!r}: "
-    )
+    where = f"BenchSpec {self.name!r}: "
+    check_modifiers(self.window, self.softcap, self.sinks, where, self.docs)
+    if self.docs is not None and self.docs > min(self.seq_q, self.seq_kv):
+      raise ValueError(
+        f"{where}docs must be at most min(seq_q, seq_kv) ="
+        f" {min(self.seq_q, self.seq_kv)}; got {self.docs}"
+      )
 
   @property
   def gqa(self) -> int:
@@ -140,7 +147,7 @@ class BenchSpec:
   @property
   def modifiers(self) -> tuple[str, ...]:
     """The `flash_attention` options this case sets beyond causal."""
-    return modifier_names(self.window, self.softcap, self.sinks)
+    return modifier_names(self.window, self.softcap, self.sinks, self.docs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +156,8 @@ class GridAxes:
 
   `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
   query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
-  `window`, `softcap` and `sinks` are not axes: every spec gets them.
+  `window`, `softcap`, `sinks` and `docs` are not axes: every spec gets
+  them.
   """
 
   tokens: int
@@ -164,6 +172,7 @@ class GridAxes:
   window: Window | None = None
   softcap: float | None = None
   sinks: bool = False
+  docs: int | None = None
 
 
 PAPER_AXES = GridAxes(
@@ -198,14 +207,16 @@ def spec_name(
   window=None,
   softcap=None,
   sinks=False,
+  docs=None,
 ) -> str:
-  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks"."""
+  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks-docs4"."""
   seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
   win = format_window(window)
   extra = (
     ("" if win is None else f"-win{win.replace(',', '_')}")
     + ("" if softcap is None else f"-softcap{softcap:g}")
     + ("-sinks" if sinks else "")
+    + ("" if docs is None else f"-docs{docs}")
   )
   return (
     f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
@@ -239,12 +250,19 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
 
   Raises:
     ValueError: a head dim over MAX_HEAD_DIM or not dividing the hidden size,
-      a GQA ratio not dividing the number of query heads, or a bad window,
-      softcap or sinks.
+      a GQA ratio not dividing the number of query heads, a bad window,
+      softcap or sinks, or more --docs than a sequence has positions.
   """
   check_head_dims(axes.head_dims, axes.hidden)
-  check_modifiers(axes.window, axes.softcap, axes.sinks)
-  mods = dict(window=axes.window, softcap=axes.softcap, sinks=axes.sinks)
+  check_modifiers(axes.window, axes.softcap, axes.sinks, docs=axes.docs)
+  if axes.docs is not None and axes.docs > min(axes.seqs):
+    raise ValueError(
+      f"--docs {axes.docs} is over --seq {min(axes.seqs)}: every sequence"
+      " needs at least one position per document"
+    )
+  mods = dict(
+    window=axes.window, softcap=axes.softcap, sinks=axes.sinks, docs=axes.docs
+  )
   specs = []
   for mode, dtype, d, causal, gqa, seq in itertools.product(
     axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa, axes.seqs
@@ -302,11 +320,12 @@ def tiny_spec(
   window: Window | None = None,
   softcap: float | None = None,
   sinks: bool = False,
+  docs: int | None = None,
 ) -> BenchSpec:
   """A small case for the interpret backend (correctness, not speed)."""
   heads_kv = 1 if gqa > 1 else 2
   heads_q = heads_kv * gqa
-  mods = dict(window=window, softcap=softcap, sinks=sinks)
+  mods = dict(window=window, softcap=softcap, sinks=sinks, docs=docs)
   return BenchSpec(
     spec_name(
       mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal, **mods
@@ -330,8 +349,8 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
 
   The cheapest grid point (forward first, then the shortest sequence, the
   smallest head dim, causal before not) at batch 1 and two key/value heads:
-  its dtype, mode, mask, sequence, head dim, GQA ratio, window, softcap
-  and sinks are the grid's.
+  its dtype, mode, mask, sequence, head dim, GQA ratio, window, softcap,
+  sinks and docs are the grid's.
   The runner skips it, saying why, when its sequence exceeds TINY_MAX_SEQ.
   """
   s = min(
@@ -354,6 +373,7 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
     window=s.window,
     softcap=s.softcap,
     sinks=s.sinks,
+    docs=s.docs,
   )
 
 

@@ -1,7 +1,7 @@
 """The terminal summary: small tables that fit 80 columns.
 
-One table per (mode, dtype, options): its title names the window, softcap
-and sinks when set; a row per shape (head dim, causal, seq), a
+One table per (mode, dtype, options): its title names the window, softcap,
+sinks and docs when set; a row per shape (head dim, causal, seq), a
 column per implementation that ran (TFLOP/s of the median time; GFLOP/s
 when every figure is under 1 TFLOP/s), and the speedup of ours over the
 fastest other implementation. fp8 cells are total/kernel (quantization
