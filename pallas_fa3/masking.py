@@ -162,16 +162,6 @@ def q_block_range(
   return first, end
 
 
-def first_q_block_visible(
-  spec: AttentionSpec, kv_block_start: Any, block_q: int, num_q_blocks: int
-) -> int | jax.Array:
-  """Index of the first query tile that sees any key of a kv tile (the
-  first of `q_block_range`)."""
-  return q_block_range(
-    spec, kv_block_start, kv_block_start + 1, block_q, num_q_blocks
-  )[0]
-
-
 def visible_keys_end(spec: AttentionSpec, q_pos: jax.Array) -> jax.Array:
   """One past the last key query `q_pos` sees: `visible(q, j)` iff `j < end`.
 

@@ -1,7 +1,7 @@
 """Local attention and score modifiers: sliding windows, softcap, sinks.
 
 The options of `flash_attention(window_size=, softcap=, sinks=)` checked and
-made canonical, and the few formulas every backend shares:
+made canonical, and the sinks' layout and gradient every backend shares:
 
 * `window_size=(left, right)`: bottom-right aligned like `causal`. Query i
   sits at key position `p = i + seq_kv - seq_q` and sees key j iff
@@ -141,13 +141,6 @@ def check_sinks(sinks: Any, heads_q: int) -> jax.Array | None:
       f"sinks must have a floating dtype; got {jnp.dtype(sinks.dtype)}"
     )
   return jnp.asarray(sinks)
-
-
-def cap_scores(s: jax.Array, softcap: float | None) -> jax.Array:
-  """`softcap * tanh(s / softcap)` of scaled scores (identity when off)."""
-  if softcap is None:
-    return s
-  return jnp.float32(softcap) * jnp.tanh(s * jnp.float32(1.0 / softcap))
 
 
 def batch_sinks(sinks: jax.Array, batch: int) -> jax.Array:
