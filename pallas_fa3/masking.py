@@ -89,6 +89,51 @@ def visible_tile_at(
   return jnp.ones(shape, bool) if mask is None else mask
 
 
+def within_bounds(
+  index: jax.Array,
+  lo: jax.Array,
+  hi: jax.Array,
+  base: Any,
+  shape: tuple[int, int],
+  bounds_dim: int = 0,
+) -> jax.Array:
+  """`lo[r] <= base + index[c] < hi[r]` over a `shape` tile, r along
+  `bounds_dim` and c along the other dim (segment ids' per-row bounds; 1-D
+  vectors only before the broadcast compare, no index tile in registers)."""
+  other = 1 - bounds_dim
+  idx = lax.broadcast_in_dim(index, shape, [other])
+  first = lax.broadcast_in_dim(lo - base, shape, [bounds_dim])
+  end = lax.broadcast_in_dim(hi - base, shape, [bounds_dim])
+  return (idx >= first) & (idx < end)
+
+
+def fold_positions(
+  spec: AttentionSpec, lo: jax.Array, hi: jax.Array, *, per_key: bool
+) -> tuple[jax.Array, jax.Array]:
+  """Segment bounds narrowed by the positional rule (causal, window), so
+  that a kernel masks by the bounds alone (two compares per score).
+
+  `per_key=False`: `[b, seq_q]` key bounds of each query row i, whose own
+  key position is p = i + offset: keys in `[max(lo, p - left),
+  min(hi, p + right + 1))`. `per_key=True`: `[b, seq_kv]` query bounds of
+  each key j: queries in `[max(lo, j - offset - right),
+  min(hi, j - offset + left + 1))`. An empty range has `hi <= lo`.
+  """
+  n = lo.shape[-1]
+  pos = jnp.arange(n, dtype=jnp.int32)
+  left, right = spec.window_left, spec.window_right
+  if per_key:
+    pos = pos - spec.causal_offset
+    left, right = right, left  # the query range mirrors the key range
+  else:
+    pos = pos + spec.causal_offset
+  if left is not None:
+    lo = jnp.maximum(lo, pos - left)
+  if right is not None:
+    hi = jnp.minimum(hi, pos + right + 1)
+  return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
 def kv_block_range(
   spec: AttentionSpec,
   q_start: Any,

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa3 import masking
+
 
 class SegmentIds(NamedTuple):
   """Segment ids of a packed call: int32 `q [batch, seq_q]` and
@@ -189,6 +191,30 @@ def key_bounds(
   q_ids, kv_ids = segment_ids
   lo, hi, ok = jax.vmap(_row_bounds)(q_ids, kv_ids)
   return lo, hi, jnp.all(ok)
+
+
+def query_bounds(
+  segment_ids: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`key_bounds` mirrored: (lo, hi, contiguous) int32 `[b, seq_kv]` such
+  that key j is seen by exactly the queries `lo <= i < hi` of its segment
+  (positions aside), exact when every id's queries are one contiguous run
+  (the backward's dK/dV kernels mask by them)."""
+  q_ids, kv_ids = segment_ids
+  return key_bounds((kv_ids, q_ids))
+
+
+def kernel_bounds(spec: Any, segment_ids: Any) -> tuple[tuple, tuple]:
+  """((lo, hi, q_lo, q_hi), (keys_exact, queries_exact)): the query rows'
+  key bounds and the keys' query bounds, each narrowed by `spec`'s
+  causal/window rule (`masking.fold_positions`: the kernels then mask by
+  the bounds alone), and whether each pair is exact (every id's keys,
+  resp. queries, contiguous)."""
+  lo, hi, keys_ok = key_bounds(segment_ids)
+  q_lo, q_hi, queries_ok = query_bounds(segment_ids)
+  lo, hi = masking.fold_positions(spec, lo, hi, per_key=False)
+  q_lo, q_hi = masking.fold_positions(spec, q_lo, q_hi, per_key=True)
+  return (lo, hi, q_lo, q_hi), (keys_ok, queries_ok)
 
 
 def _row_bounds(q: jax.Array, kv: jax.Array):

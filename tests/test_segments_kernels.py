@@ -1,8 +1,9 @@
-"""Segment ids in the sm90 forward kernel, on a CPU: interpret mode against
-the float64 golden (contiguous ids: the kernel's per-row key bounds; other
-ids: the blockwise twin, chosen on the device), the bounds themselves, and
-the CUDA lowering of `jax.grad` through `mosaic` (the forward kernel, the
-backward said to be the blockwise recomputation, no `[sq, skv]` tensor)."""
+"""Segment ids in the sm90 kernels, on a CPU: interpret mode against the
+float64 golden, forward and gradients (contiguous ids: the kernels' per-row
+key bounds and per-key query bounds; other ids: the blockwise twin, chosen
+on the device), the bounds themselves, the backward kernels never reading
+another document's tiles, and the CUDA lowering of `jax.grad` through
+`mosaic` (all kernels, no `[sq, skv]` tensor)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from jax import export
 
 import pallas_fa3
 from pallas_fa3 import segments
+from pallas_fa3.kernels.sm90 import backward as kernel, compat, config_backward
+from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (
   Shape,
   assert_lowered_attention,
@@ -76,8 +79,192 @@ def test_interpret_forward_against_float64_golden(
   assert not np.any(np.asarray(out[:, -7:], np.float32))
 
 
+# (shape, deterministic, options): the fused kernel (own and shared-tile
+# layouts), and dK/dV + dQ (own and shared-tile)
+_SLOW = pytest.mark.slow  # interpreted runs beyond one per kernel layout
+BACKWARD_CASES = [
+  pytest.param(
+    Shape(2, 256, 256, 4, 2, 64), False, dict(causal=True), id="fused-gqa"
+  ),
+  pytest.param(
+    Shape(1, 200, 330, 2, 2, 64), True, {}, id="dkdv-dq-cross-padded"
+  ),
+  pytest.param(
+    Shape(1, 320, 192, 2, 1, 64),
+    True,
+    dict(causal=True),
+    id="dkdv-dq-causal-sq>skv",
+    marks=_SLOW,
+  ),
+  pytest.param(
+    Shape(1, 256, 256, 2, 1, 128),
+    False,
+    dict(causal=True, window_size=(70, None), softcap=4.0, sinks=True),
+    id="fused-d128-window-softcap-sinks",
+    marks=_SLOW,
+  ),
+  pytest.param(
+    Shape(1, 192, 256, 2, 1, 256),
+    True,
+    dict(window_size=(40, 60)),
+    id="dkdv-dq-d256-window",
+    marks=_SLOW,
+  ),
+]
+
+
+def _kernel_gradients(q, k, v, dout, dlse, ids, deterministic, sinks, **opts):
+  """(dq, dk, dv) of the sm90 backward kernels in interpret mode (race
+  detection on), called jitted on their own with the reference's
+  residuals: inside a differentiated `interpret` call, after the
+  interpreted forward, the interpreter deadlocks on 2 cores (that call's
+  gradients are the blockwise twin's, said by a warning)."""
+  out, lse = pallas_fa3.flash_attention(
+    q,
+    k,
+    v,
+    sinks=sinks,
+    segment_ids=ids,
+    implementation="reference",
+    return_lse=True,
+    **opts,
+  )
+  spec = make_spec(
+    q,
+    k,
+    v,
+    deterministic=deterministic,
+    segmented=True,
+    sinks=sinks is not None,
+    causal=opts.get("causal", False),
+    window_size=opts.get("window_size"),
+    softcap=opts.get("softcap"),
+  )
+  config = config_backward.default_backward_config(spec)
+  run = jax.jit(
+    lambda residuals, ids: kernel.sm90_backward(
+      spec,
+      config,
+      *residuals,
+      interpret=compat.interpret_params(detect_races=True),
+      segment_ids=segments.kernel_bounds(spec, ids)[0],
+    )
+  )
+  try:
+    with compat.capture_race_report() as report:
+      grads = jax.block_until_ready(
+        run((q, k, v, out, lse, dout, dlse), tuple(map(jnp.asarray, ids)))
+      )
+  except Exception:
+    compat.reset_interpret_state()
+    raise
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  return grads
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize(
+  "shape,deterministic,options",
+  BACKWARD_CASES,
+)
+def test_interpret_backward_kernels_against_float64_golden(
+  shape, deterministic, options, rng, key
+):
+  """dQ, dK, dV of the backward kernels with segment ids (the rows' key
+  bounds and the keys' query bounds, positions folded in) against the
+  float64 golden."""
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  b, sq, skv = shape.batch, shape.seq_q, shape.seq_kv
+  q_ids = np.sort(rng.integers(0, 4, (b, sq)), axis=1).astype(np.int32)
+  kv_ids = np.sort(rng.integers(0, 4, (b, skv)), axis=1).astype(np.int32)
+  q_ids[:, -5:] = -1  # padded queries
+  kv_ids[:, -3:] = -2  # padded keys
+  dlse = jax.random.normal(jax.random.fold_in(key, 2), (b, shape.heads_q, sq))
+  options = dict(options)
+  snk = None
+  if options.pop("sinks", False):
+    snk = jnp.linspace(-1.0, 2.0, shape.heads_q)
+  ids = (q_ids, kv_ids)
+  grads = _kernel_gradients(
+    q, k, v, dout, dlse, ids, deterministic, snk, **options
+  )
+  golden, naive = golden_and_naive(
+    q, k, v, dout, dlse=dlse, sinks=snk, segment_ids=ids, **options
+  )
+  for name, g, n, gold in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
+    assert_within_tolerance(name, g, n, gold)
+  assert not np.any(np.asarray(grads[0][:, -5:], np.float32))
+  for g in grads[1:]:  # padded keys are seen by no query
+    assert not np.any(np.asarray(g[:, -3:], np.float32))
+
+
+@pytest.mark.slow
+def test_interpret_gradients_with_segment_ids_say_blockwise(rng, key):
+  """A differentiated `interpret` call with segment ids: the golden's
+  gradients, by the blockwise twin, and a warning that says so."""
+  shape = Shape(1, 128, 128, 2, 1, 64)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  ids = segments.segment_ids_from_lengths(jnp.array([[50, 60]]), 128)
+  f = lambda q, k, v: pallas_fa3.flash_attention(
+    q, k, v, causal=True, segment_ids=(ids, ids), implementation="interpret"
+  )
+  with pytest.warns(UserWarning, match="blockwise recomputation"):
+    out, pullback = jax.vjp(f, q, k, v)
+    grads = pullback(dout)
+  golden, naive = golden_and_naive(
+    q, k, v, dout, causal=True, segment_ids=(ids, ids)
+  )
+  for name, g, n, gold in zip(
+    ("out", "dq", "dk", "dv"),
+    (out, *grads),
+    (naive[0], *naive[2:]),
+    (golden[0], *golden[2:]),
+  ):
+    assert_within_tolerance(name, g, n, gold)
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize(
+  "deterministic", [pytest.param(False, marks=_SLOW), True]
+)
+def test_interpret_backward_kernels_never_load_other_documents(
+  deterministic, key
+):
+  """The backward kernels with K and V NaN on every key of documents no
+  query belongs to (whole tiles): a tile loaded and masked would still
+  give 0 * NaN = NaN somewhere."""
+  shape = Shape(1, 128, 512, 2, 1, 64)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  q_ids = np.full((1, 128), 3, np.int32)  # every query in document 3
+  kv_ids = (np.arange(512, dtype=np.int32) // 128)[None]  # keys 384.. are 3
+  ids = (q_ids, kv_ids)
+  k_bad = k.at[:, :384].set(jnp.nan)
+  v_bad = v.at[:, :384].set(jnp.nan)
+  dlse = jnp.zeros((1, 2, 128), jnp.float32)
+  out, lse = pallas_fa3.flash_attention(
+    q, k, v, segment_ids=ids, implementation="reference", return_lse=True
+  )
+  spec = make_spec(q, k, v, deterministic=deterministic, segmented=True)
+  run = jax.jit(
+    lambda residuals, ids: kernel.sm90_backward(
+      spec,
+      config_backward.default_backward_config(spec),
+      *residuals,
+      interpret=compat.interpret_params(detect_races=True),
+      segment_ids=segments.kernel_bounds(spec, ids)[0],
+    )
+  )
+  grads = jax.block_until_ready(
+    run((q, k_bad, v_bad, out, lse, dout, dlse), tuple(map(jnp.asarray, ids)))
+  )
+  golden, naive = golden_and_naive(q, k, v, dout, segment_ids=ids)
+  for name, g, n, gold in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
+    assert_within_tolerance(name, g, n, gold)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_grad_through_mosaic_lowers_with_segment_ids(head_dim):
+def test_grad_through_mosaic_lowers_with_segment_ids(head_dim, deterministic):
   q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 640, 2, head_dim), jnp.bfloat16)
   q_ids = jax.ShapeDtypeStruct((2, 512), jnp.int32)
@@ -85,17 +272,26 @@ def test_grad_through_mosaic_lowers_with_segment_ids(head_dim):
 
   def loss(q, k, v, q_ids, kv_ids):
     out = pallas_fa3.flash_attention(
-      q, k, v, causal=True, segment_ids=(q_ids, kv_ids), implementation="mosaic"
+      q,
+      k,
+      v,
+      causal=True,
+      segment_ids=(q_ids, kv_ids),
+      implementation="mosaic",
+      deterministic=deterministic,
     )
     return out.astype(jnp.float32).sum()
 
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback said: the kernels run
     exported = export.export(
       jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"]
     )(q, kv, kv, q_ids, kv_ids)
-  # The forward kernel; the gradients by the blockwise recomputation, said.
+  # The forward kernel and the backward's (fused, or dK/dV and dQ); the
+  # blockwise twin is only the non-contiguous ids' branch of a `lax.cond`.
   assert_lowered_attention(
-    exported.mlir_module(), kernels=1, seq_q=512, seq_kv=640
+    exported.mlir_module(),
+    kernels=3 if deterministic else 2,
+    seq_q=512,
+    seq_kv=640,
   )
-  assert any("segment_ids" in str(w.message) for w in caught)

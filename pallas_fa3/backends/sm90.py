@@ -83,6 +83,14 @@ def _interpret_params(interpret: bool) -> Any:
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
 
+def _choose(
+  exact: jax.Array, kernels: Callable, twin: Callable, operands: Any
+) -> Any:
+  """`kernels(operands)` where the segment bounds are `exact`, else the
+  blockwise twin's `twin(operands)`, decided on the device by `lax.cond`."""
+  return jax.lax.cond(exact, kernels, twin, operands)
+
+
 def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   def forward(
     spec: AttentionSpec,
@@ -95,35 +103,33 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   ) -> tuple[jax.Array, jax.Array]:
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
-    run = lambda bounds: kernel.sm90_forward(
-      spec,
-      config.forward,
-      q,
-      k,
-      v,
-      interpret=_interpret_params(interpret),
-      sinks=sinks,
-      segment_ids=bounds,
-    )
-    if segment_ids is None:
-      return run(None)
-    # The kernel masks by each row's key bounds: exact when every id's keys
-    # are contiguous (packed documents). Otherwise the blockwise twin
-    # computes the call (same function), decided on the device.
-    lo, hi, contiguous = segments.key_bounds(segment_ids)
-    return jax.lax.cond(
-      contiguous,
-      lambda: run((lo, hi)),
-      lambda: blockwise.blockwise_forward(
+    def run(operands):
+      q, k, v, sinks, bounds, _ = operands
+      return kernel.sm90_forward(
         spec,
-        blockwise.BlockwiseConfig(),
+        config.forward,
         q,
         k,
         v,
+        interpret=_interpret_params(interpret),
         sinks=sinks,
-        segment_ids=segment_ids,
-      ),
-    )
+        segment_ids=bounds,
+      )
+
+    def twin(operands):
+      q, k, v, sinks, _, ids = operands
+      return blockwise.blockwise_forward(
+        spec, blockwise.BlockwiseConfig(), q, k, v, sinks=sinks, segment_ids=ids
+      )
+
+    if segment_ids is None:
+      return run((q, k, v, sinks, None, None))
+    # The kernel masks by each row's key bounds: exact when every id's keys
+    # are contiguous (packed documents). Otherwise the blockwise twin
+    # computes the call (same function), decided on the device.
+    bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
+    operands = (q, k, v, sinks, bounds[:2], segment_ids)
+    return _choose(keys_exact, run, twin, operands)
 
   return forward
 
@@ -163,10 +169,16 @@ def _backward(
     segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     tiling: Sm90BackwardConfig | None = config.backward
-    if tiling is None or spec.segmented:
+    residuals = (q, k, v, out, lse, dout, dlse)
+
+    def twin(operands):
+      residuals, _, ids = operands
+      return blockwise.blockwise_backward(
+        spec, blockwise.BlockwiseConfig(), *residuals, segment_ids=ids
+      )
+
+    if tiling is None:
       reason = sm90_bwd_config.backward_unsupported(spec)
-      if spec.segmented:
-        reason = "segment_ids are not yet in the sm90 backward kernels"
       if reason:
         # The same gradients from the same residuals, by the blockwise twin;
         # said once per trace, never silently.
@@ -176,33 +188,43 @@ def _backward(
           " (the same function)",
           stacklevel=2,
         )
-        return blockwise.blockwise_backward(
-          spec,
-          blockwise.BlockwiseConfig(),
-          q,
-          k,
-          v,
-          out,
-          lse,
-          dout,
-          dlse,
-          segment_ids=segment_ids,
-        )
+        return twin((residuals, None, segment_ids))
       tiling = sm90_bwd_config.default_backward_config(spec)
     from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
 
-    return kernel.sm90_backward(
-      spec,
-      tiling,
-      q,
-      k,
-      v,
-      out,
-      lse,
-      dout,
-      dlse,
-      interpret=_interpret_params(interpret),
+    def run(operands):
+      residuals, bounds, _ = operands
+      return kernel.sm90_backward(
+        spec,
+        tiling,
+        *residuals,
+        interpret=_interpret_params(interpret),
+        segment_ids=bounds,
+      )
+
+    if segment_ids is None:
+      return run((residuals, None, None))
+    if interpret:
+      # The Pallas GPU interpreter deadlocks (threads waiting at barriers)
+      # when these kernels run inside a differentiated call after the
+      # interpreted segmented forward, on a 2-core CPU; they are tested on
+      # their own (tests/test_segments_kernels.py). Said, never silent.
+      warnings.warn(
+        "interpret: segment_ids gradients use the blockwise recomputation"
+        " (the same function); `mosaic` runs the backward kernels",
+        stacklevel=2,
+      )
+      return twin((residuals, None, segment_ids))
+    # The dQ kernel masks by each query row's key bounds, the dK/dV kernels
+    # by each key's query bounds: exact when every id's keys and queries are
+    # contiguous (packed documents); otherwise the blockwise twin, decided
+    # on the device as in the forward.
+    bounds, (keys_exact, queries_exact) = segments.kernel_bounds(
+      spec, segment_ids
     )
+    exact = keys_exact & queries_exact
+    operands = (residuals, bounds, segment_ids)
+    return _choose(exact, run, twin, operands)
 
   return backward
 

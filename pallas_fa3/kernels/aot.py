@@ -214,14 +214,8 @@ def compile_forward(
   sinks = ids = None  # constant stand-ins: the kernel still reads them
   if spec.sinks:
     sinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
-  if spec.segmented:  # documents of 512 tokens
-    from pallas_fa3 import segments
-
-    ids = tuple(
-      jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 512, (spec.batch, n))
-      for n in (spec.seq_q, spec.seq_kv)
-    )
-    ids = segments.key_bounds(ids)[:2]
+  if spec.segmented:
+    ids = packed_bounds(spec)[:2]
   return compile_report(
     f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
     f"{modifier_label(spec)} {config}",
@@ -231,6 +225,21 @@ def compile_forward(
     bf16_operands(spec, mesh, backward=False),
     short_label(spec, config),
   )
+
+
+def packed_bounds(spec: AttentionSpec) -> tuple:
+  """(lo, hi, q_lo, q_hi): the key bounds of each query row and the query
+  bounds of each key for documents of 512 tokens (the segmented kernels'
+  stand-in operands)."""
+  import jax.numpy as jnp
+
+  from pallas_fa3 import segments
+
+  ids = tuple(
+    jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 512, (spec.batch, n))
+    for n in (spec.seq_q, spec.seq_kv)
+  )
+  return segments.kernel_bounds(spec, ids)[0]
 
 
 def modifier_label(spec: AttentionSpec) -> str:
@@ -259,7 +268,12 @@ def compile_backward(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}"
     f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
-    lambda *a: sm90_bwd.sm90_backward(spec, config, *a),
+    lambda *a: sm90_bwd.sm90_backward(
+      spec,
+      config,
+      *a,
+      segment_ids=packed_bounds(spec) if spec.segmented else None,
+    ),
     bf16_operands(spec, mesh, backward=True),
     short_label(spec, config),
   )

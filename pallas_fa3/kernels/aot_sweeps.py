@@ -160,7 +160,8 @@ def defaults_sweep() -> Iterator[SweepItem]:
 def modifiers_sweep() -> Iterator[SweepItem]:
   """The default forward and both backwards (fused; dK/dV + dQ) of every
   head dim with each of `MODIFIER_CASES` (windows, softcap, sinks), and the
-  forward of the causal cases with segment ids, bf16 at `PROFILE_SHAPE`."""
+  forward and both backwards of the causal cases with segment ids, bf16 at
+  `PROFILE_SHAPE`."""
   import jax
 
   from pallas_fa3.kernels.sm90 import (
@@ -178,11 +179,12 @@ def modifiers_sweep() -> Iterator[SweepItem]:
         q, kv, kv, causal=causal, window_size=window, softcap=cap, sinks=sinks
       )
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
-      if causal:  # packed documents (the backward kernels do not take ids)
-        packed = dataclasses.replace(spec, segmented=True)
-        config = sm90_config.default_forward_config(packed)
-        yield compile_forward, packed, config
-      for det in (False, True):
-        bwd = dataclasses.replace(spec, deterministic=det)
-        config = sm90_bwd_config.default_backward_config(bwd)
-        yield compile_backward, bwd, config
+      # With causal, packed documents too (segment ids).
+      for packed in (False, True) if causal else (False,):
+        one = dataclasses.replace(spec, segmented=packed)
+        if packed:
+          yield compile_forward, one, sm90_config.default_forward_config(one)
+        for det in (False, True):
+          bwd = dataclasses.replace(one, deterministic=det)
+          config = sm90_bwd_config.default_backward_config(bwd)
+          yield compile_backward, bwd, config

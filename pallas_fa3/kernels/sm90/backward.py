@@ -28,6 +28,7 @@ Design and measurements: docs/design_notes.md#backward-kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ from pallas_fa3.kernels.sm90.common import pad_axis, round_up, tma_extent
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_backward
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
+from pallas_fa3.kernels.sm90.segment_operands import query_tile_spans
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -57,6 +59,7 @@ def sm90_backward(
   dlse: jax.Array,
   *,
   interpret: Any = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Runs the fused kernel, or with `spec.deterministic` the dK/dV and dQ
   kernels (`config_backward.fused_backward` says which).
@@ -71,11 +74,16 @@ def sm90_backward(
     dlse: the lse cotangent, like `lse`.
     interpret: None compiles for sm90; interpret-mode parameters run the
       same kernels on a CPU.
+    segment_ids: with `spec.segmented`, `(lo, hi, q_lo, q_hi)`: each query
+      row's key bounds (`segments.key_bounds`) and each key's query bounds
+      (`segments.query_bounds`), exact for contiguous ids. Every kernel
+      walks only the tiles that can meet and masks by the bounds.
 
   Returns:
     (dq, dk, dv), shaped like q, k, v, in `spec.dtype`.
   """
   args = (q, k, v, out, lse, dout, dlse)
+  args += () if segment_ids is None else tuple(segment_ids)
   if fused_backward(spec, config) and interpret is None:
     return _fused_compiled(spec, config, *args)
   return _kernels(spec, config, *args, interpret=interpret)
@@ -91,10 +99,18 @@ def _kernels(
   lse: jax.Array,
   dout: jax.Array,
   dlse: jax.Array,
-  *,
+  *bounds: jax.Array,
   interpret: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The kernels; `bounds`: with segment ids, (lo, hi, q_lo, q_hi)."""
   fused = fused_backward(spec, config)
+  if interpret is not None:  # the bounds are ready before any kernel starts
+    (q, k, v, out, lse, dout, dlse), bounds = _after(
+      bounds, (q, k, v, out, lse, dout, dlse)
+    )[::-1]
+  rows_ids = None
+  if bounds:  # the dQ kernel masks by query rows' key bounds
+    rows_ids = bounds[:2]
   ops = COMPILED if interpret is None else INTERPRETED
   sq_pad = round_up(spec.seq_q, 2 * config.block_q)
   skv_pad = round_up(spec.seq_kv, DkdvPlan(spec, config, 0, 0).kv_rows_per_cta)
@@ -116,7 +132,10 @@ def _kernels(
   )
   kp, vp = tma_extent(k, 1, config.block_kv), tma_extent(v, 1, config.block_kv)
   dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad, fused=fused)
-  kernel = dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1])
+  kernel = functools.partial(
+    dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1]),
+    segment_ids=bounds or None,
+  )
   if fused:
     scale = jnp.float32(spec.softmax_scale)
     if interpret is None:
@@ -125,19 +144,35 @@ def _kernels(
       dq = jax.freeze(acc) * scale
     else:
       slab, dk, dv = kernel(qp, kp, vp, dop, lse2, delta)
-      dq = sum_slab(dkdv_plan, slab) * scale
+      # Interpreted, nothing runs beside a kernel (`_after`).
+      slab, bounds = _after(slab, bounds)
+      spans = None
+      if bounds:  # the query tiles each CTA walked
+        spans = jnp.stack(query_tile_spans(dkdv_plan, *bounds[2:]))
+      dq = sum_slab(dkdv_plan, slab, spans) * scale
     dq = dq.astype(spec.dtype)
     return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
 
   dk, dv = kernel(qp, kp, vp, dop, lse2, delta)
   if interpret is not None:
-    # Interpret mode: the dQ kernel waits for the dK/dV kernel
-    # (docs/design_notes.md#interpret-mode-and-memory-proxies).
-    (dk, dv), qp = lax.optimization_barrier(((dk, dv), qp))
+    # Interpret mode: the dQ kernel, and its operands' preparation, wait
+    # for the dK/dV kernel (`_after`;
+    # docs/design_notes.md#interpret-mode-and-memory-proxies).
+    (dk, dv), (qp, kp, vp, dop, lse2, delta, rows_ids) = _after(
+      (dk, dv), (qp, kp, vp, dop, lse2, delta, rows_ids)
+    )
   dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1])(
-    qp, kp, vp, dop, lse2, delta
+    qp, kp, vp, dop, lse2, delta, segment_ids=rows_ids
   )
   return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+
+
+def _after(done: Any, rest: Any) -> tuple[Any, Any]:
+  """`rest`, made to wait for `done` (an optimization barrier). Interpret
+  mode runs a kernel in host threads that block XLA's CPU threads while
+  they wait at barriers; other work scheduled beside it can starve them
+  (a hang on a 2-core CPU), so what follows a kernel waits for it."""
+  return lax.optimization_barrier((done, rest))
 
 
 def _fused_compiled(spec: AttentionSpec, config: Sm90BackwardConfig, *args):

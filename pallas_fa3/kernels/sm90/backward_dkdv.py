@@ -32,10 +32,14 @@ from pallas_fa3.kernels.sm90.common import (
   softcapped,
 )
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
+from pallas_fa3.kernels.sm90.segment_operands import load_bounds
 
 
-def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
-  """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps."""
+def dkdv_consumer(
+  refs: tuple, plan: DkdvPlan, ops: KernelOps, seg: Any = None
+) -> None:
+  """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps
+  (`seg`: segment ids' `SegmentRefs`, per-key query bounds)."""
   (
     k_ref,
     v_ref,
@@ -57,13 +61,19 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
   cta_kv0, chunk = cta_position(plan)
   # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
   # contract over all of them, dK and dV are accumulated for chunk `chunk`.
+  wg = lax.axis_index("wg")
   kv0, rows, my_k, my_v = own_kv_tile(
-    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, lax.axis_index("wg")
+    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, wg
   )
   k_chunks = [my_k.at[c] for c in range(plan.splits)]
   v_chunks = [my_v.at[c] for c in range(plan.splits)]
+  bounds = None
+  if seg is not None:  # my keys' query bounds, as per-row vectors
+    bounds = load_bounds(
+      seg, ops, lax.axis_index("batch"), kv0, cfg.block_kv, as_rows=True
+    )
 
-  first, per_head = q_tile_range(plan, cta_kv0)
+  first, per_head = q_tile_range(plan, cta_kv0, seg)
   # CTA-split head dims take each query tile in halves of `block_q / 2`
   # rows (64-byte swizzle: a half is a whole wgmma K step).
   halves = plan.q_halves
@@ -83,16 +93,20 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
     p_t = jnp.exp2(s_t)
     if masked:
       # Causal/window only: padded keys' rows of dK, dV are sliced off.
-      mask = masking.visible_tile_at(
-        spec,
-        qi * cfg.block_q + h * sub,
-        kv0,
-        ops.col_index(sub),
-        ops.row_index(cfg.block_kv),
-        shape,
-        1,
-        check_seq_kv=False,
-      )
+      q0 = qi * cfg.block_q + h * sub
+      if bounds is not None:  # lo <= query < hi, positions folded in
+        mask = masking.within_bounds(ops.col_index(sub), *bounds, q0, shape)
+      else:
+        mask = masking.visible_tile_at(
+          spec,
+          q0,
+          kv0,
+          ops.col_index(sub),
+          ops.row_index(cfg.block_kv),
+          shape,
+          1,
+          check_seq_kv=False,
+        )
       p_t = jnp.where(mask, p_t, 0.0)
     # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T.
     pg_t = None
@@ -149,7 +163,12 @@ def dkdv_consumer(refs: tuple, plan: DkdvPlan, ops: KernelOps) -> None:
 
 
 def dkdv_shared_consumer(
-  refs: tuple, plan: DkdvPlan, ops: KernelOps, w: int, sink: Any = None
+  refs: tuple,
+  plan: DkdvPlan,
+  ops: KernelOps,
+  w: int,
+  sink: Any = None,
+  seg: Any = None,
 ) -> None:
   """Consumer `w` of a CTA whose two consumers share one K/V tile: it
   accumulates dK, dV for head-dim chunk `w` (FA3's large-head-dim layout).
@@ -208,7 +227,12 @@ def dkdv_shared_consumer(
   k_mine = [k_tile.at[c].at[mine] for c in range(plan.splits)]
   v_mine = [v_tile.at[c].at[mine] for c in range(plan.splits)]
 
-  first, per_head = q_tile_range(plan, kv0)
+  def key_bounds(q0):  # the query rows' key bounds, per-row vectors
+    if seg is None:
+      return None
+    return (*load_bounds(seg, ops, batch, q0, cfg.block_q, as_rows=True), 0)
+
+  first, per_head = q_tile_range(plan, kv0, seg)
   shape = (cfg.block_q, half)
 
   def step(qi, carry, *, h):
@@ -220,6 +244,8 @@ def dkdv_shared_consumer(
     q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
     q_chunks = [q_tile.at[c] for c in range(plan.splits)]
     do_chunks = [do_tile.at[c] for c in range(plan.splits)]
+
+    bounds = key_bounds(qi * cfg.block_q)
 
     def grads(read_s, read_dp):  # dP is in flight while P is computed
       # Causal/window: masked on every tile (exact there too); padded
@@ -234,6 +260,7 @@ def dkdv_shared_consumer(
         masked=spec.masked,
         check_seq_kv=False,
         at_most_one=sink is not None,  # finite P past seq_kv: fused_consumer
+        bounds=bounds,
       )
       pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)
       p = p.astype(spec.dtype)

@@ -32,15 +32,24 @@ from pallas_fa3.kernels.sm90.common import (
   swizzle64,
 )
 from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.kernels.sm90.segment_operands import (
+  SegmentRefs,
+  dkdv_operands,
+)
 
 
 def _consumers(
-  plan: DkdvPlan, ops: KernelOps, refs: tuple, extra: tuple, dq_ref: Any
+  plan: DkdvPlan,
+  ops: KernelOps,
+  refs: tuple,
+  extra: tuple,
+  dq_ref: Any,
+  seg: SegmentRefs | None,
 ) -> None:
   """Runs this warpgroup's consumer. `extra` are the scratch refs past the
   common ones: shared, P, dS and their rendezvous, then fused the dQ
   staging; own tiles fused, the dQ staging, the dS^T tiles and the
-  interpreter's exchange barrier."""
+  interpreter's exchange barrier. `seg`: segment ids' refs (or None)."""
   consumers, wg = plan.config.dkdv_consumers, lax.axis_index("wg")
   if plan.shared:
     p_smem, ds_smem, xchg, *staging = extra
@@ -55,6 +64,7 @@ def _consumers(
           ops,
           w,
           sink,
+          seg,
         )
       )
   elif plan.fused:
@@ -62,10 +72,12 @@ def _consumers(
     sink = DqSink(plan, ops, dq_ref, dq_smem, xchg[0] if xchg else None)
     for w in range(consumers):
       pl.when(wg == w)(
-        functools.partial(fused_consumer, refs, sink, ds_smem, plan, w)
+        functools.partial(fused_consumer, refs, sink, ds_smem, plan, w, seg)
       )
   else:
-    pl.when(wg < consumers)(functools.partial(dkdv_consumer, refs, plan, ops))
+    pl.when(wg < consumers)(
+      functools.partial(dkdv_consumer, refs, plan, ops, seg)
+    )
 
 
 def dkdv_kernel(
@@ -76,7 +88,10 @@ def dkdv_kernel(
   float32 `jax.new_ref` accumulator, updated in place) compiled and
   `(q, k, v, dout, lse2, delta) -> (dq_slab, dk, dv)` interpreted
   (`backward_fused.sum_slab`). k, v, dk and dv have `kv_rows` rows (TMA
-  reads past them zeros, drops writes)."""
+  reads past them zeros, drops writes). With `spec.segmented` it takes
+  `segment_ids=(lo, hi, q_lo, q_hi)`, the query rows' key bounds and the
+  keys' query bounds (`segments.key_bounds`, `segments.query_bounds`): a
+  CTA walks only the query tiles that reach its keys and masks by them."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   tf = (
@@ -88,6 +103,7 @@ def dkdv_kernel(
 
   def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
     rest = list(refs)
+    ids = [rest.pop(0) for _ in range(3)] if spec.segmented else None
     dq_ref = rest.pop(0) if plan.fused else None
     dk_ref, dv_ref, *scratch = rest
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[:6]
@@ -96,9 +112,12 @@ def dkdv_kernel(
     full = tuple(scratch[6 : 6 + n_full])
     empty, kv_bar = scratch[6 + n_full : 8 + n_full]
     extra = tuple(scratch[8 + n_full :])
+    seg = None
+    if spec.segmented:  # the keys' query bounds, read from global memory
+      seg = SegmentRefs(ids[0], ids[1], None, ids[2])
     refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem)
     refs += (lse_smem, dl_smem, full, empty, kv_bar)
-    _consumers(plan, ops, refs, extra, dq_ref)
+    _consumers(plan, ops, refs, extra, dq_ref, seg)
 
     @pl.when(lax.axis_index("wg") == consumers)
     def _():
@@ -106,6 +125,7 @@ def dkdv_kernel(
         (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem)
         + (full * (4 // n_full), empty),
         plan,
+        seg,
       )
 
   chunked = lambda n, rows: plgpu.SMEM(
@@ -151,7 +171,7 @@ def dkdv_kernel(
     slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
     slab += (spec.heads_q, spec.head_dim)
     out_type = (jax.ShapeDtypeStruct(slab, jnp.float32),) + out_type
-  return build_kernel(
+  kernel = build_kernel(
     fa3_bwd_dkdv,
     out_type=out_type,
     scratch=scratch,
@@ -161,3 +181,11 @@ def dkdv_kernel(
     interpret=interpret,
     in_place=plan.fused,
   )
+
+  def run(*args: Any, segment_ids: Any = None) -> Any:
+    if segment_ids is None:
+      return kernel(*args)
+    extra = dkdv_operands(plan, segment_ids)
+    return kernel(*args[:6], *extra, *args[6:])
+
+  return run

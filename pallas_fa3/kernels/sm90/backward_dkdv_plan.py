@@ -18,6 +18,7 @@ from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import producer_regs
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
+from pallas_fa3.kernels.sm90.segment_operands import cta_span, tile_index
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -148,19 +149,26 @@ def store_dkdv(
   plgpu.wait_smem_to_gmem(0)
 
 
-def q_tile_range(plan: DkdvPlan, kv0: Any) -> tuple[jax.Array, jax.Array]:
+def q_tile_range(
+  plan: DkdvPlan, kv0: Any, seg: Any = None
+) -> tuple[jax.Array, jax.Array]:
   """(first query tile, query tiles per head) that see any of the CTA's
-  keys `[kv0, kv0 + kv_rows_per_cta)`; the others (causal diagonal, window)
-  are skipped. The count may be 0: no row sees these keys."""
+  keys `[kv0, kv0 + kv_rows_per_cta)`; the others (causal diagonal, window,
+  and with segment ids `seg` other documents) are skipped. The count may
+  be 0: no row sees these keys."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
-  first, end = masking.q_block_range(
-    spec, kv0, kv0 + plan.kv_rows_per_cta, bq, nq
-  )
+  if seg is not None:  # spans of bounds with the positions folded in
+    batch = lax.axis_index("batch")
+    first, end = cta_span(seg, batch, tile_index(kv0, plan.kv_rows_per_cta))
+  else:
+    first, end = masking.q_block_range(
+      spec, kv0, kv0 + plan.kv_rows_per_cta, bq, nq
+    )
   first = jnp.asarray(first, jnp.int32)
   return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
 
 
-def dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
+def dkdv_producer(refs: tuple, plan: DkdvPlan, seg: Any = None) -> None:
   """Streams Q, dO, lse and delta tiles of every visible query tile of every
   query head of the group."""
   (
@@ -179,7 +187,7 @@ def dkdv_producer(refs: tuple, plan: DkdvPlan) -> None:
   plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = cta_position(plan)
-  first, per_head = q_tile_range(plan, cta_kv0)
+  first, per_head = q_tile_range(plan, cta_kv0, seg)
   steps = spec.group_size * per_head
   stages = cfg.num_stages
 

@@ -4,6 +4,7 @@ float32 registers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,10 +19,55 @@ from pallas_fa3.kernels.sm90 import common, compat
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.kernels.sm90.persistent import TileWalk, kv_producer
+from pallas_fa3.kernels.sm90.segment_operands import (
+  SegmentRefs,
+  bounds_scratch,
+  cta_span,
+  id_operands,
+)
 from pallas_fa3.spec import AttentionSpec
 
 
-def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
+def _tile_loads(
+  refs: tuple, seg: SegmentRefs | None, bars: list, b: int, at: tuple
+) -> None:
+  """TMA of query-row block `b`'s Q, dO, lse and delta tiles (and, with
+  segment ids, its rows' key bounds) at `at = (batch, rows, head)`, one
+  barrier each."""
+  q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem = refs
+  batch, rows, head = at
+  tile, row = (batch, rows, head), (batch, head, rows)
+  plgpu.copy_gmem_to_smem(
+    q_ref.at[tile], q_smem.at[b], bars[0], oob_mode=compat.ZERO_FILL
+  )
+  plgpu.copy_gmem_to_smem(
+    do_ref.at[tile], do_smem.at[b], bars[1], oob_mode=compat.ZERO_FILL
+  )
+  plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[b], bars[2])
+  plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[b], bars[3])
+  if seg is not None:
+    for i, ref in enumerate((seg.lo, seg.hi)):
+      plgpu.copy_gmem_to_smem(
+        ref.at[batch, rows], seg.bounds_smem.at[i, b], bars[4 + i]
+      )
+
+
+def _row_bounds(
+  seg: SegmentRefs | None, ops: KernelOps, b: int | Any
+) -> tuple | None:
+  """Block `b`'s rows' key bounds as `row_probabilities` takes them."""
+  if seg is None:
+    return None
+  lo, hi = (ops.load_rows(seg.bounds_smem.at[i, b]) for i in (0, 1))
+  return lo, hi, 0
+
+
+def _dq_consumer(
+  refs: tuple,
+  plan: common.QueryPlan,
+  ops: KernelOps,
+  seg: SegmentRefs | None = None,
+) -> None:
   """A consumer with its own `block_q` rows: dQ over its K/V steps."""
   (
     q_ref,
@@ -51,22 +97,18 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
   row0 = cta_row0 + wg * cfg.block_q
   my_q, my_do = q_smem.at[wg], do_smem.at[wg]
   tile = (batch, pl.ds(row0, cfg.block_q), head)
-  row = (batch, head, pl.ds(row0, cfg.block_q))
-  bars = [tile_bar.at[4 * wg + i] for i in range(4)]
-  plgpu.copy_gmem_to_smem(
-    q_ref.at[tile], my_q, bars[0], oob_mode=compat.ZERO_FILL
-  )
-  plgpu.copy_gmem_to_smem(
-    do_ref.at[tile], my_do, bars[1], oob_mode=compat.ZERO_FILL
-  )
-  plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[wg], bars[2])
-  plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[wg], bars[3])
+  n = _TILE_LOADS + (2 if seg is not None else 0)
+  bars = [tile_bar.at[n * wg + i] for i in range(n)]
+  loads = (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem)
+  _tile_loads(loads, seg, bars, wg, tile)
   for bar in bars:
     plgpu.barrier_wait(bar)
   lse2 = ops.load_rows(lse_smem.at[wg])
   delta = ops.load_rows(dl_smem.at[wg])
+  bounds = _row_bounds(seg, ops, wg)
 
-  walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q)
+  span = cta_span(seg, batch, lax.axis_index("q_tiles"))
+  walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   # A lone consumer takes each K/V tile in halves of `block_kv / 2` keys
   # (64-byte swizzle: a half is a whole wgmma K step).
   halves = 2 if plan.row_blocks == 1 else 1
@@ -81,7 +123,7 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
       kv0 = (walk.first + j) * cfg.block_kv + h * sub
       p, t = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked
+        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
       )
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
@@ -117,7 +159,11 @@ def _dq_consumer(refs: tuple, plan: common.QueryPlan, ops: KernelOps) -> None:
 
 
 def _dq_shared_consumer(
-  refs: tuple, plan: common.QueryPlan, ops: KernelOps, w: int
+  refs: tuple,
+  plan: common.QueryPlan,
+  ops: KernelOps,
+  w: int,
+  seg: SegmentRefs | None = None,
 ) -> None:
   """Consumer `w` of a dQ CTA whose two consumers share one query tile: it
   accumulates dQ for head-dim half `w`.
@@ -154,22 +200,18 @@ def _dq_shared_consumer(
   row0 = lax.axis_index("q_tiles") * cfg.block_q
   my_q, my_do = q_smem.at[0], do_smem.at[0]
   tile = (batch, pl.ds(row0, cfg.block_q), head)
-  row = (batch, head, pl.ds(row0, cfg.block_q))
+  bars = [tile_bar.at[i] for i in range(_TILE_LOADS + 2 * (seg is not None))]
   if w == 0:  # one consumer loads the shared tiles; both wait for them
-    plgpu.copy_gmem_to_smem(
-      q_ref.at[tile], my_q, tile_bar.at[0], oob_mode=compat.ZERO_FILL
-    )
-    plgpu.copy_gmem_to_smem(
-      do_ref.at[tile], my_do, tile_bar.at[1], oob_mode=compat.ZERO_FILL
-    )
-    plgpu.copy_gmem_to_smem(lse_ref.at[row], lse_smem.at[0], tile_bar.at[2])
-    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[0], tile_bar.at[3])
-  for i in range(4):
-    plgpu.barrier_wait(tile_bar.at[i])
+    loads = (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem)
+    _tile_loads(loads + (dl_smem,), seg, bars, 0, tile)
+  for bar in bars:
+    plgpu.barrier_wait(bar)
   lse2 = ops.load_rows(lse_smem.at[0])
   delta = ops.load_rows(dl_smem.at[0])
+  bounds = _row_bounds(seg, ops, 0)
 
-  walk = common.kv_walk(plan, row0, row0, cfg.block_q)
+  span = cta_span(seg, batch, lax.axis_index("q_tiles"))
+  walk = common.kv_walk(plan, row0, row0, cfg.block_q, span)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
@@ -185,7 +227,7 @@ def _dq_shared_consumer(
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
       kv0 = (walk.first + j) * cfg.block_kv + w * half
       p, t = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked
+        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
       )
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
@@ -217,6 +259,11 @@ def _dq_shared_consumer(
     plgpu.wait_smem_to_gmem(0)
 
 
+# Tile loads per query-row block (Q, dO, lse, delta), one barrier each;
+# segment ids add the rows' key bounds (lo, hi).
+_TILE_LOADS = 4
+
+
 def dq_kernel(
   spec: AttentionSpec,
   config: Sm90BackwardConfig,
@@ -226,8 +273,11 @@ def dq_kernel(
   interpret: Any,
   q_rows: int,
 ) -> Callable[..., jax.Array]:
-  """The dQ kernel: `(q, k, v, dout, lse2, delta) -> dq`; q, dout and dq
-  have `q_rows` rows (TMA reads past them zeros, drops writes past them).
+  """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) -> dq`;
+  q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
+  writes past them). With `spec.segmented`, `segment_ids` are the query
+  rows' key bounds `(lo, hi)` (`segments.key_bounds`): the CTA walks only
+  the K/V tiles its rows reach and masks by them.
 
   `config.dq_consumers` warpgroups, each with its own `block_q` rows, or
   (`dq_head_splits=2`) two sharing one query tile's head dim.
@@ -246,42 +296,22 @@ def dq_kernel(
     if consumers == 1 or shared
     else common.smem_transforms(spec.dtype, d)
   )
+  loads = _TILE_LOADS + (2 if spec.segmented else 0)
 
-  def fa3_bwd_dq(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    dq_ref,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    k_smem,
-    v_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    tile_bar,
-    *exchange,
-  ):
+  def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
+    refs = list(refs)
+    ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
+    dq_ref, q_smem, do_smem, lse_smem, dl_smem, k_smem, v_smem = refs[:7]
+    k_full, v_full, k_empty, v_empty, tile_bar = refs[7:12]
+    exchange = refs[12:]
+    seg, tiles = None, TileWalk(plan, plan.num_tiles)
+    if spec.segmented:
+      *exchange, bounds_smem = exchange
+      seg = SegmentRefs(ids[0], ids[1], bounds_smem, ids[2])
+      tiles = dataclasses.replace(tiles, spans=ids[2])
     wg = lax.axis_index("wg")
-    refs = (
-      q_ref,
-      do_ref,
-      lse_ref,
-      dl_ref,
-      dq_ref,
-      q_smem,
-      do_smem,
-      lse_smem,
-      dl_smem,
-      k_smem,
-      v_smem,
-    )
+    refs = (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem)
+    refs += (lse_smem, dl_smem, k_smem, v_smem)
     ring = (k_full, v_full, k_empty, v_empty, tile_bar)
     if shared:
       ds_smem, xchg = exchange
@@ -293,11 +323,12 @@ def dq_kernel(
             plan,
             ops,
             w,
+            seg,
           )
         )
     else:
       pl.when(wg < consumers)(
-        functools.partial(_dq_consumer, refs + ring, plan, ops)
+        functools.partial(_dq_consumer, refs + ring, plan, ops, seg)
       )
 
     @pl.when(wg == consumers)
@@ -305,7 +336,7 @@ def dq_kernel(
       # One query tile per CTA: the forward's K/V producer without a walk.
       kv_producer(
         (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty),
-        TileWalk(plan, plan.num_tiles),
+        tiles,
         registers=common.producer_regs(consumers),
       )
 
@@ -324,14 +355,16 @@ def dq_kernel(
     plgpu.Barrier(num_barriers=st),
     plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
     plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-    plgpu.Barrier(num_barriers=4 * blocks),  # Q, dO, lse, delta
+    plgpu.Barrier(num_barriers=loads * blocks),  # Q, dO, lse, delta (lo, hi)
   )
   if shared:  # dS by step parity, and the consumers' rendezvous
     scratch += (
       plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf),
       plgpu.Barrier(num_arrivals=consumers),
     )
-  return common.build_kernel(
+  if spec.segmented:  # the rows' key bounds
+    scratch += bounds_scratch(cfg.block_q, blocks)
+  kernel = common.build_kernel(
     fa3_bwd_dq,
     out_type=jax.ShapeDtypeStruct(
       (spec.batch, q_rows, spec.heads_q, d), spec.dtype
@@ -342,3 +375,9 @@ def dq_kernel(
     warpgroups=consumers + 1,
     interpret=interpret,
   )
+
+  def run(*args: jax.Array, segment_ids: Any = None) -> jax.Array:
+    extra = () if segment_ids is None else id_operands(plan, *segment_ids)
+    return kernel(*args, *extra)
+
+  return run

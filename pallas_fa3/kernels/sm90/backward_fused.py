@@ -43,6 +43,7 @@ from pallas_fa3.kernels.sm90.common import (
   softcap_grad,
 )
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
+from pallas_fa3.kernels.sm90.segment_operands import load_bounds
 
 # Hardware barrier of the consumers' dS exchange (the forward's turns use 8
 # and 9; Mosaic 0-4).
@@ -120,11 +121,16 @@ def sink_scratch(plan: DkdvPlan, interpreted: bool, transforms: tuple) -> tuple:
 
 
 def fused_consumer(
-  refs: tuple, sink: DqSink, ds_smem: Any, plan: DkdvPlan, w: int
+  refs: tuple,
+  sink: DqSink,
+  ds_smem: Any,
+  plan: DkdvPlan,
+  w: int,
+  seg: Any = None,
 ) -> None:
   """Consumer `w` owning its K/V tile (`block_kv` keys): dK, dV over the
   whole head dim and its dQ tiles, for every query tile of every query
-  head of the group."""
+  head of the group (`seg`: segment ids' refs, per-key query bounds)."""
   (
     k_ref,
     v_ref,
@@ -149,8 +155,12 @@ def fused_consumer(
     (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, w
   )
   my_k, my_v = k_chunks.at[0], v_chunks.at[0]  # fused: no head-dim split
+  bounds = None
+  if seg is not None:  # my keys' query bounds, as per-row vectors
+    bounds = load_bounds(seg, ops, batch, kv0, cfg.block_kv, as_rows=True)
+    bounds = (*bounds, 0)
 
-  first, per_head = q_tile_range(plan, cta_kv0)
+  first, per_head = q_tile_range(plan, cta_kv0, seg)
   shape = (cfg.block_kv, cfg.block_q)
   cols = pl.ds(w * plan.dq_cols, plan.dq_cols)
   # dQ = dS K: over both consumers' keys for my columns, or over mine.
@@ -178,6 +188,7 @@ def fused_consumer(
         # dQ sums over keys past seq_kv (times zero K rows): P^T must stay
         # finite there; clamping is cheaper than masking them.
         at_most_one=True,
+        bounds=bounds,
       )
       delta = ops.load_cols(dl_smem.at[slot])
       pg_t = softcap_grad(p_t, t_t)  # P^T (1 - t^2) with softcap
@@ -222,9 +233,13 @@ def fused_consumer(
   store_dkdv(plan, dk, dv, (my_k, my_v), (dk_ref.at[rows], dv_ref.at[rows]))
 
 
-def sum_slab(plan: DkdvPlan, slab: jax.Array) -> jax.Array:
+def sum_slab(
+  plan: DkdvPlan, slab: jax.Array, spans: jax.Array | None = None
+) -> jax.Array:
   """The interpreter's dQ slab summed over its slots (slots a CTA never
-  wrote, query tiles that see none of its keys, are left out)."""
+  wrote, query tiles that see none of its keys, are left out; `spans`:
+  with segment ids, the `[2, b, kv_ctas]` query tile spans the CTAs
+  walked)."""
   spec, bq = plan.spec, plan.config.block_q
   with jax.ensure_compile_time_eval():  # static: Python ints under jit
     ranges = [
@@ -240,8 +255,13 @@ def sum_slab(plan: DkdvPlan, slab: jax.Array) -> jax.Array:
       )
       for c in range(plan.kv_ctas)
     ]
-  starts = jnp.repeat(jnp.asarray([r[0] for r in ranges]) * bq, plan.dq_parts)
-  ends = jnp.repeat(jnp.asarray([r[1] for r in ranges]) * bq, plan.dq_parts)
-  rows = jnp.arange(slab.shape[2], dtype=jnp.int32)
-  written = (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
-  return jnp.where(written[:, None, :, None, None], slab, 0.0).sum(0)
+  starts = jnp.asarray([r[0] for r in ranges], jnp.int32)[:, None]  # [c, 1]
+  ends = jnp.asarray([r[1] for r in ranges], jnp.int32)[:, None]
+  if spans is not None:  # [c, b]
+    starts = jnp.maximum(starts, spans[0].T)
+    ends = jnp.minimum(ends, spans[1].T)
+  starts = jnp.repeat(starts * bq, plan.dq_parts, axis=0)
+  ends = jnp.repeat(ends * bq, plan.dq_parts, axis=0)
+  rows = jnp.arange(slab.shape[2], dtype=jnp.int32)[None, None, :]
+  written = (rows >= starts[..., None]) & (rows < ends[..., None])
+  return jnp.where(written[..., None, None], slab, 0.0).sum(0)

@@ -244,6 +244,7 @@ def row_probabilities(
   check_seq_kv: bool = True,
   q_axis: int = 0,
   at_most_one: bool = False,
+  bounds: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
@@ -252,13 +253,25 @@ def row_probabilities(
   0: exact for every key a row sees (lse >= each of its scores), and it
   keeps P finite for keys past seq_kv (zero K rows: P = exp2(-lse2) would
   overflow where lse < -88) without masking them. Shared by the dQ kernel,
-  the shared-tile dK/dV consumer and the fused consumer. Returns (P, the
-  softcap's tanh or None)."""
+  the shared-tile dK/dV consumer and the fused consumer. `bounds`: segment
+  ids as `(lo, hi, dim)`, vectors along tile dim `dim`: per query row (dim
+  `q_axis`; keys `kv0 + col` in `[lo, hi)`) or per key (queries in
+  `[lo, hi)`), applied where `masked`. Returns (P, the softcap's tanh or
+  None). Segment bounds come folded with the positional rule
+  (`segments.kernel_bounds`) and replace it."""
   shape = s.shape
   t, scale_log2 = softcapped(spec, s)
   arg = t * scale_log2 - lax.broadcast_in_dim(lse2, shape, [q_axis])
   p = jnp.exp2(jnp.minimum(arg, 0.0) if at_most_one else arg)
-  if masked:
+  if masked and bounds is not None:  # positions folded into the bounds
+    rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
+    lo, hi, dim = bounds
+    index = rows if dim == 1 else cols  # along the other dim
+    base = kv0 if dim == q_axis else q0  # per query row: keys
+    p = jnp.where(
+      masking.within_bounds(index, lo, hi, base, shape, dim), p, 0.0
+    )
+  elif masked:
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     mask = masking.visible_tile_at(
       spec,

@@ -68,6 +68,12 @@ def load_with_layout(ref: Any, layout: Any) -> Any:
   return plgpu.load(ref, layout=layout)
 
 
+def load_global_with_layout(ref: Any, layout: Any) -> Any:
+  """A global-memory `ref` in registers, in `layout` (plain loads: Mosaic
+  has no optimized transfer from global memory)."""
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
 def named_barrier(bar_id: int, threads: int, *, sync: bool) -> None:
   """`bar.sync` (waits) or `bar.arrive` (does not) on hardware barrier
   `bar_id` for `threads` threads; Pallas exposes no named barrier, so this

@@ -53,7 +53,7 @@ from pallas_fa3.kernels.sm90.persistent import (
 from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
 from pallas_fa3.kernels.sm90.segment_operands import (
   SegmentRefs,
-  bounds_mask,
+  bounds_scratch,
   id_operands,
 )
 from pallas_fa3.spec import LOG2E, AttentionSpec
@@ -138,7 +138,11 @@ def _query_tile(
   def softmax(s, j, m, l, *, masked: bool):
     mask = None
     s, scale_log2 = softcapped(spec, s)
-    if masked:  # 1-D index vectors: no index tile lives in registers
+    if masked and bounds is not None:  # positions folded into the bounds
+      kv0 = (walk.first + j) * cfg.block_kv
+      cols = ops.col_index(cfg.block_kv)
+      mask = masking.within_bounds(cols, *bounds, kv0, s.shape)
+    elif masked:  # 1-D index vectors: no index tile lives in registers
       mask = masking.visible_tile_at(
         spec,
         row0,
@@ -149,10 +153,6 @@ def _query_tile(
         0,
         check_seq_kv=check_seq_kv,
       )
-      if bounds is not None:  # the segment: lo <= key < hi
-        kv0 = (walk.first + j) * cfg.block_kv
-        cols = ops.col_index(cfg.block_kv)
-        mask = mask & bounds_mask(cols, *bounds, kv0, s.shape)
     return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
   # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
@@ -312,7 +312,7 @@ def _build(
     *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
   )
   if spec.segmented:
-    scratch += (plgpu.SMEM((2, NUM_CONSUMERS, cfg.block_q), jnp.int32),)
+    scratch += bounds_scratch(cfg.block_q, NUM_CONSUMERS)
   out_type = (
     jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
     # The lse tile's store is a plain bulk copy, whose bound is the end of
@@ -355,8 +355,9 @@ def sm90_forward(
       (`compat.interpret_params(...)`) run the same kernel on a CPU.
     sinks: float32 `[b, hq]` when `spec.sinks`.
     segment_ids: with `spec.segmented`, each query row's key bounds
-      `(lo, hi)` (`segments.key_bounds`, exact for contiguous ids): the CTA
-      walks only the K/V tiles its rows reach and masks by the bounds.
+      `(lo, hi)`, narrowed by the causal/window rule
+      (`segments.kernel_bounds`, exact for contiguous ids): the CTA walks
+      only the K/V tiles its rows reach and masks by the bounds alone.
 
   Returns:
     (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).

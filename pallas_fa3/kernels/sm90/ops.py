@@ -58,6 +58,14 @@ class KernelOps:
       return ref[...]
     return compat.load_with_layout(ref, plgpu.Layout.WGMMA.reduce(0))
 
+  def load_global(self, ref: Any, *, as_rows: bool) -> jax.Array:
+    """A 1-D global-memory `ref` into registers as a per-row (`as_rows`) or
+    per-column vector of an accumulator (plain loads)."""
+    if self.interpreted:
+      return ref[...]
+    layout = plgpu.Layout.WGMMA.reduce(1 if as_rows else 0)
+    return compat.load_global_with_layout(ref, layout)
+
   def row_index(self, n: int) -> jax.Array:
     """int32 0..n-1 laid out as the rows of a wgmma accumulator."""
     if self.interpreted:
