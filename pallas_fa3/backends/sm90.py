@@ -83,14 +83,6 @@ def _interpret_params(interpret: bool) -> Any:
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
 
-def _choose(
-  exact: jax.Array, kernels: Callable, twin: Callable, operands: Any
-) -> Any:
-  """`kernels(operands)` where the segment bounds are `exact`, else the
-  blockwise twin's `twin(operands)`, decided on the device by `lax.cond`."""
-  return jax.lax.cond(exact, kernels, twin, operands)
-
-
 def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   def forward(
     spec: AttentionSpec,
@@ -129,7 +121,7 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
     # computes the call (same function), decided on the device.
     bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
     operands = (q, k, v, sinks, bounds[:2], segment_ids)
-    return _choose(keys_exact, run, twin, operands)
+    return jax.lax.cond(keys_exact, run, twin, operands)
 
   return forward
 
@@ -224,7 +216,7 @@ def _backward(
     )
     exact = keys_exact & queries_exact
     operands = (residuals, bounds, segment_ids)
-    return _choose(exact, run, twin, operands)
+    return jax.lax.cond(exact, run, twin, operands)
 
   return backward
 
