@@ -10,6 +10,13 @@ import zlib
 # none may take XLA's default 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from pallas_fa3.backends import interpret_pool  # starts no JAX backend
+
+# The interpret-mode tests need more XLA CPU threads than a 2-core machine
+# has by default (else the interpreter's warpgroups can deadlock): asked for
+# before JAX creates its CPU client.
+assert interpret_pool.reserve(), interpret_pool.shortfall()
+
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np

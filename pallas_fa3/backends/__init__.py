@@ -199,9 +199,7 @@ def require_runnable_here(backend: Backend) -> None:
   training loop, the benchmark)."""
   reason = backend.device_reason()
   if reason:
+    hint = f". {backend.device_hint}" if backend.device_hint else ""
     raise NotImplementedError(
-      f"implementation={backend.name!r} cannot run here: {reason}. It needs"
-      " an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda']) lowers it"
-      " on any machine, and implementation='interpret' runs the same kernel"
-      " on a CPU"
+      f"implementation={backend.name!r} cannot run here: {reason}{hint}"
     )

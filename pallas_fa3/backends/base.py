@@ -44,6 +44,8 @@ class Backend:
     device_reason: `() -> reason or None`: whether the devices present can
       run it. Only the automatic choice and eager calls consult it, so an
       explicit backend still lowers for another platform.
+    device_hint: what to do instead when `device_reason` refuses (said
+      after the reason).
     fp8_forward: `(spec, config, FP8Inputs) -> (out, lse)`, or None.
     fp8_tiles: `config -> (block_q, block_kv)`, the quantization tiles.
     fp8_quantize: the quantization pass, with `e4m3.quantize_inputs`'s
@@ -64,6 +66,7 @@ class Backend:
   config_types: tuple[type, ...] = ()
   make_config: Callable[[AttentionSpec, Any], Any] = lambda spec, config: None
   device_reason: Callable[[], str | None] = lambda: None
+  device_hint: str = ""
   fp8_forward: Callable[..., Any] | None = None
   fp8_tiles: Callable[[Any], tuple[int, int]] | None = None
   fp8_quantize: Callable[..., Any] = e4m3.quantize_inputs

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from pallas_fa3 import modifiers, segments
-from pallas_fa3.backends import blockwise
+from pallas_fa3.backends import blockwise, interpret_pool
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
   config as sm90_config,
@@ -79,6 +79,8 @@ def _interpret_params(interpret: bool) -> Any:
   if not interpret:
     return None
   from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
+
+  interpret_pool.check()  # a pool too small for the interpreter: raise, not hang
 
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
@@ -251,6 +253,11 @@ MOSAIC = _kernel_backend(
   "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
   interpret=False,
   device_reason=hopper_reason,
+  device_hint=(
+    "It needs an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda'])"
+    " lowers it on any machine, and implementation='interpret' runs the"
+    " same kernel on a CPU"
+  ),
   automatic=True,
 )
 INTERPRET = _kernel_backend(
@@ -258,4 +265,5 @@ INTERPRET = _kernel_backend(
   "the same kernels in Pallas GPU interpret mode (CPU, small shapes, tests)",
   interpret=True,
   partitionable=False,
+  device_reason=interpret_pool.shortfall,
 )

@@ -353,8 +353,13 @@ def _argv(args) -> list[str]:
 
 
 def run(args) -> int:
+  from pallas_fa3.backends import interpret_pool  # pylint: disable=g-import-not-at-top
   from pallas_fa3.numerics import command  # pylint: disable=g-import-not-at-top
 
+  # The studies run `interpret` where it can: enough CPU threads for the
+  # interpreter, asked for before JAX's first computation (configs() looks
+  # for a GPU).
+  interpret_pool.reserve()
   cfgs = configs(args)
   argv = _argv(args)
   for study, cfg in cfgs.items():

@@ -241,7 +241,9 @@ def plan(cfg: DeviationConfig) -> list[tuple[Problem, list[Candidate]]]:
 
 def _skip_reason(cand: Candidate, q, cfg: DeviationConfig) -> str | None:
   if cand.impl in KERNELS:
-    reason = backends.unsupported_reason(cand.impl, make_spec(q, q, q))
+    reason = backends.get(cand.impl).device_reason() or (
+      backends.unsupported_reason(cand.impl, make_spec(q, q, q))
+    )
     if reason:
       return reason
     if cand.impl == "interpret" and q.shape[1] > cfg.interpret_max_seq:

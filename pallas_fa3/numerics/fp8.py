@@ -110,7 +110,9 @@ def _kernel_reason(
   if impl in (MATERIALIZED, "blockwise"):
     return None
   spec = make_spec(q, k, v, fp8=fp8_methods.fp8_config(method, key))
-  reason = backends.unsupported_reason(impl, spec)
+  reason = backends.get(impl).device_reason() or backends.unsupported_reason(
+    impl, spec
+  )
   if reason is None and impl == "interpret" and cfg.seq > cfg.interpret_max_seq:
     reason = (
       f"interpret runs only up to seq {cfg.interpret_max_seq}"
