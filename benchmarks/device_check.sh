@@ -8,7 +8,10 @@
 # step's whole process group) and each writing under $OUT (default
 # ./device_out) as it finishes, so a hang loses only its own step:
 #   versions   jax, jaxlib, CUDA runtime/driver, cuDNN, every ptxas, nvidia-smi
-#   smoke      one tiny call per kernel (fwd, fwd+bwd at d128/d256, FP8) vs golden
+#   smoke      one tiny call of each path never run before its first GPU run
+#              (pingpong turns, TMA reduce-add, the dS exchange, deterministic,
+#              shared tile, d256, 4-warpgroup quantization, FP8) vs golden, each
+#              in its own process under its own timeout ("hang" if killed)
 #   causal     the causal mask on this exact toolchain (ours and attention_mgpu;
 #              JAX avoids causal on CUDA 12.8-12.9.1 for a ptxas miscompile)
 #   gpu_tests  tests/test_sm90_gpu.py: configs vs golden, compiled once, several
@@ -64,14 +67,14 @@ GPU=$(grep -c '"hopper": "yes"' "$OUT/versions.json" 2>/dev/null)
 if [ "$QUICK" = 1 ]; then
   export PALLAS_FA3_GPU_TIER=quick
   DIMS_FWD="128"; DIMS_BWD="128"; DIMS_FP8="128"
-  # Worst case 230 s: the FP8 configs are left to the smoke call.
-  T_SMOKE=45; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=40; T_BWD=30; T_FP8=20
+  # Worst case 235 s: the FP8 configs are left to the smoke call.
+  T_SMOKE=60; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=30; T_BWD=25; T_FP8=20
   T_GRID=0
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
   # Worst case 480 s (every step at its limit).
-  T_SMOKE=55; T_CAUSAL=35; T_TESTS=110; T_FP8T=45; T_FWD=70; T_BWD=60; T_FP8=35
+  T_SMOKE=70; T_CAUSAL=35; T_TESTS=95; T_FP8T=45; T_FWD=70; T_BWD=60; T_FP8=35
   T_GRID=35
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
@@ -80,7 +83,10 @@ BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
        --impl mosaic mosaic-det blockwise cudnn xla mgpu)
 
 if [ "$GPU" = 1 ]; then
-  run_step smoke "$T_SMOKE" "$PY" benchmarks/device_smoke.py smoke --out "$OUT"
+  # Every smoke item at once, each in its own process and killed (recorded
+  # as "hang") 12 s before the step's own limit.
+  run_step smoke "$T_SMOKE" "$PY" benchmarks/device_smoke.py smoke --out "$OUT" \
+    --item-timeout $(( T_SMOKE - 12 ))
   run_step causal "$T_CAUSAL" "$PY" benchmarks/device_smoke.py causal --out "$OUT"
   run_step gpu_tests "$T_TESTS" "${PYTEST[@]}" tests/test_sm90_gpu.py
   [ "$T_FP8T" -gt 0 ] && run_step fp8_tests "$T_FP8T" "${PYTEST[@]}" tests/test_sm90_fp8_gpu.py
@@ -94,7 +100,8 @@ if [ "$GPU" = 1 ]; then
     --out "$OUT/grid" --time-budget $(( T_GRID - 15 ))
 else
   echo "no Hopper GPU: rehearsal (imports and test collection only)"
-  run_step smoke 60 "$PY" benchmarks/device_smoke.py smoke --out "$OUT"
+  run_step smoke 60 "$PY" benchmarks/device_smoke.py smoke --out "$OUT" \
+    --item-timeout 20
   run_step causal 60 "$PY" benchmarks/device_smoke.py causal --out "$OUT"
   run_step gpu_tests 120 "${PYTEST[@]:0:4}" --collect-only \
     tests/test_sm90_gpu.py tests/test_sm90_fp8_gpu.py

@@ -4,10 +4,15 @@
     python benchmarks/device_smoke.py smoke --out DIR      # DIR/smoke.json
     python benchmarks/device_smoke.py causal --out DIR     # DIR/causal.json
 
-`smoke`: the bf16 forward and backward kernels at d128 and d256 and the FP8
-forward at d128, each one small call (`jax.jit`, causal, GQA, ragged)
-against the float64 golden with the tolerance rule (FP8: against its
-blockwise twin). `causal`: JAX's `attention_mgpu` refuses causal masks on
+`smoke`: one small call (`jax.jit`, causal, GQA, ragged) of every path that
+had only been compiled before its first GPU run (`SMOKE_ITEMS`: the
+pingpong turns, the fused backward's TMA reduce-add into the in-place
+accumulator, the dS exchange barrier, the deterministic kernels, the
+shared-tile layout, d256, the multi-warpgroup quantization kernel, the FP8
+forward), against the float64 golden with the tolerance rule (FP8: its
+blockwise twin; quantization: its twin's bits). Each item runs in a
+process of its own under its own timeout, all at once, so a hang is
+recorded as "hang" and costs only its own item. `causal`: JAX's `attention_mgpu` refuses causal masks on
 CUDA 12.8-12.9.1 for a ptxas miscompilation; this checks our causal forward
 (every default config, aligned and offset diagonals, bf16 and fp16) and
 `attention_mgpu`'s causal forward (fp16) on this machine's exact toolchain.
@@ -120,6 +125,7 @@ def _kernel_item(
   causal=True,
   shape=None,
   deterministic=False,
+  config=None,
 ):
   shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
@@ -132,6 +138,7 @@ def _kernel_item(
     return_lse=True,
     implementation="mosaic",
     deterministic=deterministic,
+    config=config,
   )
   out, lse = jax.jit(f)(q, k, v)
   result = {
@@ -167,16 +174,72 @@ def _fp8_item():
   }
 
 
-def _smoke_items():
-  yield "fwd bf16 d128", lambda: _kernel_item(128, False)
-  yield "fwd+bwd bf16 d128 (fused)", lambda: _kernel_item(128, True)
-  yield (
-    "fwd+bwd bf16 d128 deterministic",
-    lambda: _kernel_item(128, True, deterministic=True),
+def _quantize_item():
+  """The quantization kernel with four warpgroups (256 output rows: V^T at
+  d256) against its pure-JAX twin, bit for bit."""
+  from pallas_fa3.kernels.sm90 import quantize  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.quant import e4m3  # pylint: disable=g-import-not-at-top
+
+  q, k, v, _ = random_inputs(
+    jax.random.key(9), Shape(1, 512, 512, 2, 2, 256), jnp.bfloat16
   )
-  yield "fwd+bwd bf16 d192 (fused)", lambda: _kernel_item(192, True)
-  yield "fwd+bwd bf16 d256", lambda: _kernel_item(256, True)
-  yield "fwd fp8 d128", _fp8_item
+  args = (q, k, v, jax.random.key(1))
+  opts = dict(block_q=128, block_kv=128, block_quantization=True)
+  opts.update(rotation=True, q_residual=False)
+  got = jax.jit(lambda *a: quantize.quantize_inputs_kernel(*a, **opts))(*args)
+  want = jax.jit(lambda *a: e4m3.quantize_inputs(*a, **opts))(*args)
+  diff = [
+    float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  ]
+  return {"bits_vs_twin_err": max(diff), "bits_vs_twin_bound": 0.0}
+
+
+# The split of the dQ columns between two consumers owning their keys (FA3's
+# d128 layout, outside the default space): the only user of the exchange
+# barrier.
+_DQ_BY_COLS = pallas_fa3.Sm90Config(
+  backward=pallas_fa3.Sm90BackwardConfig(64, 64, 2, 2, 1)
+)
+
+# (name, what it is the first run of, function): each runs in a process of
+# its own under its own timeout (`smoke`), so a hang is reported as a hang.
+SMOKE_ITEMS = {
+  "fwd bf16 d128": (
+    "pingpong turn barriers (named, inline PTX)",
+    lambda: _kernel_item(128, False),
+  ),
+  "fwd+bwd bf16 d128 fused": (
+    "TMA reduce-add of dQ into the in-place jax.new_ref accumulator",
+    lambda: _kernel_item(128, True),
+  ),
+  "fwd+bwd bf16 d128 fused dQ by columns": (
+    "the consumers' dS exchange barrier",
+    lambda: _kernel_item(128, True, config=_DQ_BY_COLS),
+  ),
+  "fwd+bwd bf16 d128 deterministic": (
+    "the dK/dV and dQ kernels",
+    lambda: _kernel_item(128, True, deterministic=True),
+  ),
+  "fwd+bwd bf16 d192 fused": (
+    "the shared-tile fused layout",
+    lambda: _kernel_item(192, True),
+  ),
+  "fwd+bwd bf16 d256": ("d256 tiles", lambda: _kernel_item(256, True)),
+  "quantize d256 4 warpgroups": (
+    "the multi-warpgroup quantization kernel (named-barrier amax)",
+    _quantize_item,
+  ),
+  "fwd fp8 d128": (
+    "the FP8 forward (its setmaxnreg split) after the quantization kernel",
+    _fp8_item,
+  ),
+}
+# DEVICE_CHECK_SELFTEST=1: an item that hangs (also without a GPU), to show
+# that the per-item timeout fires and the other items still report.
+_SELFTEST = "selftest hang"
+if os.environ.get("DEVICE_CHECK_SELFTEST") == "1":
+  SMOKE_ITEMS[_SELFTEST] = ("the per-item timeout", lambda: time.sleep(1e6))
 
 
 def _mgpu_causal_item(head_dim: int):
@@ -226,7 +289,7 @@ def run_items(items, out: pathlib.Path) -> int:
   records, failures = [], 0
   for name, fn in items:
     start = time.time()
-    if reason:
+    if reason and name != _SELFTEST:
       record = dict(item=name, status="skipped", reason=reason)
     else:
       try:
@@ -255,20 +318,83 @@ def run_items(items, out: pathlib.Path) -> int:
   return 1 if failures else 0
 
 
+def run_isolated(out: pathlib.Path, timeout: float, parallel: int) -> int:
+  """Every smoke item in a process of its own (`parallel` at a time), each
+  killed at `timeout` seconds and recorded as "hang" (a hang inside a
+  kernel cannot be interrupted from its own process)."""
+  reason = backends.hopper_reason()
+  records, failures = {}, 0
+  names = list(SMOKE_ITEMS)
+  if reason:  # the CPU rehearsal: every GPU item listed, none run
+    records.update(
+      (n, dict(item=n, status="skipped", reason=reason))
+      for n in names
+      if n != _SELFTEST
+    )
+    names = [n for n in names if n == _SELFTEST]
+  running: dict[str, tuple[subprocess.Popen, float, pathlib.Path]] = {}
+  while names or running:
+    while names and len(running) < parallel:
+      name = names.pop(0)
+      path = out / f"smoke_item_{len(records) + len(running)}.json"
+      cmd = [sys.executable, __file__, "item", name, "--out", str(path)]
+      proc = subprocess.Popen(cmd, start_new_session=True)
+      running[name] = (proc, time.time(), path)
+    for name, (proc, start, path) in list(running.items()):
+      elapsed = time.time() - start
+      if proc.poll() is None and elapsed < timeout:
+        continue
+      if proc.poll() is None:  # the whole group: compile workers too
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        record = dict(item=name, status="hang", reason=f"killed at {timeout} s")
+      elif path.exists():
+        record = json.loads(path.read_text())[0]
+      else:
+        record = dict(
+          item=name, status="error", error=f"exit {proc.returncode}"
+        )
+      record.update(
+        first_run_of=SMOKE_ITEMS[name][0], seconds=round(elapsed, 1)
+      )
+      records[name] = record
+      failures += record["status"] in ("FAIL", "error", "hang")
+      del running[name]
+      print(
+        f"{record['status']:7} {record['seconds']:6.1f}s  {name}", flush=True
+      )
+    (out / "smoke.json").write_text(
+      json.dumps(list(records.values()), indent=1, default=str)
+    )
+    time.sleep(0.2)
+  return 1 if failures else 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("what", choices=("versions", "smoke", "causal"))
-  parser.add_argument("--out", required=True, help="output folder")
+  parser.add_argument("what", choices=("versions", "smoke", "causal", "item"))
+  parser.add_argument("name", nargs="?", help="item: the smoke item to run")
+  parser.add_argument("--out", required=True, help="output folder (item: file)")
+  parser.add_argument(
+    "--item-timeout", type=float, default=40.0, help="smoke: seconds per item"
+  )
+  parser.add_argument(
+    "--parallel", type=int, default=8, help="smoke: items run at once"
+  )
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
+  if args.what == "item":
+    item = [(args.name, SMOKE_ITEMS[args.name][1])]
+    return run_items(item, out)
   out.mkdir(parents=True, exist_ok=True)
   if args.what == "versions":
     info = versions()
     (out / "versions.json").write_text(json.dumps(info, indent=1, default=str))
     print(json.dumps(info, indent=1, default=str))
     return 0
-  items = _smoke_items() if args.what == "smoke" else _causal_items()
-  return run_items(items, out / f"{args.what}.json")
+  if args.what == "smoke":
+    return run_isolated(out, args.item_timeout, args.parallel)
+  return run_items(_causal_items(), out / f"{args.what}.json")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ _PTX = """
 \tmov.b32 \t%r2, 1;
 \tmbarrier.init.shared.b64 [%r8], %r2;
 \tsetmaxnreg.inc.sync.aligned.u32 240;
+\tsetmaxnreg.dec.sync.aligned.u32 24;
 \tcp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%r3], [%rd1, {%r4} ], [%r5];
 $L__BB0_5:
 \t// begin inline asm
@@ -84,7 +85,7 @@ def test_ptx_profile_reads_the_loop_and_the_sync():
     smem_bytes=2048,
   )
   assert p.threads == 384
-  assert p.setmaxnreg == ("inc 240",)
+  assert p.setmaxnreg == ("inc 240", "dec 24")
   assert p.wgmma == {"m64n128k16 f32.bf16.bf16": 1}
   assert p.wait_group == {0: 1, 1: 1}
   assert (
@@ -109,7 +110,125 @@ def test_ptx_profile_reads_the_loop_and_the_sync():
   # commit, wait, fma, ex2, mul, shfl, bar, arrive, the back branch.
   assert p.loop["total"] == 16
   row = ptx_profile.table([p]).splitlines()[2]
-  assert row.startswith("| k | 384 | 168 | inc 240 | 0/0 | 2.0 | 1x m64n128k16")
+  assert row.startswith(
+    "| k | 384 | 168 | inc 240 dec 24 | 504/504 | 0/0 | 2.0 | 1x m64n128k16"
+  )
+
+
+def _split_profile(threads, registers, *sites):
+  ptx = f".maxntid {threads}, 1, 1\n" + "".join(
+    f"setmaxnreg.{site.split()[0]}.sync.aligned.u32 {site.split()[1]};\n"
+    for site in sites
+  )
+  return ptx_profile.profile_ptx(
+    "k",
+    ptx,
+    registers=registers,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=None,
+  )
+
+
+@pytest.mark.parametrize(
+  "threads,registers,sites,need,problem",
+  [
+    (384, 168, ("inc 240", "dec 24"), 504, None),  # FA3's split: the pool
+    (384, 168, ("inc 232", "dec 40"), 504, None),
+    (384, 168, ("inc 240", "dec 32"), 512, "never completes"),  # the bug
+    (256, 255, ("inc 256", "dec 64"), 320, None),  # one consumer
+    (384, 168, ("inc 244", "dec 24"), 520, "multiple of 8"),
+    (384, 168, ("inc 240",), 720, "never completes"),  # no producer decrease
+    (384, 168, (), 504, None),  # no split: nothing to check
+  ],
+)
+def test_register_pool_check(threads, registers, sites, need, problem):
+  """(warpgroups - producers) x consumer + producers x producer must fit
+  in warpgroups x ptxas's launch count; values multiples of 8 in
+  [24, 256]."""
+  p = _split_profile(threads, registers, *sites)
+  problems = ptx_profile.register_problems(p)
+  assert ptx_profile.register_budget(p)[0] == need
+  if problem is None:
+    assert problems == []
+  else:
+    assert any(problem in m for m in problems), problems
+    assert "OVER" in ptx_profile.table([p])
+
+
+def test_named_barrier_check():
+  ptx = (
+    ".maxntid 384, 1, 1\n"
+    "bar.sync 8, 256;\nbar.arrive 8, 256;\nbarrier.sync 0;\n"
+    "bar.sync 9, 100;\nbar.arrive 10, 256;\nbar.sync 10, 128;\n"
+    "bar.sync 17, 128;\n"
+  )
+  p = ptx_profile.profile_ptx(
+    "k",
+    ptx,
+    registers=168,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=None,
+  )
+  assert p.named_barriers == (
+    (0, 384),
+    (8, 256),
+    (9, 100),
+    (10, 128),
+    (10, 256),
+    (17, 128),
+  )
+  problems = ptx_profile.named_barrier_problems(p)
+  assert len(problems) == 3, problems
+  assert any("barrier 9 counts 100" in m for m in problems)
+  assert any("barrier 17: ids are 0-15" in m for m in problems)
+  assert any(
+    "barrier 10 is used with thread counts [128, 256]" in m for m in problems
+  )
+
+
+def test_kernel_splits_fit_the_pool_and_a_bad_one_is_refused():
+  from pallas_fa3.kernels import hopper
+  from pallas_fa3.kernels.sm90 import common
+
+  assert hopper.launch_registers(3) == 168 and hopper.register_pool(3) == 504
+  assert not hopper.split_problems(
+    3, common.CONSUMER_REGS, common.PRODUCER_REGS
+  )
+  with pytest.raises(ValueError, match="never completes"):
+    hopper.check_split(3, 240, 32)
+
+
+@_needs_packages
+def test_aot_flags_a_compiled_oversubscribed_split():
+  """The FP8 kernel's old split (240/32 in a 384-thread CTA), built into
+  the bf16 forward and compiled for sm_90a: ptxas compiles it without a
+  word and the pool check refuses it; the kernel as built passes."""
+  code = """
+import jax.numpy as jnp
+from pallas_fa3.kernels import aot
+from pallas_fa3.kernels.sm90 import config, forward
+from pallas_fa3.spec import make_spec
+import jax
+q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+spec = make_spec(q, q, q, causal=True)
+cfg = config.default_forward_config(spec)
+print("as built:", aot.budget_problems(aot.compile_forward(spec, cfg)))
+forward.PRODUCER_REGS = 32
+print("240/32:", aot.budget_problems(aot.compile_forward(spec, cfg)))
+"""
+  run = subprocess.run(  # a fresh process, as `_run_aot`
+    [sys.executable, "-c", code],
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert run.returncode == 0, run.stderr[-4000:]
+  built, bad = run.stdout.strip().splitlines()[-2:]
+  assert built == "as built: []", run.stdout
+  assert "512 registers" in bad and "owns 504" in bad, run.stdout
 
 
 def test_ptx_profile_without_a_loop():
@@ -156,11 +275,27 @@ def _spills(reports):
   }
 
 
+def _over_budget(reports):
+  """Kernels whose setmaxnreg split their CTA's register pool cannot
+  satisfy, or whose named barriers cannot work as written (JSON profiles
+  back into `KernelProfile`s)."""
+  out = {}
+  for r in reports:
+    for k in r["kernels"]:
+      profile = ptx_profile.KernelProfile(**k)
+      problems = ptx_profile.register_problems(profile)
+      problems += ptx_profile.named_barrier_problems(profile)
+      if problems:
+        out[k["name"]] = problems
+  return out
+
+
 @_needs_packages
 @pytest.mark.timeout(1800)
 def test_default_configs_compile_without_spills(default_reports):
   run, reports = default_reports
   assert _spills(reports) == {}
+  assert _over_budget(reports) == {}
   assert run.returncode == 0 and "0 config(s) spill" in run.stdout
   kinds = {k["name"].split()[0] for r in reports for k in r["kernels"]}
   assert kinds == {
@@ -228,11 +363,16 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
 @_needs_packages
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("flags", [(), ("--fp8",)], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+  "flags",
+  [(), ("--fp8",), ("--modifiers",), ("--backward-shapes",)],
+  ids=["bf16", "fp8", "modifiers", "backward-shapes"],
+)
 def test_every_config_of_the_spaces_compiles_without_spills(flags):
   run, reports = _run_aot(*flags, timeout=3500)
   assert reports, run.stdout[-4000:] + run.stderr[-4000:]
   assert _spills(reports) == {}
+  assert _over_budget(reports) == {}
 
 
 @_needs_packages

@@ -4,7 +4,8 @@ Compiles every supported kernel config for an H200 (sm_90a) from a
 compile-only target description and reads ptxas's report, so register
 spills are caught without a GPU. Needs the package's `aot` extra (the CUDA
 plugin and PJRT at the installed JAX's version, and ptxas). The command
-fails on any spill; `--profile` adds each kernel's static profile
+fails on any spill and on any setmaxnreg split the CTA's register pool
+cannot satisfy (`ptx_profile.register_problems`); `--profile` adds each kernel's static profile
 (`ptx_profile`). The sweeps (what is compiled) are in `aot_sweeps`:
 
     pallas-fa3 aot            # or: JAX_PLATFORMS=cpu python -m pallas_fa3.kernels.aot
@@ -81,6 +82,18 @@ class CompileReport:
   spill_store_bytes: int  # summed over the call's kernels
   spill_load_bytes: int
   kernels: tuple[KernelProfile, ...] = ()
+
+
+def budget_problems(report: CompileReport) -> list[str]:
+  """Each kernel's setmaxnreg split that the CTA's register pool cannot
+  satisfy (`ptx_profile.register_problems`) and named barriers that cannot
+  work as written (`named_barrier_problems`), named by kernel."""
+  return [
+    f"{k.name}: {problem}"
+    for k in report.kernels
+    for problem in ptx_profile.register_problems(k)
+    + ptx_profile.named_barrier_problems(k)
+  ]
 
 
 def _parse_ptxas(text: str) -> tuple[int, int, int]:
@@ -356,14 +369,19 @@ def run(args: argparse.Namespace) -> int:
     report = compile_fn(spec, config, mesh)
     reports.append(report)
     bad = report.spill_store_bytes or report.spill_load_bytes
+    over = budget_problems(report)
+    status = "SPILL" if bad else "REGS" if over else "ok"
     print(
-      f"{'SPILL' if bad else 'ok':5} regs={report.registers:3d}"
+      f"{status:5} regs={report.registers:3d}"
       f" spill_st={report.spill_store_bytes} spill_ld="
       f"{report.spill_load_bytes}  {report.name}",
       flush=True,
     )
+    for problem in over:
+      print(f"      {problem}", flush=True)
   failures = sum(
-    bool(r.spill_store_bytes or r.spill_load_bytes) for r in reports
+    bool(r.spill_store_bytes or r.spill_load_bytes or budget_problems(r))
+    for r in reports
   )
   if args.profile:
     print(ptx_profile.table([k for r in reports for k in r.kernels]))
@@ -373,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     pathlib.Path(args.json).write_text(
       json.dumps([dataclasses.asdict(r) for r in reports], indent=1)
     )
-  print(f"{failures} config(s) spill")
+  print(f"{failures} config(s) spill or oversubscribe the register pool")
   return 1 if failures else 0
 
 

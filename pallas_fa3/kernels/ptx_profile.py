@@ -1,7 +1,10 @@
 """A static profile of one compiled kernel, read off its PTX and ptxas report.
 
 What the kernel issues say a schedule change moves, counted before any GPU:
-threads, registers, spills, shared memory, the wgmma instructions and their
+threads, registers, the setmaxnreg split against the CTA's register pool
+(`register_problems`: a split that asks for more never completes), named
+barrier ids and thread counts (`named_barrier_problems`), spills,
+shared memory, the wgmma instructions and their
 shapes, `wgmma.wait_group` sites by depth, mbarrier arrival counts,
 named-barrier operations, TMA copies, and the instruction mix of the
 steady-state loop (per thread and K/V step).
@@ -18,6 +21,8 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
+from pallas_fa3.kernels import hopper
+
 _LABEL = re.compile(r"^(\$L__\w+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
 _OPCODE = re.compile(r"^\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)")
@@ -31,6 +36,14 @@ _MBAR_INIT = re.compile(
 )
 _THREADS = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+),\s*(\d+),\s*(\d+)")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")
+# A named barrier with immediate operands: `bar.sync 8, 256;` (the id and
+# the thread count; `bar.sync 0;` counts the whole CTA).
+_NAMED_BARRIER = re.compile(
+  r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)"
+  r"(?:\s*,\s*(\d+))?\s*;"
+)
+# Hardware named barriers per CTA (ids 0-15).
+_NAMED_BARRIERS = 16
 
 # Loop-mix columns: a name and the opcode prefixes it counts.
 LOOP_COLUMNS = {
@@ -68,6 +81,77 @@ class KernelProfile:
   # ptxas C7513: it serialized the wgmma (waits after each), e.g. because
   # registers a wgmma in flight reads were rewritten before its wait.
   wgmma_serialized: bool = False
+  # (id, thread count) of every named barrier with immediate operands.
+  named_barriers: tuple[tuple[int, int], ...] = ()
+
+
+def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
+  """(consumer, producer, producers) of a profile's setmaxnreg sites: the
+  largest increase for every consumer, the largest decrease for the one
+  producer warpgroup that decreases (None: that role keeps the launch
+  count)."""
+  values = {"inc": [], "dec": []}
+  for site in p.setmaxnreg:
+    action, n = site.split()
+    values[action].append(int(n))
+  consumer = max(values["inc"], default=None)
+  producer = max(values["dec"], default=None)
+  return consumer, producer, int(producer is not None)
+
+
+def register_budget(p: KernelProfile) -> tuple[int, int]:
+  """(registers per thread slot the split asks of the CTA's pool, what the
+  CTA owns at ptxas's launch count)."""
+  warpgroups = max(p.threads // hopper.WARPGROUP_THREADS, 1)
+  consumer, producer, producers = register_split(p)
+  need = hopper.split_need(
+    warpgroups, consumer, producer, producers, p.registers
+  )
+  return need, hopper.register_pool(warpgroups, p.registers)
+
+
+def register_problems(p: KernelProfile) -> list[str]:
+  """Why the kernel's setmaxnreg split cannot complete on a GPU (empty: it
+  can): `hopper.split_problems` on its compiled figures."""
+  if not p.setmaxnreg:
+    return []
+  consumer, producer, producers = register_split(p)
+  return hopper.split_problems(
+    max(p.threads // hopper.WARPGROUP_THREADS, 1),
+    consumer,
+    producer,
+    producers=producers,
+    launch=p.registers,
+  )
+
+
+def named_barrier_problems(p: KernelProfile) -> list[str]:
+  """Named barriers that cannot work as written: an id past the 16 an SM
+  has, a thread count that is not whole warps or exceeds the CTA, or one id
+  used with two thread counts (its arrivals never add up)."""
+  problems, counts = [], collections.defaultdict(set)
+  for bar_id, threads in p.named_barriers:
+    counts[bar_id].add(threads)
+    if bar_id >= _NAMED_BARRIERS:
+      problems.append(f"named barrier {bar_id}: ids are 0-15")
+    if threads % 32 or (p.threads and threads > p.threads):
+      problems.append(
+        f"named barrier {bar_id} counts {threads} threads (whole warps,"
+        f" at most the CTA's {p.threads})"
+      )
+  for bar_id, threads in sorted(counts.items()):
+    if len(threads) > 1:
+      problems.append(
+        f"named barrier {bar_id} is used with thread counts {sorted(threads)}"
+      )
+  return problems
+
+
+def _named_barriers(ptx: str, threads: int) -> tuple[tuple[int, int], ...]:
+  found = set()
+  for m in _NAMED_BARRIER.finditer(ptx):
+    found.add((int(m.group(1)), int(m.group(2)) if m.group(2) else threads))
+  return tuple(sorted(found))
 
 
 def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
@@ -208,9 +292,10 @@ def profile_ptx(
   )
   tma = collections.Counter(kind for kind in map(_tma, ops) if kind)
   arrivals = _arrival_counts(ptx)
+  cta_threads = int(threads.group(1)) if threads else 0
   return KernelProfile(
     name=name,
-    threads=int(threads.group(1)) if threads else 0,
+    threads=cta_threads,
     registers=registers,
     spill_store_bytes=spill_store_bytes,
     spill_load_bytes=spill_load_bytes,
@@ -225,6 +310,7 @@ def profile_ptx(
     loop=steady_state_loop(ptx),
     instructions=len(ops),
     wgmma_serialized=wgmma_serialized,
+    named_barriers=_named_barriers(ptx, cta_threads),
   )
 
 
@@ -232,7 +318,8 @@ def table(profiles: Iterable[KernelProfile]) -> str:
   """A Markdown table of profiles, one row per kernel."""
   loop_cols = (*LOOP_COLUMNS, "ldg_exposed", "total")
   head = (
-    "| kernel | threads | regs | setmaxnreg | spill st/ld B | smem KiB | wgmma |"
+    "| kernel | threads | regs | setmaxnreg | reg pool need/have |"
+    " spill st/ld B | smem KiB | wgmma |"
     " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
     " loop " + " ".join(loop_cols) + " |"
   )
@@ -242,9 +329,11 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     waits = " ".join(f"{d}:{n}" for d, n in p.wait_group.items()) or "-"
     smem = "?" if p.smem_bytes is None else f"{p.smem_bytes / 1024:.1f}"
     loop = " ".join(str(p.loop[c]) for c in loop_cols)
+    need, have = register_budget(p)
+    budget = f"{need}/{have}" + (" OVER" if register_problems(p) else "")
     rows.append(
       f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
-      f" {p.spill_store_bytes}/"
+      f" {budget} | {p.spill_store_bytes}/"
       f"{p.spill_load_bytes} | {smem} | {shapes}"
       f"{' (serialized)' if p.wgmma_serialized else ''} | {waits} |"
       f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"

@@ -154,6 +154,13 @@ def fused_consumer(
   kv0, rows, k_chunks, v_chunks = own_kv_tile(
     (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, w
   )
+  if plan.dq_by_cols:
+    # My dQ wgmma reads the other consumers' K tiles too: wait for their
+    # TMA myself rather than rely on ordering through their waits and the
+    # exchange barrier (an mbarrier phase may be waited by any thread).
+    for c in range(consumers):
+      if c != w:
+        plgpu.barrier_wait(kv_bar.at[c])
   my_k, my_v = k_chunks.at[0], v_chunks.at[0]  # fused: no head-dim split
   bounds = None
   if seg is not None:  # my keys' query bounds, as per-row vectors

@@ -77,14 +77,20 @@ def load_global_with_layout(ref: Any, layout: Any) -> Any:
 def named_barrier(bar_id: int, threads: int, *, sync: bool) -> None:
   """`bar.sync` (waits) or `bar.arrive` (does not) on hardware barrier
   `bar_id` for `threads` threads; Pallas exposes no named barrier, so this
-  is inline PTX. Mosaic itself uses ids 0 (the CTA) and 1-4 (warpgroups)."""
+  is inline PTX. Mosaic itself uses ids 0 (the CTA) and 1-4 (warpgroups).
+
+  Convergent: the barrier involves other threads, so LLVM may not move it
+  across the (warpgroup-uniform) branches of `pl.when` it sits under
+  (`has_side_effects` alone does not forbid that)."""
 
   @plgpu.inline_mgpu()
   def _emit(ctx):
     del ctx
     op = "sync" if sync else "arrive"
     _mgpu.utils.inline_ptx(
-      f"bar.{op} {bar_id}, {threads};", has_side_effects=True
+      f"bar.{op} {bar_id}, {threads};",
+      has_side_effects=True,
+      convergent=True,
     )
 
   _emit()

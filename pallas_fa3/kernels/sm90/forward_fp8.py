@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
+from pallas_fa3.kernels import hopper
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
@@ -57,10 +58,13 @@ from pallas_fa3.quant.e4m3 import (
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 _F32 = jnp.float32
-# setmaxnreg per role, 2 * 240 + 32 = 512 per thread slot; measured, not
-# modelled: docs/design_notes.md#setmaxnreg-splits.
-CONSUMER_REGS = 240
-PRODUCER_REGS = 32
+# setmaxnreg per role: 2 x 232 + 40 = 504, the 384-thread CTA's whole pool
+# (240/32 asked for 512: its increase would never have completed). 232/40
+# compiles every FP8 config without spills, 240/24 spilled two (the
+# producer): docs/design_notes.md#setmaxnreg-splits.
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+hopper.check_split(NUM_CONSUMERS + 1, CONSUMER_REGS, PRODUCER_REGS)
 
 
 def _query_tile(
