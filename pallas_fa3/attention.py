@@ -94,6 +94,15 @@ def flash_attention(
       the config turns them off) and run the FP8 forward on "mosaic",
       "interpret" or "blockwise" (see `pallas_fa3.fp8`). The output keeps the
       input dtype. Not differentiable: gradients raise NotImplementedError.
+    window_size: `(left, right)` keys visible around each query's diagonal
+      (None for an unbounded side), see `pallas_fa3.modifiers`.
+    softcap: `c * tanh(scores / c)` before the softmax.
+    sinks: float32 `[heads_q]` learnable sink logits (one extra softmax
+      term per head, no value).
+    segment_ids: packed sequences: a `pallas_fa3.SegmentIds(q, kv)`, a
+      `(q_ids, kv_ids)` tuple of int32 `[batch, seq]` arrays, or for
+      self-attention one int32 `[batch, seq]` array; query i sees key j
+      only where their ids are equal (see `pallas_fa3.segments`).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with

@@ -60,11 +60,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import backends
-from pallas_fa3.backends.base import NO_FP8_GRADIENT
+from pallas_fa3.backends.base import NO_FP8_GRADIENT, StaticCall
 from pallas_fa3.quant import e4m3, hadamard
 from pallas_fa3.quant.e4m3 import FP8_DTYPE, FP8Inputs, quantize_inputs
 from pallas_fa3.spec import check_bool, check_int, make_spec
-from pallas_fa3.vjp import StaticCall
 
 # Re-exported: the quantization helpers are part of this module's API.
 E4M3_MAX = e4m3.E4M3_MAX

@@ -47,15 +47,27 @@ def check_segment_ids(
 ) -> SegmentIds | None:
   """`segment_ids` as a `SegmentIds` of int32 arrays, or None.
 
+  One int32 `[batch, seq]` array (MaxText's and splash attention's form)
+  means `SegmentIds(ids, ids)`: self-attention only (`seq_q == seq_kv`).
+
   Raises:
     TypeError / ValueError naming `segment_ids` and the shapes/dtypes.
   """
   if segment_ids is None:
     return None
+  if hasattr(segment_ids, "shape") and hasattr(segment_ids, "dtype"):
+    if seq_q != seq_kv:
+      raise ValueError(
+        "segment_ids as one array needs self-attention (seq_q == seq_kv);"
+        f" got seq_q={seq_q}, seq_kv={seq_kv}: pass"
+        " pallas_fa3.SegmentIds(q_ids, kv_ids)"
+      )
+    segment_ids = (segment_ids, segment_ids)
   if not isinstance(segment_ids, tuple) or len(segment_ids) != 2:
     raise TypeError(
-      "segment_ids must be None, a pallas_fa3.SegmentIds(q, kv) or a"
-      f" (q_ids, kv_ids) tuple; got {type(segment_ids).__name__}"
+      "segment_ids must be None, a pallas_fa3.SegmentIds(q, kv), a"
+      " (q_ids, kv_ids) tuple or (self-attention) one int32 [batch, seq]"
+      f" array; got {type(segment_ids).__name__}"
     )
   out = []
   for name, ids, seq in (

@@ -12,7 +12,6 @@ last; their gradient is computed here from the residuals
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NoReturn
 
@@ -20,18 +19,8 @@ import jax
 import numpy as np
 
 from pallas_fa3 import modifiers
-from pallas_fa3.backends.base import Backend
+from pallas_fa3.backends.base import StaticCall
 from pallas_fa3.parallel import partitioning, sharding_checks
-from pallas_fa3.spec import AttentionSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class StaticCall:
-  """The static (hashable) half of a call: what to compute and with what."""
-
-  spec: AttentionSpec
-  backend: Backend
-  config: Any = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -200,6 +200,30 @@ def test_bad_segment_ids_are_errors_naming_them(segment_ids, error, match):
     pallas_fa3.flash_attention(q, q, q, segment_ids=segment_ids)
 
 
+def test_one_array_is_self_attention_ids(rng):
+  """One int32 [batch, seq] array (MaxText/splash style) means
+  SegmentIds(ids, ids), in every entry point that takes ids; refused,
+  naming the lengths, for cross-attention."""
+  q, k, v, _ = random_inputs(
+    jax.random.key(2), Shape(2, 32, 32, 2, 1, 16), "float32"
+  )
+  ids = jnp.asarray(_packed(rng, 2, 32, 3)[0])
+  for impl in ("reference", "blockwise"):
+    got = pallas_fa3.flash_attention(
+      q, k, v, causal=True, segment_ids=ids, implementation=impl
+    )
+    want = pallas_fa3.flash_attention(
+      q, k, v, causal=True, segment_ids=(ids, ids), implementation=impl
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(
+    np.asarray(pallas_fa3.reference_attention(q, k, v, segment_ids=ids)),
+    np.asarray(pallas_fa3.reference_attention(q, k, v, segment_ids=(ids, ids))),
+  )
+  with pytest.raises(ValueError, match=r"seq_q=32, seq_kv=16"):
+    pallas_fa3.flash_attention(q, k[:, :16], v[:, :16], segment_ids=ids)
+
+
 def test_fp8_with_segment_ids_raises():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   ids = jnp.zeros((1, 64), jnp.int32)

@@ -133,3 +133,13 @@ class Backend:
     if sinks is not None and not self.backward_uses_lse:
       extras["sinks"] = sinks
     return self.backward(spec, config, *residuals_and_cts, **extras)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticCall:
+  """The static (hashable) half of a call: what to compute and with what
+  (the custom_vjp's and the partitioner's non-differentiable argument)."""
+
+  spec: AttentionSpec
+  backend: Backend
+  config: Any = None

@@ -44,13 +44,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
+from pallas_fa3.backends.base import StaticCall
 from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   axes_entry,
@@ -62,9 +63,6 @@ from pallas_fa3.parallel.sharding_checks import (
   spec_entries,
 )
 from pallas_fa3.spec import AttentionSpec
-
-if TYPE_CHECKING:  # vjp imports this module
-  from pallas_fa3.vjp import StaticCall
 
 # Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
 # d/e head dims of q/k and v, and {h} the query heads (see `_heads_factor`).

@@ -15,10 +15,10 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh
 
 from pallas_fa3 import backends
+from pallas_fa3.backends.base import StaticCall
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.parallel.ring_steps import RingPlan
 from pallas_fa3.spec import AttentionSpec
-from pallas_fa3.vjp import StaticCall
 
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
 

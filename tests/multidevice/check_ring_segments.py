@@ -270,4 +270,8 @@ def test_segment_ids_are_checked():
   with pytest.raises(ValueError, match=r"segment_ids.kv must have shape"):
     call((q_ids, jnp.zeros((2, 32), jnp.int32)))
   with pytest.raises(TypeError, match=r"segment_ids must be None"):
-    call(q_ids)
+    call("ids")
+  # One array: self-attention ids, as flash_attention takes them.
+  np.testing.assert_array_equal(
+    np.asarray(call(q_ids)), np.asarray(call((q_ids, q_ids)))
+  )
