@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from pallas_fa3.kernels import aot, ptx_profile
+from pallas_fa3.kernels import aot, aot_compile, ptx_profile
 
 _needs_packages = pytest.mark.skipif(
   aot.missing_packages() is not None, reason=str(aot.missing_packages())
@@ -33,9 +33,9 @@ def test_ptxas_report_parser():
     "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
     "ptxas info    : Used 168 registers, used 16 barriers\n"
   )
-  assert aot._parse_ptxas(text) == (168, 24, 16)
+  assert aot_compile.parse_ptxas(text) == (168, 24, 16)
   with pytest.raises(RuntimeError, match="no ptxas report"):
-    aot._parse_ptxas("nothing here")
+    aot_compile.parse_ptxas("nothing here")
 
 
 # A consumer loop in the shape Mosaic writes it: inline-assembly wgmma and

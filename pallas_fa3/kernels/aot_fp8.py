@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pallas_fa3.kernels import aot
+from pallas_fa3.kernels import aot_compile as aot
 
 if TYPE_CHECKING:  # jax is imported only when a compile runs
   from jax.sharding import Mesh

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from pallas_fa3.kernels.aot import (
+from pallas_fa3.kernels.aot_compile import (
   SweepItem,
   compile_backward,
   compile_forward,

@@ -1,0 +1,115 @@
+"""The library's modules import each other without circles (what two modules
+both need goes one floor down), and the library never imports its tools
+(bench, numerics, the CLI), `models/` or the test suite.
+
+Edges are every import between the modules of `pallas_fa3`: module level,
+`TYPE_CHECKING` blocks (circles in waiting) and late imports inside
+functions alike; package `__init__` modules (re-exports) are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PACKAGE = _ROOT / "pallas_fa3"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in _PACKAGE.rglob("*.py"):
+    parts = path.relative_to(_ROOT).with_suffix("").parts
+    out[".".join(parts)] = path
+  return out
+
+
+def _imports(tree: ast.Module) -> list[ast.stmt]:
+  """Every import statement of a module, wherever it sits (module level,
+  `if TYPE_CHECKING:`, inside functions)."""
+  return [
+    n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+  ]
+
+
+def _edges(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+  packages = {n for n, p in modules.items() if p.name == "__init__.py"}
+  graph = {}
+  for name, path in modules.items():
+    if name in packages:
+      continue
+    targets = set()
+    for node in _imports(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        if node.level:  # relative imports are not used here
+          raise AssertionError(f"{name}: relative import")
+        base = node.module or ""
+        names = [f"{base}.{a.name}" for a in node.names] + [base]
+      for n in names:
+        n = n.replace(".__init__", "")
+        if n.startswith("pallas_fa3") and n in modules and n not in packages:
+          targets.add(n)
+    graph[name] = targets - {name}
+  return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  state: dict[str, int] = {}
+  path: list[str] = []
+
+  def visit(n: str) -> list[str] | None:
+    state[n] = 1
+    path.append(n)
+    for m in sorted(graph.get(n, ())):
+      if state.get(m) == 1:
+        return path[path.index(m) :] + [m]
+      if m not in state:
+        found = visit(m)
+        if found:
+          return found
+    state[n] = 2
+    path.pop()
+    return None
+
+  for n in sorted(graph):
+    if n not in state:
+      found = visit(n)
+      if found:
+        return found
+  return None
+
+
+def test_no_import_circles():
+  graph = _edges(_modules())
+  assert "pallas_fa3.kernels.aot_compile" in graph["pallas_fa3.kernels.aot_fp8"]
+  assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The tools: they import the library (and `models/`), never the reverse.
+_TOOLS = (
+  "pallas_fa3.bench",
+  "pallas_fa3.numerics",
+  "pallas_fa3.cli",
+  "pallas_fa3.example_models",
+)
+
+
+def test_the_library_imports_no_tool():
+  for name, path in _modules().items():
+    if name.startswith(_TOOLS):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      for n in names:
+        assert not n.startswith(("models", "tests") + _TOOLS), (name, n)
