@@ -4,8 +4,8 @@ One figure per (mode, dtype, options: window, softcap, sinks, docs); one
 panel per head dim x causal; one line per implementation at the median
 time, with error bars from the fastest and the slowest timed call
 (min/max). The title names the device, the JAX version and the options
-that are set (they also suffix the file name). fp8 plots the total
-(quantization + attention). matplotlib with the Agg backend (no display
+that are set (they also suffix the file name), wrapped to the figure's
+width. fp8 plots the total (quantization + attention). matplotlib with the Agg backend (no display
 needed).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import textwrap
 from typing import Any
 
 from pallas_fa3.bench import options
@@ -38,6 +39,50 @@ def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
   )
 
 
+# Share of the figure's width a title row may take: the rest is margin.
+_TITLE_WIDTH_SHARE = 0.96
+# Height a suptitle row takes ("large" font, 14.4 pt, with line spacing).
+_TITLE_ROW_INCHES = 0.3
+
+
+def _fit_title(fig, lines: list[list[str]]) -> int:
+  """Sets the figure's suptitle from `lines` of phrases, packed so that no
+  row is wider than the figure (a single-panel figure clipped the one-line
+  title at both sides).
+
+  Each line's phrases fill rows greedily, a phrase never split; a phrase
+  wider than the figure by itself is wrapped by words (textwrap). Widths
+  are measured with the figure's own renderer. Returns the number of rows.
+  """
+  renderer = fig.canvas.get_renderer()
+  limit = _TITLE_WIDTH_SHARE * fig.bbox.width
+
+  def fits(row: str) -> bool:
+    return fig.suptitle(row).get_window_extent(renderer).width <= limit
+
+  def by_words(phrase: str) -> list[str]:
+    for width in range(len(phrase), 0, -1):
+      rows = textwrap.wrap(phrase, width, break_on_hyphens=False)
+      if all(map(fits, rows)):
+        return rows
+    return textwrap.wrap(phrase, 1)
+
+  rows = []
+  for phrases in lines:
+    row = ""
+    for phrase in phrases:
+      if row and fits(f"{row} {phrase}"):
+        row = f"{row} {phrase}"
+        continue
+      if row:
+        rows.append(row)
+      *done, row = [phrase] if fits(phrase) else by_words(phrase)
+      rows.extend(done)
+    rows.append(row)
+  fig.suptitle("\n".join(rows))
+  return len(rows)
+
+
 def figures(
   records: list[dict], environment: dict | None = None
 ) -> list[tuple[str, Any]]:
@@ -51,7 +96,6 @@ def figures(
   device = env.get("device", "unknown device")
   if device.startswith("cpu") and env.get("cpu_count"):
     device += f" ({env['cpu_count']} cores)"
-  where = f"{device}, JAX {env.get('jax', '?')}"
   ok = [r for r in records if r["status"] == "ok" and not r["note"]]
   unit, scale = _unit(ok)
   groups = collections.defaultdict(list)
@@ -65,7 +109,7 @@ def figures(
       len(causals),
       len(dims),
       squeeze=False,
-      figsize=(4.5 * len(dims), 3.5 * len(causals) + 0.6),
+      figsize=(4.5 * len(dims), 3.5 * len(causals)),
     )
     for i, causal in enumerate(causals):
       for j, d in enumerate(dims):
@@ -98,12 +142,20 @@ def figures(
         ax.grid(True, alpha=0.3)
         if lines:
           ax.legend(fontsize="small")
-    what = " (quantization + attention)" if dtype == "fp8" else ""
-    what += f", {label}" if label else ""
-    fig.suptitle(
-      f"{mode} {dtype}{what}: {unit} of the median call, bars:"
-      f" fastest to slowest\n{where}"
+    # "<mode> <dtype>[ (quantization + attention)][, <option>...]: ..."
+    what = [f"{mode} {dtype}"]
+    what[0] += " (quantization + attention)" if dtype == "fp8" else ""
+    what += label.split(", ") if label else []
+    what = [f"{w}," for w in what[:-1]] + [f"{what[-1]}:"]
+    title_rows = _fit_title(
+      fig,
+      [
+        what + [f"{unit} of the median call,", "bars: fastest to slowest"],
+        [f"{device},", f"JAX {env.get('jax', '?')}"],
+      ],
     )
+    # Room for the title's rows above the panels (the width stays).
+    fig.set_figheight(3.5 * len(causals) + _TITLE_ROW_INCHES * title_rows)
     fig.tight_layout()
     slug = re.sub(r"[^0-9a-z.]+", "_", label).strip("_")
     name = f"tflops_{mode.replace('+', '_')}_{dtype}{'_' if slug else ''}{slug}"
