@@ -1,5 +1,11 @@
-"""The examples in the docs run: every module's docstring examples (doctest)
-and the README's Python block. The one doctest runner of the suite."""
+"""The docs are kept true: every module's docstring examples (doctest) and
+every ```python block of the README and of docs/*.md run, every relative
+link in those pages points to a file (and heading) that exists, and the
+README stays short. The one doctest runner of the suite.
+
+Blocks that need hardware a CI machine lacks (a GPU, 8 devices) are fenced
+as ```text, ```bash or ```python multidevice (tests/multidevice/ runs the
+README's), so they are not run here."""
 
 from __future__ import annotations
 
@@ -45,8 +51,106 @@ def test_docstring_examples(name):
   assert result.failed == 0
 
 
+def _python_blocks(path: pathlib.Path) -> list[str]:
+  """The ```python blocks of a markdown file (not ```python multidevice)."""
+  return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
 def test_readme_python_example_runs():
-  blocks = re.findall(r"```python\n(.*?)```", _README.read_text(), re.S)
+  blocks = _python_blocks(_README)
   assert blocks, "README has no python example"
+  # The quick start comes first: it is what a newcomer runs.
+  assert "flash_attention(q, k, v, causal=True)" in blocks[0], blocks[0]
   for block in blocks:
     exec(compile(block, str(_README), "exec"), {})  # pylint: disable=exec-used
+
+
+_DOCS = sorted((_ROOT / "docs").glob("*.md"))
+_DOC_BLOCKS = [
+  pytest.param(path, block, id=f"{path.name}-{i}")
+  for path in _DOCS
+  for i, block in enumerate(_python_blocks(path))
+]
+
+
+def test_docs_have_python_examples():
+  # The pages with runnable examples; a fence typo would silently drop them.
+  named = {param.values[0].name for param in _DOC_BLOCKS}
+  assert {"api.md", "fp8.md", "flax.md", "kernels.md"} <= named, named
+
+
+@pytest.mark.parametrize("path,block", _DOC_BLOCKS)
+def test_docs_python_example_runs(path, block):
+  exec(compile(block, str(path), "exec"), {})  # pylint: disable=exec-used
+
+
+# The pages whose links are checked: the README and every page in docs/.
+_PAGES = [_README, *_DOCS]
+# [text](target) or ![alt](target), with an optional "title".
+_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+
+
+def _prose(text: str) -> str:
+  """The text without fenced blocks and inline code (links there are code)."""
+  return re.sub(r"`[^`\n]*`", "", _FENCE.sub("", text))
+
+
+def github_slug(heading: str) -> str:
+  """GitHub's anchor for a heading: the rendered text (inline code and link
+  markup dropped) lowercased, every character other than a letter, digit,
+  underscore, hyphen or space removed, spaces turned into hyphens."""
+  text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+  text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+  return text.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+  """Every heading anchor of a markdown file (repeats get -1, -2, ...)."""
+  seen: dict[str, int] = {}
+  anchors = set()
+  for heading in _HEADING.findall(_FENCE.sub("", path.read_text())):
+    slug = github_slug(heading)
+    anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+    seen[slug] = seen.get(slug, 0) + 1
+  return anchors
+
+
+def test_github_slug():
+  assert github_slug("Packed sequences: segment ids") == (
+    "packed-sequences-segment-ids"
+  )
+  assert github_slug("The first GPU run: `device_check.sh`") == (
+    "the-first-gpu-run-device_checksh"
+  )
+  assert github_slug("6, 7. Named barriers") == "6-7-named-barriers"
+  assert github_slug("Sliding windows, softcap and sinks") == (
+    "sliding-windows-softcap-and-sinks"
+  )
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+  broken = []
+  for target in _LINK.findall(_prose(page.read_text())):
+    if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:
+      continue
+    file, _, anchor = target.partition("#")
+    path = (page.parent / file).resolve() if file else page
+    if not path.exists():
+      broken.append(f"{target}: no file {path.relative_to(_ROOT)}")
+    elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+      broken.append(f"{target}: no heading #{anchor} in {path.name}")
+  assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+_README_MAX_LINES = 260  # issue 31: a README a newcomer reads in minutes
+
+
+def test_readme_is_short():
+  lines = len(_README.read_text().splitlines())
+  assert lines <= _README_MAX_LINES, (
+    f"README.md has {lines} lines (at most {_README_MAX_LINES}): move"
+    " reference material to a page under docs/ and link it"
+  )
