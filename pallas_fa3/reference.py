@@ -68,6 +68,11 @@ def reference_forward(
   if spec.softcap is not None:
     cap = jnp.asarray(spec.softcap, dt)
     s = cap * jnp.tanh(s / cap)
+  # One rounding of the scaled scores for both the max and exp(s - max):
+  # XLA would otherwise contract the scaling into the subtraction (an FMA)
+  # in one fusion only, and at large logits (|s| ~ 1e10) exp of the max's
+  # own argument becomes exp(+-1000): lse inf or -inf, out NaN.
+  s = jax.lax.optimization_barrier(s)
   mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
   if segment_ids is not None:  # [b, sq, skv] -> [b, 1, 1, sq, skv]
     mask = mask & segments.visible_ids(*segment_ids)[:, None, None]

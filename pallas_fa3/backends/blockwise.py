@@ -39,7 +39,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -68,9 +67,9 @@ from pallas_fa3.backends.blockwise_tiles import (
   walk_tiles,
 )
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
 
-_LN2 = math.log(2.0)  # converts the base-2 LSE back to natural log
 _MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
 
 
@@ -191,7 +190,7 @@ def blockwise_forward(
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = (acc * inv_l[..., None]).astype(spec.dtype)
     lse = jnp.where(
-      empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2
+      empty, -jnp.inf, natural_from_log2(m + jnp.log2(jnp.where(empty, 1.0, l)))
     )
     return out, lse
 

@@ -27,7 +27,8 @@ from pallas_fa3.backends.blockwise_tiles import (
   varying_like,
   walk_tiles,
 )
-from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
+from pallas_fa3.lse import log2_of
+from pallas_fa3.spec import AttentionSpec, group_heads
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -67,7 +68,7 @@ def blockwise_backward(
   delta = stat(delta - dlse.astype(jnp.float32))
   # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
   # rows get +inf so that their P is exactly 0 (finite gradients).
-  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E))
+  lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, log2_of(lse)))
   delta = pad_seq(jnp.moveaxis(delta, 3, 1), sq_pad)
   lse2 = pad_seq(jnp.moveaxis(lse2, 3, 1), sq_pad, value=jnp.inf)
   qp = group_heads(pad_seq(q, sq_pad), hk)
@@ -99,7 +100,10 @@ def blockwise_backward(
       s, tanh = scores_log2(
         spec, q_tile, k_tile, q_pos, kv_pos, masked=masked, ids=tile_ids
       )
-      p = jnp.exp2(s - lse2_t[..., None])
+      # lse >= every score of its row: clamping at 0 changes nothing in
+      # exact arithmetic and keeps P finite where lse's own rounding (at
+      # |s| ~ 1e10 more than log(l)) would put the max's term above it.
+      p = jnp.exp2(jnp.minimum(s - lse2_t[..., None], 0.0))
       dv = dv + _dot("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile)
       dp = _dot("bqhgd,bkhd->bhgqk", do_tile, v_tile)
       ds = p * (dp - delta_t[..., None])

@@ -95,6 +95,12 @@ def scores_log2(
   else:
     t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
     s = t * jnp.float32(spec.softcap * LOG2E)
+  # Scaled once, then used by both the max and exp2(s - max): without the
+  # barrier XLA contracts the scaling into the subtraction (an FMA) in one
+  # fusion only, and at large logits the max's own exponent is off by a
+  # rounding of |s| (exp2(+-1000): lse inf or -inf). The kernels likewise
+  # scale with a multiply of their own (docs/numerics.md#large-logits).
+  s = jax.lax.optimization_barrier(s)
   if masked:
     mask = masking.visible(spec, q_pos, kv_pos)
     if ids is not None:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.quant.hadamard import rotation_signs
 from pallas_fa3.spec import LOG2E
 
@@ -19,7 +20,6 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0  # largest finite e4m3fn value
 _TINY = float(np.finfo(np.float32).tiny)
 _F32 = jnp.float32
-LN2 = float(np.log(2.0))  # base-2 statistics -> natural-log lse
 # P is exponentiated against (row max - 8): P <= 2^8 = 256, inside e4m3's
 # finite range (448), as FA3's reference CUDA code does for FP8.
 P_LOG2_OFFSET = 8.0
@@ -222,19 +222,22 @@ def online_softmax_fp8(
   scalar or broadcasts against the row statistics (`s.shape[:-1]`). Shared
   by the kernel and, through `pallas_fa3.backends.blockwise_fp8`, its twin.
   """
-  # `s` holds raw scores, `m` the running max of scaled ones: the scale is
-  # positive, so it is applied inside the exp2 argument (one FFMA).
-  if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=-1) * scale_log2)
+  # `s` holds raw scores, `m` the running max of scaled ones. The scores
+  # are scaled once (a multiply behind an optimization barrier, not an FFMA
+  # in the exponent), so the row max's exponent is exact at any finite
+  # scale (kernels/sm90/common.scaled_once).
   tile_scale = (
     scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
   )
+  x = lax.optimization_barrier(s * tile_scale)
+  if mask is not None:
+    x = jnp.where(mask, x, -jnp.inf)
+  m_new = jnp.maximum(m, x.max(axis=-1))
   # A row with no visible key yet has max -inf: exponentiate against 0.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   p = jnp.exp2(
-    s * tile_scale
+    x
     - lax.broadcast_in_dim(
       m_ref - P_LOG2_OFFSET, s.shape, tuple(range(s.ndim - 1))
     )
@@ -254,7 +257,7 @@ def finalize_fp8(
   o = o * lax.broadcast_in_dim(inv_l, o.shape, tuple(range(o.ndim - 1)))
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
   lse = jnp.where(
-    empty, -jnp.inf, (m + log2_l - P_LOG2_OFFSET) * jnp.float32(LN2)
+    empty, -jnp.inf, natural_from_log2(m + log2_l - P_LOG2_OFFSET)
   )
   return o, lse
 

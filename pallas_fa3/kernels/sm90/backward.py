@@ -44,7 +44,8 @@ from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_backward
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
 from pallas_fa3.kernels.sm90.segment_operands import query_tile_spans
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.lse import log2_of
+from pallas_fa3.spec import AttentionSpec
 
 
 def sm90_backward(
@@ -118,7 +119,7 @@ def _kernels(
     "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
   ) - dlse.astype(jnp.float32)
   # Rows that see no key (lse = -inf) and padded rows: lse2 = +inf, P = 0.
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * jnp.float32(LOG2E))
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, log2_of(lse))
   lse2 = pad_axis(lse2, 2, sq_pad, jnp.inf)
   delta = pad_axis(delta, 2, sq_pad)
   # Ragged edges by TMA, as in the forward: Q, dO, K and V unpadded unless

@@ -28,6 +28,7 @@ from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
 from pallas_fa3.kernels.sm90.common import (
   consumer_regs,
   row_probabilities,
+  scaled_once,
   softcap_grad,
   softcapped,
 )
@@ -87,10 +88,10 @@ def dkdv_consumer(
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     # S^T = K Q^T, [block_kv, sub]
     t_t, scale_log2 = softcapped(spec, ops.scores(k_chunks, q_parts))
-    s_t = t_t * scale_log2 - lax.broadcast_in_dim(
+    s_t = scaled_once(t_t, scale_log2) - lax.broadcast_in_dim(
       ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
     )
-    p_t = jnp.exp2(s_t)
+    p_t = jnp.exp2(jnp.minimum(s_t, 0.0))  # as `row_probabilities`
     if masked:
       # Causal/window only: padded keys' rows of dK, dV are sliced off.
       q0 = qi * cfg.block_q + h * sub
@@ -259,7 +260,6 @@ def dkdv_shared_consumer(
         kv0 + w * half,
         masked=spec.masked,
         check_seq_kv=False,
-        at_most_one=sink is not None,  # finite P past seq_kv: fused_consumer
         bounds=bounds,
       )
       pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)

@@ -192,9 +192,6 @@ def fused_consumer(
         masked=spec.masked,
         check_seq_kv=False,
         q_axis=1,
-        # dQ sums over keys past seq_kv (times zero K rows): P^T must stay
-        # finite there; clamping is cheaper than masking them.
-        at_most_one=True,
         bounds=bounds,
       )
       delta = ops.load_cols(dl_smem.at[slot])

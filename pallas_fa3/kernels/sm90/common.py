@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,6 @@ LONE_CONSUMER_REGS = 256
 LONE_PRODUCER_REGS = 64
 hopper.check_split(3, CONSUMER_REGS, PRODUCER_REGS)
 hopper.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
-LN2 = math.log(2.0)  # the kernel's running max is base-2; lse is natural log
 
 
 def consumer_regs(consumers: int) -> int:
@@ -236,6 +234,16 @@ def softcapped(spec: AttentionSpec, s: jax.Array) -> tuple[jax.Array, Any]:
   return t, jnp.float32(spec.softcap * LOG2E)
 
 
+def scaled_once(s: jax.Array, scale: Any) -> jax.Array:
+  """`s * scale`, rounded once: an optimization barrier keeps LLVM from
+  contracting the multiply into a later `x - max` (an FFMA). With the FFMA
+  the row max's own exponent is the product's rounding error, which at
+  large logits (|s * scale| ~ 1e10, one ulp ~ 1000) sends exp2 to 0 or
+  inf; with one rounding it is exactly 0. Costs an FMUL and an FADD per
+  score where FA3 spends one FFMA (docs/numerics.md#large-logits)."""
+  return lax.optimization_barrier(s * scale)
+
+
 def row_probabilities(
   ops: KernelOps,
   spec: AttentionSpec,
@@ -247,16 +255,17 @@ def row_probabilities(
   masked: bool,
   check_seq_kv: bool = True,
   q_axis: int = 0,
-  at_most_one: bool = False,
   bounds: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
-  (keys as rows, `lse2` per column). `at_most_one` clamps the exponent at
-  0: exact for every key a row sees (lse >= each of its scores), and it
-  keeps P finite for keys past seq_kv (zero K rows: P = exp2(-lse2) would
-  overflow where lse < -88) without masking them. Shared by the dQ kernel,
+  (keys as rows, `lse2` per column). The exponent is clamped at 0: exact
+  for every key a row sees (lse >= each of its scores); it keeps P finite
+  for keys past seq_kv (zero K rows: P = exp2(-lse2) would overflow where
+  lse < -88) without masking them, and at large logits, where lse's own
+  rounding (one ulp of |s| ~ 1e10 is ~1000) can put a score above it.
+  Shared by the dQ kernel,
   the shared-tile dK/dV consumer and the fused consumer. `bounds`: segment
   ids as `(lo, hi, dim)`, vectors along tile dim `dim`: per query row (dim
   `q_axis`; keys `kv0 + col` in `[lo, hi)`) or per key (queries in
@@ -265,8 +274,8 @@ def row_probabilities(
   (`segments.kernel_bounds`) and replace it."""
   shape = s.shape
   t, scale_log2 = softcapped(spec, s)
-  arg = t * scale_log2 - lax.broadcast_in_dim(lse2, shape, [q_axis])
-  p = jnp.exp2(jnp.minimum(arg, 0.0) if at_most_one else arg)
+  arg = scaled_once(t, scale_log2) - lax.broadcast_in_dim(lse2, shape, [q_axis])
+  p = jnp.exp2(jnp.minimum(arg, 0.0))
   if masked and bounds is not None:  # positions folded into the bounds
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     lo, hi, dim = bounds

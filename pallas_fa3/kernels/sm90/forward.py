@@ -28,13 +28,13 @@ from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
-  LN2,
   MASK_EVERY_STEP_HEAD_DIM,
   PRODUCER_REGS,
   QueryPlan,
   build_kernel,
   consumer_release,
   kv_walk,
+  scaled_once,
   smem_transforms,
   softcapped,
   tile_span,
@@ -56,6 +56,7 @@ from pallas_fa3.kernels.sm90.segment_operands import (
   bounds_scratch,
   id_operands,
 )
+from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
@@ -70,16 +71,18 @@ def _online_softmax(
   """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
 
   `s` holds raw (or softcapped: `common.softcapped`) scores, `m` the running
-  max of the scaled ones: the scale is positive, so it is applied inside the
-  exp2 argument (one FFMA).
+  max of the scaled ones. The scores are scaled once (`scaled_once`: a
+  multiply, not fused into the exponent's subtraction), so the row max's
+  own exponent is exactly 0 at any finite scale.
   """
+  x = scaled_once(s, scale_log2)
   if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+    x = jnp.where(mask, x, -jnp.inf)
+  m_new = jnp.maximum(m, x.max(axis=1))
   # A row with no visible key yet (max -inf) exponentiates against 0: no NaN.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
-  p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_ref, s.shape, [0]))
+  p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, s.shape, [0]))
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
@@ -239,7 +242,7 @@ def _epilogue(
       part * lax.broadcast_in_dim(inv_l, part.shape, [0])
     ).astype(plan.spec.dtype)
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * jnp.float32(LOG2E)
-  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + log2_l) * jnp.float32(LN2))
+  lse_smem[...] = jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(
     o_smem, o_ref.at[batch, pl.ds(row0, cfg.block_q), head]
