@@ -2,6 +2,10 @@
 
 Public API (everything else is private or lives in a submodule):
   flash_attention      attention with a choice of backend and custom_vjp
+  flash_attention_with_kvcache
+                       attention over a KV cache (decoding: contiguous or
+                       paged, appended tokens, split-KV, GQA-packed)
+  Sm90DecodeConfig     tiling of the Hopper decode kernel
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
   Sm90Config           the Hopper kernels' tilings (mosaic/interpret):
@@ -31,6 +35,12 @@ from pallas_fa3.kernels.sm90.config import (
   Sm90BackwardConfig as Sm90BackwardConfig,
   Sm90Config as Sm90Config,
   Sm90ForwardConfig as Sm90ForwardConfig,
+)
+from pallas_fa3.kernels.sm90.config_decode import (
+  Sm90DecodeConfig as Sm90DecodeConfig,
+)
+from pallas_fa3.kvcache import (
+  flash_attention_with_kvcache as flash_attention_with_kvcache,
 )
 from pallas_fa3.parallel.ring import ring_attention as ring_attention
 from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order

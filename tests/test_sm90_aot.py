@@ -304,6 +304,7 @@ def test_default_configs_compile_without_spills(default_reports):
     "fa3_bwd_dkdv",
     "fa3_bwd_dq",
     "fp8_quantize",
+    "fa3_decode",
   }
 
 

@@ -75,14 +75,18 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
   return reason
 
 
-def _interpret_params(interpret: bool) -> Any:
-  if not interpret:
-    return None
+def interpret_params() -> Any:
+  """The interpret-mode parameters every interpreted kernel runs with (race
+  detection on); raises RuntimeError where the interpreter could deadlock
+  (`interpret_pool.check`)."""
   from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
 
   interpret_pool.check()  # a pool too small for the interpreter: raise, not hang
-
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
+
+
+def _interpret_params(interpret: bool) -> Any:
+  return interpret_params() if interpret else None
 
 
 def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:

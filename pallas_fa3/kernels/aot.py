@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     " windows, softcap and sinks (MODIFIER_CASES) instead",
   )
   sweeps.add_argument(
+    "--decode",
+    action="store_true",
+    help="sweep the decode kernel (flash_attention_with_kvcache): head dims"
+    " 64/128/256, contiguous and paged caches, GQA groups 1-16, seq_q 1-16,"
+    " every block/stage config at d128, window and softcap",
+  )
+  sweeps.add_argument(
     "--backward-shapes",
     action="store_true",
     help="sweep every backward config over more shapes"
@@ -87,6 +94,10 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
 
   if args.fp8:
     return sweeps.fp8_forward_sweep()
+  if args.decode:
+    from pallas_fa3.kernels import aot_decode  # pylint: disable=g-import-not-at-top
+
+    return aot_decode.decode_sweep()
   if args.defaults:
     return sweeps.defaults_sweep()
   if args.backward_shapes:

@@ -218,7 +218,7 @@ def compile_forward(
   sinks = ids = None  # constant stand-ins: the kernel still reads them
   if spec.sinks:
     sinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
-  if spec.segmented:
+  if getattr(spec, "segmented", False):  # (a DecodeSpec has no ids)
     ids = packed_bounds(spec)[:2]
   return compile_report(
     f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
@@ -255,7 +255,7 @@ def modifier_label(spec: AttentionSpec) -> str:
     parts.append(f"softcap={spec.softcap:g}")
   if spec.sinks:
     parts.append("sinks")
-  if spec.segmented:
+  if getattr(spec, "segmented", False):  # (a DecodeSpec has no ids)
     parts.append("segment_ids")
   return "".join(" " + p for p in parts)
 

@@ -14,6 +14,7 @@ from pallas_fa3.kernels.aot_compile import (
   compile_backward,
   compile_forward,
 )
+from pallas_fa3.kernels.aot_decode import decode_defaults
 from pallas_fa3.kernels.aot_fp8 import compile_forward_fp8, compile_quantize
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
 
 def defaults_sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
-  every head dim, at `PROFILE_SHAPE`, causal and not."""
+  every head dim, at `PROFILE_SHAPE`, causal and not; and the decode
+  kernel's defaults (`aot_decode.decode_defaults`)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import (
@@ -155,6 +157,7 @@ def defaults_sweep() -> Iterator[SweepItem]:
         yield compile_forward_fp8, spec, config
         if not causal:  # the quantization pass does not depend on it
           yield compile_quantize, spec, config
+  yield from decode_defaults()
 
 
 def modifiers_sweep() -> Iterator[SweepItem]:

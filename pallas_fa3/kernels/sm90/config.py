@@ -26,6 +26,9 @@ WGMMA_M = 64  # rows of one warpgroup MMA instruction
 TMA_ROW_ALIGN = 64  # K/V tile rows: a multiple of the 128-byte swizzle span
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA (pingpong needs two)
 BARRIER_BYTES = 8  # one mbarrier
+# SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
+# compile); with a GPU its own count is used.
+HOPPER_SMS = 132
 # Mosaic's allocation alignment and its reserve for cross-warp reductions
 # (`reduction_scratch_bytes`): docs/design_notes.md#shared-memory.
 SMEM_ALIGN = 1024

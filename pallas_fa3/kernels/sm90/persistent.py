@@ -31,11 +31,9 @@ from pallas_fa3.kernels.sm90.common import (
   cta_kv_range,
   tile_span,
 )
+from pallas_fa3.kernels.sm90.config import HOPPER_SMS
 from pallas_fa3.kernels.sm90.pingpong import Turns
 
-# SMs of an H100 SXM / H200, for compiles with no GPU to ask (the deviceless
-# compile); with a GPU its own count is used.
-HOPPER_SMS = 132
 # CTAs in interpret mode: few, so that every CTA walks several tiles.
 INTERPRET_CTAS = 2
 

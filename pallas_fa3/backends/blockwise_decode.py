@@ -1,0 +1,169 @@
+"""The blockwise twin of the Hopper decode kernel: attention over a KV cache
+in pure JAX, tile by tile over each sequence's own keys.
+
+Each sequence's visible key range (`kvcache_spec.key_range`: its length,
+a window's left bound) is cut into `block_kv`-key tiles (whole pages for a
+paged cache), and the tiles into `num_splits` ranges (flash-decoding);
+every range runs an online softmax (base 2, as the kernel) over its tiles
+and the ranges merge by log-sum-exp (`decode_combine`). The query rows of
+one KV head (its `heads_q / heads_kv` query heads times `seq_q`) are
+computed together, reading each K/V tile once. Keys past a sequence's
+length are masked in the scores and zeroed in V, so garbage in the cache
+(NaN included) never reaches the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_fa3.decode_combine import combine_splits
+from pallas_fa3.kvcache_spec import DecodeSpec, key_range, visible_in_cache
+from pallas_fa3.lse import natural_from_log2
+from pallas_fa3.spec import LOG2E
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def decode_tile(spec: DecodeSpec, block_kv: int) -> int:
+  """Keys per tile: `block_kv` (whole pages for a paged cache), at most the
+  capacity."""
+  if spec.paged:
+    pages = max(1, block_kv // spec.page_size)
+    return min(pages, spec.pages_per_seq) * spec.page_size
+  return min(block_kv, spec.capacity)
+
+
+def split_ranges(
+  spec: DecodeSpec, lengths: jax.Array, tile: int, splits: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(first tile `[b]`, end tile `[b]`, tiles per split `[b]`) of every
+  sequence: its visible keys' tiles, cut into `splits` equal ranges (the
+  last ones may be short or empty)."""
+  first, end = key_range(spec, lengths)
+  t0 = jnp.broadcast_to(jnp.asarray(first, jnp.int32), lengths.shape) // tile
+  t1 = jnp.maximum(-(-jnp.asarray(end, jnp.int32) // tile), t0)
+  per = -(-(t1 - t0) // splits)
+  return t0, t1, per
+
+
+def _tile_kv(
+  spec: DecodeSpec,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  row: Any,
+  pages: Any,
+  tile_index: jax.Array,
+  tile: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(K `[tile, hk, d]`, V `[tile, hk, dv]`, key positions `[tile]`) of
+  one sequence's tile (its start clamped into the capacity like
+  `dynamic_slice`: positions say which keys they really are)."""
+  if spec.paged:
+    per_tile = tile // spec.page_size
+    first = jnp.minimum(tile_index * per_tile, spec.pages_per_seq - per_tile)
+    ids = lax.dynamic_slice_in_dim(pages, first, per_tile)
+    k = k_cache[ids].reshape((tile,) + k_cache.shape[2:])
+    v = v_cache[ids].reshape((tile,) + v_cache.shape[2:])
+    start = first * spec.page_size
+  else:
+    start = jnp.minimum(tile_index * tile, spec.capacity - tile)
+    k = lax.dynamic_slice(
+      k_cache, (row, start, 0, 0), (1, tile) + k_cache.shape[2:]
+    )[0]
+    v = lax.dynamic_slice(
+      v_cache, (row, start, 0, 0), (1, tile) + v_cache.shape[2:]
+    )[0]
+  return k, v, start + jnp.arange(tile, dtype=jnp.int32)
+
+
+def blockwise_decode(
+  spec: DecodeSpec,
+  block_kv: int,
+  splits: int,
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  lengths: jax.Array,
+  rows: Any,
+  page_table: Any,
+  sinks: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32)."""
+  f32 = jnp.float32
+  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
+  tile = decode_tile(spec, block_kv)
+  t0, t1, per = split_ranges(spec, lengths, tile, splits)
+  scale = f32(spec.softmax_scale * LOG2E)
+  stat = (hk, g, sq)
+
+  def one_split(qb, length, row, pages, t0, t1, per, s):
+    lo = t0 + s * per
+    hi = jnp.minimum(lo + per, t1)
+
+    def step(j, carry):
+      m, l, acc = carry
+      k, v, pos = _tile_kv(spec, k_cache, v_cache, row, pages, j, tile)
+      v = jnp.where((pos < length)[:, None, None], v, 0).astype(spec.dtype)
+      s_ = jnp.einsum(
+        "qhgd,khd->hgqk",
+        qb,
+        k.astype(spec.dtype),
+        preferred_element_type=f32,
+        precision=_HIGHEST,
+      )
+      if spec.softcap is None:
+        x = s_ * scale
+      else:
+        t = jnp.tanh(s_ * f32(spec.softmax_scale / spec.softcap))
+        x = t * f32(spec.softcap * LOG2E)
+      x = lax.optimization_barrier(x)  # one rounding: see blockwise_tiles
+      seen = pos >= j * tile  # a clamped tile's start repeats keys
+      mask = visible_in_cache(spec, length, jnp.arange(sq)[:, None], pos)
+      x = jnp.where(mask & seen, x, -jnp.inf)
+      m_new = jnp.maximum(m, x.max(axis=-1))
+      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_ref)
+      p = jnp.exp2(x - m_ref[..., None])
+      pv = jnp.einsum(
+        "hgqk,khd->hgqd",
+        p.astype(spec.dtype),
+        v,
+        preferred_element_type=f32,
+        precision=_HIGHEST,
+      )
+      return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    init = (
+      jnp.full(stat, -jnp.inf, f32),
+      jnp.zeros(stat, f32),
+      jnp.zeros(stat + (spec.head_dim_v,), f32),
+    )
+    m, l, acc = lax.fori_loop(lo, jnp.maximum(hi, lo), step, init)
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    log2_l = jnp.log2(jnp.where(empty, 1.0, l))
+    return out, jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
+
+  qg = q.reshape(b, sq, hk, g, spec.head_dim)
+  pages = (
+    jnp.zeros((b, 1), jnp.int32) if page_table is None else page_table
+  ).astype(jnp.int32)
+  per_sequence = jax.vmap(
+    jax.vmap(one_split, in_axes=(None,) * 7 + (0,)),
+    in_axes=(0,) * 7 + (None,),
+  )
+  outs, lses = per_sequence(
+    qg, lengths, rows, pages, t0, t1, per, jnp.arange(splits)
+  )  # [b, S, hk, g, sq, dv], [b, S, hk, g, sq]
+  sink = None
+  if sinks is not None:
+    sink = sinks.astype(f32).reshape(b, hk, g, 1)
+  out, lse = combine_splits(
+    jnp.moveaxis(outs, 1, 0), jnp.moveaxis(lses, 1, 0), sink
+  )
+  out = jnp.moveaxis(out, 3, 1).reshape(spec.out_shape)  # [b, sq, hk, g, dv]
+  return out.astype(spec.dtype), lse.reshape(spec.lse_shape)

@@ -1,0 +1,157 @@
+"""The Hopper decode kernel's tiling, what it serves, and the split-KV
+choice.
+
+One CTA per (sequence, KV head, split): the query rows of the KV head's
+group (`heads_q / heads_kv` heads times `seq_q`, packed into one 64-row
+wgmma tile) attend to `block_kv`-key tiles streamed through a
+`num_stages` ring. Shared memory: Q, the ring of K and V tiles, the
+float32 output staging; registers: S and O accumulators of one
+64-row consumer warpgroup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_fa3.kernels.sm90.config import (
+  BARRIER_BYTES,
+  HOPPER_SMS,
+  KERNEL_HEAD_DIMS,
+  MAX_SMEM_BYTES,
+  RESERVED_SMEM,
+  align_smem,
+)
+from pallas_fa3.kvcache_spec import DecodeSpec
+from pallas_fa3.spec import check_int_fields
+
+# Query rows of one CTA: one wgmma M (the rows of a GQA group times seq_q,
+# padded).
+DECODE_ROWS = 64
+BLOCK_KV_CHOICES = (64, 128, 256)
+STAGE_CHOICES = (2, 3, 4, 6, 8)
+# Float32 registers per thread for S and O of the consumer warpgroup (one
+# consumer: 256 registers; the rest holds addresses, the softmax, masks).
+_ACC_REGS = 192
+# Splits at most (the partials are [splits, b, hk, rows, dv] float32).
+MAX_SPLITS = 128
+# A contiguous cache's length: a multiple of the TMA box's 8-row tiling. A
+# page: whole 64-row groups of the swizzled tile (one TMA destination each).
+_TMA_ROWS = 8
+_PAGE_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90DecodeConfig:
+  """Tiling of the Hopper decode kernel (hashable: a static argument).
+
+  Attributes:
+    block_kv: keys per K/V tile (a multiple of a paged cache's page size,
+      or of the page size's divisor).
+    num_stages: K/V tiles in flight (the ring's depth: HBM latency).
+  """
+
+  block_kv: int = 128
+  num_stages: int = 4
+
+  def __post_init__(self) -> None:
+    check_int_fields(
+      self,
+      block_kv=dict(choices=BLOCK_KV_CHOICES),
+      num_stages=dict(choices=STAGE_CHOICES),
+    )
+
+
+def out_cols(head_dim_v: int) -> int:
+  """Columns of the float32 output staging tile: O leaves in chunks."""
+  return 64 if head_dim_v % 64 == 0 else 32
+
+
+def decode_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
+  """Shared memory per CTA as Mosaic allocates it: Q, the K and V rings,
+  the float32 output and lse staging, Mosaic's reserve, the barriers."""
+  item = spec.dtype.itemsize
+  ring = lambda d: align_smem(config.num_stages * config.block_kv * d * item)
+  return (
+    align_smem(DECODE_ROWS * spec.head_dim * item)
+    + ring(spec.head_dim)
+    + ring(spec.head_dim_v)
+    + align_smem(DECODE_ROWS * out_cols(spec.head_dim_v) * 4)
+    + align_smem(DECODE_ROWS * 4)
+    + RESERVED_SMEM
+    + (1 + 4 * config.num_stages) * BARRIER_BYTES
+  )
+
+
+def decode_unsupported(
+  spec: DecodeSpec, config: Sm90DecodeConfig | None = None
+) -> str | None:
+  """Why the decode kernel cannot serve `spec` with `config`, or None."""
+  if str(spec.dtype) not in ("bfloat16", "float16"):
+    return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
+  for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+    if d not in KERNEL_HEAD_DIMS:
+      return f"{name} {d} is not one of the kernel's {KERNEL_HEAD_DIMS}"
+  rows = spec.group_size * spec.seq_q
+  if rows > DECODE_ROWS:
+    return (
+      f"heads_q / heads_kv x seq_q = {spec.group_size} x {spec.seq_q} ="
+      f" {rows} query rows exceed one {DECODE_ROWS}-row tile"
+    )
+  config = config or default_decode_config(spec)
+  if spec.paged:
+    ps = spec.page_size
+    if ps % _PAGE_ROWS:
+      return (
+        f"page_size {ps} is not a multiple of {_PAGE_ROWS} (a page is one"
+        " TMA box of whole swizzled 64-row groups)"
+      )
+    if config.block_kv % ps and ps % config.block_kv:
+      return (
+        f"block_kv {config.block_kv} and page_size {ps}: one must divide"
+        " the other"
+      )
+  elif spec.capacity % _TMA_ROWS or spec.capacity < config.block_kv:
+    return (
+      f"cache_len {spec.capacity} must be a multiple of {_TMA_ROWS} and at"
+      f" least block_kv {config.block_kv} (TMA boxes of the cache)"
+    )
+  regs = DECODE_ROWS * (config.block_kv + spec.head_dim_v) // 128
+  if regs > _ACC_REGS:
+    return (
+      f"{config}: S and O take {regs} float32 registers per thread at"
+      f" head_dim_v {spec.head_dim_v}, over the budget {_ACC_REGS}"
+    )
+  need = decode_smem_bytes(spec, config)
+  if need > MAX_SMEM_BYTES:
+    return (
+      f"{config} needs {need} bytes of shared memory, over {MAX_SMEM_BYTES}"
+    )
+  return None
+
+
+def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
+  """128-key tiles (64 where S and O need the registers or a contiguous
+  cache is shorter), as many stages as the shared memory holds, up to 8
+  (decoding is bound by HBM latency)."""
+  block = 128  # a larger page holds several tiles; a 64-key page: two
+  if spec.head_dim_v > 128:
+    block = 64  # S and O registers
+  if not spec.paged and spec.capacity < block:
+    block = 64
+  best = Sm90DecodeConfig(block, 2)
+  for stages in STAGE_CHOICES:
+    config = Sm90DecodeConfig(block, stages)
+    if decode_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
+      best = config
+  return best
+
+
+def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
+  """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
+  batch x heads_kv does not, each range at least 4 tiles long."""
+  ctas = spec.batch * spec.heads_kv
+  tiles = -(-spec.capacity // config.block_kv)
+  if ctas >= HOPPER_SMS:
+    return 1
+  wanted = -(-2 * HOPPER_SMS // ctas)
+  return max(1, min(wanted, tiles // 4, MAX_SPLITS))

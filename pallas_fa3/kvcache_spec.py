@@ -1,0 +1,313 @@
+"""One frozen description of a call of `flash_attention_with_kvcache`, its
+validation, and the visibility rule every decode backend shares.
+
+Sequence b holds `L_b = cache_seqlens[b] + seq_new` keys: the cached ones
+and the appended ones. Query i of it sits at position `L_b - seq_q + i`
+(bottom-right, as in `flash_attention` with `seq_kv = L_b`), and sees key
+j iff `j < L_b`, and with `causal` `j <= position`, and with a window
+`position - left <= j <= position + right`. Where a sequence's keys live
+is the cache layout: contiguous (`k_cache[cache_batch_idx[b], j]`) or paged
+(`k_cache[page_table[b, j // page_size], j % page_size]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3 import modifiers
+from pallas_fa3.spec import (
+  MAX_HEAD_DIM,
+  SUPPORTED_DTYPES,
+  check_bool,
+  check_int,
+  check_softmax_scale,
+)
+
+_Q = "[batch, seq_q, heads_q, head_dim]"
+_CONTIGUOUS = "[batch_cache, cache_len, heads_kv, head_dim]"
+_PAGED = "[num_pages, page_size, heads_kv, head_dim]"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+  """Canonical, hashable description of one attention call over a KV cache.
+
+  q `[b, sq, hq, d]`; cache `[batch_cache, cache_len, hk, d|dv]`
+  (contiguous) or `[num_pages, page_size, hk, d|dv]` (paged, with a
+  `[b, pages_per_seq]` page table); appended k/v `[b, seq_new, hk, d|dv]`.
+  """
+
+  batch: int
+  seq_q: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  head_dim_v: int
+  dtype: Any  # q's (and the output's) jnp.dtype
+  cache_dtype: Any  # k_cache's and v_cache's jnp.dtype
+  causal: bool
+  softmax_scale: float
+  paged: bool
+  # Contiguous: `cache_len`; paged: `pages_per_seq * page_size`.
+  capacity: int
+  page_size: int = 0  # paged only
+  pages_per_seq: int = 0  # paged only
+  cache_rows: int = 0  # batch_cache (contiguous) or num_pages (paged)
+  seq_new: int = 0  # appended tokens per sequence (k, v given)
+  batch_idx: bool = False  # cache_batch_idx given (contiguous only)
+  window_size: tuple[int | None, int | None] | None = None
+  softcap: float | None = None
+  sinks: bool = False
+  num_splits: int | None = None  # None: the backend chooses
+
+  @property
+  def group_size(self) -> int:
+    return self.heads_q // self.heads_kv
+
+  @property
+  def window_left(self) -> int | None:
+    return None if self.window_size is None else self.window_size[0]
+
+  @property
+  def window_right(self) -> int | None:
+    if self.causal:
+      return 0
+    return None if self.window_size is None else self.window_size[1]
+
+  @property
+  def out_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seq_q, self.heads_q, self.head_dim_v)
+
+  @property
+  def lse_shape(self) -> tuple[int, int, int]:
+    return (self.batch, self.heads_q, self.seq_q)
+
+
+def visible_in_cache(
+  spec: DecodeSpec, length: Any, q_idx: Any, kv_pos: Any
+) -> jax.Array:
+  """Whether query `q_idx` (0..seq_q-1) of a sequence of `length` keys sees
+  key position `kv_pos` (arrays that broadcast against each other)."""
+  pos = length - spec.seq_q + q_idx
+  mask = (kv_pos < length) & (kv_pos >= 0)
+  if spec.window_right is not None:
+    mask = mask & (kv_pos <= pos + spec.window_right)
+  if spec.window_left is not None:
+    mask = mask & (kv_pos >= pos - spec.window_left)
+  return mask
+
+
+def key_range(spec: DecodeSpec, length: Any) -> tuple[Any, Any]:
+  """[first, end) of the key positions any query of a sequence of `length`
+  keys sees (end <= first when none does)."""
+  end = length  # the last query sits at length - 1: any right bound holds
+  first = 0
+  if spec.window_left is not None:  # the first query's left bound
+    first = jnp.maximum(length - spec.seq_q - spec.window_left, 0)
+  return first, end
+
+
+def _array(name: str, x: Any, layout: str) -> tuple[tuple[int, ...], Any]:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+      f"{name} must be an array of shape {layout}; got {type(x).__name__}"
+    )
+  shape = tuple(int(s) for s in x.shape)
+  if len(shape) != 4:
+    raise ValueError(
+      f"{name} must have rank 4 with layout {layout}; got shape {shape}"
+    )
+  if any(s == 0 for s in shape):
+    raise ValueError(f"{name} has an empty axis: shape {shape}")
+  dtype = jnp.dtype(x.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    raise TypeError(f"{name} has dtype {dtype}; supported dtypes are {names}")
+  if shape[3] > MAX_HEAD_DIM:
+    raise ValueError(
+      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM}; shape"
+      f" {shape}"
+    )
+  return shape, dtype
+
+
+def _int_vector(name: str, x: Any, batch: int) -> None:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+      f"{name} must be an int32 array [batch] = [{batch}]; got"
+      f" {type(x).__name__}"
+    )
+  if tuple(x.shape) != (batch,):
+    raise ValueError(
+      f"{name} must have shape [batch] = ({batch},); got {tuple(x.shape)}"
+    )
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be int32; got {jnp.dtype(x.dtype)}")
+
+
+def make_decode_spec(
+  q: Any,
+  k_cache: Any,
+  v_cache: Any,
+  k: Any = None,
+  v: Any = None,
+  *,
+  cache_seqlens: Any,
+  page_table: Any = None,
+  cache_batch_idx: Any = None,
+  causal: Any = False,
+  softmax_scale: Any = None,
+  window_size: Any = None,
+  softcap: Any = None,
+  sinks: bool = False,
+  num_splits: Any = None,
+) -> DecodeSpec:
+  """Validates a `flash_attention_with_kvcache` call; returns its spec.
+
+  Raises:
+    TypeError / ValueError naming the argument and its shape or value;
+    a static `cache_seqlens` that (with the appended tokens) overflows
+    the cache is a ValueError.
+  """
+  q_shape, q_dtype = _array("q", q, _Q)
+  paged = page_table is not None
+  layout = _PAGED if paged else _CONTIGUOUS
+  kc_shape, kc_dtype = _array("k_cache", k_cache, layout)
+  vc_shape, vc_dtype = _array("v_cache", v_cache, layout.replace("]", "_v]"))
+  b, sq, hq, d = q_shape
+  shapes = (
+    f"q.shape={q_shape}, k_cache.shape={kc_shape}, v_cache.shape={vc_shape}"
+  )
+  if kc_dtype != vc_dtype:
+    raise TypeError(
+      f"k_cache and v_cache must have the same dtype; got {kc_dtype} and"
+      f" {vc_dtype}"
+    )
+  if kc_dtype != q_dtype:
+    raise TypeError(f"k_cache must have q's dtype {q_dtype}; got {kc_dtype}")
+  if kc_shape[:3] != vc_shape[:3]:
+    raise ValueError(
+      f"k_cache and v_cache must agree on every axis but head_dim; got {shapes}"
+    )
+  hk = kc_shape[2]
+  if kc_shape[3] != d:
+    raise ValueError(f"k_cache's head_dim must equal q's; got {shapes}")
+  if hq % hk:
+    raise ValueError(
+      f"q heads ({hq}) must be a multiple of the cache's kv heads ({hk});"
+      f" got {shapes}"
+    )
+  if paged and cache_batch_idx is not None:
+    raise ValueError(
+      "page_table and cache_batch_idx cannot be combined: a paged cache"
+      " maps sequences to pages through page_table alone"
+    )
+  pages_per_seq = page_size = 0
+  if paged:
+    if not (hasattr(page_table, "shape") and hasattr(page_table, "dtype")):
+      raise TypeError(
+        "page_table must be an int32 array [batch, pages_per_seq]; got"
+        f" {type(page_table).__name__}"
+      )
+    pt = tuple(page_table.shape)
+    if len(pt) != 2 or pt[0] != b:
+      raise ValueError(
+        f"page_table must have shape [batch, pages_per_seq] with batch {b};"
+        f" got {pt}"
+      )
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+      raise TypeError(
+        f"page_table must be int32; got {jnp.dtype(page_table.dtype)}"
+      )
+    pages_per_seq, page_size = pt[1], kc_shape[1]
+    capacity = pages_per_seq * page_size
+  else:
+    if cache_batch_idx is None and kc_shape[0] != b:
+      raise ValueError(
+        f"k_cache's batch ({kc_shape[0]}) must equal q's ({b}) unless"
+        f" cache_batch_idx maps each sequence to a cache row; got {shapes}"
+      )
+    if cache_batch_idx is not None:
+      _int_vector("cache_batch_idx", cache_batch_idx, b)
+    capacity = kc_shape[1]
+  seq_new = 0
+  if (k is None) != (v is None):
+    raise ValueError(
+      "k and v must be given together (new tokens) or not at all"
+    )
+  if k is not None:
+    k_shape, k_dtype = _array("k", k, "[batch, seq_new, heads_kv, head_dim]")
+    v_shape, v_dtype = _array("v", v, "[batch, seq_new, heads_kv, head_dim_v]")
+    want_k = (b, k_shape[1], hk, d)
+    want_v = (b, k_shape[1], hk, vc_shape[3])
+    if k_shape != want_k or v_shape != want_v:
+      raise ValueError(
+        f"k and v must have shapes {want_k} and {want_v} (batch, seq_new,"
+        f" the cache's heads and head dims); got k.shape={k_shape},"
+        f" v.shape={v_shape}"
+      )
+    if k_dtype != q_dtype or v_dtype != q_dtype:
+      raise TypeError(
+        f"k and v must have q's dtype {q_dtype}; got {k_dtype}, {v_dtype}"
+      )
+    seq_new = k_shape[1]
+  if seq_new > capacity:
+    raise ValueError(
+      f"k has {seq_new} new tokens per sequence, more than the cache holds"
+      f" ({capacity}); {shapes}"
+    )
+  if isinstance(cache_seqlens, jax.core.Tracer) or hasattr(
+    cache_seqlens, "shape"
+  ):
+    if getattr(cache_seqlens, "ndim", 1) == 0:
+      raise ValueError(
+        "cache_seqlens must be a Python int or an int32 array [batch]; got a"
+        " 0-d array"
+      )
+    _int_vector("cache_seqlens", cache_seqlens, b)
+    concrete = not isinstance(cache_seqlens, jax.core.Tracer)
+    lengths = jax.device_get(cache_seqlens) if concrete else None
+  else:
+    lengths = [check_int("cache_seqlens", cache_seqlens, minimum=0)] * b
+  if lengths is not None:
+    longest = int(max(lengths)) + seq_new
+    if min(lengths) < 0:
+      raise ValueError(f"cache_seqlens must be >= 0; got {list(lengths)}")
+    if longest > capacity:
+      raise ValueError(
+        f"cache_seqlens + seq_new = {longest} overflows the cache, which"
+        f" holds {capacity} tokens per sequence (cache_seqlens="
+        f"{[int(x) for x in lengths]}, seq_new={seq_new})"
+      )
+  if num_splits is not None:
+    num_splits = check_int("num_splits", num_splits, minimum=1)
+  causal = check_bool("causal", causal)
+  return DecodeSpec(
+    batch=b,
+    seq_q=sq,
+    heads_q=hq,
+    heads_kv=hk,
+    head_dim=d,
+    head_dim_v=vc_shape[3],
+    dtype=q_dtype,
+    cache_dtype=kc_dtype,
+    causal=causal,
+    softmax_scale=check_softmax_scale(softmax_scale, d),
+    paged=paged,
+    capacity=capacity,
+    page_size=page_size,
+    pages_per_seq=pages_per_seq,
+    cache_rows=kc_shape[0],
+    seq_new=seq_new,
+    batch_idx=cache_batch_idx is not None,
+    window_size=modifiers.check_window_size(
+      window_size, seq_q=sq, seq_kv=capacity, causal=causal
+    ),
+    softcap=modifiers.check_softcap(softcap),
+    sinks=bool(sinks),
+    num_splits=num_splits,
+  )

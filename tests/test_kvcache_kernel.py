@@ -1,0 +1,126 @@
+"""The Hopper decode kernel on a CPU: interpret mode (race detection on)
+against the float64 golden of every logical sequence with FA3's rule, and
+the CUDA lowering of `implementation="mosaic"` (one kernel, no float32
+`[.., cache_len]` score tensor in HBM). The deviceless sm_90a compile of
+its configs is `pallas-fa3 aot --decode` (tests/test_sm90_aot.py compiles
+the defaults)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pallas_fa3
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kvcache_spec import make_decode_spec
+from pallas_fa3.testing import assert_within_tolerance, lowered_kernel_count
+from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+
+_TIMEOUT_S = 300
+
+# (batch, seq_q, heads_q, heads_kv, d, capacity, lengths, page_size, seq_new,
+#  batch_idx, block_kv, splits, options)
+CASES = [
+  pytest.param(
+    3, 1, 8, 2, 64, 256, [0, 100, 256], None, 0, False, 64, (1, 3),
+    dict(causal=True),
+    id="contiguous-g4-q1-lengths0-to-full",
+  ),
+  pytest.param(
+    2, 4, 8, 1, 64, 256, [37, 190], 64, 2, False, 128, (2,),
+    dict(window_size=(60, 0), softcap=5.0, sinks=True),
+    id="paged64-two-pages-per-tile-mqa-q4-append-window-softcap-sinks",
+  ),
+  pytest.param(
+    2, 16, 4, 4, 64, 192, [0, 150], None, 16, True, 64, (1,),
+    dict(causal=True),
+    id="batch-idx-mha-q16-prefill-chunk",
+  ),
+  pytest.param(
+    1, 1, 16, 1, 128, 512, [300], 256, 0, False, 64, (4,),
+    dict(causal=True),
+    id="paged256-tiles-within-a-page-g16-d128",
+  ),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize(
+  "b,sq,hq,hk,d,cap,lengths,ps,new,idx,block,splits,options", CASES
+)
+def test_interpret_against_float64_golden(
+  b, sq, hq, hk, d, cap, lengths, ps, new, idx, block, splits, options, rng
+):
+  options = dict(options)
+  sinks = None
+  if options.pop("sinks", False):
+    sinks = jnp.asarray(rng.normal(size=hq), jnp.float32)
+  case = decode_case(
+    rng, batch=b, seq_q=sq, heads_q=hq, heads_kv=hk, head_dim=d,
+    capacity=cap, lengths=lengths, page_size=ps, seq_new=new, batch_idx=idx,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, **options, sinks=sinks is not None)
+  config = pallas_fa3.Sm90DecodeConfig(block_kv=block, num_stages=2)
+  for n in splits:
+    try:
+      with compat.capture_race_report() as report:
+        result = pallas_fa3.flash_attention_with_kvcache(
+          *args, **kwargs, **options, sinks=sinks, return_lse=True,
+          num_splits=n, implementation="interpret", config=config,
+        )  # fmt: skip
+        jax.block_until_ready(result)
+    except Exception:
+      compat.reset_interpret_state()
+      raise
+    assert not compat.races_found(), report.getvalue()[-3000:]
+    out, lse = result[:2]
+    caches = result[2:] if new else (case.k_cache, case.v_cache)
+    golden, naive = decode_golden_and_naive(spec, case, *caches, sinks)
+    for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+      assert_within_tolerance(f"{name} splits={n}", got, nv, g)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
+  S = jax.ShapeDtypeStruct
+  b, hq, hk, d = 4, 16, 4, 128
+  q = S((b, sq, hq, d), jnp.bfloat16)
+  if paged:
+    kc = S((b * cap // 64, 64, hk, d), jnp.bfloat16)
+    pt = S((b, cap // 64), jnp.int32)
+  else:
+    kc, pt = S((b, cap, hk, d), jnp.bfloat16), None
+  new = S((b, 1, hk, d), jnp.bfloat16)
+
+  def step(q, kc, vc, k, v, n, pt):
+    return pallas_fa3.flash_attention_with_kvcache(
+      q, kc, vc, k, v, cache_seqlens=n, page_table=pt,
+      implementation="mosaic", return_lse=True, **options,
+    )  # fmt: skip
+
+  exported = export.export(jax.jit(step), platforms=["cuda"])(
+    q, kc, kc, new, new, S((b,), jnp.int32), pt
+  )
+  return exported.mlir_module()
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(causal=True),
+    dict(paged=True, window_size=(1000, 0), softcap=30.0),
+    dict(num_splits=8, causal=True),
+  ],
+  ids=["contiguous", "paged-window-softcap", "8-splits"],
+)
+def test_mosaic_lowers_to_one_kernel_without_a_score_tensor(options):
+  text = _lowered(**options)
+  assert lowered_kernel_count(text) == 1
+  scores = re.findall(r"tensor<[0-9x]*8192x[0-9x]*f32>", text)
+  assert not scores, scores
