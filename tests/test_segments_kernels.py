@@ -115,10 +115,9 @@ BACKWARD_CASES = [
 
 def _kernel_gradients(q, k, v, dout, dlse, ids, deterministic, sinks, **opts):
   """(dq, dk, dv) of the sm90 backward kernels in interpret mode (race
-  detection on), called jitted on their own with the reference's
-  residuals: inside a differentiated `interpret` call, after the
-  interpreted forward, the interpreter deadlocks on 2 cores (that call's
-  gradients are the blockwise twin's, said by a warning)."""
+  detection on), called jitted on their own with the reference's residuals
+  (the whole differentiated `interpret` call, forward and backward kernels
+  in one executable: tests/test_interpret_paths.py)."""
   out, lse = pallas_fa3.flash_attention(
     q,
     k,
@@ -196,31 +195,6 @@ def test_interpret_backward_kernels_against_float64_golden(
   assert not np.any(np.asarray(grads[0][:, -5:], np.float32))
   for g in grads[1:]:  # padded keys are seen by no query
     assert not np.any(np.asarray(g[:, -3:], np.float32))
-
-
-@pytest.mark.slow
-def test_interpret_gradients_with_segment_ids_say_blockwise(rng, key):
-  """A differentiated `interpret` call with segment ids: the golden's
-  gradients, by the blockwise twin, and a warning that says so."""
-  shape = Shape(1, 128, 128, 2, 1, 64)
-  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
-  ids = segments.segment_ids_from_lengths(jnp.array([[50, 60]]), 128)
-  f = lambda q, k, v: pallas_fa3.flash_attention(
-    q, k, v, causal=True, segment_ids=(ids, ids), implementation="interpret"
-  )
-  with pytest.warns(UserWarning, match="blockwise recomputation"):
-    out, pullback = jax.vjp(f, q, k, v)
-    grads = pullback(dout)
-  golden, naive = golden_and_naive(
-    q, k, v, dout, causal=True, segment_ids=(ids, ids)
-  )
-  for name, g, n, gold in zip(
-    ("out", "dq", "dk", "dv"),
-    (out, *grads),
-    (naive[0], *naive[2:]),
-    (golden[0], *golden[2:]),
-  ):
-    assert_within_tolerance(name, g, n, gold)
 
 
 @pytest.mark.timeout(_TIMEOUT_S)

@@ -145,10 +145,15 @@ def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   return fp8_forward
 
 
-def _fp8_quantize(*args: Any, **kwargs: Any) -> Any:
-  from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
+def _fp8_quantize(interpret: bool) -> Callable[..., Any]:
+  def fp8_quantize(*args: Any, **kwargs: Any) -> Any:
+    from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
 
-  return kernel.quantize_inputs_kernel(*args, **kwargs)  # compiled for sm90
+    return kernel.quantize_inputs_kernel(
+      *args, **kwargs, interpret=_interpret_params(interpret)
+    )
+
+  return fp8_quantize
 
 
 def _backward(
@@ -202,17 +207,6 @@ def _backward(
 
     if segment_ids is None:
       return run((residuals, None, None))
-    if interpret:
-      # The Pallas GPU interpreter deadlocks (threads waiting at barriers)
-      # when these kernels run inside a differentiated call after the
-      # interpreted segmented forward, on a 2-core CPU; they are tested on
-      # their own (tests/test_segments_kernels.py). Said, never silent.
-      warnings.warn(
-        "interpret: segment_ids gradients use the blockwise recomputation"
-        " (the same function); `mosaic` runs the backward kernels",
-        stacklevel=2,
-      )
-      return twin((residuals, None, segment_ids))
     # The dQ kernel masks by each query row's key bounds, the dK/dV kernels
     # by each key's query bounds: exact when every id's keys and queries are
     # contiguous (packed documents); otherwise the blockwise twin, decided
@@ -244,10 +238,7 @@ def _kernel_backend(
     make_config=_make_config,
     fp8_forward=_fp8_forward(interpret),
     fp8_tiles=_fp8_tiles,
-    # `interpret` quantizes with the kernel's pure-JAX twin (the same
-    # bits): several interpreted kernels in one executable can deadlock the
-    # interpreter's threads on a 2-core CPU.
-    **({} if interpret else {"fp8_quantize": _fp8_quantize}),
+    fp8_quantize=_fp8_quantize(interpret),
     **kwargs,
   )
 

@@ -68,12 +68,12 @@ def kernel_unsupported(x: jax.Array, rows: int) -> str | None:
   return None
 
 
-def _warpgroups(ops: KernelOps, out_rows: int) -> int:
-  """One warpgroup per 64 output rows compiled (they meet once, at a named
-  barrier, for the tile's amax). Interpreted, one warpgroup takes every
-  chunk in turn: the interpreter's mbarrier standing in for that meeting
-  deadlocked intermittently on 2 cores (JAX 0.12)."""
-  return 1 if ops.interpreted else out_rows // _CHUNK
+def _warpgroups(out_rows: int) -> int:
+  """One warpgroup per 64 output rows (they meet once, at a named barrier
+  compiled and an mbarrier interpreted, for the tile's amax). (The
+  interpreted meeting's old intermittent deadlock was XLA's CPU thread
+  pool: docs/design_notes.md#the-interpreters-thread-pool.)"""
+  return out_rows // _CHUNK
 
 
 def _times(ops: KernelOps, a_smem: Any, b_smem: Any) -> jax.Array:
@@ -103,12 +103,14 @@ def _tile_body(
   *refs,
 ) -> None:
   x_ref, m_ref, *out_refs, scale_ref = refs[: 3 + terms]
-  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded = refs[3 + terms :]
+  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded, *meet = refs[
+    3 + terms :
+  ]
   wg = lax.axis_index("wg")
   batch, tile, head = (lax.axis_index(n) for n in ("batch", "tile", "head"))
   row0 = tile * rows
   out_rows = d if transpose else rows
-  warpgroups = _warpgroups(ops, out_rows)
+  warpgroups = _warpgroups(out_rows)
   per_wg = out_rows // _CHUNK // warpgroups
 
   @pl.when(wg == 0)
@@ -137,7 +139,10 @@ def _tile_body(
     # reduces all of them (a column vector broadcast along the rows).
     amax_smem.at[mine][...] = jnp.max(jnp.abs(y), axis=1)
     ys.append(y)
-  if not ops.interpreted:  # interpreted: one warpgroup, program order
+  if meet:  # interpreted: an mbarrier stands in for the named barrier
+    plgpu.barrier_arrive(meet[0])
+    plgpu.barrier_wait(meet[0])
+  else:
     compat.named_barrier(_AMAX_BARRIER, 128 * warpgroups, sync=True)
   cols = ops.load_cols(amax_smem)
   amax = jnp.max(lax.broadcast_in_dim(cols, (_CHUNK, out_rows), [1]), axis=1)
@@ -179,7 +184,7 @@ def _build(
   n = -(-s // rows)
   ops = COMPILED if interpret is None else INTERPRETED
   out_rows, out_cols = (d, rows) if transpose else (rows, d)
-  warpgroups = _warpgroups(ops, out_rows)
+  warpgroups = _warpgroups(out_rows)
   m_shape = (_CHUNK, _CHUNK) if transpose else (d, d)
   # V^T's rows (the sequence) are whole tiles: its TMA box is a tile wide.
   out_shape = (b, h, d, n * rows) if transpose else (b, s, h, d)
@@ -199,6 +204,8 @@ def _build(
     plgpu.SMEM((_CHUNK,), _F32),
     plgpu.Barrier(num_barriers=2),
   ]
+  if ops.interpreted:  # the amax meeting (inline PTX does not run there)
+    scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
 
   def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
     _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
