@@ -338,7 +338,7 @@ def test_default_config_is_in_the_space(head_dim):
     (
       ((1, 64, 2, 64), (1, 64, 2, 64), (1, 64, 2, 32)),
       jnp.bfloat16,
-      "value head_dim 32",
+      "head_dim_v 32 is not one of the kernel's",
     ),
   ],
 )

@@ -154,7 +154,10 @@ def short_label(
     else:
       tiles += f" q{config.dq_consumers}/{config.dq_head_splits}"
   mask = "causal" if spec.causal else "full"
-  return f"d{spec.head_dim} {mask}{modifier_label(spec)} {tiles}"
+  dims = f"d{spec.head_dim}"
+  if spec.head_dim_v != spec.head_dim:
+    dims += f"/{spec.head_dim_v}"
+  return f"{dims} {mask}{modifier_label(spec)} {tiles}"
 
 
 def compile_report(
@@ -199,11 +202,13 @@ def bf16_operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
     shape, dtype, sharding=sharding
   )
   q = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim))
-  kv = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim))
+  k = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim))
+  v = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim_v))
   if not backward:
-    return [q, kv, kv]
+    return [q, k, v]
+  o = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim_v))
   stats = arr((spec.batch, spec.heads_q, spec.seq_q), jnp.float32)
-  return [q, kv, kv, q, stats, q, stats]
+  return [q, k, v, o, stats, o, stats]
 
 
 def compile_forward(
@@ -221,7 +226,7 @@ def compile_forward(
   if getattr(spec, "segmented", False):  # (a DecodeSpec has no ids)
     ids = packed_bounds(spec)[:2]
   return compile_report(
-    f"fwd d={spec.head_dim} {spec.dtype} causal={spec.causal}"
+    f"fwd d={spec.head_dim}{_dv_label(spec)} {spec.dtype} causal={spec.causal}"
     f"{modifier_label(spec)} {config}",
     lambda q, k, v: sm90_fwd.sm90_forward(
       spec, config, q, k, v, sinks=sinks, segment_ids=ids
@@ -244,6 +249,10 @@ def packed_bounds(spec: AttentionSpec) -> tuple:
     for n in (spec.seq_q, spec.seq_kv)
   )
   return segments.kernel_bounds(spec, ids)[0]
+
+
+def _dv_label(spec: AttentionSpec) -> str:
+  return "" if spec.head_dim_v == spec.head_dim else f" dv={spec.head_dim_v}"
 
 
 def modifier_label(spec: AttentionSpec) -> str:
@@ -269,7 +278,7 @@ def compile_backward(
 
   mesh = h200_mesh() if mesh is None else mesh
   return compile_report(
-    f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}"
+    f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}{_dv_label(spec)}"
     f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
     lambda *a: sm90_bwd.sm90_backward(

@@ -124,14 +124,19 @@ def fp8_forward_sweep() -> Iterator[SweepItem]:
               yield compile_quantize, spec, config
 
 
+# (head_dim, head_dim_v) unlike each other: DeepSeek's MLA training shapes
+# (192, 128) and the others issue 32 names.
+HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128), (256, 128))
+
 # The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
 PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
 
 
 def defaults_sweep() -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
-  every head dim, at `PROFILE_SHAPE`, causal and not; and the decode
-  kernel's defaults (`aot_decode.decode_defaults`)."""
+  every head dim, at `PROFILE_SHAPE`, causal and not; the forward and both
+  backwards at `HEAD_DIM_PAIRS` (causal); and the decode kernel's defaults
+  (`aot_decode.decode_defaults`)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import (
@@ -157,6 +162,14 @@ def defaults_sweep() -> Iterator[SweepItem]:
         yield compile_forward_fp8, spec, config
         if not causal:  # the quantization pass does not depend on it
           yield compile_quantize, spec, config
+  for d, dv in HEAD_DIM_PAIRS:  # value head dims unlike the query's, causal
+    spec = AttentionSpec(
+      b, s, s, hq, hk, d, dv, jnp.dtype(jnp.bfloat16), True, d**-0.5
+    )
+    yield compile_forward, spec, sm90_config.default_forward_config(spec)
+    for det in (False, True):
+      bwd = dataclasses.replace(spec, deterministic=det)
+      yield compile_backward, bwd, sm90_bwd_config.default_backward_config(bwd)
   yield from decode_defaults()
 
 

@@ -151,15 +151,18 @@ def dkdv_consumer(
       carry,
     )
 
-  zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
-  dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
+  zeros = lambda w: ops.tile(jnp.zeros((cfg.block_kv, w), jnp.float32))
+  dk, dv = lax.fori_loop(
+    0, spec.group_size, per_group_head, (zeros(plan.chunk), zeros(plan.chunk_v))
+  )
   cols = pl.ds(chunk * plan.chunk, plan.chunk)
+  cols_v = pl.ds(chunk * plan.chunk_v, plan.chunk_v)
   store_dkdv(  # K, V are done: stage dK, dV in them
     plan,
     dk,
     dv,
     (my_k.at[chunk], my_v.at[chunk]),
-    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols,)]),
+    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols_v,)]),
   )
 
 
@@ -208,6 +211,7 @@ def dkdv_shared_consumer(
   kv0, _ = cta_position(plan)
   rows = (batch, pl.ds(kv0, cfg.block_kv), kv_head)
   cols = pl.ds(w * plan.chunk, plan.chunk)
+  cols_v = pl.ds(w * plan.chunk_v, plan.chunk_v)
   k_tile, v_tile = k_smem.at[0], v_smem.at[0]  # [splits, block_kv, chunk]
   plgpu.copy_gmem_to_smem(
     k_ref.at[rows + (cols,)],
@@ -216,7 +220,7 @@ def dkdv_shared_consumer(
     oob_mode=compat.ZERO_FILL,
   )
   plgpu.copy_gmem_to_smem(
-    v_ref.at[rows + (cols,)],
+    v_ref.at[rows + (cols_v,)],
     v_tile.at[w],
     kv_bar.at[1],
     oob_mode=compat.ZERO_FILL,
@@ -304,8 +308,10 @@ def dkdv_shared_consumer(
       carry,
     )
 
-  zeros = ops.tile(jnp.zeros((cfg.block_kv, plan.chunk), jnp.float32))
-  dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
+  zeros = lambda c: ops.tile(jnp.zeros((cfg.block_kv, c), jnp.float32))
+  dk, dv = lax.fori_loop(
+    0, spec.group_size, per_group_head, (zeros(plan.chunk), zeros(plan.chunk_v))
+  )
   # My K, V chunks were last read by the other consumer before our last
   # rendezvous: reuse them for dK, dV.
   store_dkdv(
@@ -313,5 +319,5 @@ def dkdv_shared_consumer(
     dk,
     dv,
     (k_tile.at[w], v_tile.at[w]),
-    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols,)]),
+    (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols_v,)]),
   )

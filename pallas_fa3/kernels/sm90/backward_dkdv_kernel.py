@@ -94,11 +94,13 @@ def dkdv_kernel(
   CTA walks only the query tiles that reach its keys and masks by them."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
-  tf = (
-    swizzle64(spec.dtype)
-    if plan.q_halves > 1 or plan.shared
-    else smem_transforms(spec.dtype, plan.chunk)
+  # The 64-byte swizzle where tiles are cut in halves (one for every
+  # operand of a GEMM); else each tile's own width.
+  narrow = plan.q_halves > 1 or plan.shared
+  tf_of = lambda width: (
+    swizzle64(spec.dtype) if narrow else smem_transforms(spec.dtype, width)
   )
+  tf = tf_of(plan.chunk)
   kv_tiles = 1 if plan.shared else consumers
 
   def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
@@ -128,14 +130,16 @@ def dkdv_kernel(
         seg,
       )
 
-  chunked = lambda n, rows: plgpu.SMEM(
-    (n, splits, rows, plan.chunk), spec.dtype, transforms=tf
+  chunked = lambda n, rows, of_v: plgpu.SMEM(
+    (n, splits, rows, plan.width(of_v)),
+    spec.dtype,
+    transforms=tf_of(plan.width(of_v)),
   )
   scratch = (
-    chunked(kv_tiles, cfg.block_kv),
-    chunked(kv_tiles, cfg.block_kv),
-    chunked(st, cfg.block_q),
-    chunked(st, cfg.block_q),
+    chunked(kv_tiles, cfg.block_kv, False),  # K
+    chunked(kv_tiles, cfg.block_kv, True),  # V
+    chunked(st, cfg.block_q, False),  # Q
+    chunked(st, cfg.block_q, True),  # dO
     plgpu.SMEM((st, cfg.block_q), jnp.float32),
     plgpu.SMEM((st, cfg.block_q), jnp.float32),
   )
@@ -165,8 +169,10 @@ def dkdv_kernel(
     scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
   if plan.fused:
     scratch += sink_scratch(plan, interpret is not None, tf)
-  kv_shape = (spec.batch, kv_rows, spec.heads_kv, spec.head_dim)
-  out_type = (jax.ShapeDtypeStruct(kv_shape, spec.dtype),) * 2
+  out_type = tuple(
+    jax.ShapeDtypeStruct((spec.batch, kv_rows, spec.heads_kv, d), spec.dtype)
+    for d in (spec.head_dim, spec.head_dim_v)
+  )
   if plan.fused and interpret is not None:
     slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
     slab += (spec.heads_q, spec.head_dim)

@@ -90,8 +90,18 @@ class DkdvPlan:
 
   @property
   def chunk(self) -> int:
-    """Head-dim columns of dK, dV one CTA accumulates."""
+    """Head-dim columns of K, Q and dK in one chunk (`head_dim / splits`)."""
     return self.spec.head_dim // self.splits
+
+  @property
+  def chunk_v(self) -> int:
+    """Head-dim columns of V, dO and dV in one chunk (`head_dim_v /
+    splits`)."""
+    return self.spec.head_dim_v // self.splits
+
+  def width(self, of_v: bool) -> int:
+    """`chunk_v` for V, dO, dV tiles, else `chunk`."""
+    return self.chunk_v if of_v else self.chunk
 
 
 def cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
@@ -102,12 +112,14 @@ def cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
 
 
 def copy_chunks(
-  ref: Any, tile: tuple, dst: Any, barrier: Any, plan: DkdvPlan
+  ref: Any, tile: tuple, dst: Any, barrier: Any, plan: DkdvPlan, of_v: bool
 ) -> None:
-  """TMA of the `[rows, head_dim]` tile `ref[tile]` as `splits` column
-  chunks into `dst[c]`, all arriving on `barrier` (`splits` arrivals)."""
+  """TMA of the `[rows, head_dim(_v)]` tile `ref[tile]` (`of_v`: V or dO)
+  as `splits` column chunks into `dst[c]`, all arriving on `barrier`
+  (`splits` arrivals)."""
+  width = plan.width(of_v)
   for c in range(plan.splits):
-    cols = pl.ds(c * plan.chunk, plan.chunk)
+    cols = pl.ds(c * width, width)
     plgpu.copy_gmem_to_smem(
       ref.at[tile + (cols,)], dst.at[c], barrier, oob_mode=compat.ZERO_FILL
     )
@@ -125,8 +137,8 @@ def own_kv_tile(refs: tuple, plan: DkdvPlan, w: Any) -> tuple:
   kv0 = cta_kv0 + w * block_kv
   rows = (batch, pl.ds(kv0, block_kv), kv_head)
   my_k, my_v = k_smem.at[w], v_smem.at[w]
-  copy_chunks(k_ref, rows, my_k, kv_bar.at[w], plan)
-  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + w], plan)
+  copy_chunks(k_ref, rows, my_k, kv_bar.at[w], plan, of_v=False)
+  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + w], plan, of_v=True)
   plgpu.barrier_wait(kv_bar.at[w])
   plgpu.barrier_wait(kv_bar.at[consumers + w])
   return kv0, rows, my_k, my_v
@@ -203,8 +215,8 @@ def dkdv_producer(refs: tuple, plan: DkdvPlan, seg: Any = None) -> None:
 
     tile = (batch, pl.ds(q0, cfg.block_q), head)
     row = (batch, head, pl.ds(q0, cfg.block_q))
-    copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan)
-    copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan)
+    copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan, False)
+    copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan, True)
     plgpu.copy_gmem_to_smem(
       lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
     )

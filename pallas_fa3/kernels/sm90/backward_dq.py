@@ -288,14 +288,16 @@ def dq_kernel(
     spec, config.dq_config, seq_q_pad, seq_kv_pad, row_blocks=blocks
   )
   cfg = plan.config
-  d, st = spec.head_dim, cfg.num_stages
+  d, dv, st = spec.head_dim, spec.head_dim_v, cfg.num_stages
   # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
   # need the 64-byte swizzle; both wgmma operands of a GEMM share it.
-  tf = (
+  narrow = consumers == 1 or shared
+  tf_of = lambda width: (
     common.swizzle64(spec.dtype)
-    if consumers == 1 or shared
-    else common.smem_transforms(spec.dtype, d)
+    if narrow
+    else common.smem_transforms(spec.dtype, width)
   )
+  tf = tf_of(d)
   loads = _TILE_LOADS + (2 if spec.segmented else 0)
 
   def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
@@ -340,17 +342,19 @@ def dq_kernel(
         registers=common.producer_regs(consumers),
       )
 
-  per_block = lambda: plgpu.SMEM(
-    (blocks, cfg.block_q, d), spec.dtype, transforms=tf
+  per_block = lambda width: plgpu.SMEM(
+    (blocks, cfg.block_q, width), spec.dtype, transforms=tf_of(width)
   )
-  ring = lambda: plgpu.SMEM((st, cfg.block_kv, d), spec.dtype, transforms=tf)
+  ring = lambda width: plgpu.SMEM(
+    (st, cfg.block_kv, width), spec.dtype, transforms=tf_of(width)
+  )
   scratch = (
-    per_block(),
-    per_block(),
+    per_block(d),  # Q
+    per_block(dv),  # dO
     plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
     plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
-    ring(),
-    ring(),
+    ring(d),  # K
+    ring(dv),  # V
     plgpu.Barrier(num_barriers=st),
     plgpu.Barrier(num_barriers=st),
     plgpu.Barrier(num_arrivals=consumers, num_barriers=st),

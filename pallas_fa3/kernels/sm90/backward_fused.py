@@ -229,8 +229,13 @@ def fused_consumer(
       first, first + per_head, functools.partial(step, h=h), carry
     )
 
-  zeros = ops.tile(jnp.zeros((cfg.block_kv, spec.head_dim), jnp.float32))
-  dk, dv = lax.fori_loop(0, spec.group_size, per_group_head, (zeros, zeros))
+  zeros = lambda c: ops.tile(jnp.zeros((cfg.block_kv, c), jnp.float32))
+  dk, dv = lax.fori_loop(
+    0,
+    spec.group_size,
+    per_group_head,
+    (zeros(spec.head_dim), zeros(spec.head_dim_v)),
+  )
   if plan.dq_by_cols:
     sink.rendezvous()  # the other consumer's last dQ wgmma has read my K
   # K, V are done: stage dK, dV in them.

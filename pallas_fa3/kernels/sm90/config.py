@@ -81,46 +81,66 @@ class Sm90ForwardConfig:
     return NUM_CONSUMERS * self.block_q
 
 
+def _dims(head_dim: int, head_dim_v: int | None) -> str:
+  """ "head_dim 128" or "head_dims 192/128" for messages."""
+  if head_dim_v is None or head_dim_v == head_dim:
+    return f"head_dim {head_dim}"
+  return f"head_dims {head_dim}/{head_dim_v}"
+
+
 def forward_smem_bytes(
-  config: Sm90ForwardConfig, head_dim: int, itemsize: int
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> int:
   """Shared memory the forward kernel allocates for one CTA, in bytes.
 
-  Q tiles (reused for O on the way out) for both consumers, the K and V
-  rings, the lse staging rows and the barriers (K full/empty, V full/empty
-  per stage, one Q barrier per consumer; the pingpong uses named barriers).
+  Q tiles (their memory reused for O on the way out: the wider of the two)
+  for both consumers, the K ring (`head_dim`) and the V ring
+  (`head_dim_v`, default `head_dim`), the lse staging rows and the
+  barriers (K full/empty, V full/empty per stage, one Q barrier per
+  consumer; the pingpong uses named barriers).
   """
-  qo = align_smem(NUM_CONSUMERS * config.block_q * head_dim * itemsize)
-  ring = align_smem(config.num_stages * config.block_kv * head_dim * itemsize)
+  dv = head_dim if head_dim_v is None else head_dim_v
+  qo = align_smem(NUM_CONSUMERS * config.block_q * max(head_dim, dv) * itemsize)
+  ring = lambda d: align_smem(
+    config.num_stages * config.block_kv * d * itemsize
+  )
   lse = align_smem(NUM_CONSUMERS * config.block_q * 4)
   barriers = (4 * config.num_stages + NUM_CONSUMERS) * BARRIER_BYTES
-  return qo + 2 * ring + lse + RESERVED_SMEM + barriers
+  return qo + ring(head_dim) + ring(dv) + lse + RESERVED_SMEM + barriers
 
 
 def forward_config_unsupported(
-  config: Sm90ForwardConfig, head_dim: int, itemsize: int
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> str | None:
-  """Why this config cannot run at this head_dim, or None."""
-  need = forward_smem_bytes(config, head_dim, itemsize)
+  """Why this config cannot run at these head dims, or None."""
+  dv = head_dim if head_dim_v is None else head_dim_v
+  need = forward_smem_bytes(config, head_dim, itemsize, dv)
   if need > MAX_SMEM_BYTES:
     return (
-      f"{config} needs {need} bytes of shared memory at head_dim"
-      f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
+      f"{config} needs {need} bytes of shared memory at"
+      f" {_dims(head_dim, dv)}, over the sm90 limit of {MAX_SMEM_BYTES}"
     )
   # Register budget of a consumer (128 threads) in FA3's order: the float32
-  # O accumulator (block_q x d) and S tile (block_q x block_kv), and the
+  # O accumulator (block_q x dv) and S tile (block_q x block_kv), and the
   # previous tile's P in 16 bits, read by the P V wgmma still in flight.
-  regs = config.block_q * (2 * head_dim + 3 * config.block_kv) // 256
+  regs = config.block_q * (2 * dv + 3 * config.block_kv) // 256
   if regs > _CONSUMER_ACC_REGS:
     return (
       f"{config} keeps {regs} tile registers per thread"
-      f" at head_dim {head_dim}; a consumer warpgroup has room for"
+      f" at {_dims(head_dim, dv)}; a consumer warpgroup has room for"
       f" {_CONSUMER_ACC_REGS}"
     )
-  if config.persistent and head_dim > _PERSISTENT_MAX_HEAD_DIM:
+  if config.persistent and max(head_dim, dv) > _PERSISTENT_MAX_HEAD_DIM:
     return (
-      f"{config}: the persistent tile walk spills registers at head_dim"
-      f" {head_dim} (over {_PERSISTENT_MAX_HEAD_DIM}); use persistent=False"
+      f"{config}: the persistent tile walk spills registers at"
+      f" {_dims(head_dim, dv)} (over {_PERSISTENT_MAX_HEAD_DIM}); use"
+      " persistent=False"
     )
   return None
 
@@ -144,17 +164,16 @@ def forward_unsupported(
       f"dtype {spec.dtype} is not served by the kernel (it takes"
       f" {', '.join(KERNEL_DTYPES)}; FP8 is flash_attention(fp8=True))"
     )
-  if spec.head_dim != spec.head_dim_v:
-    return (
-      f"head_dim {spec.head_dim} != value head_dim {spec.head_dim_v}:"
-      " the kernel needs equal q/k and v head dims"
-    )
-  if spec.head_dim not in KERNEL_HEAD_DIMS:
-    return (
-      f"head_dim {spec.head_dim} is not one of the kernel's {KERNEL_HEAD_DIMS}"
-    )
-  config = default_forward_config(spec) if config is None else config
-  return forward_config_unsupported(config, spec.head_dim, spec.dtype.itemsize)
+  for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+    if d not in KERNEL_HEAD_DIMS:
+      return f"{name} {d} is not one of the kernel's {KERNEL_HEAD_DIMS}"
+  if config is None:
+    config = default_forward_config(spec)
+    if config is None:
+      return f"no forward tiling fits {_dims(spec.head_dim, spec.head_dim_v)}"
+  return forward_config_unsupported(
+    config, spec.head_dim, spec.dtype.itemsize, spec.head_dim_v
+  )
 
 
 # The heuristic default per head dim (bf16/fp16 alike): the largest K/V
@@ -177,19 +196,30 @@ _SEGMENTED_DEFAULTS = {
 }
 
 
-def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig:
-  """The heuristic forward config for `spec` (checked against the estimate)."""
-  config = _DEFAULTS.get(spec.head_dim, Sm90ForwardConfig())
+def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
+  """The heuristic forward config for `spec` (checked against the estimate):
+  the tuned default of its head dim; with `head_dim_v != head_dim` that of
+  the wider one if it fits both, else the space's largest K/V tile and
+  deepest ring at 64 query rows (None if nothing fits)."""
+  d, dv = spec.head_dim, spec.head_dim_v
+  config = _DEFAULTS.get(max(d, dv), Sm90ForwardConfig())
   if spec.segmented:
-    config = _SEGMENTED_DEFAULTS.get(spec.head_dim, config)
-  assert forward_config_unsupported(config, spec.head_dim, 2) is None, config
-  return config
+    config = _SEGMENTED_DEFAULTS.get(max(d, dv), config)
+  if forward_config_unsupported(config, d, spec.dtype.itemsize, dv) is None:
+    return config
+  assert d != dv, config  # the tuned defaults fit their own head dim
+  space = [
+    c
+    for c in forward_config_space(d, spec.dtype.itemsize, dv)
+    if c.block_q == 64
+  ]
+  return max(space, key=lambda c: (c.block_kv, c.num_stages), default=None)
 
 
 def forward_config_space(
-  head_dim: int, itemsize: int = 2
+  head_dim: int, itemsize: int = 2, head_dim_v: int | None = None
 ) -> tuple[Sm90ForwardConfig, ...]:
-  """Every tiling that fits at this head_dim (the autotuning space), each
+  """Every tiling that fits at these head dims (the autotuning space), each
   once: persistent where that fits."""
   space = []
   for bq in BLOCK_Q_CHOICES:
@@ -198,7 +228,10 @@ def forward_config_space(
         # Each tiling once: persistent where that fits, else one CTA a tile.
         for persistent in (True, False):
           c = Sm90ForwardConfig(bq, bkv, st, persistent)
-          if forward_config_unsupported(c, head_dim, itemsize) is None:
+          if (
+            forward_config_unsupported(c, head_dim, itemsize, head_dim_v)
+            is None
+          ):
             space.append(c)
             break
   return tuple(space)

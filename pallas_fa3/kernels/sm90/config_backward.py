@@ -17,10 +17,16 @@ from pallas_fa3.spec import AttentionSpec
 
 
 def backward_kernel_smem_bytes(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> dict[str, int]:
-  """Shared memory per CTA of each backward kernel ("dkdv", "dq"), in bytes."""
+  """Shared memory per CTA of each backward kernel ("dkdv", "dq", "fused"),
+  in bytes; K, Q tiles have `head_dim` columns, V, dO tiles `head_dim_v`
+  (default `head_dim`)."""
   st, bq, bkv, d = config.num_stages, config.block_q, config.block_kv, head_dim
+  dv = head_dim if head_dim_v is None else head_dim_v
   c, qc = config.dkdv_consumers, config.dq_consumers
   shared = _dkdv_shared(config)
   tiles = 1 if shared else c
@@ -28,8 +34,10 @@ def backward_kernel_smem_bytes(
   # tiles and lse, delta rows (head-dim chunks are slices of the same
   # buffers); shared: P and dS tiles by step parity and a rendezvous barrier.
   dkdv = (
-    2 * align_smem(tiles * bkv * d * itemsize)
-    + 2 * align_smem(st * bq * d * itemsize)
+    align_smem(tiles * bkv * d * itemsize)
+    + align_smem(tiles * bkv * dv * itemsize)
+    + align_smem(st * bq * d * itemsize)
+    + align_smem(st * bq * dv * itemsize)
     + 2 * align_smem(st * bq * 4)
     + (5 * st + 2 * tiles) * BARRIER_BYTES
   )
@@ -40,9 +48,11 @@ def backward_kernel_smem_bytes(
   # step parity and a rendezvous barrier.
   blocks = 1 if config.dq_head_splits == 2 else qc
   dq = (
-    2 * align_smem(blocks * bq * d * itemsize)
+    align_smem(blocks * bq * d * itemsize)
+    + align_smem(blocks * bq * dv * itemsize)
     + 2 * align_smem(blocks * bq * 4)
-    + 2 * align_smem(st * bkv * d * itemsize)
+    + align_smem(st * bkv * d * itemsize)
+    + align_smem(st * bkv * dv * itemsize)
     + (4 * st + 4 * blocks) * BARRIER_BYTES
   )
   if config.dq_head_splits == 2:
@@ -72,35 +82,47 @@ def fused_dq_cols(
 
 
 def _split_unsupported(
-  config: Sm90BackwardConfig, field: str, head_dim: int
+  config: Sm90BackwardConfig,
+  field: str,
+  head_dim: int,
+  head_dim_v: int | None = None,
 ) -> str | None:
-  """Why `config.<field>` (a head-dim split) cannot cut this head dim."""
+  """Why `config.<field>` (a head-dim split) cannot cut these head dims
+  (the dK/dV split cuts V's too)."""
   splits = getattr(config, field)
-  cols = head_dim // splits
-  if splits > 1 and cols % 32:
-    return (
-      f"{config}: {field}={splits} leaves {cols}-column chunks of"
-      f" head_dim {head_dim}; a split needs multiples of 32 (one"
-      " 64-byte swizzle row)"
-    )
+  dims = [("head_dim", head_dim)]
+  if field == "dkdv_head_splits" and head_dim_v not in (None, head_dim):
+    dims.append(("head_dim_v", head_dim_v))
+  for name, d in dims:
+    cols = d // splits
+    if splits > 1 and cols % 32:
+      return (
+        f"{config}: {field}={splits} leaves {cols}-column chunks of"
+        f" {name} {d}; a split needs multiples of 32 (one 64-byte swizzle"
+        " row)"
+      )
   return None
 
 
 def fused_unsupported(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> str | None:
   """Why the fused backward (dQ by reduce-add) cannot run this config, or
   None (then `deterministic=False` runs it)."""
   if config.dkdv_consumers == 1 and config.dkdv_head_splits == 2:
     return f"{config}: the head dim split across CTAs would add dQ once per CTA"
-  reason = _split_unsupported(config, "dkdv_head_splits", head_dim)
+  reason = _split_unsupported(config, "dkdv_head_splits", head_dim, head_dim_v)
   if reason:
     return reason
-  need = backward_kernel_smem_bytes(config, head_dim, itemsize)["fused"]
-  if need > MAX_SMEM_BYTES:
+  need = backward_kernel_smem_bytes(config, head_dim, itemsize, head_dim_v)
+  if need["fused"] > MAX_SMEM_BYTES:
     return (
-      f"{config}: the fused backward needs {need} bytes of shared memory at"
-      f" head_dim {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
+      f"{config}: the fused backward needs {need['fused']} bytes of shared"
+      f" memory at {_dims(head_dim, head_dim_v)}, over the sm90 limit of"
+      f" {MAX_SMEM_BYTES}"
     )
   return None
 
@@ -115,21 +137,28 @@ _FUSED_TILE_REGS = {2: 208, 1: 240}
 
 
 def fused_fits_registers(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> bool:
   """The fused register model within its room (the space's filter)."""
-  regs = _fused_tile_regs(config, head_dim, itemsize)
+  regs = _fused_tile_regs(config, head_dim, itemsize, head_dim_v)
   return regs <= _FUSED_TILE_REGS[config.dkdv_consumers]
 
 
 def _fused_tile_regs(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> int:
   """dK, dV accumulators, S^T and dP^T (shared: half of the keys each) and
   the dQ tile of one fused consumer."""
   bq, bkv = config.block_q, config.block_kv
+  dv = head_dim if head_dim_v is None else head_dim_v
   sdp = 2 * bq * bkv // (2 if _dkdv_shared(config) else 1)
-  dkdv = 2 * bkv * head_dim // config.dkdv_head_splits
+  dkdv = bkv * (head_dim + dv) // config.dkdv_head_splits
   dq = bq * fused_dq_cols(config, head_dim, itemsize)
   return (dkdv + sdp + dq) // 128
 
@@ -141,15 +170,21 @@ def fused_backward(spec: AttentionSpec, config: Sm90BackwardConfig) -> bool:
   for the dQ staging)."""
   if spec.deterministic:
     return False
-  return fused_unsupported(config, spec.head_dim, spec.dtype.itemsize) is None
+  reason = fused_unsupported(
+    config, spec.head_dim, spec.dtype.itemsize, spec.head_dim_v
+  )
+  return reason is None
 
 
 def backward_smem_bytes(
-  config: Sm90BackwardConfig, head_dim: int, itemsize: int
+  config: Sm90BackwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
 ) -> int:
   """Shared memory of the larger of the two deterministic backward kernels
   (dK/dV and dQ), per CTA."""
-  sizes = backward_kernel_smem_bytes(config, head_dim, itemsize)
+  sizes = backward_kernel_smem_bytes(config, head_dim, itemsize, head_dim_v)
   return max(sizes["dkdv"], sizes["dq"])
 
 
@@ -166,12 +201,16 @@ def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
   return config.dkdv_consumers == 2 and config.dkdv_head_splits == 2
 
 
-def _dkdv_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
-  """dK, dV accumulators (block_kv x d / splits) plus S^T and dP^T tiles
-  (shared: each consumer computes half of their key columns)."""
-  cols = head_dim // config.dkdv_head_splits
+def _dkdv_tile_regs(
+  config: Sm90BackwardConfig, head_dim: int, head_dim_v: int | None = None
+) -> int:
+  """dK, dV accumulators (block_kv x d / splits and x dv / splits) plus S^T
+  and dP^T tiles (shared: each consumer computes half of their key
+  columns)."""
+  dv = head_dim if head_dim_v is None else head_dim_v
+  cols = (head_dim + dv) // config.dkdv_head_splits
   sdp = config.block_q * (1 if _dkdv_shared(config) else 2)
-  return config.block_kv * (2 * cols + sdp) // 128
+  return config.block_kv * (cols + sdp) // 128
 
 
 def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
@@ -183,30 +222,40 @@ def _dq_tile_regs(config: Sm90BackwardConfig, head_dim: int) -> int:
   )
 
 
+def _dims(head_dim: int, head_dim_v: int | None) -> str:
+  """ "head_dim 128" or "head_dims 192/128" for messages."""
+  if head_dim_v in (None, head_dim):
+    return f"head_dim {head_dim}"
+  return f"head_dims {head_dim}/{head_dim_v}"
+
+
 def backward_config_unsupported(
   config: Sm90BackwardConfig,
   head_dim: int,
   itemsize: int,
   deterministic: bool = True,
+  head_dim_v: int | None = None,
 ) -> str | None:
-  """Why this backward config cannot run at this head_dim, or None. Not
+  """Why this backward config cannot run at these head dims, or None. Not
   `deterministic`, a config the fused kernel runs is supported; any other
   runs the dK/dV and dQ kernels (`fused_backward`) and is checked for them."""
+  dims = _dims(head_dim, head_dim_v)
   if (
-    not deterministic and fused_unsupported(config, head_dim, itemsize) is None
+    not deterministic
+    and fused_unsupported(config, head_dim, itemsize, head_dim_v) is None
   ):
     return None
   for field in ("dkdv_head_splits", "dq_head_splits"):
-    reason = _split_unsupported(config, field, head_dim)
+    reason = _split_unsupported(config, field, head_dim, head_dim_v)
     if reason:
       return reason
-  need = backward_smem_bytes(config, head_dim, itemsize)
+  need = backward_smem_bytes(config, head_dim, itemsize, head_dim_v)
   if need > MAX_SMEM_BYTES:
     return (
-      f"{config} needs {need} bytes of shared memory at head_dim"
-      f" {head_dim}, over the sm90 limit of {MAX_SMEM_BYTES}"
+      f"{config} needs {need} bytes of shared memory at {dims}, over the"
+      f" sm90 limit of {MAX_SMEM_BYTES}"
     )
-  dkdv = _dkdv_tile_regs(config, head_dim)
+  dkdv = _dkdv_tile_regs(config, head_dim, head_dim_v)
   room = (
     _DKDV_SHARED_TILE_REGS
     if _dkdv_shared(config)
@@ -215,13 +264,13 @@ def backward_config_unsupported(
   if dkdv > room:
     return (
       f"{config}: the dK/dV kernel keeps {dkdv} float32 tile registers"
-      f" per thread at head_dim {head_dim}; room for {room}"
+      f" per thread at {dims}; room for {room}"
     )
   dq, room = _dq_tile_regs(config, head_dim), _DQ_TILE_REGS[config.dq_consumers]
   if dq > room:
     return (
       f"{config}: the dQ kernel keeps {dq} float32 tile registers per"
-      f" thread at head_dim {head_dim}; room for {room}"
+      f" thread at {dims}; room for {room}"
     )
   return None
 
@@ -233,13 +282,14 @@ def backward_unsupported(
   reason = forward_unsupported(spec)
   if reason:
     return reason
+  d, dv = spec.head_dim, spec.head_dim_v
   if config is None and not backward_config_space(
-    spec.head_dim, spec.dtype.itemsize, spec.deterministic
+    d, spec.dtype.itemsize, spec.deterministic, dv
   ):
-    return f"no backward tiling fits head_dim {spec.head_dim}"
+    return f"no backward tiling fits {_dims(d, dv)}"
   if config is not None:
     return backward_config_unsupported(
-      config, spec.head_dim, spec.dtype.itemsize, spec.deterministic
+      config, d, spec.dtype.itemsize, spec.deterministic, dv
     )
   return None
 
@@ -252,6 +302,7 @@ def _fit(
   head_splits: int,
   head_dim: int,
   itemsize: int,
+  head_dim_v: int | None = None,
 ) -> Sm90BackwardConfig | None:
   """The first dQ layout that fits (two consumers with their own rows, two
   sharing the rows' head dim, one); None if none does."""
@@ -269,7 +320,10 @@ def _fit(
       dq_consumers,
       dq_splits,
     )
-    if backward_config_unsupported(config, head_dim, itemsize) is None:
+    if (
+      backward_config_unsupported(config, head_dim, itemsize, True, head_dim_v)
+      is None
+    ):
       return config
   return None
 
@@ -286,9 +340,10 @@ def _tilings(
   layouts: tuple,
   block_choices: tuple[int, ...] = (64, 128),
   stage_choices: tuple[int, ...] = STAGE_CHOICES,
+  head_dim_v: int | None = None,
 ) -> tuple[Sm90BackwardConfig, ...]:
   found = (
-    _fit(bq, bkv, st, consumers, splits, head_dim, itemsize)
+    _fit(bq, bkv, st, consumers, splits, head_dim, itemsize, head_dim_v)
     for consumers, splits in layouts
     for bq in block_choices
     for bkv in block_choices
@@ -298,7 +353,10 @@ def _tilings(
 
 
 def backward_config_space(
-  head_dim: int, itemsize: int = 2, deterministic: bool = True
+  head_dim: int,
+  itemsize: int = 2,
+  deterministic: bool = True,
+  head_dim_v: int | None = None,
 ) -> tuple[Sm90BackwardConfig, ...]:
   """Every backward tiling that fits at this head_dim, in order of
   preference. Deterministic (the dK/dV and dQ kernels): consumers owning
@@ -308,14 +366,17 @@ def backward_config_space(
   runs (two consumers owning K/V tiles, two sharing one, one), or where it
   fits none (d = 256) the deterministic ones."""
   if not deterministic:
-    fused = _fused_space(head_dim, itemsize)
+    fused = _fused_space(head_dim, itemsize, head_dim_v=head_dim_v)
     if fused:
       return fused
-  return _space(head_dim, itemsize)
+  return _space(head_dim, itemsize, head_dim_v=head_dim_v)
 
 
 def _fused_space(
-  head_dim: int, itemsize: int, **choices: tuple[int, ...]
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
+  **choices: tuple[int, ...],
 ) -> tuple[Sm90BackwardConfig, ...]:
   blocks = choices.get("block_choices", (64, 128))
   stages = choices.get("stage_choices", STAGE_CHOICES)
@@ -329,18 +390,22 @@ def _fused_space(
   return tuple(
     c
     for c in found
-    if fused_unsupported(c, head_dim, itemsize) is None
-    and fused_fits_registers(c, head_dim, itemsize)
+    if fused_unsupported(c, head_dim, itemsize, head_dim_v) is None
+    and fused_fits_registers(c, head_dim, itemsize, head_dim_v)
   )
 
 
 def _space(
-  head_dim: int, itemsize: int, **choices: tuple[int, ...]
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
+  **choices: tuple[int, ...],
 ) -> tuple[Sm90BackwardConfig, ...]:
-  space = _tilings(head_dim, itemsize, _OWN_TILES, **choices) + _tilings(
-    head_dim, itemsize, _SHARED_TILE, **choices
+  tilings = lambda layouts: _tilings(
+    head_dim, itemsize, layouts, head_dim_v=head_dim_v, **choices
   )
-  return space or _tilings(head_dim, itemsize, _CTA_SPLIT, **choices)
+  space = tilings(_OWN_TILES) + tilings(_SHARED_TILE)
+  return space or tilings(_CTA_SPLIT)
 
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
@@ -352,12 +417,9 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
     ValueError: no form fits `spec.head_dim`.
   """
   small = dict(block_choices=(64,), stage_choices=(2,))
-  space = (
-    ()
-    if spec.deterministic
-    else _fused_space(spec.head_dim, spec.dtype.itemsize, **small)
-  )
-  space = space or _space(spec.head_dim, spec.dtype.itemsize, **small)
+  d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
+  space = () if spec.deterministic else _fused_space(d, size, dv, **small)
+  space = space or _space(d, size, dv, **small)
   if not space:
-    raise ValueError(f"no backward config fits head_dim {spec.head_dim}")
+    raise ValueError(f"no backward config fits {_dims(d, dv)}")
   return space[0]

@@ -101,13 +101,14 @@ def _query_tile(
   (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem, lse_smem) = refs[
     :8
   ]
+  q_all, o_all = qo_smem  # one memory: Q's tiles, then O's on the way out
   ring, q_bar, seg = refs[8:]
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
   batch, head = tile.batch, tile.head
   row0 = tile.row0 + wg * cfg.block_q
-  q_smem = qo_smem.at[wg]
+  q_smem = q_all.at[wg]
   stages = cfg.num_stages
 
   def slot_of(j):
@@ -174,7 +175,7 @@ def _query_tile(
     m0 = ops.rows(jnp.broadcast_to(sink2, (cfg.block_q,)))
     l0 = ops.rows(jnp.ones((cfg.block_q,), jnp.float32))
   p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
-  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
+  o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim_v), jnp.float32))
   # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
   like = (ops.tile(jnp.zeros(s0.shape, jnp.float32)), m0, m0, l0)
 
@@ -212,7 +213,7 @@ def _query_tile(
     carry,
     masked=plan.needs_mask,
     ahead=1,
-    split=spec.head_dim < MASK_EVERY_STEP_HEAD_DIM,
+    split=max(spec.head_dim, spec.head_dim_v) < MASK_EVERY_STEP_HEAD_DIM,
   )
   o, p, m, l = carry
   last = slot_of(walk.steps - 1)
@@ -223,7 +224,17 @@ def _query_tile(
 
   release_rest(turns, ring, stages, base, walk.steps, walk.cta_steps)
   _epilogue(
-    plan, o, m, l, q_smem, lse_smem.at[wg], o_ref, lse_ref, batch, head, row0
+    plan,
+    o,
+    m,
+    l,
+    o_all.at[wg],
+    lse_smem.at[wg],
+    o_ref,
+    lse_ref,
+    batch,
+    head,
+    row0,
   )
 
 
@@ -259,8 +270,7 @@ def _build(
   walk = TileWalk(
     plan, num_ctas(plan.num_tiles, ops.interpreted, cfg.persistent)
   )
-  transforms = smem_transforms(spec.dtype, spec.head_dim)
-  d = spec.head_dim
+  d, dv = spec.head_dim, spec.head_dim_v
   tmas = 3 if spec.segmented else 1  # TMA copies per Q barrier phase
 
   def fa3_fwd(q_ref, k_ref, v_ref, *refs):
@@ -269,6 +279,8 @@ def _build(
     ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
     o_ref, lse_ref, *scratch = refs
     qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
+    # One buffer for Q's tiles, then O's; or the union's two views.
+    qo_smem = (qo_smem, qo_smem) if dv == d else tuple(qo_smem)
     ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
     seg, tiles = None, walk
     if spec.segmented:  # (lo, hi, spans) and the bounds' shared tile
@@ -296,15 +308,23 @@ def _build(
         registers=PRODUCER_REGS,
       )
 
-  ring = lambda: plgpu.SMEM(
-    (cfg.num_stages, cfg.block_kv, d), spec.dtype, transforms=transforms
+  ring = lambda width: plgpu.SMEM(
+    (cfg.num_stages, cfg.block_kv, width),
+    spec.dtype,
+    transforms=smem_transforms(spec.dtype, width),
   )
+  tiles = lambda width: plgpu.SMEM(
+    (NUM_CONSUMERS, cfg.block_q, width),
+    spec.dtype,
+    transforms=smem_transforms(spec.dtype, width),
+  )
+  # Q's tiles and O's share their memory (O is written once Q is read);
+  # with head_dim_v != head_dim they are two views of one union.
+  qo = tiles(d) if dv == d else plgpu.RefUnion(tiles(d), tiles(dv))
   scratch = (
-    plgpu.SMEM(
-      (NUM_CONSUMERS, cfg.block_q, d), spec.dtype, transforms=transforms
-    ),
-    ring(),
-    ring(),
+    qo,
+    ring(d),
+    ring(dv),
     plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
     plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
     plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
@@ -317,7 +337,7 @@ def _build(
   if spec.segmented:
     scratch += bounds_scratch(cfg.block_q, NUM_CONSUMERS)
   out_type = (
-    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
+    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, dv), spec.dtype),
     # The lse tile's store is a plain bulk copy, whose bound is the end of
     # the whole buffer, not of a row: its buffer is padded to whole tiles.
     jax.ShapeDtypeStruct(
@@ -349,11 +369,12 @@ def sm90_forward(
   """Runs the forward kernel.
 
   Args:
-    spec: the call (bf16/fp16, equal q/k and v head dims).
+    spec: the call (bf16/fp16).
     config: the tiling.
     q: `[b, sq, hq, d]`.
     k: `[b, skv, hk, d]`.
-    v: `[b, skv, hk, d]`.
+    v: `[b, skv, hk, dv]` (dv may differ from d: then Q's and O's tiles
+      are two views of one shared-memory union).
     interpret: None compiles for sm90; interpret-mode parameters
       (`compat.interpret_params(...)`) run the same kernel on a CPU.
     sinks: float32 `[b, hq]` when `spec.sinks`.
@@ -363,7 +384,7 @@ def sm90_forward(
       only the K/V tiles its rows reach and masks by the bounds alone.
 
   Returns:
-    (out `[b, sq, hq, d]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
+    (out `[b, sq, hq, dv]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
   """
   tile_q = config.rows_per_cta
   plan = QueryPlan(
