@@ -10,7 +10,7 @@ deterministic; the blockwise tiling); each case checks out, lse, dq, dk, dv
 and d/dsinks against the float64 golden with FA3's rule
 (`pallas_fa3.testing`): `reference` and `blockwise` on every mix,
 `interpret` (the Hopper kernels) on kernel-shaped mixes only: bf16/fp16,
-head dims 64..256 with head_dim_v == head_dim, batch 1, seq <= 256.
+head dims 64..256 (pairs whose backward fits), batch 1, seq <= 256.
 
 A mix's static part compiles (a second or two per backend on a CPU), so a
 profile runs a fixed pool of mixes (`property_mixes.make_mix(index)`, one
@@ -45,7 +45,7 @@ from property_mixes import (
 
 import pallas_fa3
 from pallas_fa3 import backends
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, config_backward as sm90_backward
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import Shape
 
@@ -69,11 +69,12 @@ _profile = hypothesis.settings.get_profile
 CI_MIXES = range(0, 12)  # covers every option (test_ci_pool_covers_...)
 SLOW_MIXES = range(1000, 1200)
 # Interpret mode takes seconds a case: three chosen mixes run every kernel
-# path in CI. 196: fused backward, GQA, sinks, a two-sided window, softcap,
-# seq_q > seq_kv; 32: dK/dV + dQ (deterministic), sinks, a two-sided
-# window, softcap; 21: packed segment ids (the forward kernel; gradients by
-# the documented blockwise recomputation), sinks, causal with a window.
-KERNEL_CI_MIXES = (196, 32, 21)
+# path in CI, each with sinks, a window and softcap. 42: fused backward,
+# GQA, head dims 96/64, causal; 310: dK/dV + dQ (deterministic), head dim
+# 256 (the backward splits it), float16; 221: packed segment ids (the
+# forward kernel; gradients by the documented blockwise recomputation), GQA,
+# head dims 64/96, causal with seq_q > seq_kv.
+KERNEL_CI_MIXES = (42, 310, 221)
 KERNEL_SLOW_MIXES = range(1000, 1012)
 
 PURE_JAX = ("reference", "blockwise")
@@ -197,6 +198,7 @@ def test_ci_pool_covers_every_option():
 def test_kernel_mixes_are_what_interpret_serves(indices):
   for mix in (make_mix(i, kernel=True) for i in indices):
     assert backends.unsupported_reason("interpret", _spec(mix)) is None, mix
+    assert sm90_backward.backward_unsupported(_spec(mix)) is None, mix
     assert mix.shape.batch == 1, mix
     assert max(mix.shape.seq_q, mix.shape.seq_kv) <= 256, mix
 
