@@ -190,7 +190,8 @@ def test_linen_bad_options_raise_at_init(kwargs, error, match):
 
 def _numpy_attention(q, k, v, window, causal, softcap):
   """Float64 top-left attention: query i sees key j iff i - left <= j <=
-  i + right (and j <= i if causal); a row that sees no key outputs 0."""
+  i + right (and j <= i if causal); a row that sees no key outputs the mean
+  of the values (Flax's convention, which the adapter keeps)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   group = q.shape[-2] // k.shape[-2]
   k, v = (np.repeat(x, group, axis=-2) for x in (k, v))
@@ -211,7 +212,7 @@ def _numpy_attention(q, k, v, window, causal, softcap):
   m = np.max(s, axis=-1, keepdims=True)
   p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
   denom = np.sum(p, axis=-1, keepdims=True)
-  p = p / np.where(denom > 0, denom, 1.0)
+  p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 1 / k.shape[1])
   return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 

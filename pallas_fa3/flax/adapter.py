@@ -35,9 +35,11 @@ call computes it intersected with the causal mask, as Flax does. The rule:
   (`nnx.make_attention_mask(q_valid, kv_valid)`) or segment mask
   (`make_attention_mask(seg, seg, jnp.equal)`), alone or intersected with
   the causal mask, becomes `segment_ids` (`pallas_fa3.flax.mask_segments`;
-  padded queries -1, padded keys -2: a query that sees no key outputs 0,
-  where Flax's attention outputs the mean of the values); anything else is
-  unsupported.
+  padded queries -1, padded keys -2); anything else is unsupported.
+* a mask of a call with *one query row* (a decode step of Flax's layers:
+  `[batch..., 1 | heads, 1, cache_len]`, the cache's occupancy) says only
+  which keys that row sees: it is taken exactly as it is, concrete or
+  traced, whatever was declared (`pallas_fa3.flax.key_mask`).
 * a *traced* mask (under `jit`, `grad` of a jitted function, `nnx.jit` ...)
   cannot be inspected, so it is unsupported -- unless the caller declared
   what it is. `make_attention_fn(causal=True)`: every call is causal, and a
@@ -50,12 +52,19 @@ call computes it intersected with the causal mask, as Flax does. The rule:
   turns the whole output into NaN (checked on device; the check reads the
   mask, which costs far less than the attention).
 
+Rows that see no key. A query row that a mask (or a window) leaves with no
+visible key gives what Flax's attention gives it, whichever route computed
+the call: the mean of the values over all keys (Flax masks scores with a
+finite lowest value, so such a row has uniform weights), with zero
+gradients for q and k. `flash_attention` itself gives such rows 0.
+
 Local attention and softcap. `make_attention_fn(window_size=(left, right),
 softcap=c)` applies them to every call. The window is aligned like Flax's
 `is_causal`, **top-left**: query i sees key j iff `i - left <= j <= i + right`
 (a None side is unbounded), intersected with the causal mask when the call
-is causal; a query that then sees no key outputs 0 (flash_attention's rule).
-For self-attention (seq_q == seq_kv) this is the core's bottom-right window.
+is causal (a query that then sees no key: see above). A window needs each
+query's position, so a one-row call with a mask (a decode step) and a
+window raises `NotImplementedError`. For self-attention (seq_q == seq_kv) this is the core's bottom-right window.
 Flax's attention has neither option, so with either set a call that flash
 attention cannot compute raises `NotImplementedError` even with
 `on_unsupported="fallback"`. Sinks need a parameter that Flax's modules do
@@ -79,25 +88,28 @@ Example:
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
-from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import attend, layout
+from pallas_fa3.flax.adapter_fallback import (
+  FlashAttentionFallbackWarning as FlashAttentionFallbackWarning,
+  flax_attention,
+  refuse_modified_fallback,
+  refuse_or_warn,
+)
 from pallas_fa3.flax.adapter_masks import (
+  fill_empty_rows,
   plan_mask,
   poison,
-  top_left_causal_mask,
   unsupported_feature,
 )
+from pallas_fa3.flax.key_mask import flash_key_mask
 from pallas_fa3.flax.top_left import flash_top_left
 from pallas_fa3.spec import (
   check_bool,
@@ -112,50 +124,19 @@ ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
 # `window_size` and `softcap` are keywords of their own (checked up front; the
 # window is aligned top-left, see `pallas_fa3.flax.top_left`).
 _FORWARDED_OPTIONS: tuple[str, ...] = ("softmax_scale", "config")
+_ONE_ROW_WINDOW = (
+  "make_attention_fn(window_size=...) in a call with one query row and a"
+  " mask (a decode step of Flax's layers): the window needs the query's"
+  " position in the cache, which Flax's decode call does not pass;"
+  " pallas_fa3.flax.FlashMultiHeadAttention(decode=True, window_size=...)"
+  " decodes with a window"
+)
 
 
 # Default of the keywords only Linen's MultiHeadDotProductAttention passes: a
 # call that passes any of them (even with Flax's default value) comes from
 # Linen, and its fallback is Linen's dot_product_attention.
 _LINEN_ONLY = object()
-
-
-class FlashAttentionFallbackWarning(UserWarning):
-  """A call ran Flax's dot_product_attention instead of flash attention."""
-
-
-def _refuse_or_warn(
-  unsupported: tuple[str, str], on_unsupported: str, warned: set[str]
-) -> None:
-  """Raises for "raise"; else warns once per feature (recorded in `warned`)."""
-  feature, description = unsupported
-  if on_unsupported == "raise":
-    raise NotImplementedError(
-      f"pallas_fa3 flash attention does not support {description};"
-      " make_attention_fn(on_unsupported='fallback') runs Flax's"
-      " dot_product_attention for such calls instead"
-    )
-  if feature not in warned:
-    warned.add(feature)
-    warnings.warn(
-      f"pallas_fa3 flash attention does not support {description}; running"
-      " Flax's dot_product_attention instead (it materializes the attention"
-      " scores). Warned once per attention_fn and feature.",
-      FlashAttentionFallbackWarning,
-      stacklevel=3,
-    )
-
-
-def _refuse_modified_fallback(
-  unsupported: tuple[str, str], modified: tuple[str, ...]
-) -> None:
-  """Raises: Flax's attention would drop the window / softcap."""
-  raise NotImplementedError(
-    f"pallas_fa3 flash attention does not support {unsupported[1]}, and"
-    f" make_attention_fn({', '.join(modified)}) cannot fall back to Flax's"
-    " dot_product_attention, which has no sliding window or softcap (it"
-    " would compute another function)"
-  )
 
 
 def _check_options(
@@ -279,6 +260,12 @@ def make_attention_fn(
       )
       if arg is not _LINEN_ONLY
     }
+    if not isinstance(dropout_rate, jax.core.Tracer) and not (
+      0.0 <= dropout_rate < 1.0
+    ):  # Flax's check, whether or not dropout is active
+      raise ValueError(
+        f"dropout_rate must be in the range [0, 1), got {dropout_rate!r}"
+      )
     query, key, value = (promote_dtype or nnx_dtypes.promote_dtype)(
       (query, key, value), dtype=dtype
     )
@@ -307,9 +294,9 @@ def make_attention_fn(
     )
     if unsupported is not None:
       if modified:
-        _refuse_modified_fallback(unsupported, modified)
-      _refuse_or_warn(unsupported, on_unsupported, warned)
-      return _fallback(
+        refuse_modified_fallback(unsupported, modified)
+      refuse_or_warn(unsupported, on_unsupported, warned)
+      return flax_attention(
         query,
         key,
         value,
@@ -326,16 +313,31 @@ def make_attention_fn(
         softmax_scale=options.get("softmax_scale"),
         linen_kwargs=linen_kwargs,
       )
-    out = flash_top_left(
-      layout.fold_batch(query),
-      layout.fold_batch(key),
-      layout.fold_batch(value),
-      causal=plan.causal,
-      window=window,
-      options=options,
-      implementation=implementation,
-      segment_ids=plan.segment_ids,
-    )
+    q, k, v = (layout.fold_batch(x) for x in (query, key, value))
+    if plan.key_valid is not None:
+      if window is not None:
+        raise NotImplementedError(_ONE_ROW_WINDOW)
+      out, lse = flash_key_mask(
+        q,
+        k,
+        v,
+        plan.key_valid,
+        options=options,
+        implementation=implementation,
+      )
+    else:
+      out, lse = flash_top_left(
+        q,
+        k,
+        v,
+        causal=plan.causal,
+        window=window,
+        options=options,
+        implementation=implementation,
+        segment_ids=plan.segment_ids,
+      )
+    if plan.may_leave_rows_empty or window is not None:
+      out = fill_empty_rows(out, lse, v)
     return poison(layout.unfold_batch(out, query), plan.ok)
 
   attention_fn.__doc__ = (
@@ -348,49 +350,3 @@ def make_attention_fn(
     " pallas_fa3.flax.make_attention_fn."
   )
   return attention_fn
-
-
-def _fallback(
-  query,
-  key,
-  value,
-  *,
-  bias,
-  mask,
-  broadcast_dropout,
-  dropout_rng,
-  dropout_rate,
-  deterministic,
-  dtype,
-  precision,
-  module,
-  is_causal,
-  softmax_scale,
-  linen_kwargs,
-) -> jax.Array:
-  """Flax's own dot_product_attention: linen's for linen callers, else nnx's."""
-  if softmax_scale is not None:
-    # Flax divides q by sqrt(head_dim); pre-scale so the product is the scale.
-    query = query * jnp.asarray(
-      softmax_scale * math.sqrt(query.shape[-1]), query.dtype
-    )
-  common = dict(
-    bias=bias,
-    broadcast_dropout=broadcast_dropout,
-    dropout_rng=dropout_rng,
-    dropout_rate=dropout_rate,
-    deterministic=deterministic,
-    dtype=dtype,
-    precision=precision,
-    module=module,
-  )
-  if isinstance(module, linen.Module) or linen_kwargs:
-    if is_causal:  # linen's function has no is_causal; fold it into the mask
-      causal = jnp.asarray(top_left_causal_mask(query.shape[-3], key.shape[-3]))
-      mask = causal if mask is None else jnp.logical_and(mask, causal)
-    return linen.dot_product_attention(
-      query, key, value, mask=mask, **common, **linen_kwargs
-    )
-  return nnx.dot_product_attention(
-    query, key, value, mask=mask, is_causal=is_causal, **common
-  )

@@ -1,7 +1,7 @@
 """The Flax adapter's call checks: which dense masks it recognises (none,
-Flax's top-left causal mask, padding and segment masks, traced), the
-on-device checks of declared masks, and the first feature flash attention
-cannot compute.
+Flax's top-left causal mask, padding and segment masks, one-row key masks,
+traced), the on-device checks of declared masks, what rows no key reaches
+give, and the first feature flash attention cannot compute.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.flax import mask_segments
+from pallas_fa3.flax import key_mask, mask_segments
 from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
@@ -61,12 +61,21 @@ class MaskPlan(NamedTuple):
     segment_ids: None, or int32 ids `[prod(batch...), seq]` giving the mask.
     ok: None, or a traced bool scalar: whether a traced mask keeps the
       promise it was declared with (the output is NaN where it does not).
+    key_valid: None, or bool `[prod(batch...), 1 | heads, seq_kv]`: a call
+      with one query row and a mask (`pallas_fa3.flax.key_mask`), whose
+      mask is exactly these keys.
   """
 
   kind: str
   causal: bool = False
   segment_ids: SegmentIds | None = None
   ok: jax.Array | None = None
+  key_valid: jax.Array | None = None
+
+  @property
+  def may_leave_rows_empty(self) -> bool:
+    """Whether a query row may see no key (never with no mask or causal)."""
+    return self.segment_ids is not None or self.key_valid is not None
 
 
 def _by_heads(mask: Any, weights_shape: tuple[int, ...], xp) -> Any:
@@ -88,6 +97,13 @@ def plan_mask(
   """The `MaskPlan` of a call; `weights_shape` is `[batch..., heads, seq_q,
   seq_kv]`.
 
+  A call with one query row and a mask (a decode step of Flax's layers:
+  the mask is the cache's occupancy) is a key mask, taken exactly as it is
+  (`pallas_fa3.flax.key_mask`); `causal=True` and `padding_mask=True`
+  declare the masks of whole sequences and do not apply to it (a top-left
+  causal mask would keep key 0 only, as Flax's layers, which drop
+  `is_causal` in decode, know).
+
   Raises:
     ValueError: the mask does not broadcast to `weights_shape`, or a
       concrete mask breaks `make_attention_fn(causal=True)` (entries above
@@ -97,6 +113,9 @@ def plan_mask(
   kind = mask_kind(mask, weights_shape)
   if kind == "none" and mask is None:
     return MaskPlan("flash", causal)
+  if weights_shape[-2] == 1:
+    valid = key_mask.one_row_valid(mask, weights_shape, is_causal)
+    return MaskPlan("flash", key_valid=valid)
   if kind == "traced":
     if padding_mask:
       ids, ok = mask_segments.traced_padding_ids(
@@ -133,6 +152,27 @@ def causal_ok(mask: jax.Array, seq_q: int, seq_kv: int) -> jax.Array:
   """Whether a traced mask is Flax's causal mask (a traced bool scalar)."""
   causal = jnp.asarray(top_left_causal_mask(seq_q, seq_kv))
   return jnp.all(mask.astype(bool) == causal)
+
+
+def fill_empty_rows(
+  out: jax.Array, lse: jax.Array, value: jax.Array
+) -> jax.Array:
+  """Rows that see no key (lse -inf) become what Flax's attention gives them.
+
+  Flax masks scores with the dtype's lowest finite value, so a row whose
+  every score is masked has uniform weights: the mean of V over all keys
+  (of the query head's kv head). `flash_attention` gives such rows 0; the
+  adapter keeps one convention on every route, Flax's.
+
+  Args:
+    out: `[batch, seq_q, heads_q, head_dim_v]`.
+    lse: float32 `[batch, heads_q, seq_q]`.
+    value: `[batch, seq_kv, heads_kv, head_dim_v]`.
+  """
+  empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]
+  mean = value.astype(jnp.float32).mean(axis=1)  # [b, hk, dv]
+  mean = jnp.repeat(mean, out.shape[2] // value.shape[2], axis=1)
+  return jnp.where(empty, mean[:, None].astype(out.dtype), out)
 
 
 def poison(out: jax.Array, ok: jax.Array | None) -> jax.Array:

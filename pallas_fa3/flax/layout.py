@@ -38,7 +38,8 @@ def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
   batch = query.shape[:-_TRAILING_AXES]
   if not batch == key.shape[:-_TRAILING_AXES] == value.shape[:-_TRAILING_AXES]:
     raise ValueError(
-      f"query, key and value must have the same batch axes; got {shapes}"
+      f"query, key and value must have the same batch dims (leading axes);"
+      f" got {shapes}"
     )
 
 

@@ -14,9 +14,9 @@ verified by rebuilding the mask, so a mask is either turned into ids that
 give exactly it or not at all. Traced masks (under `jit`) are decomposed on
 device as padding masks only, returning whether the rebuilt mask matches.
 
-Note: a query row the mask leaves empty outputs 0 with flash attention;
-Flax's attention outputs the mean of the values there (uniform weights over
-masked scores).
+A query row the mask leaves empty outputs 0 from flash attention; the
+adapter then gives it Flax's value, the mean of the values
+(`adapter_masks.fill_empty_rows`).
 """
 
 from __future__ import annotations

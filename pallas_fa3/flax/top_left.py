@@ -4,7 +4,9 @@ Flax's `is_causal` lets query i see keys j <= i whatever the lengths; the
 core aligns its causal mask and windows bottom-right (query i sits at key
 position `i + seq_kv - seq_q`). `flash_top_left` computes the top-left
 function exactly with the core's masks and slicing, so that
-`make_attention_fn` keeps Flax's semantics when seq_q != seq_kv.
+`make_attention_fn` keeps Flax's semantics when seq_q != seq_kv. It returns
+the lse with the output: a row that sees no key has lse -inf, which is how
+the adapter finds the rows it gives Flax's value (`fill_empty_rows`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def flash_top_left(
   options: dict[str, Any],
   implementation: str | None,
   segment_ids: SegmentIds | None = None,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
   """flash_attention on rank-4 inputs with Flax's top-left alignment.
 
   The core aligns causal masks bottom-right. Top-left, query i sees keys
@@ -48,6 +50,10 @@ def flash_top_left(
     implementation: `flash_attention`'s.
     segment_ids: None or int32 ids `[batch, seq_q]` / `[batch, seq_kv]`,
       sliced along with the queries and keys.
+
+  Returns:
+    `(out [batch, seq_q, heads_q, head_dim_v], lse [batch, heads_q, seq_q])`
+    (float32, natural log; -inf for a row that sees no key).
   """
 
   def call(q, k, v, causal, window=None, q_from=0):
@@ -65,6 +71,7 @@ def flash_top_left(
       window_size=window,
       implementation=implementation,
       segment_ids=ids,
+      return_lse=True,
       **options,
     )
 
@@ -77,7 +84,17 @@ def flash_top_left(
     return call(q, k[:, :seq_q], v[:, :seq_q], True)
   head = call(q[:, :seq_kv], k, v, True)
   tail = call(q[:, seq_kv:], k, v, False, q_from=seq_kv)
-  return jnp.concatenate([head, tail], axis=1)
+  return _concat_rows(head, tail)
+
+
+def _concat_rows(
+  first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  """Two (out, lse) pairs of consecutive query rows as one."""
+  return (
+    jnp.concatenate([first[0], second[0]], axis=1),
+    jnp.concatenate([first[1], second[1]], axis=2),
+  )
 
 
 def _window_top_left(
@@ -86,8 +103,8 @@ def _window_top_left(
   v: jax.Array,
   causal: bool,
   window: Window,
-  call: Callable[..., jax.Array],
-) -> jax.Array:
+  call: Callable[..., tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
   """A top-left window (query i sees `i - left <= j <= i + right`) as one
   bottom-right windowed call.
 
@@ -95,7 +112,7 @@ def _window_top_left(
   `d = seq_kv - seq_q`, so the same keys are the window `(left + d,
   right - d)`; a side that would be negative is made valid by slicing off
   what no query sees: keys past `seq_q - 1 + right`, queries from
-  `seq_kv + left` on (they see no key: output 0).
+  `seq_kv + left` on (they see no key: output 0, lse -inf).
   """
   left, right = window
   if causal:
@@ -116,5 +133,7 @@ def _window_top_left(
     out = call(q[:, :rows], k, v, False, (left, right))
   if rows == seq_q:
     return out
+  out, lse = out
   empty = jnp.zeros((q.shape[0], seq_q - rows) + out.shape[2:], out.dtype)
-  return jnp.concatenate([out, empty], axis=1)
+  no_key = jnp.full(lse.shape[:2] + (seq_q - rows,), -jnp.inf, lse.dtype)
+  return _concat_rows((out, lse), (empty, no_key))
