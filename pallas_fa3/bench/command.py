@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pallas_fa3.bench import (
+  decode_command,
+  decode_impls,
+  decode_specs,
+  flags,
   impls,
   plots,
   report,
@@ -19,88 +22,13 @@ from pallas_fa3.bench import (
   timing,
 )
 
+OUT_DIR = "bench_out/bench"
+GRIDS = ("gpu", "cpu")  # --grid: whose default grid
 CPU_NOTE = (
   "No GPU: this is the CPU sweep (blockwise vs reference vs XLA)."
   " GPU figures (mosaic, cuDNN, attention_mgpu, % of matmul peak)"
   " need a Hopper GPU: run benchmarks/device_check.sh there."
 )
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-  """An argparse `type`: an int >= `low`, else a usage error naming the flag."""
-
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(
-        f"expected an integer; got {text!r}"
-      ) from None
-    if value < low:
-      raise argparse.ArgumentTypeError(f"must be >= {low}; got {value}")
-    return value
-
-  return parse
-
-
-def _non_negative_float(text: str) -> float:
-  """An argparse `type`: a float >= 0, else a usage error naming the flag."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-      f"expected a number; got {text!r}"
-    ) from None
-  if not value >= 0:  # also rejects nan
-    raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
-  return value
-
-
-def _positive_float(text: str) -> float:
-  """An argparse `type`: a finite float > 0, else a usage error."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-      f"expected a number; got {text!r}"
-    ) from None
-  if not 0 < value < math.inf:  # also rejects nan
-    raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
-  return value
-
-
-def _window(text: str) -> tuple[int | None, int | None]:
-  """An argparse `type`: "LEFT,RIGHT", each an int >= 0 or "none"
-  (unbounded), not both none; else a usage error."""
-  usage = (
-    "expected LEFT,RIGHT, each an integer >= 0 or 'none' (unbounded),"
-    f" e.g. 256,0 or 256,none; got {text!r}"
-  )
-  parts = [part.strip().lower() for part in text.split(",")]
-  if len(parts) != 2:
-    raise argparse.ArgumentTypeError(usage)
-  sides = []
-  for part in parts:
-    if part == "none":
-      sides.append(None)
-      continue
-    try:
-      sides.append(int(part))
-    except ValueError:
-      raise argparse.ArgumentTypeError(usage) from None
-    if sides[-1] < 0:
-      raise argparse.ArgumentTypeError(usage)
-  if sides == [None, None]:
-    raise argparse.ArgumentTypeError(
-      f"none,none is no window; leave --window out instead (got {text!r})"
-    )
-  return tuple(sides)
-
-
-def _unset(gpu, cpu) -> str:
-  """Help text: what an unset flag means on each platform."""
-  show = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
-  return f"unset: {show(gpu)} on a GPU, {show(cpu)} on a CPU"
 
 
 def add_parser(
@@ -112,7 +40,10 @@ def add_parser(
   `settings_from`); their help says which.
   """
   gpu, cpu = specs.PAPER_AXES, specs.CPU_AXES
-  positive = _int_at_least(1)
+  positive = flags.int_at_least(1)
+  # --impl and --ours: every mode's names (read now: tests may add one);
+  # each mode checks its own.
+  every_impl = impls.ALL + decode_impls.DECODE_ONLY
   p = sub.add_parser(
     "bench",
     help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
@@ -128,26 +59,33 @@ def add_parser(
       " its reason. --window, --softcap, --sinks and --docs apply to every case"
       " and implementation; one that cannot serve them is skipped, saying"
       " why, and FLOPs count only the pairs a window and the documents"
-      " leave visible."
+      " leave visible. --mode decode times one generation step over a KV"
+      " cache instead (--batch, --cache-len, --page-size, --num-splits,"
+      " --ragged): GB/s of K/V read and % of the HBM peak, against XLA,"
+      " cuDNN and JAX's Triton decode ops; see docs/benchmarks.md."
     ),
     formatter_class=formatter_class,
   )
   p.add_argument(
     "--impl",
     nargs="+",
-    choices=impls.ALL,
+    choices=every_impl,
     metavar="IMPL",
     help=f"implementations to time, of {' '.join(impls.ALL)} ("
-    + _unset(runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
+    + flags.unset(runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
+    + f"); --mode decode: of {' '.join(decode_impls.ALL)} ("
+    + flags.unset(
+      decode_impls.DEFAULT_IMPLS["gpu"], decode_impls.DEFAULT_IMPLS["cpu"]
+    )
     + ")",
   )
   p.add_argument(
     "--ours",
-    choices=impls.ALL,
+    choices=every_impl,
     metavar="IMPL",
     help="the implementation compared with the others ("
-    + _unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"])
-    + ")",
+    + flags.unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"])
+    + "; the same for --mode decode)",
   )
   p.add_argument(
     "--dtype",
@@ -163,13 +101,13 @@ def add_parser(
     nargs="+",
     type=positive,
     help=f"head dims, at most {specs.MAX_HEAD_DIM}, each dividing"
-    f" --hidden ({_unset(gpu.head_dims, cpu.head_dims)})",
+    f" --hidden ({flags.unset(gpu.head_dims, cpu.head_dims)})",
   )
   p.add_argument(
     "--seq",
     nargs="+",
     type=positive,
-    help=f"sequence lengths ({_unset(gpu.seqs, cpu.seqs)})",
+    help=f"sequence lengths ({flags.unset(gpu.seqs, cpu.seqs)})",
   )
   causal = p.add_mutually_exclusive_group()
   causal.add_argument(
@@ -189,21 +127,22 @@ def add_parser(
   p.add_argument(
     "--mode",
     nargs="+",
-    choices=specs.MODES,
+    choices=specs.MODES + (decode_specs.MODE,),
     metavar="MODE",
     help=f"passes to time, of {' '.join(specs.MODES)} ("
-    + _unset(gpu.modes, cpu.modes)
-    + ")",
+    + flags.unset(gpu.modes, cpu.modes)
+    + "); or decode alone: one generation step over a KV cache",
   )
   p.add_argument(
     "--gqa",
     nargs="+",
     type=positive,
-    help="query heads per key/value head, 1: MHA (unset: 1)",
+    help="query heads per key/value head, 1: MHA (unset: 1; --mode"
+    " decode: 4, and 1 4 8 at batch 8 x 32k on a GPU)",
   )
   p.add_argument(
     "--window",
-    type=_window,
+    type=flags.window,
     metavar="LEFT,RIGHT",
     help="sliding window of every case, bottom-right aligned like --causal:"
     " query i at p = i + seq_kv - seq_q sees keys p-LEFT..p+RIGHT; each"
@@ -211,7 +150,7 @@ def add_parser(
   )
   p.add_argument(
     "--softcap",
-    type=_positive_float,
+    type=flags.positive_float,
     metavar="CAP",
     help="logit softcap of every case: scores become CAP * tanh(score"
     " / CAP) (unset: none)",
@@ -233,26 +172,34 @@ def add_parser(
     "--tokens",
     type=positive,
     help="batch x seq per case, batch = tokens // seq ("
-    + _unset(gpu.tokens, cpu.tokens)
+    + flags.unset(gpu.tokens, cpu.tokens)
     + ")",
   )
   p.add_argument(
     "--hidden",
     type=positive,
-    help="heads_q x head_dim per case (" + _unset(gpu.hidden, cpu.hidden) + ")",
+    help="heads_q x head_dim per case ("
+    + flags.unset(gpu.hidden, cpu.hidden)
+    + ")",
+  )
+  p.add_argument(
+    "--grid",
+    choices=GRIDS,
+    help="the default grid the flags change (unset: the platform's; e.g."
+    " --grid gpu --time-budget 0 on a CPU lists the GPU grid's cases)",
   )
   p.add_argument(
     "--runs",
     type=positive,
     help="timed calls per case ("
-    + _unset(runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
+    + flags.unset(runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
     + ")",
   )
   p.add_argument(
     "--warmup",
-    type=_int_at_least(0),
+    type=flags.int_at_least(0),
     help="untimed calls before timing ("
-    + _unset(runner.DEFAULT_WARMUP["gpu"], runner.DEFAULT_WARMUP["cpu"])
+    + flags.unset(runner.DEFAULT_WARMUP["gpu"], runner.DEFAULT_WARMUP["cpu"])
     + ")",
   )
   p.add_argument(
@@ -264,14 +211,14 @@ def add_parser(
   p.add_argument("--seed", type=int, default=0, help="input seed")
   p.add_argument(
     "--time-budget",
-    type=_non_negative_float,
+    type=flags.non_negative_float,
     help="seconds; cases not started by then are reported as"
     " skipped, files are still written (unset: no limit)",
   )
   p.add_argument(
     "--out",
-    default="bench_out/bench",
-    help="output folder (results.csv/json, summary.md, plots/)",
+    help="output folder: results.csv/json, summary.md, plots/ (unset:"
+    f" {OUT_DIR}; --mode decode: {decode_command.OUT_DIR})",
   )
   p.add_argument(
     "--plots",
@@ -290,12 +237,15 @@ def add_parser(
     action="store_true",
     help="exit 1 if any case failed with an error",
   )
+  decode_command.add_flags(p)
   return p
 
 
 def grid_axes(args, platform: str) -> specs.GridAxes:
   """The grid's axes: the platform default, overridden by the flags."""
-  axes = specs.PAPER_AXES if platform == "gpu" else specs.CPU_AXES
+  axes = (
+    specs.PAPER_AXES if (args.grid or platform) == "gpu" else specs.CPU_AXES
+  )
   overrides = dict(
     dtypes=args.dtype,
     head_dims=args.head_dim,
@@ -338,11 +288,16 @@ def settings_from(args, platform: str) -> dict:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
+  if decode_command.is_decode(args):
+    return decode_command.run(args, argv)
+  decode_command.check_flags(args)
   platform = runner.platform_name()
   try:
     grid = specs.make_grid(grid_axes(args, platform))
   except ValueError as e:
     args.parser.error(str(e))
+  if args.tags and not (grid := specs.select(grid, args.tags)):
+    args.parser.error(f"--tags {' '.join(args.tags)} selects no case")
   impl_names = tuple(args.impl or runner.DEFAULT_IMPLS[platform])
   ours = args.ours or impls.OURS_ON[platform]
   settings = settings_from(args, platform)
@@ -357,12 +312,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     settings=settings,
     impls={n: impls.REGISTRY[n].summary for n in impl_names},
   )
-  paths = report.write_files(result, args.out, ours)
+  out = args.out or OUT_DIR
+  paths = report.write_files(result, out, ours)
   if args.plots:
     try:
       paths["png"] = plots.plot(
         result["records"],
-        os.path.join(args.out, "plots"),
+        os.path.join(out, "plots"),
         result["environment"],
       )
     except ImportError as e:  # a bare GPU image may lack matplotlib

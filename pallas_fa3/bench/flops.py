@@ -10,6 +10,10 @@ intersected with that mask. A softcap's tanh
 and the sinks are not matmul work and are not counted. Backward counts 2.5x
 the forward (five matmuls instead of two: FA2/FA3 convention),
 forward+backward 3.5x.
+
+Decoding (`--mode decode`) counts the same pairs per sequence, each on its
+own cache length, and also the K/V bytes a step must read
+(`decode_kv_bytes`), its figure of merit.
 """
 
 from __future__ import annotations
@@ -125,3 +129,25 @@ def attention_flops(spec, head_dim_v: int | None = None) -> int:
   fwd = 2 * spec.batch * pairs * spec.heads_q * (spec.head_dim + dv)
   num, den = _MODE_FACTOR[spec.mode]
   return fwd * num // den
+
+
+def decode_kv_bytes(spec) -> int:
+  """K/V bytes one decode step must read (`spec`: a `DecodeBenchSpec`).
+
+  Every sequence's keys and values once: `sum_b L_b * heads_kv * (d + dv)
+  * itemsize`. The figure of merit of a memory-bound decoder is these
+  bytes per second against the HBM peak; what an implementation reads
+  beyond them (a gathered copy of a paged cache, materialized scores,
+  partials of a split) is its overhead, not counted.
+  """
+  per_token = spec.heads_kv * (spec.head_dim + spec.head_dim_v)
+  return sum(spec.lengths) * per_token * spec.itemsize
+
+
+def decode_flops(spec) -> int:
+  """FLOPs of one decode step (`spec`: a `DecodeBenchSpec`): `2 * (d + dv)`
+  per visible (query, key) pair and query head, each sequence's `seq_q`
+  queries bottom-right aligned on its own length (`visible_pairs`); at seq_q
+  1 and dv == d, `4 * b * hq * L * d` with every cache full."""
+  pairs = sum(visible_pairs(spec.seq_q, n, spec.causal) for n in spec.lengths)
+  return 2 * pairs * spec.heads_q * (spec.head_dim + spec.head_dim_v)

@@ -42,10 +42,10 @@ def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
 # Share of the figure's width a title row may take: the rest is margin.
 _TITLE_WIDTH_SHARE = 0.96
 # Height a suptitle row takes ("large" font, 14.4 pt, with line spacing).
-_TITLE_ROW_INCHES = 0.3
+TITLE_ROW_INCHES = 0.3
 
 
-def _fit_title(fig, lines: list[list[str]]) -> int:
+def fit_title(fig, lines: list[list[str]]) -> int:
   """Sets the figure's suptitle from `lines` of phrases, packed so that no
   row is wider than the figure (a single-panel figure clipped the one-line
   title at both sides).
@@ -147,7 +147,7 @@ def figures(
     what[0] += " (quantization + attention)" if dtype == "fp8" else ""
     what += label.split(", ") if label else []
     what = [f"{w}," for w in what[:-1]] + [f"{what[-1]}:"]
-    title_rows = _fit_title(
+    title_rows = fit_title(
       fig,
       [
         what + [f"{unit} of the median call,", "bars: fastest to slowest"],
@@ -155,7 +155,7 @@ def figures(
       ],
     )
     # Room for the title's rows above the panels (the width stays).
-    fig.set_figheight(3.5 * len(causals) + _TITLE_ROW_INCHES * title_rows)
+    fig.set_figheight(3.5 * len(causals) + TITLE_ROW_INCHES * title_rows)
     fig.tight_layout()
     slug = re.sub(r"[^0-9a-z.]+", "_", label).strip("_")
     name = f"tflops_{mode.replace('+', '_')}_{dtype}{'_' if slug else ''}{slug}"

@@ -176,11 +176,14 @@ def make_console():
   return console
 
 
-def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
+def write_files(
+  result: dict, out_dir: str, ours: str, summary=None
+) -> dict[str, str]:
   """Writes CSV, JSON and markdown into `out_dir`; returns their paths.
 
   The CSV is a header line and one row per record (no comment lines), each
-  row with the `CSV_ENVIRONMENT` fields appended.
+  row with the `CSV_ENVIRONMENT` fields appended. `summary(result, ours)`
+  makes the markdown (default: `markdown`; decode has its own).
   """
   os.makedirs(out_dir, exist_ok=True)
   paths = {
@@ -201,7 +204,7 @@ def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
       dict(result, ratios=ratios(records, ours), ours=ours), f, indent=1
     )
   with open(paths["md"], "w") as f:
-    f.write(markdown(result, ours))
+    f.write((summary or markdown)(result, ours))
   return paths
 
 

@@ -209,6 +209,26 @@ def run_case(
   return rec
 
 
+def each_case(cases: Sequence[tuple], one, progress: bool = True) -> list:
+  """`[one(impl, spec) for impl, spec in cases]`, under a rich progress bar
+  (naming the case being run) when `progress` and rich is installed."""
+  if progress:
+    try:
+      from rich.progress import Progress  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      progress = False
+  if not progress:
+    return [one(impl, spec) for impl, spec in cases]
+  records = []
+  with Progress(transient=False) as bar:
+    task = bar.add_task("bench", total=len(cases))
+    for impl, spec in cases:
+      bar.update(task, description=f"{impl.name:>9} {spec.name}")
+      records.append(one(impl, spec))
+      bar.advance(task)
+  return records
+
+
 def run_sweep(
   cases: Sequence[tuple[impls.Impl, specs.BenchSpec]],
   settings: dict,
@@ -226,7 +246,7 @@ def run_sweep(
   peak = None
   if settings.get("matmul_n"):
     peak = timing.matmul_tflops(settings["matmul_n"])
-  records, inputs_of = [], {}
+  inputs_of = {}
   budget = settings.get("time_budget_s")
 
   def one(impl, spec):
@@ -242,20 +262,7 @@ def run_sweep(
       )
     return run_case(impl, spec, inputs_of[spec], settings, peak)
 
-  if progress:
-    try:
-      from rich.progress import Progress  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      progress = False
-  if progress:
-    with Progress(transient=False) as bar:
-      task = bar.add_task("bench", total=len(cases))
-      for impl, spec in cases:
-        bar.update(task, description=f"{impl.name:>9} {spec.name}")
-        records.append(one(impl, spec))
-        bar.advance(task)
-  else:
-    records = [one(impl, spec) for impl, spec in cases]
+  records = each_case(cases, one, progress)
   return dict(
     matmul_peak_tflops=peak,
     records=records,

@@ -19,6 +19,19 @@ import jax.numpy as jnp
 # The matmul used to measure the device's dense bf16 rate (FLOPs = 2 n^3).
 MATMUL_N_GPU = 8192
 
+# HBM bandwidth, bytes/s, from NVIDIA's datasheets, by a substring of
+# `jax.Device.device_kind` (first match wins; H100 SXM reports "H100 80GB
+# HBM3"). Decoding is memory-bound: its % of peak is against these. A kind
+# not listed (a CPU, another GPU, GH200 whose HBM differs by model) has no
+# peak: the column stays empty rather than holding a guess.
+HBM_PEAK_BYTES_S: tuple[tuple[str, float], ...] = (
+  ("H200", 4.8e12),
+  ("H100 80GB HBM3", 3.35e12),
+  ("H100 SXM", 3.35e12),
+  ("H100 NVL", 3.9e12),
+  ("H100 PCIe", 2.0e12),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -127,6 +140,14 @@ def measure(
     compile_s,
     temp_bytes(compiled),
   ), compiled
+
+
+def hbm_peak_bytes_s(device_kind: str) -> float | None:
+  """The HBM peak of a device kind (`HBM_PEAK_BYTES_S`), or None."""
+  for name, peak in HBM_PEAK_BYTES_S:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
 
 
 def peak_device_bytes() -> int | None:

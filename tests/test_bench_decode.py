@@ -1,0 +1,273 @@
+"""Tests of `pallas-fa3 bench --mode decode`: a tiny CPU sweep end to end,
+the bytes and FLOPs model, the default grids, skip reasons, the Triton
+baselines' wrappers (interpret mode) and the flags' usage errors."""
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_fa3 import cli
+from pallas_fa3.bench import (
+  decode,
+  decode_command,
+  decode_impls,
+  decode_report,
+  decode_specs,
+  flops,
+  report,
+  timing,
+)
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_TINY = [
+  "--mode",
+  "decode",
+  "--batch",
+  "2",
+  "--cache-len",
+  "128",
+  "--page-size",
+  "none",
+  "64",
+  "--num-splits",
+  "auto",
+  "2",
+  "--hidden",
+  "128",
+  "--head-dim",
+  "64",
+  "--gqa",
+  "2",
+  "--runs",
+  "1",
+  "--warmup",
+  "0",
+  "--input-sets",
+  "1",
+  "--no-progress",
+]
+
+
+def _parse(argv):
+  return cli.build_parser().parse_args(["bench"] + argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("decode"))
+  impls = ["--impl", "blockwise", "reference", "xla", "mosaic", "cudnn"]
+  impls += ["triton-gqa", "triton-paged"]
+  assert cli.main(["bench"] + _TINY + impls + ["--out", out]) == 0
+  return out
+
+
+def test_cli_writes_every_file(tiny_sweep):
+  rows = report.read_csv(os.path.join(tiny_sweep, report.CSV_FILE))
+  ok = [r for r in rows if r["status"] == "ok"]
+  # 2 layouts x 2 split counts for blockwise; reference and xla take no
+  # split count: timed at auto only.
+  assert sorted((r["impl"], r["num_splits"]) for r in ok) == sorted(
+    [("blockwise", s) for s in ("auto", "2") for _ in range(2)]
+    + [(i, "auto") for i in ("reference", "xla") for _ in range(2)]
+  )
+  for r in ok:
+    median = float(r["time_median_ms"]) * 1e-3
+    assert float(r["time_min_ms"]) <= float(r["time_median_ms"])
+    assert float(r["time_median_ms"]) <= float(r["time_max_ms"])
+    assert float(r["gbps"]) == pytest.approx(int(r["kv_bytes"]) / median / 1e9)
+    assert float(r["tflops"]) == pytest.approx(int(r["flops"]) / median / 1e12)
+    assert r["pct_hbm"] == ""  # a CPU has no HBM peak
+    assert float(r["max_abs_err"]) < 0.05  # bf16 against the reference
+  blockwise = {
+    r["num_splits"]: r["splits"] for r in ok if r["impl"] == "blockwise"
+  }
+  assert blockwise == {"auto": "1", "2": "2"}
+  data = json.loads(open(os.path.join(tiny_sweep, report.JSON_FILE)).read())
+  assert data["environment"]["command"].startswith("pallas-fa3 bench")
+  assert data["ours"] == "blockwise" and "CPU" in data["hbm_peak"]
+  assert {r["baseline"] for r in data["ratios"]} == {"reference", "xla"}
+  md = open(os.path.join(tiny_sweep, report.MARKDOWN_FILE)).read()
+  assert "| b x L | hq/hk d | cache | splits |" in md and "no HBM peak" in md
+  png = os.path.join(tiny_sweep, "plots", "decode_gbps_bf16.png")
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_skipped_implementations_say_why(tiny_sweep):
+  rows = report.read_csv(os.path.join(tiny_sweep, report.CSV_FILE))
+  skipped = [r for r in rows if r["status"] != "ok"]
+  assert skipped and all(
+    r["status"] == "skipped" and r["reason"] for r in skipped
+  )
+  why = {r["impl"]: r["reason"] for r in skipped}
+  assert "GPU" in why["mosaic"] and "GPU" in why["cudnn"]
+  assert "Triton" in why["triton-gqa"] and "Triton" in why["triton-paged"]
+  assert why["xla"] == decode.NO_SPLITS
+  md = open(os.path.join(tiny_sweep, report.MARKDOWN_FILE)).read()
+  for impl in ("mosaic", "cudnn", "triton-gqa", "triton-paged"):
+    assert f"- {impl}: [skipped]" in md
+
+
+def test_terminal_tables_fit_80_columns(tiny_sweep):
+  result = json.loads(open(os.path.join(tiny_sweep, report.JSON_FILE)).read())
+  text = decode_report.text(result, "blockwise")
+  assert "contiguous cache" in text and "paged cache" in text
+  assert max(map(len, text.splitlines())) <= decode_report.WIDTH
+
+
+def test_bytes_and_flops_by_hand():
+  s = decode_specs.DecodeBenchSpec("x", 3, 100, 8, 2, 64, "bf16")
+  # K and V: 3 x 100 tokens x 2 heads x (64 + 64) x 2 bytes.
+  assert s.kv_bytes == 3 * 100 * 2 * 128 * 2 == 153600
+  assert s.flops == 4 * 3 * 8 * 1 * 100 * 64 == 614400  # 4 b hq sq L d
+  # Ragged: 100, 100 - 50 // 3 = 84, 100 - 100 // 3 = 67 tokens; the
+  # layout does not change the bytes, the dtype does.
+  r = decode_specs.DecodeBenchSpec(
+    "y", 3, 100, 8, 2, 64, "fp32", page_size=16, ragged=True
+  )
+  assert r.lengths == (100, 84, 67) and r.pages_per_seq == 7
+  assert r.kv_bytes == 251 * 2 * 128 * 4
+  assert r.flops == 2 * 251 * 8 * 128 == flops.decode_flops(r)
+
+
+def test_hbm_peak_by_device_kind():
+  assert timing.hbm_peak_bytes_s("NVIDIA H200") == 4.8e12
+  assert timing.hbm_peak_bytes_s("NVIDIA H100 80GB HBM3") == 3.35e12
+  assert timing.hbm_peak_bytes_s("cpu") is None
+  assert decode.hbm_peak("cpu") == (None, decode.NO_PEAK_CPU)
+
+
+def test_default_grids():
+  gpu = decode_command.grid(_parse(["--mode", "decode"]), "gpu")
+  names = [s.name for s in gpu]
+  assert len(names) == len(set(names))
+  head = decode_command.grid(
+    _parse(["--mode", "decode", "--tags", "headline"]), "gpu"
+  )
+  assert [(s.batch, s.cache_len, s.page_size, s.num_splits) for s in head] == [
+    (64, 8192, None, None),
+    (64, 8192, 64, None),
+    (1, 131072, None, None),
+  ]
+  assert all((s.heads_q, s.heads_kv, s.head_dim) == (32, 8, 128) for s in head)
+  assert {s.gqa for s in gpu} == {1, 4, 8}
+  assert {s.num_splits for s in gpu if s.batch == 1} == {None, 1, 8, 32, 128}
+  # A flag replaces its axis in every group; duplicates are dropped.
+  flat = decode_command.grid(
+    _parse(["--mode", "decode", "--page-size", "none", "--num-splits", "auto"]),
+    "gpu",
+  )
+  assert {s.page_size for s in flat} == {None}
+  assert len(flat) == len({s.shape_key for s in flat})
+  # --grid gpu picks the GPU grid on any platform.
+  assert (
+    decode_command.grid(_parse(["--mode", "decode", "--grid", "gpu"]), "cpu")
+    == gpu
+  )
+  cpu = decode_command.grid(_parse(["--mode", "decode"]), "cpu")
+  assert len(cpu) == 8 and max(s.kv_bytes for s in cpu) <= 2**25  # 32 MiB
+
+
+def test_our_backends_check_every_gpu_case():
+  # Shapes only (no arrays): the library validates every default GPU case,
+  # and split counts come from the backends.
+  for spec in decode_command.grid(_parse(["--mode", "decode"]), "gpu"):
+    assert "GPU" in decode_impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
+    for name in ("mosaic", "blockwise"):
+      splits = decode_impls.REGISTRY[name].splits(spec)
+      assert splits >= 1 and spec.num_splits in (None, splits)
+
+
+def test_baselines_say_why_on_a_gpu():
+  reg = decode_impls.REGISTRY
+  spec = decode_specs.DecodeBenchSpec
+  contiguous = spec("c", 1, 8192, 32, 8, 128, "bf16")
+  paged = spec("p", 1, 8192, 32, 8, 128, "bf16", page_size=64)
+  assert "paged" in reg["triton-gqa"].unsupported(paged, "gpu")
+  assert "contiguous" in reg["triton-paged"].unsupported(contiguous, "gpu")
+  assert reg["triton-gqa"].unsupported(contiguous, "gpu") is None
+  assert reg["triton-paged"].unsupported(paged, "gpu") is None
+  assert reg["triton-gqa"].splits(contiguous) == decode_impls.TRITON_SPLITS
+  odd = spec("o", 1, 8192, 32, 8, 128, "bf16", num_splits=3)
+  assert "num_splits=3" in reg["triton-gqa"].unsupported(odd, "gpu")
+  fp32 = spec("f", 1, 8192, 32, 8, 128, "fp32")
+  assert "bf16/fp16" in reg["cudnn"].unsupported(fp32, "gpu")
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["gqa", "paged"])
+def test_triton_wrappers_match_the_reference(page_size):
+  # The Triton ops in Pallas interpret mode, on this CPU: our layouts,
+  # scale and split counts around them give the reference's output.
+  s = decode_specs.DecodeBenchSpec(
+    "t", 2, 64, 4, 2, 64, "fp32", page_size=page_size, ragged=True
+  )
+  impl = decode_impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
+  inputs = decode_specs.make_inputs(s, 1, 0)[0]
+  want = jax.jit(decode_impls.REGISTRY["reference"].build(s))(*inputs)
+  got = jax.jit(impl.build(s, interpret=True))(*impl.prepare(s, *inputs))
+  assert impl.splits(s) == 4
+  np.testing.assert_allclose(
+    np.asarray(got).reshape(want.shape), want, atol=1e-5
+  )
+
+
+def test_headline_has_a_decode_table(tmp_path):
+  rec = dict(batch=64, cache_len=8192, heads_q=32, heads_kv=8, head_dim=128)
+  rec.update(dtype="bf16", page_size=None, num_splits="auto", spec="s")
+  records = [
+    dict(rec, impl="mosaic", status="ok", gbps=4200.0, pct_hbm=87.5),
+    dict(rec, impl="triton-gqa", status="ok", gbps=2100.0, pct_hbm=43.75),
+    dict(rec, impl="triton-paged", status="skipped", gbps=None),
+  ]
+  (tmp_path / "decode").mkdir()
+  (tmp_path / "decode" / "results.json").write_text(
+    json.dumps(dict(records=records, hbm_peak="4.8 TB/s"))
+  )
+  path = _ROOT / "benchmarks" / "headline.py"
+  loader = importlib.util.spec_from_file_location("headline", path)
+  headline = importlib.util.module_from_spec(loader)
+  loader.loader.exec_module(headline)
+  assert headline.main([str(tmp_path)]) == 0
+  text = (tmp_path / "headline.md").read_text()
+  assert "4.8 TB/s" in text
+  assert (
+    "| b64 L8192 32/8 d128 bf16 contiguous splits auto | 4200 (88%) |"
+    " 2100 (44%) | skipped | - | - | 2.00 |"
+  ) in text
+
+
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
+    (["--mode", "decode", "fwd"], "--mode decode"),
+    (["--mode", "decode", "--seq", "128"], "--seq"),
+    (["--mode", "decode", "--window", "8,0"], "--window"),
+    (["--mode", "decode", "--no-causal"], "--causal"),
+    (["--mode", "decode", "--impl", "mgpu"], "--impl mgpu"),
+    (["--mode", "decode", "--dtype", "fp8"], "--dtype fp8"),
+    (["--mode", "decode", "--gqa", "3"], "--gqa 3"),
+    (["--mode", "decode", "--head-dim", "512"], "--head-dim"),
+    (["--mode", "decode", "--tags", "nope"], "--tags"),
+    (["--mode", "decode", "--batch", "0"], "--batch"),
+    (["--mode", "decode", "--cache-len", "-1"], "--cache-len"),
+    (["--mode", "decode", "--page-size", "big"], "--page-size"),
+    (["--mode", "decode", "--page-size", "0"], "--page-size"),
+    (["--mode", "decode", "--num-splits", "0"], "--num-splits"),
+    (["--mode", "fwd", "--cache-len", "128"], "--cache-len"),
+    (["--ragged"], "--ragged"),
+    (["--impl", "triton-gqa"], "--impl triton-gqa"),
+  ],
+  ids=lambda x: x if isinstance(x, str) else " ".join(x),
+)
+def test_bad_flags_are_usage_errors(argv, flag, capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench"] + argv + ["--out", str(tmp_path), "--no-progress"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert flag in err, err
+  assert not os.listdir(tmp_path)  # nothing ran
