@@ -21,10 +21,16 @@
 #              the blockwise twin, cuDNN, XLA, attention_mgpu side by side
 #   bench_bwd  bf16 backward at d128/256 (--quick: d128): the fused kernel
 #              (mosaic) and deterministic=True (mosaic-det) beside cuDNN
+#   decode     one decode step over a KV cache (`bench --mode decode --tags
+#              headline`: batch 64 x 8k, 32/8 heads, d128, contiguous and
+#              page 64; batch 1 x 128k split-KV): GB/s and % of the HBM peak
+#              of ours, JAX's Triton decode_attention.gqa / paged_attention,
+#              XLA and cuDNN (a time budget cuts the baselines first)
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
-#   headline   $OUT/headline.md: one table of the three timing steps
+#   headline   $OUT/headline.md: the timing steps' tables (TFLOP/s; decode:
+#              GB/s and % of the HBM peak)
 # $OUT/steps.tsv has one line per step: name, exit code (124: timed out),
 # seconds. Without a GPU (a CPU rehearsal) every GPU step runs its
 # rehearsal instead: imports and test collection under this JAX.
@@ -67,20 +73,28 @@ GPU=$(grep -c '"hopper": "yes"' "$OUT/versions.json" 2>/dev/null)
 if [ "$QUICK" = 1 ]; then
   export PALLAS_FA3_GPU_TIER=quick
   DIMS_FWD="128"; DIMS_BWD="128"; DIMS_FP8="128"
-  # Worst case 235 s: the FP8 configs are left to the smoke call.
-  T_SMOKE=60; T_CAUSAL=20; T_TESTS=45; T_FP8T=0; T_FWD=30; T_BWD=25; T_FP8=20
-  T_GRID=0
+  # Worst case 235 s: the FP8 configs are left to the smoke call. The
+  # decode step's 25 s came from smoke (60 -> 50), gpu_tests (45 -> 35)
+  # and headline (15 -> 10).
+  T_SMOKE=50; T_CAUSAL=20; T_TESTS=35; T_FP8T=0; T_FWD=30; T_BWD=25; T_FP8=20
+  T_GRID=0; T_DEC=25; T_HEAD=10
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
-  # Worst case 480 s (every step at its limit).
-  T_SMOKE=70; T_CAUSAL=35; T_TESTS=95; T_FP8T=45; T_FWD=70; T_BWD=60; T_FP8=35
-  T_GRID=35
+  # Worst case 480 s (every step at its limit). The decode step's 40 s
+  # came from gpu_tests (95 -> 90), bench_fwd (70 -> 60), bench_bwd
+  # (60 -> 50), fp8_speed (35 -> 30), grid (35 -> 30), headline (15 -> 10).
+  T_SMOKE=70; T_CAUSAL=35; T_TESTS=90; T_FP8T=45; T_FWD=60; T_BWD=50; T_FP8=30
+  T_GRID=30; T_DEC=40; T_HEAD=10
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
        --hidden 2048 --runs 10 --warmup 2 --no-progress --no-plots
        --impl mosaic mosaic-det blockwise cudnn xla mgpu)
+# The GPU grid's headline points (also on a CPU: --grid gpu), ours first.
+DECODE=("$PY" -m pallas_fa3.cli bench --mode decode --grid gpu --tags headline
+        --dtype bf16 --runs 10 --warmup 2 --no-progress --no-plots
+        --impl mosaic triton-gqa triton-paged xla cudnn)
 
 if [ "$GPU" = 1 ]; then
   # Every smoke item at once, each in its own process and killed (recorded
@@ -94,6 +108,9 @@ if [ "$GPU" = 1 ]; then
     --time-budget $(( T_FWD - 25 )) --out "$OUT/bench_fwd"
   run_step bench_bwd "$T_BWD" "${BENCH[@]}" --mode bwd --head-dim $DIMS_BWD \
     --time-budget $(( T_BWD - 20 )) --out "$OUT/bench_bwd"
+  # 15 s of margin: start-up (JAX, CUDA) and the last case's compile.
+  run_step decode "$T_DEC" "${DECODE[@]}" --time-budget $(( T_DEC - 15 )) \
+    --out "$OUT/decode"
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
   [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
@@ -111,11 +128,12 @@ else
     --time-budget 0 --out "$OUT/bench_fwd"
   run_step bench_bwd 120 "${BENCH[@]}" --mode bwd --head-dim $DIMS_BWD \
     --time-budget 0 --out "$OUT/bench_bwd"
+  run_step decode 120 "${DECODE[@]}" --time-budget 0 --out "$OUT/decode"
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
   run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \
     --time-budget 0
 fi
-run_step headline 15 "$PY" benchmarks/headline.py "$OUT"
+run_step headline "$T_HEAD" "$PY" benchmarks/headline.py "$OUT"
 echo "== [$(( $(date +%s) - START )) s] done: $OUT/steps.tsv, $OUT/headline.md"
 cat "$OUT/steps.tsv"

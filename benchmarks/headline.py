@@ -3,11 +3,15 @@
     python benchmarks/headline.py DIR      # writes DIR/headline.md
 
 Reads DIR/bench_fwd/results.json and DIR/bench_bwd/results.json (from
-`pallas-fa3 bench`) and DIR/fp8/fp8.json (from fp8_device_check.py); any
-of them may be missing (a step that timed out): its rows say so. One row
-per (pass, head dim, causal) at 16k tokens: TFLOPs/s of ours (mosaic), the
+`pallas-fa3 bench`), DIR/fp8/fp8.json (from fp8_device_check.py) and
+DIR/decode/results.json (from `pallas-fa3 bench --mode decode`); any of
+them may be missing (a step that timed out): its rows say so. One row per
+(pass, head dim, causal) at 16k tokens: TFLOPs/s of ours (mosaic), the
 blockwise twin on the GPU, cuDNN, XLA and attention_mgpu, and ours over the
-best baseline.
+best baseline. Then a decode table, a row per case: GB/s of K/V read and %
+of the HBM peak of ours (mosaic), JAX's Triton decode ops
+(decode_attention.gqa, paged_attention), XLA and cuDNN, and ours over the
+best of them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 
 IMPLS = ("mosaic", "mosaic-det", "blockwise", "cudnn", "xla", "mgpu")
 BASELINES = ("cudnn", "xla", "mgpu")
+DECODE_IMPLS = ("mosaic", "triton-gqa", "triton-paged", "xla", "cudnn")
+DECODE_BASELINES = DECODE_IMPLS[1:]
 
 
 def _load(path: pathlib.Path):
@@ -85,6 +91,60 @@ def fp8_rows(result: dict | None) -> list[str]:
   return rows
 
 
+def _decode_cell(rec) -> str:
+  if rec is None:
+    return "-"
+  if rec.get("status") == "ok" and rec.get("gbps") is not None:
+    pct = rec.get("pct_hbm")
+    gbps = rec["gbps"]
+    text = f"{gbps:.0f}" if gbps >= 100 else f"{gbps:.3g}"
+    return text + ("" if pct is None else f" ({pct:.0f}%)")
+  return rec.get("status", "?")
+
+
+def _decode_case(rec: dict) -> str:
+  """ "b64 L8192 32/8 d128 page 64 splits auto" """
+  layout = (
+    "contiguous" if rec["page_size"] is None else f"page {rec['page_size']}"
+  )
+  return (
+    f"b{rec['batch']} L{rec['cache_len']} {rec['heads_q']}/{rec['heads_kv']}"
+    f" d{rec['head_dim']} {rec['dtype']} {layout} splits {rec['num_splits']}"
+  )
+
+
+def decode_rows(result: dict | None) -> list[str]:
+  """The decode table's header and rows (GB/s and % of the HBM peak)."""
+  header = [
+    "| decode case | " + " | ".join(DECODE_IMPLS) + " | ours / best baseline |",
+    "|---|" + "---:|" * (len(DECODE_IMPLS) + 1),
+  ]
+  if result is None:
+    return header + ["| decode | (missing: the step did not finish) |"]
+  cases: dict[str, dict] = {}
+  for rec in result.get("records", []):
+    cases.setdefault(rec["spec"], {})[rec["impl"]] = rec
+  rows = []
+  for by_impl in cases.values():
+    first = next(iter(by_impl.values()))
+    ours = by_impl.get("mosaic", {}).get("gbps")
+    best = max(
+      (
+        by_impl[b]["gbps"]
+        for b in DECODE_BASELINES
+        if by_impl.get(b, {}).get("gbps")
+      ),
+      default=None,
+    )
+    ratio = f"{ours / best:.2f}" if ours and best else "-"
+    rows.append(
+      f"| {_decode_case(first)} | "
+      + " | ".join(_decode_cell(by_impl.get(i)) for i in DECODE_IMPLS)
+      + f" | {ratio} |"
+    )
+  return header + rows
+
+
 def main(argv=None) -> int:
   out = pathlib.Path((argv or sys.argv[1:])[0])
   lines = [
@@ -94,9 +154,14 @@ def main(argv=None) -> int:
   lines += bench_rows(_load(out / "bench_fwd" / "results.json"), "fwd")
   lines += bench_rows(_load(out / "bench_bwd" / "results.json"), "bwd")
   lines += fp8_rows(_load(out / "fp8" / "fp8.json"))
+  decode = _load(out / "decode" / "results.json")
+  peak = (decode or {}).get("hbm_peak", "unknown")
   text = (
     "TFLOPs/s (median; attention_mgpu on float16 copies)\n\n"
     + "\n".join(lines)
+    + "\n\nDecoding: GB/s of K/V read (median), in brackets % of the HBM"
+    + f" peak ({peak})\n\n"
+    + "\n".join(decode_rows(decode))
     + "\n"
   )
   (out / "headline.md").write_text(text)

@@ -58,6 +58,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "gpu_tests",
     "bench_fwd",
     "bench_bwd",
+    "decode",
     "fp8_speed",
     "grid",
     "headline",
@@ -78,8 +79,12 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "headline.md",
     "bench_fwd/results.json",
     "bench_bwd/results.json",
+    "decode/results.json",
     "fp8/fp8.json",
     "grid/grid.json",
   ):
     assert (tmp_path / name).exists(), name
   assert "collected" in (tmp_path / "gpu_tests.txt").read_text()
+  # The decode step's cases (the GPU grid's headline points) are listed.
+  headline = (tmp_path / "headline.md").read_text()
+  assert "Decoding" in headline and "b64 L8192 32/8 d128" in headline
