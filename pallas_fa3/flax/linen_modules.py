@@ -7,7 +7,10 @@ Its parameters are those of `flax.linen.MultiHeadDotProductAttention`:
 params dict loads as it is. `num_kv_heads` (GQA) is an addition: with it the
 `key`/`value` kernels are `[in_features, num_kv_heads, head_dim]`; with
 `sinks=True` the params also hold `sinks` (float32 `[num_heads]`, zeros at
-initialization).
+initialization). With `decode=True` the `cache` collection holds the KV
+cache (`cached_key`, `cached_value`: kv heads only; `cache_lengths`: each
+sequence's length), created by `init` with its input's shape
+`[batch..., max_length, features]`, as in Flax.
 
 Example:
   >>> import jax
@@ -32,7 +35,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
-from pallas_fa3.flax import attend
+from pallas_fa3.flax import attend, decode as decode_lib
 from pallas_fa3.flax.rope import (
   DEFAULT_ROPE_BASE,
   check_rope_base,
@@ -45,11 +48,12 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   """Linen multi-head (MHA/GQA/MQA) attention whose attention step is flash_attention.
 
   Same fields (first ones in the same order) and parameters as
-  `flax.linen.MultiHeadDotProductAttention`, minus dropout, masks, decoding
-  and weight sowing (use `make_attention_fn` with Flax's module for those),
+  `flax.linen.MultiHeadDotProductAttention`, minus dropout, masks and
+  weight sowing (use `make_attention_fn` with Flax's module for those),
   plus `num_kv_heads`, `causal`, `rope`, `window_size`, `softcap`, `sinks`,
-  `implementation` and `config`, and `segment_ids` at call time (packed
-  sequences and padding). The softmax scale is `1/sqrt(head_dim)`, Flax's.
+  `implementation`, `config` and `decode_config`, and `segment_ids` at
+  call time (packed sequences and padding). The softmax scale is
+  `1/sqrt(head_dim)`, Flax's.
 
   Attributes:
     num_heads: number of query heads.
@@ -77,6 +81,12 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       denominator: the param `sinks`, float32 `[num_heads]`, zeros at init.
     implementation: `flash_attention` backend (None: automatic).
     config: backend tiling config, e.g. `pallas_fa3.BlockwiseConfig`.
+    decode: decode with the KV cache of the `cache` collection (apply with
+      `mutable=["cache"]`); see `pallas_fa3.flax.decode`. `init` creates the
+      cache from its input `[batch..., max_length, features]` and computes
+      the plain (non-decode) call.
+    decode_config: tiling of `flash_attention_with_kvcache` in decode steps
+      (`pallas_fa3.Sm90DecodeConfig` or `BlockwiseConfig`).
   """
 
   num_heads: int
@@ -99,6 +109,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
   sinks: bool = False
   implementation: str | None = None
   config: Any = None
+  decode: bool = False
+  decode_config: Any = None
 
   @nn.compact
   def __call__(
@@ -109,6 +121,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     *,
     positions: jax.Array | None = None,
     segment_ids: Any = None,
+    prefill: bool = False,
+    chunk_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -129,10 +143,25 @@ class FlashMultiHeadDotProductAttention(nn.Module):
         one id then attends to itself). A query whose id matches no key
         (e.g. -1 for padded queries, -2 for padded keys) attends to nothing:
         0 before the output projection.
+      prefill: decode: start every sequence afresh with this chunk
+        (`flash_attention`); else the chunk is appended to each sequence
+        (`flash_attention_with_kvcache`).
+      chunk_lengths: decode: int32 `[batch...]`, the tokens of the chunk
+        each sequence keeps (right-padded ragged chunks; default: all).
 
     Returns:
       `[batch..., seq_q, out_features]`.
     """
+    decode = check_bool("decode", self.decode)
+    prefill = decode_lib.check_call_options(
+      decode,
+      inputs_k=inputs_k,
+      inputs_v=inputs_v,
+      positions=positions,
+      segment_ids=segment_ids,
+      prefill=prefill,
+      chunk_lengths=chunk_lengths,
+    )
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
       inputs_q, inputs_k, inputs_v
     )
@@ -165,21 +194,34 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       use_bias=self.use_bias,
       precision=self.precision,
     )
-    x = attend.attend(
-      dense(features=(num_heads, head_dim), name="query")(inputs_q),
-      dense(features=(num_kv_heads, head_dim), name="key")(inputs_k),
-      dense(features=(num_kv_heads, head_dim), name="value")(inputs_v),
+    query = dense(features=(num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
+    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)
+    options = dict(
       causal=causal,
       rope=rope,
       rope_base=check_rope_base(self.rope_base),
-      positions=positions,
       implementation=check_implementation(self.implementation),
       config=self.config,
       window_size=window_size,
       softcap=softcap,
       sinks=sinks,
-      segment_ids=segment_ids,
     )
+    # Flax's convention: the first decode call (init) creates the cache
+    # from its input's shape and computes the plain call.
+    if decode and self.has_variable("cache", "cached_key"):
+      x = self._decode(query, key, value, prefill, chunk_lengths, options)
+    else:
+      if decode:
+        self._init_cache(inputs_q.shape, num_kv_heads, head_dim, key.dtype)
+      x = attend.attend(
+        query,
+        key,
+        value,
+        positions=positions,
+        segment_ids=segment_ids,
+        **options,
+      )
     return nn.DenseGeneral(
       features=features,
       axis=(-2, -1),
@@ -191,3 +233,29 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       precision=self.precision,
       name="out",
     )(x)
+
+  def _init_cache(self, input_shape, heads_kv, head_dim, dtype) -> None:
+    state = decode_lib.empty_state(input_shape, heads_kv, head_dim, dtype)
+    for name, value in zip(
+      ("cached_key", "cached_value", "cache_lengths"), state
+    ):
+      self.variable("cache", name, lambda v=value: v)
+
+  def _decode(self, query, key, value, prefill, chunk_lengths, options):
+    """A decode call's attention output, updating the `cache` collection."""
+    names = ("cached_key", "cached_value", "cache_lengths")
+    variables = [self.get_variable("cache", n) for n in names]
+    state = decode_lib.DecodeState(*variables)
+    x, state = decode_lib.decode_attend(
+      query,
+      key,
+      value,
+      state,
+      prefill=prefill,
+      chunk_lengths=chunk_lengths,
+      decode_config=self.decode_config,
+      **options,
+    )
+    for name, new in zip(names, state):
+      self.put_variable("cache", name, new)
+    return x

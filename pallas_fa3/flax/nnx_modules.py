@@ -33,7 +33,7 @@ from flax.typing import Dtype, Initializer
 
 from pallas_fa3 import modifiers
 from pallas_fa3.backends import check_implementation
-from pallas_fa3.flax import attend
+from pallas_fa3.flax import attend, decode as decode_lib
 from pallas_fa3.flax.rope import (
   DEFAULT_ROPE_BASE,
   check_rope_base,
@@ -76,6 +76,11 @@ class FlashMultiHeadAttention(nnx.Module):
     sinks: add a learnable sink logit per query head to every row's softmax
       denominator: a parameter `sinks`, float32 `[num_heads]`, zeros at
       initialization (see `pallas_fa3.modifiers`).
+    decode: decode with a KV cache (Flax's convention: `init_cache` first;
+      a call's `decode=` overrides it); see `pallas_fa3.flax.decode`.
+    decode_config: tiling of `flash_attention_with_kvcache` in decode steps
+      (`pallas_fa3.Sm90DecodeConfig` or `BlockwiseConfig`; None: the
+      backend's default).
     dtype: computation dtype (default: inferred from inputs and params, as
       in Flax); the attention runs in the projections' dtype.
     param_dtype: dtype of the parameters.
@@ -102,6 +107,8 @@ class FlashMultiHeadAttention(nnx.Module):
     window_size: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    decode: bool = False,
+    decode_config: Any = None,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     use_bias: bool = True,
@@ -132,6 +139,8 @@ class FlashMultiHeadAttention(nnx.Module):
     self.use_bias = use_bias
     self.implementation = check_implementation(implementation)
     self.config = config
+    self.decode = check_bool("decode", decode)
+    self.decode_config = decode_config
 
     def projection(
       in_feats: Any, out_feats: Any, **kwargs: Any
@@ -170,6 +179,26 @@ class FlashMultiHeadAttention(nnx.Module):
       if check_bool("sinks", sinks)
       else None
     )
+    # The KV cache (`init_cache`): per kv head, and each sequence's length.
+    self.cached_key: nnx.Cache | None = nnx.data(None)
+    self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.cache_lengths: nnx.Cache | None = nnx.data(None)
+
+  def init_cache(self, input_shape: Any, dtype: Any = jnp.float32) -> None:
+    """Creates an empty KV cache for decoding (Flax's `init_cache`).
+
+    Args:
+      input_shape: `[batch..., max_length, features]`: the batch and the
+        most tokens any sequence will hold.
+      dtype: the cache's dtype, which must be the dtype the layer computes
+        in (its `dtype`, else the inputs' and parameters').
+    """
+    state = decode_lib.empty_state(
+      input_shape, self.num_kv_heads, self.head_dim, dtype
+    )
+    self.cached_key = nnx.Cache(state.key)
+    self.cached_value = nnx.Cache(state.value)
+    self.cache_lengths = nnx.Cache(state.lengths)
 
   def __call__(
     self,
@@ -179,6 +208,9 @@ class FlashMultiHeadAttention(nnx.Module):
     *,
     positions: jax.Array | None = None,
     segment_ids: Any = None,
+    decode: bool | None = None,
+    prefill: bool = False,
+    chunk_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -200,9 +232,35 @@ class FlashMultiHeadAttention(nnx.Module):
         (e.g. -1 for padded queries, -2 for padded keys) attends to nothing:
         0 before the output projection.
 
+      decode: override the layer's `decode`. In decode mode the call is
+        causal self-attention of a chunk `[batch..., chunk, features]` over
+        the cache (`init_cache` first), which it updates; positions come
+        from each sequence's cached length (no `inputs_k`, `inputs_v`,
+        `positions` or `segment_ids`).
+      prefill: decode mode: start every sequence afresh with this chunk
+        (attended by `flash_attention`); else the chunk is appended to each
+        sequence (attended by `flash_attention_with_kvcache`).
+      chunk_lengths: decode mode: int32 `[batch...]`, the tokens of the
+        chunk each sequence keeps (right-padded ragged chunks; default:
+        all).
+
     Returns:
       `[batch..., seq_q, out_features]`.
+
+    Raises:
+      ValueError: in decode mode, a cache that is missing or does not fit,
+        or a chunk that overflows it (lengths known outside `jit`).
     """
+    decode = self.decode if decode is None else check_bool("decode", decode)
+    prefill = decode_lib.check_call_options(
+      decode,
+      inputs_k=inputs_k,
+      inputs_v=inputs_v,
+      positions=positions,
+      segment_ids=segment_ids,
+      prefill=prefill,
+      chunk_lengths=chunk_lengths,
+    )
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
       inputs_q, inputs_k, inputs_v
     )
@@ -217,6 +275,9 @@ class FlashMultiHeadAttention(nnx.Module):
           f" {tuple(x.shape)}); the layer expects in_features="
           f"{self.in_features}"
         )
+    sinks = None if self.sinks is None else self.sinks[...]
+    if decode:
+      return self.out(self._decode(inputs_q, prefill, chunk_lengths, sinks))
     x = attend.attend(
       self.query(inputs_q),
       self.key(inputs_k),
@@ -229,7 +290,45 @@ class FlashMultiHeadAttention(nnx.Module):
       config=self.config,
       window_size=self.window_size,
       softcap=self.softcap,
-      sinks=None if self.sinks is None else self.sinks[...],
+      sinks=sinks,
       segment_ids=segment_ids,
     )
     return self.out(x)
+
+  def _decode(
+    self,
+    inputs: jax.Array,
+    prefill: bool,
+    chunk_lengths: Any,
+    sinks: jax.Array | None,
+  ) -> jax.Array:
+    """A decode call's attention output, updating the cache."""
+    if self.cached_key is None:
+      raise ValueError(
+        "decode mode needs a KV cache: call init_cache(input_shape, dtype)"
+        " first"
+      )
+    state = decode_lib.DecodeState(
+      self.cached_key[...], self.cached_value[...], self.cache_lengths[...]
+    )
+    x, state = decode_lib.decode_attend(
+      self.query(inputs),
+      self.key(inputs),
+      self.value(inputs),
+      state,
+      prefill=prefill,
+      chunk_lengths=chunk_lengths,
+      causal=self.causal,
+      rope=self.rope,
+      rope_base=self.rope_base,
+      implementation=self.implementation,
+      config=self.config,
+      decode_config=self.decode_config,
+      window_size=self.window_size,
+      softcap=self.softcap,
+      sinks=sinks,
+    )
+    self.cached_key[...] = state.key
+    self.cached_value[...] = state.value
+    self.cache_lengths[...] = state.lengths
+    return x
