@@ -11,7 +11,11 @@
   step        TrainConfig, build_program (the jitted step), evaluate
   train       train(): the loop, evaluation, checkpoints and resume
   checkpoint  orbax checkpoints of the training state
+  restore     a trained model from a run folder or checkpoint, for inference
+  generate    generate(): prefill, then cached decode steps (or recomputed)
+  sampling    Sampling and sample(): greedy, temperature, top-k, top-p
   report      progress bar and metrics log
 
-The command line is `pallas-fa3 train` (pallas_fa3/cli_train.py).
+The command lines are `pallas-fa3 train` (pallas_fa3/cli_train.py) and
+`pallas-fa3 generate` (pallas_fa3/cli_generate.py).
 """

@@ -13,6 +13,8 @@ with positions restarting per document. Optional attention variants:
 per-layer causal sliding windows (`window_pattern`, e.g. Gemma's alternation
 of local and global layers), an attention logit softcap and learnable
 attention sinks (one logit per head in every softmax denominator).
+After `init_cache`, calls with `decode=True` run the attention layers over
+their KV caches (a prefill, then decode steps: `models.generate`).
 
 Parameters live in `param_dtype` (float32 by default); the forward computes
 in `dtype` (float32 or bfloat16) and returns float32 logits.
@@ -130,9 +132,12 @@ class Block(nnx.Module):
     x: jax.Array,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    decode: dict[str, Any] | None = None,
   ) -> jax.Array:
     h = self.norm_attn(x)
-    if segment_ids is None:  # the unpacked call, exactly as before packing
+    if decode is not None:  # the attention's cache: prefill or a step
+      x = x + self.attn(h, decode=True, **decode)
+    elif segment_ids is None:  # the unpacked call, exactly as before packing
       x = x + self.attn(h)
     else:
       rope = positions if self.attn.rope else None
@@ -171,12 +176,34 @@ class GPT(nnx.Module):
         rngs=rngs,
       )
 
+  def init_cache(self, batch: int, max_length: int) -> None:
+    """Creates every attention layer's KV cache for decoding (`decode=True`
+    calls; `models.generate` uses them), in the compute dtype.
+
+    Raises:
+      ValueError: `max_length` exceeds `max_seq_len` (a learned position
+        table has no row for later positions; a RoPE model can be built
+        with a longer `max_seq_len`, which its parameters do not depend on).
+    """
+    if max_length > self.cfg.max_seq_len:
+      raise ValueError(
+        f"init_cache: max_length {max_length} exceeds GPTConfig.max_seq_len"
+        f" {self.cfg.max_seq_len}"
+      )
+    for block in self.blocks:
+      block.attn.init_cache(
+        (batch, max_length, self.cfg.d_model), _dtype(self.cfg)
+      )
+
   def __call__(
     self,
     tokens: jax.Array,
     *,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    decode: bool = False,
+    prefill: bool = False,
+    chunk_lengths: jax.Array | None = None,
   ) -> jax.Array:
     """Next-token logits.
 
@@ -191,6 +218,12 @@ class GPT(nnx.Module):
         table's one-hot gives 0 outside), only with `segment_ids`; default
         `pallas_fa3.segment_positions(segment_ids)` (restarting at 0 in each
         document).
+      decode: attend with the KV caches (`init_cache` first): `tokens` is a
+        chunk of each sequence, at positions from the cached lengths
+        (`pallas_fa3.flax.FlashMultiHeadAttention`'s decode mode).
+      prefill: with `decode`: the chunk starts every sequence afresh.
+      chunk_lengths: with `decode`: int32 `[batch]`, the tokens of a
+        right-padded ragged chunk each sequence keeps.
 
     Returns:
       float32 logits `[batch, seq, vocab_size]`; position i sees tokens <= i
@@ -203,9 +236,21 @@ class GPT(nnx.Module):
       raise ValueError(
         f"tokens has seq {seq} > GPTConfig.max_seq_len {cfg.max_seq_len}"
       )
-    segment_ids, positions = _packing_inputs(
-      tokens, segment_ids, positions, cfg.max_seq_len
-    )
+    decoding = None
+    if decode:
+      decoding = dict(prefill=prefill, chunk_lengths=chunk_lengths)
+      if segment_ids is not None or positions is not None:
+        raise ValueError(
+          "decode=True takes no segment_ids or positions: positions come"
+          " from the cached lengths"
+        )
+      positions = self._decode_positions(seq, prefill)
+    elif prefill or chunk_lengths is not None:
+      raise ValueError("prefill and chunk_lengths need decode=True")
+    else:
+      segment_ids, positions = _packing_inputs(
+        tokens, segment_ids, positions, cfg.max_seq_len
+      )
     table = self.embed[...].astype(dtype)
     # A one-hot matmul instead of a gather: for a 256-token vocabulary it is
     # cheap, and its gradient is a matmul rather than a scatter-add, which is
@@ -224,13 +269,24 @@ class GPT(nnx.Module):
         precision=jax.lax.Precision.HIGHEST,
       )
     for block in self.blocks:
-      x = block(x, segment_ids, positions)
+      x = block(x, segment_ids, positions, decoding)
     x = self.norm_out(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bsd,vd->bsv", x, table)
     else:
       logits = self.unembed(x)
     return logits.astype(jnp.float32)
+
+  def _decode_positions(self, seq: int, prefill: bool) -> jax.Array | None:
+    """The learned table's positions of a decode chunk (RoPE models: None,
+    the attention layers take theirs from the cache)."""
+    if self.cfg.position != "learned":
+      return None
+    lengths = self.blocks[0].attn.cache_lengths
+    if lengths is None:
+      raise ValueError("decode=True needs the KV caches: call init_cache")
+    start = jnp.zeros_like(lengths[...]) if prefill else lengths[...]
+    return start[:, None] + jnp.arange(seq, dtype=jnp.int32)
 
 
 def _packing_inputs(
