@@ -167,16 +167,16 @@ def test_merge_is_exact_and_ignores_empty_parts():
     return jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32)
 
   full_out, full_lse = attend(slice(0, 8))
-  out, lse = ring_steps._merge(*attend(slice(0, 3)), *attend(slice(3, 8)))
+  out, lse = ring_steps.merge(*attend(slice(0, 3)), *attend(slice(3, 8)))
   np.testing.assert_allclose(out, full_out, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(lse, full_lse, rtol=1e-6)
 
   empty_out = jnp.full(full_out.shape, 7.0)  # any value: its weight is 0
   empty_lse = jnp.full(full_lse.shape, -jnp.inf)
-  out, lse = ring_steps._merge(empty_out, empty_lse, full_out, full_lse)
+  out, lse = ring_steps.merge(empty_out, empty_lse, full_out, full_lse)
   np.testing.assert_allclose(out, full_out, rtol=1e-6)
   np.testing.assert_array_equal(lse, full_lse)
-  out, lse = ring_steps._merge(
+  out, lse = ring_steps.merge(
     jnp.zeros_like(full_out), empty_lse, jnp.zeros_like(full_out), empty_lse
   )
   assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))

@@ -52,11 +52,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from pallas_fa3 import backends, modifiers, segments
 from pallas_fa3.parallel import (
   ring_checks,
-  ring_layout,
-  ring_steps,
+  ring_local,
+  ring_plan,
   sharding_checks,
 )
-from pallas_fa3.parallel.ring_steps import RingPlan
+from pallas_fa3.parallel.ring_plan import RingPlan
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 
 Layout = Literal["natural", "zigzag"]
@@ -70,27 +70,13 @@ def _shard_map(
   plan: RingPlan, body: Callable[..., Any], in_specs: tuple, out_specs: Any
 ) -> Callable[..., Any]:
   # Every mesh axis is manual: the body sees one device's batch/head/sequence
-  # shard, and each step's backend call runs on it as is. (An axis left
-  # automatic would not do: XLA does not partition a custom_partitioning op
-  # inside a partially manual shard_map, it gathers its operands instead.)
+  # shard, and each step's backend call runs on it as is.
   return jax.shard_map(
     body,
     mesh=plan.mesh,
     in_specs=in_specs,
     out_specs=out_specs,
     check_vma=False,
-  )
-
-
-def _permute(
-  plan: RingPlan, to_internal: bool, *xs: jax.Array
-) -> tuple[jax.Array, ...]:
-  """Natural <-> zig-zag for the local shards (seq axis 1, or 2 for lse)."""
-  if not plan.reorder:
-    return xs
-  fn = ring_layout.to_zigzag if to_internal else ring_layout.from_zigzag
-  return tuple(
-    fn(x, 2 if x.ndim == 3 else 1, plan.seq_axis, plan.ring_size) for x in xs
   )
 
 
@@ -101,58 +87,81 @@ def _fit(plan: RingPlan, xs: tuple, specs: tuple) -> list[jax.Array]:
   ]
 
 
-def _local_ids(ids: tuple) -> segments.SegmentIds | None:
-  return segments.SegmentIds(*ids) if ids else None
-
-
 def _forward_global(
-  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array, ids: tuple
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+  ids: tuple,
 ) -> tuple[jax.Array, jax.Array]:
-  def body(q, k, v, *ids):
-    q, k, v, *ids = _permute(plan, True, q, k, v, *ids)
-    out, lse = ring_steps.ring_forward(plan, q, k, v, _local_ids(ids))
-    return _permute(plan, False, out.astype(plan.spec.dtype), lse)
+  has_sinks = sinks is not None
+
+  def body(q, k, v, *rest):
+    sinks = rest[0] if has_sinks else None
+    return ring_local.local_forward(plan, q, k, v, sinks, rest[has_sinks:])
 
   seq, lse = plan.seq_spec(), plan.lse_spec()
-  specs = (seq,) * 3 + (plan.ids_spec(),) * len(ids)
-  args = _fit(plan, (q, k, v, *ids), specs)
+  sinks_args = (sinks,) if has_sinks else ()
+  specs = (seq,) * 3 + (plan.sinks_spec(),) * has_sinks
+  specs += (plan.ids_spec(),) * len(ids)
+  args = _fit(plan, (q, k, v, *sinks_args, *ids), specs)
   return _shard_map(plan, body, specs, (seq, lse))(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(
-  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array, ids: tuple
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+  ids: tuple,
 ) -> tuple[jax.Array, jax.Array]:
-  """(out, lse); `ids`: () or the int32 (q_ids, kv_ids)."""
-  return _forward_global(plan, q, k, v, ids)
+  """(out, lse); `sinks`: None or float32 `[b, heads_q]`; `ids`: () or the
+  int32 (q_ids, kv_ids)."""
+  return _forward_global(plan, q, k, v, sinks, ids)
 
 
 def _ring_fwd(
-  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array, ids: tuple
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+  ids: tuple,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-  out, lse = _forward_global(plan, q, k, v, ids)
+  out, lse = _forward_global(plan, q, k, v, sinks, ids)
   # Residuals in the caller's layout (the primal inputs and outputs, no
-  # copies); a natural-layout causal backward permutes them again.
-  return (out, lse), (q, k, v, out, lse, ids)
+  # copies); a reordered backward permutes them again.
+  return (out, lse), (q, k, v, out, lse, sinks, ids)
 
 
 def _ring_bwd(plan: RingPlan, residuals: tuple, cotangents: tuple) -> tuple:
-  *residuals, ids = residuals
+  *residuals, sinks, ids = residuals
   dout, dlse = cotangents
+  has_sinks = sinks is not None
 
-  def body(q, k, v, out, lse, dout, dlse, *ids):
-    args = _permute(plan, True, q, k, v, out, lse, dout, dlse, *ids)
-    grads = ring_steps.ring_backward(plan, *args[:7], _local_ids(args[7:]))
-    grads = tuple(g.astype(plan.spec.dtype) for g in grads)
-    return _permute(plan, False, *grads)
+  def body(q, k, v, out, lse, dout, dlse, *rest):
+    grads = ring_local.local_backward(
+      plan, q, k, v, out, lse, dout, dlse, rest[has_sinks:]
+    )
+    if not has_sinks:
+      return grads
+    # d/dsinks: this shard's rows, summed over the ring.
+    part = modifiers.sinks_gradient(rest[0], out, lse, dout, dlse)
+    return grads + (jax.lax.psum(part, plan.seq_axis),)
 
   seq, lse = plan.seq_spec(), plan.lse_spec()
-  specs = (seq,) * 3 + (seq, lse, seq, lse) + (plan.ids_spec(),) * len(ids)
-  args = _fit(plan, (*residuals, dout, dlse, *ids), specs)
-  dq, dk, dv = _shard_map(plan, body, specs, (seq,) * 3)(*args)
+  specs = (seq,) * 3 + (seq, lse, seq, lse)
+  specs += (plan.sinks_spec(),) * has_sinks + (plan.ids_spec(),) * len(ids)
+  sinks_args = (sinks,) if has_sinks else ()
+  args = _fit(plan, (*residuals, dout, dlse, *sinks_args, *ids), specs)
+  out_specs = (seq,) * 3 + (plan.sinks_spec(),) * has_sinks
+  dq, dk, dv, *dsinks = _shard_map(plan, body, specs, out_specs)(*args)
   # Integer ids have float0 cotangents.
   no_grad = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ids)
-  return dq, dk, dv, no_grad
+  return dq, dk, dv, dsinks[0] if has_sinks else None, no_grad
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -185,14 +194,16 @@ def ring_attention(
   """Context-parallel attention: the sequence sharded over one mesh axis.
 
   Computes `flash_attention(q, k, v, causal=..., softmax_scale=...,
-  segment_ids=...)` (same conventions: GQA, bottom-right causal,
-  natural-log lse) with q, k and v sharded along the sequence (axis 1) over
-  the mesh axis `seq_axis`, without ever gathering the sequence: K/V shards
-  travel around the ring (see the module docstrings for the layouts and the
-  algorithm). Use it inside or outside `jax.jit`. Other mesh axes may
-  shard the batch or the heads: name them in `batch_axes` / `head_axes`
-  (the layout is fixed when the function is traced, and a split not named
-  there is gathered).
+  window_size=..., softcap=..., sinks=..., segment_ids=...)` (same
+  conventions: GQA, bottom-right causal and windows, natural-log lse) with
+  q, k and v sharded along the sequence (axis 1) over the mesh axis
+  `seq_axis`, without ever gathering the sequence: K/V shards travel around
+  the ring (see the module docstrings for the layouts and the algorithm).
+  With a window, blocks the window hides do no work and K/V travel only as
+  far as the window reaches (`pallas_fa3.parallel.ring_window`). Use it
+  inside or outside `jax.jit`. Other mesh axes may shard the batch or the
+  heads: name them in `batch_axes` / `head_axes` (the layout is fixed when
+  the function is traced, and a split not named there is gathered).
 
   Args:
     q: `[batch, seq_q, heads_q, head_dim]`, sharded as
@@ -201,7 +212,9 @@ def ring_attention(
     v: `[batch, seq_kv, heads_kv, head_dim_v]`, sharded the same way.
     mesh: the `jax.sharding.Mesh` (or `AbstractMesh`) holding `seq_axis`.
     seq_axis: name of the mesh axis of size n that shards the sequence.
-      Sequence lengths must be multiples of n (non-causal) or 2n (causal).
+      Sequence lengths must be multiples of n, or of 2n where the zig-zag
+      chunks are used (causal without a window, or `layout="zigzag"` with
+      causal or a window).
     causal: bottom-right causal mask; needs `seq_q == seq_kv`.
     softmax_scale: as in `flash_attention`.
     return_lse: also return the float32 lse `[batch, heads_q, seq_q]`.
@@ -211,21 +224,24 @@ def ring_attention(
       lse, which it would ignore.
     config: backend config of every ring step (e.g. `BlockwiseConfig`).
     layout: "natural" (tokens in order) or "zigzag" (already permuted with
-      `zigzag_order`; causal only changes anything). Outputs come back in the
-      same layout.
+      `zigzag_order`; only causal calls and windows look at positions).
+      Outputs come back in the same layout.
     batch_axes: None, or the mesh axis (or tuple of axes) that shards the
       batch (axis 0) of q, k and v, e.g. "data" on a ("data", "seq") mesh.
     head_axes: None, or the mesh axes that shard the heads (axis 2); they
       must divide heads_kv (whole GQA groups per device). Mesh axes named
       nowhere replicate the work.
+    window_size: `(left, right)` as in `flash_attention` (positions are the
+      natural token positions, whatever the layout).
+    softcap: as in `flash_attention`.
+    sinks: float32 `[heads_q]` sink logits as in `flash_attention`
+      (differentiable); added once to every row after the ring.
     segment_ids: None, or a `pallas_fa3.SegmentIds(q, kv)` (or a `(q_ids,
-      kv_ids)` tuple) of int32 `[batch, seq_q]` / `[batch, seq_kv]` in the
-      same layout as q and k, as in `flash_attention`. The kv ids travel
-      with their K/V shard; a ring step (a causal step's block) whose id
-      ranges, min to max, cannot meet is skipped (`lax.cond`: no attention
-      work, forward or backward).
-    window_size, softcap, sinks: not implemented here (NotImplementedError
-      when set; `flash_attention` has them).
+      kv_ids)` tuple, or for self-attention one int32 array) of int32
+      `[batch, seq_q]` / `[batch, seq_kv]` in the same layout as q and k,
+      as in `flash_attention`. The kv ids travel with their K/V shard; a
+      ring step (a causal step's block) whose id ranges, min to max, cannot
+      meet is skipped (`lax.cond`: no attention work, forward or backward).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` sharded like q, and with
@@ -244,19 +260,22 @@ def ring_attention(
     v,
     causal=causal,
     softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
     segmented=segment_ids is not None,
   )
-  modifiers.refuse(
-    "ring_attention", window_size=window_size, softcap=softcap, sinks=sinks
-  )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
   segment_ids = segments.check_segment_ids(
     segment_ids, spec.batch, spec.seq_q, spec.seq_kv
   )
   implementation = backends.check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
   n = ring_checks.check_mesh(mesh, seq_axis)
-  ring_checks.check_lengths(spec, n, seq_axis, spec.causal)
   layout = ring_checks.check_layout(layout)
+  ring_checks.check_lengths(
+    spec, n, seq_axis, ring_plan.needs_chunks(spec, layout, n)
+  )
   batch_axes = ring_checks.check_axes(
     "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
   )
@@ -268,16 +287,8 @@ def ring_attention(
     spec.heads_kv,
     "heads_kv (whole GQA groups per device)",
   )
-  plan = RingPlan(
-    spec,
-    mesh,
-    seq_axis,
-    batch_axes,
-    head_axes,
-    spec.causal and layout == "natural",
-    ring_checks.step_calls(
-      spec, mesh, n, batch_axes, head_axes, implementation, config
-    ),
+  plan = ring_plan.make_plan(
+    spec, mesh, seq_axis, batch_axes, head_axes, layout, implementation, config
   )
   ring_checks.check_known_layout(plan, q=q, k=k, v=v)
   out, lse = _ring_jit(
@@ -285,6 +296,7 @@ def ring_attention(
     jnp.asarray(q),
     jnp.asarray(k),
     jnp.asarray(v),
+    None if sinks is None else modifiers.batch_sinks(sinks, spec.batch),
     () if segment_ids is None else tuple(segment_ids),
   )
   return (out, lse) if return_lse else out

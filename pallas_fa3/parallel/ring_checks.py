@@ -1,23 +1,21 @@
-"""Validation of `ring_attention`'s arguments, and its per-device calls.
+"""Validation of `ring_attention`'s arguments.
 
 Every check raises naming the argument: the mesh and `seq_axis`, the
-`batch_axes` / `head_axes`, sequence lengths that the ring (or the causal
-zig-zag chunks) cannot divide, the layout, a known batch/head split that
-the plan would gather, and a backend that cannot serve a ring step.
+`batch_axes` / `head_axes`, sequence lengths that the ring (or the
+zig-zag chunks) cannot divide, the layout, and a known batch/head split
+that the plan would gather. (A backend that cannot serve a ring step is
+refused when the plan resolves its calls, `pallas_fa3.parallel.ring_plan`.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
 
-from pallas_fa3 import backends
-from pallas_fa3.backends.base import StaticCall
 from pallas_fa3.parallel import sharding_checks
-from pallas_fa3.parallel.ring_steps import RingPlan
+from pallas_fa3.parallel.ring_plan import RingPlan
 from pallas_fa3.spec import AttentionSpec
 
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
@@ -104,12 +102,13 @@ def check_known_layout(plan: RingPlan, **arrays: Any) -> None:
 
 
 def check_lengths(
-  spec: AttentionSpec, n: int, seq_axis: str, causal: bool
+  spec: AttentionSpec, n: int, seq_axis: str, chunks: bool
 ) -> None:
-  """Sequence lengths in whole shards (whole zig-zag chunks if causal)."""
+  """Sequence lengths in whole shards (whole zig-zag chunks if `chunks`),
+  and equal lengths if causal."""
   multiple, why = (
     (2 * n, "zig-zag chunks: 2 per device")
-    if causal
+    if chunks
     else (n, "one shard per device")
   )
   for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
@@ -118,7 +117,7 @@ def check_lengths(
         f"{name} has sequence length {length}, not a multiple of {multiple}"
         f" ({why} over mesh axis {seq_axis!r} of size {n})"
       )
-  if causal and spec.seq_q != spec.seq_kv:
+  if spec.causal and spec.seq_q != spec.seq_kv:
     raise ValueError(
       f"causal ring attention needs q and k of the same sequence length;"
       f" got q: {spec.seq_q}, k: {spec.seq_kv}"
@@ -130,54 +129,3 @@ def check_layout(layout: Any) -> str:
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
   return layout
-
-
-def _step_call(
-  spec: AttentionSpec,
-  seq_q: int,
-  seq_kv: int,
-  causal: bool,
-  implementation: str | None,
-  config: Any,
-) -> StaticCall:
-  """The backend call of one ring step, resolved as flash_attention would."""
-  step = dataclasses.replace(spec, seq_q=seq_q, seq_kv=seq_kv, causal=causal)
-  backend, config = backends.resolve(step, implementation, config)
-  if not backend.backward_uses_lse:
-    raise NotImplementedError(
-      f"implementation={backend.name!r} cannot run ring attention: its"
-      " backward differentiates each block's own softmax and ignores the"
-      " merged lse every ring step passes; use 'blockwise' (or None)"
-    )
-  return StaticCall(step, backend, config)
-
-
-def step_calls(
-  spec: AttentionSpec,
-  mesh: Mesh | AbstractMesh,
-  n: int,
-  batch_axes: tuple[str, ...],
-  head_axes: tuple[str, ...],
-  implementation: str | None,
-  config: Any,
-) -> tuple[StaticCall, ...]:
-  """The per-device calls: causal (own block, c x c block), else (block,)."""
-  ways = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
-  nh = ways(head_axes)
-  local = dataclasses.replace(
-    spec,
-    batch=spec.batch // ways(batch_axes),
-    heads_q=spec.heads_q // nh,
-    heads_kv=spec.heads_kv // nh,
-  )
-  if spec.causal:
-    c = spec.seq_q // (2 * n)
-    return (
-      _step_call(local, 2 * c, 2 * c, True, implementation, config),
-      _step_call(local, c, c, False, implementation, config),
-    )
-  return (
-    _step_call(
-      local, spec.seq_q // n, spec.seq_kv // n, False, implementation, config
-    ),
-  )

@@ -2,7 +2,7 @@
 
 Each of the `n` devices keeps its query shard and passes K/V shards around
 the ring with `ppermute`; every step attends the local queries to the
-visiting block through `pallas_fa3.parallel.partitioning.forward` and merges
+visiting block with its backend call (`step_forward`) and merges
 the partial `(out, lse)` exactly by log-sum-exp. Causal calls use the
 zig-zag layout: the sequence is cut into `2n` chunks and device `i` holds
 chunks `i` and `2n-1-i`, so every step after the first is two unmasked
@@ -17,71 +17,47 @@ Step by step: docs/design_notes.md#ring-attention.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from pallas_fa3.parallel import partitioning, ring_skip, sharding_checks
+from pallas_fa3.backends.base import StaticCall
+from pallas_fa3.parallel import ring_skip
 from pallas_fa3.parallel.ring_layout import (
   ppermute,
   zigzag_order as zigzag_order,
 )
+from pallas_fa3.parallel.ring_plan import RingPlan
 from pallas_fa3.segments import SegmentIds
-from pallas_fa3.spec import AttentionSpec
-from pallas_fa3.vjp import StaticCall
 
 
-@dataclasses.dataclass(frozen=True)
-class RingPlan:
-  """The static half of a ring call (hashable: a custom_vjp nondiff argument).
+def step_forward(
+  call: StaticCall,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: SegmentIds | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """One block's `(out, lse)` from its backend (on this device's shards)."""
+  extras = {} if segment_ids is None else {"segment_ids": segment_ids}
+  return tuple(
+    call.backend.run_forward(call.spec, call.config, q, k, v, **extras)
+  )
 
-  Attributes:
-    spec: the global call.
-    mesh: the mesh.
-    seq_axis: the mesh axis the sequence is sharded over (the ring).
-    batch_axes: mesh axes sharding the batch (may be empty).
-    head_axes: mesh axes sharding the heads (may be empty).
-    reorder: natural-layout causal inputs are permuted to zig-zag inside.
-    steps: the per-device backend calls. Causal: (own block [2c x 2c]
-      causal, visiting block [c x c]); non-causal: (local queries x
-      visiting block,).
-  """
 
-  spec: AttentionSpec
-  mesh: Any  # a jax.sharding.Mesh or AbstractMesh
-  seq_axis: str
-  batch_axes: tuple[str, ...]
-  head_axes: tuple[str, ...]
-  reorder: bool
-  steps: tuple[StaticCall, ...]
-
-  @property
-  def ring_size(self) -> int:
-    return int(dict(self.mesh.shape)[self.seq_axis])
-
-  def seq_spec(self) -> P:
-    """`[b, s, h, d]` operands: batch, sequence and heads split."""
-    return P(
-      sharding_checks.axes_entry(self.batch_axes),
-      self.seq_axis,
-      sharding_checks.axes_entry(self.head_axes),
+def step_backward(
+  call: StaticCall,
+  *residuals_and_cts: jax.Array,
+  segment_ids: SegmentIds | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One block's `(dq, dk, dv)` from `(q, k, v, out, lse, dout, dlse)`."""
+  return tuple(
+    call.backend.run_backward(
+      call.spec, call.config, *residuals_and_cts, segment_ids=segment_ids
     )
-
-  def lse_spec(self) -> P:
-    """`[b, h, s]` lse: batch, heads and sequence split."""
-    return P(
-      sharding_checks.axes_entry(self.batch_axes),
-      sharding_checks.axes_entry(self.head_axes),
-      self.seq_axis,
-    )
-
-  def ids_spec(self) -> P:
-    """`[b, s]` segment ids: batch and sequence split."""
-    return P(sharding_checks.axes_entry(self.batch_axes), self.seq_axis)
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -93,7 +69,7 @@ def _lse_to_rows(lse: jax.Array) -> jax.Array:
   return jnp.swapaxes(lse, 1, 2)[..., None]
 
 
-def _merge(
+def merge(
   out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """Exact log-sum-exp merge of two partial results over disjoint keys.
@@ -112,7 +88,7 @@ def _merge(
   return out, lse
 
 
-def _merge_rows(
+def merge_rows(
   acc: tuple[jax.Array, jax.Array],
   part: tuple[jax.Array, jax.Array],
   start: Any,
@@ -122,10 +98,10 @@ def _merge_rows(
   out, lse = part
   rows = out.shape[1]
   if rows == acc_out.shape[1]:  # every row (start 0)
-    return _merge(acc_out, acc_lse, out, lse)
+    return merge(acc_out, acc_lse, out, lse)
   cur_out = jax.lax.dynamic_slice_in_dim(acc_out, start, rows, axis=1)
   cur_lse = jax.lax.dynamic_slice_in_dim(acc_lse, start, rows, axis=2)
-  new_out, new_lse = _merge(cur_out, cur_lse, out, lse)
+  new_out, new_lse = merge(cur_out, cur_lse, out, lse)
   return (
     jax.lax.dynamic_update_slice_in_dim(acc_out, new_out, start, axis=1),
     jax.lax.dynamic_update_slice_in_dim(acc_lse, new_lse, start, axis=2),
@@ -205,21 +181,21 @@ def ring_forward(
       ring_skip.rows(kv[2], kv_start, size_kv),
     )
 
-    def merge(acc):
-      part = partitioning.forward(
+    def add_block(acc):
+      part = step_forward(
         call,
         ring_skip.rows(q, q_start, size_q),
         ring_skip.rows(kv[0], kv_start, size_kv),
         ring_skip.rows(kv[1], kv_start, size_kv),
         segment_ids=seg,
       )
-      return _merge_rows(acc, part, q_start)
+      return merge_rows(acc, part, q_start)
 
-    return ring_skip.unless_apart(seg, merge, acc)
+    return ring_skip.unless_apart(seg, add_block, acc)
 
   def first(kv, acc):
     if ids is None:  # step 0: the own block, causal on the diagonal if causal
-      out, lse = partitioning.forward(plan.steps[0], q, kv[0], kv[1])
+      out, lse = step_forward(plan.steps[0], q, kv[0], kv[1])
       return out.astype(jnp.float32), lse
     return attend(plan.steps[0], kv, acc, 0, 0, q.shape[1], kv[0].shape[1])
 
@@ -243,7 +219,7 @@ def ring_forward(
 # Backward.
 
 
-def _add_rows(acc: jax.Array, part: jax.Array, start: Any) -> jax.Array:
+def add_rows(acc: jax.Array, part: jax.Array, start: Any) -> jax.Array:
   rows = part.shape[1]
   if rows == acc.shape[1]:  # every row (start 0)
     return acc + part.astype(jnp.float32)
@@ -289,7 +265,7 @@ def ring_backward(
 
     def add(grads):
       dq, dk, dv = grads
-      dq_p, dk_p, dv_p = partitioning.backward(
+      dq_p, dk_p, dv_p = step_backward(
         call,
         q_rows(q),
         kv_rows(kv[0]),
@@ -301,9 +277,9 @@ def ring_backward(
         segment_ids=seg,
       )
       return (
-        _add_rows(dq, dq_p, q_start),
-        _add_rows(dk, dk_p, kv_start),
-        _add_rows(dv, dv_p, kv_start),
+        add_rows(dq, dq_p, q_start),
+        add_rows(dk, dk_p, kv_start),
+        add_rows(dv, dv_p, kv_start),
       )
 
     return ring_skip.unless_apart(seg, add, grads)

@@ -1,0 +1,99 @@
+"""One device's whole ring call: the caller's shards in, its shards out.
+
+Shared by `ring_attention` (its shard_map bodies) and sequence-sharded
+`flash_attention` (the partitioner's per-device function, see
+`pallas_fa3.parallel.context`). Permutes the shards between the caller's
+order and the ring's (`RingPlan.reorder`), runs the classic ring
+(`ring_steps`) or the windowed one (`ring_window`), and adds the sinks.
+
+Sinks: a sink is one more term of every row's softmax denominator, so it is
+added once, after the ring has merged every block: `lse' = logaddexp(lse,
+sink)`, `out' = out * exp(lse - lse')`. The backward then needs nothing
+else: every block's backward reads the final lse (which holds the sink) and
+the final out, and d/dsinks comes from the residuals
+(`modifiers.sinks_gradient`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa3.parallel import ring_layout, ring_steps, ring_window
+from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3.segments import SegmentIds
+
+
+def permute(plan: RingPlan, inward: bool, *xs: jax.Array) -> tuple:
+  """Caller's order <-> the ring's for local shards (sequence on axis 1, or
+  on axis 2 for a 3-D lse)."""
+  if not plan.reorder:
+    return xs
+  to_zigzag = (plan.order == "zigzag") == inward
+  fn = ring_layout.to_zigzag if to_zigzag else ring_layout.from_zigzag
+  return tuple(
+    fn(x, 2 if x.ndim == 3 else 1, plan.seq_axis, plan.ring_size) for x in xs
+  )
+
+
+def with_sinks(
+  out: jax.Array, lse: jax.Array, sinks: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Adds one sink logit per (batch, head) row to merged results.
+
+  `out` float32 `[b, s, h, d]`, `lse` `[b, h, s]`, `sinks` `[b, h]`.
+  """
+  total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[..., None])
+  weight = jnp.exp(lse - total)  # 0 where no key was seen (lse = -inf)
+  return out * jnp.swapaxes(weight, 1, 2)[..., None], total
+
+
+def _ids(ids: tuple) -> SegmentIds | None:
+  return SegmentIds(*ids) if ids else None
+
+
+def local_forward(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None = None,
+  ids: tuple = (),
+) -> tuple[jax.Array, jax.Array]:
+  """(out in q's dtype, lse float32) of this device's shards.
+
+  `sinks`: float32 `[b, heads_q]` (local) or None; `ids`: () or the local
+  `(q_ids, kv_ids)`, in the caller's order like q, k, v.
+  """
+  q, k, v, *ids = permute(plan, True, q, k, v, *ids)
+  engine = (
+    ring_steps.ring_forward
+    if plan.blocks is None
+    else (ring_window.window_forward)
+  )
+  out, lse = engine(plan, q, k, v, _ids(ids))
+  if sinks is not None:
+    out, lse = with_sinks(out, lse, sinks)
+  return permute(plan, False, out.astype(plan.spec.dtype), lse)
+
+
+def local_backward(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+  ids: tuple = (),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) in q's dtype of this device's shards (sinks are in lse)."""
+  args = permute(plan, True, q, k, v, out, lse, dout, dlse, *ids)
+  engine = (
+    ring_steps.ring_backward
+    if plan.blocks is None
+    else (ring_window.window_backward)
+  )
+  grads = engine(plan, *args[:7], _ids(args[7:]))
+  return permute(plan, False, *(g.astype(plan.spec.dtype) for g in grads))
