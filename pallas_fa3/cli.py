@@ -9,6 +9,10 @@ Subcommands:
          library's sources (CPU default: a small model, about 3 minutes on
          2 idle cores); checkpoints, --resume, a summary JSON.
 
+  generate  continue text prompts with a model trained by `train`: a
+         prefill with flash_attention, then decode steps over KV caches
+         (flash_attention_with_kvcache); --no-cache recomputes instead.
+
   bench  the performance harness (pallas_fa3/bench/): named benchmark shapes,
          our backends against the reference, jax.nn.dot_product_attention
          (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
@@ -32,7 +36,7 @@ import platform
 import sys
 import time
 
-from pallas_fa3 import cli_train
+from pallas_fa3 import cli_generate, cli_train
 
 _SAMPLE_HELP = "sample call used to show the automatic choice"
 
@@ -235,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub.required = True
   _add_info_parser(sub)
   cli_train.add_parser(sub, HelpFormatter)  # flags live with the command
+  cli_generate.add_parser(sub, HelpFormatter)
   _add_bench_parser(sub)
   _add_numerics_parser(sub)
   _add_aot_parser(sub)

@@ -1,4 +1,5 @@
-"""Generation with the GPT (models.generate, models.sampling, models.restore).
+"""Generation with the GPT (models.generate, models.sampling, models.restore)
+and `pallas-fa3 generate`.
 
 The check of the cached path is the uncached one: with greedy decoding both
 give the same tokens, for a batch of prompts of different lengths, with
@@ -22,6 +23,7 @@ from models.gpt import GPT, GPTConfig
 from models.restore import find_checkpoint, load_model
 from models.sampling import Sampling, sample
 from models.step import TrainConfig, build_program
+from pallas_fa3 import cli
 from pallas_fa3.testing import assert_within_tolerance
 
 TINY = GPTConfig(
@@ -163,3 +165,40 @@ def test_load_model_finds_the_checkpoint(run_dir):
     find_checkpoint(run_dir / "missing")
   with pytest.raises(FileNotFoundError, match="neither a run folder"):
     find_checkpoint(run_dir.parent)
+
+
+def test_cli_generate_cached_and_uncached_print_the_same_text(run_dir, capsys):
+  argv = ["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "6"]
+  argv += ["--prompt", "def f(", "--prompt", "x = 1\n"]
+  assert cli.main(argv) == 0
+  cached = capsys.readouterr()
+  assert cli.main([*argv, "--no-cache"]) == 0
+  uncached = capsys.readouterr()
+  assert cached.out == uncached.out
+  assert cached.out.startswith("=== prompt 0: 'def f(' ===\n")
+  assert cached.out.count("=== prompt") == 2
+  for err in (cached.err, uncached.err):
+    assert "prefill: 12 tokens" in err and "decode: 10 tokens" in err, err
+    assert "tokens/s" in err
+
+
+@pytest.mark.parametrize(
+  "extra, code, match",
+  [
+    (["--top-p", "2"], 2, "--top-p"),
+    (["--max-new-tokens", "0"], 2, "--max-new-tokens"),
+    (["--top-k", "3"], 2, "temperature > 0"),
+  ],
+)
+def test_cli_generate_usage_errors(run_dir, extra, code, match, capsys):
+  argv = ["generate", "--checkpoint", str(run_dir), "--prompt", "a", *extra]
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == code
+  assert match in capsys.readouterr().err
+
+
+def test_cli_generate_without_a_checkpoint_says_so(tmp_path, capsys):
+  argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "a"]
+  assert cli.main(argv) == 1
+  assert "neither a run folder" in capsys.readouterr().err
