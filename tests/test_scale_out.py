@@ -34,6 +34,8 @@ SUITES = (
   "check_sharded_attention.py",
   "check_ring_attention.py",
   "check_ring_segments.py",
+  "check_ring_modifiers.py",
+  "check_ring_window.py",
 )
 SIMULATED_DEVICES = 8
 # Each suite takes 1-2 minutes on 2 busy cores; the slow sweep longer.
