@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_fa3 import backends, modifiers, segments, vjp
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.fp8 import FP8Config, check_fp8
-from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel import context
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
@@ -111,9 +111,10 @@ def flash_attention(
 
   Raises:
     TypeError / ValueError: bad inputs; the message names the argument.
-      That includes a sharding that cannot run shard-locally (see
-      `pallas_fa3.parallel.partitioning`); when the sharding is only known at compile
-      time, XLA raises it as a `jax.errors.JaxRuntimeError`.
+      That includes a sharding that can run neither shard-locally nor as a
+      ring (see `pallas_fa3.parallel.partitioning` and
+      `pallas_fa3.parallel.context`); when the sharding is only known at
+      compile time, XLA raises it as a `jax.errors.JaxRuntimeError`.
     NotImplementedError: the requested implementation cannot serve the call;
       also on a second derivative (`jax.grad` of `jax.grad`): flash_attention
       has first derivatives only.
@@ -157,8 +158,12 @@ def flash_attention(
       f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
     )
   return_lse = check_bool("return_lse", return_lse)
-  sharding_checks.check_array_shardings(spec, q=q, k=k, v=v)
   backend, config = backends.resolve(spec, implementation, config)
+  # A sequence split runs the ring (context parallelism); see
+  # pallas_fa3.parallel.context.
+  context.check_array_shardings(
+    vjp.StaticCall(spec, backend, config), q=q, k=k, v=v
+  )
   _check_device_for_eager_call(backend, q, k, v)
   out, lse = _attention_jit(
     vjp.StaticCall(spec, backend, config),

@@ -36,6 +36,7 @@ SUITES = (
   "check_ring_segments.py",
   "check_ring_modifiers.py",
   "check_ring_window.py",
+  "check_sequence_sharded.py",
 )
 SIMULATED_DEVICES = 8
 # Each suite takes 1-2 minutes on 2 busy cores; the slow sweep longer.

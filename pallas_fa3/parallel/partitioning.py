@@ -18,15 +18,19 @@ What can be honoured:
   * heads sharded over mesh axes of total size n when `heads_kv % n == 0`
     (GQA groups stay whole: kv head j and query heads `j*g .. j*g+g-1` on
     one device);
+  * the sequence sharded over one mesh axis: each device then runs its half
+    of ring attention instead of the plain backend call (context
+    parallelism, `pallas_fa3.parallel.context`), with batch/head splits as
+    above on the other axes;
   * k, v (and the backward's cotangents) sharded differently from q are
     resharded to q's layout (a local slice when they are replicated).
-What is refused, with a `ValueError` naming the argument: a sharded
-sequence axis (that is context parallelism: `pallas_fa3.ring_attention`), a
-sharded head_dim, and a head sharding that would split a GQA group. The
-check runs at trace time when the sharding is known then (concrete arrays,
-or `Explicit` mesh axes); otherwise the partitioner runs it at compile time
-and XLA reports it as a `jax.errors.JaxRuntimeError` carrying the same
-message.
+What is refused, with a `ValueError` (or `NotImplementedError` for an
+option) naming the argument: a sharded head_dim, a head sharding that would
+split a GQA group, and a sequence split the ring cannot serve (see
+`context`). The check runs at trace time when the sharding is known then
+(concrete arrays, or `Explicit` mesh axes); otherwise the partitioner runs
+it at compile time and XLA reports it as a `jax.errors.JaxRuntimeError`
+carrying the same message.
 
 `Explicit` mesh axes (the default of `jax.make_mesh` since JAX 0.7) put the
 layout in the traced types, so there the same plan runs through a
@@ -52,10 +56,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
 from pallas_fa3.backends.base import StaticCall
+from pallas_fa3.parallel import context
 from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   axes_entry,
-  check_shardings,
   explicit_sharding,
   fit_explicit,
   mesh_axes,
@@ -117,18 +121,19 @@ def _local_call(
 
 
 def _layout_specs(
-  names: Sequence[str], batch_axes: tuple[str, ...], head_axes: tuple[str, ...]
+  names: Sequence[str], axes: tuple[tuple[str, ...], ...]
 ) -> tuple[P, ...]:
-  """PartitionSpecs with batch and heads split, for operands named `names`."""
-  b, h = axes_entry(batch_axes), axes_entry(head_axes)
+  """PartitionSpecs with batch, heads and sequence split as `axes` (batch,
+  heads, sequence) say, for operands named `names`."""
+  b, h, s = (axes_entry(a) for a in axes)
   by_name = {
-    "lse": P(b, h, None),
-    "dlse": P(b, h, None),
+    "lse": P(b, h, s),
+    "dlse": P(b, h, s),
     "sinks": P(b, h),
-    "q_ids": P(b, None),
-    "kv_ids": P(b, None),
+    "q_ids": P(b, s),
+    "kv_ids": P(b, s),
   }
-  return tuple(by_name.get(n, P(b, None, h, None)) for n in names)
+  return tuple(by_name.get(n, P(b, s, h, None)) for n in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +144,7 @@ class _Op:
   result_names: tuple[str, ...]
   run: Callable[..., Any]  # (call, *arrays) -> tuple of arrays
   rule: str
+  backward: bool
 
   def sharding_rule(
     self, call: StaticCall, mesh: Any, operand_types: Any, result_types: Any
@@ -150,34 +156,42 @@ class _Op:
 
   def plan(
     self, call: StaticCall, mesh: Any, arg_specs: Sequence[tuple]
-  ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[P, ...], tuple[P, ...]]:
-    """(batch axes, head axes, arg specs, result specs) for these operands."""
+  ) -> tuple[tuple[tuple[str, ...], ...], tuple[P, ...], tuple[P, ...]]:
+    """((batch, head, sequence axes), arg specs, result specs) for these
+    operands."""
     shardings = {
       n: spec for n, spec in zip(self.arg_names, arg_specs) if n in CHECKED
     }
-    batch_axes, head_axes = check_shardings(
-      call.spec, dict(mesh.shape), shardings
-    )
+    axes = context.check(call, dict(mesh.shape), shardings)
     return (
-      batch_axes,
-      head_axes,
-      _layout_specs(self.arg_names, batch_axes, head_axes),
-      _layout_specs(self.result_names, batch_axes, head_axes),
+      axes,
+      _layout_specs(self.arg_names, axes),
+      _layout_specs(self.result_names, axes),
     )
+
+  def local(
+    self, call: StaticCall, mesh: Any, axes: tuple[tuple[str, ...], ...]
+  ) -> Callable[..., Any]:
+    """The per-device function: the backend on the batch/head shard, or
+    with a sequence split the ring (`pallas_fa3.parallel.context`)."""
+    batch_axes, head_axes, seq_axes = axes
+    if seq_axes:
+      return context.runner(call, mesh, axes, self.backward)
+    local = _local_call(
+      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
+    )
+    return lambda *a: self.run(local, *a)
 
   def partition(
     self, call: StaticCall, mesh: Any, arg_shapes: Any, result_shape: Any
   ) -> tuple:
     """custom_partitioning: the local computation and the layouts it needs."""
     del result_shape
-    batch_axes, head_axes, args, results = self.plan(
+    axes, args, results = self.plan(
       call, mesh, [spec_entries(a.sharding, len(a.shape)) for a in arg_shapes]
     )
-    local = _local_call(
-      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
-    )
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
-    return (mesh, lambda *a: self.run(local, *a), named(results), named(args))
+    return (mesh, self.local(call, mesh, axes), named(results), named(args))
 
   def infer(
     self, call: StaticCall, mesh: Any, arg_shapes: Any, result_shape: Any
@@ -186,7 +200,7 @@ class _Op:
     del result_shape
     results = self.plan(
       call, mesh, [spec_entries(a.sharding, len(a.shape)) for a in arg_shapes]
-    )[3]
+    )[2]
     return tuple(NamedSharding(mesh, s) for s in results)
 
   def shard_map(
@@ -196,19 +210,14 @@ class _Op:
     the local computation (operands whose layout differs are resharded)."""
     mesh = sharding.mesh
     specs = [spec_entries(jax.typeof(x).sharding, x.ndim) for x in args]
-    batch_axes, head_axes, arg_specs, result_specs = self.plan(
-      call, mesh, specs
-    )
+    axes, arg_specs, result_specs = self.plan(call, mesh, specs)
     args = [
       fit_explicit(x, NamedSharding(mesh, want))
       for x, want in zip(args, arg_specs)
     ]
-    local = _local_call(
-      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
-    )
     return tuple(
       jax.shard_map(
-        lambda *a: self.run(local, *a),
+        self.local(call, mesh, axes),
         mesh=mesh,
         in_specs=tuple(arg_specs),
         out_specs=tuple(result_specs),
@@ -298,6 +307,7 @@ def _ops(backward: bool, sinks: bool, ids: bool) -> tuple[_Op, Any]:
     ("q", "k", "v") if backward else ("out", "lse"),
     _run_backward if backward else _run_forward,
     _with_extras(_BWD_RULE if backward else _FWD_RULE, sinks, ids),
+    backward,
   )
   return op, _partitioned(op)
 
@@ -305,12 +315,13 @@ def _ops(backward: bool, sinks: bool, ids: bool) -> tuple[_Op, Any]:
 def _dispatch(
   op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
 ) -> tuple[jax.Array, ...]:
+  sharding = explicit_sharding(args[0])
+  entries = spec_entries(sharding, 4) if sharding is not None else (None,) * 4
+  if mesh_axes(entries[1]):  # sequence split over Explicit axes: the ring
+    return op.shard_map(call, sharding, *args)
   if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
-  sharding = explicit_sharding(args[0])
-  if sharding is not None and any(
-    mesh_axes(e) for e in spec_entries(sharding, 4)
-  ):
+  if any(mesh_axes(e) for e in entries):
     return op.shard_map(call, sharding, *args)
   return _with_vmap(partitioned, call, *args)
 

@@ -1,6 +1,6 @@
 """Checks of batch/head sharding: which layouts of q, k, v can run
-shard-locally (`check_shardings`, `check_array_shardings`), and the mesh
-and PartitionSpec helpers that `partitioning` and `ring` share.
+shard-locally (`check_shardings`), and the mesh and PartitionSpec helpers
+that `partitioning`, `context` and `ring` share.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 
 def check_shardings(
-  spec: AttentionSpec, axis_sizes: dict[str, int], shardings: dict[str, tuple]
+  spec: AttentionSpec,
+  axis_sizes: dict[str, int],
+  shardings: dict[str, tuple],
+  allow_seq: bool = False,
 ) -> tuple[tuple, tuple]:
   """Checks that q, k, v shardings can run shard-locally.
 
@@ -42,6 +45,8 @@ def check_shardings(
     axis_sizes: mesh axis name -> size.
     shardings: "q"/"k"/"v" -> PartitionSpec entries of that `[b, s, h, d]`
       operand (missing names are taken as replicated).
+    allow_seq: a sequence split is the caller's to check (context
+      parallelism, `pallas_fa3.parallel.context`).
 
   Returns:
     (batch axes, head axes): the mesh axes of q's batch and head dimensions,
@@ -54,7 +59,7 @@ def check_shardings(
   """
   for name in CHECKED:
     entries = shardings.get(name, (None,) * 4)
-    for axis in (_SEQ, _HEAD_DIM):
+    for axis in (_HEAD_DIM,) if allow_seq else (_SEQ, _HEAD_DIM):
       split = mesh_axes(entries[axis])
       if not split:
         continue
@@ -105,22 +110,6 @@ def spec_entries(sharding: Any, ndim: int = 4) -> tuple:
   """The PartitionSpec of `sharding`, padded with None to `ndim` entries."""
   spec = tuple(getattr(sharding, "spec", ()))
   return spec + (None,) * (ndim - len(spec))
-
-
-def check_array_shardings(spec: AttentionSpec, **arrays: Any) -> None:
-  """Runs `check_shardings` at trace time on the layouts known then.
-
-  The partitioner runs the same check at compile time for the others.
-  """
-  sizes: dict[str, int] = {}
-  shardings: dict[str, tuple] = {}
-  for name, x in arrays.items():
-    sharding = known_sharding(x)
-    if sharding is not None:
-      sizes.update(dict(sharding.mesh.shape))
-      shardings[name] = spec_entries(sharding)
-  if shardings:
-    check_shardings(spec, sizes, shardings)
 
 
 def mesh_ways(mesh: Any, axes: tuple[str, ...]) -> int:

@@ -120,17 +120,21 @@ def test_explicit_mesh_axes(key):
 
 
 def test_kv_replicated_while_q_is_head_sharded(key):
-  """k/v replicated, q split over heads: k/v are sliced, never gathered."""
+  """k/v replicated, q split over heads: k/v are sliced, never gathered.
+
+  (Within the tolerance rule, not bit for bit: XLA's CPU dots on the
+  per-device shapes may round differently from the whole call's.)"""
   mesh = mh.mesh((1, 8), _AXES)
   shape = Shape(1, 32, 48, 16, 8, 32)
-  q, k, v, _ = random_inputs(key, shape, jnp.bfloat16)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
   q_sh = jax.device_put(q, NamedSharding(mesh, P(None, None, "model")))
   fn = jax.jit(lambda q, k, v: pallas_fa3.flash_attention(q, k, v))
   compiled = fn.lower(q_sh, k, v).compile()
   assert mh.collectives(compiled.as_text())[mh.ALL_GATHER] == 0
   out = compiled(q_sh, k, v)
   single = pallas_fa3.flash_attention(q, k, v)
-  assert jnp.array_equal(out, single)
+  golden, naive = golden_and_naive(q, k, v, dout)
+  mh.assert_same_within_rule("out", out, single, naive[0], golden[0])
 
 
 def test_inside_a_user_shard_map(key):
@@ -151,7 +155,8 @@ def test_inside_a_user_shard_map(key):
 
 
 # ---------------------------------------------------------------------------
-# Shardings that cannot run shard-locally: one test per error path. Known at
+# Shardings that cannot run shard-locally: one test per error path (a
+# sequence split runs the ring: check_sequence_sharded.py). Known at
 # trace time (concrete arrays: eager call; Explicit axes) they raise
 # ValueError; under jit with automatic axes the partitioner raises the same
 # message at compile time, as a JaxRuntimeError.
@@ -173,17 +178,6 @@ _MODES = [
   ("jit", jax.errors.JaxRuntimeError),
   ("explicit_jit", ValueError),
 ]
-
-
-@pytest.mark.parametrize("mode,error", _MODES, ids=[m for m, _ in _MODES])
-def test_sequence_sharding_is_refused(mode, error, key):
-  spec = P(None, "model")
-  with pytest.raises(
-    error,
-    match=r"q is sharded along its sequence axis"
-    r".*ring_attention",
-  ):
-    _call_with(mode, (spec, spec, spec), Shape(2, 32, 32, 4, 4, 16), key)
 
 
 @pytest.mark.parametrize("mode,error", _MODES, ids=[m for m, _ in _MODES])
