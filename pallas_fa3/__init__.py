@@ -16,6 +16,7 @@ Public API (everything else is private or lives in a submodule):
   IMPLEMENTATIONS      the backend names; `Implementation` is their Literal
   StableMax            settings of flash_attention(stable_max=...)
   ring_attention       context parallelism: the sequence sharded over a mesh axis
+  ulysses_attention    context parallelism by all-to-all (sequence <-> heads)
   zigzag_order         the token order of ring_attention's causal zig-zag layout
   FP8Config            FP8 quantization options of flash_attention(fp8=...)
   SegmentIds           packed sequences: flash_attention(segment_ids=...)
@@ -44,6 +45,7 @@ from pallas_fa3.kvcache import (
 )
 from pallas_fa3.parallel.ring import ring_attention as ring_attention
 from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order
+from pallas_fa3.parallel.ulysses import ulysses_attention as ulysses_attention
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.segments import (
   SegmentIds as SegmentIds,

@@ -1,0 +1,284 @@
+"""Context parallelism by all-to-all (DeepSpeed-Ulysses): `ulysses_attention`.
+
+q, k and v arrive sharded along the sequence over one mesh axis of `n`
+devices. One all-to-all per tensor trades the sequence split for a head
+split: afterwards every device holds the whole sequence for `heads_q / n`
+query heads (and their kv heads), runs `flash_attention` on it with any
+backend and every option (causal, windows, softcap, sinks, segment ids),
+and a last all-to-all trades back: out (and the lse) come back sharded
+along the sequence like q. Gradients are the transposes (all-to-alls again)
+around flash_attention's own backward.
+
+Against the ring (`ring_attention`): Ulysses moves each tensor once (q, k,
+v in, out back: about `(3 + 1) / n` of the activations per device,
+independent of the number of steps), needs `heads_q` divisible by `n`,
+and holds the whole sequence of its heads on every device (memory per
+device does not fall with `n` for the attention's own working set as it
+does with the ring). Which to pick: docs/scale_out.md.
+
+Grouped-query attention: the query heads a device gets after the
+all-to-all are a contiguous block of `heads_q / n`; their kv heads must
+come along whole. When `heads_kv` does not split `n` ways along the same
+boundaries (fewer kv heads than devices, or groups straddling devices),
+every kv head is first repeated `r` times locally (the smallest `r`
+dividing the group size with `heads_kv * r` a multiple of `n`); each device
+then gets `heads_kv * r / n` kv heads and whole groups of `g / r` query
+heads each. K/V traffic grows by `r`; the repetition's gradient sums back.
+
+Example (8 devices; on a CPU set
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` before importing JAX):
+
+  >>> mesh = jax.make_mesh((8,), ("seq",))                       # doctest: +SKIP
+  >>> shard = NamedSharding(mesh, P(None, "seq"))                # doctest: +SKIP
+  >>> q, k, v = (jax.device_put(x, shard) for x in (q, k, v))    # doctest: +SKIP
+  >>> out = pallas_fa3.ulysses_attention(q, k, v, mesh=mesh,     # doctest: +SKIP
+  ...                                    seq_axis="seq", causal=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+
+from pallas_fa3 import backends, modifiers, segments
+from pallas_fa3.attention import flash_attention
+from pallas_fa3.parallel import ring_checks, sharding_checks
+from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesPlan:
+  """The static half of a call (hashable: a jit static argument).
+
+  Attributes:
+    spec: the global call (sinks and ids as flags).
+    mesh, seq_axis, batch_axes, head_axes: the layout.
+    kv_repeat: times every kv head is repeated before the all-to-all.
+    implementation, config: flash_attention's, for the per-device call.
+  """
+
+  spec: AttentionSpec
+  mesh: Any
+  seq_axis: str
+  batch_axes: tuple[str, ...]
+  head_axes: tuple[str, ...]
+  kv_repeat: int
+  implementation: str | None
+  config: Any
+
+  def seq_spec(self) -> P:
+    b, h = (sharding_checks.axes_entry(a) for a in self.axes())
+    return P(b, self.seq_axis, h)
+
+  def lse_spec(self) -> P:
+    b, h = (sharding_checks.axes_entry(a) for a in self.axes())
+    return P(b, h, self.seq_axis)
+
+  def ids_spec(self) -> P:
+    return P(sharding_checks.axes_entry(self.batch_axes), self.seq_axis)
+
+  def sinks_spec(self) -> P:
+    """`[heads_q]`: after the head split, each device's query heads."""
+    return P(self.head_axes + (self.seq_axis,))
+
+  def axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return self.batch_axes, self.head_axes
+
+
+def kv_repeat(heads_q: int, heads_kv: int, n: int) -> int:
+  """How often to repeat each kv head so that `n` devices each get whole
+  GQA groups (see the module docstring)."""
+  group = heads_q // heads_kv
+  return next(
+    r for r in range(1, group + 1) if group % r == 0 and heads_kv * r % n == 0
+  )
+
+
+def _check_heads(spec: AttentionSpec, nh: int, n: int, seq_axis: str) -> int:
+  """The kv repetition; raises naming heads_q if they cannot split n ways."""
+  heads_q = spec.heads_q // nh
+  if heads_q % n:
+    local = f" ({heads_q} per head_axes shard)" if nh > 1 else ""
+    raise ValueError(
+      f"ulysses_attention splits the query heads over mesh axis"
+      f" {seq_axis!r} of size {n}, but q has heads_q={spec.heads_q}{local},"
+      f" not a multiple of {n}; use ring_attention, or a smaller axis"
+    )
+  return kv_repeat(heads_q, spec.heads_kv // nh, n)
+
+
+def _to_heads(x: jax.Array, axis: str) -> jax.Array:
+  """[b, s/n, h, d] -> [b, s, h/n, d]."""
+  return jax.lax.all_to_all(x, axis, 2, 1, tiled=True)
+
+
+def _to_seq(x: jax.Array, axis: str, seq_dim: int, head_dim: int) -> jax.Array:
+  """The inverse trade: heads gathered, sequence split."""
+  return jax.lax.all_to_all(x, axis, seq_dim, head_dim, tiled=True)
+
+
+def _body(plan: UlyssesPlan, q, k, v, *rest) -> tuple[jax.Array, jax.Array]:
+  spec, axis = plan.spec, plan.seq_axis
+  rest = list(rest)
+  sinks = rest.pop(0) if spec.sinks else None
+  ids = None
+  if spec.segmented:  # [b, s/n] int32 -> whole sequence (small)
+    ids = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in rest)
+  if plan.kv_repeat > 1:
+    k, v = (jnp.repeat(x, plan.kv_repeat, axis=2) for x in (k, v))
+  q, k, v = (_to_heads(x, axis) for x in (q, k, v))
+  out, lse = flash_attention(
+    q,
+    k,
+    v,
+    causal=spec.causal,
+    softmax_scale=spec.softmax_scale,
+    window_size=spec.window_size,
+    softcap=spec.softcap,
+    sinks=sinks,
+    segment_ids=ids,
+    return_lse=True,
+    implementation=plan.implementation,
+    config=plan.config,
+    deterministic=spec.deterministic,
+  )
+  return _to_seq(out, axis, 1, 2), _to_seq(lse, axis, 2, 1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ulysses(plan: UlyssesPlan, q, k, v, sinks, ids) -> tuple:
+  seq = plan.seq_spec()
+  args, specs = [q, k, v], [seq, seq, seq]
+  if sinks is not None:
+    args.append(sinks)
+    specs.append(plan.sinks_spec())
+  for x in ids:
+    args.append(x)
+    specs.append(plan.ids_spec())
+  args = [
+    sharding_checks.fit_explicit(x, NamedSharding(plan.mesh, s))
+    for x, s in zip(args, specs)
+  ]
+  return jax.shard_map(
+    functools.partial(_body, plan),
+    mesh=plan.mesh,
+    in_specs=tuple(specs),
+    out_specs=(seq, plan.lse_spec()),
+    check_vma=False,
+  )(*args)
+
+
+def ulysses_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  mesh: Mesh | AbstractMesh,
+  seq_axis: str,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  window_size: Any = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
+  segment_ids: segments.SegmentIds | tuple | None = None,
+  return_lse: bool = False,
+  implementation: str | None = None,
+  config: Any = None,
+  batch_axes: str | tuple[str, ...] | None = None,
+  head_axes: str | tuple[str, ...] | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Context-parallel attention by all-to-all (DeepSpeed-Ulysses).
+
+  Computes `flash_attention(q, k, v, ...)` with the same options and
+  conventions for q, k, v sharded along the sequence (axis 1) over the mesh
+  axis `seq_axis`: all-to-all to a head split, the whole-sequence attention
+  on each device's heads, all-to-all back (see the module docstring).
+  Differentiable (q, k, v and sinks). Use it inside or outside `jax.jit`.
+
+  Args:
+    q: `[batch, seq_q, heads_q, head_dim]`, sharded as
+      `P(batch_axes, seq_axis, head_axes)`.
+    k: `[batch, seq_kv, heads_kv, head_dim]`, sharded the same way.
+    v: `[batch, seq_kv, heads_kv, head_dim_v]`, sharded the same way.
+    mesh: the `jax.sharding.Mesh` (or `AbstractMesh`) holding `seq_axis`.
+    seq_axis: the mesh axis (size n) that shards the sequence; seq_q and
+      seq_kv must be multiples of n, and heads_q (per `head_axes` shard) a
+      multiple of n.
+    causal, softmax_scale, window_size, softcap, sinks, segment_ids,
+      return_lse, implementation, config: as in `flash_attention` (every
+      backend; segment ids in natural order, like the tokens).
+    batch_axes: None, or the mesh axes that shard the batch.
+    head_axes: None, or the mesh axes that shard the heads before the
+      all-to-all; they must divide heads_kv (whole GQA groups).
+
+  Returns:
+    out `[batch, seq_q, heads_q, head_dim_v]` sharded like q, and with
+    `return_lse` the float32 lse `[batch, heads_q, seq_q]` sharded
+    `P(batch_axes, head_axes, seq_axis)`.
+
+  Raises:
+    TypeError / ValueError naming the argument: bad inputs or mesh, lengths
+      not multiples of n, heads_q not a multiple of n.
+    NotImplementedError: the implementation cannot serve the call.
+  """
+  check_arrays(q=q, k=k, v=v)
+  spec = make_spec(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
+    segmented=segment_ids is not None,
+  )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  segment_ids = segments.check_segment_ids(
+    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
+  )
+  implementation = backends.check_implementation(implementation)
+  return_lse = check_bool("return_lse", return_lse)
+  n = ring_checks.check_mesh(mesh, seq_axis)
+  for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
+    if length % n:
+      raise ValueError(
+        f"{name} has sequence length {length}, not a multiple of {n} (one"
+        f" shard per device over mesh axis {seq_axis!r} of size {n})"
+      )
+  batch_axes = ring_checks.check_axes(
+    "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
+  )
+  head_axes = ring_checks.check_axes(
+    "head_axes",
+    head_axes,
+    mesh,
+    (seq_axis,) + batch_axes,
+    spec.heads_kv,
+    "heads_kv (whole GQA groups per device)",
+  )
+  nh = sharding_checks.mesh_ways(mesh, head_axes)
+  plan = UlyssesPlan(
+    spec,
+    mesh,
+    seq_axis,
+    batch_axes,
+    head_axes,
+    _check_heads(spec, nh, n, seq_axis),
+    implementation,
+    config,
+  )
+  out, lse = _ulysses(
+    plan,
+    jnp.asarray(q),
+    jnp.asarray(k),
+    jnp.asarray(v),
+    None if sinks is None else sinks.astype(jnp.float32),
+    () if segment_ids is None else tuple(segment_ids),
+  )
+  return (out, lse) if return_lse else out
