@@ -132,8 +132,9 @@ class _Compiled:
     self.seconds = 0.0
 
   def __call__(self, *args: Any) -> Any:
-    key = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args)
-    key = str(key)
+    key = tuple(
+      (jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args)
+    )
     if key not in self._by_shape:
       start = time.perf_counter()
       self._by_shape[key] = self._jitted.lower(*args).compile()

@@ -83,7 +83,8 @@ def add_parser(sub, formatter_class) -> None:
     "--dtype",
     default=d["dtype"],
     choices=("float32", "bfloat16"),
-    help="compute dtype (the parameters are the checkpoint's)",
+    help="compute dtype (the parameters are the checkpoint's; the Hopper"
+    " kernels take bfloat16, float32 runs the blockwise twin)",
   )
   p.add_argument(
     "--implementation",
