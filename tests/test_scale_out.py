@@ -37,6 +37,7 @@ SUITES = (
   "check_ring_modifiers.py",
   "check_ring_window.py",
   "check_sequence_sharded.py",
+  "check_ulysses.py",
 )
 SIMULATED_DEVICES = 8
 # Each suite takes 1-2 minutes on 2 busy cores; the slow sweep longer.
