@@ -57,23 +57,31 @@ def add_parser(sub, formatter_class) -> None:
     "--max-new-tokens",
     type=int,
     default=d["max_new_tokens"],
+    metavar="N",
     help="bytes to generate per prompt",
   )
   p.add_argument(
     "--temperature",
     type=float,
     default=d["temperature"],
+    metavar="T",
     help="0: greedy; > 0: sample from softmax(logits / T)",
   )
   p.add_argument(
-    "--top-k", type=int, help="sample among the K most likely bytes"
+    "--top-k",
+    type=int,
+    metavar="K",
+    help="sample among the K most likely bytes (unset: all)",
   )
   p.add_argument(
     "--top-p",
     type=float,
-    help="sample among the most likely bytes up to probability P",
+    metavar="P",
+    help="sample among the most likely bytes up to probability P (unset: all)",
   )
-  p.add_argument("--seed", type=int, default=d["seed"], help="sampling seed")
+  p.add_argument(
+    "--seed", type=int, default=d["seed"], metavar="S", help="sampling seed"
+  )
   p.add_argument(
     "--no-cache",
     action="store_true",
