@@ -1,6 +1,6 @@
-"""Random mixes of `flash_attention`'s options, their operands, and the
-check of one case against the float64 golden (the property suite:
-test_property_golden.py).
+"""Random mixes of `flash_attention`'s options and their operands (the
+property suite: test_property_golden.py; the check of one case:
+property_check.py).
 
 A mix is split where compilation splits it:
 
@@ -16,29 +16,17 @@ A mix is split where compilation splits it:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 from typing import Any
 
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_fa3
 from pallas_fa3.kernels.sm90.config import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from pallas_fa3.reference import (
-  golden_attention,
-  golden_attention_vjp,
-  reference_attention,
-)
-from pallas_fa3.testing import (
-  Shape,
-  assert_within_tolerance,
-  max_abs_err,
-  tolerance,
-)
+from pallas_fa3.testing import Shape
 
 DTYPES = ("float32", "bfloat16", "float16")
 # How segment ids are given: None (no ids), contiguous packed documents,
@@ -258,146 +246,3 @@ def operands(draw: Any, mix: Mix) -> Operands:
     with_dlse=mix.return_lse and draw(st.booleans()),
     ids=None if mix.segments is None else draw(_segment_ids(mix)),
   )
-
-
-# ---------------------------------------------------------------------------
-# One case against the float64 golden.
-
-_NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
-_OPERANDS = ("q", "k", "v", "dout", "dlse", "sinks", "segment_ids")
-
-
-@functools.cache
-def _backend_fn(implementation, mix):
-  """Jitted (out, lse or None, dq, dk, dv, dsinks or None) of one backend,
-  compiled once per mix."""
-
-  def run(q, k, v, dout, dlse, sinks, segment_ids):
-    def f(q, k, v, sinks):
-      return pallas_fa3.flash_attention(
-        q,
-        k,
-        v,
-        implementation=implementation,
-        config=mix.config(implementation),
-        return_lse=mix.return_lse,
-        deterministic=mix.deterministic,
-        sinks=sinks,
-        segment_ids=segment_ids,
-        **mix.options(),
-      )
-
-    outs, pullback = jax.vjp(f, q, k, v, sinks)
-    if not mix.return_lse:
-      return (outs, None) + pullback(dout)
-    return outs + pullback((dout, dlse))
-
-  return jax.jit(run)
-
-
-@functools.cache
-def _naive_fn(mix):
-  """The rule's naive attention (every intermediate in the input dtype,
-  plain autodiff) as `pallas_fa3.testing.golden_and_naive` computes it,
-  jitted once per mix: eager, it compiles every op anew for each shape
-  (~3 s a mix). Excess precision is off so that each op rounds to the low
-  dtype as it does eagerly (XLA otherwise drops bf16 round trips inside a
-  fusion); bf16 results are then bit-identical to the eager ones."""
-
-  def run(q, k, v, dout, dlse, sinks, segment_ids):
-    def f(q, k, v, sinks):
-      return reference_attention(
-        q,
-        k,
-        v,
-        return_lse=True,
-        intermediate_dtype=q.dtype,
-        sinks=sinks,
-        segment_ids=segment_ids,
-        **mix.options(),
-      )
-
-    outs, pullback = jax.vjp(f, q, k, v, sinks)
-    return outs + pullback((dout, dlse))
-
-  return jax.jit(run, compiler_options={"xla_allow_excess_precision": False})
-
-
-def _golden(mix, x):
-  """Float64 (out, lse, dq, dk, dv, dsinks or None)."""
-  ids = x["segment_ids"]
-  if mix.segments == "array":
-    ids = (ids, ids)
-  common = dict(sinks=x["sinks"], segment_ids=ids, **mix.options())
-  q, k, v = x["q"], x["k"], x["v"]
-  out, lse = golden_attention(q, k, v, **common)
-  dlse = x["dlse"] if mix.return_lse else None
-  grads = golden_attention_vjp(q, k, v, x["dout"], dlse, **common)
-  return (out, lse) + tuple(grads) + (None,) * (4 - len(grads))
-
-
-def _dsinks_carried(x, out, lse):
-  """Float64 d/dsinks by the formula every backend uses,
-  `sum_i exp(sink - lse_i) (dlse_i - dout_i . out_i)`, from a given `out`
-  (the call's own) and the golden lse."""
-  f64 = lambda a: np.asarray(a, np.float64)
-  delta = np.einsum("bqhd,bqhd->bhq", f64(x["dout"]), f64(out))
-  p_sink = np.exp(f64(x["sinks"])[None, :, None] - lse)
-  return (p_sink * (f64(x["dlse"]) - delta)).sum(axis=(0, 2))
-
-
-def _assert_dsinks(got, naive, golden, x, out, lse):
-  """The rule for d/dsinks, its naive error raised to what the rounding of
-  the residual out alone causes. Every backend computes d/dsinks from out
-  in the input dtype (as FlashAttention computes delta = rowsum(dO * O) for
-  dq/dk/dv) and rounds it to the sinks' dtype, while the naive autodiff
-  never rounds out before that sum; with a few heads and rows, its error can
-  be below the rounding's (float16, one key a row: naive 5e-4, from the
-  rounded out 1.8e-3, from the exact out 2e-6; one head: the naive value and
-  ours adjacent float16 numbers, 3.0e-4 and 6.7e-4 from the golden)."""
-  carried = _dsinks_carried(x, out, lse).astype(x["sinks"].dtype)
-  err = max_abs_err(got, golden)
-  bound = max(tolerance(naive, golden), tolerance(carried, golden))
-  assert err <= bound, (
-    f"dsinks: max|got - golden| = {err:.3g} exceeds 2 x max(naive error"
-    f" {max_abs_err(naive, golden):.3g}, error carried by out"
-    f" {max_abs_err(carried, golden):.3g}) + floor = {bound:.3g}"
-  )
-
-
-def check(implementation, mix, ops):
-  """`implementation` on one case: dtypes and shapes, exact empty rows,
-  finite results, and FA3's tolerance rule on every output and gradient."""
-  x = ops.arrays(mix)
-  args = [x[name] for name in _OPERANDS]
-  got = jax.block_until_ready(_backend_fn(implementation, mix)(*args))
-  naive = _naive_fn(mix)(*args)
-  gold = _golden(mix, x)
-  s = mix.shape
-  shapes = [
-    (s.batch, s.seq_q, s.heads_q, s.dv),
-    (s.batch, s.heads_q, s.seq_q),
-    x["q"].shape,
-    x["k"].shape,
-    x["v"].shape,
-    (s.heads_q,),
-  ]
-  dtypes = [mix.dtype, "float32"] + [mix.dtype] * 3 + [mix.sinks_dtype]
-  for name, g, shape, dtype in zip(_NAMES, got, shapes, dtypes):
-    if g is not None:
-      assert (g.shape, g.dtype) == (shape, jnp.dtype(dtype)), name
-  # A row that sees no key (and no sink): output exactly 0, lse exactly -inf.
-  empty = np.isneginf(gold[1])  # [b, hq, sq]
-  out = np.asarray(got[0], np.float32)
-  assert np.all(out[np.moveaxis(empty, 1, 2)] == 0), "out of empty rows"
-  if got[1] is not None:
-    np.testing.assert_array_equal(np.isneginf(np.asarray(got[1])), empty)
-  for name, g, n, gd in zip(_NAMES, got, naive, gold):
-    if g is None:
-      continue
-    finite = np.isfinite(np.asarray(g, np.float32))
-    assert np.all(finite | np.isneginf(gd)), f"{name} is not finite"
-    if name == "dsinks":
-      _assert_dsinks(g, n, gd, x, got[0], gold[1])
-    else:
-      assert_within_tolerance(name, g, n, gd)

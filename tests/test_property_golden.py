@@ -33,12 +33,12 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+from property_check import check
 from property_mixes import (
   DTYPES,
   SEGMENT_KINDS,
   Mix,
   Operands,
-  check,
   make_mix,
   operands,
 )
@@ -91,8 +91,8 @@ def _check_pure(implementation, mix, data):
   check(implementation, mix, data.draw(operands(mix), label="operands"))
 
 
-@pytest.mark.parametrize("mix", _mixes(CI_MIXES))
 @pytest.mark.parametrize("implementation", PURE_JAX)
+@pytest.mark.parametrize("mix", _mixes(CI_MIXES))
 @hypothesis.settings(_profile("fa3-mixes"))
 @hypothesis.given(data=st.data())
 def test_mixes_against_golden(implementation, mix, data):
@@ -100,8 +100,8 @@ def test_mixes_against_golden(implementation, mix, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", _mixes(SLOW_MIXES))
 @pytest.mark.parametrize("implementation", PURE_JAX)
+@pytest.mark.parametrize("mix", _mixes(SLOW_MIXES))
 @hypothesis.settings(_profile("fa3-mixes-slow"))
 @hypothesis.given(data=st.data())
 def test_slow_mixes_against_golden(implementation, mix, data):
@@ -224,62 +224,144 @@ def test_interpret_refuses_the_other_mixes():
   assert refused >= len(CI_MIXES) // 2, refused
 
 
-# Cases the suite found. A row of one key and its sink (float16): d/dsinks
-# carries the rounding of the residual out, 3.6x the naive error.
-_ONE_KEY_A_ROW = Mix(
-  Shape(2, 48, 48, 6, 3, 128),
-  "float16",
-  causal=True,
-  window_size=(0, None),
-  softcap=0.5,
-  softmax_scale=0.02,
-  sinks_dtype="float32",
-  segments="array",
-  deterministic=True,
-  block=(128, 32),
-)
-# One head: d/dsinks is one float16 number, the naive one and ours
-# adjacent (3.0e-4 and 6.7e-4 from the golden).
-_ONE_HEAD = Mix(
-  Shape(1, 79, 16, 1, 1, 80),
-  "float16",
-  window_size=(2, 5),
-  softcap=0.5,
-  softmax_scale=3.0,
-  sinks_dtype="float16",
-  segments="ids",
-  return_lse=True,
-  block=(64, 16),
-)
+def _runs(*rows):
+  """int32 ids `[len(rows), n]` from rows of (id, run length) pairs."""
+  return np.array([[i for i, n in row for _ in range(n)] for row in rows], "i4")
 
 
-def _one_key_a_row_ids():
-  ids = np.full((2, 48), -1, np.int32)
-  ids[0, 28:] = -2
-  ids[1, 25:41] = 0
-  return ids, ids
-
-
-def _one_head_ids():
+def _one_head_q_ids():
   q = "-2 0 0 0 -2 0 0 0 -2 -2 -2 -1 -2 0 -2 0 0 -2 -1 -1 -1 -1 0 0 0 0 -2"
   q += " -1 0 0 -1 -2 0 -1 -2 -2 -1 -2 -1 0 0 -2 0 -1 -1 -1 -2 0 -2 -2 0 0"
   q += " -2 0 -2 -1 0 -1 0 -1 -2 -1 -2 -2 -2 -1 0 -1 0 -1 0 -2 -1 -2 -1 -2"
-  q += " 0 -1 0"
-  kv = [-1] * 5 + [-2] * 11
-  return np.array([q.split()], np.int32), np.array([kv], np.int32)
+  return np.array([(q + " 0 -1 0").split()], "i4")
 
 
-@pytest.mark.parametrize(
-  "mix,sinks,ids,seed",
-  [
-    (_ONE_KEY_A_ROW, [6, 4, 5, 3, 0, 5], _one_key_a_row_ids(), 5866),
-    (_ONE_HEAD, [0], _one_head_ids(), 1),
-  ],
-  ids=["one-key-a-row", "one-head"],
-)
-@pytest.mark.parametrize("implementation", PURE_JAX)
-def test_dsinks_carries_the_rounding_of_out(
-  implementation, mix, sinks, ids, seed
-):
-  ops = Operands(seed=seed, sinks=np.array(sinks, np.float32), ids=ids)
+def _sinks(*logits):
+  return np.array(logits, np.float32)
+
+
+# Cases the suite found, each a documented property of FlashAttention's
+# backward that the plain rule cannot allow (property_check.py), with the
+# backend that failed it.
+FOUND = {
+  # d/dsinks of rows of one key and a sink: out's rounding, 3.6x the naive.
+  "dsinks-one-key-a-row": (
+    "reference",
+    Mix(
+      Shape(2, 48, 48, 6, 3, 128),
+      "float16",
+      causal=True,
+      window_size=(0, None),
+      softcap=0.5,
+      softmax_scale=0.02,
+      sinks_dtype="float32",
+      segments="array",
+      deterministic=True,
+      block=(128, 32),
+    ),
+    Operands(
+      5866,
+      _sinks(6, 4, 5, 3, 0, 5),
+      ids=2 * (_runs([(-1, 28), (-2, 20)], [(-1, 25), (0, 16), (-1, 7)]),),
+    ),
+  ),
+  # d/dsinks of one head, one float16 number: ours and the naive adjacent.
+  "dsinks-one-head": (
+    "reference",
+    Mix(
+      Shape(1, 79, 16, 1, 1, 80),
+      "float16",
+      window_size=(2, 5),
+      softcap=0.5,
+      softmax_scale=3.0,
+      sinks_dtype="float16",
+      segments="ids",
+      return_lse=True,
+      block=(64, 16),
+    ),
+    Operands(1, _sinks(0), ids=(_one_head_q_ids(), _runs([(-1, 5), (-2, 11)]))),
+  ),
+  # dK of two rows whose windows' few keys one takes: out's rounding, 3x.
+  "dk-carried-by-out": (
+    "blockwise",
+    Mix(
+      Shape(1, 55, 128, 3, 3, 16),
+      "bfloat16",
+      window_size=(28, 1),
+      softmax_scale=1.0,
+      sinks_dtype="float32",
+      segments="packed",
+      return_lse=True,
+      block=(8, 8),
+    ),
+    Operands(
+      2960,
+      _sinks(10, 0, 7),
+      ids=(_runs([(0, 53), (-1, 2)]), _runs([(-1, 128)])),
+    ),
+  ),
+  # dK exactly 0 (one key, 321 rows): float32 rounding of dP - delta.
+  "dk-exactly-zero": (
+    "blockwise",
+    Mix(
+      Shape(1, 107, 1, 6, 2, 80),
+      "bfloat16",
+      softcap=30.0,
+      softmax_scale=0.3,
+      segments="packed",
+      block=(32, 48),
+    ),
+    Operands(0, ids=(_runs([(-1, 107)]), _runs([(-1, 1)]))),
+  ),
+  # dV of one row that sees its one key (bf16, P near 1 beside its sink):
+  # P rounded for dV, then dV itself; the naive only rounds once, 2.4x.
+  "dv-one-row-of-one-key": (
+    "blockwise",
+    Mix(
+      Shape(3, 149, 1, 3, 3, 80),
+      "bfloat16",
+      causal=True,
+      softcap=3.0,
+      softmax_scale=0.02,
+      sinks_dtype="bfloat16",
+      segments="packed",
+      block=(32, 48),
+    ),
+    Operands(
+      0,
+      _sinks(-6.5, -6.5, -6.5),
+      ids=(_runs(*3 * ([(-1, 149)],)), _runs(*3 * ([(-1, 1)],))),
+    ),
+  ),
+  # float32, scores ~ 50 and sinks 9: P recomputed from the lse, 36x.
+  "dq-float32-large-scores": (
+    "blockwise",
+    Mix(
+      Shape(3, 1, 151, 6, 3, 80),
+      "float32",
+      window_size=(2, 1),
+      softmax_scale=3.0,
+      sinks_dtype="float16",
+      segments="ids",
+      block=(16, 16),
+    ),
+    Operands(
+      0,
+      _sinks(9, 9, 9, 9, 9, 9),
+      ids=(
+        _runs([(-2, 1)], [(-2, 1)], [(-2, 1)]),
+        _runs(
+          [(-2, 124), (0, 10), (-1, 17)],
+          [(-2, 111), (0, 23), (-2, 17)],
+          [(0, 11), (-2, 15), (0, 26), (-1, 14), (0, 85)],
+        ),
+      ),
+    ),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_found_cases(name):
+  implementation, mix, ops = FOUND[name]
   check(implementation, mix, ops)
