@@ -146,12 +146,6 @@ def flash_attention(
   segment_ids = segments.check_segment_ids(
     segment_ids, spec.batch, spec.seq_q, spec.seq_kv
   )
-  if spec.fp8 is not None and modifiers.active(spec):
-    raise NotImplementedError(
-      f"fp8=True does not support {', '.join(modifiers.active(spec))}:"
-      " the FP8 forward has no window, softcap, sinks or segment ids; call"
-      " with fp8=False"
-    )
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
     raise ValueError(
       f"fp8 needs v's head_dim equal to q's; got q.shape="

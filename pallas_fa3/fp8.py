@@ -50,22 +50,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import numbers
 from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_fa3 import backends
+from pallas_fa3 import backends, modifiers, segments
 from pallas_fa3.backends.base import NO_FP8_GRADIENT, StaticCall
+from pallas_fa3.fp8_config import FP8Config as FP8Config, check_fp8 as check_fp8
 from pallas_fa3.quant import e4m3, hadamard
 from pallas_fa3.quant.e4m3 import FP8_DTYPE, FP8Inputs, quantize_inputs
 from pallas_fa3.spec import check_bool, check_int, make_spec
 
-# Re-exported: the quantization helpers are part of this module's API.
+# Re-exported: the config and the quantization helpers are this module's API.
 E4M3_MAX = e4m3.E4M3_MAX
 dequantize_tiles = e4m3.dequantize_tiles
 quantize_tiles = e4m3.quantize_tiles
@@ -74,106 +72,6 @@ rotate = hadamard.rotate
 rotation_signs = hadamard.rotation_signs
 
 _OUT_DTYPES = tuple(jnp.dtype(d) for d in ("bfloat16", "float16", "float32"))
-
-
-def _normalize_key(value: Any) -> tuple:
-  """An int seed or a concrete JAX PRNG key -> hashable ("seed", n) / (impl, data)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(
-      f"FP8Config.key must be an int seed or a JAX PRNG key; got {value!r}"
-    )
-  if isinstance(value, numbers.Integral):
-    return ("seed", int(value))
-  if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
-    return value  # already normalized (dataclasses.replace)
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-      "FP8Config.key must be concrete (an int seed or a PRNG key created"
-      " outside jit); for a traced key call pallas_fa3.fp8.quantize(...,"
-      " key=key) and flash_attention_fp8"
-    )
-  if isinstance(value, (jax.Array, np.ndarray)):
-    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) and value.shape == ():
-      impl = str(jax.random.key_impl(value))
-      data = np.asarray(jax.random.key_data(value))
-    elif value.dtype == np.uint32 and value.ndim == 1:  # legacy raw key
-      impl, data = "raw", np.asarray(value)
-    else:
-      raise TypeError(
-        "FP8Config.key must be an int seed or a single JAX PRNG key; got an"
-        f" array of dtype {value.dtype} and shape {tuple(value.shape)}"
-      )
-    return (impl, tuple(int(x) for x in data.ravel()))
-  raise TypeError(
-    f"FP8Config.key must be an int seed or a JAX PRNG key; got"
-    f" {value!r} of type {type(value).__name__}"
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Config:
-  """How `flash_attention(..., fp8=...)` quantizes (frozen, hashable, validated).
-
-  Attributes:
-    block_quantization: one scale per kernel tile of Q, K and V (True, FA3's
-      method) or one scale per tensor (False, the ablation).
-    rotation: incoherent processing, Q and K times a random orthogonal
-      `D H / sqrt(d)` (True), or not (False, the ablation).
-    key: the rotation's randomness, an int seed or a concrete JAX PRNG key
-      (stored as its key data, so the config stays hashable).
-    q_residual: carry Q as two e4m3 terms, its rounding residual quantized
-      again in the same scale (`FP8Inputs.q_residual`): S = (Q + Q_res) K^T
-      is two chained wgmma, which removes Q's share of the FP8 error (the
-      largest single source, docs/design_notes.md#fp8-accuracy) at the
-      price of a second QK^T product: 1.5x the tensor-core work. Off by
-      default (FA3's recipe).
-  """
-
-  block_quantization: bool = True
-  rotation: bool = True
-  key: Any = 0
-  q_residual: bool = False
-
-  def __post_init__(self) -> None:
-    for name in ("block_quantization", "rotation", "q_residual"):
-      value = getattr(self, name)
-      if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-          f"FP8Config.{name} must be a bool; got {value!r} of"
-          f" type {type(value).__name__}"
-        )
-      object.__setattr__(self, name, bool(value))
-    object.__setattr__(self, "key", _normalize_key(self.key))
-
-  def prng_key(self) -> jax.Array:
-    """The rotation's PRNG key."""
-    kind, data = self.key
-    if kind == "seed":
-      return jax.random.key(data)
-    # Word by word from scalars: under a trace an array built from the tuple
-    # would be a closed-over constant, which custom_partitioning rejects.
-    words = jnp.stack([jnp.uint32(w) for w in data])
-    if kind == "raw":
-      return jax.random.wrap_key_data(words)
-    return jax.random.wrap_key_data(words, impl=kind)
-
-
-def check_fp8(fp8: Any) -> FP8Config | None:
-  """`fp8=` of flash_attention: False/None (off), True (defaults), an FP8Config.
-
-  Raises:
-    TypeError: anything else.
-  """
-  if fp8 is None or fp8 is False or (isinstance(fp8, np.bool_) and not fp8):
-    return None
-  if fp8 is True or (isinstance(fp8, np.bool_) and fp8):
-    return FP8Config()
-  if isinstance(fp8, FP8Config):
-    return fp8
-  raise TypeError(
-    f"fp8 must be a bool or a pallas_fa3.FP8Config; got"
-    f" {fp8!r} of type {type(fp8).__name__}"
-  )
 
 
 def quantize(
@@ -246,15 +144,20 @@ def quantize(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _from_quantized(
-  call: StaticCall, x: FP8Inputs
+  call: StaticCall, x: FP8Inputs, sinks: Any, segment_ids: Any
 ) -> tuple[jax.Array, jax.Array]:
-  return call.backend.fp8_forward(call.spec, call.config, x)
+  extras = {}
+  if sinks is not None:
+    extras["sinks"] = sinks
+  if segment_ids is not None:
+    extras["segment_ids"] = segment_ids
+  return call.backend.fp8_forward(call.spec, call.config, x, **extras)
 
 
 def _from_quantized_fwd(
-  call: StaticCall, x: FP8Inputs
+  call: StaticCall, x: FP8Inputs, sinks: Any, segment_ids: Any
 ) -> tuple[tuple[jax.Array, jax.Array], None]:
-  return _from_quantized(call, x), None
+  return _from_quantized(call, x, sinks, segment_ids), None
 
 
 def _from_quantized_bwd(
@@ -314,6 +217,10 @@ def flash_attention_fp8(
   implementation: str | None = None,
   config: Any = None,
   out_dtype: Any = jnp.bfloat16,
+  window_size: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """FP8 attention forward on pre-quantized operands (`quantize`'s layout).
 
@@ -340,6 +247,9 @@ def flash_attention_fp8(
       the quantization tiles.
       None: the FP8 kernel's default for the head dim.
     out_dtype: bfloat16 (default) or float16 (float32 too on blockwise).
+    window_size, softcap, sinks, segment_ids: as
+      `pallas_fa3.flash_attention` (the masks and the sink term act on the
+      dequantized scores, exactly as in the bf16 forward).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim]` in `out_dtype`, and with
@@ -381,6 +291,14 @@ def flash_attention_fp8(
     causal=causal,
     softmax_scale=softmax_scale,
     fp8=FP8Config(q_residual=q_residual is not None),
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
+    segmented=segment_ids is not None,
+  )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  segment_ids = segments.check_segment_ids(
+    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
   )
   return_lse = check_bool("return_lse", return_lse)
   backend, config = backends.resolve(spec, implementation, config)
@@ -398,5 +316,6 @@ def flash_attention_fp8(
     *(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale, v_scale)),
     None if q_residual is None else jnp.asarray(q_residual),
   )
-  out, lse = _quantized_jit(StaticCall(spec, backend, config), x)
+  call = StaticCall(spec, backend, config)
+  out, lse = _quantized_jit(call, x, sinks, segment_ids)
   return (out, lse) if return_lse else out

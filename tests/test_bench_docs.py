@@ -14,7 +14,6 @@ from pallas_fa3 import cli
 from pallas_fa3.bench import (
   command,
   flops,
-  fp8_case,
   impls,
   options,
   specs,
@@ -129,8 +128,6 @@ def test_baselines_without_segment_ids_say_why():
   spec = specs.BenchSpec("t", 1, 64, 64, 2, 2, 64, True, "bf16", "fwd", docs=4)
   assert "no docs" in impls.REGISTRY["xla"].unsupported(spec, "cpu")
   assert "no docs" in impls.REGISTRY["cudnn"].unsupported(spec, "gpu")
-  fp8 = specs.BenchSpec("t", 1, 64, 64, 2, 2, 64, True, "fp8", "fwd", docs=4)
-  assert "FP8 forward has no docs" in fp8_case.unsupported("blockwise", fp8)
   assert options.modifier_label((4, 0), None, False, 3) == "window 4,0, docs 3"
 
 

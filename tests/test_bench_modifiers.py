@@ -194,11 +194,34 @@ def test_baselines_without_the_options_say_why():
     ),
     "gpu",
   )
-  fp8 = specs.BenchSpec(
-    "t", 1, 64, 64, 2, 2, 64, True, "fp8", "fwd", window=(8, 0)
-  )
-  assert "FP8 forward has no window" in fp8_case.unsupported("blockwise", fp8)
   assert options.join_names(("a", "b", "c")) == "a, b or c"
+
+
+@pytest.mark.parametrize(
+  "options",
+  [dict(window=(8, 0)), dict(softcap=1.0), dict(sinks=True), dict(docs=3)],
+  ids=["window", "softcap", "sinks", "docs"],
+)
+def test_fp8_cases_take_the_options(options):
+  """FP8 cases run with a window, softcap, sinks or documents, and both FP8
+  calls (quantized attention, total) compute the modified function."""
+  spec = specs.BenchSpec(
+    "t", 1, 64, 64, 2, 2, 64, True, "fp8", "fwd", **options
+  )
+  assert fp8_case.unsupported("blockwise", spec) is None
+  plain = dataclasses.replace(spec, dtype="fp32")
+  q, k, v, _ = timing.make_inputs(spec, "bfloat16", 1, 0)[0]
+  quantize, attend, total = fp8_case.functions("blockwise", spec)
+  got = np.asarray(attend(quantize(q, k, v)), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(total(q, k, v), np.float32))
+  f32 = [np.asarray(a, np.float32) for a in (q, k, v)]
+  want = np.asarray(impls.REGISTRY["reference"].build(plain)(*f32))
+  unmodified = dataclasses.replace(
+    plain, window=None, softcap=None, sinks=False, docs=None
+  )
+  other = np.asarray(impls.REGISTRY["reference"].build(unmodified)(*f32))
+  err = np.sqrt(np.mean((got - want) ** 2))
+  assert err < 0.25 * np.sqrt(np.mean((other - want) ** 2)), err
 
 
 def _refuser() -> impls.Impl:
@@ -283,7 +306,11 @@ def test_rows_carry_the_options(option_sweep):
     for r in records
   )
   ok = {(r["impl"], r["dtype"]) for r in records if r["status"] == "ok"}
-  assert ok == {("blockwise", "bf16"), ("reference", "bf16")}
+  assert ok == {
+    ("blockwise", "bf16"),
+    ("reference", "bf16"),
+    ("blockwise", "fp8"),
+  }
   for r in records:
     pairs = _brute_force_pairs(64, 64, r["causal"], (8, 0))
     factor = 1 if r["mode"] == "fwd" else 3.5
@@ -304,7 +331,13 @@ def test_refusals_are_skips_with_reasons(option_sweep):
   assert xla and all(r["status"] == "skipped" for r in xla)
   assert all("no softcap or sinks" in r["reason"] for r in xla)
   fp8 = [r for r in records if r["dtype"] == "fp8"]
-  assert fp8 and all(r["status"] == "skipped" for r in fp8)
+  ran = {(r["impl"], r["mode"]) for r in fp8 if r["status"] == "ok"}
+  assert ran == {("blockwise", "fwd")}  # FP8 takes the options; forward only
+  assert all(
+    "forward only" in r["reason"] or "no FP8 path" in r["reason"]
+    for r in fp8
+    if r["status"] == "skipped"
+  )
   assert not [r for r in records if r["status"] == "error"]
 
 

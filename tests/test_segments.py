@@ -224,13 +224,6 @@ def test_one_array_is_self_attention_ids(rng):
     pallas_fa3.flash_attention(q, k[:, :16], v[:, :16], segment_ids=ids)
 
 
-def test_fp8_with_segment_ids_raises():
-  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  ids = jnp.zeros((1, 64), jnp.int32)
-  with pytest.raises(NotImplementedError, match="segment_ids"):
-    pallas_fa3.flash_attention(q, q, q, fp8=True, segment_ids=(ids, ids))
-
-
 def test_vmap_over_ids(rng):
   q, k, v, _ = random_inputs(
     jax.random.key(1), Shape(1, 32, 32, 2, 2, 16), "float32"

@@ -46,7 +46,8 @@ class Backend:
       explicit backend still lowers for another platform.
     device_hint: what to do instead when `device_reason` refuses (said
       after the reason).
-    fp8_forward: `(spec, config, FP8Inputs) -> (out, lse)`, or None.
+    fp8_forward: `(spec, config, FP8Inputs) -> (out, lse)`, with `sinks=`
+      and `segment_ids=` as `forward` takes them; or None.
     fp8_tiles: `config -> (block_q, block_kv)`, the quantization tiles.
     fp8_quantize: the quantization pass, with `e4m3.quantize_inputs`'s
       signature and bits (default: that pure-JAX pass).
@@ -110,7 +111,7 @@ class Backend:
       rotation=spec.fp8.rotation,
       q_residual=spec.fp8.q_residual,
     )
-    return self.fp8_forward(spec, config, x)
+    return self.fp8_forward(spec, config, x, **extras)
 
   def run_backward(
     self,

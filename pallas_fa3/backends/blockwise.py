@@ -235,10 +235,10 @@ def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
 
 
 def _fp8_forward(
-  spec: AttentionSpec, config: BlockwiseConfig, x: Any
+  spec: AttentionSpec, config: BlockwiseConfig, x: Any, **extras: Any
 ) -> tuple[jax.Array, jax.Array]:
   return blockwise_fp8.blockwise_forward_fp8(
-    spec, config.block_q, config.block_kv, *x
+    spec, config.block_q, config.block_kv, *x, **extras
   )
 
 

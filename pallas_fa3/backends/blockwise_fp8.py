@@ -28,12 +28,15 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import masking
 from pallas_fa3.quant.e4m3 import (
   FP8_DTYPE,
+  P_LOG2_OFFSET,
   finalize_fp8,
   online_softmax_fp8,
   v_scale_ratios,
@@ -53,6 +56,12 @@ def _pad(x: jax.Array, axis: int, length: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def _pad_ids(ids: jax.Array, length: int, value: int) -> jax.Array:
+  return jnp.pad(
+    ids, ((0, 0), (0, length - ids.shape[1])), constant_values=value
+  )
+
+
 def blockwise_forward_fp8(
   spec: AttentionSpec,
   block_q: int,
@@ -64,12 +73,18 @@ def blockwise_forward_fp8(
   k_scale: jax.Array,
   v_scale: jax.Array,
   q_residual: jax.Array | None = None,
+  *,
+  sinks: jax.Array | None = None,
+  segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Tiled FP8 forward; returns (out `[b, sq, hq, d]` in `spec.dtype`, lse `[b, hq, sq]`).
 
   Operands as `pallas_fa3.fp8.quantize` writes them (`FP8Inputs`), quantized
   with tiles `block_q` x `block_kv`. With `q_residual` the scores use
-  Q + Q_res (exact in float32: the kernel's two chained products).
+  Q + Q_res (exact in float32: the kernel's two chained products). As the
+  kernel: a window's tiles outside every row's reach are skipped, softcap
+  is fused into the scores (tanh of the descaled score), `sinks` (`[b, hq]`
+  float32) seed the running max and sum, `segment_ids` mask by id.
   """
   b, hk, g = spec.batch, spec.heads_kv, spec.group_size
   nq, nkv = -(-spec.seq_q // block_q), -(-spec.seq_kv // block_kv)
@@ -84,6 +99,19 @@ def blockwise_forward_fp8(
   vs = v_scale.astype(_F32)
   vr = v_scale_ratios(vs)
   stat_shape = (b, hk, g, block_q)
+  ids = None
+  if segment_ids is not None:  # padded tiles match no id
+    ids = (
+      _pad_ids(segment_ids[0], nq * block_q, -1),
+      _pad_ids(segment_ids[1], nkv * block_kv, -2),
+    )
+  if sinks is None:
+    m0 = jnp.full(stat_shape, -jnp.inf, _F32)
+    l0 = jnp.zeros(stat_shape, _F32)
+  else:  # the sink's term exp2(sink2 - (m - 8)) = 2^8 at m = sink2
+    sink2 = sinks.astype(_F32).reshape(b, hk, g, 1) * jnp.float32(LOG2E)
+    m0 = jnp.broadcast_to(sink2, stat_shape)
+    l0 = jnp.full(stat_shape, 2.0**P_LOG2_OFFSET, _F32)
 
   def q_tile_fn(iq):
     q_tile = jax.lax.dynamic_slice_in_dim(qp, iq * block_q, block_q, axis=1)
@@ -102,10 +130,19 @@ def blockwise_forward_fp8(
         preferred_element_type=_F32,
         precision=_HIGHEST,
       )
-      step_scale = scale_log2 * ks[:, :, None, j]
-      mask = masking.visible(spec, q_pos, j * block_kv + jnp.arange(block_kv))
+      step_scale = (scale_log2 * ks[:, :, None, j])[..., None]
+      kv_pos = j * block_kv + jnp.arange(block_kv)
+      mask = masking.visible(spec, q_pos, kv_pos)
+      if ids is not None:  # [b, bq, bkv] -> [b, 1, 1, bq, bkv]
+        q_ids = jax.lax.dynamic_slice_in_dim(ids[0], iq * block_q, block_q, 1)
+        kv_ids = jax.lax.dynamic_slice_in_dim(ids[1], j * block_kv, block_kv, 1)
+        mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
+      if spec.softcap is not None:  # as the kernel: tanh of the descaled score
+        cap = jnp.float32(LOG2E * spec.softcap)
+        s = jnp.tanh(s * (step_scale[..., None] / cap))
+        step_scale = jnp.float32(spec.softcap * LOG2E)
       p, alpha, m, l = online_softmax_fp8(
-        s, m, l, scale_log2=step_scale[..., None], mask=mask
+        s, m, l, scale_log2=step_scale, mask=mask
       )
       p8 = p.astype(FP8_DTYPE).astype(_F32)
       o = o * (alpha * vr[:, :, None, j, None])[..., None]
@@ -118,16 +155,13 @@ def blockwise_forward_fp8(
       )
       return o, m, l
 
-    init = (
-      jnp.zeros(stat_shape + (spec.head_dim,), _F32),
-      jnp.full(stat_shape, -jnp.inf, _F32),
-      jnp.zeros(stat_shape, _F32),
+    init = (jnp.zeros(stat_shape + (spec.head_dim,), _F32), m0, l0)
+    first, end = masking.kv_block_range(
+      spec, iq * block_q, (iq + 1) * block_q, block_kv, nkv
     )
-    n_kv = masking.num_kv_blocks_visible(
-      spec, (iq + 1) * block_q, block_kv, nkv
-    )
-    o, m, l = jax.lax.fori_loop(0, n_kv, kv_step, init)
-    last = jnp.maximum(n_kv - 1, 0)
+    end = jnp.maximum(end, first)
+    o, m, l = jax.lax.fori_loop(first, end, kv_step, init)
+    last = jnp.clip(end - 1, 0, nkv - 1)
     sv = jax.lax.dynamic_index_in_dim(vs, last, axis=2, keepdims=False)
     out, lse = finalize_fp8(o, m, l, sv[:, :, None, None])
     return out.astype(spec.dtype), lse

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from pallas_fa3 import modifiers, segments
+from pallas_fa3 import segments
 from pallas_fa3.backends import blockwise, interpret_pool
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
@@ -61,9 +61,6 @@ def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
   if spec.stable_max is not None:
     return "stable_max is implemented by the blockwise backend only"
   if spec.fp8 is not None:
-    if modifiers.active(spec):
-      names = ", ".join(modifiers.active(spec))
-      return f"the FP8 kernel has no {names}"
     if config.backward is not None:
       return "fp8 has no backward, so Sm90Config.backward must be None"
     return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
@@ -134,13 +131,39 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
 
 def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
   def fp8_forward(
-    spec: AttentionSpec, config: Sm90Config, x: Any
+    spec: AttentionSpec,
+    config: Sm90Config,
+    x: Any,
+    sinks: jax.Array | None = None,
+    segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array]:
+    from pallas_fa3.backends import blockwise_fp8  # pylint: disable=g-import-not-at-top
     from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
 
-    return kernel.sm90_forward_fp8(
-      spec, config.forward, *x, interpret=_interpret_params(interpret)
-    )
+    def run(operands):
+      x, sinks, bounds, _ = operands
+      return kernel.sm90_forward_fp8(
+        spec,
+        config.forward,
+        *x,
+        interpret=_interpret_params(interpret),
+        sinks=sinks,
+        segment_ids=bounds,
+      )
+
+    if segment_ids is None:
+      return run((x, sinks, None, None))
+
+    def twin(operands):  # ids whose keys are not contiguous: the same
+      x, sinks, _, ids = operands  # function, the FP8 kernel's twin
+      cfg = config.forward
+      return blockwise_fp8.blockwise_forward_fp8(
+        spec, cfg.block_q, cfg.block_kv, *x, sinks=sinks, segment_ids=ids
+      )
+
+    bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
+    operands = (x, sinks, bounds[:2], segment_ids)
+    return jax.lax.cond(keys_exact, run, twin, operands)
 
   return fp8_forward
 

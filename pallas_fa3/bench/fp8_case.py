@@ -10,8 +10,9 @@ bf16. Three timings per case: the quantization alone, the attention kernel
 alone on pre-quantized inputs, and the total, both in one call of
 `flash_attention(..., fp8=FP8Config(), config=<the same tiles>)`. The
 FLOPs are the attention's; the quantization's O(n d) work is not counted.
-FP8 is forward only: backward modes are skipped with the reason, and so
-are cases with a window, softcap or sinks (the FP8 path has none).
+FP8 is forward only: backward modes are skipped with the reason. A case's
+window, softcap, sinks and packed documents go to both FP8 calls, as to the
+bf16 ones.
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
   """Why `name` cannot run the fp8 `spec`; None for non-fp8 specs."""
   if spec.dtype != "fp8":
     return None
-  if spec.modifiers:
-    return (
-      f"the FP8 forward has no {options.join_names(spec.modifiers)}"
-      " (flash_attention(fp8=...) refuses them; compare the bf16 rows)"
-    )
   if name not in FP8_IMPLS:
     return (
       f"{name} has no FP8 path: fp8 cases run on"
@@ -93,6 +89,12 @@ def functions(
   """(quantize(q, k, v) -> FP8Inputs, attend(FP8Inputs) -> out,
   total(q, k, v) -> out) for backend `name` and the fp8 `spec`."""
   config = attention_config(name, spec.head_dim)
+  extras = dict(
+    window_size=spec.window,
+    softcap=spec.softcap,
+    sinks=options.sinks_for(spec.heads_q) if spec.sinks else None,
+    segment_ids=options.segment_ids_for(spec),
+  )
 
   def quantize(q, k, v):
     return fp8.quantize(
@@ -112,6 +114,7 @@ def functions(
       implementation=name,
       config=config,
       out_dtype=OUT_DTYPE,
+      **extras,
     )
 
   def total(q, k, v):  # the public entry point, quantizing inside
@@ -123,6 +126,7 @@ def functions(
       implementation=name,
       config=config,
       fp8=pallas_fa3.FP8Config(),
+      **extras,
     )
 
   return quantize, attend, total

@@ -50,9 +50,17 @@ def compile_forward_fp8(
   if spec.fp8 is not None and spec.fp8.q_residual:  # Q's rounding residual
     shapes.append(shapes[0])
   residual = " q-residual" if len(shapes) > 6 else ""
+  sinks = ids = None  # constant stand-ins, as in aot.compile_forward
+  if spec.sinks:
+    sinks = jnp.zeros((b, hq), f32)
+  if spec.segmented:
+    ids = aot.packed_bounds(spec)[:2]
   return aot.compile_report(
-    f"fwd-fp8{residual} d={d} out={spec.dtype} causal={spec.causal} {config}",
-    lambda *a: sm90_fwd_fp8.sm90_forward_fp8(spec, config, *a),
+    f"fwd-fp8{residual} d={d} out={spec.dtype} causal={spec.causal}"
+    f"{aot.modifier_label(spec)} {config}",
+    lambda *a: sm90_fwd_fp8.sm90_forward_fp8(
+      spec, config, *a, sinks=sinks, segment_ids=ids
+    ),
     shapes,
     aot.short_label(spec, config),
   )

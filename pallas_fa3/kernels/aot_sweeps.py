@@ -177,7 +177,7 @@ def modifiers_sweep() -> Iterator[SweepItem]:
   """The default forward and both backwards (fused; dK/dV + dQ) of every
   head dim with each of `MODIFIER_CASES` (windows, softcap, sinks), and the
   forward and both backwards of the causal cases with segment ids, bf16 at
-  `PROFILE_SHAPE`."""
+  `PROFILE_SHAPE`; then the FP8 forward with the same options."""
   import jax
 
   from pallas_fa3.kernels.sm90 import (
@@ -204,3 +204,34 @@ def modifiers_sweep() -> Iterator[SweepItem]:
           bwd = dataclasses.replace(one, deterministic=det)
           config = sm90_bwd_config.default_backward_config(bwd)
           yield compile_backward, bwd, config
+  yield from _fp8_modifiers()
+
+
+def _fp8_modifiers() -> Iterator[SweepItem]:
+  """The FP8 forward's default config of every FP8 head dim with each of
+  `MODIFIER_CASES`, and with segment ids on the causal ones."""
+  import jax
+
+  from pallas_fa3 import fp8
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_fp8_config.FP8_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((b, s, hq, d), "bfloat16")
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), "bfloat16")
+    config = sm90_fp8_config.default_fp8_forward_config(d)
+    for window, cap, sinks, causal in MODIFIER_CASES:
+      for packed in (False, True) if causal else (False,):
+        spec = make_spec(
+          q,
+          kv,
+          kv,
+          causal=causal,
+          window_size=window,
+          softcap=cap,
+          sinks=sinks,
+          segmented=packed,
+          fp8=fp8.FP8Config(),
+        )
+        yield compile_forward_fp8, spec, config

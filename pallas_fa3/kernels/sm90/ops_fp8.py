@@ -1,4 +1,5 @@
-"""The FP8 forward kernel's leaf ops: `KernelOps` with e4m3 matmuls."""
+"""The FP8 forward kernel's leaf ops: `KernelOps` with e4m3 matmuls, the
+running statistics' seed (sinks) and V^T's tile."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.quant.e4m3 import P_LOG2_OFFSET
+from pallas_fa3.spec import LOG2E
 
 _F32 = jnp.float32
 
@@ -41,6 +44,28 @@ class Fp8Ops(KernelOps):
 
   def _wgmma_pv(self, acc: Any, p_smem: Any, vt_smem: Any) -> None:
     plgpu.wgmma(acc, p_smem, vt_smem.transpose((1, 0)))
+
+
+def sink_seed(
+  ops: Fp8Ops, sinks_ref: Any, batch: Any, head: Any, rows: int
+) -> tuple[jax.Array, jax.Array]:
+  """(m, l) a row starts from: -inf and 0, or the sink in base 2 and its
+  term in l (P's units: the 2^8 offset)."""
+  if sinks_ref is None:
+    return (
+      ops.rows(jnp.full((rows,), -jnp.inf, _F32)),
+      ops.rows(jnp.zeros((rows,), _F32)),
+    )
+  sink2 = sinks_ref[batch, head] * jnp.float32(LOG2E)
+  return (
+    ops.rows(jnp.broadcast_to(sink2, (rows,))),
+    ops.rows(jnp.full((rows,), 2.0**P_LOG2_OFFSET, _F32)),
+  )
+
+
+def vt_cols(vt_ref: Any, batch: Any, kv_head: Any, cols: Any) -> Any:
+  """One V^T tile: `[d, block_kv]` columns of the transposed `[b, h, d, s]` V."""
+  return vt_ref.at[batch, kv_head, :, cols]
 
 
 COMPILED_FP8 = Fp8Ops(interpreted=False)
