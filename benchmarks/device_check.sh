@@ -24,8 +24,9 @@
 #   decode     one decode step over a KV cache (`bench --mode decode --tags
 #              headline`: batch 64 x 8k, 32/8 heads, d128, contiguous and
 #              page 64; batch 1 x 128k split-KV): GB/s and % of the HBM peak
-#              of ours, JAX's Triton decode_attention.gqa / paged_attention,
-#              XLA and cuDNN (a time budget cuts the baselines first)
+#              of ours (bf16 and e4m3 caches), JAX's Triton
+#              decode_attention.gqa / paged_attention, XLA and cuDNN (a time
+#              budget cuts the baselines first)
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
@@ -93,7 +94,7 @@ BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
        --impl mosaic mosaic-det blockwise cudnn xla mgpu)
 # The GPU grid's headline points (also on a CPU: --grid gpu), ours first.
 DECODE=("$PY" -m pallas_fa3.cli bench --mode decode --grid gpu --tags headline
-        --dtype bf16 --runs 10 --warmup 2 --no-progress --no-plots
+        --dtype bf16 fp8 --runs 10 --warmup 2 --no-progress --no-plots
         --impl mosaic triton-gqa triton-paged xla cudnn)
 
 if [ "$GPU" = 1 ]; then

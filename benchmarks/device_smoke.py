@@ -9,7 +9,8 @@ had only been compiled before its first GPU run (`SMOKE_ITEMS`: the
 pingpong turns, the fused backward's TMA reduce-add into the in-place
 accumulator, the dS exchange barrier, the deterministic kernels, the
 shared-tile layout, d256, the multi-warpgroup quantization kernel, the FP8
-forward), against the float64 golden with the tolerance rule (FP8: its
+forward plain and with every option, the decode kernel with bf16 and e4m3
+caches; `smoke_items.py`), against the float64 golden with the tolerance rule (FP8: its
 blockwise twin; quantization: its twin's bits). Each item runs in a
 process of its own under its own timeout, all at once, so a hang is
 recorded as "hang" and costs only its own item. `causal`: JAX's `attention_mgpu` refuses causal masks on
@@ -37,17 +38,14 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from smoke_items import SMOKE_ITEMS, check, kernel_item
 
-import pallas_fa3
 from pallas_fa3 import backends
 from pallas_fa3.kernels.sm90 import config as sm90_config
 from pallas_fa3.testing import (
   Shape,
   golden_and_naive,
-  max_abs_err,
   random_inputs,
-  tolerance,
 )
 
 
@@ -113,128 +111,6 @@ def versions() -> dict:
   return info
 
 
-def _check(name, got, naive, golden) -> dict:
-  err, bound = max_abs_err(got, golden), tolerance(naive, golden)
-  return {f"{name}_err": err, f"{name}_bound": bound}
-
-
-def _kernel_item(
-  head_dim: int,
-  backward: bool,
-  dtype=jnp.bfloat16,
-  causal=True,
-  shape=None,
-  deterministic=False,
-  config=None,
-):
-  shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
-  q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
-  golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
-  f = lambda q, k, v: pallas_fa3.flash_attention(
-    q,
-    k,
-    v,
-    causal=causal,
-    return_lse=True,
-    implementation="mosaic",
-    deterministic=deterministic,
-    config=config,
-  )
-  out, lse = jax.jit(f)(q, k, v)
-  result = {
-    **_check("out", out, naive[0], golden[0]),
-    **_check("lse", lse, naive[1], golden[1]),
-  }
-  if backward:
-    loss = lambda q, k, v: (
-      f(q, k, v)[0].astype(jnp.float32) * dout.astype(jnp.float32)
-    ).sum()
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    for name, g, n, gold in zip(
-      ("dq", "dk", "dv"), grads, naive[2:], golden[2:]
-    ):
-      result.update(_check(name, g, n, gold))
-  return result
-
-
-def _fp8_item():
-  q, k, v, _ = random_inputs(
-    jax.random.key(8), Shape(1, 256, 512, 4, 2, 128), jnp.bfloat16
-  )
-  f = lambda impl: jax.jit(
-    lambda q, k, v: pallas_fa3.flash_attention(
-      q, k, v, causal=True, fp8=True, implementation=impl
-    )
-  )(q, k, v)
-  got = np.asarray(f("mosaic"), np.float32)
-  twin = np.asarray(f("blockwise"), np.float32)
-  return {
-    "out_vs_twin_err": float(np.max(np.abs(got - twin))),
-    "out_vs_twin_bound": 0.05,
-  }
-
-
-def _quantize_item():
-  """The quantization kernel with four warpgroups (256 output rows: V^T at
-  d256) against its pure-JAX twin, bit for bit."""
-  from pallas_fa3.kernels.sm90 import quantize  # pylint: disable=g-import-not-at-top
-  from pallas_fa3.quant import e4m3  # pylint: disable=g-import-not-at-top
-
-  q, k, v, _ = random_inputs(
-    jax.random.key(9), Shape(1, 512, 512, 2, 2, 256), jnp.bfloat16
-  )
-  args = (q, k, v, jax.random.key(1))
-  opts = dict(block_q=128, block_kv=128, block_quantization=True)
-  opts.update(rotation=True, q_residual=False)
-  got = jax.jit(lambda *a: quantize.quantize_inputs_kernel(*a, **opts))(*args)
-  want = jax.jit(lambda *a: e4m3.quantize_inputs(*a, **opts))(*args)
-  diff = [
-    float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
-  ]
-  return {"bits_vs_twin_err": max(diff), "bits_vs_twin_bound": 0.0}
-
-
-# The split of the dQ columns between two consumers owning their keys (FA3's
-# d128 layout, outside the default space): the only user of the exchange
-# barrier.
-_DQ_BY_COLS = pallas_fa3.Sm90Config(
-  backward=pallas_fa3.Sm90BackwardConfig(64, 64, 2, 2, 1)
-)
-
-# (name, what it is the first run of, function): each runs in a process of
-# its own under its own timeout (`smoke`), so a hang is reported as a hang.
-SMOKE_ITEMS = {
-  "fwd bf16 d128": (
-    "pingpong turn barriers (named, inline PTX)",
-    lambda: _kernel_item(128, False),
-  ),
-  "fwd+bwd bf16 d128 fused": (
-    "TMA reduce-add of dQ into the in-place jax.new_ref accumulator",
-    lambda: _kernel_item(128, True),
-  ),
-  "fwd+bwd bf16 d128 fused dQ by columns": (
-    "the consumers' dS exchange barrier",
-    lambda: _kernel_item(128, True, config=_DQ_BY_COLS),
-  ),
-  "fwd+bwd bf16 d128 deterministic": (
-    "the dK/dV and dQ kernels",
-    lambda: _kernel_item(128, True, deterministic=True),
-  ),
-  "fwd+bwd bf16 d192 fused": (
-    "the shared-tile fused layout",
-    lambda: _kernel_item(192, True),
-  ),
-  "fwd+bwd bf16 d256": ("d256 tiles", lambda: _kernel_item(256, True)),
-  "quantize d256 4 warpgroups": (
-    "the multi-warpgroup quantization kernel (named-barrier amax)",
-    _quantize_item,
-  ),
-  "fwd fp8 d128": (
-    "the FP8 forward (its setmaxnreg split) after the quantization kernel",
-    _fp8_item,
-  ),
-}
 # DEVICE_CHECK_SELFTEST=1: an item that hangs (also without a GPU), to show
 # that the per-item timeout fires and the other items still report.
 _SELFTEST = "selftest hang"
@@ -258,7 +134,7 @@ def _mgpu_causal_item(head_dim: int):
     lambda q, k, v: mgpu.attention(q * jnp.float16(scale), k, v, cfg)
   )(q, k, v)
   golden, naive = golden_and_naive(q, k, v, dout, causal=True)
-  return _check("out", out, naive[0], golden[0])
+  return check("out", out, naive[0], golden[0])
 
 
 def _causal_items():
@@ -267,7 +143,7 @@ def _causal_items():
       for sq, skv in ((512, 512), (384, 640), (640, 384)):
         yield (
           f"ours causal {jnp.dtype(dtype).name} d{d} q{sq} kv{skv}",
-          lambda d=d, dtype=dtype, sq=sq, skv=skv: _kernel_item(
+          lambda d=d, dtype=dtype, sq=sq, skv=skv: kernel_item(
             d, False, dtype, True, Shape(1, sq, skv, 2, 1, d)
           ),
         )
@@ -367,6 +243,9 @@ def run_isolated(out: pathlib.Path, timeout: float, parallel: int) -> int:
       json.dumps(list(records.values()), indent=1, default=str)
     )
     time.sleep(0.2)
+  (out / "smoke.json").write_text(  # (also when nothing ran: a CPU)
+    json.dumps(list(records.values()), indent=1, default=str)
+  )
   return 1 if failures else 0
 
 

@@ -5,6 +5,7 @@ Public API (everything else is private or lives in a submodule):
   flash_attention_with_kvcache
                        attention over a KV cache (decoding: contiguous or
                        paged, appended tokens, split-KV, GQA-packed)
+  quantize_kv_cache    a KV cache in e4m3 with its descales (FP8KVCache)
   Sm90DecodeConfig     tiling of the Hopper decode kernel
   reference_attention  materialized baseline attention (the oracle)
   BlockwiseConfig      tile sizes of the portable blockwise backend
@@ -42,6 +43,10 @@ from pallas_fa3.kernels.sm90.config_decode import (
 )
 from pallas_fa3.kvcache import (
   flash_attention_with_kvcache as flash_attention_with_kvcache,
+)
+from pallas_fa3.kvcache_fp8 import (
+  FP8KVCache as FP8KVCache,
+  quantize_kv_cache as quantize_kv_cache,
 )
 from pallas_fa3.parallel.ring import ring_attention as ring_attention
 from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order

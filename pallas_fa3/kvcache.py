@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import modifiers
+from pallas_fa3 import kvcache_fp8, modifiers
 from pallas_fa3.backends.decode import DecodeBackend, resolve_decode
 from pallas_fa3.kvcache_cache import append, cache_rows
 from pallas_fa3.kvcache_spec import DecodeSpec, make_decode_spec
@@ -45,7 +45,9 @@ class _Call:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(call: _Call, q, k_cache, v_cache, lengths, rows, pages, sinks):
+def _attend(
+  call: _Call, q, k_cache, v_cache, lengths, rows, pages, sinks, descale
+):  # fmt: skip
   return call.backend.run(
     call.spec,
     call.config,
@@ -57,6 +59,7 @@ def _attend(call: _Call, q, k_cache, v_cache, lengths, rows, pages, sinks):
     rows,
     pages,
     sinks,
+    descale,
   )
 
 
@@ -74,17 +77,24 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _decode(
   call: _Call, return_lse: bool, q, k_cache, v_cache, k, v, seqlens, pages,
-  batch_idx, sinks,
+  batch_idx, sinks, descale, signs,
 ):  # fmt: skip
   spec = call.spec
   rows = cache_rows(spec, batch_idx)
+  if signs is not None:  # the cache holds K M: the scores need q M
+    q = kvcache_fp8.rotate(q, signs).astype(q.dtype)
   if k is not None:  # one scatter each: in place when the caches are donated
+    if spec.fp8_cache:
+      k = kvcache_fp8.quantize_tokens(kvcache_fp8.rotate(k, signs), descale[0])
+      v = kvcache_fp8.quantize_tokens(v, descale[1])
     k_cache = append(spec, k_cache, k, seqlens, rows, pages)
     v_cache = append(spec, v_cache, v, seqlens, rows, pages)
   lengths = seqlens + spec.seq_new
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
-  out, lse = _attend(call, q, k_cache, v_cache, lengths, rows, pages, sinks)
+  out, lse = _attend(
+    call, q, k_cache, v_cache, lengths, rows, pages, sinks, descale
+  )
   # A traced length past the cache (or negative) cannot raise: its
   # sequence's rows are NaN, never a silently wrong result.
   bad = (seqlens < 0) | (lengths > spec.capacity)
@@ -115,6 +125,9 @@ def flash_attention_with_kvcache(
   return_lse: bool = False,
   implementation: str | None = None,
   config: Any = None,
+  k_descale: Any = None,
+  v_descale: Any = None,
+  cache_rotation: Any = None,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -150,6 +163,13 @@ def flash_attention_with_kvcache(
       "blockwise" or "reference".
     config: `pallas_fa3.Sm90DecodeConfig` (mosaic, interpret) or
       `pallas_fa3.BlockwiseConfig` (blockwise: its `block_kv`).
+    k_descale, v_descale: an e4m3 cache's (`float8_e4m3fn`) float32
+      descales `[batch, heads_kv]` (or scalars; default 1): attention runs
+      over `k_cache * k_descale`, `v_cache * v_descale`, and appended k/v
+      are divided by them, saturated at 448 and rounded into the cache
+      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them).
+    cache_rotation: None, or the `rotation=` the cache was quantized with
+      (`quantize_kv_cache`): q and appended k are rotated to match.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
@@ -180,6 +200,19 @@ def flash_attention_with_kvcache(
     num_splits=num_splits,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  descale = tuple(
+    kvcache_fp8.check_descale(
+      name, x, spec.fp8_cache, spec.batch, spec.heads_kv
+    )
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale))
+  )
+  descale = descale if spec.fp8_cache else None
+  if cache_rotation is not None and not spec.fp8_cache:
+    raise ValueError(
+      "cache_rotation applies to an e4m3 cache (quantize_kv_cache's"
+      f" rotation=); this cache is {spec.cache_dtype}: pass None"
+    )
+  signs = kvcache_fp8.rotation_signs(cache_rotation, spec.head_dim)
   return_lse = check_bool("return_lse", return_lse)
   backend, config, splits = resolve_decode(spec, implementation, config)
   arrays = (q, k_cache, v_cache, k, v, cache_seqlens, page_table)
@@ -205,4 +238,6 @@ def flash_attention_with_kvcache(
     page_table,
     cache_batch_idx,
     sinks,
+    descale,
+    signs,
   )

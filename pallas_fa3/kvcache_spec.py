@@ -28,6 +28,7 @@ from pallas_fa3.spec import (
 )
 
 _Q = "[batch, seq_q, heads_q, head_dim]"
+FP8_CACHE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 _CONTIGUOUS = "[batch_cache, cache_len, heads_kv, head_dim]"
 _PAGED = "[num_pages, page_size, heads_kv, head_dim]"
 
@@ -48,7 +49,7 @@ class DecodeSpec:
   head_dim: int
   head_dim_v: int
   dtype: Any  # q's (and the output's) jnp.dtype
-  cache_dtype: Any  # k_cache's and v_cache's jnp.dtype
+  cache_dtype: Any  # k_cache's and v_cache's: q's, or float8_e4m3fn
   causal: bool
   softmax_scale: float
   paged: bool
@@ -63,6 +64,11 @@ class DecodeSpec:
   softcap: float | None = None
   sinks: bool = False
   num_splits: int | None = None  # None: the backend chooses
+
+  @property
+  def fp8_cache(self) -> bool:
+    """An e4m3 cache (with float32 descales `[batch, heads_kv]`)."""
+    return self.cache_dtype == FP8_CACHE_DTYPE
 
   @property
   def group_size(self) -> int:
@@ -111,7 +117,9 @@ def key_range(spec: DecodeSpec, length: Any) -> tuple[Any, Any]:
   return first, end
 
 
-def _array(name: str, x: Any, layout: str) -> tuple[tuple[int, ...], Any]:
+def _array(
+  name: str, x: Any, layout: str, fp8: bool = False
+) -> tuple[tuple[int, ...], Any]:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
       f"{name} must be an array of shape {layout}; got {type(x).__name__}"
@@ -124,8 +132,9 @@ def _array(name: str, x: Any, layout: str) -> tuple[tuple[int, ...], Any]:
   if any(s == 0 for s in shape):
     raise ValueError(f"{name} has an empty axis: shape {shape}")
   dtype = jnp.dtype(x.dtype)
-  if dtype not in SUPPORTED_DTYPES:
-    names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+  allowed = SUPPORTED_DTYPES + ((FP8_CACHE_DTYPE,) if fp8 else ())
+  if dtype not in allowed:
+    names = ", ".join(str(d) for d in allowed)
     raise TypeError(f"{name} has dtype {dtype}; supported dtypes are {names}")
   if shape[3] > MAX_HEAD_DIM:
     raise ValueError(
@@ -176,8 +185,9 @@ def make_decode_spec(
   q_shape, q_dtype = _array("q", q, _Q)
   paged = page_table is not None
   layout = _PAGED if paged else _CONTIGUOUS
-  kc_shape, kc_dtype = _array("k_cache", k_cache, layout)
-  vc_shape, vc_dtype = _array("v_cache", v_cache, layout.replace("]", "_v]"))
+  kc_shape, kc_dtype = _array("k_cache", k_cache, layout, fp8=True)
+  vc_layout = layout.replace("]", "_v]")
+  vc_shape, vc_dtype = _array("v_cache", v_cache, vc_layout, fp8=True)
   b, sq, hq, d = q_shape
   shapes = (
     f"q.shape={q_shape}, k_cache.shape={kc_shape}, v_cache.shape={vc_shape}"
@@ -187,8 +197,11 @@ def make_decode_spec(
       f"k_cache and v_cache must have the same dtype; got {kc_dtype} and"
       f" {vc_dtype}"
     )
-  if kc_dtype != q_dtype:
-    raise TypeError(f"k_cache must have q's dtype {q_dtype}; got {kc_dtype}")
+  if kc_dtype != q_dtype and kc_dtype != FP8_CACHE_DTYPE:
+    raise TypeError(
+      f"k_cache must have q's dtype {q_dtype} (or be an e4m3 cache,"
+      f" float8_e4m3fn); got {kc_dtype}"
+    )
   if kc_shape[:3] != vc_shape[:3]:
     raise ValueError(
       f"k_cache and v_cache must agree on every axis but head_dim; got {shapes}"

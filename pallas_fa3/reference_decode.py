@@ -32,13 +32,18 @@ def reference_decode(
   rows: Any,
   page_table: Any,
   sinks: jax.Array | None,
+  descale: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) for
-  sequences of `lengths[b]` keys (the appended tokens already written)."""
+  sequences of `lengths[b]` keys (the appended tokens already written);
+  an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`."""
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   k = gather(spec, k_cache, rows, page_table).astype(f32)
   v = gather(spec, v_cache, rows, page_table).astype(f32)
+  if descale is not None:
+    k = k * descale[0][:, None, :, None]
+    v = v * descale[1][:, None, :, None]
   pos = jnp.arange(spec.capacity)
   keep = (pos[None, :] < lengths[:, None])[:, :, None, None]
   v = jnp.where(keep, v, 0.0)  # 0 x NaN past the length would be NaN
@@ -81,14 +86,26 @@ def golden_decode(
   rows: Any = None,
   page_table: Any = None,
   sinks: Any = None,
+  descale: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 (out, lse) of every sequence: `flash_attention`'s golden on
   its logical keys `[0, lengths[b])` (bottom-right causal and windows, as
   in the decode semantics). A sequence of length 0 sees no key. `rows`:
-  `cache_batch_idx` (contiguous), `page_table` (paged)."""
+  `cache_batch_idx` (contiguous), `page_table` (paged); an e4m3 cache is
+  dequantized with `descale = (k_descale, v_descale)` first."""
   rows = cache_rows(spec, rows)
   k = np.asarray(gather(spec, jnp.asarray(k_cache), rows, page_table))
   v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
+  if descale is not None:  # float32 inputs (the golden computes in float64)
+    k = (
+      k.astype(np.float32)
+      * np.asarray(descale[0], np.float32)[:, None, :, None]
+    )
+    v = (
+      v.astype(np.float32)
+      * np.asarray(descale[1], np.float32)[:, None, :, None]
+    )
+    q = np.asarray(q, np.float32)
   outs, lses = [], []
   for i in range(spec.batch):
     n = int(lengths[i])

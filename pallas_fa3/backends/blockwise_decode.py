@@ -28,6 +28,15 @@ from pallas_fa3.spec import LOG2E
 _HIGHEST = lax.Precision.HIGHEST
 
 
+def decode_compute_dtype(spec: DecodeSpec) -> jnp.dtype:
+  """The dtype of the K, V and P operands of the products: q's, or for an
+  e4m3 cache float16 (e4m3 converts to it exactly; float32 queries keep
+  float32)."""
+  if spec.fp8_cache and jnp.dtype(spec.dtype).itemsize == 2:
+    return jnp.dtype(jnp.float16)
+  return jnp.dtype(spec.dtype)
+
+
 def decode_tile(spec: DecodeSpec, block_kv: int) -> int:
   """Keys per tile: `block_kv` (whole pages for a paged cache), at most the
   capacity."""
@@ -91,34 +100,44 @@ def blockwise_decode(
   rows: Any,
   page_table: Any,
   sinks: jax.Array | None,
+  descale: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32)."""
+  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
+
+  An e4m3 cache (`descale = (k_descale, v_descale)`, float32 `[b, hk]`)
+  computes as the kernel does: K and V tiles converted exactly to float16
+  (float32 for float32 queries), k_descale folded into the scores' scale,
+  P rounded to float16, O times v_descale.
+  """
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   tile = decode_tile(spec, block_kv)
   t0, t1, per = split_ranges(spec, lengths, tile, splits)
-  scale = f32(spec.softmax_scale * LOG2E)
   stat = (hk, g, sq)
+  compute = decode_compute_dtype(spec)
+  if descale is None:
+    descale = (jnp.ones((b, hk), f32),) * 2
 
-  def one_split(qb, length, row, pages, t0, t1, per, s):
+  def one_split(qb, length, row, pages, kd, t0, t1, per, s):
     lo = t0 + s * per
     hi = jnp.minimum(lo + per, t1)
+    kd = kd[:, None, None, None]  # [hk, 1, 1, 1]
 
     def step(j, carry):
       m, l, acc = carry
       k, v, pos = _tile_kv(spec, k_cache, v_cache, row, pages, j, tile)
-      v = jnp.where((pos < length)[:, None, None], v, 0).astype(spec.dtype)
+      v = jnp.where((pos < length)[:, None, None], v, 0).astype(compute)
       s_ = jnp.einsum(
         "qhgd,khd->hgqk",
         qb,
-        k.astype(spec.dtype),
+        k.astype(compute),
         preferred_element_type=f32,
         precision=_HIGHEST,
       )
       if spec.softcap is None:
-        x = s_ * scale
+        x = s_ * (f32(spec.softmax_scale * LOG2E) * kd)
       else:
-        t = jnp.tanh(s_ * f32(spec.softmax_scale / spec.softcap))
+        t = jnp.tanh(s_ * (f32(spec.softmax_scale / spec.softcap) * kd))
         x = t * f32(spec.softcap * LOG2E)
       x = lax.optimization_barrier(x)  # one rounding: see blockwise_tiles
       seen = pos >= j * tile  # a clamped tile's start repeats keys
@@ -130,7 +149,7 @@ def blockwise_decode(
       p = jnp.exp2(x - m_ref[..., None])
       pv = jnp.einsum(
         "hgqk,khd->hgqd",
-        p.astype(spec.dtype),
+        p.astype(compute),
         v,
         preferred_element_type=f32,
         precision=_HIGHEST,
@@ -149,16 +168,19 @@ def blockwise_decode(
     return out, jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
 
   qg = q.reshape(b, sq, hk, g, spec.head_dim)
+  if spec.fp8_cache:
+    qg = qg.astype(f32)  # (16-bit queries are exact in the kernel's float16)
   pages = (
     jnp.zeros((b, 1), jnp.int32) if page_table is None else page_table
   ).astype(jnp.int32)
   per_sequence = jax.vmap(
-    jax.vmap(one_split, in_axes=(None,) * 7 + (0,)),
-    in_axes=(0,) * 7 + (None,),
+    jax.vmap(one_split, in_axes=(None,) * 8 + (0,)),
+    in_axes=(0,) * 8 + (None,),
   )
   outs, lses = per_sequence(
-    qg, lengths, rows, pages, t0, t1, per, jnp.arange(splits)
+    qg, lengths, rows, pages, descale[0], t0, t1, per, jnp.arange(splits)
   )  # [b, S, hk, g, sq, dv], [b, S, hk, g, sq]
+  outs = outs * descale[1][:, None, :, None, None, None]
   sink = None
   if sinks is not None:
     sink = sinks.astype(f32).reshape(b, hk, g, 1)

@@ -30,9 +30,11 @@ class DecodeBackend:
   """One way to attend over a KV cache (compared and hashed by identity).
 
   `run(spec, config, splits, q, k_cache, v_cache, lengths, rows,
-  page_table, sinks) -> (out, lse)`: lengths are each sequence's keys (the
-  appended tokens already written), `rows` the contiguous cache rows,
-  `splits` the split-KV ranges, `sinks` float32 `[b, hq]` or None.
+  page_table, sinks, descale) -> (out, lse)`: lengths are each sequence's
+  keys (the appended tokens already written), `rows` the contiguous cache
+  rows, `splits` the split-KV ranges, `sinks` float32 `[b, hq]` or None,
+  `descale` an e4m3 cache's float32 `(k_descale, v_descale)`, each
+  `[b, hk]`, or None.
   """
 
   name: str
@@ -46,9 +48,9 @@ class DecodeBackend:
   automatic: bool = False
 
 
-def _reference_run(spec, config, splits, q, kc, vc, lengths, rows, pt, sinks):
+def _reference_run(spec, config, splits, *args):
   del config, splits  # one materialized pass
-  return reference_decode(spec, q, kc, vc, lengths, rows, pt, sinks)
+  return reference_decode(spec, *args)
 
 
 def _blockwise_run(spec, config, splits, *args):
@@ -73,10 +75,12 @@ BLOCKWISE = DecodeBackend(
 
 def _kernel(interpret: bool) -> DecodeBackend:
   def run(spec, config, splits, *args):
-    from pallas_fa3.kernels.sm90 import decode  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import decode_call  # pylint: disable=g-import-not-at-top
 
     params = sm90.interpret_params() if interpret else None
-    return decode.sm90_decode(spec, config, splits, *args, interpret=params)
+    return decode_call.sm90_decode(
+      spec, config, splits, *args, interpret=params
+    )
 
   def unsupported(spec: DecodeSpec, config: Any) -> str | None:
     from pallas_fa3.kernels.sm90 import config_decode  # pylint: disable=g-import-not-at-top

@@ -8,7 +8,9 @@ one query over its first `lengths[b]` keys, scale `1/sqrt(d)`. One that
 cannot serve a case says why (`unsupported`), and the runner lists it as
 skipped; a `NotImplementedError` raised while tracing is a skip too.
 
-  mosaic, blockwise, reference  `flash_attention_with_kvcache` (ours).
+  mosaic, blockwise, reference  `flash_attention_with_kvcache` (ours); the
+                 fp8 cases pass the e4m3 cache and its descales (the
+                 baselines have no e4m3 cache: skipped).
   xla, cudnn     `jax.nn.dot_product_attention` with `key_value_seq_lengths`
                  over the cache; a paged cache is gathered into a contiguous
                  one inside the timed function (its cost is part of theirs).
@@ -95,12 +97,15 @@ class DecodeImpl:
 def decode_spec(spec):
   """The library's `DecodeSpec` of a bench case (shapes only, no arrays)."""
   shape = lambda *s: jax.ShapeDtypeStruct(s, spec.jax_dtype)
+  cache_dtype = jnp.float8_e4m3fn if spec.fp8_cache else spec.jax_dtype
   if spec.paged:
     rows = (spec.batch * spec.pages_per_seq, spec.page_size)
     table = jax.ShapeDtypeStruct((spec.batch, spec.pages_per_seq), jnp.int32)
   else:
     rows, table = (spec.batch, spec.cache_len), None
-  cache = shape(*rows, spec.heads_kv, spec.head_dim)
+  cache = jax.ShapeDtypeStruct(
+    (*rows, spec.heads_kv, spec.head_dim), cache_dtype
+  )
   return make_decode_spec(
     shape(spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
     cache,
@@ -126,7 +131,7 @@ def _ours_unsupported(name):
 
 def _ours_build(name):
   def build(spec):
-    return lambda q, k_cache, v_cache, lengths, table: (
+    return lambda q, k_cache, v_cache, lengths, table, *descale: (
       flash_attention_with_kvcache(
         q,
         k_cache,
@@ -136,6 +141,8 @@ def _ours_build(name):
         causal=spec.causal,
         num_splits=spec.num_splits,
         implementation=name,
+        k_descale=descale[0] if descale else None,
+        v_descale=descale[1] if descale else None,
       )
     )
 
@@ -158,8 +165,16 @@ def _gather(cache, table):
   return cache[table].reshape(b, n * cache.shape[1], *cache.shape[2:])
 
 
+def _no_fp8_cache(spec) -> str | None:
+  if spec.fp8_cache:
+    return "takes no e4m3 cache (compare with the bf16 rows)"
+  return None
+
+
 def _dpa_unsupported(implementation):
   def check(spec, platform):
+    if _no_fp8_cache(spec):
+      return _no_fp8_cache(spec)
     if implementation == "cudnn":
       if platform != "gpu":
         return f"cuDNN attention needs a GPU (default backend: {platform})"
@@ -238,6 +253,8 @@ def _triton_unsupported(module, paged):
   ok = _paged_split_ok if paged else _gqa_split_ok
 
   def check(spec, platform):
+    if _no_fp8_cache(spec):
+      return _no_fp8_cache(spec)
     if platform != "gpu":
       return f"{name} is a Triton GPU kernel (default backend: {platform})"
     if spec.paged != paged:

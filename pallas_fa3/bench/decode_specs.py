@@ -23,10 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3.bench import flops, specs
+from pallas_fa3.kvcache_fp8 import quantize_kv_cache
 
 MODE = "decode"
-# fp8 has no decode path: the inputs are the cache's own dtype.
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+# fp8: bf16 queries over an e4m3 cache with FA3's per-(sequence, KV head)
+# descales (`pallas_fa3.quantize_kv_cache`); the others: q and the cache in
+# that dtype.
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8")
 # The points the issue sets targets for (issue 29); `--tags headline`
 # selects them (benchmarks/device_check.sh does).
 HEADLINE_TAG = "headline"
@@ -41,7 +44,8 @@ class DecodeBenchSpec:
     batch, cache_len, heads_q, heads_kv, head_dim: q `[batch, 1, heads_q,
       head_dim]`; each sequence's cache holds `cache_len` tokens of
       `heads_kv` heads (head_dim for K and V).
-    dtype: a key of `specs.DTYPES` but fp8.
+    dtype: a key of `specs.DTYPES`; "fp8" is bf16 queries over an e4m3
+      cache.
     page_size: tokens per page of a paged cache; None: contiguous.
     num_splits: split-KV ranges per sequence; None: each backend's choice.
     ragged: sequence b holds `cache_len - (cache_len // 2) * b // batch`
@@ -105,6 +109,15 @@ class DecodeBenchSpec:
   @property
   def itemsize(self) -> int:
     return jnp.dtype(self.jax_dtype).itemsize
+
+  @property
+  def fp8_cache(self) -> bool:
+    return self.dtype == "fp8"
+
+  @property
+  def cache_itemsize(self) -> int:
+    """Bytes per cached value (1 for the e4m3 cache)."""
+    return 1 if self.fp8_cache else self.itemsize
 
   @property
   def paged(self) -> bool:
@@ -271,7 +284,7 @@ def make_grid(
 
   Raises:
     ValueError: naming the flag: a head dim over the limit or not dividing
-      --hidden, a --gqa not dividing the query heads, an fp8 dtype.
+      --hidden, a --gqa not dividing the query heads.
   """
   by_name: dict[str, DecodeBenchSpec] = {}
   for axes in groups:
@@ -287,13 +300,14 @@ def all_tags(groups: Sequence[DecodeAxes], **overrides) -> list[str]:
 
 
 def make_inputs(spec: DecodeBenchSpec, num_sets: int, seed: int) -> list[tuple]:
-  """`num_sets` independent `(q, k_cache, v_cache, lengths, page_table)`.
+  """`num_sets` independent `(q, k_cache, v_cache, lengths, page_table)`,
+  and for fp8 `k_descale, v_descale` after them.
 
   q and the caches standard-normal (never zeros; the whole cache, also past
-  a ragged length); lengths int32 `[batch]`; page_table int32 `[batch,
-  pages_per_seq]`, a random permutation of the pages (the pages of a
-  sequence are scattered, as a serving system recycles them), None for a
-  contiguous cache.
+  a ragged length; fp8: quantized by `quantize_kv_cache`); lengths int32
+  `[batch]`; page_table int32 `[batch, pages_per_seq]`, a random
+  permutation of the pages (the pages of a sequence are scattered, as a
+  serving system recycles them), None for a contiguous cache.
   """
   q_shape = (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim)
   if spec.paged:
@@ -314,5 +328,9 @@ def make_inputs(spec: DecodeBenchSpec, num_sets: int, seed: int) -> list[tuple]:
     if spec.paged:
       order = np.random.default_rng([seed, i]).permutation(pages)
       table = jnp.asarray(order.reshape(spec.batch, -1), jnp.int32)
+    if spec.fp8_cache:
+      x = quantize_kv_cache(k, v, page_table=table)
+      sets.append((q, x.k_cache, x.v_cache, lengths, table) + x[2:])
+      continue
     sets.append((q, k, v, lengths, table))
   return jax.block_until_ready(sets)

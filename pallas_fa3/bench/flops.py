@@ -141,7 +141,7 @@ def decode_kv_bytes(spec) -> int:
   partials of a split) is its overhead, not counted.
   """
   per_token = spec.heads_kv * (spec.head_dim + spec.head_dim_v)
-  return sum(spec.lengths) * per_token * spec.itemsize
+  return sum(spec.lengths) * per_token * spec.cache_itemsize
 
 
 def decode_flops(spec) -> int:

@@ -1,6 +1,7 @@
 """The deviceless sm_90a compile of the decode kernel: one call's compile
 (`compile_decode`) and the sweep of `pallas-fa3 aot --decode` (head dims,
-contiguous and paged caches, GQA groups and seq_q, window and softcap)."""
+contiguous and paged caches, GQA groups and seq_q, window and softcap;
+bf16 and e4m3 caches)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ def decode_spec(
   page_size: int | None,
   **options: Any,
 ) -> DecodeSpec:
-  """The sweep's spec for one point (bf16, `DECODE_CAPACITY` tokens)."""
+  """The sweep's spec for one point (bf16 queries, `DECODE_CAPACITY`
+  tokens; `cache_dtype=` an e4m3 cache, default bf16)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kvcache_spec import DecodeSpec
 
+  cache_dtype = jnp.dtype(options.pop("cache_dtype", jnp.bfloat16))
   paged = page_size is not None
   pps = DECODE_CAPACITY // page_size if paged else 0
   return DecodeSpec(
@@ -56,7 +59,7 @@ def decode_spec(
     head_dim=d,
     head_dim_v=dv,
     dtype=jnp.dtype(jnp.bfloat16),
-    cache_dtype=jnp.dtype(jnp.bfloat16),
+    cache_dtype=cache_dtype,
     causal=options.pop("causal", True),
     softmax_scale=d**-0.5,
     paged=paged,
@@ -77,7 +80,7 @@ def compile_decode(
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from pallas_fa3.kernels.sm90 import config_decode, decode
+  from pallas_fa3.kernels.sm90 import config_decode, decode_call
 
   mesh = aot.h200_mesh() if mesh is None else mesh
   sharding = NamedSharding(mesh, PartitionSpec())
@@ -91,13 +94,17 @@ def compile_decode(
   pt = (spec.batch, max(spec.pages_per_seq, 1))
   shapes = [
     arr((b, spec.seq_q, spec.heads_q, spec.head_dim)),
-    arr((rows, cache_len, hk, spec.head_dim)),
-    arr((rows, cache_len, hk, spec.head_dim_v)),
+    arr((rows, cache_len, hk, spec.head_dim), spec.cache_dtype),
+    arr((rows, cache_len, hk, spec.head_dim_v), spec.cache_dtype),
     arr((b,), jnp.int32),
     arr((b,), jnp.int32),
     arr(pt, jnp.int32),
   ]
+  if spec.fp8_cache:  # k_descale, v_descale
+    shapes += [arr((b, hk), jnp.float32)] * 2
   layout = f"paged{spec.page_size}" if spec.paged else "contiguous"
+  if spec.fp8_cache:
+    layout = f"e4m3 {layout}"
   label = (
     f"d{spec.head_dim}/{spec.head_dim_v} {layout} g{spec.group_size}"
     f" q{spec.seq_q}{aot.modifier_label(spec)}"
@@ -105,7 +112,7 @@ def compile_decode(
   )
   return aot.compile_report(
     f"decode {label} {config}",
-    lambda q, kc, vc, lens, rows_, pt_: decode.sm90_decode(
+    lambda q, kc, vc, lens, rows_, pt_, *descale: decode_call.sm90_decode(
       spec,
       config,
       splits,
@@ -116,6 +123,7 @@ def compile_decode(
       rows_,
       pt_ if spec.paged else None,
       None,
+      descale or None,
     ),
     shapes,
     label,
@@ -124,13 +132,16 @@ def compile_decode(
 
 def decode_defaults() -> Iterator[aot.SweepItem]:
   """The default decode config at every head dim: GQA 4, one query,
-  contiguous and paged (64-token pages)."""
+  contiguous and paged (64-token pages); an e4m3 cache at d128, paged
+  (`decode_sweep` has the rest)."""
   from pallas_fa3.kernels.sm90 import config_decode
 
   for d in (64, 128, 256):
     for ps in (None, 64):
       spec = decode_spec(d, d, 4, 1, ps)
       yield compile_decode, spec, config_decode.default_decode_config(spec)
+  spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
+  yield compile_decode, spec, config_decode.default_decode_config(spec)
 
 
 def decode_sweep() -> Iterator[aot.SweepItem]:
@@ -154,3 +165,18 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
   for options in (dict(window_size=(1024, None)), dict(softcap=30.0)):
     spec = decode_spec(128, 128, 4, 4, 64, **options)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # An e4m3 cache: every head dim and layout at GQA 8, every block/stage
+  # config at d128, and softcap.
+  e4m3 = dict(cache_dtype="float8_e4m3fn")
+  for d in (64, 128, 256):
+    for ps in PAGE_SIZES:
+      spec = decode_spec(d, d, 8, 1, ps, **e4m3)
+      yield compile_decode, spec, config_decode.default_decode_config(spec)
+  spec = decode_spec(128, 128, 4, 1, None, **e4m3)
+  for block in config_decode.BLOCK_KV_CHOICES:
+    for stages in config_decode.STAGE_CHOICES:
+      config = config_decode.Sm90DecodeConfig(block, stages)
+      if config_decode.decode_unsupported(spec, config) is None:
+        yield compile_decode, spec, config
+  spec = decode_spec(128, 128, 4, 1, 64, softcap=30.0, **e4m3)
+  yield compile_decode, spec, config_decode.default_decode_config(spec)

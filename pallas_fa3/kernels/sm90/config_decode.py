@@ -61,24 +61,42 @@ class Sm90DecodeConfig:
     )
 
 
+def converted_stages(spec: DecodeSpec) -> int:
+  """An e4m3 cache's float16 tiles between the converter warpgroup and the
+  consumer: two (the converter fills one while the consumer reads the
+  other), one at d + dv > 256 (shared memory)."""
+  return 2 if spec.head_dim + spec.head_dim_v <= 256 else 1
+
+
 def out_cols(head_dim_v: int) -> int:
   """Columns of the float32 output staging tile: O leaves in chunks."""
   return 64 if head_dim_v % 64 == 0 else 32
 
 
 def decode_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
-  """Shared memory per CTA as Mosaic allocates it: Q, the K and V rings,
-  the float32 output and lse staging, Mosaic's reserve, the barriers."""
-  item = spec.dtype.itemsize
-  ring = lambda d: align_smem(config.num_stages * config.block_kv * d * item)
+  """Shared memory per CTA as Mosaic allocates it: Q, the K and V rings
+  (an e4m3 cache: the e4m3 rings and the float16 ones), the float32
+  output and lse staging, Mosaic's reserve, the barriers."""
+  item = 2 if spec.fp8_cache else spec.dtype.itemsize  # (float16 products)
+  ring = lambda n, d, size: align_smem(n * config.block_kv * d * size)
+  rings = ring(config.num_stages, spec.head_dim, item) + ring(
+    config.num_stages, spec.head_dim_v, item
+  )
+  barriers = 1 + 4 * config.num_stages
+  if spec.fp8_cache:
+    conv = converted_stages(spec)
+    rings = sum(
+      ring(config.num_stages, d, 1) + ring(conv, d, 2)
+      for d in (spec.head_dim, spec.head_dim_v)
+    )
+    barriers = 1 + 2 * config.num_stages + 4 * conv
   return (
     align_smem(DECODE_ROWS * spec.head_dim * item)
-    + ring(spec.head_dim)
-    + ring(spec.head_dim_v)
+    + rings
     + align_smem(DECODE_ROWS * out_cols(spec.head_dim_v) * 4)
     + align_smem(DECODE_ROWS * 4)
     + RESERVED_SMEM
-    + (1 + 4 * config.num_stages) * BARRIER_BYTES
+    + barriers * BARRIER_BYTES
   )
 
 
@@ -132,17 +150,26 @@ def decode_unsupported(
 def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   """128-key tiles (64 where S and O need the registers or a contiguous
   cache is shorter), as many stages as the shared memory holds, up to 8
-  (decoding is bound by HBM latency)."""
+  (decoding is bound by HBM latency). An e4m3 cache takes 64-key tiles
+  where 128-key ones would leave fewer than 4 stages (its float16 tiles
+  take shared memory too)."""
   block = 128  # a larger page holds several tiles; a 64-key page: two
   if spec.head_dim_v > 128:
     block = 64  # S and O registers
   if not spec.paged and spec.capacity < block:
     block = 64
-  best = Sm90DecodeConfig(block, 2)
-  for stages in STAGE_CHOICES:
-    config = Sm90DecodeConfig(block, stages)
-    if decode_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
-      best = config
+
+  def deepest(block: int) -> Sm90DecodeConfig:
+    best = Sm90DecodeConfig(block, 2)
+    for stages in STAGE_CHOICES:
+      config = Sm90DecodeConfig(block, stages)
+      if decode_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
+        best = config
+    return best
+
+  best = deepest(block)
+  if spec.fp8_cache and block == 128 and best.num_stages < 4:
+    best = deepest(64)
   return best
 
 

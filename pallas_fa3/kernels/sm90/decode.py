@@ -14,7 +14,9 @@ P V. In the tile holding a sequence's last key, V's rows past the length
 are zeroed in shared memory first (0 x NaN is NaN: the cache past a length
 may hold anything). The CTA writes its range's float32 output, normalized
 over the range, and its lse; XLA merges the splits (`decode_combine`, with
-the sinks) and unpacks the rows. Design: docs/design_notes.md#decode-kernel.
+the sinks) and unpacks the rows (`decode_call.sm90_decode`). With an e4m3
+cache the second warpgroup converts tiles to float16 (`decode_fp8`).
+Design: docs/design_notes.md#decode-kernel.
 """
 
 from __future__ import annotations
@@ -28,25 +30,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.decode_combine import combine_splits
 from pallas_fa3.kernels import hopper
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, config_decode, decode_fp8
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
   LONE_PRODUCER_REGS,
   build_kernel,
   consumer_release,
-  pad_axis,
   scaled_once,
   smem_transforms,
-  softcapped,
 )
 from pallas_fa3.kernels.sm90.config_decode import (
   DECODE_ROWS,
   Sm90DecodeConfig,
   out_cols,
 )
-from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.kvcache_spec import DecodeSpec, key_range
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E
@@ -75,6 +74,41 @@ class DecodePlan:
       return self.block_kv // self.spec.page_size
     return 1
 
+  @property
+  def fp8(self) -> bool:
+    """An e4m3 cache: the converter warpgroup feeds float16 tiles."""
+    return self.spec.fp8_cache
+
+  @property
+  def compute_dtype(self) -> Any:
+    """Q's, K's, V's and P's dtype in the products."""
+    return decode_fp8.COMPUTE_DTYPE if self.fp8 else self.spec.dtype
+
+  @property
+  def ring_stages(self) -> int:
+    """Depth of the ring the consumer reads."""
+    if self.fp8:
+      return config_decode.converted_stages(self.spec)
+    return self.config.num_stages
+
+  def tile_source(self, cache_ref: Any, row: Any, pt_ref: Any, batch: Any,
+                  head: Any, tile: Any, part: int) -> Any:  # fmt: skip
+    """The global-memory box of part `part` of K/V tile `tile`: a
+    contiguous row's `[block_kv, d]` slice, or one page (or a page's
+    slice)."""
+    spec, bkv = self.spec, self.block_kv
+    if not spec.paged:
+      return cache_ref.at[row, pl.ds(tile * bkv, bkv), head]
+    ps = spec.page_size
+    if self.pages_per_tile > 1:  # whole pages (past the table: past the
+      # capacity, hence the length, and clamped to a real page)
+      index = tile * self.pages_per_tile + part
+      page = pt_ref[batch, jnp.minimum(index, spec.pages_per_seq - 1)]
+      return cache_ref.at[page, pl.ds(0, ps), head]
+    key0 = tile * bkv  # a page holds one or more tiles
+    page = pt_ref[batch, lax.div(key0, jnp.int32(ps))]
+    return cache_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), bkv), head]
+
 
 def split_tiles(plan: DecodePlan, length: Any, split: Any) -> tuple[Any, Any]:
   """(first tile, tiles) of split `split` of a sequence of `length` keys:
@@ -87,24 +121,6 @@ def split_tiles(plan: DecodePlan, length: Any, split: Any) -> tuple[Any, Any]:
   per = lax.div(t1 - t0 + plan.splits - 1, jnp.int32(plan.splits))
   lo = t0 + split * per
   return lo, jnp.clip(t1 - lo, 0, per)
-
-
-def _tile_source(plan: DecodePlan, cache_ref: Any, row: Any, pt_ref: Any,
-                 batch: Any, head: Any, tile: Any, part: int) -> Any:  # fmt: skip
-  """The global-memory box of part `part` of K/V tile `tile`: a contiguous
-  row's `[block_kv, d]` slice, or one page (or a page's slice)."""
-  spec, bkv = plan.spec, plan.block_kv
-  if not spec.paged:
-    return cache_ref.at[row, pl.ds(tile * bkv, bkv), head]
-  ps = spec.page_size
-  if plan.pages_per_tile > 1:  # whole pages (past the table: past the
-    # capacity, hence the length, and clamped to a real page)
-    index = tile * plan.pages_per_tile + part
-    page = pt_ref[batch, jnp.minimum(index, spec.pages_per_seq - 1)]
-    return cache_ref.at[page, pl.ds(0, ps), head]
-  key0 = tile * bkv  # a page holds one or more tiles
-  page = pt_ref[batch, lax.div(key0, jnp.int32(ps))]
-  return cache_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), bkv), head]
 
 
 def _producer(refs: tuple, plan: DecodePlan, scalars: tuple) -> None:
@@ -129,8 +145,8 @@ def _producer(refs: tuple, plan: DecodePlan, scalars: tuple) -> None:
         plgpu.barrier_wait(empty.at[slot])
 
       for part in range(parts):
-        src = _tile_source(
-          plan, src_ref, row, pt_ref, batch, head, first + j, part
+        src = plan.tile_source(
+          src_ref, row, pt_ref, batch, head, first + j, part
         )
         plgpu.copy_gmem_to_smem(
           src,
@@ -174,8 +190,9 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
   (q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem) = refs[:8]
   k_full, v_full, k_empty, v_empty, q_bar = refs[8:]
   spec, cfg = plan.spec, plan.config
-  batch, head, split, length, first, count = scalars
-  bkv, stages = cfg.block_kv, cfg.num_stages
+  batch, head, split, length, first, count, descale = scalars
+  bkv, stages = cfg.block_kv, plan.ring_stages
+  k_descale, v_descale = descale if plan.fp8 else (None, None)
   plgpu.set_max_registers(LONE_CONSUMER_REGS, action="increase")
   plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar.at[0])
   plgpu.barrier_wait(q_bar.at[0])
@@ -199,15 +216,17 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
     o, m, l = carry
     slot, tile = lax.rem(j, stages), first + j
     # The tile holding the last key: V's rows past the length -> 0 (first,
-    # while only O is live in registers).
-    plgpu.barrier_wait(v_full.at[slot])
-    pl.when((tile + 1) * bkv > length)(
-      lambda: _zero_rows_from(ops, v_smem.at[slot], length - tile * bkv)
-    )
+    # while only O is live in registers; the converter does it for e4m3).
+    if not plan.fp8:
+      plgpu.barrier_wait(v_full.at[slot])
+      pl.when((tile + 1) * bkv > length)(
+        lambda: _zero_rows_from(ops, v_smem.at[slot], length - tile * bkv)
+      )
     plgpu.barrier_wait(k_full.at[slot])
     s = ops.scores(q_smem, k_smem.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
-    t, scale_log2 = softcapped(spec, s)  # (a DecodeSpec serves as well)
+    # (a DecodeSpec serves as well as an AttentionSpec)
+    t, scale_log2 = decode_fp8.descaled(spec, s, k_descale)
     x = jnp.where(mask_for(tile), scaled_once(t, scale_log2), -jnp.inf)
     m_new = jnp.maximum(m, x.max(axis=1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -215,7 +234,9 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
     p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, x.shape, [0]))
     l = l * alpha + p.sum(axis=1)
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-    o = ops.accumulate_pv(o, p.astype(spec.dtype), v_smem.at[slot])
+    if plan.fp8:
+      plgpu.barrier_wait(v_full.at[slot])
+    o = ops.accumulate_pv(o, p.astype(plan.compute_dtype), v_smem.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
     return o, m_new, l
 
@@ -226,6 +247,8 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
 
   empty = l == 0.0
   inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+  if v_descale is not None:
+    inv_l = inv_l * v_descale
   o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * _F32(LOG2E)
   lse_smem[...] = jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
@@ -244,18 +267,24 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
+def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
+  """The kernel: `(q rows, k_cache, v_cache, lengths, rows, page_table[,
+  k_descale, v_descale]) -> (o partials, lse partials)`."""
   spec, cfg = plan.spec, plan.config
   b, hk, splits = spec.batch, spec.heads_kv, plan.splits
-  stages, bkv = cfg.num_stages, cfg.block_kv
+  stages, bkv = plan.ring_stages, cfg.block_kv
+  n_in = 8 if plan.fp8 else 6  # + k_descale, v_descale `[b, hk]`
 
-  def fa3_decode(q_ref, k_ref, v_ref, len_ref, row_ref, pt_ref, *refs):
-    o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem = refs[:7]
-    k_full, v_full, k_empty, v_empty, q_bar = refs[7:]
+  def fa3_decode(*refs):
+    q_ref, k_ref, v_ref, len_ref, row_ref, pt_ref = refs[:6]
+    o_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar = refs[n_in : n_in + 6]
+    raw = refs[n_in + 6 : n_in + 10] if plan.fp8 else ()  # e4m3 rings
+    k_smem, v_smem, k_full, v_full, k_empty, v_empty = refs[-6:]
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     split = lax.axis_index("split")
     length = len_ref[batch]
     first, count = split_tiles(plan, length, split)
+    descale = tuple(r[batch, head] for r in refs[6:n_in])
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
@@ -265,50 +294,49 @@ def _build(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
         + (k_full, v_full, k_empty, v_empty, q_bar),
         plan,
         ops,
-        (batch, head, split, length, first, count),
+        (batch, head, split, length, first, count, descale),
       )
 
     @pl.when(wg == 1)
     def _():
-      _producer(
-        (
-          k_ref,
-          v_ref,
-          pt_ref,
-          k_smem,
-          v_smem,
-          k_full,
-          v_full,
-          k_empty,
-          v_empty,
-        ),
-        plan,
-        (batch, head, row_ref[batch], first, count),
-      )
+      ring = (k_smem, v_smem, k_full, v_full, k_empty, v_empty)
+      if plan.fp8:
+        decode_fp8.converter(
+          (k_ref, v_ref, pt_ref) + raw + ring,
+          plan,
+          ops,
+          (batch, head, row_ref[batch], first, count, length),
+        )
+      else:
+        _producer(
+          (k_ref, v_ref, pt_ref, k_smem, v_smem, k_full, v_full)
+          + (k_empty, v_empty),
+          plan,
+          (batch, head, row_ref[batch], first, count),
+        )
 
-  d, dv = spec.head_dim, spec.head_dim_v
+  d, dv, dtype = spec.head_dim, spec.head_dim_v, plan.compute_dtype
+  ring_of = lambda cols: plgpu.SMEM(
+    (stages, bkv, cols), dtype, transforms=smem_transforms(dtype, cols)
+  )
+  if plan.fp8:  # TMA -> e4m3 rings -> converter -> float16 rings
+    ring = decode_fp8.scratch(plan)
+  else:
+    full = lambda: plgpu.Barrier(
+      num_arrivals=plan.pages_per_tile, num_barriers=stages
+    )
+    ring = (ring_of(d), ring_of(dv), full(), full())
+    ring += (consumer_release(stages, 1), consumer_release(stages, 1))
   scratch = (
-    plgpu.SMEM(
-      (DECODE_ROWS, d), spec.dtype, transforms=smem_transforms(spec.dtype, d)
-    ),
-    plgpu.SMEM(
-      (stages, bkv, d), spec.dtype, transforms=smem_transforms(spec.dtype, d)
-    ),
-    plgpu.SMEM(
-      (stages, bkv, dv), spec.dtype, transforms=smem_transforms(spec.dtype, dv)
-    ),
+    plgpu.SMEM((DECODE_ROWS, d), dtype, transforms=smem_transforms(dtype, d)),
     plgpu.SMEM(
       (DECODE_ROWS, out_cols(dv)),
       _F32,
       transforms=smem_transforms(_F32, out_cols(dv)),
     ),
     plgpu.SMEM((DECODE_ROWS,), _F32),
-    plgpu.Barrier(num_arrivals=plan.pages_per_tile, num_barriers=stages),
-    plgpu.Barrier(num_arrivals=plan.pages_per_tile, num_barriers=stages),
-    consumer_release(stages, consumers=1),
-    consumer_release(stages, consumers=1),
     plgpu.Barrier(num_barriers=1),  # Q
-  )
+  ) + ring
   out_type = (
     jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS, dv), _F32),
     jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS), _F32),
@@ -322,70 +350,3 @@ def _build(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     warpgroups=2,
     interpret=interpret,
   )
-
-
-def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
-  """`[b, sq, hq, d]` -> `[b, hk, 64, d]`: row `i * g + h` is query i of
-  head `kv_head * g + h`; padded rows are zeros."""
-  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
-  rows = q.reshape(b, sq, hk, g, spec.head_dim).transpose(0, 2, 1, 3, 4)
-  return pad_axis(rows.reshape(b, hk, sq * g, spec.head_dim), 2, DECODE_ROWS)
-
-
-def unpack_rows(spec: DecodeSpec, x: jax.Array) -> jax.Array:
-  """`[b, hk, 64, ...]` -> `[b, sq, hq, ...]` (the inverse of
-  `pack_queries` on the first `sq * g` rows)."""
-  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
-  x = x[:, :, : sq * g].reshape((b, hk, sq, g) + x.shape[3:])
-  return jnp.moveaxis(x, 2, 1).reshape((b, sq, spec.heads_q) + x.shape[4:])
-
-
-def sm90_decode(
-  spec: DecodeSpec,
-  config: Sm90DecodeConfig,
-  splits: int,
-  q: jax.Array,
-  k_cache: jax.Array,
-  v_cache: jax.Array,
-  lengths: jax.Array,
-  rows: jax.Array,
-  page_table: jax.Array | None,
-  sinks: jax.Array | None,
-  *,
-  interpret: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  """Runs the decode kernel and merges its splits.
-
-  Args: as `backends.decode.DecodeBackend.run` (lengths: each sequence's
-    keys, appended tokens included; rows: the contiguous cache rows;
-    sinks: float32 `[b, hq]` or None); `interpret`: None compiles for
-    sm90, interpret-mode parameters run the same kernel on a CPU.
-
-  Returns:
-    (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
-  """
-  plan = DecodePlan(spec, config, splits)
-  ops = COMPILED if interpret is None else INTERPRETED
-  pages = (
-    jnp.zeros((spec.batch, 1), jnp.int32) if page_table is None else page_table
-  )
-  o_parts, lse_parts = _build(plan, ops, interpret)(
-    pack_queries(spec, q),
-    k_cache,
-    v_cache,
-    lengths.astype(jnp.int32),
-    rows.astype(jnp.int32),
-    pages.astype(jnp.int32),
-  )
-  sink = None
-  if sinks is not None:  # per packed row: head kv_head * g + r % g
-    g = spec.group_size
-    per_head = sinks.reshape(spec.batch, spec.heads_kv, 1, g)
-    sink = jnp.broadcast_to(
-      per_head, (spec.batch, spec.heads_kv, spec.seq_q, g)
-    ).reshape(spec.batch, spec.heads_kv, spec.seq_q * g)
-    sink = pad_axis(sink, 2, DECODE_ROWS)
-  out, lse = combine_splits(o_parts, lse_parts, sink)
-  out = unpack_rows(spec, out).astype(spec.dtype)
-  lse = jnp.moveaxis(unpack_rows(spec, lse[..., None])[..., 0], 1, 2)
-  return out, lse
