@@ -98,14 +98,13 @@ def quantize(
       (default `FP8Config()`: both on, seed 0).
     key: a PRNG key (may be traced) that overrides `config.key`.
     implementation: whose pass runs it: "mosaic" (the Hopper quantization
-      kernel, `kernels/sm90/quantize.py`), any other backend (its pure-JAX
-      twin, `pallas_fa3.quant.e4m3.quantize_inputs`, the same bits; the
-      interpreter is not used here because interpreted kernels sharing one
-      executable can deadlock its threads on a small CPU; tests run the
-      kernel in interpret mode on its own), or None: the kernel where a
-      Hopper GPU is present, else the twin. The kernel serves bf16/fp16
-      inputs with per-tile scales; other calls take the twin (the same
-      function).
+      kernel, `kernels/sm90/quantize.py`), "interpret" (that kernel in
+      interpret mode, which needs the XLA CPU pool of
+      `backends.interpret_pool`), "blockwise"/"reference" (its pure-JAX
+      twin, `pallas_fa3.quant.e4m3.quantize_inputs`, the same bits), or
+      None: the kernel where a Hopper GPU is present, else the twin. The
+      kernel serves bf16/fp16 inputs with per-tile scales; other calls take
+      the twin (the same function).
 
   Returns:
     `FP8Inputs(q, k, v_t, q_scale, k_scale, v_scale)`.

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pallas_fa3.backends import interpret_pool
 from pallas_fa3.bench import (
   decode_command,
   decode_impls,
@@ -288,6 +289,8 @@ def settings_from(args, platform: str) -> dict:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
+  if "interpret" in (args.impl or ()):  # before JAX starts: the interpreter
+    interpret_pool.reserve()  # needs its threads (else interpret is skipped)
   if decode_command.is_decode(args):
     return decode_command.run(args, argv)
   decode_command.check_flags(args)
