@@ -98,6 +98,12 @@ CASES = [
     dict(causal=True),
     id="batch-idx-mha-append-d128",
   ),
+  pytest.param(
+    dict(batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=128,
+         head_dim_v=64, capacity=128, lengths=[60, 128], page_size=64),
+    dict(causal=True),
+    id="paged64-d128-dv64",
+  ),
 ]  # fmt: skip
 
 

@@ -124,3 +124,37 @@ def test_mosaic_lowers_to_one_kernel_without_a_score_tensor(options):
   assert lowered_kernel_count(text) == 1
   scores = re.findall(r"tensor<[0-9x]*8192x[0-9x]*f32>", text)
   assert not scores, scores
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize(
+  "d,dv,ps",
+  [(192, 128, None), (64, 128, 64), (128, 64, None)],
+  ids=["d192-dv128-contiguous", "d64-dv128-paged64", "d128-dv64-contiguous"],
+)
+def test_interpret_value_head_dim_unlike_the_query(d, dv, ps, rng):
+  """head_dim_v != head_dim (issue 32): the V ring, O and the output
+  follow dv; the scores follow d."""
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=8, heads_kv=2, head_dim=d, head_dim_v=dv,
+    capacity=256, lengths=[70, 256 - 1], page_size=ps, seq_new=1,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, causal=True)
+  try:
+    with compat.capture_race_report() as report:
+      result = pallas_fa3.flash_attention_with_kvcache(
+        *args, **kwargs, causal=True, return_lse=True, num_splits=2,
+        implementation="interpret",
+        config=pallas_fa3.Sm90DecodeConfig(block_kv=64, num_stages=2),
+      )  # fmt: skip
+      jax.block_until_ready(result)
+  except Exception:
+    compat.reset_interpret_state()
+    raise
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  out, lse, kc, vc = result
+  assert out.shape == (2, 1, 8, dv)
+  golden, naive = decode_golden_and_naive(spec, case, kc, vc)
+  for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+    assert_within_tolerance(name, got, nv, g)
