@@ -105,6 +105,15 @@ def add_parser(
     f" --hidden ({flags.unset(gpu.head_dims, cpu.head_dims)})",
   )
   p.add_argument(
+    "--head-dim-v",
+    nargs="+",
+    type=positive,
+    help=f"value head dims (v, dout and the output), at most"
+    f" {specs.MAX_HEAD_DIM}, each paired with every --head-dim, e.g."
+    " --head-dim 192 --head-dim-v 128 (DeepSeek MLA); FLOPs count both;"
+    " not with --mode decode or fp8 (unset: equal to the head dim)",
+  )
+  p.add_argument(
     "--seq",
     nargs="+",
     type=positive,
@@ -250,6 +259,7 @@ def grid_axes(args, platform: str) -> specs.GridAxes:
   overrides = dict(
     dtypes=args.dtype,
     head_dims=args.head_dim,
+    head_dims_v=args.head_dim_v,
     seqs=args.seq,
     modes=args.mode,
     gqa=args.gqa,

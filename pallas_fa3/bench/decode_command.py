@@ -2,9 +2,9 @@
 (parsed flags -> decode grid -> sweep -> files, plots and tables).
 
 The flags of the other modes that mean nothing for a decode step (--seq,
---tokens, --causal, --window, --softcap, --sinks, --docs) are usage errors
-with it, and the decode flags (--batch, --cache-len, --page-size,
---num-splits, --ragged) without it; either names the flag.
+--tokens, --causal, --window, --softcap, --sinks, --docs, --head-dim-v) are
+usage errors with it, and the decode flags (--batch, --cache-len,
+--page-size, --num-splits, --ragged) without it; either names the flag.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _NOT_DECODE = {
   "softcap": "--softcap",
   "sinks": "--sinks",
   "docs": "--docs",
+  "head_dim_v": "--head-dim-v (decode cases keep head_dim_v == head_dim)",
 }
 # Decode flags, by dest.
 _DECODE_ONLY = {

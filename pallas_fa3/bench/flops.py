@@ -112,14 +112,15 @@ def attention_flops(spec, head_dim_v: int | None = None) -> int:
     spec: has batch, seq_q, seq_kv, heads_q, head_dim, causal and mode; a
       `window` (a `BenchSpec`'s) or `window_size` (an `AttentionSpec`'s)
       attribute, when present, is counted too, and so is a `docs` one.
-    head_dim_v: value head dim when it differs from `head_dim`.
+    head_dim_v: value head dim; None: the spec's `head_dim_v` where it has
+      one (not None), else `head_dim`.
 
   Returns:
     `2 * b * pairs * hq * (d + dv)` for the forward (`4 * b * sq * skv * hq
     * d` when dv == d and nothing is masked), times 2.5 for "bwd" and 3.5
     for "fwd+bwd"; an int.
   """
-  dv = spec.head_dim if head_dim_v is None else head_dim_v
+  dv = head_dim_v or getattr(spec, "head_dim_v", None) or spec.head_dim
   window = getattr(spec, "window", None) or getattr(spec, "window_size", None)
   docs = getattr(spec, "docs", None)
   if docs:

@@ -10,7 +10,8 @@ bf16. Three timings per case: the quantization alone, the attention kernel
 alone on pre-quantized inputs, and the total, both in one call of
 `flash_attention(..., fp8=FP8Config(), config=<the same tiles>)`. The
 FLOPs are the attention's; the quantization's O(n d) work is not counted.
-FP8 is forward only: backward modes are skipped with the reason. A case's
+FP8 is forward only and needs head_dim_v == head_dim: other cases are
+skipped with the reason. A case's
 window, softcap, sinks and packed documents go to both FP8 calls, as to the
 bf16 ones.
 """
@@ -52,6 +53,11 @@ def unsupported(name: str, spec: specs.BenchSpec) -> str | None:
     return (
       f"{name} has no FP8 path: fp8 cases run on"
       f" {', '.join(FP8_IMPLS)} (compare with the bf16 rows)"
+    )
+  if spec.head_dim_v != spec.head_dim:
+    return (
+      "FP8 needs head_dim_v == head_dim (the library raises ValueError);"
+      f" got {spec.head_dim}/{spec.head_dim_v}"
     )
   if spec.mode != "fwd":
     return (

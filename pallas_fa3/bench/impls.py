@@ -4,7 +4,8 @@ Each `Impl` turns a `BenchSpec` into a function `(q, k, v) -> out` with our
 conventions (layout `[batch, seq, heads, head_dim]`, scale `1/sqrt(d)`,
 bottom-right causal, the spec's window, softcap, sinks and packed
 documents as segment ids), or gives the reason it cannot serve the spec.
-Baselines without segment ids skip --docs cases, saying so. A backend that raises `NotImplementedError`
+Baselines without segment ids skip --docs cases, and JAX's baselines skip
+head_dim_v != head_dim, saying so. A backend that raises `NotImplementedError`
 while being traced (e.g. for a window it does not implement yet) is reported
 as skipped with that message by the runner, so a backend starts being
 measured by itself as soon as it is implemented. Sinks are inputs of the
@@ -49,6 +50,12 @@ _HALF_DTYPES = ("bf16", "fp16")
 _TOP_LEFT = (
   "jax.nn.dot_product_attention's is_causal is top-left aligned;"
   " it equals our bottom-right mask only when seq_q == seq_kv"
+)
+# JAX 0.11.2's wrapper checks value against key's [B, S, K, H] for every
+# implementation (cuDNN's own layout check would allow another v head dim).
+_DPA_ONE_HEAD_DIM = (
+  "jax.nn.dot_product_attention needs head_dim_v == head_dim: it requires"
+  " value's shape to equal key's (ValueError), for xla and cudnn alike"
 )
 
 
@@ -133,6 +140,8 @@ def _dpa_unsupported(implementation):
     reason = _no_options(spec, "jax.nn.dot_product_attention", has=("window",))
     if reason:
       return reason
+    if spec.head_dim_v != spec.head_dim:
+      return _DPA_ONE_HEAD_DIM
     if spec.causal and spec.seq_q != spec.seq_kv:
       return _TOP_LEFT
     if spec.window is not None and spec.seq_q != spec.seq_kv:
@@ -193,6 +202,11 @@ def _mgpu_unsupported(spec, platform):
     return f"attention_mgpu takes bf16/fp16, not {spec.dtype}"
   if spec.head_dim not in _MGPU_BLOCK_KV:
     return f"attention_mgpu needs head_dim in {tuple(_MGPU_BLOCK_KV)}"
+  if spec.head_dim_v != spec.head_dim:
+    return (
+      "attention_mgpu needs head_dim_v == head_dim: its V tiles and"
+      " output are head_dim wide"
+    )
   if (
     spec.seq_q % _MGPU_Q_MULTIPLE or spec.seq_kv % _MGPU_BLOCK_KV[spec.head_dim]
   ):

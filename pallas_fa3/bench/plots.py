@@ -1,7 +1,7 @@
 """PNG plots made from the records: FLOP/s vs sequence length.
 
 One figure per (mode, dtype, options: window, softcap, sinks, docs); one
-panel per head dim x causal; one line per implementation at the median
+panel per head dims (d, and dv where it differs) x causal; one line per implementation at the median
 time, with error bars from the fastest and the slowest timed call
 (min/max). The title names the device, the JAX version and the options
 that are set (they also suffix the file name), wrapped to the figure's
@@ -17,7 +17,7 @@ import re
 import textwrap
 from typing import Any
 
-from pallas_fa3.bench import options
+from pallas_fa3.bench import options, report
 
 
 def _unit(records: list[dict]) -> tuple[str, float]:
@@ -103,7 +103,10 @@ def figures(
     groups[(r["mode"], r["dtype"], options.record_label(r))].append(r)
   out = []
   for (mode, dtype, label), rows in sorted(groups.items()):
-    dims = sorted({r["head_dim"] for r in rows})
+    dims = sorted(
+      {report.head_dims_label(r) for r in rows},
+      key=lambda x: tuple(map(int, x.split("/"))),
+    )
     causals = sorted({r["causal"] for r in rows})
     fig, axes = plt.subplots(
       len(causals),
@@ -116,7 +119,7 @@ def figures(
         ax = axes[i][j]
         lines = collections.defaultdict(list)
         for r in rows:
-          if r["head_dim"] == d and r["causal"] == causal:
+          if report.head_dims_label(r) == d and r["causal"] == causal:
             lines[r["impl"]].append((r["seq_q"], *rate_band(r, scale)))
         for impl, pts in sorted(lines.items()):
           pts.sort()
@@ -136,7 +139,8 @@ def figures(
         seqs = sorted({p[0] for pts in lines.values() for p in pts})
         ax.set_xticks(seqs, [str(n) for n in seqs])
         ax.minorticks_off()
-        ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
+        d_dv = d.replace("/", ", dv=")
+        ax.set_title(f"d={d_dv}, {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("sequence length")
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)

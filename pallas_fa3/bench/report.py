@@ -22,6 +22,19 @@ MARKDOWN_FILE = "summary.md"
 _FILE_WIDTH = 180  # columns of the table when stdout is not a terminal
 
 
+def head_dims_label(record: dict) -> str:
+  """A record's head dim, "192/128" where its value head dim differs
+  (older records, and decode's, have no head_dim_v: equal)."""
+  d, dv = record["head_dim"], record.get("head_dim_v")
+  return f"{d}" if dv in (None, d) else f"{d}/{dv}"
+
+
+def head_dims_header(records: list[dict]) -> str:
+  """ "d", or "d/dv" when some record's value head dim differs."""
+  differs = any(head_dims_label(r) != f"{r['head_dim']}" for r in records)
+  return "d/dv" if differs else "d"
+
+
 def ratios(records: list[dict], ours: str) -> list[dict]:
   """Per spec and baseline: ours TFLOPs/s / baseline TFLOPs/s (> 1: ours faster).
 
@@ -76,7 +89,7 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
   for x in ratios(records, ours):
     speed[x["spec"]].append(f"{x['baseline']} {x['speedup']:.2f}x")
   header = (
-    ["mode", "dtype", "d", "causal"]
+    ["mode", "dtype", head_dims_header(records), "causal"]
     + (["options"] if with_options else [])
     + ["seq", "b x hq/hk"]
     + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)" for n in impl_names]
@@ -91,7 +104,7 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
       [
         first["mode"],
         first["dtype"],
-        str(first["head_dim"]),
+        head_dims_label(first),
         "yes" if first["causal"] else "no",
       ]
       + ([options.record_label(first) or "-"] if with_options else [])

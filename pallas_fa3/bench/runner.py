@@ -6,8 +6,8 @@ attention timed apart); "skipped" with the reason (unsupported shape or
 option, backend not implemented, no GPU, FP8 backward, time budget); or
 "error" with the exception. Nothing is dropped silently. A record's
 `window` is "LEFT,RIGHT" text as on the command line (None: no window),
-`softcap` a float or None, `sinks` a bool and `docs` an int or None (one
-document).
+`softcap` a float or None, `sinks` a bool, `docs` an int or None (one
+document) and `head_dim_v` an int (equal to `head_dim` unless set).
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def _base_record(impl, spec) -> dict:
     heads_q=spec.heads_q,
     heads_kv=spec.heads_kv,
     head_dim=spec.head_dim,
+    head_dim_v=spec.head_dim_v,
     causal=spec.causal,
     window=options.format_window(spec.window),
     softcap=spec.softcap,
@@ -110,7 +111,7 @@ def _base_record(impl, spec) -> dict:
     docs=spec.docs,
     gqa=spec.gqa,
     tags=" ".join(spec.tags),
-    flops=flops.attention_flops(spec),
+    flops=flops.attention_flops(spec, spec.head_dim_v),
     status="skipped",
     reason="",
     time_median_ms=None,

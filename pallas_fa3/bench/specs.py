@@ -65,7 +65,7 @@ class BenchSpec:
   Attributes:
     name: unique, human-readable identifier (also used in files).
     batch, seq_q, seq_kv, heads_q, heads_kv, head_dim: q `[batch, seq_q,
-      heads_q, head_dim]`, k/v `[batch, seq_kv, heads_kv, head_dim]`.
+      heads_q, head_dim]`, k `[batch, seq_kv, heads_kv, head_dim]`.
     causal: bottom-right aligned causal mask.
     dtype: a key of `DTYPES` ("bf16", "fp16", "fp32", "fp8").
     mode: "fwd", "bwd" (the backward pass alone) or "fwd+bwd".
@@ -76,6 +76,8 @@ class BenchSpec:
     sinks: pass per-head sinks (`options.sinks_for`: random, fixed seed).
     docs: pack every sequence with this many documents (`segment_ids=`,
       `options.segment_ids_for`), at most min(seq_q, seq_kv); None: one.
+    head_dim_v: v `[batch, seq_kv, heads_kv, head_dim_v]` (and the output);
+      None (the default) becomes head_dim.
   """
 
   name: str
@@ -93,8 +95,11 @@ class BenchSpec:
   softcap: float | None = None
   sinks: bool = False
   docs: int | None = None
+  head_dim_v: int | None = None
 
   def __post_init__(self):
+    if self.head_dim_v is None:
+      object.__setattr__(self, "head_dim_v", self.head_dim)
     for field in (
       "batch",
       "seq_q",
@@ -102,6 +107,7 @@ class BenchSpec:
       "heads_q",
       "heads_kv",
       "head_dim",
+      "head_dim_v",
     ):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
@@ -157,7 +163,8 @@ class GridAxes:
   `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
   query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
   `window`, `softcap`, `sinks` and `docs` are not axes: every spec gets
-  them.
+  them. `head_dims_v`: value head dims, each paired with every head dim;
+  None: each spec's equals its head dim.
   """
 
   tokens: int
@@ -173,6 +180,7 @@ class GridAxes:
   softcap: float | None = None
   sinks: bool = False
   docs: int | None = None
+  head_dims_v: tuple[int, ...] | None = None
 
 
 PAPER_AXES = GridAxes(
@@ -208,9 +216,14 @@ def spec_name(
   softcap=None,
   sinks=False,
   docs=None,
+  head_dim_v=None,
 ) -> str:
-  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks-docs4"."""
+  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks-docs4";
+  "-d192-dv128-" where head_dim_v differs from head_dim."""
   seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
+  dims = f"d{head_dim}" + (
+    "" if head_dim_v in (None, head_dim) else f"-dv{head_dim_v}"
+  )
   win = format_window(window)
   extra = (
     ("" if win is None else f"-win{win.replace(',', '_')}")
@@ -219,21 +232,27 @@ def spec_name(
     + ("" if docs is None else f"-docs{docs}")
   )
   return (
-    f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-d{head_dim}-"
+    f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-{dims}-"
     f"{'causal' if causal else 'full'}{extra}"
   )
 
 
-def check_head_dims(head_dims: Iterable[int], hidden: int) -> None:
-  """Raises ValueError (naming the flags) unless every head dim is in
-  1..MAX_HEAD_DIM and divides `hidden` (heads_q = hidden // head_dim)."""
+def check_head_dims(
+  head_dims: Iterable[int], hidden: int, head_dims_v: Iterable[int] = ()
+) -> None:
+  """Raises ValueError (naming the flags) unless every head dim and value
+  head dim is in 1..MAX_HEAD_DIM and every head dim divides `hidden`
+  (heads_q = hidden // head_dim)."""
   head_dims = tuple(head_dims)
-  for d in head_dims:
-    if d > MAX_HEAD_DIM:
-      raise ValueError(
-        f"--head-dim {d} is over {MAX_HEAD_DIM}: head dims are"
-        f" at most {MAX_HEAD_DIM}"
-      )
+  for flag, dims in (("--head-dim", head_dims), ("--head-dim-v", head_dims_v)):
+    for d in dims:
+      if d > MAX_HEAD_DIM:
+        raise ValueError(
+          f"{flag} {d} is over {MAX_HEAD_DIM}: head dims are"
+          f" at most {MAX_HEAD_DIM}"
+        )
+      if d < 1:
+        raise ValueError(f"{flag} {d} must be >= 1")
   for d in head_dims:
     if hidden % d:
       lcm = math.lcm(*head_dims)
@@ -246,14 +265,16 @@ def check_head_dims(head_dims: Iterable[int], hidden: int) -> None:
 
 
 def make_grid(axes: GridAxes) -> list[BenchSpec]:
-  """Every combination of `axes`, in a stable order (mode, dtype, d, causal, seq).
+  """Every combination of `axes`, in a stable order (mode, dtype, d, dv,
+  causal, gqa, seq).
 
   Raises:
     ValueError: a head dim over MAX_HEAD_DIM or not dividing the hidden size,
-      a GQA ratio not dividing the number of query heads, a bad window,
-      softcap or sinks, or more --docs than a sequence has positions.
+      a value head dim outside 1..MAX_HEAD_DIM, a GQA ratio not dividing the
+      number of query heads, a bad window, softcap or sinks, or more --docs
+      than a sequence has positions.
   """
-  check_head_dims(axes.head_dims, axes.hidden)
+  check_head_dims(axes.head_dims, axes.hidden, axes.head_dims_v or ())
   check_modifiers(axes.window, axes.softcap, axes.sinks, docs=axes.docs)
   if axes.docs is not None and axes.docs > min(axes.seqs):
     raise ValueError(
@@ -264,48 +285,43 @@ def make_grid(axes: GridAxes) -> list[BenchSpec]:
     window=axes.window, softcap=axes.softcap, sinks=axes.sinks, docs=axes.docs
   )
   specs = []
-  for mode, dtype, d, causal, gqa, seq in itertools.product(
-    axes.modes, axes.dtypes, axes.head_dims, axes.causals, axes.gqa, axes.seqs
+  for mode, dtype, d, dv, causal, gqa, seq in itertools.product(
+    axes.modes,
+    axes.dtypes,
+    axes.head_dims,
+    axes.head_dims_v or (None,),  # None: dv = d
+    axes.causals,
+    axes.gqa,
+    axes.seqs,
   ):
     heads_q = axes.hidden // d
     if heads_q % gqa:
       raise ValueError(
         f"--gqa {gqa} does not divide {heads_q} query heads (head dim {d})"
       )
-    batch = max(1, axes.tokens // seq)
+    dv = d if dv is None else dv
     tags = (
       axes.tags
-      + (f"d{d}", "causal" if causal else "full", mode, dtype)
+      + (f"d{d}",)
+      + (() if dv == d else (f"dv{dv}",))
+      + ("causal" if causal else "full", mode, dtype)
       + (("gqa",) if gqa > 1 else ())
       + modifier_names(**mods)
     )
-    specs.append(
-      BenchSpec(
-        spec_name(
-          mode,
-          dtype,
-          batch,
-          seq,
-          seq,
-          heads_q,
-          heads_q // gqa,
-          d,
-          causal,
-          **mods,
-        ),
-        batch,
-        seq,
-        seq,
-        heads_q,
-        heads_q // gqa,
-        d,
-        causal,
-        dtype,
-        mode,
-        tags,
-        **mods,
-      )
+    fields = dict(
+      mode=mode,
+      dtype=dtype,
+      batch=max(1, axes.tokens // seq),
+      seq_q=seq,
+      seq_kv=seq,
+      heads_q=heads_q,
+      heads_kv=heads_q // gqa,
+      head_dim=d,
+      head_dim_v=dv,
+      causal=causal,
+      **mods,
     )
+    specs.append(BenchSpec(spec_name(**fields), tags=tags, **fields))
   return specs
 
 
@@ -321,35 +337,35 @@ def tiny_spec(
   softcap: float | None = None,
   sinks: bool = False,
   docs: int | None = None,
+  head_dim_v: int | None = None,
 ) -> BenchSpec:
   """A small case for the interpret backend (correctness, not speed)."""
   heads_kv = 1 if gqa > 1 else 2
-  heads_q = heads_kv * gqa
-  mods = dict(window=window, softcap=softcap, sinks=sinks, docs=docs)
-  return BenchSpec(
-    spec_name(
-      mode, dtype, 1, seq, seq, heads_q, heads_kv, head_dim, causal, **mods
-    ),
-    1,
-    seq,
-    seq,
-    heads_q,
-    heads_kv,
-    head_dim,
-    causal,
-    dtype,
-    mode,
-    (TINY_TAG,),
-    **mods,
+  fields = dict(
+    mode=mode,
+    dtype=dtype,
+    batch=1,
+    seq_q=seq,
+    seq_kv=seq,
+    heads_q=heads_kv * gqa,
+    heads_kv=heads_kv,
+    head_dim=head_dim,
+    head_dim_v=head_dim_v,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    sinks=sinks,
+    docs=docs,
   )
+  return BenchSpec(spec_name(**fields), tags=(TINY_TAG,), **fields)
 
 
 def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
   """The interpret backend's case within the grid's filters.
 
   The cheapest grid point (forward first, then the shortest sequence, the
-  smallest head dim, causal before not) at batch 1 and two key/value heads:
-  its dtype, mode, mask, sequence, head dim, GQA ratio, window, softcap,
+  smallest head dims, causal before not) at batch 1 and two key/value heads:
+  its dtype, mode, mask, sequence, head dims, GQA ratio, window, softcap,
   sinks and docs are the grid's.
   The runner skips it, saying why, when its sequence exceeds TINY_MAX_SEQ.
   """
@@ -359,6 +375,7 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
       MODES.index(s.mode),
       s.seq_q * s.seq_kv,
       s.head_dim,
+      s.head_dim_v,
       not s.causal,
       s.gqa,
     ),
@@ -368,6 +385,7 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
     mode=s.mode,
     seq=s.seq_q,
     head_dim=s.head_dim,
+    head_dim_v=s.head_dim_v,
     causal=s.causal,
     gqa=s.gqa,
     window=s.window,

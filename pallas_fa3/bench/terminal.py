@@ -1,7 +1,8 @@
 """The terminal summary: small tables that fit 80 columns.
 
 One table per (mode, dtype, options): its title names the window, softcap,
-sinks and docs when set; a row per shape (head dim, causal, seq), a
+sinks and docs when set; a row per shape (head dim, "d/dv" where the value
+head dim differs, causal, seq), a
 column per implementation that ran (TFLOP/s of the median time; GFLOP/s
 when every figure is under 1 TFLOP/s), and the speedup of ours over the
 fastest other implementation. fp8 cells are total/kernel (quantization
@@ -79,7 +80,12 @@ def tables(
     if not names:
       continue
     speedup = ours in names and len(names) > 1
-    header = list(_KEY_COLUMNS) + names + (["speedup"] if speedup else [])
+    dims = report.head_dims_header(
+      [r for cases in by_spec.values() for r in cases.values()]
+    )
+    header = (
+      [dims, *_KEY_COLUMNS[1:]] + names + (["speedup"] if speedup else [])
+    )
     rows = []
     for cases in by_spec.values():
       first = next(iter(cases.values()))
@@ -89,7 +95,7 @@ def tables(
         else f"{first['seq_q']}x{first['seq_kv']}"
       )
       rows.append(
-        [str(first["head_dim"]), "yes" if first["causal"] else "no", seq]
+        [report.head_dims_label(first), "yes" if first["causal"] else "no", seq]
         + [_cell(cases[n], scale) if n in cases else "" for n in names]
         + ([_speedup(cases, ours)] if speedup else [])
       )

@@ -45,16 +45,20 @@ class Timing:
 
 
 def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
-  """`num_sets` independent standard-normal `(q, k, v, dout)` tuples."""
+  """`num_sets` independent standard-normal `(q, k, v, dout)` tuples; v and
+  dout have `spec.head_dim_v` columns where the spec has one (not None)."""
+  dv = getattr(spec, "head_dim_v", None) or spec.head_dim
   q_shape = (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim)
-  kv_shape = (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim)
+  k_shape = (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim)
+  v_shape = k_shape[:3] + (dv,)
+  out_shape = q_shape[:3] + (dv,)
   sets = []
   for i in range(num_sets):
     keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
     sets.append(
       tuple(
         jax.random.normal(key, shape, dtype)
-        for key, shape in zip(keys, (q_shape, kv_shape, kv_shape, q_shape))
+        for key, shape in zip(keys, (q_shape, k_shape, v_shape, out_shape))
       )
     )
   return jax.block_until_ready(sets)
