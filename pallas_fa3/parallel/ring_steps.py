@@ -245,15 +245,9 @@ def ring_backward(
   me = jax.lax.axis_index(axis)
   q_ids = None if ids is None else ids.q
   # The reverse ring: step s, device i holds the block of device i + s (from
-  # i + 1) together with that block's float32 dK/dV accumulators.
+  # i + 1); the block's float32 dK/dV accumulators follow one step behind.
   to_prev = [(j, (j - 1) % n) for j in range(n)]
   send = lambda kv: ppermute(kv, axis, to_prev)
-
-  def pass_on(dq, dk, dv):
-    # The accumulators follow their block; after the last step this hop
-    # delivers them to the block's owner. XLA can start it once this step's
-    # gradients are summed and let it finish under the next step.
-    return dq, send((dk, dv))
 
   def attend(call, kv, grads, q_start, kv_start, size_q, size_kv):
     # Adds the gradients of q rows [q_start, +size_q) x kv rows
@@ -284,24 +278,74 @@ def ring_backward(
 
     return ring_skip.unless_apart(seg, add, grads)
 
-  def first(kv, grads):
-    dq, (dk, dv) = grads
-    whole = (0, 0, q.shape[1], kv[0].shape[1])
-    return pass_on(*attend(plan.steps[0], kv, (dq, dk, dv), *whole))
-
-  def visit(step, kv, grads):
-    if not plan.spec.causal:
-      return first(kv, grads)
-    dq, (dk, dv) = grads
+  def visit(step, kv, dq, dk, dv):
+    if step is None or not plan.spec.causal:  # step 0, or every step
+      whole = (0, 0, q.shape[1], kv[0].shape[1])
+      return attend(plan.steps[0], kv, (dq, dk, dv), *whole)
     grads = (dq, dk, dv)
     c, blocks = _visiting_blocks(plan, (me + step) % n, me)
     for q_start, kv_start in blocks:
       grads = attend(plan.steps[1], kv, grads, q_start, kv_start, c, c)
-    return pass_on(*grads)
+    return grads
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  grads = (zeros(q), (zeros(k), zeros(v)))
-  kv_ids = None if ids is None else ids.kv
-  block = (k, v, kv_ids)
-  dq, (dk, dv) = _run_ring(n, first, visit, send, (block, grads))
+  zeros_kv = lambda: (zeros(k), zeros(v))
+  block = (k, v, None if ids is None else ids.kv)
+  if n == 1:
+    return visit(None, block, zeros(q), *zeros_kv())
+  incoming = send(block)
+  dq, dk, dv = visit(None, block, zeros(q), *zeros_kv())
+  # The own block's part travels the whole ring too: n hops bring it home.
+  dq, pending = backward_stream(
+    visit, send, incoming, dq, (dk, dv), (1, n - 1), zeros_kv
+  )
+  dk, dv = send(pending)
   return dq, dk, dv
+
+
+def backward_stream(
+  visit: Callable[..., Any],
+  send: Callable[[Any], Any],
+  block: tuple,
+  dq: jax.Array,
+  pending: tuple | None,
+  steps: tuple[int, int],
+  zeros_kv: Callable[[], tuple],
+) -> tuple[jax.Array, tuple]:
+  """Steps `first..last` of a backward pass along one direction.
+
+  `visit(step, block, dq, dk, dv)` adds a step's gradients into dq and into
+  zeroed dk, dv; `block` is step `first`'s block (arrived); `pending`: the
+  dK/dV accumulators of that block (None: no device saw it before).
+  Returns (dq, the accumulators of the block of step `last`).
+
+  Every step issues the next block's transfer and the accumulators of the
+  block it sees (from the device that saw it last step) before its
+  attention, and adds the arriving accumulators to its own part after it.
+  Neither transfer depends on the step's attention, so XLA overlaps both
+  with it. (Sent after the attention, the accumulators' transfer would be
+  merged with the next block's by XLA's collective combiner, and make that
+  one wait for the attention too.)
+  """
+  first, last = steps
+
+  def step(s, block, dq, pending, send_block):
+    incoming = send(block) if send_block else None
+    arriving = None if pending is None else send(pending)
+    dq, dk, dv = visit(s, block, dq, *zeros_kv())
+    if arriving is not None:
+      dk, dv = dk + arriving[0], dv + arriving[1]
+    return incoming, dq, (dk, dv)
+
+  if pending is None:  # the first step receives no accumulators
+    incoming, dq, pending = step(first, block, dq, None, first < last)
+    if first == last:
+      return dq, pending
+    block, first = incoming, first + 1
+  if first < last:
+    body = lambda s, carry: step(s, *carry, True)
+    block, dq, pending = jax.lax.fori_loop(
+      first, last, body, (block, dq, pending)
+    )
+  _, dq, pending = step(last, block, dq, pending, False)
+  return dq, pending

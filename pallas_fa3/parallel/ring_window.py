@@ -11,12 +11,12 @@ visible rectangle of a partly visible block with its window re-aligned
 (`lax.switch`). Partial results are merged by log-sum-exp
 (`ring_steps.merge_rows`).
 
-The backward runs the same steps: each block's K/V travel with their
-float32 dK/dV accumulators, and after the last step one `ppermute` of the
-stream's length takes the accumulators home (a direct transfer, not a walk
-back round the ring). Every step issues the transfer the next step needs
-before its own attention, so XLA can overlap the two (async
-collective-permute-start/-done on GPUs).
+The backward runs the same steps (`ring_steps.backward_stream`): each
+block's float32 dK/dV accumulators follow it one step behind, and after the
+last step one `ppermute` of the stream's length takes them home (a direct
+transfer, not a walk back round the ring). Every step issues the transfers
+it needs before its own attention, so XLA overlaps them with it (async
+collective-permute-start/-done on GPUs; benchmarks/context_overlap.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pallas_fa3.parallel.ring_layout import ppermute
 from pallas_fa3.parallel.ring_plan import RingPlan
 from pallas_fa3.parallel.ring_steps import (
   add_rows,
+  backward_stream,
   merge_rows,
   step_backward,
   step_forward,
@@ -194,28 +195,19 @@ def window_backward(
     return _switch(plan, me, owner, run, grads)
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  zeros_kv = lambda: (zeros(k), zeros(v))
   own = (k, v, None if ids is None else ids.kv)
   streams = _streams(plan)
   incoming = [ppermute(own, axis, _shift(plan, d, 1)) for d, _ in streams]
-  dq, dk, dv = attend(own, me, (zeros(q), zeros(k), zeros(v)))
+  dq, dk, dv = attend(own, me, (zeros(q), *zeros_kv()))
   for (direction, steps), block in zip(streams, incoming):
     send = lambda x, d=direction: ppermute(x, axis, _shift(plan, d, 1))
     owner = lambda s, d=direction: (me - d * s) % plan.ring_size
-
-    def body(s, carry, send=send, owner=owner):
-      # The block's dK/dV accumulators follow it; they start at zero on the
-      # first device it visits.
-      block, dq, acc = carry
-      incoming = send(block)
-      dq, dk_acc, dv_acc = attend(block, owner(s), (dq, *acc))
-      return incoming, dq, send((dk_acc, dv_acc))
-
-    carry = (block, dq, (zeros(k), zeros(v)))
-    block, dq, acc = jax.lax.fori_loop(1, steps, body, carry)
-    dq, dk_acc, dv_acc = attend(block, owner(steps), (dq, *acc))
-    # Home: the block seen last belongs to the device `steps` hops back.
-    dk_acc, dv_acc = ppermute(
-      (dk_acc, dv_acc), axis, _shift(plan, -direction, steps)
+    visit = lambda s, block, *grads, owner=owner: attend(block, owner(s), grads)
+    dq, pending = backward_stream(
+      visit, send, block, dq, None, (1, steps), zeros_kv
     )
-    dk, dv = dk + dk_acc, dv + dv_acc
+    # Home: the block seen last belongs to the device `steps` hops back.
+    back = ppermute(pending, axis, _shift(plan, -direction, steps))
+    dk, dv = dk + back[0], dv + back[1]
   return dq, dk, dv
