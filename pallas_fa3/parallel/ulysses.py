@@ -6,8 +6,10 @@ split: afterwards every device holds the whole sequence for `heads_q / n`
 query heads (and their kv heads), runs `flash_attention` on it with any
 backend and every option (causal, windows, softcap, sinks, segment ids),
 and a last all-to-all trades back: out (and the lse) come back sharded
-along the sequence like q. Gradients are the transposes (all-to-alls again)
-around flash_attention's own backward.
+along the sequence like q. The heads go in up to `PIPELINE_CHUNKS` chunks
+(whole GQA groups), one flash_attention call each, so that one chunk's
+all-to-alls overlap another's attention. Gradients are the transposes
+(all-to-alls again) around flash_attention's own backward.
 
 Against the ring (`ring_attention`): Ulysses moves each tensor once (q, k,
 v in, out back: about `(3 + 1) / n` of the activations per device,
@@ -49,6 +51,13 @@ from pallas_fa3 import backends, modifiers, segments
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.parallel import ring_checks, sharding_checks
 from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
+
+# Head chunks a device's attention is cut into, so that all-to-alls overlap
+# attention: chunk t computes while chunk t+1's inputs and chunk t-1's
+# output travel; only the first chunk's inputs and the last one's output
+# are exposed (2 / PIPELINE_CHUNKS of the traffic). More chunks add
+# per-call overhead for little more overlap.
+PIPELINE_CHUNKS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +131,34 @@ def _to_seq(x: jax.Array, axis: str, seq_dim: int, head_dim: int) -> jax.Array:
   return jax.lax.all_to_all(x, axis, seq_dim, head_dim, tiled=True)
 
 
+def head_chunks(heads_q: int, heads_kv: int) -> int:
+  """Chunks of a device's heads (after the all-to-all) that the call is cut
+  into: at most `PIPELINE_CHUNKS`, dividing its kv heads (whole groups) when
+  it has more than one, else its query heads (K/V then go whole)."""
+  base = heads_kv if heads_kv > 1 else heads_q
+  return max(c for c in range(1, PIPELINE_CHUNKS + 1) if base % c == 0)
+
+
+def _chunk(x: jax.Array, n: int, chunks: int, t: int) -> jax.Array:
+  """Chunk t of every device's head block: `[b, s, h, d] -> [b, s, h/c, d]`
+  with heads `j h/n + t h/(n c) + i` (j: the device the all-to-all sends
+  them to)."""
+  b, s, h, d = x.shape
+  per = h // (n * chunks)
+  return x.reshape(b, s, n, chunks, per, d)[:, :, :, t].reshape(b, s, -1, d)
+
+
+def _unchunk(parts: list[jax.Array], n: int, axis: int) -> jax.Array:
+  """Inverse of `_chunk` on the head axis `axis` of the traded-back parts."""
+  shape = parts[0].shape
+  split = shape[:axis] + (n, shape[axis] // n) + shape[axis + 1 :]
+  stacked = jnp.stack([p.reshape(split) for p in parts], axis=axis + 1)
+  return stacked.reshape(shape[:axis] + (-1,) + shape[axis + 1 :])
+
+
 def _body(plan: UlyssesPlan, q, k, v, *rest) -> tuple[jax.Array, jax.Array]:
   spec, axis = plan.spec, plan.seq_axis
+  n = int(dict(plan.mesh.shape)[axis])
   rest = list(rest)
   sinks = rest.pop(0) if spec.sinks else None
   ids = None
@@ -131,23 +166,35 @@ def _body(plan: UlyssesPlan, q, k, v, *rest) -> tuple[jax.Array, jax.Array]:
     ids = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in rest)
   if plan.kv_repeat > 1:
     k, v = (jnp.repeat(x, plan.kv_repeat, axis=2) for x in (k, v))
-  q, k, v = (_to_heads(x, axis) for x in (q, k, v))
-  out, lse = flash_attention(
-    q,
-    k,
-    v,
-    causal=spec.causal,
-    softmax_scale=spec.softmax_scale,
-    window_size=spec.window_size,
-    softcap=spec.softcap,
-    sinks=sinks,
-    segment_ids=ids,
-    return_lse=True,
-    implementation=plan.implementation,
-    config=plan.config,
-    deterministic=spec.deterministic,
-  )
-  return _to_seq(out, axis, 1, 2), _to_seq(lse, axis, 2, 1)
+  heads_kv = k.shape[2] // n
+  chunks = head_chunks(q.shape[2] // n, heads_kv)
+  if heads_kv == 1:  # K/V whole: every chunk's query heads share them
+    k, v = _to_heads(k, axis), _to_heads(v, axis)
+  outs, lses = [], []
+  # One call per head chunk: XLA runs chunk t's attention while chunk t+1's
+  # inputs and chunk t-1's outputs are in flight (async all-to-alls on GPUs).
+  for t in range(chunks):
+    kv = (k, v)
+    if heads_kv > 1:
+      kv = tuple(_to_heads(_chunk(x, n, chunks, t), axis) for x in (k, v))
+    per = None if sinks is None else sinks.shape[0] // chunks
+    out, lse = flash_attention(
+      _to_heads(_chunk(q, n, chunks, t), axis),
+      *kv,
+      causal=spec.causal,
+      softmax_scale=spec.softmax_scale,
+      window_size=spec.window_size,
+      softcap=spec.softcap,
+      sinks=None if sinks is None else sinks[t * per : (t + 1) * per],
+      segment_ids=ids,
+      return_lse=True,
+      implementation=plan.implementation,
+      config=plan.config,
+      deterministic=spec.deterministic,
+    )
+    outs.append(_to_seq(out, axis, 1, 2))
+    lses.append(_to_seq(lse, axis, 2, 1))
+  return _unchunk(outs, n, 2), _unchunk(lses, n, 1)
 
 
 @functools.partial(jax.jit, static_argnums=0)
