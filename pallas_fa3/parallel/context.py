@@ -190,9 +190,10 @@ def explain(
   shardings q, k, v carry (arrays or `jax.ShapeDtypeStruct`s with a
   `NamedSharding`): one line, or the reason it is refused.
 
-  Example:
-    >>> spec = NamedSharding(mesh, P(None, "seq"))           # doctest: +SKIP
-    >>> x = jax.ShapeDtypeStruct((1, 8192, 8, 64), "bfloat16", sharding=spec)
+  Example (8 devices):
+    >>> seq = NamedSharding(mesh, P(None, "seq"))       # doctest: +SKIP
+    >>> x = jax.ShapeDtypeStruct((1, 8192, 8, 64), "bfloat16",
+    ...                          sharding=seq)           # doctest: +SKIP
     >>> explain(x, x, x, causal=True, window_size=(1024, 0))  # doctest: +SKIP
     "ring over mesh axis 'seq' (8 devices): window (1024, None) in natural
     order; K/V travel 1 step(s) forward and 0 backward of 7, ..."

@@ -16,6 +16,9 @@ Then `context.explain`, and the layouts and options it refuses.
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import mesh_helpers as mh
@@ -227,3 +230,16 @@ def test_fp8_is_refused_on_a_sequence_split():
     _call_with(
       "eager", (2, 4), (spec,) * 3, Shape(1, 64, 64, 2, 2, 16), fp8=True
     )
+
+
+def test_scale_out_page_example_runs():
+  """docs/scale_out.md's 8-device example (fenced "```python multidevice")."""
+  page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "scale_out.md"
+  blocks = re.findall(
+    r"```python multidevice\n(.*?)```", page.read_text(), re.S
+  )
+  assert len(blocks) == 1, "the page's example moved?"
+  scope: dict = {}
+  exec(compile(blocks[0], str(page), "exec"), scope)  # pylint: disable=exec-used
+  out, mesh = scope["out"], scope["mesh"]
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "seq")), 4)
