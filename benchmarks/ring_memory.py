@@ -52,7 +52,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MIB = 1024.0 * 1024.0
 _DEFAULT_DEVICES = 8
 # HLO element types -> bytes (the ones a ring program sends).
-_HLO_BYTES = {
+HLO_BYTES = {
   "pred": 1,
   "s8": 1,
   "u8": 1,
@@ -109,7 +109,7 @@ def _parse_args(argv):
   return args
 
 
-def _set_device_count(n: int) -> None:
+def set_device_count(n: int) -> None:
   flag = f"--xla_force_host_platform_device_count={n}"
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
@@ -169,7 +169,7 @@ def _permute_bytes(hlo: str) -> dict[str, int]:
     if "collective-permute-start" in line:  # (operand, result, contexts)
       result = re.findall(r"\w+\[[\d,]*\]", result)[0]
     nbytes = sum(
-      _HLO_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+      HLO_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
       for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)
     )
     sent["loop" if where in bodies else "other"] += nbytes
@@ -315,7 +315,7 @@ def _tables(rows, args) -> str:
   return "\n".join(out)
 
 
-def _environment(argv) -> dict:
+def environment(argv) -> dict:
   import jax
 
   try:
@@ -343,7 +343,7 @@ def _environment(argv) -> dict:
 def main(argv=None):
   argv = sys.argv if argv is None else argv
   args = _parse_args(argv[1:])
-  _set_device_count(args.devices)
+  set_device_count(args.devices)
   sys.path.insert(0, REPO_ROOT)
   import jax
   import numpy as np
@@ -392,7 +392,7 @@ def main(argv=None):
   with open(args.out, "w") as f:
     json.dump(
       {
-        "environment": _environment(argv),
+        "environment": environment(argv),
         "problem": dataclasses.asdict(problem),
         "rows": rows,
       },

@@ -300,3 +300,14 @@ def ring_attention(
     () if segment_ids is None else tuple(segment_ids),
   )
   return (out, lse) if return_lse else out
+
+
+def run_plan(
+  plan: RingPlan, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of a plan made by `ring_plan.make_plan` (no sinks or ids),
+  differentiable: for measurements that force the windowed ring's order
+  (`benchmarks/ulysses_vs_ring.py`). `ring_attention` is the entry point."""
+  return _ring_jit(
+    plan, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, ()
+  )
