@@ -107,9 +107,7 @@ def check(
     ValueError / NotImplementedError naming the argument or option.
   """
   seq = _seq_axes(shardings)
-  batch, heads = check_shardings(
-    call.spec, axis_sizes, shardings, allow_seq=True
-  )
+  batch, heads = check_shardings(call.spec, axis_sizes, shardings)
   if seq:
     check_ring(call.spec, call.backend, axis_sizes, seq)
   return batch, heads, seq

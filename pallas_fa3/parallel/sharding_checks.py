@@ -14,7 +14,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from pallas_fa3.spec import AttentionSpec
 
 _BATCH, _SEQ, _HEADS, _HEAD_DIM = range(4)  # axes of q, k, v, out, dout
-_AXIS_NAMES = ("batch", "sequence", "heads", "head_dim")
 # The tensors whose layout the user chose; the others (out, lse, cotangents)
 # are only resharded to match.
 CHECKED = ("q", "k", "v")
@@ -33,49 +32,35 @@ def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 
 def check_shardings(
-  spec: AttentionSpec,
-  axis_sizes: dict[str, int],
-  shardings: dict[str, tuple],
-  allow_seq: bool = False,
+  spec: AttentionSpec, axis_sizes: dict[str, int], shardings: dict[str, tuple]
 ) -> tuple[tuple, tuple]:
-  """Checks that q, k, v shardings can run shard-locally.
+  """Checks the batch, head and head_dim splits of q, k, v shardings (a
+  sequence split is `pallas_fa3.parallel.context`'s to check: the ring).
 
   Args:
     spec: the global call.
     axis_sizes: mesh axis name -> size.
     shardings: "q"/"k"/"v" -> PartitionSpec entries of that `[b, s, h, d]`
       operand (missing names are taken as replicated).
-    allow_seq: a sequence split is the caller's to check (context
-      parallelism, `pallas_fa3.parallel.context`).
 
   Returns:
     (batch axes, head axes): the mesh axes of q's batch and head dimensions,
     the layout every operand and result gets.
 
   Raises:
-    ValueError: a sharded sequence or head_dim axis, or a head sharding that
-      would split a group of query heads sharing a kv head; the message names
-      the argument.
+    ValueError: a sharded head_dim axis, or a head sharding that would split
+      a group of query heads sharing a kv head; the message names the
+      argument.
   """
   for name in CHECKED:
-    entries = shardings.get(name, (None,) * 4)
-    for axis in (_HEAD_DIM,) if allow_seq else (_SEQ, _HEAD_DIM):
-      split = mesh_axes(entries[axis])
-      if not split:
-        continue
-      hint = (
-        " Sequence (context) parallelism is pallas_fa3.ring_attention;"
-        " or replicate the axis first (jax.reshard, or"
-        " jax.lax.with_sharding_constraint)"
-        if axis == _SEQ
-        else " A head_dim split would need a reduction inside every score;"
-        " shard batch or heads instead"
-      )
+    split = mesh_axes(shardings.get(name, (None,) * 4)[_HEAD_DIM])
+    if split:
       raise ValueError(
-        f"{name} is sharded along its {_AXIS_NAMES[axis]} axis (axis"
-        f" {axis}) over mesh axes {split}; flash_attention runs each"
-        f" device's shard locally and can only split batch (axis 0) and"
-        f" heads (axis 2).{hint}"
+        f"{name} is sharded along its head_dim axis (axis {_HEAD_DIM}) over"
+        f" mesh axes {split}; flash_attention can split batch (axis 0),"
+        " sequence (axis 1, as a ring) and heads (axis 2). A head_dim split"
+        " would need a reduction inside every score; shard batch or heads"
+        " instead"
       )
   q = shardings.get("q", (None,) * 4)
   batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
