@@ -333,6 +333,26 @@ FOUND = {
       ids=(_runs(*3 * ([(-1, 149)],)), _runs(*3 * ([(-1, 1)],))),
     ),
   ),
+  # dQ of that row (an exploration with another seed): dS rounded for dQ,
+  # then dQ itself, 2.2x the naive.
+  "dq-one-row-of-one-key": (
+    "blockwise",
+    Mix(
+      Shape(3, 149, 1, 3, 3, 80),
+      "bfloat16",
+      causal=True,
+      softcap=3.0,
+      softmax_scale=0.02,
+      sinks_dtype="bfloat16",
+      segments="packed",
+      block=(32, 48),
+    ),
+    Operands(
+      140,
+      _sinks(1e-3, 2, 2),
+      ids=(_runs(*3 * ([(-1, 149)],)), _runs([(-1, 1)], [(-1, 1)], [(0, 1)])),
+    ),
+  ),
   # float32, scores ~ 50 and sinks 9: P recomputed from the lse, 36x.
   "dq-float32-large-scores": (
     "blockwise",

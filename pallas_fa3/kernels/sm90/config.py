@@ -205,6 +205,8 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
   config = _DEFAULTS.get(max(d, dv), Sm90ForwardConfig())
   if spec.segmented:
     config = _SEGMENTED_DEFAULTS.get(max(d, dv), config)
+  if spec.dtype.itemsize != 2:
+    return config  # a dtype the kernel refuses: `forward_unsupported` says so
   if forward_config_unsupported(config, d, spec.dtype.itemsize, dv) is None:
     return config
   assert d != dv, config  # the tuned defaults fit their own head dim
