@@ -258,7 +258,7 @@ def test_installed_console_script():
 
 @pytest.mark.parametrize(
   "command",
-  [[], ["info"], ["train"], ["bench"], ["numerics"], ["aot"]],
+  [[], ["info"], ["train"], ["generate"], ["bench"], ["numerics"], ["aot"]],
   ids=" ".join,
 )
 def test_help_has_no_formatting_artifacts(command, capsys):
