@@ -12,6 +12,14 @@ Example:
   ...     causal=True)
   >>> out.shape, k_cache.shape
   ((2, 1, 8, 64), (2, 256, 2, 64))
+
+DeepSeek MLA (FlashMLA's layout): one cache, V its first 512 columns.
+  >>> q = jnp.zeros((2, 1, 16, 576), "bfloat16")
+  >>> kv = jnp.zeros((2, 64, 1, 576), "bfloat16")
+  >>> out, kv = pallas_fa3.flash_attention_with_kvcache(
+  ...     q, kv, None, kv[:, :1], cache_seqlens=5, head_dim_v=512)
+  >>> out.shape
+  (2, 1, 16, 512)
 """
 
 from __future__ import annotations
@@ -86,9 +94,11 @@ def _decode(
   if k is not None:  # one scatter each: in place when the caches are donated
     if spec.fp8_cache:
       k = kvcache_fp8.quantize_tokens(kvcache_fp8.rotate(k, signs), descale[0])
-      v = kvcache_fp8.quantize_tokens(v, descale[1])
+      if v is not None:
+        v = kvcache_fp8.quantize_tokens(v, descale[1])
     k_cache = append(spec, k_cache, k, seqlens, rows, pages)
-    v_cache = append(spec, v_cache, v, seqlens, rows, pages)
+    if not spec.v_in_k:  # (else V is k_cache's columns: written with K)
+      v_cache = append(spec, v_cache, v, seqlens, rows, pages)
   lengths = seqlens + spec.seq_new
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
@@ -102,14 +112,33 @@ def _decode(
   lse = jnp.where(bad[:, None, None], jnp.nan, lse)
   result = (out, lse) if return_lse else (out,)
   if k is not None:
-    result += (k_cache, v_cache)
+    result += (k_cache,) if spec.v_in_k else (k_cache, v_cache)
   return result[0] if len(result) == 1 else result
+
+
+def _descales(spec: DecodeSpec, k_descale: Any, v_descale: Any) -> Any:
+  """(k_descale, v_descale) as float32 `[b, hk]` for an e4m3 cache (with
+  v_cache=None, k_descale twice), None for a 16-bit one."""
+  if spec.v_in_k and v_descale is not None:
+    raise ValueError(
+      "v_descale must be None when v_cache is None: V is the K cache's"
+      " first head_dim_v columns and is dequantized by k_descale"
+    )
+  names = ("k_descale", "v_descale")
+  pair = (k_descale, k_descale if spec.v_in_k else v_descale)
+  descale = tuple(
+    kvcache_fp8.check_descale(
+      name, x, spec.fp8_cache, spec.batch, spec.heads_kv
+    )
+    for name, x in zip(names, pair)
+  )
+  return descale if spec.fp8_cache else None
 
 
 def flash_attention_with_kvcache(
   q: jax.Array,
   k_cache: jax.Array,
-  v_cache: jax.Array,
+  v_cache: jax.Array | None,
   k: jax.Array | None = None,
   v: jax.Array | None = None,
   *,
@@ -128,6 +157,7 @@ def flash_attention_with_kvcache(
   k_descale: Any = None,
   v_descale: Any = None,
   cache_rotation: Any = None,
+  head_dim_v: int | None = None,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -143,10 +173,13 @@ def flash_attention_with_kvcache(
       more for speculative decoding or a prefill chunk).
     k_cache: contiguous `[batch_cache, cache_len, heads_kv, head_dim]`, or
       paged `[num_pages, page_size, heads_kv, head_dim]` with `page_table`.
-    v_cache: the same with `head_dim_v`.
+    v_cache: the same with `head_dim_v`; or None (DeepSeek MLA's layout,
+      FlashMLA's): V is the first `head_dim_v` columns of k_cache, read in
+      place (no copy), and `head_dim_v` is required.
     k, v: optional new tokens `[batch, seq_new, heads_kv, head_dim(_v)]`,
       written at positions `cache_seqlens[b] ..` of each sequence and
-      attended to; the updated caches are returned.
+      attended to; the updated caches are returned. With `v_cache=None`
+      pass k only (v None): its first `head_dim_v` columns are the values.
     cache_seqlens: a Python int or int32 `[batch]`: tokens already cached
       (traced: one compilation serves every length).
     page_table: int32 `[batch, pages_per_seq]`: token t of sequence b is
@@ -167,14 +200,19 @@ def flash_attention_with_kvcache(
       descales `[batch, heads_kv]` (or scalars; default 1): attention runs
       over `k_cache * k_descale`, `v_cache * v_descale`, and appended k/v
       are divided by them, saturated at 448 and rounded into the cache
-      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them).
+      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them). With
+      `v_cache=None`, V is dequantized by `k_descale` (v_descale None).
     cache_rotation: None, or the `rotation=` the cache was quantized with
-      (`quantize_kv_cache`): q and appended k are rotated to match.
+      (`quantize_kv_cache`): q and appended k are rotated to match (not
+      with `v_cache=None`: V would be rotated too).
+    head_dim_v: with `v_cache=None`, V's columns (<= head_dim; 512 for
+      DeepSeek MLA's 576); with a v_cache, None or its last dim.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
     with `return_lse`; with k/v, the updated caches after them: `(out,
-    k_cache, v_cache)` or `(out, lse, k_cache, v_cache)`. Under `jax.jit`
+    k_cache, v_cache)` or `(out, lse, k_cache, v_cache)`; with
+    `v_cache=None` the one cache: `(out[, lse], k_cache)`. Under `jax.jit`
     with the caches donated, they are updated in place. A sequence whose
     traced length is negative or overflows the cache gets NaN rows.
 
@@ -198,19 +236,19 @@ def flash_attention_with_kvcache(
     softcap=softcap,
     sinks=sinks is not None,
     num_splits=num_splits,
+    head_dim_v=head_dim_v,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  descale = tuple(
-    kvcache_fp8.check_descale(
-      name, x, spec.fp8_cache, spec.batch, spec.heads_kv
-    )
-    for name, x in (("k_descale", k_descale), ("v_descale", v_descale))
-  )
-  descale = descale if spec.fp8_cache else None
+  descale = _descales(spec, k_descale, v_descale)
   if cache_rotation is not None and not spec.fp8_cache:
     raise ValueError(
       "cache_rotation applies to an e4m3 cache (quantize_kv_cache's"
       f" rotation=); this cache is {spec.cache_dtype}: pass None"
+    )
+  if cache_rotation is not None and spec.v_in_k:
+    raise ValueError(
+      "cache_rotation cannot be combined with v_cache=None: V is the K"
+      " cache's columns, and a rotated K cache holds rotated values"
     )
   signs = kvcache_fp8.rotation_signs(cache_rotation, spec.head_dim)
   return_lse = check_bool("return_lse", return_lse)

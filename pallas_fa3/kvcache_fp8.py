@@ -33,9 +33,9 @@ class FP8KVCache(NamedTuple):
   """`quantize_kv_cache`'s result: the e4m3 caches and their descales."""
 
   k_cache: jax.Array  # float8_e4m3fn, the input's layout (K rotated if asked)
-  v_cache: jax.Array  # float8_e4m3fn
+  v_cache: jax.Array | None  # float8_e4m3fn (None: MLA's one cache)
   k_descale: jax.Array  # float32 [batch, heads_kv]
-  v_descale: jax.Array  # float32 [batch, heads_kv]
+  v_descale: jax.Array | None  # float32 [batch, heads_kv]
 
 
 def is_fp8(dtype: Any) -> bool:
@@ -117,7 +117,7 @@ def _amax(x: jax.Array, n: jax.Array | None) -> jax.Array:
 
 def quantize_kv_cache(
   k_cache: jax.Array,
-  v_cache: jax.Array,
+  v_cache: jax.Array | None,
   *,
   page_table: jax.Array | None = None,
   cache_seqlens: Any = None,
@@ -129,6 +129,8 @@ def quantize_kv_cache(
   Args:
     k_cache, v_cache: contiguous `[batch, cache_len, heads_kv, d(_v)]` or,
       with `page_table`, paged `[num_pages, page_size, heads_kv, d(_v)]`.
+      v_cache None: DeepSeek MLA's one cache (V its first columns, read
+      with `k_descale`); v_cache and v_descale come back None.
     page_table: int32 `[batch, pages_per_seq]` for a paged cache. Pages
       may be shared between sequences, so a paged cache gets one descale
       per KV head (the amax over every sequence), repeated over the batch.
@@ -140,11 +142,15 @@ def quantize_kv_cache(
       `flash_attention_with_kvcache`.
 
   Returns:
-    `FP8KVCache(k_cache, v_cache, k_descale, v_descale)`. With a contiguous
+    `FP8KVCache(k_cache, v_cache, k_descale, v_descale)` (v_cache and
+    v_descale None without a v_cache). With a contiguous
     cache read through `cache_batch_idx`, the descales are per cache row:
     pass `k_descale[cache_batch_idx]`.
   """
-  for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+  named = (("k_cache", k_cache),) + (
+    () if v_cache is None else (("v_cache", v_cache),)
+  )
+  for name, x in named:
     if getattr(x, "ndim", None) != 4:
       raise ValueError(
         f"{name} must be a rank-4 cache array; got shape"
@@ -152,22 +158,27 @@ def quantize_kv_cache(
       )
     if not jnp.issubdtype(x.dtype, jnp.floating) or is_fp8(x.dtype):
       raise TypeError(f"{name} must be float16/bfloat16/float32; got {x.dtype}")
-  if k_cache.shape[:3] != v_cache.shape[:3]:
+  if v_cache is not None and k_cache.shape[:3] != v_cache.shape[:3]:
     raise ValueError(
       "k_cache and v_cache must agree on every axis but head_dim; got"
       f" {k_cache.shape} and {v_cache.shape}"
     )
+  if v_cache is None and rotation is not None and rotation is not False:
+    raise ValueError(
+      "rotation cannot be combined with v_cache=None: V is the K cache's"
+      " columns, and a rotated K cache holds rotated values"
+    )
   signs = rotation_signs(rotation, k_cache.shape[3])
-  k = rotate(k_cache, signs)
+  caches = [rotate(k_cache, signs)] + ([] if v_cache is None else [v_cache])
   n = None if cache_seqlens is None else jnp.asarray(cache_seqlens, jnp.int32)
+  batch = caches[0].shape[0]
   if page_table is None:
-    if n is not None and n.shape != (k.shape[0],):
+    if n is not None and n.shape != (batch,):
       raise ValueError(
-        f"cache_seqlens must have shape [batch] = ({k.shape[0]},); got"
-        f" {n.shape}"
+        f"cache_seqlens must have shape [batch] = ({batch},); got {n.shape}"
       )
-    k_d, v_d = scale_of(_amax(k, n)), scale_of(_amax(v_cache, n))
-    rows = jnp.arange(k.shape[0])
+    descales = [scale_of(_amax(c, n)) for c in caches]
+    rows = jnp.arange(batch)
   else:
     pt = jnp.asarray(page_table, jnp.int32)
     if pt.ndim != 2:
@@ -176,15 +187,16 @@ def quantize_kv_cache(
       )
     seq = lambda c: c[pt].reshape((pt.shape[0], -1) + c.shape[2:])
     per_head = lambda a: jnp.broadcast_to(a.max(0), a.shape)
-    k_d = scale_of(per_head(_amax(seq(k), n)))
-    v_d = scale_of(per_head(_amax(seq(v_cache), n)))
-    rows = jnp.zeros((k.shape[0],), jnp.int32)  # every page: the head's
-  for name, d in (("k_cache", k_d), ("v_cache", v_d)):
+    descales = [scale_of(per_head(_amax(seq(c), n))) for c in caches]
+    rows = jnp.zeros((batch,), jnp.int32)  # every page: the head's
+  for (name, _), d in zip(named, descales):
     if not isinstance(d, jax.core.Tracer) and not np.all(np.isfinite(d)):
       raise ValueError(
         f"{name} holds non-finite values among the tokens that set the"
         " descales; pass cache_seqlens to leave out the slots past each"
         " sequence's tokens"
       )
-  q8 = lambda c, d: quantize_tokens(c, d[rows])
-  return FP8KVCache(q8(k, k_d), q8(v_cache, v_d), k_d, v_d)
+  out = [quantize_tokens(c, d[rows]) for c, d in zip(caches, descales)]
+  if v_cache is None:
+    return FP8KVCache(out[0], None, descales[0], None)
+  return FP8KVCache(out[0], out[1], descales[0], descales[1])

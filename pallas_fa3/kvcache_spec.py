@@ -7,7 +7,9 @@ and the appended ones. Query i of it sits at position `L_b - seq_q + i`
 j iff `j < L_b`, and with `causal` `j <= position`, and with a window
 `position - left <= j <= position + right`. Where a sequence's keys live
 is the cache layout: contiguous (`k_cache[cache_batch_idx[b], j]`) or paged
-(`k_cache[page_table[b, j // page_size], j % page_size]`).
+(`k_cache[page_table[b, j // page_size], j % page_size]`). With
+`v_cache=None` (DeepSeek MLA's layout, FlashMLA's) V is the first
+`head_dim_v` columns of the K cache: one cache holds both.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import jax.numpy as jnp
 
 from pallas_fa3 import modifiers
 from pallas_fa3.spec import (
-  MAX_HEAD_DIM,
   SUPPORTED_DTYPES,
   check_bool,
   check_int,
@@ -31,6 +32,9 @@ _Q = "[batch, seq_q, heads_q, head_dim]"
 FP8_CACHE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 _CONTIGUOUS = "[batch_cache, cache_len, heads_kv, head_dim]"
 _PAGED = "[num_pages, page_size, heads_kv, head_dim]"
+# Decoding takes head dims past flash_attention's 256: DeepSeek MLA's
+# latent cache is 512 value columns + 64 RoPE columns (FlashMLA's layout).
+MAX_DECODE_HEAD_DIM = 576
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,7 @@ class DecodeSpec:
   q `[b, sq, hq, d]`; cache `[batch_cache, cache_len, hk, d|dv]`
   (contiguous) or `[num_pages, page_size, hk, d|dv]` (paged, with a
   `[b, pages_per_seq]` page table); appended k/v `[b, seq_new, hk, d|dv]`.
+  `v_in_k`: no V cache: V is the K cache's first `head_dim_v` columns.
   """
 
   batch: int
@@ -64,6 +69,7 @@ class DecodeSpec:
   softcap: float | None = None
   sinks: bool = False
   num_splits: int | None = None  # None: the backend chooses
+  v_in_k: bool = False  # v_cache=None: V = k_cache[..., :head_dim_v]
 
   @property
   def fp8_cache(self) -> bool:
@@ -136,12 +142,89 @@ def _array(
   if dtype not in allowed:
     names = ", ".join(str(d) for d in allowed)
     raise TypeError(f"{name} has dtype {dtype}; supported dtypes are {names}")
-  if shape[3] > MAX_HEAD_DIM:
+  if shape[3] > MAX_DECODE_HEAD_DIM:
     raise ValueError(
-      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM}; shape"
-      f" {shape}"
+      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_DECODE_HEAD_DIM};"
+      f" shape {shape}"
     )
   return shape, dtype
+
+
+def _v_layout(
+  v_cache: Any, head_dim_v: Any, kc_shape: tuple, kc_dtype: Any, layout: str
+) -> tuple[tuple[int, ...], Any]:
+  """(shape, dtype) V has: v_cache's, or with v_cache=None the K cache's
+  first `head_dim_v` columns."""
+  dv = head_dim_v
+  if dv is not None:
+    dv = check_int("head_dim_v", head_dim_v, minimum=1)
+  if v_cache is None:
+    if dv is None:
+      raise ValueError(
+        "head_dim_v is required when v_cache is None (V is read as the"
+        " first head_dim_v columns of k_cache, DeepSeek MLA's layout); got"
+        " head_dim_v=None"
+      )
+    if dv > kc_shape[3]:
+      raise ValueError(
+        f"head_dim_v ({dv}) must be <= k_cache's head_dim ({kc_shape[3]})"
+        f" when v_cache is None: V is k_cache[..., :head_dim_v]; k_cache"
+        f" shape {kc_shape}"
+      )
+    return kc_shape[:3] + (dv,), kc_dtype
+  v_layout = layout.replace("]", "_v]")
+  shape, dtype = _array("v_cache", v_cache, v_layout, fp8=True)
+  if dv is not None and dv != shape[3]:
+    raise ValueError(
+      f"head_dim_v ({dv}) must be None or equal v_cache's last"
+      f" dim ({shape[3]}); v_cache shape {shape}"
+    )
+  return shape, dtype
+
+
+def _new_tokens(
+  k: Any, v: Any, v_in_k: bool, want: tuple, dv: int, q_dtype: Any
+) -> int:
+  """Validates appended k (and v); returns seq_new (0 without them).
+  `want`: (batch, heads_kv, head_dim)."""
+  b, hk, d = want
+  if v_in_k and v is not None:
+    raise ValueError(
+      "v must be None when v_cache is None: the appended tokens' values are"
+      f" the first head_dim_v={dv} columns of k; got v.shape="
+      f"{tuple(getattr(v, 'shape', ()))}"
+    )
+  if not v_in_k and (k is None) != (v is None):
+    raise ValueError(
+      "k and v must be given together (new tokens) or not at all"
+    )
+  if k is None:
+    return 0
+  k_shape, k_dtype = _array("k", k, "[batch, seq_new, heads_kv, head_dim]")
+  want_k = (b, k_shape[1], hk, d)
+  if v_in_k:
+    if k_shape != want_k:
+      raise ValueError(
+        f"k must have shape {want_k} (batch, seq_new, the cache's heads and"
+        f" head_dim); got k.shape={k_shape}"
+      )
+    v_dtype = k_dtype
+  else:
+    v_shape, v_dtype = _array("v", v, "[batch, seq_new, heads_kv, head_dim_v]")
+    want_v = (b, k_shape[1], hk, dv)
+    if k_shape != want_k or v_shape != want_v:
+      raise ValueError(
+        f"k and v must have shapes {want_k} and {want_v} (batch, seq_new,"
+        f" the cache's heads and head dims); got k.shape={k_shape},"
+        f" v.shape={v_shape}"
+      )
+  if v_in_k and k_dtype != q_dtype:
+    raise TypeError(f"k must have q's dtype {q_dtype}; got {k_dtype}")
+  if k_dtype != q_dtype or v_dtype != q_dtype:
+    raise TypeError(
+      f"k and v must have q's dtype {q_dtype}; got {k_dtype}, {v_dtype}"
+    )
+  return k_shape[1]
 
 
 def _int_vector(name: str, x: Any, batch: int) -> None:
@@ -174,8 +257,10 @@ def make_decode_spec(
   softcap: Any = None,
   sinks: bool = False,
   num_splits: Any = None,
+  head_dim_v: Any = None,
 ) -> DecodeSpec:
-  """Validates a `flash_attention_with_kvcache` call; returns its spec.
+  """Validates a `flash_attention_with_kvcache` call; returns its spec
+  (`v_cache=None` with `head_dim_v`: V is `k_cache[..., :head_dim_v]`).
 
   Raises:
     TypeError / ValueError naming the argument and its shape or value;
@@ -186,12 +271,14 @@ def make_decode_spec(
   paged = page_table is not None
   layout = _PAGED if paged else _CONTIGUOUS
   kc_shape, kc_dtype = _array("k_cache", k_cache, layout, fp8=True)
-  vc_layout = layout.replace("]", "_v]")
-  vc_shape, vc_dtype = _array("v_cache", v_cache, vc_layout, fp8=True)
-  b, sq, hq, d = q_shape
-  shapes = (
-    f"q.shape={q_shape}, k_cache.shape={kc_shape}, v_cache.shape={vc_shape}"
+  vc_shape, vc_dtype = _v_layout(
+    v_cache, head_dim_v, kc_shape, kc_dtype, layout
   )
+  b, sq, hq, d = q_shape
+  v_text = f"v_cache.shape={vc_shape}" if v_cache is not None else (
+    f"v_cache=None (V: k_cache[..., :{vc_shape[3]}])"
+  )  # fmt: skip
+  shapes = f"q.shape={q_shape}, k_cache.shape={kc_shape}, {v_text}"
   if kc_dtype != vc_dtype:
     raise TypeError(
       f"k_cache and v_cache must have the same dtype; got {kc_dtype} and"
@@ -247,27 +334,8 @@ def make_decode_spec(
     if cache_batch_idx is not None:
       _int_vector("cache_batch_idx", cache_batch_idx, b)
     capacity = kc_shape[1]
-  seq_new = 0
-  if (k is None) != (v is None):
-    raise ValueError(
-      "k and v must be given together (new tokens) or not at all"
-    )
-  if k is not None:
-    k_shape, k_dtype = _array("k", k, "[batch, seq_new, heads_kv, head_dim]")
-    v_shape, v_dtype = _array("v", v, "[batch, seq_new, heads_kv, head_dim_v]")
-    want_k = (b, k_shape[1], hk, d)
-    want_v = (b, k_shape[1], hk, vc_shape[3])
-    if k_shape != want_k or v_shape != want_v:
-      raise ValueError(
-        f"k and v must have shapes {want_k} and {want_v} (batch, seq_new,"
-        f" the cache's heads and head dims); got k.shape={k_shape},"
-        f" v.shape={v_shape}"
-      )
-    if k_dtype != q_dtype or v_dtype != q_dtype:
-      raise TypeError(
-        f"k and v must have q's dtype {q_dtype}; got {k_dtype}, {v_dtype}"
-      )
-    seq_new = k_shape[1]
+  v_in_k = v_cache is None
+  seq_new = _new_tokens(k, v, v_in_k, (b, hk, d), vc_shape[3], q_dtype)
   if seq_new > capacity:
     raise ValueError(
       f"k has {seq_new} new tokens per sequence, more than the cache holds"
@@ -323,4 +391,5 @@ def make_decode_spec(
     softcap=modifiers.check_softcap(softcap),
     sinks=bool(sinks),
     num_splits=num_splits,
+    v_in_k=v_in_k,
   )

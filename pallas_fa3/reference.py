@@ -123,7 +123,8 @@ def reference_attention(
   (in q, k, v and sinks).
 
   Args:
-    q: `[batch, seq_q, heads_q, head_dim]`.
+    q: `[batch, seq_q, heads_q, head_dim]`, any head_dim (`flash_attention`
+      takes at most `spec.MAX_HEAD_DIM`; decoding more: DeepSeek MLA's 576).
     k: `[batch, seq_kv, heads_kv, head_dim]`, `heads_q % heads_kv == 0`.
     v: `[batch, seq_kv, heads_kv, head_dim_v]`.
     causal: bottom-right aligned causal mask (see `pallas_fa3.masking`).
@@ -149,6 +150,7 @@ def reference_attention(
     softcap=softcap,
     sinks=sinks is not None,
     segmented=segment_ids is not None,
+    max_head_dim=None,  # the oracle: decoding goes past MAX_HEAD_DIM (MLA)
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
   if sinks is not None:
@@ -185,6 +187,7 @@ def _golden_parts(
     softmax_scale=softmax_scale,
     window_size=window_size,
     softcap=softcap,
+    max_head_dim=None,
   )
   f64 = lambda x: np.asarray(x).astype(np.float64)
   q64, k64, v64 = f64(q), f64(k), f64(v)

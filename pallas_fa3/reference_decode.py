@@ -5,7 +5,8 @@ float64 golden.
 materializes `[b, hk, g, sq, capacity]` scores in float32; keys past a
 sequence's length (garbage in the cache, possibly NaN) are masked in the
 scores and zeroed in V, so none reaches the output. `golden_decode` runs
-the float64 golden of `flash_attention` on each logical sequence.
+the float64 golden of `flash_attention` on each logical sequence. With
+`spec.v_in_k` (v_cache None) V is the K cache's first `head_dim_v` columns.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ def reference_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) for
   sequences of `lengths[b]` keys (the appended tokens already written);
-  an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`."""
+  an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`;
+  `v_cache` None with `spec.v_in_k`."""
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   k = gather(spec, k_cache, rows, page_table).astype(f32)
-  v = gather(spec, v_cache, rows, page_table).astype(f32)
+  if spec.v_in_k:
+    v = k[..., : spec.head_dim_v]
+  else:
+    v = gather(spec, v_cache, rows, page_table).astype(f32)
   if descale is not None:
     k = k * descale[0][:, None, :, None]
     v = v * descale[1][:, None, :, None]
@@ -90,12 +95,16 @@ def golden_decode(
 ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 (out, lse) of every sequence: `flash_attention`'s golden on
   its logical keys `[0, lengths[b])` (bottom-right causal and windows, as
-  in the decode semantics). A sequence of length 0 sees no key. `rows`:
+  in the decode semantics). A sequence of length 0 sees no key; `v_cache`
+  None with `spec.v_in_k` (V: the K cache's columns). `rows`:
   `cache_batch_idx` (contiguous), `page_table` (paged); an e4m3 cache is
   dequantized with `descale = (k_descale, v_descale)` first."""
   rows = cache_rows(spec, rows)
   k = np.asarray(gather(spec, jnp.asarray(k_cache), rows, page_table))
-  v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
+  if spec.v_in_k:  # v_cache None: V is K's first head_dim_v columns
+    v = k[..., : spec.head_dim_v]
+  else:
+    v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
   if descale is not None:  # float32 inputs (the golden computes in float64)
     k = (
       k.astype(np.float32)

@@ -126,9 +126,12 @@ def group_heads(x: jax.Array, heads_kv: int) -> jax.Array:
   return x.reshape(b, s, heads_kv, h // heads_kv, d)
 
 
-def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
+def _check_tensor(
+  name: str, x: Any, max_head_dim: int | None = MAX_HEAD_DIM
+) -> tuple[tuple[int, ...], jnp.dtype]:
   """Checks one attention operand: shape and dtype (an array, or a shape
-  descriptor such as `jax.ShapeDtypeStruct`), rank 4, supported dtype."""
+  descriptor such as `jax.ShapeDtypeStruct`), rank 4, supported dtype,
+  head_dim at most `max_head_dim` (None: any)."""
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
       f"{name} must be an array of shape {_LAYOUT}; got {type(x).__name__}"
@@ -154,9 +157,9 @@ def _check_tensor(name: str, x: Any) -> tuple[tuple[int, ...], jnp.dtype]:
         f"{name} has an empty {what} axis (axis {axis}): shape {shape};"
         " every axis must be non-empty"
       )
-  if shape[3] > MAX_HEAD_DIM:
+  if max_head_dim is not None and shape[3] > max_head_dim:
     raise ValueError(
-      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_HEAD_DIM};"
+      f"{name} head_dim {shape[3]} exceeds the maximum {max_head_dim};"
       f" shape {shape}"
     )
   return shape, dtype
@@ -280,6 +283,7 @@ def make_spec(
   softcap: Any = None,
   sinks: bool = False,
   segmented: bool = False,
+  max_head_dim: int | None = MAX_HEAD_DIM,
 ) -> AttentionSpec:
   """Validates q, k, v and the call options; returns the canonical spec.
 
@@ -289,17 +293,18 @@ def make_spec(
   validated `FP8Config` / `StableMax`, or None); `window_size` and
   `softcap` are checked and made canonical (`pallas_fa3.modifiers`);
   `sinks` / `segmented` say whether the call has a sinks / segment ids
-  operand.
+  operand. `max_head_dim`: the largest head dim accepted (None: any; the
+  oracles take any, the backends `MAX_HEAD_DIM`).
 
   Raises:
     TypeError: a non-array operand, an unsupported or mixed dtype, a non-bool
       `causal`, or a non-numeric `softmax_scale`.
     ValueError: wrong rank, mismatched batch/sequence/head_dim/heads, an empty
-      axis, head_dim over `MAX_HEAD_DIM`, or a non-finite/non-positive scale.
+      axis, head_dim over `max_head_dim`, or a non-finite/non-positive scale.
   """
-  q_shape, q_dtype = _check_tensor("q", q)
-  k_shape, k_dtype = _check_tensor("k", k)
-  v_shape, v_dtype = _check_tensor("v", v)
+  q_shape, q_dtype = _check_tensor("q", q, max_head_dim)
+  k_shape, k_dtype = _check_tensor("k", k, max_head_dim)
+  v_shape, v_dtype = _check_tensor("v", v, max_head_dim)
   if not (q_dtype == k_dtype == v_dtype):
     raise TypeError(
       "q, k and v must have the same dtype; got q.dtype="

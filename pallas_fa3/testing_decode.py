@@ -20,7 +20,8 @@ from pallas_fa3.reference_decode import golden_decode
 class DecodeCase:
   """One decode problem: q, the caches (NaN and Inf past every sequence's
   tokens and in unused pages), the lengths already cached, optional new
-  tokens, the page table or cache rows."""
+  tokens, the page table or cache rows. `v_cache` None: DeepSeek MLA's
+  layout, V the first `head_dim_v` columns of the K cache."""
 
   q: Any
   k_cache: Any
@@ -30,13 +31,17 @@ class DecodeCase:
   v: Any = None
   page_table: Any = None
   cache_batch_idx: Any = None
+  head_dim_v: int | None = None  # with v_cache None
 
   def call_args(self) -> tuple[tuple, dict]:
-    return (self.q, self.k_cache, self.v_cache, self.k, self.v), dict(
+    kwargs = dict(
       cache_seqlens=jnp.asarray(self.cache_seqlens, jnp.int32),
       page_table=self.page_table,
       cache_batch_idx=self.cache_batch_idx,
     )
+    if self.v_cache is None:
+      kwargs["head_dim_v"] = self.head_dim_v
+    return (self.q, self.k_cache, self.v_cache, self.k, self.v), kwargs
 
 
 def decode_case(
@@ -54,10 +59,13 @@ def decode_case(
   page_size: int | None = None,
   seq_new: int = 0,
   batch_idx: bool = False,
+  v_in_k: bool = False,
 ) -> DecodeCase:
   """A random case; `lengths` are the tokens cached before `seq_new` new
   ones. Paged: pages shuffled, one spare page; `batch_idx`: the cache has
-  one spare row and the sequences use a permutation of the rows."""
+  one spare row and the sequences use a permutation of the rows;
+  `v_in_k`: no V cache and no new v (V: the K cache's first `head_dim_v`
+  columns)."""
   dv = head_dim_v or head_dim
   normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
   lengths = np.asarray(lengths, np.int32)
@@ -97,12 +105,13 @@ def decode_case(
   return DecodeCase(
     jnp.asarray(normal(batch, seq_q, heads_q, head_dim), dtype),
     jnp.asarray(kc, dtype),
-    jnp.asarray(vc, dtype),
+    None if v_in_k else jnp.asarray(vc, dtype),
     lengths,
     k,
-    v,
+    None if v_in_k else v,
     pt,
     rows,
+    dv if v_in_k else None,
   )
 
 
@@ -121,7 +130,7 @@ def decode_golden_and_naive(
 ) -> tuple[tuple, tuple]:
   """((golden out, lse), (naive out, lse)) of every sequence of `case`
   against the (updated) caches: float64, and every intermediate in q's
-  dtype."""
+  dtype. `v_cache` None with `spec.v_in_k`."""
   lengths = np.asarray(case.cache_seqlens) + spec.seq_new
   golden = golden_decode(
     spec,
@@ -135,7 +144,10 @@ def decode_golden_and_naive(
   )
   ids = cache_rows(spec, case.cache_batch_idx)
   k = gather(spec, jnp.asarray(k_cache), ids, case.page_table)
-  v = gather(spec, jnp.asarray(v_cache), ids, case.page_table)
+  if spec.v_in_k:
+    v = k[..., : spec.head_dim_v]
+  else:
+    v = gather(spec, jnp.asarray(v_cache), ids, case.page_table)
   outs, lses = [], []
   for b in range(spec.batch):
     n = int(lengths[b])

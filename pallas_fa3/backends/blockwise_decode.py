@@ -9,7 +9,9 @@ and the ranges merge by log-sum-exp (`decode_combine`). The query rows of
 one KV head (its `heads_q / heads_kv` query heads times `seq_q`) are
 computed together, reading each K/V tile once. Keys past a sequence's
 length are masked in the scores and zeroed in V, so garbage in the cache
-(NaN included) never reaches the output.
+(NaN included) never reaches the output. With `spec.v_in_k` (v_cache
+None, DeepSeek MLA's layout) each V tile is the first `head_dim_v`
+columns of the K tile just read: the cache is read once, never copied.
 """
 
 from __future__ import annotations
@@ -70,22 +72,24 @@ def _tile_kv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(K `[tile, hk, d]`, V `[tile, hk, dv]`, key positions `[tile]`) of
   one sequence's tile (its start clamped into the capacity like
-  `dynamic_slice`: positions say which keys they really are)."""
+  `dynamic_slice`: positions say which keys they really are). With
+  `spec.v_in_k`, V is the K tile's first `head_dim_v` columns."""
+
+  def read(cache):
+    if spec.paged:
+      return cache[ids].reshape((tile,) + cache.shape[2:])
+    box = (1, tile) + cache.shape[2:]
+    return lax.dynamic_slice(cache, (row, start, 0, 0), box)[0]
+
   if spec.paged:
     per_tile = tile // spec.page_size
     first = jnp.minimum(tile_index * per_tile, spec.pages_per_seq - per_tile)
     ids = lax.dynamic_slice_in_dim(pages, first, per_tile)
-    k = k_cache[ids].reshape((tile,) + k_cache.shape[2:])
-    v = v_cache[ids].reshape((tile,) + v_cache.shape[2:])
     start = first * spec.page_size
   else:
     start = jnp.minimum(tile_index * tile, spec.capacity - tile)
-    k = lax.dynamic_slice(
-      k_cache, (row, start, 0, 0), (1, tile) + k_cache.shape[2:]
-    )[0]
-    v = lax.dynamic_slice(
-      v_cache, (row, start, 0, 0), (1, tile) + v_cache.shape[2:]
-    )[0]
+  k = read(k_cache)
+  v = k[..., : spec.head_dim_v] if spec.v_in_k else read(v_cache)
   return k, v, start + jnp.arange(tile, dtype=jnp.int32)
 
 
@@ -104,7 +108,8 @@ def blockwise_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
 
-  An e4m3 cache (`descale = (k_descale, v_descale)`, float32 `[b, hk]`)
+  `v_cache` is None with `spec.v_in_k`. An e4m3 cache (`descale =
+  (k_descale, v_descale)`, float32 `[b, hk]`)
   computes as the kernel does: K and V tiles converted exactly to float16
   (float32 for float32 queries), k_descale folded into the scores' scale,
   P rounded to float16, O times v_descale.

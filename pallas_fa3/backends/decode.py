@@ -30,7 +30,9 @@ class DecodeBackend:
   """One way to attend over a KV cache (compared and hashed by identity).
 
   `run(spec, config, splits, q, k_cache, v_cache, lengths, rows,
-  page_table, sinks, descale) -> (out, lse)`: lengths are each sequence's
+  page_table, sinks, descale) -> (out, lse)`: `v_cache` is None with
+  `spec.v_in_k` (V: k_cache's first head_dim_v columns, read in place; a
+  backend that cannot says so in `unsupported`); lengths are each sequence's
   keys (the appended tokens already written), `rows` the contiguous cache
   rows, `splits` the split-KV ranges, `sinks` float32 `[b, hq]` or None,
   `descale` an e4m3 cache's float32 `(k_descale, v_descale)`, each

@@ -6,13 +6,16 @@ group (`heads_q / heads_kv` heads times `seq_q`, packed into one 64-row
 wgmma tile) attend to `block_kv`-key tiles streamed through a
 `num_stages` ring. Shared memory: Q, the ring of K and V tiles, the
 float32 output staging; registers: S and O accumulators of one
-64-row consumer warpgroup.
+64-row consumer warpgroup. Neither holds DeepSeek MLA's 576 / 512 head
+dims (`mla_reason`), and V is always its own cache (`v_cache=None` is
+refused: the producer streams V by TMA from a second array).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from pallas_fa3.kernels import hopper
 from pallas_fa3.kernels.sm90.config import (
   BARRIER_BYTES,
   HOPPER_SMS,
@@ -100,15 +103,55 @@ def decode_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   )
 
 
+def _acc_regs(block_kv: int, head_dim_v: int) -> int:
+  """Float32 registers per consumer thread for S `[64, block_kv]` and O
+  `[64, head_dim_v]`."""
+  return DECODE_ROWS * (block_kv + head_dim_v) // hopper.WARPGROUP_THREADS
+
+
+def mla_reason(spec: DecodeSpec) -> str | None:
+  """Why head dims past the kernel's largest (DeepSeek MLA's 576 / 512)
+  cannot be served, in numbers: the smallest config's registers and
+  shared memory; None for smaller head dims."""
+  largest = max(KERNEL_HEAD_DIMS)
+  d, dv = spec.head_dim, spec.head_dim_v
+  if max(d, dv) <= largest:
+    return None
+  small = Sm90DecodeConfig(min(BLOCK_KV_CHOICES), min(STAGE_CHOICES))
+  o_regs = _acc_regs(0, dv)
+  return (
+    f"head_dim {d} / head_dim_v {dv} are past the kernel's largest"
+    f" ({largest}): with its one consumer warpgroup, the {DECODE_ROWS} x"
+    f" {dv} float32 O accumulator alone takes {o_regs} registers per thread"
+    f" (a thread has at most {hopper.MAX_THREAD_REGISTERS}; S and O:"
+    f" {_acc_regs(small.block_kv, dv)}, budget {_ACC_REGS}), and"
+    f" the smallest config {small} needs {decode_smem_bytes(spec, small)}"
+    f" bytes of shared memory (limit {MAX_SMEM_BYTES}). FlashMLA's kernel"
+    " splits O over two consumer warpgroups and reads V from the K tile;"
+    " this one does not (the blockwise backend serves the call)"
+  )
+
+
 def decode_unsupported(
   spec: DecodeSpec, config: Sm90DecodeConfig | None = None
 ) -> str | None:
   """Why the decode kernel cannot serve `spec` with `config`, or None."""
   if str(spec.dtype) not in ("bfloat16", "float16"):
     return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
+  reason = mla_reason(spec)
+  if reason:
+    return reason
   for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
     if d not in KERNEL_HEAD_DIMS:
       return f"{name} {d} is not one of the kernel's {KERNEL_HEAD_DIMS}"
+  if spec.v_in_k:
+    return (
+      "v_cache=None (V read as the K cache's first head_dim_v columns) is"
+      " not implemented by the decode kernel: its producer streams V by TMA"
+      " from a cache of its own, and slicing k_cache into one would copy"
+      " the whole cache every step; the blockwise backend reads V from the"
+      " K tiles in place"
+    )
   rows = spec.group_size * spec.seq_q
   if rows > DECODE_ROWS:
     return (
@@ -133,7 +176,7 @@ def decode_unsupported(
       f"cache_len {spec.capacity} must be a multiple of {_TMA_ROWS} and at"
       f" least block_kv {config.block_kv} (TMA boxes of the cache)"
     )
-  regs = DECODE_ROWS * (config.block_kv + spec.head_dim_v) // 128
+  regs = _acc_regs(config.block_kv, spec.head_dim_v)
   if regs > _ACC_REGS:
     return (
       f"{config}: S and O take {regs} float32 registers per thread at"
