@@ -28,7 +28,11 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
   backends.hopper_reason() is None,
   reason="on a Hopper GPU the script is the real check",
 )
-@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+@pytest.mark.parametrize(
+  "quick",
+  [True, pytest.param(False, marks=pytest.mark.slow)],  # same steps, longer
+  ids=["quick", "full"],
+)
 @pytest.mark.timeout(300)
 def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
   env = dict(

@@ -137,7 +137,9 @@ def test_interpret_never_loads_tiles_outside_the_window(deterministic, key):
   ids=["window-causal", "window-both", "softcap", "sinks", "all"],
 )
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+  "head_dim", [pytest.param(64, marks=pytest.mark.slow), 128]
+)  # d64: the same modifier code at other tiles (under -m slow)
 def test_grad_through_mosaic_lowers_to_kernels(
   options, deterministic, head_dim
 ):
