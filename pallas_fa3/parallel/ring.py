@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from pallas_fa3 import backends, modifiers, segments
+from pallas_fa3 import modifiers, segments
 from pallas_fa3.parallel import (
   ring_checks,
   ring_local,
@@ -57,7 +57,6 @@ from pallas_fa3.parallel import (
   sharding_checks,
 )
 from pallas_fa3.parallel.ring_plan import RingPlan
-from pallas_fa3.spec import check_arrays, check_bool, make_spec
 
 Layout = Literal["natural", "zigzag"]
 
@@ -253,39 +252,29 @@ def ring_attention(
       argument.
     NotImplementedError: the implementation cannot serve a ring step.
   """
-  check_arrays(q=q, k=k, v=v)
-  spec = make_spec(
-    q,
-    k,
-    v,
-    causal=causal,
-    softmax_scale=softmax_scale,
-    window_size=window_size,
-    softcap=softcap,
-    sinks=sinks is not None,
-    segmented=segment_ids is not None,
+  spec, sinks, segment_ids, implementation, return_lse, n = (
+    ring_checks.check_call(
+      q,
+      k,
+      v,
+      mesh,
+      seq_axis,
+      causal=causal,
+      softmax_scale=softmax_scale,
+      window_size=window_size,
+      softcap=softcap,
+      sinks=sinks,
+      segment_ids=segment_ids,
+      implementation=implementation,
+      return_lse=return_lse,
+    )
   )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  segment_ids = segments.check_segment_ids(
-    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
-  )
-  implementation = backends.check_implementation(implementation)
-  return_lse = check_bool("return_lse", return_lse)
-  n = ring_checks.check_mesh(mesh, seq_axis)
   layout = ring_checks.check_layout(layout)
   ring_checks.check_lengths(
     spec, n, seq_axis, ring_plan.needs_chunks(spec, layout, n)
   )
-  batch_axes = ring_checks.check_axes(
-    "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
-  )
-  head_axes = ring_checks.check_axes(
-    "head_axes",
-    head_axes,
-    mesh,
-    (seq_axis,) + batch_axes,
-    spec.heads_kv,
-    "heads_kv (whole GQA groups per device)",
+  batch_axes, head_axes = ring_checks.check_batch_head_axes(
+    batch_axes, head_axes, mesh, seq_axis, spec
   )
   plan = ring_plan.make_plan(
     spec, mesh, seq_axis, batch_axes, head_axes, layout, implementation, config

@@ -1,4 +1,4 @@
-"""Validation of `ring_attention`'s arguments.
+"""Validation of `ring_attention`'s (and `ulysses_attention`'s) arguments.
 
 Every check raises naming the argument: the mesh and `seq_axis`, the
 `batch_axes` / `head_axes`, sequence lengths that the ring (or the
@@ -14,11 +14,72 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
 
+from pallas_fa3 import backends, modifiers, segments
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.parallel.ring_plan import RingPlan
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
 
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
+
+
+def check_call(
+  q: Any,
+  k: Any,
+  v: Any,
+  mesh: Any,
+  seq_axis: Any,
+  *,
+  causal: bool,
+  softmax_scale: float | None,
+  window_size: Any,
+  softcap: float | None,
+  sinks: Any,
+  segment_ids: Any,
+  implementation: str | None,
+  return_lse: bool,
+) -> tuple[AttentionSpec, Any, Any, str | None, bool, int]:
+  """The checks a sequence-parallel call shares: (spec, sinks, segment_ids,
+  implementation, return_lse, the size of `seq_axis`), each argument
+  validated as `flash_attention` validates it, then the mesh."""
+  check_arrays(q=q, k=k, v=v)
+  spec = make_spec(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks is not None,
+    segmented=segment_ids is not None,
+  )
+  sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  segment_ids = segments.check_segment_ids(
+    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
+  )
+  implementation = backends.check_implementation(implementation)
+  return_lse = check_bool("return_lse", return_lse)
+  n = check_mesh(mesh, seq_axis)
+  return spec, sinks, segment_ids, implementation, return_lse, n
+
+
+def check_batch_head_axes(
+  batch_axes: Any, head_axes: Any, mesh: Any, seq_axis: str, spec: AttentionSpec
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(batch_axes, head_axes) as tuples of mesh axes other than `seq_axis`
+  (and each other) that split the batch and whole GQA groups."""
+  batch_axes = check_axes(
+    "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
+  )
+  head_axes = check_axes(
+    "head_axes",
+    head_axes,
+    mesh,
+    (seq_axis,) + batch_axes,
+    spec.heads_kv,
+    "heads_kv (whole GQA groups per device)",
+  )
+  return batch_axes, head_axes
 
 
 def check_mesh(mesh: Any, seq_axis: Any) -> int:

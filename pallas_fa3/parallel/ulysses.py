@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_fa3 import backends, modifiers, segments
+from pallas_fa3 import segments
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.parallel import ring_checks, sharding_checks
-from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
+from pallas_fa3.spec import AttentionSpec
 
 # Head chunks a device's attention is cut into, so that all-to-alls overlap
 # attention: chunk t computes while chunk t+1's inputs and chunk t-1's
@@ -273,41 +273,31 @@ def ulysses_attention(
       not multiples of n, heads_q not a multiple of n.
     NotImplementedError: the implementation cannot serve the call.
   """
-  check_arrays(q=q, k=k, v=v)
-  spec = make_spec(
-    q,
-    k,
-    v,
-    causal=causal,
-    softmax_scale=softmax_scale,
-    window_size=window_size,
-    softcap=softcap,
-    sinks=sinks is not None,
-    segmented=segment_ids is not None,
+  spec, sinks, segment_ids, implementation, return_lse, n = (
+    ring_checks.check_call(
+      q,
+      k,
+      v,
+      mesh,
+      seq_axis,
+      causal=causal,
+      softmax_scale=softmax_scale,
+      window_size=window_size,
+      softcap=softcap,
+      sinks=sinks,
+      segment_ids=segment_ids,
+      implementation=implementation,
+      return_lse=return_lse,
+    )
   )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  segment_ids = segments.check_segment_ids(
-    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
-  )
-  implementation = backends.check_implementation(implementation)
-  return_lse = check_bool("return_lse", return_lse)
-  n = ring_checks.check_mesh(mesh, seq_axis)
   for name, length in (("q", spec.seq_q), ("k", spec.seq_kv)):
     if length % n:
       raise ValueError(
         f"{name} has sequence length {length}, not a multiple of {n} (one"
         f" shard per device over mesh axis {seq_axis!r} of size {n})"
       )
-  batch_axes = ring_checks.check_axes(
-    "batch_axes", batch_axes, mesh, (seq_axis,), spec.batch, "the batch"
-  )
-  head_axes = ring_checks.check_axes(
-    "head_axes",
-    head_axes,
-    mesh,
-    (seq_axis,) + batch_axes,
-    spec.heads_kv,
-    "heads_kv (whole GQA groups per device)",
+  batch_axes, head_axes = ring_checks.check_batch_head_axes(
+    batch_axes, head_axes, mesh, seq_axis, spec
   )
   nh = sharding_checks.mesh_ways(mesh, head_axes)
   plan = UlyssesPlan(

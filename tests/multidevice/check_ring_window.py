@@ -43,23 +43,7 @@ def _mesh(ring=8, explicit=False):
 
 
 def _ring(mesh, options, **kwargs):
-  def attend(q, k, v, sinks, ids):
-    return pallas_fa3.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      seq_axis="seq",
-      causal=options.causal,
-      window_size=options.window_size,
-      softcap=options.softcap,
-      sinks=sinks,
-      segment_ids=ids,
-      return_lse=True,
-      **kwargs,
-    )
-
-  return jax.jit(rh.vjp_run(attend))
+  return rh.seq_parallel_run(pallas_fa3.ring_attention, mesh, options, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,31 @@ def vjp_run(attend: Callable[..., Any]) -> Callable[..., tuple]:
   return run
 
 
+def seq_parallel_run(
+  fn: Callable[..., Any], mesh, options: Options, **kwargs
+) -> Callable[..., tuple]:
+  """`vjp_run`, jitted, of `fn` (`pallas_fa3.ring_attention` or
+  `ulysses_attention`) over mesh axis "seq" with `options` and `kwargs`."""
+
+  def attend(q, k, v, sinks, ids):
+    return fn(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      seq_axis="seq",
+      causal=options.causal,
+      window_size=options.window_size,
+      softcap=options.softcap,
+      sinks=sinks,
+      segment_ids=ids,
+      return_lse=True,
+      **kwargs,
+    )
+
+  return jax.jit(vjp_run(attend))
+
+
 def assert_matches_golden(
   got: tuple, plain: tuple, options: Options, perm: Callable | None = None
 ) -> None:
