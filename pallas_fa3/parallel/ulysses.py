@@ -148,6 +148,26 @@ def _chunk(x: jax.Array, n: int, chunks: int, t: int) -> jax.Array:
   return x.reshape(b, s, n, chunks, per, d)[:, :, :, t].reshape(b, s, -1, d)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def repeat_heads(x: jax.Array, r: int) -> jax.Array:
+  """`x` `[b, s, h, d]` with every head repeated `r` times (axis 2); its
+  gradient sums the `r` copies' cotangents in float32, rounded once."""
+  return jnp.repeat(x, r, axis=2)
+
+
+def _repeat_heads_fwd(x: jax.Array, r: int) -> tuple[jax.Array, None]:
+  return repeat_heads(x, r), None
+
+
+def _repeat_heads_bwd(r: int, _: None, g: jax.Array) -> tuple[jax.Array]:
+  b, s, h, d = g.shape
+  parts = g.astype(jnp.float32).reshape(b, s, h // r, r, d)
+  return (parts.sum(axis=3).astype(g.dtype),)
+
+
+repeat_heads.defvjp(_repeat_heads_fwd, _repeat_heads_bwd)
+
+
 def _unchunk(parts: list[jax.Array], n: int, axis: int) -> jax.Array:
   """Inverse of `_chunk` on the head axis `axis` of the traded-back parts."""
   shape = parts[0].shape
@@ -165,7 +185,7 @@ def _body(plan: UlyssesPlan, q, k, v, *rest) -> tuple[jax.Array, jax.Array]:
   if spec.segmented:  # [b, s/n] int32 -> whole sequence (small)
     ids = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in rest)
   if plan.kv_repeat > 1:
-    k, v = (jnp.repeat(x, plan.kv_repeat, axis=2) for x in (k, v))
+    k, v = (repeat_heads(x, plan.kv_repeat) for x in (k, v))
   heads_kv = k.shape[2] // n
   chunks = head_chunks(q.shape[2] // n, heads_kv)
   if heads_kv == 1:  # K/V whole: every chunk's query heads share them
