@@ -3,10 +3,12 @@
 Needs the CUDA plugin, PJRT and ptxas at the installed jax version (the
 `aot` extra: `jax[cuda13-local]` and the H200's ptxas, CUDA 13.0); skipped,
 saying why, where they are absent. The default run compiles the default
-config of every kernel at every head dim (`pallas-fa3 aot --defaults`) and
-checks its spills and static profile; every config of every kernel space is
-the `slow` sweep (`pallas-fa3 aot`, `--fp8`, `--backward-shapes`). The PTX
-profile parser itself is tested on a small hand-written PTX here, always.
+config of every kernel at every head dim, causal (`pallas-fa3 aot
+--defaults --causal-only`), and checks its spills and static profile;
+every default, causal and not, and every config of every kernel space are
+the `slow` sweeps (`pallas-fa3 aot`, `--defaults`, `--fp8`, `--modifiers`,
+`--backward-shapes`). The PTX profile parser itself is tested on a small
+hand-written PTX here, always.
 """
 
 from __future__ import annotations
@@ -262,7 +264,11 @@ def _run_aot(
 
 @pytest.fixture(scope="module")
 def default_reports():
-  run, reports = _run_aot("--defaults", "--profile", timeout=1700)
+  # Causal only (their kernels hold the unmasked steps' code too); every
+  # default, causal and not, under -m slow.
+  run, reports = _run_aot(
+    "--defaults", "--causal-only", "--profile", timeout=1700
+  )
   assert reports, run.stdout[-4000:] + run.stderr[-4000:]
   return run, reports
 
@@ -378,8 +384,8 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
   "flags",
-  [(), ("--fp8",), ("--modifiers",), ("--backward-shapes",)],
-  ids=["bf16", "fp8", "modifiers", "backward-shapes"],
+  [(), ("--fp8",), ("--modifiers",), ("--backward-shapes",), ("--defaults",)],
+  ids=["bf16", "fp8", "modifiers", "backward-shapes", "defaults"],
 )
 def test_every_config_of_the_spaces_compiles_without_spills(flags):
   run, reports = _run_aot(*flags, timeout=3500)

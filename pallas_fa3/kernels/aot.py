@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     " wgmma shapes, wait_group depths, barriers, TMA, the"
     " steady-state loop's instruction mix)",
   )
+  parser.add_argument(
+    "--causal-only",
+    action="store_true",
+    help="with --defaults: the causal calls only (their kernels hold the"
+    " unmasked steps too; the default test tier's quick check)",
+  )
   sweeps = parser.add_mutually_exclusive_group()
   sweeps.add_argument(
     "--defaults",
@@ -99,7 +105,7 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
 
     return aot_decode.decode_sweep()
   if args.defaults:
-    return sweeps.defaults_sweep()
+    return sweeps.defaults_sweep(causal_only=args.causal_only)
   if args.backward_shapes:
     return sweeps.backward_shapes_sweep()
   if args.modifiers:
@@ -110,6 +116,8 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
 def run(args: argparse.Namespace) -> int:
   """Compiles the selected sweep; 0 without spills, 1 with, 2 if the CUDA
   packages are missing."""
+  if getattr(args, "causal_only", False) and not args.defaults:
+    raise SystemExit("aot: --causal-only selects within --defaults only")
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")

@@ -132,11 +132,12 @@ HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128), (256, 128))
 PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
 
 
-def defaults_sweep() -> Iterator[SweepItem]:
+def defaults_sweep(causal_only: bool = False) -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
-  every head dim, at `PROFILE_SHAPE`, causal and not; the forward and both
-  backwards at `HEAD_DIM_PAIRS` (causal); and the decode kernel's defaults
-  (`aot_decode.decode_defaults`)."""
+  every head dim, at `PROFILE_SHAPE`, causal and not (causal only with
+  `causal_only`: the causal kernels hold the unmasked steps' code too);
+  the forward and both backwards at `HEAD_DIM_PAIRS` (causal); and the
+  decode kernel's defaults (`aot_decode.decode_defaults`)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import (
@@ -148,7 +149,7 @@ def defaults_sweep() -> Iterator[SweepItem]:
 
   b, s, hq, hk = PROFILE_SHAPE
   for d in sm90_config.KERNEL_HEAD_DIMS:
-    for causal in (True, False):
+    for causal in (True,) if causal_only else (True, False):
       spec = AttentionSpec(
         b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
       )
@@ -160,7 +161,7 @@ def defaults_sweep() -> Iterator[SweepItem]:
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
         config = sm90_fp8_config.default_fp8_forward_config(d)
         yield compile_forward_fp8, spec, config
-        if not causal:  # the quantization pass does not depend on it
+        if causal:  # the quantization pass does not depend on it
           yield compile_quantize, spec, config
   for d, dv in HEAD_DIM_PAIRS:  # value head dims unlike the query's, causal
     spec = AttentionSpec(
