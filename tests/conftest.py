@@ -32,6 +32,7 @@ jax.config.update(
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from slow_cases import SLOW_CASES
 
 import pallas_fa3
 from pallas_fa3 import backends
@@ -46,6 +47,22 @@ from pallas_fa3.testing import Shape
 ALL_IMPLEMENTATIONS = ("blockwise", "reference", "mosaic")
 
 _counter = itertools.count()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(config, items):
+  """Marks `slow_cases.SLOW_CASES` slow; an entry whose test function was
+  collected but not the case itself is a stale name: an error."""
+  ids = {item.nodeid for item in items}
+  functions = {i.split("[")[0] for i in ids}
+  stale = [
+    c for c in SLOW_CASES if c.split("[")[0] in functions and c not in ids
+  ]
+  if stale:
+    raise pytest.UsageError(f"tests/slow_cases.py names no case: {stale}")
+  for item in items:
+    if item.nodeid in SLOW_CASES:
+      item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from pallas_fa3.testing import (
   random_inputs,
 )
 
+pytestmark = pytest.mark.newest  # the newest-JAX tier runs it all
+
 # -- numerics acceptance (FA3 Table 3 setup) ------------------------------------
 
 

@@ -128,10 +128,13 @@ def test_interpret_never_loads_tiles_outside_the_window(deterministic, key):
 @pytest.mark.parametrize(
   "options",
   [
-    dict(causal=True, window_size=(256, None)),
+    # One at a time under -m slow: "all" runs the same code together.
+    pytest.param(
+      dict(causal=True, window_size=(256, None)), marks=pytest.mark.slow
+    ),
     dict(window_size=(128, 64)),
-    dict(causal=True, softcap=30.0),
-    dict(causal=True, sinks=True),
+    pytest.param(dict(causal=True, softcap=30.0), marks=pytest.mark.slow),
+    pytest.param(dict(causal=True, sinks=True), marks=pytest.mark.slow),
     dict(causal=True, window_size=(100, None), softcap=20.0, sinks=True),
   ],
   ids=["window-causal", "window-both", "softcap", "sinks", "all"],

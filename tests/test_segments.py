@@ -81,15 +81,16 @@ def _ids(kind, shape, rng):
   return q.astype(np.int32), kv.astype(np.int32)
 
 
-# The reference in float32 is the float64 golden's own algorithm, and the
-# property suite checks it on every option mix: under -m slow here.
+# The reference in float32 is the float64 golden's own algorithm; both
+# backends in float32 run the bfloat16 cases' code, and the property suite
+# checks them on every option mix: under -m slow here.
 @pytest.mark.parametrize(
   "implementation,dtype",
   [
     ("reference", "bfloat16"),
     pytest.param("reference", "float32", marks=pytest.mark.slow),
     ("blockwise", "bfloat16"),
-    ("blockwise", "float32"),
+    pytest.param("blockwise", "float32", marks=pytest.mark.slow),
   ],
 )
 @pytest.mark.parametrize(

@@ -105,6 +105,7 @@ def test_fused_interpret_gradients_match_golden(
     assert np.all(np.asarray(dq[:, : shape.seq_q - shape.seq_kv]) == 0)
 
 
+@pytest.mark.newest
 def test_fused_padded_keys_cannot_overflow_dq(key):
   """Scores far below zero (lse ~ -200): a padded key's P would be
   exp(200) = inf without its mask, and inf * 0 = NaN in dQ."""
@@ -170,10 +171,15 @@ def test_fused_only_configs_are_validated_by_mode():
 
 
 def _fused_configs():
+  # The default run lowers the first fused config of each head dim (the
+  # defaults are compiled by the aot tier); the rest under -m slow.
   for d in sm90_config.KERNEL_HEAD_DIMS:
+    first = True
     for config in sm90_bwd_config.backward_config_space(d, 2, False):
       if sm90_bwd_config.fused_unsupported(config, d, 2) is None:
-        yield pytest.param(d, config, id=case_id(d, config))
+        marks = [] if first else [pytest.mark.slow]
+        yield pytest.param(d, config, id=case_id(d, config), marks=marks)
+        first = False
   # FA3's d128 layout, outside the space.
   config = Sm90BackwardConfig(64, 64, 2, 2, 1)
   yield pytest.param(128, config, id=case_id(128, config))
@@ -185,6 +191,7 @@ def _assert_fused_lowering(text: str, sq: int, skv: int, kernels: int = 1):
   assert "output_operand_alias" in text  # into the aliased accumulator
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("head_dim,config", list(_fused_configs()))
 def test_every_fused_config_lowers_to_one_kernel(head_dim, config):
   for causal, (sq, skv, hq, hk) in (
@@ -218,6 +225,7 @@ def _loss(deterministic):
   return loss
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("head_dim", [64, 128, 192])
 def test_grad_and_vmap_of_mosaic_lower_to_two_kernels(head_dim):
   """`jax.grad` (and `vmap` of it) through "mosaic" with the default

@@ -17,6 +17,8 @@ from pallas_fa3 import BlockwiseConfig, flash_attention, reference_attention
 from pallas_fa3.reference import golden_attention
 from pallas_fa3.spec import make_spec
 
+pytestmark = pytest.mark.newest  # the newest-JAX tier runs it all
+
 SHAPE = (1, 4, 2, 8)  # [batch, seq, heads, head_dim]
 
 

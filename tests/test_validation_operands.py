@@ -19,6 +19,8 @@ import pytest
 from pallas_fa3 import flash_attention
 from pallas_fa3.spec import MAX_HEAD_DIM, make_spec
 
+pytestmark = pytest.mark.newest  # the newest-JAX tier runs it all
+
 SHAPE = (1, 4, 2, 8)  # [batch, seq, heads, head_dim]
 
 

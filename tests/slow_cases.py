@@ -1,0 +1,71 @@
+"""Cases the default run leaves to `-m slow` (issue 31: CI in 15 minutes on
+2 cores), each beside the default-run case that runs the same code.
+`tests/conftest.py` marks them; one that no longer names a collected case
+is an error, so a renamed case cannot slip back in or vanish silently.
+
+Most of the kernels' interpret cases cost seconds each in the interpreter's
+callbacks; the ones here repeat a config feature (stages, consumers, head
+splits, a dtype) another default case already runs. Every kernel path still
+runs in interpret mode in the default run.
+"""
+
+from __future__ import annotations
+
+SLOW_CASES = {
+  # -- kernels, interpret mode ---------------------------------------------
+  "tests/test_sm90_bwd.py::test_interpret_gradients_match_golden"
+  "[b1_q200_kv260_h1/1_d64-float16-causal-64x64x3-c1h1q2h1]":
+  # one consumer: the d128 c1h1 case; 3 stages, float16: the d192 case
+  "d128 c1h1q2h1, d192 float16 64x64x3",
+  "tests/test_sm90_bwd.py::test_interpret_gradients_match_golden"
+  "[b1_q200_kv260_h2/1_d128-float16-causal-64x64x3-c2h2q2h1]":
+  # head splits: the d256 and d192 c2h2 cases
+  "d256 c2h2q2h2, d192 c2h2q2h2",
+  "tests/test_sm90_fwd.py::test_interpret_matches_golden"
+  "[b1_q200_kv330_h2/1_d64-bfloat16-full-64x64x2]":
+  # not causal: test_interpret_is_the_blockwise_function, interpret paths
+  "test_interpret_is_the_blockwise_function",
+  "tests/test_sm90_fwd.py::test_interpret_matches_golden"
+  "[b1_q130_kv400_h2/1_d64-float16-causal-64x64x3]":
+  # 3 stages: 64x128x3; float16: 128x64x4
+  "64x128x3, float16 128x64x4",
+  "tests/test_sm90_fused_bwd.py::test_fused_interpret_gradients_match_golden"
+  "[b1_q100_kv260_h1/1_d96-bfloat16-causal-64x64x2-c2h1q2h1]":
+  # d96 is the d64/d128 code at another width (lowered, and compiled by aot)
+  "d64 and d128 c2h1q2h1",
+  "tests/test_head_dim_v.py::test_interpret_against_float64_golden"
+  "[128-64-full-det-fp16]":
+  # dK/dV + dQ with dv != d: 64-128-causal-det; not causal: 256-128-full
+  "64-128-causal-det, 256-128-full",
+  "tests/test_modifiers_kernels.py::test_interpret_against_float64_golden"
+  "[b1_q256_kv256_h4/2_d64-causal-float64-3.0-full-full]":
+  # softcap, causal, fused: the window + softcap + sinks case
+  "b1_q384_kv256 (all three, fused)",
+  "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
+  "[128-64-128-256-bfloat16-True]": "128-64-128-200 (no rotation), 128-128-64-190 (rotation, partial tile)",
+  "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
+  "[64-64-128-300-bfloat16-True]": "64-64-256-100 (d64, rotation)",
+  # -- the 8-device suites (tests/test_scale_out.py) -----------------------
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[window-causal-4]": "window-causal-8, window-right-4",
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[sinks-full-4]": "sinks-causal-8, all-causal-8",
+  "tests/multidevice/check_ring_segments.py::test_ring_with_segment_ids"
+  "[full]": "full-cross-padded",
+  "tests/multidevice/check_ring_segments.py::test_ring_with_segment_ids"
+  "[causal-batch-axes]": "check_ring_window::test_window_with_batch_axes",
+  "tests/multidevice/check_ring_window.py::test_window_with_batch_axes"
+  "[explicit]": "[auto]; check_ring_attention::test_explicit_mesh_axes",
+  "tests/multidevice/check_ring_window.py::test_window_with_segment_ids"
+  "[causal]": "[both-zigzag]",
+  "tests/multidevice/check_sequence_sharded.py::"
+  "test_sequence_sharded_flash_attention_runs_the_ring[batch-seq-full-cross]": "seq8-causal-gqa; check_ring_segments [full-cross-padded]",
+  "tests/multidevice/check_sequence_sharded.py::"
+  "test_sequence_sharded_flash_attention_runs_the_ring[modifiers-batch-seq]": "modifiers-seq8-explicit",
+  "tests/multidevice/check_sharded_attention.py::"
+  "test_sharded_matches_single_device[2x4_batch_heads]": "[1x8_heads], [8x1_batch_mqa]",
+  "tests/multidevice/check_ulysses.py::test_ulysses_matches_golden"
+  "[mha-full-8]": "gqa-causal-8, modifiers-cross-4",
+  "tests/multidevice/check_ring_attention.py::test_ring_with_batch_or_head_axes"
+  "[batch]": "check_ring_window::test_window_with_batch_axes[auto]",
+}
