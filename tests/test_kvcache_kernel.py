@@ -21,8 +21,6 @@ from pallas_fa3.kvcache_spec import make_decode_spec
 from pallas_fa3.testing import assert_within_tolerance, lowered_kernel_count
 from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
 
-pytestmark = pytest.mark.newest  # the newest-JAX tier runs it all
-
 _TIMEOUT_S = 300
 
 # (batch, seq_q, heads_q, heads_kv, d, capacity, lengths, page_size, seq_new,
@@ -112,6 +110,7 @@ def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
   return exported.mlir_module()
 
 
+@pytest.mark.newest  # the decode kernel runs in test_interpret_paths
 @pytest.mark.parametrize(
   "options",
   [
