@@ -19,8 +19,10 @@ from pallas_fa3.backends import interpret_pool  # starts no JAX backend
 
 # The interpret-mode tests need more XLA CPU threads than a 2-core machine
 # has by default (else the interpreter's warpgroups can deadlock): asked for
-# before JAX creates its CPU client.
-assert interpret_pool.reserve(), interpret_pool.shortfall()
+# before JAX creates its CPU client. The 8-device suites run no kernel in
+# interpret mode and are 9% faster without (tests/test_scale_out.py).
+if os.environ.get("PALLAS_FA3_TESTS_NO_INTERPRET") != "1":
+  assert interpret_pool.reserve(), interpret_pool.shortfall()
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 

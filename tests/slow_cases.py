@@ -50,8 +50,18 @@ SLOW_CASES = {
   "[window-causal-4]": "window-causal-8, window-right-4",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
   "[sinks-full-4]": "sinks-causal-8, all-causal-8",
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[window-causal-8]": "all-causal-8 (window (24, None), causal, 8)",
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[softcap-causal-4]": "all-causal-8, softcap-full-8",
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[sinks-causal-8]": "all-causal-8",
   "tests/multidevice/check_ring_segments.py::test_ring_with_segment_ids"
   "[full]": "full-cross-padded",
+  "tests/multidevice/check_ring_segments.py::test_ring_with_segment_ids"
+  "[causal-padded]": "causal-zigzag, full-cross-padded",
+  "tests/multidevice/check_ulysses.py::test_ulysses_matches_golden"
+  "[mqa-causal-4]": "gqa-causal-8, head-axes-reference (kv repeated 4x)",
   "tests/multidevice/check_ring_segments.py::test_ring_with_segment_ids"
   "[causal-batch-axes]": "check_ring_window::test_window_with_batch_axes",
   "tests/multidevice/check_ring_window.py::test_window_with_batch_axes"

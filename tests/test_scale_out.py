@@ -51,6 +51,10 @@ def _env() -> dict[str, str]:
   flag = f"--xla_force_host_platform_device_count={SIMULATED_DEVICES}"
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
   env["JAX_PLATFORMS"] = "cpu"
+  # No interpret-mode kernel runs there: XLA's default CPU pool, not the
+  # interpreter's larger one (tests/conftest.py).
+  env["PALLAS_FA3_TESTS_NO_INTERPRET"] = "1"
+  env.pop("PJRT_NPROC", None)
   env["PYTHONPATH"] = os.pathsep.join(
     [str(REPO_ROOT)]
     + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
