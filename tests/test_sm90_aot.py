@@ -425,3 +425,12 @@ def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
   assert run.returncode == 0, run.stderr[-4000:]
   args, temp = map(int, run.stdout.split()[-2:])
   assert temp <= 0.6 * args, (temp, args)
+
+
+def test_causal_only_needs_defaults():
+  from pallas_fa3 import cli
+
+  with pytest.raises(
+    SystemExit, match="--causal-only selects within --defaults"
+  ):
+    cli.main(["aot", "--causal-only"])
