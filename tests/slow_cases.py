@@ -46,6 +46,10 @@ SLOW_CASES = {
   "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
   "[64-64-128-300-bfloat16-True]": "64-64-256-100 (d64, rotation)",
   # -- the 8-device suites (tests/test_scale_out.py) -----------------------
+  "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
+  "[4-full]": "[2-full]; [4-causal] (ring 4, run twice: bit-identical)",
+  "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
+  "[8-full]": "[2-full], [8-causal]",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
   "[window-causal-4]": "window-causal-8, window-right-4",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
