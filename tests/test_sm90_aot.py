@@ -3,8 +3,9 @@
 Needs the CUDA plugin, PJRT and ptxas at the installed jax version (the
 `aot` extra: `jax[cuda13-local]` and the H200's ptxas, CUDA 13.0); skipped,
 saying why, where they are absent. The default run compiles the default
-config of every kernel at every head dim, causal (`pallas-fa3 aot
---defaults --causal-only`), and checks its spills and static profile;
+config of every kernel at head dims 128 and 256 and their head-dim pairs,
+causal (`pallas-fa3 aot --defaults --causal-only --head-dims 128 256`), and
+checks its spills and static profile;
 every default, causal and not, and every config of every kernel space are
 the `slow` sweeps (`pallas-fa3 aot`, `--defaults`, `--fp8`, `--modifiers`,
 `--backward-shapes`). The PTX profile parser itself is tested on a small
@@ -262,12 +263,22 @@ def _run_aot(
   return run, reports
 
 
+DEFAULT_TIER_HEAD_DIMS = (128, 256)
+
+
 @pytest.fixture(scope="module")
 def default_reports():
-  # Causal only (their kernels hold the unmasked steps' code too); every
-  # default, causal and not, under -m slow.
+  # Causal only (their kernels hold the unmasked steps' code too), at head
+  # dims 128 and 256 (the register and shared-memory extreme) with their
+  # head-dim pairs; every default, causal and not, every head dim, under
+  # -m slow.
   run, reports = _run_aot(
-    "--defaults", "--causal-only", "--profile", timeout=1700
+    "--defaults",
+    "--causal-only",
+    "--head-dims",
+    *map(str, DEFAULT_TIER_HEAD_DIMS),
+    "--profile",
+    timeout=1700,
   )
   assert reports, run.stdout[-4000:] + run.stderr[-4000:]
   return run, reports
@@ -362,21 +373,17 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
         assert 2 in k["mbarrier_arrival_counts"], k["name"]
   # The default backward is fused at every head dim (and head-dim pair)
   # but those with a 256-wide query side.
-  fused = {
+  assert _fused(reports) == {"d128", "d128/64"}
+
+
+def _fused(reports):
+  """The head dims (d or d/dv) whose backward compiled as one kernel."""
+  return {
     k["name"].split()[1]
     for r in reports
     for k in r["kernels"]
     if k["name"].endswith("fused")
   }
-  assert fused == {
-    "d64",
-    "d96",
-    "d128",
-    "d192",
-    "d192/128",
-    "d128/64",
-    "d64/128",
-  }, fused
 
 
 @_needs_packages
@@ -403,6 +410,17 @@ def test_every_config_of_the_spaces_compiles_without_spills(flags):
     }
   assert spills == {}
   assert _over_budget(reports) == {}
+  if flags == ("--defaults",):
+    # Fused at every head dim and pair but those 256 wide on the query side.
+    assert _fused(reports) == {
+      "d64",
+      "d96",
+      "d128",
+      "d192",
+      "d192/128",
+      "d128/64",
+      "d64/128",
+    }
 
 
 @_needs_packages
@@ -434,3 +452,28 @@ def test_causal_only_needs_defaults():
     SystemExit, match="--causal-only selects within --defaults"
   ):
     cli.main(["aot", "--causal-only"])
+
+
+@pytest.mark.parametrize(
+  "argv,message",
+  [
+    (["--head-dims", "128"], "--head-dims selects within --defaults"),
+    (["--defaults", "--head-dims", "80"], r"--head-dims \[80\] not among"),
+  ],
+)
+def test_head_dims_are_checked(argv, message):
+  from pallas_fa3 import cli
+
+  with pytest.raises(SystemExit, match=message):
+    cli.main(["aot", *argv])
+
+
+def test_head_dims_select_the_defaults():
+  from pallas_fa3.kernels import aot_sweeps
+
+  every = list(aot_sweeps.defaults_sweep(causal_only=True))
+  some = list(aot_sweeps.defaults_sweep(causal_only=True, head_dims=(128,)))
+  assert {spec.head_dim for _, spec, _ in some} == {128}
+  assert len(some) == sum(spec.head_dim == 128 for _, spec, _ in every) > 0
+  # Pairs keep their value head dim; the e4m3 decode cache is d128's.
+  assert {(s.head_dim, s.head_dim_v) for _, s, _ in some} >= {(128, 64)}

@@ -60,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     help="with --defaults: the causal calls only (their kernels hold the"
     " unmasked steps too; the default test tier's quick check)",
   )
+  parser.add_argument(
+    "--head-dims",
+    type=int,
+    nargs="+",
+    default=None,
+    metavar="D",
+    help="with --defaults: only these query head dims (and the head-dim"
+    " pairs and decode defaults whose query head dim is one of them)",
+  )
   sweeps = parser.add_mutually_exclusive_group()
   sweeps.add_argument(
     "--defaults",
@@ -105,7 +114,9 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
 
     return aot_decode.decode_sweep()
   if args.defaults:
-    return sweeps.defaults_sweep(causal_only=args.causal_only)
+    return sweeps.defaults_sweep(
+      causal_only=args.causal_only, head_dims=args.head_dims
+    )
   if args.backward_shapes:
     return sweeps.backward_shapes_sweep()
   if args.modifiers:
@@ -118,6 +129,18 @@ def run(args: argparse.Namespace) -> int:
   packages are missing."""
   if getattr(args, "causal_only", False) and not args.defaults:
     raise SystemExit("aot: --causal-only selects within --defaults only")
+  head_dims = getattr(args, "head_dims", None)
+  if head_dims is not None:
+    from pallas_fa3.kernels.sm90.config import KERNEL_HEAD_DIMS
+
+    if not args.defaults:
+      raise SystemExit("aot: --head-dims selects within --defaults only")
+    unknown = sorted(set(head_dims) - set(KERNEL_HEAD_DIMS))
+    if unknown:
+      raise SystemExit(
+        f"aot: --head-dims {unknown} not among the kernels' head dims"
+        f" {KERNEL_HEAD_DIMS}"
+      )
   reason = missing_packages()
   if reason:
     print(f"skipped: {reason}")

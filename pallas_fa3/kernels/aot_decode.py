@@ -5,7 +5,7 @@ bf16 and e4m3 caches)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pallas_fa3.kernels import aot_compile as aot
@@ -130,18 +130,22 @@ def compile_decode(
   )
 
 
-def decode_defaults() -> Iterator[aot.SweepItem]:
-  """The default decode config at every head dim: GQA 4, one query,
-  contiguous and paged (64-token pages); an e4m3 cache at d128, paged
-  (`decode_sweep` has the rest)."""
+def decode_defaults(
+  head_dims: Sequence[int] | None = None,
+) -> Iterator[aot.SweepItem]:
+  """The default decode config at every head dim (those of `head_dims`
+  when given): GQA 4, one query, contiguous and paged (64-token pages); an
+  e4m3 cache at d128, paged (`decode_sweep` has the rest)."""
   from pallas_fa3.kernels.sm90 import config_decode
 
-  for d in (64, 128, 256):
+  keep = lambda d: head_dims is None or d in head_dims
+  for d in filter(keep, (64, 128, 256)):
     for ps in (None, 64):
       spec = decode_spec(d, d, 4, 1, ps)
       yield compile_decode, spec, config_decode.default_decode_config(spec)
-  spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
-  yield compile_decode, spec, config_decode.default_decode_config(spec)
+  if keep(128):
+    spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
 
 
 def decode_sweep() -> Iterator[aot.SweepItem]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pallas_fa3.kernels.aot_compile import (
@@ -132,12 +132,15 @@ HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128), (256, 128))
 PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
 
 
-def defaults_sweep(causal_only: bool = False) -> Iterator[SweepItem]:
+def defaults_sweep(
+  causal_only: bool = False, head_dims: Sequence[int] | None = None
+) -> Iterator[SweepItem]:
   """(compile function, spec, config): the default config of every kernel at
   every head dim, at `PROFILE_SHAPE`, causal and not (causal only with
   `causal_only`: the causal kernels hold the unmasked steps' code too);
   the forward and both backwards at `HEAD_DIM_PAIRS` (causal); and the
-  decode kernel's defaults (`aot_decode.decode_defaults`)."""
+  decode kernel's defaults (`aot_decode.decode_defaults`). `head_dims`
+  keeps the query head dims among them (all when None)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import (
@@ -147,8 +150,9 @@ def defaults_sweep(causal_only: bool = False) -> Iterator[SweepItem]:
   )
   from pallas_fa3.spec import AttentionSpec
 
+  keep = lambda d: head_dims is None or d in head_dims
   b, s, hq, hk = PROFILE_SHAPE
-  for d in sm90_config.KERNEL_HEAD_DIMS:
+  for d in filter(keep, sm90_config.KERNEL_HEAD_DIMS):
     for causal in (True,) if causal_only else (True, False):
       spec = AttentionSpec(
         b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
@@ -164,6 +168,8 @@ def defaults_sweep(causal_only: bool = False) -> Iterator[SweepItem]:
         if causal:  # the quantization pass does not depend on it
           yield compile_quantize, spec, config
   for d, dv in HEAD_DIM_PAIRS:  # value head dims unlike the query's, causal
+    if not keep(d):
+      continue
     spec = AttentionSpec(
       b, s, s, hq, hk, d, dv, jnp.dtype(jnp.bfloat16), True, d**-0.5
     )
@@ -171,7 +177,7 @@ def defaults_sweep(causal_only: bool = False) -> Iterator[SweepItem]:
     for det in (False, True):
       bwd = dataclasses.replace(spec, deterministic=det)
       yield compile_backward, bwd, sm90_bwd_config.default_backward_config(bwd)
-  yield from decode_defaults()
+  yield from decode_defaults(head_dims)
 
 
 def modifiers_sweep() -> Iterator[SweepItem]:
