@@ -55,7 +55,13 @@ def collectives(hlo_text: str) -> dict[str, int]:
 
 
 def assert_same_within_rule(name, got, single, naive, golden) -> None:
-  """The tolerance rule for `got`, and |got - single| within the same bound."""
+  """The tolerance rule for `got`, and |got - single| within the same bound
+  plus one unit in the last place of `single`'s dtype at its largest
+  entry: the ring and Ulysses add per-step (per-copy) gradients, each
+  rounded to the input dtype, in float32, where one device has a single
+  float32 sum, so a value near a rounding midpoint can round to the two
+  neighbours (3 of 25 seeds of check_ring_segments' full-cross-padded dV,
+  each both within the rule of the golden: benchmarks/RESULTS.md)."""
   bound = tolerance(naive, golden)
   err_golden = max_abs_err(got, golden)
   err_single = max_abs_err(got, single)
@@ -63,7 +69,19 @@ def assert_same_within_rule(name, got, single, naive, golden) -> None:
     f"{name}: max|got - golden| = {err_golden:.3g} exceeds 2 x naive error"
     f" + floor = {bound:.3g}"
   )
-  assert err_single <= bound, (
+  ulp = _ulp(single)
+  assert err_single <= bound + ulp, (
     f"{name}: max|got - single device| = {err_single:.3g} exceeds the"
-    f" rule's bound {bound:.3g}"
+    f" rule's bound {bound:.3g} + one ulp {ulp:.3g}"
+  )
+
+
+def _ulp(x) -> float:
+  """The spacing of `x`'s dtype at its largest finite magnitude."""
+  x = np.asarray(x)
+  wide = x.astype(np.float64)
+  top = float(np.abs(wide[np.isfinite(wide)]).max(initial=0.0))
+  info = jax.dtypes.finfo(x.dtype)
+  return float(
+    2.0 ** (np.floor(np.log2(max(top, float(info.tiny)))) - info.nmant)
   )
