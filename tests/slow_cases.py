@@ -51,7 +51,16 @@ SLOW_CASES = {
   "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
   "[8-full]": "[2-full], [8-causal]",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
-  "[window-causal-4]": "window-causal-8, window-right-4",
+  "[window-causal-4]": "all-causal-8 (causal + window), check_ring_attention [4-causal]",
+  "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
+  "[window-right-4]": "window-both-8 (a right window, not causal), test_window_with_unequal_lengths[cross-4] (ring 4)",
+  "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
+  "[2-causal]": "[2-full] (ring 2), [4-causal], [8-causal]",
+  "tests/multidevice/check_ring_attention.py::test_ring_float32_mqa": "check_ring_segments::test_segment_skip_never_touches_a_shard_no_query_meets[causal] (float32, causal ring); check_sequence_sharded [seq8-causal-gqa] (kv heads shared)",
+  "tests/multidevice/check_ring_segments.py::"
+  "test_segment_skip_never_touches_a_shard_no_query_meets[full]": "[causal] (the skip); test_segment_skip_is_a_cond_around_every_step[full]",
+  "tests/multidevice/check_sharded_attention.py::"
+  "test_window_softcap_sinks_shard_over_batch_and_heads[True]": "[False]; test_explicit_mesh_axes",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
   "[sinks-full-4]": "sinks-causal-8, all-causal-8",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
