@@ -45,6 +45,33 @@ SLOW_CASES = {
   "[128-64-128-256-bfloat16-True]": "128-64-128-200 (no rotation), 128-128-64-190 (rotation, partial tile)",
   "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
   "[64-64-128-300-bfloat16-True]": "64-64-256-100 (d64, rotation)",
+  "tests/test_head_dim_v.py::test_interpret_against_float64_golden"
+  "[256-128-full]": "64-128-causal-det (dK/dV + dQ with dv != d); test_sm90_bwd d256 c2h2q2h2 (the d256 head splits); the aot tier compiles 256/128",
+  "tests/test_large_logits.py::"
+  "test_finite_scaled_scores_give_finite_correct_results[full-interpret]": "[causal-interpret] (the kernels at every scale), [full-blockwise] (not causal)",
+  # -- CUDA lowering and the deviceless compile -----------------------------
+  "tests/test_head_dim_v.py::test_grad_through_mosaic_lowers_to_the_kernels"
+  "[256-128-fused]": "[256-128-det] (d256 is never fused: the same three kernels)",
+  "tests/test_head_dim_v.py::test_grad_through_mosaic_lowers_to_the_kernels"
+  "[128-64-fused]": "[192-128-fused] (fused, dv < d); the aot tier compiles 128/64's fused default",
+  "tests/test_fp8_modifiers.py::test_mosaic_lowers_with_every_option[window]": "[all]",
+  "tests/test_fp8_modifiers.py::test_mosaic_lowers_with_every_option[softcap]": "[all]",
+  "tests/test_fp8_modifiers.py::test_mosaic_lowers_with_every_option[sinks]": "[all]",
+  "tests/test_fp8_modifiers.py::test_mosaic_lowers_with_every_option"
+  "[segment_ids]": "[all]",
+  "tests/test_sm90_bwd.py::test_grad_of_mosaic_exports_for_cuda[96]": "test_every_backward_config_lowers_for_cuda d96 (the kernels); [64], [128] (the API route)",
+  "tests/test_sm90_bwd.py::test_grad_of_mosaic_exports_for_cuda[192]": "test_every_backward_config_lowers_for_cuda d192 (the kernels); [256] (the API route, head splits)",
+  "tests/test_sm90_fused_bwd.py::test_grad_and_vmap_of_mosaic_lower_to_two_kernels"
+  "[64]": "[128]",
+  "tests/test_sm90_fused_bwd.py::test_grad_and_vmap_of_mosaic_lower_to_two_kernels"
+  "[192]": "[128]; test_every_fused_config_lowers_to_one_kernel d192",
+  "tests/test_segments_kernels.py::test_grad_through_mosaic_lowers_with_segment_ids"
+  "[128-False]": "[64-False] (fused), [128-True]",
+  "tests/test_segments_kernels.py::test_grad_through_mosaic_lowers_with_segment_ids"
+  "[64-True]": "[128-True] (deterministic), [64-False]",
+  "tests/test_sm90_aot.py::test_aot_flags_a_compiled_oversubscribed_split": "test_register_pool_check (the check on PTX); test_default_configs_compile_without_spills (the check on every compiled default)",
+  "tests/test_sm90_aot.py::test_fp8_call_temporaries_stay_below_its_arguments"
+  "[128]": "[256]",
   # -- the 8-device suites (tests/test_scale_out.py) -----------------------
   "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
   "[4-full]": "[2-full]; [4-causal] (ring 4, run twice: bit-identical)",
