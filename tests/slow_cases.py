@@ -6,7 +6,9 @@ is an error, so a renamed case cannot slip back in or vanish silently.
 Most of the kernels' interpret cases cost seconds each in the interpreter's
 callbacks; the ones here repeat a config feature (stages, consumers, head
 splits, a dtype) another default case already runs. Every kernel path still
-runs in interpret mode in the default run.
+runs in interpret mode in the default run. The CUDA lowering cases here
+lower kernels another default case lowers (or the aot tier compiles), and
+the 8-device cases repeat a feature of another 8-device case.
 """
 
 from __future__ import annotations
