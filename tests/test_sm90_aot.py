@@ -8,8 +8,8 @@ causal (`pallas-fa3 aot --defaults --causal-only --head-dims 128 256`), and
 checks its spills and static profile;
 every default, causal and not, and every config of every kernel space are
 the `slow` sweeps (`pallas-fa3 aot`, `--defaults`, `--fp8`, `--modifiers`,
-`--backward-shapes`). The PTX profile parser itself is tested on a small
-hand-written PTX here, always.
+`--backward-shapes`). The PTX profile parser itself is tested on small
+hand-written PTX in tests/test_ptx_profile.py.
 """
 
 from __future__ import annotations
@@ -21,186 +21,11 @@ import sys
 
 import pytest
 
-from pallas_fa3.kernels import aot, aot_compile, ptx_profile
+from pallas_fa3.kernels import aot, ptx_profile
 
 _needs_packages = pytest.mark.skipif(
   aot.missing_packages() is not None, reason=str(aot.missing_packages())
 )
-
-
-def test_ptxas_report_parser():
-  text = (
-    "ptxas warning : Registers are spilled to local memory in function"
-    " 'k', 24 bytes spill stores, 16 bytes spill loads\n"
-    "ptxas info    : Function properties for k\n"
-    "    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
-    "ptxas info    : Used 168 registers, used 16 barriers\n"
-  )
-  assert aot_compile.parse_ptxas(text) == (168, 24, 16)
-  with pytest.raises(RuntimeError, match="no ptxas report"):
-    aot_compile.parse_ptxas("nothing here")
-
-
-# A consumer loop in the shape Mosaic writes it: inline-assembly wgmma and
-# mbarrier spin loops (local labels), a wait, the softmax, a backward branch.
-_PTX = """
-.visible .entry fa3_fwd_mosaic_gpu_kernel(
-.maxntid 384, 1, 1
-{
-\tmov.b32 \t%r1, 256;
-\t@%p3 mbarrier.init.shared.b64 [%r9], %r1;
-\tmov.b32 \t%r2, 1;
-\tmbarrier.init.shared.b64 [%r8], %r2;
-\tsetmaxnreg.inc.sync.aligned.u32 240;
-\tsetmaxnreg.dec.sync.aligned.u32 24;
-\tcp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%r3], [%rd1, {%r4} ], [%r5];
-$L__BB0_5:
-\t// begin inline asm
-\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r10}, %rd2, %rd3, p, 1, 1, 0, 0; }
-\t// end inline asm
-\t{ .reg .pred P1; LAB_WAIT: mbarrier.try_wait.parity.shared.b64 P1, [%r6], %r7; @P1 bra.uni DONE; bra.uni LAB_WAIT; DONE: }
-\tld.global.f32 \t%f9, [%rd6];
-\twgmma.commit_group.sync.aligned;
-\twgmma.wait_group.sync.aligned 1;
-\tld.global.f32 \t%f8, [%rd6];
-\tfma.rn.f32 \t%f1, %f2, %f3, %f4;
-\tex2.approx.ftz.f32 \t%f5, %f1;
-\tmul.f32 \t%f6, %f5, %f7;
-\tshfl.sync.bfly.b32 \t%r11, %r12, 1, 31, -1;
-\tbar.sync \t1, 256;
-\tmbarrier.arrive.release.cta.shared::cta.b64 %rd4, [%r6];
-\t@%p1 bra \t$L__BB0_5;
-\twgmma.wait_group.sync.aligned 0;
-\tcp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%rd5, {%r4}], [%r3];
-\tcp.reduce.async.bulk.tensor.5d.global.shared::cta.add.f32.bulk_group [%rd5, {%r4}], [%r3];
-\tret;
-}
-"""
-
-
-def test_ptx_profile_reads_the_loop_and_the_sync():
-  p = ptx_profile.profile_ptx(
-    "k",
-    _PTX,
-    registers=168,
-    spill_store_bytes=0,
-    spill_load_bytes=0,
-    smem_bytes=2048,
-  )
-  assert p.threads == 384
-  assert p.setmaxnreg == ("inc 240", "dec 24")
-  assert p.wgmma == {"m64n128k16 f32.bf16.bf16": 1}
-  assert p.wait_group == {0: 1, 1: 1}
-  assert (
-    p.mbarrier_arrival_counts == (1, 256) and p.max_mbarrier_arrivals == 256
-  )
-  assert p.named_barrier_ops == {"bar.sync": 1}
-  assert p.tma == {"load": 1, "store": 1, "reduce": 1}
-  assert p.loop == {
-    "wgmma": 1,
-    "wait_group": 1,
-    "ex2": 1,
-    "ffma": 1,
-    "fmul": 1,
-    "shfl": 1,
-    "mbarrier": 2,
-    "bar": 1,
-    "ldg": 2,
-    "ldg_exposed": 1,  # the one between the wait and the exp2
-    "total": p.loop["total"],
-  }
-  # The loop: setp, wgmma, try_wait and its two branches, two loads,
-  # commit, wait, fma, ex2, mul, shfl, bar, arrive, the back branch.
-  assert p.loop["total"] == 16
-  row = ptx_profile.table([p]).splitlines()[2]
-  assert row.startswith(
-    "| k | 384 | 168 | inc 240 dec 24 | 504/504 | 0/0 | 2.0 | 1x m64n128k16"
-  )
-
-
-def _split_profile(threads, registers, *sites):
-  ptx = f".maxntid {threads}, 1, 1\n" + "".join(
-    f"setmaxnreg.{site.split()[0]}.sync.aligned.u32 {site.split()[1]};\n"
-    for site in sites
-  )
-  return ptx_profile.profile_ptx(
-    "k",
-    ptx,
-    registers=registers,
-    spill_store_bytes=0,
-    spill_load_bytes=0,
-    smem_bytes=None,
-  )
-
-
-@pytest.mark.parametrize(
-  "threads,registers,sites,need,problem",
-  [
-    (384, 168, ("inc 240", "dec 24"), 504, None),  # FA3's split: the pool
-    (384, 168, ("inc 232", "dec 40"), 504, None),
-    (384, 168, ("inc 240", "dec 32"), 512, "never completes"),  # the bug
-    (256, 255, ("inc 256", "dec 64"), 320, None),  # one consumer
-    (384, 168, ("inc 244", "dec 24"), 520, "multiple of 8"),
-    (384, 168, ("inc 240",), 720, "never completes"),  # no producer decrease
-    (384, 168, (), 504, None),  # no split: nothing to check
-  ],
-)
-def test_register_pool_check(threads, registers, sites, need, problem):
-  """(warpgroups - producers) x consumer + producers x producer must fit
-  in warpgroups x ptxas's launch count; values multiples of 8 in
-  [24, 256]."""
-  p = _split_profile(threads, registers, *sites)
-  problems = ptx_profile.register_problems(p)
-  assert ptx_profile.register_budget(p)[0] == need
-  if problem is None:
-    assert problems == []
-  else:
-    assert any(problem in m for m in problems), problems
-    assert "OVER" in ptx_profile.table([p])
-
-
-def test_named_barrier_check():
-  ptx = (
-    ".maxntid 384, 1, 1\n"
-    "bar.sync 8, 256;\nbar.arrive 8, 256;\nbarrier.sync 0;\n"
-    "bar.sync 9, 100;\nbar.arrive 10, 256;\nbar.sync 10, 128;\n"
-    "bar.sync 17, 128;\n"
-  )
-  p = ptx_profile.profile_ptx(
-    "k",
-    ptx,
-    registers=168,
-    spill_store_bytes=0,
-    spill_load_bytes=0,
-    smem_bytes=None,
-  )
-  assert p.named_barriers == (
-    (0, 384),
-    (8, 256),
-    (9, 100),
-    (10, 128),
-    (10, 256),
-    (17, 128),
-  )
-  problems = ptx_profile.named_barrier_problems(p)
-  assert len(problems) == 3, problems
-  assert any("barrier 9 counts 100" in m for m in problems)
-  assert any("barrier 17: ids are 0-15" in m for m in problems)
-  assert any(
-    "barrier 10 is used with thread counts [128, 256]" in m for m in problems
-  )
-
-
-def test_kernel_splits_fit_the_pool_and_a_bad_one_is_refused():
-  from pallas_fa3.kernels import hopper
-  from pallas_fa3.kernels.sm90 import common
-
-  assert hopper.launch_registers(3) == 168 and hopper.register_pool(3) == 504
-  assert not hopper.split_problems(
-    3, common.CONSUMER_REGS, common.PRODUCER_REGS
-  )
-  with pytest.raises(ValueError, match="never completes"):
-    hopper.check_split(3, 240, 32)
 
 
 @_needs_packages
@@ -232,18 +57,6 @@ print("240/32:", aot.budget_problems(aot.compile_forward(spec, cfg)))
   built, bad = run.stdout.strip().splitlines()[-2:]
   assert built == "as built: []", run.stdout
   assert "512 registers" in bad and "owns 504" in bad, run.stdout
-
-
-def test_ptx_profile_without_a_loop():
-  p = ptx_profile.profile_ptx(
-    "k",
-    "ret;",
-    registers=1,
-    spill_store_bytes=0,
-    spill_load_bytes=0,
-    smem_bytes=None,
-  )
-  assert p.loop["total"] == 0 and p.wgmma == {} and p.threads == 0
 
 
 def _run_aot(
