@@ -206,7 +206,7 @@ def _lower(spec, config):
     for s in (
       (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
       (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim),
-      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim),
+      (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim_v),
     )
   ]
   fn = jax.jit(lambda q, k, v: sm90_fwd.sm90_forward(spec, config, q, k, v))
@@ -250,22 +250,32 @@ def test_every_supported_config_lowers_for_cuda(dtype, head_dim, config):
 
 
 @pytest.mark.parametrize(
-  "head_dim,config",
+  "head_dim,head_dim_v,config",
   [
-    (128, Sm90ForwardConfig(64, 128, 3)),
-    (256, Sm90ForwardConfig(64, 128, 2)),
-    (64, Sm90ForwardConfig(64, 256, 4)),
+    (128, 128, Sm90ForwardConfig(64, 128, 3)),
+    (256, 256, Sm90ForwardConfig(64, 128, 2)),
+    (64, 64, Sm90ForwardConfig(64, 256, 4)),
+    # Q's and O's tiles in one union per consumer (`forward_qo_layout`).
+    (192, 256, Sm90ForwardConfig(64, 64, 3, persistent=False)),
+    (256, 128, Sm90ForwardConfig(64, 128, 2, persistent=False)),
   ],
 )
-def test_smem_estimate_is_exactly_what_mosaic_allocates(head_dim, config):
+def test_smem_estimate_is_exactly_what_mosaic_allocates(
+  head_dim, head_dim_v, config
+):
   """Configs the estimate rejects for shared memory fail lowering with that very number."""
-  reason = sm90_config.forward_config_unsupported(config, head_dim, 2)
+  reason = sm90_config.forward_config_unsupported(
+    config, head_dim, 2, head_dim_v
+  )
   assert reason and "shared memory" in reason
   q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 512, 2, head_dim_v), jnp.bfloat16)
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
-    _lower(make_spec(q, q, q), config)
+    _lower(make_spec(q, q, v), config)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  assert used == sm90_config.forward_smem_bytes(config, head_dim, 2)
+  assert used == sm90_config.forward_smem_bytes(
+    config, head_dim, 2, head_dim_v
+  )
 
 
 @pytest.mark.newest

@@ -398,7 +398,7 @@ def build_kernel(
       compiler_params=compat.compiler_params(approx_math=True),
       name=body.__name__,
     )
-  return plgpu.kernel(
+  kernel = plgpu.kernel(
     body,
     out_type=out_type,
     scratch_types=scratch,
@@ -411,3 +411,4 @@ def build_kernel(
     compiler_params=compat.compiler_params(approx_math=True),
     interpret=interpret,
   )
+  return compat.fail_on_race(kernel, interpret)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from jax.experimental import io_callback
 from jax.experimental.mosaic import gpu as _mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -53,6 +54,37 @@ def races_found() -> bool:
   """Whether the last interpret-mode call (with detect_races) found a race."""
   races = _interpret_module().get_races()
   return bool(races.races_found)
+
+
+def fail_on_race(
+  kernel: Callable[..., Any], interpret: Any
+) -> Callable[..., Any]:
+  """`kernel`, which in interpret mode with race detection raises once it
+  has run if the interpreter found a race: every interpreted call checks
+  itself (an ordered callback after the kernel's own), so no caller can
+  forget to. The race's details are on stdout (`capture_race_report`)."""
+  if interpret is None or not getattr(interpret, "detect_races", False):
+    return kernel
+
+  def checked(*args: Any) -> Any:
+    out = kernel(*args)
+    io_callback(_raise_if_race, None, ordered=True)
+    return out
+
+  return checked
+
+
+def _raise_if_race() -> None:
+  if races_found():
+    raise RaceDetected(
+      "the Pallas GPU interpreter found a race in the kernel that just ran"
+      " (its report, printed to stdout, names both accesses)"
+    )
+
+
+class RaceDetected(RuntimeError):
+  """An interpreted kernel raced: hardware could compute wrong numbers where
+  the interpreter computed right ones."""
 
 
 @contextlib.contextmanager

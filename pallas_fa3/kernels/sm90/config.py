@@ -16,7 +16,7 @@ per consumer warpgroup (the M of its wgmma); the producer warpgroup streams
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pallas_fa3.spec import AttentionSpec, check_bool, check_int_fields
 
@@ -88,6 +88,101 @@ def _dims(head_dim: int, head_dim_v: int | None) -> str:
   return f"head_dims {head_dim}/{head_dim_v}"
 
 
+QOLayout = Literal["shared", "separate", "per_consumer"]
+
+
+def forward_qo_layout(
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
+) -> QOLayout:
+  """Where the forward kernel keeps its consumers' Q tiles and, on the way
+  out, their O tiles (docs/hardware_hazards.md#forward-q-and-o-tiles).
+
+  - "shared" (`head_dim_v == head_dim`): one `[consumers, block_q, d]`
+    buffer; consumer w writes its O over its own Q, once its last wgmma
+    has read it.
+  - "separate" (`head_dim_v != head_dim`, where that fits): Q and O in
+    buffers of their own; nothing aliases.
+  - "per_consumer" (where it does not): one union of a Q and an O tile per
+    consumer, so that each O aliases only its own consumer's Q (one union
+    of both consumers' tiles would lay O_w over the other consumer's Q at
+    different strides; the two consumers are not ordered there). The
+    kernel then traces its consumer once per warpgroup with the union's
+    refs as constants.
+  """
+  dv = head_dim if head_dim_v is None else head_dim_v
+  if dv == head_dim:
+    return "shared"
+  separate = _qo_allocations("separate", config, head_dim, itemsize, dv)
+  if _smem_total(config, head_dim, itemsize, dv, separate) <= MAX_SMEM_BYTES:
+    return "separate"
+  return "per_consumer"
+
+
+def _qo_allocations(
+  layout: QOLayout,
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int,
+) -> tuple[tuple[int, ...], ...]:
+  """The Q/O allocations of `layout` in scratch order: per allocation, the
+  byte sizes of its members (a union has several, all at its offset 0)."""
+  tile = lambda w: config.block_q * w * itemsize
+  if layout == "shared":
+    return ((NUM_CONSUMERS * tile(head_dim),),)
+  if layout == "separate":
+    return (
+      (NUM_CONSUMERS * tile(head_dim),),
+      (NUM_CONSUMERS * tile(head_dim_v),),
+    )
+  return ((tile(head_dim), tile(head_dim_v)),) * NUM_CONSUMERS
+
+
+def forward_qo_ranges(
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int | None = None,
+) -> tuple[tuple[range, range], ...]:
+  """Per consumer, the byte ranges of its Q tile and its O tile in the
+  kernel's shared memory, as Mosaic places `forward_qo_layout`'s
+  allocations (in order, each aligned to `SMEM_ALIGN`)."""
+  dv = head_dim if head_dim_v is None else head_dim_v
+  layout = forward_qo_layout(config, head_dim, itemsize, dv)
+  starts, offset = [], 0
+  for members in _qo_allocations(layout, config, head_dim, itemsize, dv):
+    starts.append(offset)
+    offset += align_smem(max(members))
+  tile = lambda w: config.block_q * w * itemsize
+  ranges = []
+  for w in range(NUM_CONSUMERS):
+    if layout == "per_consumer":
+      q0 = o0 = starts[w]
+    else:  # [consumers, block_q, width] arrays: consumer w at row w
+      q0, o0 = starts[0] + w * tile(head_dim), starts[-1] + w * tile(dv)
+    ranges.append((range(q0, q0 + tile(head_dim)), range(o0, o0 + tile(dv))))
+  return tuple(ranges)
+
+
+def _smem_total(
+  config: Sm90ForwardConfig,
+  head_dim: int,
+  itemsize: int,
+  head_dim_v: int,
+  qo_allocations: tuple[tuple[int, ...], ...],
+) -> int:
+  qo = sum(align_smem(max(members)) for members in qo_allocations)
+  ring = lambda d: align_smem(
+    config.num_stages * config.block_kv * d * itemsize
+  )
+  lse = align_smem(NUM_CONSUMERS * config.block_q * 4)
+  barriers = (4 * config.num_stages + NUM_CONSUMERS) * BARRIER_BYTES
+  return qo + ring(head_dim) + ring(head_dim_v) + lse + RESERVED_SMEM + barriers
+
+
 def forward_smem_bytes(
   config: Sm90ForwardConfig,
   head_dim: int,
@@ -96,20 +191,15 @@ def forward_smem_bytes(
 ) -> int:
   """Shared memory the forward kernel allocates for one CTA, in bytes.
 
-  Q tiles (their memory reused for O on the way out: the wider of the two)
-  for both consumers, the K ring (`head_dim`) and the V ring
-  (`head_dim_v`, default `head_dim`), the lse staging rows and the
-  barriers (K full/empty, V full/empty per stage, one Q barrier per
-  consumer; the pingpong uses named barriers).
+  Q and O tiles for both consumers (`forward_qo_layout`), the K ring
+  (`head_dim`) and the V ring (`head_dim_v`, default `head_dim`), the lse
+  staging rows and the barriers (K full/empty, V full/empty per stage, one
+  Q barrier per consumer; the pingpong uses named barriers).
   """
   dv = head_dim if head_dim_v is None else head_dim_v
-  qo = align_smem(NUM_CONSUMERS * config.block_q * max(head_dim, dv) * itemsize)
-  ring = lambda d: align_smem(
-    config.num_stages * config.block_kv * d * itemsize
-  )
-  lse = align_smem(NUM_CONSUMERS * config.block_q * 4)
-  barriers = (4 * config.num_stages + NUM_CONSUMERS) * BARRIER_BYTES
-  return qo + ring(head_dim) + ring(dv) + lse + RESERVED_SMEM + barriers
+  layout = forward_qo_layout(config, head_dim, itemsize, dv)
+  allocations = _qo_allocations(layout, config, head_dim, itemsize, dv)
+  return _smem_total(config, head_dim, itemsize, dv, allocations)
 
 
 def forward_config_unsupported(

@@ -15,6 +15,7 @@ Design and measurements: docs/design_notes.md#forward-kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,11 @@ from pallas_fa3.kernels.sm90.common import (
   tma_extent,
   walk_steps,
 )
-from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.config import (
+  NUM_CONSUMERS,
+  Sm90ForwardConfig,
+  forward_qo_layout,
+)
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.kernels.sm90.persistent import (
   Tile,
@@ -101,14 +106,13 @@ def _query_tile(
   (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem, lse_smem) = refs[
     :8
   ]
-  q_all, o_all = qo_smem  # one memory: Q's tiles, then O's on the way out
+  q_smem, o_smem = qo_smem  # this consumer's (`config.forward_qo_layout`)
   ring, q_bar, seg = refs[8:]
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
   batch, head = tile.batch, tile.head
   row0 = tile.row0 + wg * cfg.block_q
-  q_smem = q_all.at[wg]
   stages = cfg.num_stages
 
   def slot_of(j):
@@ -228,7 +232,7 @@ def _query_tile(
     o,
     m,
     l,
-    o_all.at[wg],
+    o_smem,
     lse_smem.at[wg],
     o_ref,
     lse_ref,
@@ -271,6 +275,7 @@ def _build(
     plan, num_ctas(plan.num_tiles, ops.interpreted, cfg.persistent)
   )
   d, dv = spec.head_dim, spec.head_dim_v
+  layout = forward_qo_layout(cfg, d, spec.dtype.itemsize, dv)
   tmas = 3 if spec.segmented else 1  # TMA copies per Q barrier phase
 
   def fa3_fwd(q_ref, k_ref, v_ref, *refs):
@@ -279,8 +284,8 @@ def _build(
     ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
     o_ref, lse_ref, *scratch = refs
     qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
-    # One buffer for Q's tiles, then O's; or the union's two views.
-    qo_smem = (qo_smem, qo_smem) if dv == d else tuple(qo_smem)
+    if layout == "shared":  # Q's tiles, then O's on the way out
+      qo_smem = (qo_smem, qo_smem)
     ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
     seg, tiles = None, walk
     if spec.segmented:  # (lo, hi, spans) and the bounds' shared tile
@@ -289,15 +294,23 @@ def _build(
       tiles = dataclasses.replace(walk, spans=ids[2])
     wg = lax.axis_index("wg")
 
-    @pl.when(wg < NUM_CONSUMERS)
-    def _():
-      refs = (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem)
+    def consumer(qo):  # qo: this consumer's Q and O tiles
+      refs = (q_ref, o_ref, lse_ref, sinks_ref, qo, k_smem, v_smem)
       refs += (lse_smem,)
       run_consumer(
         tiles,
         turns,
         CONSUMER_REGS,
         lambda *at: _query_tile((*refs, ring, q_bar, seg), plan, ops, *at),
+      )
+
+    if layout == "per_consumer":  # a union per consumer: refs by warpgroup
+      for w, union in enumerate(qo_smem):
+        pl.when(wg == w)(functools.partial(consumer, tuple(union)))
+    else:
+      q_all, o_all = qo_smem
+      pl.when(wg < NUM_CONSUMERS)(
+        lambda: consumer((q_all.at[wg], o_all.at[wg]))
       )
 
     @pl.when(wg == NUM_CONSUMERS)
@@ -313,14 +326,20 @@ def _build(
     spec.dtype,
     transforms=smem_transforms(spec.dtype, width),
   )
-  tiles = lambda width: plgpu.SMEM(
-    (NUM_CONSUMERS, cfg.block_q, width),
+  tiles = lambda width, *n: plgpu.SMEM(
+    (*n, cfg.block_q, width),
     spec.dtype,
     transforms=smem_transforms(spec.dtype, width),
   )
-  # Q's tiles and O's share their memory (O is written once Q is read);
-  # with head_dim_v != head_dim they are two views of one union.
-  qo = tiles(d) if dv == d else plgpu.RefUnion(tiles(d), tiles(dv))
+  # O is written once the consumer's last wgmma has read its Q.
+  if layout == "shared":
+    qo = tiles(d, NUM_CONSUMERS)
+  elif layout == "separate":
+    qo = (tiles(d, NUM_CONSUMERS), tiles(dv, NUM_CONSUMERS))
+  else:
+    qo = tuple(
+      plgpu.RefUnion(tiles(d), tiles(dv)) for _ in range(NUM_CONSUMERS)
+    )
   scratch = (
     qo,
     ring(d),
@@ -373,8 +392,8 @@ def sm90_forward(
     config: the tiling.
     q: `[b, sq, hq, d]`.
     k: `[b, skv, hk, d]`.
-    v: `[b, skv, hk, dv]` (dv may differ from d: then Q's and O's tiles
-      are two views of one shared-memory union).
+    v: `[b, skv, hk, dv]` (dv may differ from d: Q's and O's tiles then
+      do not share a buffer, `config.forward_qo_layout`).
     interpret: None compiles for sm90; interpret-mode parameters
       (`compat.interpret_params(...)`) run the same kernel on a CPU.
     sinks: float32 `[b, hq]` when `spec.sinks`.

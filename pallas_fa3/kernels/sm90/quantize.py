@@ -210,7 +210,7 @@ def _build(
   def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
     _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
 
-  return plgpu.kernel(
+  kernel = plgpu.kernel(
     fp8_quantize,
     out_type=(
       *(jax.ShapeDtypeStruct(out_shape, FP8_DTYPE) for _ in range(terms)),
@@ -225,6 +225,7 @@ def _build(
     compiler_params=compat.compiler_params(approx_math=False),
     interpret=interpret,
   )
+  return compat.fail_on_race(kernel, interpret)
 
 
 def quantize_tensor(
