@@ -104,6 +104,32 @@ CASES = [
     dict(causal=True),
     id="paged64-d128-dv64",
   ),
+  # Head dims whose e4m3 rows are not whole 128-byte swizzle spans: the
+  # converter's chunks are 64 (d192) or 32 (d96) columns wide.
+  pytest.param(
+    dict(batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=192,
+         capacity=128, lengths=[60, 128], page_size=64),
+    dict(causal=True),
+    id="paged64-d192",
+  ),
+  pytest.param(
+    dict(batch=2, seq_q=1, heads_q=2, heads_kv=1, head_dim=192,
+         head_dim_v=128, capacity=192, lengths=[1, 150], seq_new=1),
+    dict(),
+    id="contiguous-d192-dv128-append",
+  ),
+  pytest.param(
+    dict(batch=1, seq_q=2, heads_q=4, heads_kv=2, head_dim=128,
+         head_dim_v=192, capacity=128, lengths=[100], page_size=64),
+    dict(causal=True),
+    id="paged64-d128-dv192",
+  ),
+  pytest.param(
+    dict(batch=2, seq_q=1, heads_q=8, heads_kv=2, head_dim=96,
+         capacity=128, lengths=[128, 33]),
+    dict(causal=True),
+    id="contiguous-d96",
+  ),
 ]  # fmt: skip
 
 
@@ -338,14 +364,20 @@ def test_refusals_on_an_e4m3_cache(change, error, match):
     pallas_fa3.flash_attention_with_kvcache(**kw)
 
 
+@pytest.mark.parametrize(
+  "d,dv", [(128, 128), (96, 96), (192, 192), (192, 128), (128, 192)],
+  ids=lambda d: f"d{d}",
+)  # fmt: skip
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_mosaic_lowers_to_one_kernel(paged):
+def test_mosaic_lowers_to_one_kernel(paged, d, dv):
   S = jax.ShapeDtypeStruct
-  b, hq, hk, d, cap = 4, 16, 2, 128, 4096
+  b, hq, hk, cap = 4, 16, 2, 4096
   q = S((b, 1, hq, d), jnp.bfloat16)
   kc = S((b * cap // 64, 64, hk, d), F8) if paged else S((b, cap, hk, d), F8)
+  vc = S((*kc.shape[:3], dv), F8)
   pt = S((b, cap // 64), jnp.int32) if paged else None
   new = S((b, 1, hk, d), jnp.bfloat16)
+  new_v = S((b, 1, hk, dv), jnp.bfloat16)
   scale = S((b, hk), jnp.float32)
 
   def step(q, kc, vc, k, v, n, pt, kd, vd):
@@ -355,6 +387,6 @@ def test_mosaic_lowers_to_one_kernel(paged):
     )  # fmt: skip
 
   text = export.export(jax.jit(step), platforms=["cuda"])(
-    q, kc, kc, new, new, S((b,), jnp.int32), pt, scale, scale
+    q, kc, vc, new, new_v, S((b,), jnp.int32), pt, scale, scale
   ).mlir_module()
   assert lowered_kernel_count(text) == 1

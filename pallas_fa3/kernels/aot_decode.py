@@ -148,10 +148,18 @@ def decode_defaults(
     yield compile_decode, spec, config_decode.default_decode_config(spec)
 
 
+# (head_dim, head_dim_v) of the e4m3-cache decode sweep.
+E4M3_HEAD_DIMS = (
+  (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
+  (128, 192),
+)  # fmt: skip
+
+
 def decode_sweep() -> Iterator[aot.SweepItem]:
   """`pallas-fa3 aot --decode`: the default config over head dims 64, 128,
   256, contiguous and paged caches, `DECODE_ROWS`; every block/stage
-  config the kernel serves at d128 GQA 4; window and softcap."""
+  config the kernel serves at d128 GQA 4; window and softcap; an e4m3
+  cache at `E4M3_HEAD_DIMS`."""
   from pallas_fa3.kernels.sm90 import config_decode
 
   for d in (64, 128, 256):
@@ -169,12 +177,13 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
   for options in (dict(window_size=(1024, None)), dict(softcap=30.0)):
     spec = decode_spec(128, 128, 4, 4, 64, **options)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
-  # An e4m3 cache: every head dim and layout at GQA 8, every block/stage
+  # An e4m3 cache: every head dim (and the 192/128 pairs, whose rows are
+  # not whole 128-byte spans) and layout at GQA 8, every block/stage
   # config at d128, and softcap.
   e4m3 = dict(cache_dtype="float8_e4m3fn")
-  for d in (64, 128, 256):
+  for d, dv in E4M3_HEAD_DIMS:
     for ps in PAGE_SIZES:
-      spec = decode_spec(d, d, 8, 1, ps, **e4m3)
+      spec = decode_spec(d, dv, 8, 1, ps, **e4m3)
       yield compile_decode, spec, config_decode.default_decode_config(spec)
   spec = decode_spec(128, 128, 4, 1, None, **e4m3)
   for block in config_decode.BLOCK_KV_CHOICES:
