@@ -87,6 +87,36 @@ def test_interpret_against_float64_golden(
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize("ps", [128, 256], ids=["page128", "page256"])
+def test_interpret_traced_overflowing_length_reads_no_page_past_the_table(
+  ps, rng
+):
+  """A traced length past the capacity walks tiles past the page table:
+  the one-page-per-tile read of the table is clamped, as the multi-page
+  one is (else it reads past the table: the interpreter's out-of-bounds
+  error, another sequence's page on a GPU), and that sequence's rows are
+  NaN while the other's are right."""
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=4, heads_kv=1, head_dim=64,
+    capacity=256, lengths=[100, 30], page_size=ps,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  step = jax.jit(
+    lambda a, kw: pallas_fa3.flash_attention_with_kvcache(
+      *a, **kw, implementation="interpret",
+      config=pallas_fa3.Sm90DecodeConfig(block_kv=128, num_stages=2),
+    )
+  )  # fmt: skip
+  lengths = jnp.asarray([256 + 200, 30], jnp.int32)
+  out = np.asarray(step(args, {**kwargs, "cache_seqlens": lengths}), np.float32)
+  assert np.all(np.isnan(out[0]))
+  want = pallas_fa3.flash_attention_with_kvcache(
+    *args, **kwargs, implementation="reference"
+  )
+  np.testing.assert_allclose(out[1], np.asarray(want[1], np.float32), atol=2e-2)
+
+
 def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
   S = jax.ShapeDtypeStruct
   b, hq, hk, d = 4, 16, 4, 128

@@ -105,8 +105,9 @@ class DecodePlan:
       index = tile * self.pages_per_tile + part
       page = pt_ref[batch, jnp.minimum(index, spec.pages_per_seq - 1)]
       return cache_ref.at[page, pl.ds(0, ps), head]
-    key0 = tile * bkv  # a page holds one or more tiles
-    page = pt_ref[batch, lax.div(key0, jnp.int32(ps))]
+    key0 = tile * bkv  # a page holds one or more tiles (clamped as above)
+    index = lax.div(key0, jnp.int32(ps))
+    page = pt_ref[batch, jnp.minimum(index, spec.pages_per_seq - 1)]
     return cache_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), bkv), head]
 
 
