@@ -150,8 +150,8 @@ class KernelOps:
   ) -> tuple[jax.Array, tuple]:
     """FA3's intra-warpgroup order: issues S = Q K^T (chunks as in
     `with_scores`), then O + P V (`p` in registers; the FP8 ops take it in
-    shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V
-    stays in flight) and runs `with_s(s)`, which returns arrays shaped as
+    shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V,
+    one `plgpu.wgmma` and so one group, stays in flight) and runs `with_s(s)`, which returns arrays shaped as
     `like`. Returns (O + P V, what `with_s` returned) once both wgmma are
     done. `with_s` must not write registers that the P V wgmma reads:
     convert its P for the next step only after this returns."""
@@ -202,8 +202,9 @@ class KernelOps:
   ) -> Any:
     """Issues S1 = A1 B1^T, then S2 = A2 B2^T (each pair `(a, b)` as
     `with_scores` takes Q and K) and runs `body(read_1, read_2)` while they
-    compute: `read_1` waits for S1 alone (`wait_group 1`), `read_2` for
-    both. Returns what `body` returns."""
+    compute: `read_1` waits for S1 alone (`wait_group n`, n the wgmma
+    groups of S2: one per chunk, each `plgpu.wgmma` commits its own),
+    `read_2` for both. Returns what `body` returns."""
     pairs = [(_chunks(a), _chunks(b)) for a, b in (first, second)]
     if self.interpreted:
       s1, s2 = (
@@ -216,8 +217,9 @@ class KernelOps:
       for acc, (a, b) in zip((acc1, acc2), pairs):
         for x, y in zip(a, b):
           plgpu.wgmma(acc, x, y.transpose((1, 0)))
+      second_groups = len(pairs[1][0])
       return body(
-        lambda: plgpu.wgmma_accumulator_load(acc1, wait_n=1),
+        lambda: plgpu.wgmma_accumulator_load(acc1, wait_n=second_groups),
         lambda: acc2[...],
       )
 
