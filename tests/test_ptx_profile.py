@@ -195,3 +195,42 @@ def test_ptx_profile_without_a_loop():
     smem_bytes=None,
   )
   assert p.loop["total"] == 0 and p.wgmma == {} and p.threads == 0
+
+
+@pytest.mark.parametrize(
+  "note",
+  [
+    "ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg'"
+    " ignored; unable to determine register count at entry.",
+    "ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg'"
+    " ignored to maintain compatibility across compilation units.",
+  ],
+)
+def test_a_setmaxnreg_that_ptxas_ignored_fails_the_compile(tmp_path, note):
+  """The PTX asks for FA3's split, which the pool check passes; ptxas's note
+  that it kept the launch count instead is a budget problem (`aot` fails
+  on it) and shows in the table."""
+  report = (
+    f"{note}\nptxas info    : Function properties for fa3_fwd\n"
+    "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    "ptxas info    : Used 168 registers, used 16 barriers\n"
+  )
+  (tmp_path / "fa3_fwd_0.ptxas").write_text(report)
+  (tmp_path / "fa3_fwd_0.ptx").write_text(
+    ".maxntid 384, 1, 1\nsetmaxnreg.inc.sync.aligned.u32 240;\n"
+    "setmaxnreg.dec.sync.aligned.u32 24;\n"
+  )
+  (kernel,) = aot_compile.kernel_profiles(tmp_path, "d128")
+  assert kernel.setmaxnreg == ("inc 240", "dec 24")
+  assert kernel.setmaxnreg_ignored == (note.strip(),)
+  problems = aot_compile.budget_problems(
+    aot_compile.CompileReport("d128", 168, 0, 0, (kernel,))
+  )
+  assert problems == [f"fa3_fwd d128: ptxas ignored its setmaxnreg: {note}"]
+  assert "inc 240 dec 24 (ignored by ptxas) | 504/504 OVER" in (
+    ptx_profile.table([kernel])
+  )
+  # Without the note the same kernel has no problem.
+  (tmp_path / "fa3_fwd_0.ptxas").write_text(report.split("\n", 1)[1])
+  (kernel,) = aot_compile.kernel_profiles(tmp_path, "d128")
+  assert ptx_profile.register_problems(kernel) == []

@@ -43,6 +43,10 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 # ptxas's note when it serializes wgmma (it then waits after each one).
 _SERIALIZED = "wgmma.mma_async instructions are serialized"
+# ptxas's notes when it drops every setmaxnreg of a kernel, e.g. "(C7508)
+# Potential Performance Loss: 'setmaxnreg' ignored; unable to determine
+# register count at entry." (C7504 and C7506 word the reason otherwise).
+_SETMAXNREG_IGNORED = re.compile(r"^.*'?setmaxnreg'? ignored.*$", re.I | re.M)
 
 
 def _found(module: str) -> bool:
@@ -99,6 +103,11 @@ def parse_ptxas(text: str) -> tuple[int, int, int]:
   )
 
 
+def setmaxnreg_notes(ptxas_report: str) -> tuple[str, ...]:
+  """ptxas's notes that it ignored a setmaxnreg, each stripped."""
+  return tuple(m.strip() for m in _SETMAXNREG_IGNORED.findall(ptxas_report))
+
+
 def h200_mesh() -> Mesh:
   """A one-device mesh of the H200 compile-only target."""
   import jax
@@ -110,7 +119,7 @@ def h200_mesh() -> Mesh:
   return jax.sharding.Mesh(topo.devices, ("x",))
 
 
-def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
+def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
   """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`)."""
   profiles = []
   for ptxas in sorted(dump.glob("*.ptxas")):
@@ -129,6 +138,7 @@ def _kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
         spill_load_bytes=loads,
         smem_bytes=int(smem.group(1)) if smem else None,
         wgmma_serialized=_SERIALIZED in report,
+        setmaxnreg_ignored=setmaxnreg_notes(report),
       )
     )
   if not profiles:
@@ -181,7 +191,7 @@ def compile_report(
     finally:
       for flag in flags:
         os.environ.pop(flag)
-    kernels = _kernel_profiles(pathlib.Path(dump), label or name)
+    kernels = kernel_profiles(pathlib.Path(dump), label or name)
   return CompileReport(
     name,
     max(k.registers for k in kernels),

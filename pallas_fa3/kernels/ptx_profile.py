@@ -83,6 +83,10 @@ class KernelProfile:
   wgmma_serialized: bool = False
   # (id, thread count) of every named barrier with immediate operands.
   named_barriers: tuple[tuple[int, int], ...] = ()
+  # ptxas's notes that it ignored the kernel's setmaxnreg (C7504, C7506,
+  # C7508: "'setmaxnreg' ignored; ..."): the warpgroups then keep the
+  # launch count, whatever the PTX asks for.
+  setmaxnreg_ignored: tuple[str, ...] = ()
 
 
 def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
@@ -112,11 +116,13 @@ def register_budget(p: KernelProfile) -> tuple[int, int]:
 
 def register_problems(p: KernelProfile) -> list[str]:
   """Why the kernel's setmaxnreg split cannot complete on a GPU (empty: it
-  can): `hopper.split_problems` on its compiled figures."""
+  can): ptxas ignored it, or `hopper.split_problems` on its compiled
+  figures."""
+  ignored = [f"ptxas ignored its setmaxnreg: {n}" for n in p.setmaxnreg_ignored]
   if not p.setmaxnreg:
-    return []
+    return ignored
   consumer, producer, producers = register_split(p)
-  return hopper.split_problems(
+  return ignored + hopper.split_problems(
     max(p.threads // hopper.WARPGROUP_THREADS, 1),
     consumer,
     producer,
@@ -277,6 +283,7 @@ def profile_ptx(
   spill_load_bytes: int,
   smem_bytes: int | None,
   wgmma_serialized: bool = False,
+  setmaxnreg_ignored: tuple[str, ...] = (),
 ) -> KernelProfile:
   """The profile of one kernel from its PTX text and ptxas's figures."""
   lines = ptx.splitlines()
@@ -311,6 +318,7 @@ def profile_ptx(
     instructions=len(ops),
     wgmma_serialized=wgmma_serialized,
     named_barriers=_named_barriers(ptx, cta_threads),
+    setmaxnreg_ignored=tuple(setmaxnreg_ignored),
   )
 
 
@@ -332,7 +340,8 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     need, have = register_budget(p)
     budget = f"{need}/{have}" + (" OVER" if register_problems(p) else "")
     rows.append(
-      f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)} |"
+      f"| {p.name} | {p.threads} | {p.registers} | {' '.join(p.setmaxnreg)}"
+      f"{' (ignored by ptxas)' if p.setmaxnreg_ignored else ''} |"
       f" {budget} | {p.spill_store_bytes}/"
       f"{p.spill_load_bytes} | {smem} | {shapes}"
       f"{' (serialized)' if p.wgmma_serialized else ''} | {waits} |"
