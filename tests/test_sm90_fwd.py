@@ -273,9 +273,7 @@ def test_smem_estimate_is_exactly_what_mosaic_allocates(
   with pytest.raises(ValueError, match="exceeds available shared memory") as e:
     _lower(make_spec(q, q, v), config)
   used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
-  assert used == sm90_config.forward_smem_bytes(
-    config, head_dim, 2, head_dim_v
-  )
+  assert used == sm90_config.forward_smem_bytes(config, head_dim, 2, head_dim_v)
 
 
 @pytest.mark.newest
