@@ -5,8 +5,9 @@ made canonical, and the sinks' layout and gradient every backend shares:
 
 * `window_size=(left, right)`: bottom-right aligned like `causal`. Query i
   sits at key position `p = i + seq_kv - seq_q` and sees key j iff
-  `p - left <= j <= p + right` (a None side is unbounded); with `causal`
-  the two masks intersect. The mask itself lives in `pallas_fa3.masking`.
+  `p - left <= j <= p + right` (a None or -1 side is unbounded, as in
+  FA2/FA3: `(-1, -1)` is no window, `(-1, 0)` causal); with `causal` the
+  two masks intersect. The mask itself lives in `pallas_fa3.masking`.
 * `softcap=c`: the scaled score s becomes `c * tanh(s / c)` (Gemma 2's and
   FA3's convention); its derivative is `1 - tanh^2`.
 * `sinks=[heads_q]`: one logit per query head counted once in every row's
@@ -30,19 +31,29 @@ import numpy as np
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _window_side(name: str, value: Any) -> int | None:
+def window_bound(name: str, value: Any) -> int | None:
+  """One side of `window_size` as an int >= 0, or None (unbounded): None,
+  or -1 as in FA2/FA3 (`window_size=(-1, -1)` is no window, `(-1, 0)`
+  causal).
+
+  Raises:
+    TypeError / ValueError naming `window_size` and the side.
+  """
   if value is None:
     return None
   if isinstance(value, (bool, np.bool_)) or not isinstance(
     value, numbers.Integral
   ):
     raise TypeError(
-      f"window_size {name} must be a non-negative int or None; got"
-      f" {value!r} of type {type(value).__name__}"
+      f"window_size {name} must be an int >= 0, -1 (unbounded) or None;"
+      f" got {value!r} of type {type(value).__name__}"
     )
+  if value == -1:
+    return None
   if value < 0:
     raise ValueError(
-      f"window_size {name} must be a non-negative int or None; got {value}"
+      f"window_size {name} must be an int >= 0, -1 (unbounded) or None;"
+      f" got {value}"
     )
   return int(value)
 
@@ -59,7 +70,7 @@ def check_window_size(
 
   Raises:
     TypeError / ValueError naming `window_size`: not None or a pair, or a
-      side that is not a non-negative int or None.
+      side that is not an int >= 0, -1 or None (`window_bound`).
   """
   if window_size is None:
     return None
@@ -67,17 +78,16 @@ def check_window_size(
     window_size, (tuple, list)
   ):
     raise TypeError(
-      "window_size must be None or a pair (left, right) of non-negative"
-      f" ints or None; got {window_size!r} of type"
-      f" {type(window_size).__name__}"
+      "window_size must be None or a pair (left, right) of ints >= 0, -1"
+      f" or None; got {window_size!r} of type {type(window_size).__name__}"
     )
   if len(window_size) != 2:
     raise ValueError(
-      "window_size must be a pair (left, right) of non-negative ints or"
-      f" None; got {tuple(window_size)!r} ({len(window_size)} entries)"
+      "window_size must be a pair (left, right) of ints >= 0, -1 or None;"
+      f" got {tuple(window_size)!r} ({len(window_size)} entries)"
     )
-  left = _window_side("left", window_size[0])
-  right = _window_side("right", window_size[1])
+  left = window_bound("left", window_size[0])
+  right = window_bound("right", window_size[1])
   if left is not None and left >= seq_kv - 1:
     left = None  # p - left <= 0 for every row (p <= seq_kv - 1)
   if right is not None and (causal or right >= seq_q - 1):

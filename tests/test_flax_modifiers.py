@@ -161,7 +161,7 @@ def test_linen_sinks_parameter_is_float32_zeros_and_learns(rng):
 _BAD_OPTIONS = [
   (dict(window_size=3), TypeError, "window_size"),
   (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
-  (dict(window_size=(-1, None)), ValueError, "window_size"),
+  (dict(window_size=(-2, None)), ValueError, "window_size"),
   (dict(window_size=(1.5, None)), TypeError, "window_size"),
   (dict(softcap=-1.0), ValueError, "softcap"),
   (dict(softcap="50"), TypeError, "softcap"),

@@ -192,10 +192,34 @@ def test_blockwise_never_computes_tiles_outside_the_window(key):
   assert not np.any(np.asarray(dk[:, : visible_from - 16]))
 
 
+@pytest.mark.parametrize("implementation", ["reference", "blockwise"])
+def test_fa3_window_convention_minus_one_is_unbounded(implementation):
+  """FA2/FA3/fa4-jax code runs unchanged: (-1, -1) is no window, (-1, 0)
+  causal (bottom-right), (w, -1) a left bound alone; bit for bit the same
+  as None."""
+  q, k, v, _ = random_inputs(
+    jax.random.key(1), Shape(1, 24, 40, 2, 1, 16), "bfloat16"
+  )
+  call = lambda **kw: pallas_fa3.flash_attention(
+    q, k, v, return_lse=True, implementation=implementation, **kw
+  )
+  for got, want in (
+    (call(window_size=(-1, -1)), call()),
+    (call(window_size=(-1, 0)), call(causal=True)),
+    (call(window_size=(5, -1)), call(window_size=(5, None))),
+    (call(window_size=[-1, 3]), call(window_size=(None, 3))),
+    (call(window_size=(-1, -1), causal=True), call(causal=True)),
+  ):
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert make_spec(q, k, k, window_size=(-1, 0)).window_size == (None, 0)
+
+
 @pytest.mark.parametrize(
   "window,error",
   [
-    ((-1, 3), ValueError),
+    ((-2, 3), ValueError),
+    ((3, -5), ValueError),
     ((1, 2, 3), ValueError),
     ((1.5, 2), TypeError),
     ((True, 2), TypeError),

@@ -24,7 +24,8 @@ Window = tuple[int | None, int | None]
 
 
 def check_window(window_size: Any) -> Window | None:
-  """`window_size` as None or a `(left, right)` tuple of ints >= 0 or None.
+  """`window_size` as None or a `(left, right)` tuple of ints >= 0 or None
+  (-1, FA3's unbounded side, becomes None).
 
   The rules are `flash_attention`'s (`pallas_fa3.modifiers`); checked here
   so a layer refuses a bad window when it is built, not at its first call.
@@ -36,7 +37,10 @@ def check_window(window_size: Any) -> Window | None:
     return None
   # Only the checks matter here; the lengths given do not change them.
   modifiers.check_window_size(window_size, seq_q=1, seq_kv=1, causal=False)
-  return tuple(None if side is None else int(side) for side in window_size)
+  return tuple(
+    modifiers.window_bound(name, side)
+    for name, side in zip(("left", "right"), window_size)
+  )
 
 
 def head_layout(
