@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from pallas_fa3 import kvcache_fp8, modifiers
 from pallas_fa3.backends.decode import DecodeBackend, resolve_decode
-from pallas_fa3.kvcache_cache import append, cache_rows
+from pallas_fa3.kvcache_cache import append, cache_rows, invalid_sequences
 from pallas_fa3.kvcache_spec import DecodeSpec, make_decode_spec
 from pallas_fa3.spec import check_bool
 
@@ -105,9 +105,11 @@ def _decode(
   out, lse = _attend(
     call, q, k_cache, v_cache, lengths, rows, pages, sinks, descale
   )
-  # A traced length past the cache (or negative) cannot raise: its
-  # sequence's rows are NaN, never a silently wrong result.
+  # A traced length past the cache (or negative), or a traced page or row
+  # index that is not the cache's, cannot raise: its sequence's rows are
+  # NaN, never a silently wrong result.
   bad = (seqlens < 0) | (lengths > spec.capacity)
+  bad |= invalid_sequences(spec, lengths, rows, pages)
   out = jnp.where(bad[:, None, None, None], jnp.nan, out)
   lse = jnp.where(bad[:, None, None], jnp.nan, lse)
   result = (out, lse) if return_lse else (out,)
@@ -214,10 +216,15 @@ def flash_attention_with_kvcache(
     k_cache, v_cache)` or `(out, lse, k_cache, v_cache)`; with
     `v_cache=None` the one cache: `(out[, lse], k_cache)`. Under `jax.jit`
     with the caches donated, they are updated in place. A sequence whose
-    traced length is negative or overflows the cache gets NaN rows.
+    traced length is negative or overflows the cache, or whose traced
+    `page_table` entries (for its tokens) or `cache_batch_idx` entry name
+    no page or row of the cache, gets NaN rows (and its new tokens are not
+    written).
 
   Raises:
-    TypeError / ValueError naming the argument; NotImplementedError for a
+    TypeError / ValueError naming the argument (a concrete `page_table`
+    or `cache_batch_idx` entry out of range: naming the entry and the
+    bound); NotImplementedError for a
     valid call the requested backend does not serve, and for `jax.grad`
     (forward only).
   """

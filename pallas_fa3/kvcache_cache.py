@@ -34,16 +34,39 @@ def token_slots(
   past = positions >= spec.capacity
   if spec.paged:
     index = jnp.clip(positions // spec.page_size, 0, spec.pages_per_seq - 1)
-    pages = jnp.take_along_axis(
+    target = jnp.take_along_axis(
       page_table.astype(jnp.int32),
       index.reshape(spec.batch, -1),
       axis=1,
     ).reshape(positions.shape)
-    return jnp.where(past, spec.cache_rows, pages), positions % spec.page_size
-  rows = jnp.broadcast_to(
-    rows.reshape((spec.batch,) + (1,) * (positions.ndim - 1)), positions.shape
-  )
-  return jnp.where(past, spec.cache_rows, rows), positions
+    slot = positions % spec.page_size
+  else:
+    target = jnp.broadcast_to(
+      rows.reshape((spec.batch,) + (1,) * (positions.ndim - 1)),
+      positions.shape,
+    )
+    slot = positions
+  # A page or row that is not one of the cache's (a traced index) is out of
+  # bounds too, negative ones included: never another sequence's slot.
+  past |= (target < 0) | (target >= spec.cache_rows)
+  return jnp.where(past, spec.cache_rows, target), slot
+
+
+def invalid_sequences(
+  spec: DecodeSpec, lengths: jax.Array, rows: Any, page_table: Any
+) -> jax.Array:
+  """bool `[b]`: sequence b reads a page (of its first `lengths[b]` tokens)
+  or a row that is not one of the cache's (traced indices; concrete ones
+  raise in `make_decode_spec`)."""
+  if spec.paged:
+    pages = page_table.astype(jnp.int32)
+    used = jnp.arange(spec.pages_per_seq)[None, :] < (
+      (lengths[:, None] + spec.page_size - 1) // spec.page_size
+    )
+    bad = (pages < 0) | (pages >= spec.cache_rows)
+    return jnp.any(bad & used, axis=1)
+  rows = jnp.asarray(rows, jnp.int32)
+  return (rows < 0) | (rows >= spec.cache_rows)
 
 
 def append(

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa3 import modifiers
 from pallas_fa3.spec import (
@@ -241,6 +242,41 @@ def _int_vector(name: str, x: Any, batch: int) -> None:
     raise TypeError(f"{name} must be int32; got {jnp.dtype(x.dtype)}")
 
 
+def _check_cache_indices(
+  index: Any, rows: int, page_size: int, lengths: list[int] | None
+) -> None:
+  """A concrete `page_table` (`page_size` > 0) or `cache_batch_idx` names
+  only pages (rows) of k_cache's `rows`: ValueError naming the entry and the
+  bound. A page table is checked where the sequences' tokens (`lengths`
+  with the appended ones, when concrete) lie; the entries past them are
+  never read (padding, e.g. -1, is fine there). Traced indices are checked
+  on the device (`kvcache_cache.invalid_sequences`: NaN rows)."""
+  if index is None or isinstance(index, jax.core.Tracer):
+    return
+  values = np.asarray(jax.device_get(index))
+  bad = (values < 0) | (values >= rows)
+  if page_size:
+    name, what = "page_table", f"a page of k_cache, which has {rows} pages"
+    if lengths is None:
+      return  # which entries are read is known on the device only
+    used = -(-np.asarray(lengths) // page_size)
+    bad &= np.arange(values.shape[1])[None, :] < used[:, None]
+  else:
+    name, what = "cache_batch_idx", f"a row of k_cache, which has {rows} rows"
+  if bad.any():
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = ", ".join(map(str, at))
+    raise ValueError(
+      f"{name}[{where}] = {int(values[at])} is not {what} (0..{rows - 1});"
+      f" {name} entries out of range: {int(bad.sum())}"
+      + (
+        f" (sequence {at[0]} holds {lengths[at[0]]} tokens)"
+        if page_size
+        else ""
+      )
+    )
+
+
 def make_decode_spec(
   q: Any,
   k_cache: Any,
@@ -364,6 +400,12 @@ def make_decode_spec(
         f" holds {capacity} tokens per sequence (cache_seqlens="
         f"{[int(x) for x in lengths]}, seq_new={seq_new})"
       )
+  _check_cache_indices(
+    page_table if paged else cache_batch_idx,
+    kc_shape[0],
+    page_size,
+    None if lengths is None else [int(n) + seq_new for n in lengths],
+  )
   if num_splits is not None:
     num_splits = check_int("num_splits", num_splits, minimum=1)
   causal = check_bool("causal", causal)

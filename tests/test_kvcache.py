@@ -145,6 +145,95 @@ def test_appended_tokens_land_in_their_slots(rng):
     assert np.all(np.isfinite(out[:2])) and np.all(np.isnan(out[2]))
 
 
+def _pages_case(rng):
+  """Two sequences of 40 and 10 tokens (+1 appended) in 16-token pages of a
+  9-page cache; sequence 0 reads its table's first 3 entries, sequence 1
+  its first one."""
+  return decode_case(
+    rng, batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=32,
+    capacity=64, lengths=[40, 10], page_size=16, seq_new=1,
+  )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+@pytest.mark.parametrize("entry", [99, 9, -1], ids=["99", "9", "-1"])
+def test_out_of_range_page_table_entries_are_errors(impl, entry, rng):
+  """A concrete page_table entry that is no page of the cache is a
+  ValueError naming the entry and the bound (it once read page 8, the
+  last); entries past a sequence's tokens are never read, so padding
+  there is fine and changes nothing."""
+  case = _pages_case(rng)
+  args, kwargs = case.call_args()
+  call = lambda pt: pallas_fa3.flash_attention_with_kvcache(
+    *args, **{**kwargs, "page_table": pt}, implementation=impl
+  )
+  bad = case.page_table.at[0, 2].set(entry)
+  with pytest.raises(
+    ValueError,
+    match=rf"page_table\[0, 2\] = {entry} is not a page of k_cache, which has 9 pages \(0..8\)",
+  ):
+    call(bad)  # fmt: skip
+  padded = case.page_table.at[1, 1:].set(entry)  # past sequence 1's 11 tokens
+  for got, want in zip(call(padded), call(case.page_table)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+@pytest.mark.parametrize("entry", [5, -1], ids=["5", "-1"])
+def test_out_of_range_cache_batch_idx_is_an_error(impl, entry, rng):
+  """cache_batch_idx=[0, 5] over a 3-row cache once read row 2."""
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=32,
+    capacity=64, lengths=[40, 10], batch_idx=True,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  kwargs["cache_batch_idx"] = case.cache_batch_idx.at[1].set(entry)
+  with pytest.raises(
+    ValueError,
+    match=rf"cache_batch_idx\[1\] = {entry} is not a row of k_cache, which has 3 rows \(0..2\)",
+  ):
+    pallas_fa3.flash_attention_with_kvcache(*args, **kwargs, implementation=impl)  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_traced_out_of_range_indices_give_nan_rows(impl, rng):
+  """Traced indices cannot raise: the sequence that reads a page (a row)
+  the cache lacks gets NaN rows, the others their own output, and its new
+  token is written nowhere (never into another sequence's page)."""
+  case = _pages_case(rng)
+  args, kwargs = case.call_args()
+  step = jax.jit(
+    lambda a, kw: pallas_fa3.flash_attention_with_kvcache(
+      *a, **kw, implementation=impl
+    )
+  )
+  want_out, want_k, _ = step(args, kwargs)
+  for entry in (99, -1):
+    # Sequence 0's third page holds its tokens 32..40 and the new one.
+    table = case.page_table.at[0, 2].set(entry)
+    out, k2, _ = step(args, {**kwargs, "page_table": table})
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isnan(out[0]))
+    np.testing.assert_array_equal(out[1], np.asarray(want_out[1], np.float32))
+    # The cache is the valid call's but for sequence 0's new token (token
+    # 40: slot 8 of its third page), which is written nowhere.
+    page = int(case.page_table[0, 2])
+    want = want_k.at[page, 8].set(case.k_cache[page, 8])
+    np.testing.assert_array_equal(
+      np.asarray(k2, np.float32), np.asarray(want, np.float32)
+    )
+  rows = decode_case(
+    rng, batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=32,
+    capacity=64, lengths=[40, 10], batch_idx=True,
+  )  # fmt: skip
+  args, kwargs = rows.call_args()
+  for entry in (5, -1):
+    row0 = int(rows.cache_batch_idx[0])
+    kw = {**kwargs, "cache_batch_idx": jnp.asarray([row0, entry], jnp.int32)}
+    out = np.asarray(step(args, kw), np.float32)
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[0]))
+
+
 @pytest.mark.parametrize("impl", BACKENDS)
 def test_one_compilation_serves_every_length(impl, rng):
   case = decode_case(
@@ -350,7 +439,7 @@ def _bad_calls():
   )
   yield (
     "window",
-    lambda: call(q, kc, kc, cache_seqlens=n, window_size=(-1, 0)),
+    lambda: call(q, kc, kc, cache_seqlens=n, window_size=(-2, 0)),
     ValueError,
     "window_size",
   )
