@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_fa3 import backends, modifiers, segments, vjp
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.fp8 import FP8Config, check_fp8
-from pallas_fa3.parallel import context
+from pallas_fa3.parallel import context, sharding_checks
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
@@ -25,6 +25,11 @@ def _attention(
 ) -> tuple[jax.Array, jax.Array]:
   if sinks is not None:  # [hq] -> float32 [b, hq]; d/dsinks sums over b
     sinks = modifiers.batch_sinks(sinks, call.spec.batch)
+  # Inside a shard_map: every operand varies like q (cotangents then have
+  # their primal's type; a replicated one's gradient is summed by the cast).
+  q, k, v, sinks, segment_ids = sharding_checks.vary_alike(
+    (q, k, v, sinks, segment_ids)
+  )
   return vjp.attention_with_lse(call, q, k, v, sinks, segment_ids)
 
 

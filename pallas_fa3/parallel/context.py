@@ -42,6 +42,7 @@ from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   check_shardings,
   known_sharding,
+  kv_replicated_over_heads,
   mesh_axes,
   spec_entries,
 )
@@ -108,6 +109,13 @@ def check(
   """
   seq = _seq_axes(shardings)
   batch, heads = check_shardings(call.spec, axis_sizes, shardings)
+  if seq and kv_replicated_over_heads(call.spec, heads):
+    raise NotImplementedError(
+      f"q is sharded along its sequence axis and over heads on mesh axes"
+      f" {heads}, with heads_kv=1 (MQA): the ring passes K/V shards of"
+      " whole kv heads around, and one kv head cannot be split; shard"
+      " the heads or the sequence, not both"
+    )
   if seq:
     check_ring(call.spec, call.backend, axis_sizes, seq)
   return batch, heads, seq

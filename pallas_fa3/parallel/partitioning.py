@@ -17,7 +17,8 @@ What can be honoured:
   * batch sharded over any mesh axes;
   * heads sharded over mesh axes of total size n when `heads_kv % n == 0`
     (GQA groups stay whole: kv head j and query heads `j*g .. j*g+g-1` on
-    one device);
+    one device), or with MQA's one kv head, which every device then holds
+    (dK, dV summed over the head axes);
   * the sequence sharded over one mesh axis: each device then runs its half
     of ring attention instead of the plain backend call (context
     parallelism, `pallas_fa3.parallel.context`), with batch/head splits as
@@ -62,6 +63,7 @@ from pallas_fa3.parallel.sharding_checks import (
   axes_entry,
   explicit_sharding,
   fit_explicit,
+  kv_replicated_over_heads,
   mesh_axes,
   mesh_ways,
   spec_entries,
@@ -109,22 +111,26 @@ def _heads_factor(spec: AttentionSpec) -> tuple[str, dict[str, int]]:
 def _local_call(
   call: StaticCall, batchmesh_ways: int, headmesh_ways: int
 ) -> StaticCall:
-  """`call` for one device's shard: batch and heads divided."""
+  """`call` for one device's shard: batch and heads divided (MQA's one kv
+  head is every device's)."""
   spec = call.spec
   local = dataclasses.replace(
     spec,
     batch=spec.batch // batchmesh_ways,
     heads_q=spec.heads_q // headmesh_ways,
-    heads_kv=spec.heads_kv // headmesh_ways,
+    heads_kv=max(spec.heads_kv // headmesh_ways, 1),
   )
   return dataclasses.replace(call, spec=local)
 
 
 def _layout_specs(
-  names: Sequence[str], axes: tuple[tuple[str, ...], ...]
+  names: Sequence[str],
+  axes: tuple[tuple[str, ...], ...],
+  kv_replicated: bool = False,
 ) -> tuple[P, ...]:
   """PartitionSpecs with batch, heads and sequence split as `axes` (batch,
-  heads, sequence) say, for operands named `names`."""
+  heads, sequence) say, for operands named `names`; `kv_replicated`: K/V
+  (and dK/dV) whole over the head axes (`kv_replicated_over_heads`)."""
   b, h, s = (axes_entry(a) for a in axes)
   by_name = {
     "lse": P(b, h, s),
@@ -133,6 +139,8 @@ def _layout_specs(
     "q_ids": P(b, s),
     "kv_ids": P(b, s),
   }
+  if kv_replicated:
+    by_name.update(k=P(b, s, None, None), v=P(b, s, None, None))
   return tuple(by_name.get(n, P(b, s, h, None)) for n in names)
 
 
@@ -163,10 +171,11 @@ class _Op:
       n: spec for n, spec in zip(self.arg_names, arg_specs) if n in CHECKED
     }
     axes = context.check(call, dict(mesh.shape), shardings)
+    kv_whole = kv_replicated_over_heads(call.spec, axes[1])
     return (
       axes,
-      _layout_specs(self.arg_names, axes),
-      _layout_specs(self.result_names, axes),
+      _layout_specs(self.arg_names, axes, kv_whole),
+      _layout_specs(self.result_names, axes, kv_whole),
     )
 
   def local(
@@ -180,6 +189,13 @@ class _Op:
     local = _local_call(
       call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
     )
+    if self.backward and kv_replicated_over_heads(call.spec, head_axes):
+
+      def run_mqa(*a):  # each device's dK, dV: its query heads' share
+        dq, dk, dv = self.run(local, *a)
+        return dq, *jax.lax.psum((dk, dv), head_axes)
+
+      return run_mqa
     return lambda *a: self.run(local, *a)
 
   def partition(

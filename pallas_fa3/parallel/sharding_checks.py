@@ -49,8 +49,9 @@ def check_shardings(
 
   Raises:
     ValueError: a sharded head_dim axis, or a head sharding that would split
-      a group of query heads sharing a kv head; the message names the
-      argument.
+      a group of query heads sharing a kv head (MQA's one kv head is
+      replicated instead: `kv_replicated_over_heads`); the message names
+      the argument.
   """
   for name in CHECKED:
     split = mesh_axes(shardings.get(name, (None,) * 4)[_HEAD_DIM])
@@ -65,7 +66,7 @@ def check_shardings(
   q = shardings.get("q", (None,) * 4)
   batch_axes, head_axes = mesh_axes(q[_BATCH]), mesh_axes(q[_HEADS])
   ways = math.prod(axis_sizes[a] for a in head_axes)
-  if spec.heads_kv % ways:
+  if spec.heads_kv % ways and not kv_replicated_over_heads(spec, head_axes):
     raise ValueError(
       f"q is sharded over heads on mesh axes {head_axes} ({ways} ways), but"
       f" k and v have heads_kv={spec.heads_kv} heads, not a multiple of"
@@ -74,6 +75,14 @@ def check_shardings(
       f" {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead"
     )
   return batch_axes, head_axes
+
+
+def kv_replicated_over_heads(
+  spec: AttentionSpec, head_axes: tuple[str, ...]
+) -> bool:
+  """MQA with q's heads split: every device holds the one K/V head (K/V
+  replicated over the head axes; dK, dV summed over them)."""
+  return bool(head_axes) and spec.heads_kv == 1
 
 
 def known_sharding(x: Any) -> NamedSharding | None:
@@ -126,3 +135,38 @@ def fit_explicit(x: jax.Array, target: NamedSharding) -> jax.Array:
   ):
     return x
   return jax.reshard(x, target)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes along which `x` varies inside a `jax.shard_map`
+  (empty outside one, and for None)."""
+  if x is None:
+    return frozenset()
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # (the newest JAX's name)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma)
+
+
+def vary_alike(tree: Any) -> Any:
+  """Every array of `tree` cast to vary along the union of their manual
+  axes (`jax.lax.pcast(..., to="varying")`).
+
+  Inside a `jax.shard_map`, a custom_vjp's backward returns cotangents
+  that vary like the values they are computed from, so an input that does
+  not vary (replicated sinks, K/V) while q does would get a cotangent of
+  another type. Cast first, its cotangent varies like q's, and the cast's
+  own transpose (a psum over those axes) gives the replicated input its
+  summed gradient.
+  """
+  leaves = jax.tree.leaves(tree)
+  union = frozenset().union(*map(varying_axes, leaves))
+  if not union:
+    return tree
+
+  def cast(x):
+    missing = tuple(sorted(union - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import mesh_helpers as mh
+import numpy as np
 import pytest
 from conftest import forward_and_grads
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -234,3 +235,86 @@ def test_window_softcap_sinks_shard_over_batch_and_heads(explicit, key):
     assert jnp.allclose(
       x.astype(jnp.float32), s.astype(jnp.float32), atol=1e-2, rtol=1e-2
     ), name
+
+
+# ---------------------------------------------------------------------------
+# jax.grad inside a user's shard_map with operands of different types:
+# replicated (not varying) sinks or K/V beside a sharded q. Each cotangent
+# must have its primal's type, and the gradient of a replicated operand is
+# the sum over the devices (fa4-jax's and jax-linear-attention's suites).
+
+_B, _H, _S = P("x"), P(None, None, "x"), P(None, "x")
+_SHARD_MAP_CASES = {
+  # (q, k, v, sinks) specs; sinks "closed" = closed over, not an operand.
+  "sinks-replicated": ((_B, _B, _B, P()), Shape(8, 24, 24, 4, 2, 16), {}),
+  "sinks-closed-over": ((_B, _B, _B, "closed"), Shape(8, 24, 24, 4, 2, 16), {}),
+  "kv-replicated-q-seq": ((_S, P(), P(), None), Shape(2, 64, 40, 4, 2, 16), {}),
+  "mqa-kv-replicated-q-heads": (
+    (_H, P(), P(), None),
+    Shape(2, 24, 40, 8, 1, 16),
+    dict(causal=True),
+  ),
+}
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+@pytest.mark.parametrize("case", list(_SHARD_MAP_CASES))
+def test_grad_inside_shard_map_with_replicated_operands(case, devices, key):
+  (q_spec, k_spec, v_spec, s_spec), shape, opts = _SHARD_MAP_CASES[case]
+  mesh = mh.mesh((devices,), ("x",))
+  q, k, v, _ = random_inputs(key, shape, jnp.float32)
+  sinks = None
+  if s_spec is not None:
+    sinks = jax.random.normal(jax.random.fold_in(key, 2), (shape.heads_q,))
+
+  def local_loss(q, k, v, *s):
+    s = s[0] if s else sinks
+    out = pallas_fa3.flash_attention(q, k, v, sinks=s, **opts)
+    return jax.lax.psum(jnp.sum(out * jnp.cos(out)), "x")
+
+  operands = (q, k, v) + ((sinks,) if s_spec not in (None, "closed") else ())
+  specs = (q_spec, k_spec, v_spec) + ((s_spec,) if len(operands) == 4 else ())
+  sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=specs, out_specs=P())
+  argnums = tuple(range(len(operands)))
+  got = jax.jit(jax.value_and_grad(sharded, argnums=argnums))(*operands)
+
+  def whole_loss(q, k, v, *s):
+    s = s[0] if s else sinks
+    out = pallas_fa3.flash_attention(q, k, v, sinks=s, **opts)
+    return jnp.sum(out * jnp.cos(out))
+
+  want = jax.jit(jax.value_and_grad(whole_loss, argnums=argnums))(*operands)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got[1], want[1]):
+    assert g.shape == w.shape, name
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_mqa_with_head_sharded_queries(explicit, key):
+  """MQA's one kv head with q split over heads: every device holds the kv
+  head (K/V replicated over the head axis), dK/dV are summed over it;
+  forward and gradients as the single-device call."""
+  mesh = mh.mesh((2, 4), _AXES, explicit=explicit)
+  shape = Shape(2, 40, 56, 8, 1, 32)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  dlse = jax.random.normal(
+    jax.random.fold_in(key, 1), (shape.batch, shape.heads_q, shape.seq_q)
+  )
+  heads = NamedSharding(mesh, P("data", None, "model"))
+  kv = NamedSharding(mesh, P("data"))
+  args = [jax.device_put(q, heads)]
+  args += [jax.device_put(x, kv) for x in (k, v)]
+  args += [
+    jax.device_put(dout, heads),
+    jax.device_put(dlse, NamedSharding(mesh, P("data", "model"))),
+  ]
+  compiled = (
+    jax.jit(lambda *a: _sharded_run(*a, causal=True)).lower(*args).compile()
+  )
+  assert mh.collectives(compiled.as_text())[mh.ALL_GATHER] == 0
+  got = compiled(*args)
+  single = forward_and_grads(None, q, k, v, dout, causal=True, dlse=dlse)
+  golden, naive = golden_and_naive(q, k, v, dout, causal=True, dlse=dlse)
+  for name, x, s, n, g in zip(mh.NAMES, got, single, naive, golden):
+    mh.assert_same_within_rule(name, x, s, n, g)
