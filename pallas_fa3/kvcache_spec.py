@@ -251,8 +251,9 @@ def _check_cache_indices(
   with the appended ones, when concrete) lie; the entries past them are
   never read (padding, e.g. -1, is fine there). Traced indices are checked
   on the device (`kvcache_cache.invalid_sequences`: NaN rows)."""
-  if index is None or isinstance(index, jax.core.Tracer):
-    return
+  concrete = isinstance(index, (jax.Array, np.ndarray, list, tuple))
+  if not concrete or isinstance(index, jax.core.Tracer):
+    return  # None, traced, or a shape (jax.ShapeDtypeStruct)
   values = np.asarray(jax.device_get(index))
   bad = (values < 0) | (values >= rows)
   if page_size:
