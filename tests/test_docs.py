@@ -5,7 +5,8 @@ README stays short. The one doctest runner of the suite.
 
 Blocks that need hardware a CI machine lacks (a GPU, 8 devices) are fenced
 as ```text, ```bash or ```python multidevice (tests/multidevice/ runs the
-README's), so they are not run here."""
+README's), so they are not run here. The windows' and segment ids' "not
+with `X`" claims are checked against the code."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ import importlib
 import pathlib
 import re
 
+import jax
 import pytest
+
+import pallas_fa3
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _README = _ROOT / "README.md"
+_API = _ROOT / "docs" / "api.md"
 
 
 def _modules_with_examples() -> list[str]:
@@ -82,6 +87,73 @@ def test_docs_have_python_examples():
 @pytest.mark.parametrize("path,block", _DOC_BLOCKS)
 def test_docs_python_example_runs(path, block):
   exec(compile(block, str(path), "exec"), {})  # pylint: disable=exec-used
+
+
+def _section(text: str, start: str) -> str:
+  """The prose from `start` to the next heading or bold-led paragraph."""
+  prose = _FENCE.sub("", text[text.index(start) + len(start) :])
+  end = re.search(r"^(#|\*\*)", prose, re.M)
+  return prose[: end.start() if end else None]
+
+
+def _claimed_refusals(section: str) -> list[str]:
+  """The names in a section's "not with `a`, `b` or `c`" phrases."""
+  names = []
+  for phrase in re.findall(
+    r"[Nn]ot (?:combined )?with\s+((?:`[^`]+`(?:,\s*|\s+or\s+)?)+)", section
+  ):
+    names += [n.split("=")[0] for n in re.findall(r"`([^`]+)`", phrase)]
+  return names
+
+
+def _refusal_call(name: str, **feature):
+  """A call of `name` (an option of flash_attention, or ring_attention)
+  with the feature's arguments, on small inputs."""
+  q = k = v = jax.numpy.ones((1, 64, 2, 32), "bfloat16")
+  if name == "ring_attention":
+    mesh = jax.make_mesh((1,), ("seq",))
+    return lambda: pallas_fa3.ring_attention(
+      q, k, v, mesh=mesh, seq_axis="seq", **feature
+    )
+  option = {"fp8": dict(fp8=True), "stable_max": dict(stable_max=True)}[name]
+  return lambda: pallas_fa3.flash_attention(q, k, v, **option, **feature)
+
+
+def _feature_arguments(feature: str) -> list[dict]:
+  """The arguments of `_refusal_call`'s feature, one option at a time."""
+  if feature == "windows":
+    sinks = jax.numpy.zeros((2,), "float32")
+    return [dict(window_size=(16, None)), dict(softcap=30.0), dict(sinks=sinks)]
+  one_doc = jax.numpy.zeros((1, 64), "int32")
+  return [dict(segment_ids=pallas_fa3.SegmentIds(one_doc, one_doc))]
+
+
+# Where the README and api.md say what windows and segment ids combine with.
+_CLAIMS = [
+  (_README, "**Windows, softcap, sinks.**", "windows"),
+  (_README, "**Packed sequences.**", "segment ids"),
+  (_API, "## Sliding windows, softcap and sinks", "windows"),
+  (_API, "## Packed sequences: segment ids", "segment ids"),
+]
+
+
+@pytest.mark.parametrize(
+  "page,start,feature", _CLAIMS, ids=[f"{p.name}-{f}" for p, _, f in _CLAIMS]
+)
+def test_claimed_refusals_refuse(page, start, feature):
+  # Both pages said windows, softcap, sinks and segment ids are refused
+  # with fp8 and ring_attention after those had learnt them.
+  names = _claimed_refusals(_section(page.read_text(), start))
+  assert names, f"{page.name}: no 'not with' claim after {start!r}"
+  ran = []
+  for name in names:
+    for arguments in _feature_arguments(feature):
+      try:
+        jax.block_until_ready(_refusal_call(name, **arguments)())
+      except NotImplementedError:
+        continue
+      ran.append(f"{name} with {', '.join(arguments)}")
+  assert not ran, f"{page.name} says these are refused, but they run: {ran}"
 
 
 # The pages whose links are checked: the README and every page in docs/.
