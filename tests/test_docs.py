@@ -5,15 +5,22 @@ README stays short. The one doctest runner of the suite.
 
 Blocks that need hardware a CI machine lacks (a GPU, 8 devices) are fenced
 as ```text, ```bash or ```python multidevice (tests/multidevice/ runs the
-README's), so they are not run here. The windows' and segment ids' "not
-with `X`" claims are checked against the code."""
+README's), so they are not run here. A block that needs an environment
+(8 devices, the interpreter's CPU pool, the checkout's models/) says so in
+the paragraph right before it; a block that runs the interpreter runs in a
+fresh process on a 2-core machine's pool, as a newcomer would run it. The
+windows' and segment ids' "not with `X`" claims are checked against the
+code."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -84,9 +91,87 @@ def test_docs_have_python_examples():
   assert {"api.md", "fp8.md", "flax.md", "kernels.md"} <= named, named
 
 
+def _runs_interpreter(code: str) -> bool:
+  return '"interpret"' in code
+
+
+def _run_fresh(path: pathlib.Path, block: str) -> None:
+  """Runs `block` in a new Python, from the checkout's root, with XLA's CPU
+  pool at a 2-core machine's default size whatever this machine has (the
+  suite itself runs on a pool reserved for the interpreter)."""
+  env = dict(os.environ, PJRT_NPROC="2", JAX_PLATFORMS="cpu")
+  env.pop("NPROC", None)
+  result = subprocess.run(
+    [sys.executable, "-c", block],
+    cwd=_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert result.returncode == 0, f"{path.name}: {result.stderr[-4000:]}"
+
+
 @pytest.mark.parametrize("path,block", _DOC_BLOCKS)
 def test_docs_python_example_runs(path, block):
+  if _runs_interpreter(block):  # a fresh process: its pool is not ours
+    _run_fresh(path, block)
+    return
   exec(compile(block, str(path), "exec"), {})  # pylint: disable=exec-used
+
+
+_BLOCK = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
+
+
+def _blocks_in_context(path: pathlib.Path) -> list[tuple[str, str, str]]:
+  """(info string, code, paragraph before) of every fenced block of a page:
+  the paragraph is the last one of prose before the block (blocks between
+  are skipped, so two blocks in a row share it)."""
+  text = path.read_text()
+  out = []
+  for m in _BLOCK.finditer(text):
+    prose = _FENCE.sub("", text[: m.start()])
+    paragraphs = [p for p in re.split(r"\n\s*\n", prose) if p.strip()]
+    out.append((m.group(1), m.group(2), paragraphs[-1] if paragraphs else ""))
+  return out
+
+
+# What a python block may need beyond the package on a CPU: how the block
+# shows it, and what the paragraph right before it must then say.
+_NEEDS = (
+  (
+    "8 devices",
+    lambda info, code: "multidevice" in info,
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8",
+  ),
+  (
+    "the interpreter's 6 CPU threads",
+    lambda info, code: _runs_interpreter(code),
+    "PJRT_NPROC=6",
+  ),
+  (
+    "the checkout's models/ (not installed)",
+    lambda info, code: re.search(r"^(from|import) models\b", code, re.M),
+    "PYTHONPATH",
+  ),
+)
+
+
+@pytest.mark.parametrize("page", [_README, *_DOCS], ids=lambda p: p.name)
+def test_python_blocks_say_what_they_need(page):
+  # kernels.md's interpret example raised on 2 cores without PJRT_NPROC=6,
+  # generation.md's needed the checkout on the path and the README's
+  # 8-device examples XLA_FLAGS on a CPU, and none of them said so.
+  missing = [
+    f"block {i} ({info}) needs {need}: the paragraph before it names no"
+    f" {words!r}"
+    for i, (info, code, before) in enumerate(_blocks_in_context(page))
+    if info.startswith("python")
+    for need, shows, words in _NEEDS
+    if shows(info, code) and words not in before
+  ]
+  assert not missing, f"{page.name}: " + "; ".join(missing)
 
 
 def _section(text: str, start: str) -> str:
