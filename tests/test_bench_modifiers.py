@@ -352,7 +352,7 @@ def test_summaries_name_the_options(option_sweep):
     md = f.read()
   assert "| options |" in md and "| window 8,0, softcap 30, sinks |" in md
   plots = os.listdir(os.path.join(option_sweep, "plots"))
-  assert "tflops_fwd_bf16_window_8_0_softcap_30_sinks.png" in plots, plots
+  assert "gflops_fwd_bf16_window_8_0_softcap_30_sinks.png" in plots, plots
 
 
 def test_labels_and_record_fields():

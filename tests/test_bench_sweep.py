@@ -11,6 +11,7 @@ import pytest
 
 from pallas_fa3 import cli
 from pallas_fa3.bench import (
+  command,
   report,
   runner,
   terminal,
@@ -91,9 +92,9 @@ def test_sweep_writes_files(tiny_sweep):
   assert {r["baseline"] for r in data["ratios"]} == {"reference", "xla"}
   pngs = os.listdir(os.path.join(tiny_sweep, "plots"))
   assert {
-    "tflops_fwd_bf16.png",
-    "tflops_bwd_bf16.png",
-    "tflops_fwd_bwd_bf16.png",
+    "gflops_fwd_bf16.png",
+    "gflops_bwd_bf16.png",
+    "gflops_fwd_bwd_bf16.png",
   } <= set(pngs)
   with open(os.path.join(tiny_sweep, "plots", pngs[0]), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -325,7 +326,7 @@ def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
     result = json.load(f)
   env = result["environment"]
   made = plots.figures(result["records"], env)
-  assert {name for name, _ in made} >= {"tflops_fwd_bf16.png"}
+  assert {name for name, _ in made} >= {"gflops_fwd_bf16.png"}
   for _, fig in made:
     title = fig.get_suptitle()
     assert env["device"] in title and f"JAX {env['jax']}" in title, title
@@ -350,3 +351,47 @@ def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
   assert slow == pytest.approx(r["flops"] / r["time_max_ms"] / 1e9)
   assert fast == pytest.approx(r["flops"] / r["time_min_ms"] / 1e9)
   assert slow <= mid <= fast
+
+
+def test_one_unit_per_figure_named_in_the_file(tiny_sweep):
+  # On a CPU the terminal said GFLOP/s, summary.md "TF/s" (0.00123) and
+  # the plots GFLOP/s in files named tflops_*.png.
+  with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
+    result = json.load(f)
+  assert report.rate_unit(result["records"]) == ("GFLOP/s", 1e3)
+  console = _Recorder()
+  terminal.print_summary(result, "blockwise", console)
+  printed = "\n".join(console.out)
+  assert "GFLOP/s" in printed and "TFLOP" not in printed, printed
+  md = open(os.path.join(tiny_sweep, report.MARKDOWN_FILE)).read()
+  assert "- cells: GFLOP/s" in md and "TF/s" not in md and "TFLOP" not in md
+  header = next(l for l in md.splitlines() if l.startswith("| mode |"))
+  assert "| blockwise GFLOP/s (ms) |" in header, header
+  # The same figure in both: a blockwise case's rate, as summary.md has it.
+  fwd = next(
+    r
+    for r in result["records"]
+    if r["impl"] == "blockwise" and r["mode"] == "fwd" and r["status"] == "ok"
+  )
+  assert f"| {fwd['tflops'] * 1e3:.3g} (" in md, md
+  from pallas_fa3.bench import plots  # pylint: disable=g-import-not-at-top
+
+  for name, fig in plots.figures(result["records"], result["environment"]):
+    assert name.startswith("gflops_"), name
+    assert {ax.get_ylabel() for ax in fig.axes} == {"GFLOP/s"}, name
+    assert "GFLOP/s of the median call" in " ".join(fig.get_suptitle().split())
+
+
+def test_cpu_default_runs_what_it_says_and_says_it_once(tmp_path, capsys):
+  # Without --impl a CPU run showed an interpret case in its progress bar
+  # (skipped with a PJRT_NPROC paragraph on 2 cores) and the "No GPU"
+  # banner before and after the sweep.
+  argv = ["--head-dim", "32", "--seq", "64", "--tokens", "64", "--hidden"]
+  argv += ["64", "--mode", "fwd", "--causal", "--runs", "1", "--warmup", "0"]
+  argv += ["--input-sets", "1", "--no-plots", "--out", str(tmp_path)]
+  assert cli.main(["bench"] + argv) == 0
+  out = capsys.readouterr().out
+  assert out.count(command.CPU_NOTE.split(":")[0]) == 1, out
+  assert "interpret" not in out and "PJRT_NPROC" not in out, out
+  rows = report.read_csv(os.path.join(tmp_path, report.CSV_FILE))
+  assert {r["impl"] for r in rows} == {"blockwise", "reference", "xla"}

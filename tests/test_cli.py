@@ -258,7 +258,10 @@ def test_installed_console_script():
 
 @pytest.mark.parametrize(
   "command",
-  [[], ["info"], ["train"], ["generate"], ["bench"], ["numerics"], ["aot"]],
+  [[], ["info"], ["train"], ["generate"], ["bench"], ["numerics"], ["aot"]]
+  + [
+    ["numerics", s] for s in ("deviation", "fp8", "divergence", "bias", "all")
+  ],
   ids=" ".join,
 )
 def test_help_has_no_formatting_artifacts(command, capsys):
@@ -276,3 +279,10 @@ def test_help_has_no_formatting_artifacts(command, capsys):
   if command == ["bench"]:
     assert "bf16 matmul rate for % of peak" in flat, out
     assert "timed calls per case (unset: 20 on a GPU, 3 on a CPU)" in flat, out
+  if command == ["numerics", "bias"]:
+    # Every setting showed "(default: None)": unset keeps the config's value.
+    rows = "independent score rows (default: 4096 on a CPU, 16384 on a GPU)"
+    assert rows in flat, out
+    assert "tied maxima per row (1: control) (default: 1 2 3 4 8)" in flat, out
+  if command == ["numerics", "deviation"]:
+    assert "e.g. 64x64 (default: 64x64)" in flat, out

@@ -315,7 +315,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   ours = args.ours or impls.OURS_ON[platform]
   settings = settings_from(args, platform)
   console = report.make_console()
-  if platform != "gpu":
+  if platform != "gpu":  # once, before the sweep: what this run can measure
     console.print(CPU_NOTE)
   result = runner.run_sweep(
     runner.plan(grid, impl_names), settings, progress=args.progress
@@ -337,8 +337,6 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")
   terminal.print_summary(result, ours, console)
-  if platform != "gpu":
-    console.print(CPU_NOTE)
   files = [
     p for v in paths.values() for p in (v if isinstance(v, list) else [v])
   ]

@@ -1,4 +1,5 @@
-"""PNG plots made from the records: FLOP/s vs sequence length.
+"""PNG plots made from the records: FLOP/s vs sequence length, in the unit
+of the run's tables (`report.rate_unit`), which the file names start with.
 
 One figure per (mode, dtype, options: window, softcap, sinks, docs); one
 panel per head dims (d, and dv where it differs) x causal; one line per implementation at the median
@@ -18,12 +19,6 @@ import textwrap
 from typing import Any
 
 from pallas_fa3.bench import options, report
-
-
-def _unit(records: list[dict]) -> tuple[str, float]:
-  """TFLOP/s, or GFLOP/s (scale 1e3) when every figure is under 1 TFLOP/s."""
-  fastest = max((r["tflops"] for r in records), default=0.0)
-  return ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
 
 
 def rate_band(r: dict, scale: float = 1.0) -> tuple[float, float, float]:
@@ -97,7 +92,8 @@ def figures(
   if device.startswith("cpu") and env.get("cpu_count"):
     device += f" ({env['cpu_count']} cores)"
   ok = [r for r in records if r["status"] == "ok" and not r["note"]]
-  unit, scale = _unit(ok)
+  unit, scale = report.rate_unit(ok)
+  prefix = unit.replace("/", "").lower()  # names the file: tflops, gflops
   groups = collections.defaultdict(list)
   for r in ok:
     groups[(r["mode"], r["dtype"], options.record_label(r))].append(r)
@@ -162,7 +158,9 @@ def figures(
     fig.set_figheight(3.5 * len(causals) + TITLE_ROW_INCHES * title_rows)
     fig.tight_layout()
     slug = re.sub(r"[^0-9a-z.]+", "_", label).strip("_")
-    name = f"tflops_{mode.replace('+', '_')}_{dtype}{'_' if slug else ''}{slug}"
+    name = (
+      f"{prefix}_{mode.replace('+', '_')}_{dtype}{'_' if slug else ''}{slug}"
+    )
     out.append((f"{name}.png", fig))
   return out
 
@@ -170,7 +168,8 @@ def figures(
 def plot(
   records: list[dict], out_dir: str, environment: dict | None = None
 ) -> list[str]:
-  """Writes `tflops_<mode>_<dtype>[_<options>].png` files; returns paths.
+  """Writes `<unit>_<mode>_<dtype>[_<options>].png` files (unit: tflops, or
+  gflops where every figure is under 1 TFLOP/s, as the axes); returns paths.
 
   Args:
     records: the sweep's records.

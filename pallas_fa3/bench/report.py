@@ -35,6 +35,18 @@ def head_dims_header(records: list[dict]) -> str:
   return "d/dv" if differs else "d"
 
 
+def rate_unit(records: list[dict]) -> tuple[str, float]:
+  """The FLOP/s unit of a run, and its scale from TFLOP/s: TFLOP/s, or
+  GFLOP/s (1e3) when every timed figure is under 1 TFLOP/s (a CPU). The
+  terminal table, summary.md and the plots (axes and file names) all use
+  it; the CSV and JSON keep `tflops`."""
+  fastest = max(
+    (r["tflops"] for r in records if r["status"] == "ok" and not r["note"]),
+    default=0.0,
+  )
+  return ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
+
+
 def ratios(records: list[dict], ours: str) -> list[dict]:
   """Per spec and baseline: ours TFLOPs/s / baseline TFLOPs/s (> 1: ours faster).
 
@@ -61,19 +73,20 @@ def ratios(records: list[dict], ours: str) -> list[dict]:
   return out
 
 
-def _cell(r: dict, show_peak: bool) -> str:
+def _cell(r: dict, show_peak: bool, scale: float) -> str:
   if r["status"] != "ok":
     return "skip" if r["status"] == "skipped" else "error"
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
   peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
   kernel = (  # fp8: the attention alone and the quantization alone
-    f"; kernel {r['kernel_tflops']:.3g} in {r['kernel_ms']:.3g} ms,"
+    f"; kernel {r['kernel_tflops'] * scale:.3g} in {r['kernel_ms']:.3g} ms,"
     f" quantization {r['quantize_ms']:.3g} ms"
     if r.get("kernel_tflops")
     else ""
   )
-  return f"{r['tflops']:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
+  rate = r["tflops"] * scale
+  return f"{rate:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
@@ -82,6 +95,7 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
   records = result["records"]
   with_options = any(options.record_label(r) for r in records)
   show_peak = bool(result.get("matmul_peak_tflops"))
+  unit, scale = rate_unit(records)
   impl_names = list(dict.fromkeys(r["impl"] for r in records))
   specs = list(dict.fromkeys(r["spec"] for r in records))
   cell = {(r["spec"], r["impl"]): r for r in records}
@@ -92,7 +106,7 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
     ["mode", "dtype", head_dims_header(records), "causal"]
     + (["options"] if with_options else [])
     + ["seq", "b x hq/hk"]
-    + [f"{n} TF/s{' %peak' if show_peak else ''} (ms)" for n in impl_names]
+    + [f"{n} {unit}{' %peak' if show_peak else ''} (ms)" for n in impl_names]
     + [f"{ours} temp MiB", f"{ours} / baseline"]
   )
   rows = []
@@ -115,7 +129,7 @@ def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
         f"{first['batch']} x {first['heads_q']}/{first['heads_kv']}",
       ]
       + [
-        _cell(cell[(s, n)], show_peak) if (s, n) in cell else ""
+        _cell(cell[(s, n)], show_peak, scale) if (s, n) in cell else ""
         for n in impl_names
       ]
       + [
@@ -141,16 +155,17 @@ def markdown(result: dict, ours: str) -> str:
   """The summary table and the skipped cases, as markdown."""
   env = result["environment"]
   header, rows = pivot(result, ours)
+  unit, _ = rate_unit(result["records"])
   lines = [
     f"# pallas-fa3 bench: {env['device']}",
     "",
     f"- date: {env['date']}; JAX {env['jax']} / jaxlib {env['jaxlib']};"
     f" platform {env['platform_version']}; commit {env['git_commit']}",
     f"- command: `{env['command']}`",
-    f"- cells: TFLOPs/s (median ms of {result['settings']['runs']} runs,"
-    " compile excluded); ratios = ours TFLOPs/s / baseline TFLOPs/s",
+    f"- cells: {unit} (median ms of {result['settings']['runs']} runs,"
+    " compile excluded); ratios = ours FLOP/s / baseline FLOP/s",
     f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
-    + (" TFLOPs/s" if result["matmul_peak_tflops"] else ""),
+    + (" TFLOP/s" if result["matmul_peak_tflops"] else ""),
     f"- sweep wall time: {result['sweep_wall_s']:.1f} s",
     "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
     " the matmul peak (GPU) and peak_mib: the device's"

@@ -2,10 +2,10 @@
 
 One table per (mode, dtype, options): its title names the window, softcap,
 sinks and docs when set; a row per shape (head dim, "d/dv" where the value
-head dim differs, causal, seq), a
-column per implementation that ran (TFLOP/s of the median time; GFLOP/s
-when every figure is under 1 TFLOP/s), and the speedup of ours over the
-fastest other implementation. fp8 cells are total/kernel (quantization
+head dim differs, causal, seq), a column per implementation that ran
+(FLOP/s of the median time in the run's one unit, `report.rate_unit`, as
+in summary.md and the plots), and the speedup of ours over the fastest
+other implementation. fp8 cells are total/kernel (quantization
 included / attention alone). Times, min/max, batch and heads, memory and
 compile seconds are in the CSV, JSON and summary.md; correctness cases and
 skip reasons follow the tables as lines.
@@ -58,10 +58,7 @@ def tables(
   table (its skips are listed after the tables).
   """
   timed = [r for r in result["records"] if not r["note"]]
-  fastest = max(
-    (r["tflops"] for r in timed if r["status"] == "ok"), default=0.0
-  )
-  unit, scale = ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
+  unit, scale = report.rate_unit(timed)
   runs = result["settings"]["runs"]
   groups = collections.defaultdict(lambda: collections.defaultdict(dict))
   for r in timed:

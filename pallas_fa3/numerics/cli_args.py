@@ -8,7 +8,9 @@ as a usage error naming the flag.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
+from typing import Any
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _DISTS = ("normal", "outliers")
@@ -23,8 +25,9 @@ def _tile(text: str) -> tuple[int, int]:
   return int(m.group(1)), int(m.group(2))
 
 
-# study -> [(flag, config field, argparse kwargs)]; unset flags keep the
-# platform default (the config's), so every default shown is the CPU one.
+# study -> [(flag, config field, argparse kwargs)]; unset flags (None) keep
+# the platform default (the config's), which the help shows
+# (`_DefaultsFormatter`).
 _FLAGS = {
   "deviation": [
     (
@@ -165,7 +168,11 @@ _FLAGS = {
     ("--warmup-steps", "warmup_steps", dict(type=int, help="warmup steps")),
     ("--seed", "seed", dict(type=int, help="init seed (R2: seed + 1)")),
     ("--data-seed", "data_seed", dict(type=int, help="batch order seed")),
-    ("--max-bytes", "max_bytes", dict(type=int, help="corpus bytes read")),
+    (
+      "--max-bytes",
+      "max_bytes",
+      dict(type=int, help="corpus bytes read (a default of none: all)"),
+    ),
     (
       "--flash-impl",
       "flash_implementation",
@@ -239,6 +246,58 @@ _TUPLE_FIELDS = (
 )
 
 
+@functools.cache
+def _platform_defaults(study: str) -> tuple[Any, Any]:
+  """(CPU, GPU) default config of a study (imports its module, and JAX)."""
+  from pallas_fa3.numerics import command  # pylint: disable=g-import-not-at-top
+
+  return (
+    command.default_config(study, gpu=False),
+    command.default_config(study, gpu=True),
+  )
+
+
+def _shown(value: Any, tiles: bool) -> str:
+  """A config value as the flag takes it: `1 2 3`, `64x64 32x128`, `none`."""
+  if value is None:
+    return "none"
+  if tiles:
+    pairs = [value] if isinstance(value[0], int) else value
+    return " ".join(f"{a}x{b}" for a, b in pairs)
+  if isinstance(value, tuple):
+    return " ".join(map(str, value))
+  return str(value)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows a study setting's default from the study's config, the CPU one
+  and the GPU one where it differs, where argparse would show the None that
+  leaves the flag unset. Read when help is printed (the configs' modules
+  import JAX); a setting whose config default is None on both platforms
+  says in its help what unset means."""
+
+  study = ""
+
+  def _get_help_string(self, action):
+    fields = {field for _, field, _ in _FLAGS.get(self.study, ())}
+    if action.dest not in fields or action.default is not None:
+      return super()._get_help_string(action)
+    cpu, gpu = (
+      _shown(getattr(cfg, action.dest), action.type is _tile)
+      for cfg in _platform_defaults(self.study)
+    )
+    if cpu == gpu == "none":
+      return action.help
+    shown = cpu if cpu == gpu else f"{cpu} on a CPU, {gpu} on a GPU"
+    return f"{action.help} (default: {shown.replace('%', '%%')})"
+
+
+def _formatter(study: str) -> type[argparse.HelpFormatter]:
+  return type(
+    f"_{study}DefaultsFormatter", (_DefaultsFormatter,), {"study": study}
+  )
+
+
 def _add_common(p) -> None:
   p.add_argument(
     "--out",
@@ -286,7 +345,7 @@ def add_parser(sub) -> None:
       study,
       help=_HELP[study],
       description=_HELP[study],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=_formatter(study),
     )
     group = sp.add_argument_group(f"{study} settings (unset: the default)")
     for flag, field, kwargs in flags:
