@@ -3,7 +3,7 @@
 scheduled HLO of an 8 x H200 compile, made without a GPU (issue 33).
 
 The program is compiled for a compile-only target of eight H200s (the
-deviceless tier's target description, `pallas_fa3/kernels/data/
+deviceless tier's target description, `pallas_fa3/tools/aot/data/
 h200_target_config.txtpb`, topology 1x1x8; needs the `aot` extra). On a GPU
 XLA issues each collective-permute and all-to-all as an async
 `*-start` / `*-done` pair, and its latency-hiding scheduler places

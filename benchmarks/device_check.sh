@@ -89,11 +89,11 @@ else
   T_GRID=30; T_DEC=40; T_HEAD=10
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
-BENCH=("$PY" -m pallas_fa3.cli bench --dtype bf16 --seq 16384 --tokens 16384
+BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 16384
        --hidden 2048 --runs 10 --warmup 2 --no-progress --no-plots
        --impl mosaic mosaic-det blockwise cudnn xla mgpu)
 # The GPU grid's headline points (also on a CPU: --grid gpu), ours first.
-DECODE=("$PY" -m pallas_fa3.cli bench --mode decode --grid gpu --tags headline
+DECODE=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu --tags headline
         --dtype bf16 fp8 --runs 10 --warmup 2 --no-progress --no-plots
         --impl mosaic triton-gqa triton-paged xla cudnn)
 

@@ -28,8 +28,8 @@ import numpy as np
 
 import pallas_fa3
 from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.numerics import fp8_methods
 from pallas_fa3.reference_decode import golden_decode
+from pallas_fa3.tools.numerics import fp8_methods
 
 
 def inputs(kind: str, key, batch: int, cache_len: int):

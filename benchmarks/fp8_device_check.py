@@ -33,9 +33,9 @@ import jax.numpy as jnp
 
 import pallas_fa3
 from pallas_fa3 import fp8
-from pallas_fa3.bench import flops, timing
 from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
-from pallas_fa3.numerics import fp8_methods, metrics
+from pallas_fa3.tools.bench import flops, timing
+from pallas_fa3.tools.numerics import fp8_methods, metrics
 
 
 def _rmse_check() -> dict:

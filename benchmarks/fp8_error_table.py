@@ -1,6 +1,6 @@
 """FA3 Table 3 on a CPU: FP8 attention error with and without our techniques.
 
-Runs the paper's error test (`pallas_fa3.numerics.fp8_methods`: Q, K, V
+Runs the paper's error test (`pallas_fa3.tools.numerics.fp8_methods`: Q, K, V
 entries N(0,1) + N(0,100) * Bernoulli(0.001), float16, RMSE of the output
 against float64) for baseline FP16, flash FP16, baseline FP8 with per-tensor
 scaling, ours FP8 (the blockwise twin of the FP8 kernel: block quantization
@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from pallas_fa3.numerics import fp8_methods
+from pallas_fa3.tools.numerics import fp8_methods
 
 _RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 _START, _END = "<!-- fp8-error-table:start -->", "<!-- fp8-error-table:end -->"
@@ -104,7 +104,7 @@ def _markdown(res: dict, command: str) -> str:
     " output against float64 attention of the same inputs; non-causal,"
     f" MHA, batch {b}, seq {s}, {h} heads, head_dim {d}, softmax scale"
     " 1/sqrt(d). Definitions of each method:"
-    " `pallas_fa3/numerics/fp8_methods.py`."
+    " `pallas_fa3/tools/numerics/fp8_methods.py`."
     ' "ours" is the blockwise twin of the FP8 kernel'
     ' (`implementation="blockwise"`: the kernel\'s default tiles'
     " 64 x 128, its descales and its P rounding), i.e. what the kernel"

@@ -8,7 +8,7 @@ outputs (and every implementation's absolute error) grow: the relative
 column is the one to compare with plain FP8's.
 
 Inputs: `--inputs table3` (default) FA3's Table-3 error setup (float16,
-N(0,1) + N(0,100) * Bernoulli(0.001), `pallas_fa3.numerics.fp8_methods`),
+N(0,1) + N(0,100) * Bernoulli(0.001), `pallas_fa3.tools.numerics.fp8_methods`),
 4 heads, not causal unless `--causal`; `--inputs normal` bf16 N(0,1) with
 GQA 4/2 and seq_q != seq_kv, causal.
 
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_fa3
-from pallas_fa3.numerics import fp8_methods
 from pallas_fa3.reference import golden_attention
 from pallas_fa3.testing import Shape, random_inputs
+from pallas_fa3.tools.numerics import fp8_methods
 
 SINKS = np.asarray([0.3, -0.2, 1.0, 0.0], np.float32)
 

@@ -1,7 +1,7 @@
 """What moves the FP8 error: one quantization change at a time (issue 18).
 
 Materialized float64 attention on the FA3 Table 3 inputs
-(`pallas_fa3.numerics.fp8_methods.draw`), Q and K rotated and quantized in
+(`pallas_fa3.tools.numerics.fp8_methods.draw`), Q and K rotated and quantized in
 the FP8 kernel's tiles (64 / 128 at d 128, power-of-two scales), V
 quantized, P in e4m3 with the 2^8 offset; then each variant changes one
 thing: one scale per Q row, per K and V row, V rotated too (and O rotated
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import fp8
-from pallas_fa3.numerics import fp8_methods
+from pallas_fa3.tools.numerics import fp8_methods
 
 
 def _e4m3(x, rows: int) -> np.ndarray:

@@ -21,9 +21,9 @@ import time
 import jax.numpy as jnp
 
 from pallas_fa3 import backends
-from pallas_fa3.bench import flops, timing
 from pallas_fa3.kernels.sm90 import config as sm90_config, forward as sm90_fwd
 from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.tools.bench import flops, timing
 
 TOKENS, HIDDEN, SEQ = 16384, 2048, 16384
 

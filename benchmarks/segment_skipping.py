@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_fa3
-from pallas_fa3.bench import flops, specs, timing
+from pallas_fa3.tools.bench import flops, specs, timing
 
 MODES = ("fwd", "fwd+bwd")
 TARGET = 1 / 3  # segmented forward time / unsegmented, at most

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 import pallas_fa3
-from pallas_fa3.bench import flops, specs, timing
+from pallas_fa3.tools.bench import flops, specs, timing
 
 MODES = ("fwd", "fwd+bwd")
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_fa3
-from pallas_fa3 import cli
-from pallas_fa3.bench import (
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.bench import (
   command,
   impls,
   runner,

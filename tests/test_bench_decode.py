@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_fa3 import cli
-from pallas_fa3.bench import (
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.bench import (
   decode,
   decode_command,
   decode_impls,

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_fa3 import cli
-from pallas_fa3.bench import (
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.bench import (
   command,
   flops,
   fp8_case,

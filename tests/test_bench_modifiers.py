@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from pallas_fa3 import cli
-from pallas_fa3.bench import (
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.bench import (
   command,
   flops,
   fp8_case,

@@ -7,7 +7,7 @@ docs in the title it was twice the figure's width.
 
 import pytest
 
-from pallas_fa3.bench import plots
+from pallas_fa3.tools.bench import plots
 
 _ENV = {"device": "cpu cpu", "jax": "0.11.2", "cpu_count": 2}
 

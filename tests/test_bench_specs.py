@@ -5,7 +5,7 @@ correctness-only records, and the CPU default grid."""
 import numpy as np
 import pytest
 
-from pallas_fa3.bench import (
+from pallas_fa3.tools.bench import (
   flops,
   impls,
   report,

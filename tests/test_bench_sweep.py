@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from pallas_fa3 import cli
-from pallas_fa3.bench import (
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.bench import (
   command,
   report,
   runner,
@@ -320,7 +320,7 @@ def test_plots_name_the_device_and_show_the_spread(tiny_sweep):
   # Plots used to name no device or JAX version and show medians only.
   from matplotlib.container import ErrorbarContainer
 
-  from pallas_fa3.bench import plots
+  from pallas_fa3.tools.bench import plots
 
   with open(os.path.join(tiny_sweep, report.JSON_FILE)) as f:
     result = json.load(f)
@@ -374,7 +374,7 @@ def test_one_unit_per_figure_named_in_the_file(tiny_sweep):
     if r["impl"] == "blockwise" and r["mode"] == "fwd" and r["status"] == "ok"
   )
   assert f"| {fwd['tflops'] * 1e3:.3g} (" in md, md
-  from pallas_fa3.bench import plots  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.tools.bench import plots  # pylint: disable=g-import-not-at-top
 
   for name, fig in plots.figures(result["records"], result["environment"]):
     assert name.startswith("gflops_"), name

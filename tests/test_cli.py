@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from pallas_fa3 import cli
+from pallas_fa3.tools import cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 ON_CPU = jax.default_backend() == "cpu"
@@ -208,7 +208,7 @@ def test_info_invalid_sample_shape_is_a_usage_error(argv, capsys):
 
 def test_module_entry_point_subprocess():
   proc = subprocess.run(
-    [sys.executable, "-m", "pallas_fa3.cli", "info", "--no-run"],
+    [sys.executable, "-m", "pallas_fa3.tools.cli", "info", "--no-run"],
     capture_output=True,
     text=True,
     env=_env(),
@@ -224,7 +224,7 @@ def test_module_entry_point_subprocess():
 
 def test_module_entry_point_usage_error_exit_code():
   proc = subprocess.run(
-    [sys.executable, "-m", "pallas_fa3.cli"],
+    [sys.executable, "-m", "pallas_fa3.tools.cli"],
     capture_output=True,
     text=True,
     env=_env(),

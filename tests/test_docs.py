@@ -306,7 +306,7 @@ def test_training_md_times_the_default_run_by_its_tokens():
   # It said "~3 min on 2 cores", measured at 7.5 min on another 2-core
   # CPU: the time is the run's tokens over a rate that depends on the CPU
   # and its load, so the page states the tokens, and they are the CLI's.
-  from pallas_fa3 import cli  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.tools import cli  # pylint: disable=g-import-not-at-top
 
   args = cli.build_parser().parse_args(["train"])
   tokens = args.steps * args.batch * args.seq_len

@@ -12,12 +12,12 @@ import pytest
 import pallas_fa3
 from pallas_fa3 import fp8, masking
 from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
-from pallas_fa3.numerics import fp8_methods
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (
   Shape,
   random_inputs,
 )
+from pallas_fa3.tools.numerics import fp8_methods
 
 pytestmark = pytest.mark.newest  # the newest-JAX tier runs it all
 

@@ -218,7 +218,7 @@ def test_q_residual_kernel_gives_the_twins_bits_and_the_residual_is_exact():
 
 @pytest.mark.timeout(300)
 def test_q_residual_attention_kernel_matches_the_twin_and_cuts_the_error():
-  from pallas_fa3.numerics import fp8_methods, metrics
+  from pallas_fa3.tools.numerics import fp8_methods, metrics
 
   q, k, v, golden, key = fp8_methods.draw(jax.random.key(2), 1, 256, 2, 128)
   err = {}

@@ -23,8 +23,8 @@ from models.gpt import GPT, GPTConfig
 from models.restore import find_checkpoint, load_model
 from models.sampling import Sampling, sample
 from models.step import TrainConfig, build_program
-from pallas_fa3 import cli
 from pallas_fa3.testing import assert_within_tolerance
+from pallas_fa3.tools import cli
 
 TINY = GPTConfig(
   num_layers=2, d_model=32, num_heads=4, max_seq_len=32, dtype="float32"

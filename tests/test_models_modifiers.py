@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models import cli as cli_train
 from models.gpt import GPT, GPTConfig
 from models.step import build_program
 from models.train import SUMMARY_FILE, train
-from pallas_fa3 import cli, cli_train
+from pallas_fa3.tools import cli
 
 TINY = GPTConfig(
   num_layers=2, d_model=32, num_heads=4, max_seq_len=32, dtype="float32"

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_fa3 import cli
-from pallas_fa3.numerics import (
+from pallas_fa3.reference import golden_attention
+from pallas_fa3.tools import cli
+from pallas_fa3.tools.numerics import (
   bias,
   command,
   deviation,
@@ -25,7 +26,6 @@ from pallas_fa3.numerics import (
   lowprec,
   metrics,
 )
-from pallas_fa3.reference import golden_attention
 
 # --------------------------------------------------------------------------
 # Metrics against hand-computed values and brute force.

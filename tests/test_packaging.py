@@ -21,7 +21,7 @@ from typing import NamedTuple
 import pytest
 
 import pallas_fa3
-from pallas_fa3 import cli, example_models
+from pallas_fa3.tools import cli, example_models
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VERSION = "0.1.0"
@@ -113,7 +113,7 @@ def test_wheel_is_named_after_the_one_version(wheel):
 
 def test_wheel_holds_every_module_and_the_sm90a_target(wheel):
   names = set(wheel.zip.namelist())
-  assert "pallas_fa3/kernels/data/h200_target_config.txtpb" in names
+  assert "pallas_fa3/tools/aot/data/h200_target_config.txtpb" in names
   modules = {
     p.relative_to(REPO).as_posix()
     for p in (REPO / "pallas_fa3").rglob("*.py")
@@ -193,8 +193,8 @@ def test_train_outside_a_checkout_says_it_needs_one(
 
 
 def test_train_finds_models_next_to_the_package(monkeypatch):
-  """An editable install puts only `pallas_fa3` on the path: the CLI adds
-  the checkout's root for `models`."""
+  """An editable install puts only `pallas_fa3` on the path: the tools load
+  the checkout's `models` by file location, with sys.path unchanged."""
   pytest.importorskip("optax")
   pytest.importorskip("orbax.checkpoint")
   _forget_models(monkeypatch)
@@ -215,8 +215,9 @@ def test_train_finds_models_next_to_the_package(monkeypatch):
     ],
   )
   assert importlib.util.find_spec("models") is None
-  example_models.require_models("pallas-fa3 train")
-  assert sys.path[0] == root
-  assert pathlib.Path(sys.modules["models.train"].__file__).is_relative_to(
-    REPO / "models"
-  )
+  path_before = list(sys.path)
+  example_models.load("pallas-fa3 train")
+  assert sys.path == path_before
+  import models.train  # pylint: disable=g-import-not-at-top
+
+  assert pathlib.Path(models.train.__file__).is_relative_to(REPO / "models")

@@ -14,12 +14,12 @@ import pytest
 from flax import nnx
 
 import pallas_fa3
-from models import data, packing
+from models import cli as cli_train, data, packing
 from models.checkpoint import Checkpointer
 from models.gpt import GPT, GPTConfig
 from models.step import TrainConfig, build_program, packed_next_byte_loss
 from models.train import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, train
-from pallas_fa3 import cli, cli_train
+from pallas_fa3.tools import cli
 
 TINY = GPTConfig(
   num_layers=1, d_model=32, num_heads=2, max_seq_len=32, dtype="float32"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_fa3.kernels import aot_compile, ptx_profile
+from pallas_fa3.tools.aot import compiler as aot_compile, ptx_profile
 
 
 def test_ptxas_report_parser():
@@ -174,15 +174,16 @@ def test_named_barrier_check():
 
 
 def test_kernel_splits_fit_the_pool_and_a_bad_one_is_refused():
-  from pallas_fa3.kernels import hopper
-  from pallas_fa3.kernels.sm90 import common
+  from pallas_fa3.kernels.sm90 import common, hardware
 
-  assert hopper.launch_registers(3) == 168 and hopper.register_pool(3) == 504
-  assert not hopper.split_problems(
+  assert (
+    hardware.launch_registers(3) == 168 and hardware.register_pool(3) == 504
+  )
+  assert not hardware.split_problems(
     3, common.CONSUMER_REGS, common.PRODUCER_REGS
   )
   with pytest.raises(ValueError, match="never completes"):
-    hopper.check_split(3, 240, 32)
+    hardware.check_split(3, 240, 32)
 
 
 def test_ptx_profile_without_a_loop():

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from pallas_fa3.kernels import aot, ptx_profile
+from pallas_fa3.tools.aot import command as aot, ptx_profile
 
 _needs_packages = pytest.mark.skipif(
   aot.missing_packages() is not None, reason=str(aot.missing_packages())
@@ -36,7 +36,7 @@ def test_aot_flags_a_compiled_oversubscribed_split():
   word and the pool check refuses it; the kernel as built passes."""
   code = """
 import jax.numpy as jnp
-from pallas_fa3.kernels import aot
+from pallas_fa3.tools.aot import command as aot
 from pallas_fa3.kernels.sm90 import config, forward
 from pallas_fa3.spec import make_spec
 import jax
@@ -67,7 +67,15 @@ def _run_aot(
   out = f"/tmp/pallas_fa3_aot_{os.getpid()}_{'_'.join(flags) or 'all'}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   run = subprocess.run(
-    [sys.executable, "-m", "pallas_fa3.cli", "aot", "--json", out, *flags],
+    [
+      sys.executable,
+      "-m",
+      "pallas_fa3.tools.cli",
+      "aot",
+      "--json",
+      out,
+      *flags,
+    ],
     env=env,
     capture_output=True,
     text=True,
@@ -253,7 +261,7 @@ def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
   at 16k tokens, hidden 2048 needs at most 0.6x its bf16 arguments (the
   e4m3 Q, K, V^T are 0.5x); the pure-JAX pass needed 2.0x."""
   code = (
-    "from pallas_fa3.kernels import aot_fp8;"
+    "from pallas_fa3.tools.aot import fp8 as aot_fp8;"
     f" print(*aot_fp8.fp8_call_memory({head_dim}))"
   )
   run = subprocess.run(  # a fresh process, as `_run_aot`
@@ -269,7 +277,7 @@ def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
 
 
 def test_causal_only_needs_defaults():
-  from pallas_fa3 import cli
+  from pallas_fa3.tools import cli
 
   with pytest.raises(
     SystemExit, match="--causal-only selects within --defaults"
@@ -285,14 +293,14 @@ def test_causal_only_needs_defaults():
   ],
 )
 def test_head_dims_are_checked(argv, message):
-  from pallas_fa3 import cli
+  from pallas_fa3.tools import cli
 
   with pytest.raises(SystemExit, match=message):
     cli.main(["aot", *argv])
 
 
 def test_head_dims_select_the_defaults():
-  from pallas_fa3.kernels import aot_sweeps
+  from pallas_fa3.tools.aot import sweeps as aot_sweeps
 
   every = list(aot_sweeps.defaults_sweep(causal_only=True))
   some = list(aot_sweeps.defaults_sweep(causal_only=True, head_dims=(128,)))

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from models import data
+from models import cli as cli_train, data
 from models.checkpoint import Checkpointer
 from models.gpt import GPTConfig
 from models.step import TrainConfig, build_program
 from models.train import CHECKPOINT_DIR, METRICS_FILE, SUMMARY_FILE, train
-from pallas_fa3 import cli, cli_train
+from pallas_fa3.tools import cli
 
 TINY_MODEL = GPTConfig(num_layers=1, d_model=32, num_heads=2, max_seq_len=32)
 # One tiny setting for every test, so they share one compilation

@@ -1,1 +1,1 @@
-"""Hopper kernels (`sm90/`) and the deviceless compile tooling (`aot`, `ptx_profile`)."""
+"""The Hopper (sm90) kernels: `sm90/`."""

@@ -17,14 +17,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels import hopper
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, hardware
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec
 
 # setmaxnreg per warpgroup role, within the CTA's register pool
-# (`hopper.split_problems`). Two consumers: FA3's split, 2 * 240 + 24 = 504
+# (`hardware.split_problems`). Two consumers: FA3's split, 2 * 240 + 24 = 504
 # = 3 x 168, the whole pool of a 384-thread CTA (the producer only computes
 # addresses). One consumer (a 256-thread CTA): 256, and the producer keeps
 # 64 of the 512. docs/design_notes.md#setmaxnreg-splits.
@@ -32,8 +31,8 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 LONE_CONSUMER_REGS = 256
 LONE_PRODUCER_REGS = 64
-hopper.check_split(3, CONSUMER_REGS, PRODUCER_REGS)
-hopper.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
+hardware.check_split(3, CONSUMER_REGS, PRODUCER_REGS)
+hardware.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
 
 
 def consumer_regs(consumers: int) -> int:

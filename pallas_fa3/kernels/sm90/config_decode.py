@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_fa3.kernels import hopper
+from pallas_fa3.kernels.sm90 import hardware
 from pallas_fa3.kernels.sm90.config import (
   BARRIER_BYTES,
   HOPPER_SMS,
@@ -106,7 +106,7 @@ def decode_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
 def _acc_regs(block_kv: int, head_dim_v: int) -> int:
   """Float32 registers per consumer thread for S `[64, block_kv]` and O
   `[64, head_dim_v]`."""
-  return DECODE_ROWS * (block_kv + head_dim_v) // hopper.WARPGROUP_THREADS
+  return DECODE_ROWS * (block_kv + head_dim_v) // hardware.WARPGROUP_THREADS
 
 
 def mla_reason(spec: DecodeSpec) -> str | None:
@@ -123,7 +123,7 @@ def mla_reason(spec: DecodeSpec) -> str | None:
     f"head_dim {d} / head_dim_v {dv} are past the kernel's largest"
     f" ({largest}): with its one consumer warpgroup, the {DECODE_ROWS} x"
     f" {dv} float32 O accumulator alone takes {o_regs} registers per thread"
-    f" (a thread has at most {hopper.MAX_THREAD_REGISTERS}; S and O:"
+    f" (a thread has at most {hardware.MAX_THREAD_REGISTERS}; S and O:"
     f" {_acc_regs(small.block_kv, dv)}, budget {_ACC_REGS}), and"
     f" the smallest config {small} needs {decode_smem_bytes(spec, small)}"
     f" bytes of shared memory (limit {MAX_SMEM_BYTES}). FlashMLA's kernel"

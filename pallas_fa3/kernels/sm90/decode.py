@@ -30,8 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels import hopper
-from pallas_fa3.kernels.sm90 import compat, config_decode, decode_fp8
+from pallas_fa3.kernels.sm90 import compat, config_decode, decode_fp8, hardware
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
   LONE_PRODUCER_REGS,
@@ -51,7 +50,7 @@ from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E
 
 _F32 = jnp.float32
-hopper.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
+hardware.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
 
 
 @dataclasses.dataclass(frozen=True)

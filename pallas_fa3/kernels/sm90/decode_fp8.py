@@ -26,8 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels import hopper
-from pallas_fa3.kernels.sm90 import compat, config_decode
+from pallas_fa3.kernels.sm90 import compat, config_decode, hardware
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
   consumer_release,
@@ -41,7 +40,7 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 COMPUTE_DTYPE = jnp.dtype(jnp.float16)
 # The converter holds a 64 x 128 chunk (64 values a thread) and addresses.
 CONVERTER_REGS = 168
-hopper.check_split(2, LONE_CONSUMER_REGS, CONVERTER_REGS)
+hardware.check_split(2, LONE_CONSUMER_REGS, CONVERTER_REGS)
 # Q is scaled by a power of two into float16 when its amax exceeds this.
 _Q_RANGE = 2.0**14
 _CHUNK_ROWS = 64

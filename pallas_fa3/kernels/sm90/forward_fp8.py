@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels import hopper
+from pallas_fa3.kernels.sm90 import hardware
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   build_kernel,
@@ -65,7 +65,7 @@ _F32 = jnp.float32
 # producer): docs/design_notes.md#setmaxnreg-splits.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-hopper.check_split(NUM_CONSUMERS + 1, CONSUMER_REGS, PRODUCER_REGS)
+hardware.check_split(NUM_CONSUMERS + 1, CONSUMER_REGS, PRODUCER_REGS)
 
 
 def _build(

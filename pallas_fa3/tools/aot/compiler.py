@@ -1,0 +1,302 @@
+"""The deviceless sm_90a compile's machinery: compile one call of the sm90
+kernels for an H200 from a compile-only target description, read ptxas's
+report (registers, spills) and each Mosaic kernel's static profile
+(`ptx_profile`), and judge it (spills, `budget_problems`). The sweeps of
+what is compiled are `aot_sweeps`; the command is `aot`.
+More: docs/design_notes.md#deviceless-compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import re
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pallas_fa3.tools.aot import ptx_profile
+from pallas_fa3.tools.aot.ptx_profile import KernelProfile
+
+if TYPE_CHECKING:  # jax is imported only when a compile runs
+  from jax.sharding import Mesh
+
+  from pallas_fa3.kernels.sm90 import config as sm90
+  from pallas_fa3.spec import AttentionSpec
+
+# (compile function, spec, config): one item of a sweep.
+SweepItem = tuple[Callable[..., "CompileReport"], "AttentionSpec", Any]
+
+_TARGET = pathlib.Path(__file__).parent / "data" / "h200_target_config.txtpb"
+# Either CUDA major's plugin, PJRT and ptxas (the H200 runs CUDA 13).
+_REQUIRED = {
+  13: ("jax_cuda13_plugin", "jax_plugins.xla_cuda13", "nvidia.cu13"),
+  12: ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"),
+}
+# The properties line only: ptxas repeats the figures in a warning line.
+_SPILL = re.compile(
+  r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+# ptxas's note when it serializes wgmma (it then waits after each one).
+_SERIALIZED = "wgmma.mma_async instructions are serialized"
+# ptxas's notes when it drops every setmaxnreg of a kernel, e.g. "(C7508)
+# Potential Performance Loss: 'setmaxnreg' ignored; unable to determine
+# register count at entry." (C7504 and C7506 word the reason otherwise).
+_SETMAXNREG_IGNORED = re.compile(r"^.*'?setmaxnreg'? ignored.*$", re.I | re.M)
+
+
+def _found(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def missing_packages() -> str | None:
+  """Why this tier cannot run here (a missing package), or None."""
+  for modules in _REQUIRED.values():
+    if all(_found(m) for m in modules):
+      return None
+  return (
+    "the deviceless sm_90a compile needs the CUDA plugin, PJRT and"
+    " ptxas at the installed jax version: pip install -e '.[aot]'"
+    " (jax[cuda13-local] and nvidia-cuda-nvcc)"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """What ptxas said about one call's kernels, and each kernel's profile."""
+
+  name: str
+  registers: int  # the most of any kernel of the call
+  spill_store_bytes: int  # summed over the call's kernels
+  spill_load_bytes: int
+  kernels: tuple[KernelProfile, ...] = ()
+
+
+def budget_problems(report: CompileReport) -> list[str]:
+  """Each kernel's setmaxnreg split that the CTA's register pool cannot
+  satisfy (`ptx_profile.register_problems`) and named barriers that cannot
+  work as written (`named_barrier_problems`), named by kernel."""
+  return [
+    f"{k.name}: {problem}"
+    for k in report.kernels
+    for problem in ptx_profile.register_problems(k)
+    + ptx_profile.named_barrier_problems(k)
+  ]
+
+
+def parse_ptxas(text: str) -> tuple[int, int, int]:
+  spills = _SPILL.findall(text)
+  regs = _REGS.findall(text)
+  if not spills or not regs:
+    raise RuntimeError(f"no ptxas report found in:\n{text[-2000:]}")
+  return (
+    max(int(r) for r in regs),
+    sum(int(s) for s, _ in spills),
+    sum(int(l) for _, l in spills),
+  )
+
+
+def setmaxnreg_notes(ptxas_report: str) -> tuple[str, ...]:
+  """ptxas's notes that it ignored a setmaxnreg, each stripped."""
+  return tuple(m.strip() for m in _SETMAXNREG_IGNORED.findall(ptxas_report))
+
+
+def h200_mesh() -> Mesh:
+  """A one-device mesh of the H200 compile-only target."""
+  import jax
+  from jax.experimental import topologies
+
+  topo = topologies.get_topology_desc(
+    platform="cuda", target_config=_TARGET.read_text(), topology="1x1x1"
+  )
+  return jax.sharding.Mesh(topo.devices, ("x",))
+
+
+def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
+  """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`)."""
+  profiles = []
+  for ptxas in sorted(dump.glob("*.ptxas")):
+    stem = ptxas.name[: -len(".ptxas")]
+    report = ptxas.read_text()
+    regs, stores, loads = parse_ptxas(report)
+    resources = dump / f"{stem}.resources.txt"
+    smem = _SMEM.search(resources.read_text()) if resources.exists() else None
+    ptx = dump / f"{stem}.ptx"
+    profiles.append(
+      ptx_profile.profile_ptx(
+        f"{stem.rsplit('_', 1)[0]} {label}",
+        ptx.read_text() if ptx.exists() else "",
+        registers=regs,
+        spill_store_bytes=stores,
+        spill_load_bytes=loads,
+        smem_bytes=int(smem.group(1)) if smem else None,
+        wgmma_serialized=_SERIALIZED in report,
+        setmaxnreg_ignored=setmaxnreg_notes(report),
+      )
+    )
+  if not profiles:
+    raise RuntimeError(f"Mosaic dumped no ptxas report for {label}")
+  return profiles
+
+
+def short_label(
+  spec: AttentionSpec, config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
+) -> str:
+  """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
+  dK/dV consumers/head splits, then "fused" or the dQ kernel's): the
+  profile table's row label."""
+  from pallas_fa3.kernels.sm90.config_backward import fused_backward
+
+  tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
+  if not getattr(config, "persistent", True):
+    tiles += " per-tile grid"
+  if hasattr(config, "dkdv_consumers"):
+    tiles += f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
+    if fused_backward(spec, config):
+      tiles += " fused"
+    else:
+      tiles += f" q{config.dq_consumers}/{config.dq_head_splits}"
+  mask = "causal" if spec.causal else "full"
+  dims = f"d{spec.head_dim}"
+  if spec.head_dim_v != spec.head_dim:
+    dims += f"/{spec.head_dim_v}"
+  return f"{dims} {mask}{modifier_label(spec)} {tiles}"
+
+
+def compile_report(
+  name: str, fn: Callable[..., Any], shapes: list, label: str | None = None
+) -> CompileReport:
+  """Compiles `jax.jit(fn)` on `shapes` for sm_90a; ptxas's report and each
+  Mosaic kernel's profile."""
+  import jax
+
+  with tempfile.TemporaryDirectory() as dump:
+    # Read by Mosaic at compile time: one fresh folder per compile.
+    flags = dict(
+      MOSAIC_GPU_DUMP_PTXAS="1",
+      MOSAIC_GPU_DUMP_PTX="1",
+      MOSAIC_GPU_DUMP_RESOURCES="1",
+      MOSAIC_GPU_DUMP_TO=dump,
+    )
+    os.environ.update(flags)
+    try:
+      jax.jit(fn).lower(*shapes).compile()
+    finally:
+      for flag in flags:
+        os.environ.pop(flag)
+    kernels = kernel_profiles(pathlib.Path(dump), label or name)
+  return CompileReport(
+    name,
+    max(k.registers for k in kernels),
+    sum(k.spill_store_bytes for k in kernels),
+    sum(k.spill_load_bytes for k in kernels),
+    tuple(kernels),
+  )
+
+
+def bf16_operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
+  """Shapes of q, k, v (and out, lse, dout, dlse with `backward`)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  sharding = NamedSharding(mesh, PartitionSpec())
+  arr = lambda shape, dtype=spec.dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=sharding
+  )
+  q = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim))
+  k = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim))
+  v = arr((spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim_v))
+  if not backward:
+    return [q, k, v]
+  o = arr((spec.batch, spec.seq_q, spec.heads_q, spec.head_dim_v))
+  stats = arr((spec.batch, spec.heads_q, spec.seq_q), jnp.float32)
+  return [q, k, v, o, stats, o, stats]
+
+
+def compile_forward(
+  spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
+) -> CompileReport:
+  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import forward as sm90_fwd
+
+  mesh = h200_mesh() if mesh is None else mesh
+  sinks = ids = None  # constant stand-ins: the kernel still reads them
+  if spec.sinks:
+    sinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
+  if getattr(spec, "segmented", False):  # (a DecodeSpec has no ids)
+    ids = packed_bounds(spec)[:2]
+  return compile_report(
+    f"fwd d={spec.head_dim}{_dv_label(spec)} {spec.dtype} causal={spec.causal}"
+    f"{modifier_label(spec)} {config}",
+    lambda q, k, v: sm90_fwd.sm90_forward(
+      spec, config, q, k, v, sinks=sinks, segment_ids=ids
+    ),
+    bf16_operands(spec, mesh, backward=False),
+    short_label(spec, config),
+  )
+
+
+def packed_bounds(spec: AttentionSpec) -> tuple:
+  """(lo, hi, q_lo, q_hi): the key bounds of each query row and the query
+  bounds of each key for documents of 512 tokens (the segmented kernels'
+  stand-in operands)."""
+  import jax.numpy as jnp
+
+  from pallas_fa3 import segments
+
+  ids = tuple(
+    jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) // 512, (spec.batch, n))
+    for n in (spec.seq_q, spec.seq_kv)
+  )
+  return segments.kernel_bounds(spec, ids)[0]
+
+
+def _dv_label(spec: AttentionSpec) -> str:
+  return "" if spec.head_dim_v == spec.head_dim else f" dv={spec.head_dim_v}"
+
+
+def modifier_label(spec: AttentionSpec) -> str:
+  """ " window=(l, r) softcap=c sinks" for the modifiers a spec uses."""
+  parts = []
+  if spec.window_size is not None:
+    parts.append(f"window={spec.window_size}")
+  if spec.softcap is not None:
+    parts.append(f"softcap={spec.softcap:g}")
+  if spec.sinks:
+    parts.append("sinks")
+  if getattr(spec, "segmented", False):  # (a DecodeSpec has no ids)
+    parts.append("segment_ids")
+  return "".join(" " + p for p in parts)
+
+
+def compile_backward(
+  spec: AttentionSpec, config: sm90.Sm90BackwardConfig, mesh: Mesh | None = None
+) -> CompileReport:
+  """Compiles the backward for sm_90a (the fused kernel, or with
+  `spec.deterministic` the dK/dV and dQ kernels); ptxas's report."""
+  from pallas_fa3.kernels.sm90 import backward as sm90_bwd
+
+  mesh = h200_mesh() if mesh is None else mesh
+  return compile_report(
+    f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}{_dv_label(spec)}"
+    f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}"
+    f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
+    lambda *a: sm90_bwd.sm90_backward(
+      spec,
+      config,
+      *a,
+      segment_ids=packed_bounds(spec) if spec.segmented else None,
+    ),
+    bf16_operands(spec, mesh, backward=True),
+    short_label(spec, config),
+  )

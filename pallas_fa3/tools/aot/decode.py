@@ -1,0 +1,195 @@
+"""The deviceless sm_90a compile of the decode kernel: one call's compile
+(`compile_decode`) and the sweep of `pallas-fa3 aot --decode` (head dims,
+contiguous and paged caches, GQA groups and seq_q, window and softcap;
+bf16 and e4m3 caches)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pallas_fa3.tools.aot import compiler as aot
+
+if TYPE_CHECKING:  # jax is imported only when a compile runs
+  from jax.sharding import Mesh
+
+  from pallas_fa3.kvcache_spec import DecodeSpec
+
+# Cache tokens per sequence of the sweep (a long decode: many tiles per
+# split), and its batch x kv heads.
+DECODE_CAPACITY = 8192
+DECODE_BATCH, DECODE_HEADS_KV = 4, 8
+# (group size, seq_q): plain decoding with MHA to 16 query heads per KV head,
+# speculative decoding, a prefill chunk.
+DECODE_ROWS = (
+  (1, 1),
+  (4, 1),
+  (8, 1),
+  (16, 1),
+  (4, 4),
+  (8, 8),
+  (4, 16),
+  (1, 16),
+)
+PAGE_SIZES = (None, 64, 128, 256)  # None: contiguous
+
+
+def decode_spec(
+  d: int,
+  dv: int,
+  group: int,
+  seq_q: int,
+  page_size: int | None,
+  **options: Any,
+) -> DecodeSpec:
+  """The sweep's spec for one point (bf16 queries, `DECODE_CAPACITY`
+  tokens; `cache_dtype=` an e4m3 cache, default bf16)."""
+  import jax.numpy as jnp
+
+  from pallas_fa3.kvcache_spec import DecodeSpec
+
+  cache_dtype = jnp.dtype(options.pop("cache_dtype", jnp.bfloat16))
+  paged = page_size is not None
+  pps = DECODE_CAPACITY // page_size if paged else 0
+  return DecodeSpec(
+    batch=DECODE_BATCH,
+    seq_q=seq_q,
+    heads_q=DECODE_HEADS_KV * group,
+    heads_kv=DECODE_HEADS_KV,
+    head_dim=d,
+    head_dim_v=dv,
+    dtype=jnp.dtype(jnp.bfloat16),
+    cache_dtype=cache_dtype,
+    causal=options.pop("causal", True),
+    softmax_scale=d**-0.5,
+    paged=paged,
+    capacity=DECODE_CAPACITY,
+    page_size=page_size or 0,
+    pages_per_seq=pps,
+    cache_rows=DECODE_BATCH * pps if paged else DECODE_BATCH,
+    **options,
+  )
+
+
+def compile_decode(
+  spec: DecodeSpec, config: Any, mesh: Mesh | None = None
+) -> aot.CompileReport:
+  """Compiles the decode kernel (with its split merge) for sm_90a at the
+  default number of splits for `spec`."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from pallas_fa3.kernels.sm90 import config_decode, decode_call
+
+  mesh = aot.h200_mesh() if mesh is None else mesh
+  sharding = NamedSharding(mesh, PartitionSpec())
+  arr = lambda shape, dtype=spec.dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=sharding
+  )
+  b, hk = spec.batch, spec.heads_kv
+  rows = spec.cache_rows
+  cache_len = spec.page_size if spec.paged else spec.capacity
+  splits = spec.num_splits or config_decode.default_splits(spec, config)
+  pt = (spec.batch, max(spec.pages_per_seq, 1))
+  shapes = [
+    arr((b, spec.seq_q, spec.heads_q, spec.head_dim)),
+    arr((rows, cache_len, hk, spec.head_dim), spec.cache_dtype),
+    arr((rows, cache_len, hk, spec.head_dim_v), spec.cache_dtype),
+    arr((b,), jnp.int32),
+    arr((b,), jnp.int32),
+    arr(pt, jnp.int32),
+  ]
+  if spec.fp8_cache:  # k_descale, v_descale
+    shapes += [arr((b, hk), jnp.float32)] * 2
+  layout = f"paged{spec.page_size}" if spec.paged else "contiguous"
+  if spec.fp8_cache:
+    layout = f"e4m3 {layout}"
+  label = (
+    f"d{spec.head_dim}/{spec.head_dim_v} {layout} g{spec.group_size}"
+    f" q{spec.seq_q}{aot.modifier_label(spec)}"
+    f" {config.block_kv}x{config.num_stages} s{splits}"
+  )
+  return aot.compile_report(
+    f"decode {label} {config}",
+    lambda q, kc, vc, lens, rows_, pt_, *descale: decode_call.sm90_decode(
+      spec,
+      config,
+      splits,
+      q,
+      kc,
+      vc,
+      lens,
+      rows_,
+      pt_ if spec.paged else None,
+      None,
+      descale or None,
+    ),
+    shapes,
+    label,
+  )
+
+
+def decode_defaults(
+  head_dims: Sequence[int] | None = None,
+) -> Iterator[aot.SweepItem]:
+  """The default decode config at every head dim (those of `head_dims`
+  when given): GQA 4, one query, contiguous and paged (64-token pages); an
+  e4m3 cache at d128, paged (`decode_sweep` has the rest)."""
+  from pallas_fa3.kernels.sm90 import config_decode
+
+  keep = lambda d: head_dims is None or d in head_dims
+  for d in filter(keep, (64, 128, 256)):
+    for ps in (None, 64):
+      spec = decode_spec(d, d, 4, 1, ps)
+      yield compile_decode, spec, config_decode.default_decode_config(spec)
+  if keep(128):
+    spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
+
+
+# (head_dim, head_dim_v) of the e4m3-cache decode sweep.
+E4M3_HEAD_DIMS = (
+  (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
+  (128, 192),
+)  # fmt: skip
+
+
+def decode_sweep() -> Iterator[aot.SweepItem]:
+  """`pallas-fa3 aot --decode`: the default config over head dims 64, 128,
+  256, contiguous and paged caches, `DECODE_ROWS`; every block/stage
+  config the kernel serves at d128 GQA 4; window and softcap; an e4m3
+  cache at `E4M3_HEAD_DIMS`."""
+  from pallas_fa3.kernels.sm90 import config_decode
+
+  for d in (64, 128, 256):
+    for ps in PAGE_SIZES:
+      for group, seq_q in DECODE_ROWS:
+        spec = decode_spec(d, d, group, seq_q, ps)
+        if config_decode.decode_unsupported(spec) is None:
+          yield compile_decode, spec, config_decode.default_decode_config(spec)
+  spec = decode_spec(128, 128, 4, 1, None)
+  for block in config_decode.BLOCK_KV_CHOICES:
+    for stages in config_decode.STAGE_CHOICES:
+      config = config_decode.Sm90DecodeConfig(block, stages)
+      if config_decode.decode_unsupported(spec, config) is None:
+        yield compile_decode, spec, config
+  for options in (dict(window_size=(1024, None)), dict(softcap=30.0)):
+    spec = decode_spec(128, 128, 4, 4, 64, **options)
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # An e4m3 cache: every head dim (and the 192/128 pairs, whose rows are
+  # not whole 128-byte spans) and layout at GQA 8, every block/stage
+  # config at d128, and softcap.
+  e4m3 = dict(cache_dtype="float8_e4m3fn")
+  for d, dv in E4M3_HEAD_DIMS:
+    for ps in PAGE_SIZES:
+      spec = decode_spec(d, dv, 8, 1, ps, **e4m3)
+      yield compile_decode, spec, config_decode.default_decode_config(spec)
+  spec = decode_spec(128, 128, 4, 1, None, **e4m3)
+  for block in config_decode.BLOCK_KV_CHOICES:
+    for stages in config_decode.STAGE_CHOICES:
+      config = config_decode.Sm90DecodeConfig(block, stages)
+      if config_decode.decode_unsupported(spec, config) is None:
+        yield compile_decode, spec, config
+  spec = decode_spec(128, 128, 4, 1, 64, softcap=30.0, **e4m3)
+  yield compile_decode, spec, config_decode.default_decode_config(spec)

@@ -1,0 +1,244 @@
+"""The sweeps of the deviceless compile (`aot`): which kernel configs and
+call shapes `pallas-fa3 aot` compiles, as (compile function, spec, config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from pallas_fa3.tools.aot.compiler import (
+  SweepItem,
+  compile_backward,
+  compile_forward,
+)
+from pallas_fa3.tools.aot.decode import decode_defaults
+from pallas_fa3.tools.aot.fp8 import compile_forward_fp8, compile_quantize
+
+if TYPE_CHECKING:
+  pass
+
+# `--modifiers`: (window_size, softcap, sinks, causal) at `PROFILE_SHAPE`.
+MODIFIER_CASES = (
+  ((256, None), None, False, True),  # sliding window, causal (FA3's (256, 0))
+  ((128, 128), None, False, False),  # both sides, not causal
+  ((128, None), None, False, False),  # left only, not causal
+  ((None, 128), None, False, False),  # right only, not causal
+  (None, 30.0, False, True),  # softcap (Gemma 2)
+  (None, None, True, True),  # sinks (gpt-oss)
+  ((256, None), 30.0, True, True),  # all three
+)
+
+
+def sweep() -> Iterator[SweepItem]:
+  """(compile function, spec, config) for every supported config of every
+  kernel: both dtypes, causal with GQA and ragged lengths."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  for dtype in (jnp.bfloat16, jnp.float16):
+    size = jnp.dtype(dtype).itemsize
+    for d in sm90_config.KERNEL_HEAD_DIMS:
+      q = jax.ShapeDtypeStruct((1, 1000, 4, d), dtype)
+      kv = jax.ShapeDtypeStruct((1, 1100, 2, d), dtype)
+      spec = make_spec(q, kv, kv, causal=True)
+      for config in sm90_config.forward_config_space(d, size):
+        yield compile_forward, spec, config
+      for det in (False, True):  # the fused kernel, and dK/dV + dQ
+        spec = make_spec(q, kv, kv, causal=True, deterministic=det)
+        for config in sm90_bwd_config.backward_config_space(d, size, det):
+          yield compile_backward, spec, config
+
+
+# (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
+# MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
+# and the causal offset are compiled in).
+BACKWARD_SHAPES = (
+  (1000, 1100, 4, 2),
+  (1024, 1024, 2, 2),
+  (4096, 4096, 1, 1),
+  (100, 300, 2, 1),
+  (2048, 1024, 2, 2),
+)
+
+
+def backward_shapes_sweep() -> Iterator[SweepItem]:
+  """Every backward config of both spaces (fused and deterministic) at
+  every head dim over `BACKWARD_SHAPES`, causal and not, bf16."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    for sq, skv, hq, hk in BACKWARD_SHAPES:
+      for causal, det in itertools.product((True, False), (False, True)):
+        q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, skv, hk, d), jnp.bfloat16)
+        spec = make_spec(q, kv, kv, causal=causal, deterministic=det)
+        for config in sm90_bwd_config.backward_config_space(d, 2, det):
+          yield compile_backward, spec, config
+
+
+def fp8_forward_sweep() -> Iterator[SweepItem]:
+  """Every supported FP8 forward config, both output dtypes, with and
+  without Q's residual; and the quantization kernel at each config's tiles.
+
+  GQA with a ragged K/V length, causal (masked diagonal tiles with a
+  successor) and non-causal (one masked edge tile, the last).
+  """
+  import jax.numpy as jnp
+
+  from pallas_fa3 import fp8
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+  from pallas_fa3.spec import AttentionSpec
+
+  tiles = set()
+  for dtype in sm90_fp8_config.FP8_OUT_DTYPES:
+    for d in sm90_fp8_config.FP8_HEAD_DIMS:
+      for terms in (1, 2):
+        fp8_config = fp8.FP8Config(q_residual=terms == 2)
+        for config in sm90_fp8_config.fp8_forward_config_space(
+          d, q_terms=terms
+        ):
+          for causal, sq, skv in ((True, 1000, 1100), (False, 1024, 1100)):
+            spec = AttentionSpec(
+              1, sq, skv, 4, 2, d, d, jnp.dtype(dtype), causal, d**-0.5,
+              fp8=fp8_config,
+            )  # fmt: skip
+            yield compile_forward_fp8, spec, config
+            if (d, config.block_q, config.block_kv, terms) not in tiles:
+              tiles.add((d, config.block_q, config.block_kv, terms))
+              yield compile_quantize, spec, config
+
+
+# (head_dim, head_dim_v) unlike each other: DeepSeek's MLA training shapes
+# (192, 128) and the others issue 32 names.
+HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128), (256, 128))
+
+# The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
+PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
+
+
+def defaults_sweep(
+  causal_only: bool = False, head_dims: Sequence[int] | None = None
+) -> Iterator[SweepItem]:
+  """(compile function, spec, config): the default config of every kernel at
+  every head dim, at `PROFILE_SHAPE`, causal and not (causal only with
+  `causal_only`: the causal kernels hold the unmasked steps' code too);
+  the forward and both backwards at `HEAD_DIM_PAIRS` (causal); and the
+  decode kernel's defaults (`aot_decode.decode_defaults`). `head_dims`
+  keeps the query head dims among them (all when None)."""
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+    config_fp8 as sm90_fp8_config,
+  )
+  from pallas_fa3.spec import AttentionSpec
+
+  keep = lambda d: head_dims is None or d in head_dims
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in filter(keep, sm90_config.KERNEL_HEAD_DIMS):
+    for causal in (True,) if causal_only else (True, False):
+      spec = AttentionSpec(
+        b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
+      )
+      yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      for det in (False, True):  # the fused backward, and dK/dV + dQ
+        bwd = dataclasses.replace(spec, deterministic=det)
+        config = sm90_bwd_config.default_backward_config(bwd)
+        yield compile_backward, bwd, config
+      if d in sm90_fp8_config.FP8_HEAD_DIMS:
+        config = sm90_fp8_config.default_fp8_forward_config(d)
+        yield compile_forward_fp8, spec, config
+        if causal:  # the quantization pass does not depend on it
+          yield compile_quantize, spec, config
+  for d, dv in HEAD_DIM_PAIRS:  # value head dims unlike the query's, causal
+    if not keep(d):
+      continue
+    spec = AttentionSpec(
+      b, s, s, hq, hk, d, dv, jnp.dtype(jnp.bfloat16), True, d**-0.5
+    )
+    yield compile_forward, spec, sm90_config.default_forward_config(spec)
+    for det in (False, True):
+      bwd = dataclasses.replace(spec, deterministic=det)
+      yield compile_backward, bwd, sm90_bwd_config.default_backward_config(bwd)
+  yield from decode_defaults(head_dims)
+
+
+def modifiers_sweep() -> Iterator[SweepItem]:
+  """The default forward and both backwards (fused; dK/dV + dQ) of every
+  head dim with each of `MODIFIER_CASES` (windows, softcap, sinks), and the
+  forward and both backwards of the causal cases with segment ids, bf16 at
+  `PROFILE_SHAPE`; then the FP8 forward with the same options."""
+  import jax
+
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+  )
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((b, s, hq, d), "bfloat16")
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), "bfloat16")
+    for window, cap, sinks, causal in MODIFIER_CASES:
+      spec = make_spec(
+        q, kv, kv, causal=causal, window_size=window, softcap=cap, sinks=sinks
+      )
+      yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      # With causal, packed documents too (segment ids).
+      for packed in (False, True) if causal else (False,):
+        one = dataclasses.replace(spec, segmented=packed)
+        if packed:
+          yield compile_forward, one, sm90_config.default_forward_config(one)
+        for det in (False, True):
+          bwd = dataclasses.replace(one, deterministic=det)
+          config = sm90_bwd_config.default_backward_config(bwd)
+          yield compile_backward, bwd, config
+  yield from _fp8_modifiers()
+
+
+def _fp8_modifiers() -> Iterator[SweepItem]:
+  """The FP8 forward's default config of every FP8 head dim with each of
+  `MODIFIER_CASES`, and with segment ids on the causal ones."""
+  import jax
+
+  from pallas_fa3 import fp8
+  from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_fp8_config.FP8_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((b, s, hq, d), "bfloat16")
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), "bfloat16")
+    config = sm90_fp8_config.default_fp8_forward_config(d)
+    for window, cap, sinks, causal in MODIFIER_CASES:
+      for packed in (False, True) if causal else (False,):
+        spec = make_spec(
+          q,
+          kv,
+          kv,
+          causal=causal,
+          window_size=window,
+          softcap=cap,
+          sinks=sinks,
+          segmented=packed,
+          fp8=fp8.FP8Config(),
+        )
+        yield compile_forward_fp8, spec, config

@@ -1,0 +1,277 @@
+"""`pallas-fa3`: the command line.
+
+Subcommands:
+  info   the machine, JAX, whether a Hopper GPU is present, which backend the
+         automatic choice picks for a sample call and why, and (unless
+         --no-run) that sample call checked against the float64 golden.
+
+  train  `python -m models train` (from a source checkout): train the
+         byte-level GPT of `models/` on the Python standard library's
+         sources; checkpoints, --resume, a summary JSON.
+
+  generate  `python -m models generate`: continue text prompts with a
+         model trained by `train`: a prefill with flash_attention, then
+         decode steps over KV caches (flash_attention_with_kvcache).
+
+  bench  the performance harness (pallas_fa3/tools/bench/): named benchmark shapes,
+         our backends against the reference, jax.nn.dot_product_attention
+         (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
+         Without a GPU: a small CPU sweep (about a minute).
+
+  numerics  the numerics studies (pallas_fa3/tools/numerics/): forward deviation
+         against a float64 golden, the FP8 error table, weight divergence of
+         training runs, the repeated-max bias; report folders with JSON,
+         markdown and PNG. CPU defaults finish in minutes.
+
+  aot    the deviceless sm_90a compile of the kernels (Mosaic + ptxas on a
+         CPU, needs the CUDA plugin packages): spills per config, and with
+         --profile a static profile of each kernel's PTX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+from pallas_fa3.tools import example_models
+
+_SAMPLE_HELP = "sample call used to show the automatic choice"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends "(default: X)" to an option's help unless X is None.
+
+  An option whose default is None says in its own help what leaving it unset
+  means ("unset: ..."); "(default: None)" would only contradict that.
+  """
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _require_positive(args, *flags: str) -> None:
+  """Usage error (exit 2) naming the first of `flags` set to a value below 1."""
+  for flag in flags:
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      args.parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+
+
+def _add_info_parser(sub) -> None:
+  p = sub.add_parser(
+    "info",
+    help="environment, devices and the automatic backend choice",
+    description=(
+      "Print the JAX version, backend and devices, whether a Hopper (sm90)"
+      " GPU is present, which implementation flash_attention(...,"
+      " implementation=None) picks for a sample call and why, then run"
+      " that call and compare it with a float64 golden."
+    ),
+    formatter_class=HelpFormatter,
+  )
+  p.add_argument("--batch", type=int, default=1, help=_SAMPLE_HELP)
+  p.add_argument("--seq-q", type=int, default=256, help=_SAMPLE_HELP)
+  p.add_argument("--seq-kv", type=int, default=256, help=_SAMPLE_HELP)
+  p.add_argument("--heads-q", type=int, default=4, help=_SAMPLE_HELP)
+  p.add_argument("--heads-kv", type=int, default=2, help=_SAMPLE_HELP)
+  p.add_argument("--head-dim", type=int, default=64, help=_SAMPLE_HELP)
+  p.add_argument(
+    "--dtype",
+    default="bfloat16",
+    choices=("bfloat16", "float16", "float32"),
+    help=_SAMPLE_HELP,
+  )
+  p.add_argument(
+    "--causal",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help=_SAMPLE_HELP,
+  )
+  p.add_argument(
+    "--no-run",
+    action="store_true",
+    help="only report the choice; do not run the sample call",
+  )
+  p.set_defaults(func=_cmd_info, parser=p)
+
+
+def _cmd_info(args) -> int:
+  import jax
+  import jaxlib
+  import numpy as np
+
+  import pallas_fa3
+  from pallas_fa3 import backends, flash_attention
+  from pallas_fa3.reference import golden_attention
+  from pallas_fa3.spec import make_spec
+
+  devices = jax.devices()
+  print(
+    f"pallas-fa3 {pallas_fa3.__version__}  (Python {platform.python_version()},"
+    f" {platform.machine()})"
+  )
+  print(
+    f"JAX {jax.__version__}, jaxlib {jaxlib.__version__};"
+    f" default backend: {jax.default_backend()}"
+  )
+  for d in devices:
+    cc = getattr(d, "compute_capability", None)
+    extra = f", compute capability {cc}" if cc else ""
+    print(f"  device {d.id}: {d.platform} {d.device_kind}{extra}")
+  hopper = backends.hopper_reason()
+  print("Hopper (sm90) GPU: " + ("yes" if hopper is None else f"no ({hopper})"))
+
+  _require_positive(
+    args, "batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"
+  )
+  if args.heads_q % args.heads_kv:
+    args.parser.error(
+      f"--heads-q ({args.heads_q}) must be a multiple of"
+      f" --heads-kv ({args.heads_kv})"
+    )
+  shape_q = (args.batch, args.seq_q, args.heads_q, args.head_dim)
+  shape_kv = (args.batch, args.seq_kv, args.heads_kv, args.head_dim)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], shape_q, args.dtype)
+  k = jax.random.normal(keys[1], shape_kv, args.dtype)
+  v = jax.random.normal(keys[2], shape_kv, args.dtype)
+  try:
+    spec = make_spec(q, k, v, causal=args.causal)
+  except (TypeError, ValueError) as e:
+    args.parser.error(f"the sample call is invalid: {e}")
+  print(
+    f"\nSample call: q {shape_q}, k/v {shape_kv}, {args.dtype},"
+    f" causal={args.causal} (bottom-right aligned)"
+  )
+  print("Automatic choice (fastest first):")
+  chosen = None
+  for name, reason in backends.explain_choice(spec):
+    if reason is None and chosen is None:
+      chosen = name
+      print(f"  -> {name}: supported; picked ({backends.get(name).summary})")
+    else:
+      print(
+        f"     {name}: "
+        + ("supported" if reason is None else f"skipped: {reason}")
+      )
+  if args.no_run:
+    return 0
+
+  start = time.perf_counter()
+  out = jax.block_until_ready(flash_attention(q, k, v, causal=args.causal))
+  first = time.perf_counter() - start
+  start = time.perf_counter()
+  out = jax.block_until_ready(flash_attention(q, k, v, causal=args.causal))
+  again = time.perf_counter() - start
+  gold, _ = golden_attention(q, k, v, causal=args.causal)
+  err = float(np.max(np.abs(np.asarray(out, np.float64) - gold)))
+  eps = float(jax.numpy.finfo(args.dtype).eps)
+  print(
+    f"\nRan it with {chosen}: output {tuple(out.shape)} {out.dtype};"
+    f" first call {first:.2f} s (includes compilation), second {again * 1e3:.1f} ms"
+  )
+  print(
+    f"max |out - float64 golden| = {err:.3g}  ({err / eps:.1f} x {args.dtype} eps;"
+    " a few eps is rounding, not error)"
+  )
+  return 0
+
+
+def _add_model_parsers(sub) -> None:
+  """`train` and `generate`: aliases of `python -m models train|generate`,
+  whose flags and handlers live with the example (`models/cli.py`); without
+  a checkout, commands that say so."""
+  try:
+    models = example_models.load("pallas-fa3 train")
+  except ImportError as e:
+    missing = str(e)
+    for name in ("train", "generate"):
+      p = sub.add_parser(
+        name, help=f"{name} with the example GPT (needs a source checkout)"
+      )
+      p.add_argument("rest", nargs=argparse.REMAINDER)
+      p.set_defaults(func=lambda args, name=name: _no_models(name, missing))
+    return
+  models.cli.add_parsers(sub, HelpFormatter)
+
+
+def _no_models(name: str, reason: str) -> int:
+  print(f"pallas-fa3 {name}: error: {reason}", file=sys.stderr)
+  return 1
+
+
+def _add_bench_parser(sub) -> None:
+  from pallas_fa3.tools.bench import command  # pylint: disable=g-import-not-at-top
+
+  p = command.add_parser(sub, HelpFormatter)  # flags live with the harness
+  p.set_defaults(func=_cmd_bench, parser=p)
+
+
+def _cmd_bench(args) -> int:
+  from pallas_fa3.tools.bench import command  # pylint: disable=g-import-not-at-top
+
+  return command.run(args)
+
+
+def _add_numerics_parser(sub) -> None:
+  from pallas_fa3.tools.numerics import cli_args  # pylint: disable=g-import-not-at-top
+
+  cli_args.add_parser(sub)  # flags and the run live with the studies
+
+
+def _add_aot_parser(sub) -> None:
+  from pallas_fa3.tools.aot import command as aot  # pylint: disable=g-import-not-at-top
+
+  p = sub.add_parser(
+    "aot",
+    help="compile the sm90 kernels for sm_90a on a CPU: spills and"
+    " a static profile of the PTX",
+    description=aot.__doc__.split("\n\n")[0],
+  )
+  aot.add_arguments(p)
+  p.set_defaults(func=_cmd_aot, parser=p)
+
+
+def _cmd_aot(args) -> int:
+  # A deviceless compile: no GPU is used even where one is present (the CUDA
+  # plugin would otherwise claim it at start-up).
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from pallas_fa3.tools.aot import command as aot  # pylint: disable=g-import-not-at-top
+
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")
+  return aot.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="pallas-fa3",
+    description=(
+      "FlashAttention-3 for Hopper GPUs in JAX Pallas Mosaic GPU, with a"
+      " portable blockwise twin and numerics tooling."
+    ),
+    epilog="Run 'pallas-fa3 <command> --help' for a command's options.",
+  )
+  sub = parser.add_subparsers(dest="command", metavar="<command>")
+  sub.required = True
+  _add_info_parser(sub)
+  _add_model_parsers(sub)
+  _add_bench_parser(sub)
+  _add_numerics_parser(sub)
+  _add_aot_parser(sub)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
