@@ -7,7 +7,7 @@ kernels run: a packed call of --docs documents of equal length (16 x 512 =
 
 Per kernel: the forward and dQ kernels' K/V steps summed over their query
 tiles (`common.cta_kv_range`), the dK/dV (and fused) kernel's query steps
-summed over its K/V CTAs (`backward_dkdv_plan.q_tile_range`'s ranges). One
+summed over its K/V CTAs (`backward_dkdv.q_tile_range`'s ranges). One
 step is one (query tile, K/V tile) GEMM pair, so the ratio is the work a
 GPU run should save (every segmented step is masked, a little dearer).
 """
@@ -23,11 +23,13 @@ import jax.numpy as jnp
 
 from pallas_fa3 import masking, segments
 from pallas_fa3.kernels.sm90 import config, config_backward
-from pallas_fa3.kernels.sm90.backward_dkdv_plan import DkdvPlan
-from pallas_fa3.kernels.sm90.common import QueryPlan, cta_kv_range, round_up
-from pallas_fa3.kernels.sm90.segment_operands import (
+from pallas_fa3.kernels.sm90.backward_dkdv import DkdvPlan
+from pallas_fa3.kernels.sm90.common import (
+  QueryPlan,
+  cta_kv_range,
   id_operands,
   query_tile_spans,
+  round_up,
 )
 from pallas_fa3.spec import make_spec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pallas_fa3.kernels.sm90 import persistent
+from pallas_fa3.kernels.sm90 import pipeline
 from pallas_fa3.kernels.sm90.common import QueryPlan, kv_steps
 from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
 from pallas_fa3.spec import AttentionSpec
@@ -45,7 +45,7 @@ def _plan(batch, seq_q, seq_kv, heads_q, heads_kv, causal):
 )
 def test_every_tile_is_taken_once(dims, causal):
   plan = _plan(*dims, causal)
-  coords = [persistent.tile_coords(plan, t) for t in range(plan.num_tiles)]
+  coords = [pipeline.tile_coords(plan, t) for t in range(plan.num_tiles)]
   expected = {
     (b, h, i)
     for b in range(plan.spec.batch)
@@ -63,7 +63,7 @@ def _steps(plan, q_tile):
 def test_causal_tiles_come_longest_first():
   plan = _plan(2, 1000, 1200, 4, 2, True)
   lengths = [
-    _steps(plan, persistent.tile_coords(plan, t)[2])
+    _steps(plan, pipeline.tile_coords(plan, t)[2])
     for t in range(plan.num_tiles)
   ]
   assert lengths == sorted(lengths, reverse=True)
@@ -72,7 +72,7 @@ def test_causal_tiles_come_longest_first():
 
 def test_non_causal_tiles_go_head_by_head():
   plan = _plan(2, 1000, 1000, 3, 1, False)
-  heads = [persistent.tile_coords(plan, t)[:2] for t in range(plan.num_tiles)]
+  heads = [pipeline.tile_coords(plan, t)[:2] for t in range(plan.num_tiles)]
   n_q = plan.num_q_tiles
   for t in range(plan.num_tiles):
     assert heads[t] == heads[t - t % n_q]  # a head's tiles are consecutive
@@ -80,6 +80,6 @@ def test_non_causal_tiles_go_head_by_head():
 
 @pytest.mark.parametrize("interpreted", [True, False])
 def test_grid_size(interpreted):
-  cap = persistent.INTERPRET_CTAS if interpreted else persistent.HOPPER_SMS
+  cap = pipeline.INTERPRET_CTAS if interpreted else pipeline.HOPPER_SMS
   for tiles in (1, 2, 7, 131, 132, 133, 5000):
-    assert persistent.num_ctas(tiles, interpreted) == min(tiles, cap)
+    assert pipeline.num_ctas(tiles, interpreted) == min(tiles, cap)

@@ -77,12 +77,10 @@ BLOCKWISE = DecodeBackend(
 
 def _kernel(interpret: bool) -> DecodeBackend:
   def run(spec, config, splits, *args):
-    from pallas_fa3.kernels.sm90 import decode_call  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import decode as kernel  # pylint: disable=g-import-not-at-top
 
     params = sm90.interpret_params() if interpret else None
-    return decode_call.sm90_decode(
-      spec, config, splits, *args, interpret=params
-    )
+    return kernel.sm90_decode(spec, config, splits, *args, interpret=params)
 
   def unsupported(spec: DecodeSpec, config: Any) -> str | None:
     from pallas_fa3.kernels.sm90 import config_decode  # pylint: disable=g-import-not-at-top

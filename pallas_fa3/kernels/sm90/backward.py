@@ -35,15 +35,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.kernels.sm90.backward_dkdv_kernel import dkdv_kernel
-from pallas_fa3.kernels.sm90.backward_dkdv_plan import DkdvPlan
+from pallas_fa3.kernels.sm90.backward_dkdv import (
+  DkdvPlan,
+  dkdv_kernel,
+  sum_slab,
+)
 from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
-from pallas_fa3.kernels.sm90.backward_fused import sum_slab
-from pallas_fa3.kernels.sm90.common import pad_axis, round_up, tma_extent
+from pallas_fa3.kernels.sm90.common import (
+  pad_axis,
+  query_tile_spans,
+  round_up,
+  tma_extent,
+)
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_backward
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
-from pallas_fa3.kernels.sm90.segment_operands import query_tile_spans
 from pallas_fa3.lse import log2_of
 from pallas_fa3.spec import AttentionSpec
 

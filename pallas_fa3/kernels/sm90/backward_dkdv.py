@@ -1,16 +1,24 @@
-"""The sm90 dK/dV kernel and its consumers (the backward's design:
-`backward`; the plan and the producer: `backward_dkdv_plan`).
-
-Parallel over (kv head, K/V tile, batch, head-dim chunk): consumer
-warpgroups hold K/V tiles and float32 dK, dV; the producer streams Q, dO,
-lse and delta tiles of every query head of the GQA group.
+"""The sm90 dK/dV kernel, fused with dQ or not (`fa3_bwd_dkdv`): the
+default backward (`deterministic=False`) runs it fused, FA3's five GEMMs
+per (query tile, key tile) pair with the float32 dQ tile TMA-reduce-added
+into an accumulator (`DqSink`); deterministic calls run it beside the dQ
+kernel (`backward_dq`). Parallel over (kv head, K/V tile, batch, head-dim
+chunk): consumer warpgroups hold K/V tiles and float32 dK, dV (or, in the
+shared layout of d = 128, 192, 256, one K/V tile whose head dim they split,
+exchanging P and dS through shared memory); the producer streams Q, dO, lse
+and delta tiles of every query head of the GQA group. Its plan
+(`DkdvPlan`), producer, consumers and build are here.
+docs/design_notes.md#backward-kernels
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -18,22 +26,231 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kernels.sm90.backward_dkdv_plan import (
-  DkdvPlan,
-  cta_position,
-  own_kv_tile,
-  q_tile_range,
-  store_dkdv,
-)
 from pallas_fa3.kernels.sm90.common import (
+  SegmentRefs,
+  build_kernel,
   consumer_regs,
+  consumer_release,
+  cta_span,
+  dkdv_operands,
+  load_bounds,
+  producer_regs,
   row_probabilities,
   scaled_once,
+  smem_transforms,
   softcap_grad,
   softcapped,
+  swizzle64,
+  tile_index,
 )
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
-from pallas_fa3.kernels.sm90.segment_operands import load_bounds
+from pallas_fa3.spec import AttentionSpec
+
+
+class DkdvPlan:
+  """Static facts of one dK/dV kernel instance (padded lengths included)."""
+
+  spec: AttentionSpec
+  config: Sm90BackwardConfig
+  seq_q_pad: int
+  seq_kv_pad: int
+  # The fused kernel (`backward_fused`): dQ by reduce-add as well.
+  fused: bool = False
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.seq_q_pad // self.config.block_q
+
+  @property
+  def shared(self) -> bool:
+    """Two consumers share one K/V tile, each owning half of dK/dV's head
+    dim; else each consumer owns its K/V tile (and a split is across CTAs)."""
+    return self.config.dkdv_consumers == 2 and self.splits == 2
+
+  @property
+  def kv_rows_per_cta(self) -> int:
+    return self.config.block_kv * (
+      1 if self.shared else self.config.dkdv_consumers
+    )
+
+  @property
+  def cta_splits(self) -> int:
+    """CTAs per K/V tile (head-dim chunks split across CTAs)."""
+    return 1 if self.shared else self.splits
+
+  @property
+  def splits(self) -> int:
+    """Head-dim chunks of dK and dV (`config.dkdv_head_splits`)."""
+    return self.config.dkdv_head_splits
+
+  @property
+  def q_halves(self) -> int:
+    """Query tiles are taken in 2 halves by CTA-split (register-tight) configs."""
+    return 2 if self.cta_splits > 1 else 1
+
+  @property
+  def kv_ctas(self) -> int:
+    """CTAs along the keys (times `cta_splits` in the grid)."""
+    return self.seq_kv_pad // self.kv_rows_per_cta
+
+  @property
+  def dq_cols(self) -> int:
+    """Head-dim columns of one consumer's dQ tile (fused)."""
+    return fused_dq_cols(
+      self.config, self.spec.head_dim, self.spec.dtype.itemsize
+    )
+
+  @property
+  def dq_by_cols(self) -> bool:
+    """Fused: each consumer adds dQ for its share of the head dim over all
+    of the CTA's keys (after exchanging dS); else the whole head dim over
+    its own keys."""
+    return self.dq_cols < self.spec.head_dim
+
+  @property
+  def dq_parts(self) -> int:
+    """dQ tiles per CTA and query tile that cover the same columns."""
+    return 1 if self.dq_by_cols else self.config.dkdv_consumers
+
+  @property
+  def chunk(self) -> int:
+    """Head-dim columns of K, Q and dK in one chunk (`head_dim / splits`)."""
+    return self.spec.head_dim // self.splits
+
+  @property
+  def chunk_v(self) -> int:
+    """Head-dim columns of V, dO and dV in one chunk (`head_dim_v /
+    splits`)."""
+    return self.spec.head_dim_v // self.splits
+
+  def width(self, of_v: bool) -> int:
+    """`chunk_v` for V, dO, dV tiles, else `chunk`."""
+    return self.chunk_v if of_v else self.chunk
+
+
+def cta_position(plan: DkdvPlan) -> tuple[jax.Array, jax.Array]:
+  """(first key row of the CTA, head-dim chunk it accumulates)."""
+  index = lax.axis_index("kv_tiles")
+  tile, chunk = lax.div(index, plan.cta_splits), lax.rem(index, plan.cta_splits)
+  return tile * plan.kv_rows_per_cta, chunk
+
+
+def copy_chunks(
+  ref: Any, tile: tuple, dst: Any, barrier: Any, plan: DkdvPlan, of_v: bool
+) -> None:
+  """TMA of the `[rows, head_dim(_v)]` tile `ref[tile]` (`of_v`: V or dO)
+  as `splits` column chunks into `dst[c]`, all arriving on `barrier`
+  (`splits` arrivals)."""
+  width = plan.width(of_v)
+  for c in range(plan.splits):
+    cols = pl.ds(c * width, width)
+    plgpu.copy_gmem_to_smem(
+      ref.at[tile + (cols,)], dst.at[c], barrier, oob_mode=compat.ZERO_FILL
+    )
+
+
+def own_kv_tile(refs: tuple, plan: DkdvPlan, w: Any) -> tuple:
+  """Loads consumer `w`'s K/V tile (`block_kv` keys, as head-dim chunks
+  `[splits, block_kv, chunk]`) and waits for it. `refs` are (k_ref, v_ref,
+  k_smem, v_smem, kv_bar). Returns (its first key, its global rows, its K
+  chunks, its V chunks)."""
+  k_ref, v_ref, k_smem, v_smem, kv_bar = refs
+  consumers, block_kv = plan.config.dkdv_consumers, plan.config.block_kv
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, _ = cta_position(plan)
+  kv0 = cta_kv0 + w * block_kv
+  rows = (batch, pl.ds(kv0, block_kv), kv_head)
+  my_k, my_v = k_smem.at[w], v_smem.at[w]
+  copy_chunks(k_ref, rows, my_k, kv_bar.at[w], plan, of_v=False)
+  copy_chunks(v_ref, rows, my_v, kv_bar.at[consumers + w], plan, of_v=True)
+  plgpu.barrier_wait(kv_bar.at[w])
+  plgpu.barrier_wait(kv_bar.at[consumers + w])
+  return kv0, rows, my_k, my_v
+
+
+def store_dkdv(
+  plan: DkdvPlan, dk: Any, dv: Any, staging: tuple, dst: tuple
+) -> None:
+  """Writes float32 dK (scaled) and dV in the input dtype through the
+  shared `staging` tiles (K, V tiles no longer read) to the global `dst`
+  tiles, and waits for the stores."""
+  out_k, out_v = staging
+  out_v[...] = dv.astype(plan.spec.dtype)
+  out_k[...] = (dk * jnp.float32(plan.spec.softmax_scale)).astype(
+    plan.spec.dtype
+  )
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_k, dst[0])
+  plgpu.copy_smem_to_gmem(out_v, dst[1])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def q_tile_range(
+  plan: DkdvPlan, kv0: Any, seg: Any = None
+) -> tuple[jax.Array, jax.Array]:
+  """(first query tile, query tiles per head) that see any of the CTA's
+  keys `[kv0, kv0 + kv_rows_per_cta)`; the others (causal diagonal, window,
+  and with segment ids `seg` other documents) are skipped. The count may
+  be 0: no row sees these keys."""
+  spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
+  if seg is not None:  # spans of bounds with the positions folded in
+    batch = lax.axis_index("batch")
+    first, end = cta_span(seg, batch, tile_index(kv0, plan.kv_rows_per_cta))
+  else:
+    first, end = masking.q_block_range(
+      spec, kv0, kv0 + plan.kv_rows_per_cta, bq, nq
+    )
+  first = jnp.asarray(first, jnp.int32)
+  return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
+
+
+def dkdv_producer(refs: tuple, plan: DkdvPlan, seg: Any = None) -> None:
+  """Streams Q, dO, lse and delta tiles of every visible query tile of every
+  query head of the group."""
+  (
+    q_ref,
+    do_ref,
+    lse_ref,
+    dl_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    full,
+    empty,
+  ) = refs
+  spec, cfg = plan.spec, plan.config
+  plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, _ = cta_position(plan)
+  first, per_head = q_tile_range(plan, cta_kv0, seg)
+  steps = spec.group_size * per_head
+  stages = cfg.num_stages
+
+  @pl.loop(0, steps)
+  def _load(t):
+    slot = lax.rem(t, stages)
+    head = kv_head * spec.group_size + lax.div(t, per_head)
+    q0 = (first + lax.rem(t, per_head)) * cfg.block_q
+
+    @pl.when(t >= stages)
+    def _():
+      plgpu.barrier_wait(empty.at[slot])
+
+    tile = (batch, pl.ds(q0, cfg.block_q), head)
+    row = (batch, head, pl.ds(q0, cfg.block_q))
+    copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan, False)
+    copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan, True)
+    plgpu.copy_gmem_to_smem(
+      lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
+    )
+    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _drain(t):
+    plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
 
 def dkdv_consumer(
@@ -321,3 +538,393 @@ def dkdv_shared_consumer(
     (k_tile.at[w], v_tile.at[w]),
     (dk_ref.at[rows + (cols,)], dv_ref.at[rows + (cols_v,)]),
   )
+
+
+# Hardware barrier of the consumers' dS exchange (the forward's turns use 8
+# and 9; Mosaic 0-4).
+_EXCHANGE_BARRIER = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DqSink:
+  """Where a fused consumer's dQ tiles go.
+
+  Compiled, `dq_ref` is the float32 accumulator `[b, q_rows, hq, d]` and
+  each tile is TMA reduce-added into it. Interpreted, `dq_ref` is a slab
+  `[kv_ctas * dq_parts, b, sq_pad, hq, d]`: each tile is stored to its own
+  slot and `sum_slab` adds them. `xchg` is the interpreter's stand-in for
+  the exchange's named barrier (None compiled).
+  """
+
+  plan: DkdvPlan
+  ops: KernelOps
+  dq_ref: Any
+  dq_smem: Any  # [consumers, block_q, dq_cols] float32
+  xchg: Any = None
+
+  def rendezvous(self) -> None:
+    """Both consumers of the CTA meet (the dS exchange)."""
+    if self.xchg is not None:
+      plgpu.barrier_arrive(self.xchg)
+      plgpu.barrier_wait(self.xchg)
+    else:
+      compat.named_barrier(_EXCHANGE_BARRIER, 2 * 128, sync=True)
+
+  def flush(self, dq: jax.Array, batch: Any, q0: Any, head: Any, w: int):
+    """Adds consumer `w`'s float32 dQ tile for query rows `q0 +
+    [0, block_q)` of `head`. Its staging buffer is rewritten only after the
+    previous reduce has read it."""
+    plan, cfg = self.plan, self.plan.config
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    staged = self.dq_smem.at[w]
+    staged[...] = dq
+    plgpu.commit_smem()
+    cols = pl.ds(w * plan.dq_cols if plan.dq_by_cols else 0, plan.dq_cols)
+    tile = (batch, pl.ds(q0, cfg.block_q), head, cols)
+    if self.ops.interpreted:
+      part = lax.axis_index("kv_tiles") * plan.dq_parts
+      if not plan.dq_by_cols:
+        part = part + w
+      plgpu.copy_smem_to_gmem(staged, self.dq_ref.at[(part,) + tile])
+    else:
+      plgpu.copy_smem_to_gmem(staged, self.dq_ref.at[tile], reduction_op="add")
+
+
+def sink_scratch(plan: DkdvPlan, interpreted: bool, transforms: tuple) -> tuple:
+  """Shared memory of the fused kernel's dQ: staging tiles per consumer;
+  own layout: dS^T tiles by step parity (in K's `transforms`: one wgmma
+  reads both); the interpreter's exchange barrier."""
+  cfg, consumers = plan.config, plan.config.dkdv_consumers
+  scratch = (
+    plgpu.SMEM(
+      (consumers, cfg.block_q, plan.dq_cols),
+      jnp.float32,
+      transforms=smem_transforms(jnp.float32, plan.dq_cols),
+    ),
+  )
+  if not plan.shared:
+    scratch += (
+      plgpu.SMEM(
+        (2, consumers, cfg.block_kv, cfg.block_q),
+        plan.spec.dtype,
+        transforms=transforms,
+      ),
+    )
+    if interpreted and plan.dq_by_cols:
+      scratch += (plgpu.Barrier(num_arrivals=consumers),)
+  return scratch
+
+
+def fused_consumer(
+  refs: tuple,
+  sink: DqSink,
+  ds_smem: Any,
+  plan: DkdvPlan,
+  w: int,
+  seg: Any = None,
+) -> None:
+  """Consumer `w` owning its K/V tile (`block_kv` keys): dK, dV over the
+  whole head dim and its dQ tiles, for every query tile of every query
+  head of the group (`seg`: segment ids' refs, per-key query bounds)."""
+  (
+    k_ref,
+    v_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    dl_smem,
+    full,
+    empty,
+    kv_bar,
+  ) = refs
+  spec, cfg, ops = plan.spec, plan.config, sink.ops
+  consumers = cfg.dkdv_consumers
+  plgpu.set_max_registers(consumer_regs(consumers), action="increase")
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  cta_kv0, _ = cta_position(plan)
+  kv0, rows, k_chunks, v_chunks = own_kv_tile(
+    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, w
+  )
+  if plan.dq_by_cols:
+    # My dQ wgmma reads the other consumers' K tiles too: wait for their
+    # TMA myself rather than rely on ordering through their waits and the
+    # exchange barrier (an mbarrier phase may be waited by any thread).
+    for c in range(consumers):
+      if c != w:
+        plgpu.barrier_wait(kv_bar.at[c])
+  my_k, my_v = k_chunks.at[0], v_chunks.at[0]  # fused: no head-dim split
+  bounds = None
+  if seg is not None:  # my keys' query bounds, as per-row vectors
+    bounds = load_bounds(seg, ops, batch, kv0, cfg.block_kv, as_rows=True)
+    bounds = (*bounds, 0)
+
+  first, per_head = q_tile_range(plan, cta_kv0, seg)
+  shape = (cfg.block_kv, cfg.block_q)
+  cols = pl.ds(w * plan.dq_cols, plan.dq_cols)
+  # dQ = dS K: over both consumers' keys for my columns, or over mine.
+  sources = range(consumers) if plan.dq_by_cols else (w,)
+
+  def step(qi, carry, *, h):
+    dk, dv = carry
+    t = h * per_head + qi - first
+    slot, buf = lax.rem(t, cfg.num_stages), lax.rem(t, 2)
+    for bar in full:
+      plgpu.barrier_wait(bar.at[slot])
+    q_tile, do_tile = q_smem.at[slot, 0], do_smem.at[slot, 0]
+
+    def grads(read_s, read_dp):
+      p_t, t_t = row_probabilities(
+        ops,
+        spec,
+        read_s(),
+        ops.load_cols(lse_smem.at[slot]),
+        qi * cfg.block_q,
+        kv0,
+        masked=spec.masked,
+        check_seq_kv=False,
+        q_axis=1,
+        bounds=bounds,
+      )
+      delta = ops.load_cols(dl_smem.at[slot])
+      pg_t = softcap_grad(p_t, t_t)  # P^T (1 - t^2) with softcap
+      ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
+      return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
+
+    p_t, ds_t = ops.score_pair((my_k, q_tile), (my_v, do_tile), grads)
+
+    def exchange():  # my dS^T for the dQ wgmma (mine and the other's)
+      ds_smem.at[buf, w][...] = ds_t
+      plgpu.commit_smem()  # also fences the lse, delta reads of the slot
+      if plan.dq_by_cols:
+        sink.rendezvous()
+
+    dq_terms = [
+      (2, SmemA(ds_smem.at[buf, c], transposed=True), k_smem.at[c, 0])
+      for c in sources
+    ]
+    if plan.dq_by_cols:
+      dq_terms = [(i, a, b.at[:, cols]) for i, a, b in dq_terms]
+    dv, dk, dq = ops.accumulate(
+      (dv, dk, (cfg.block_q, plan.dq_cols)),
+      [(0, p_t, do_tile), (1, ds_t, q_tile)] + dq_terms,
+      first=2,
+      between=exchange,
+    )
+    plgpu.barrier_arrive(empty.at[slot])
+    head = kv_head * spec.group_size + h
+    sink.flush(dq, batch, qi * cfg.block_q, head, w)
+    return dk, dv
+
+  def per_group_head(h, carry):
+    return lax.fori_loop(
+      first, first + per_head, functools.partial(step, h=h), carry
+    )
+
+  zeros = lambda c: ops.tile(jnp.zeros((cfg.block_kv, c), jnp.float32))
+  dk, dv = lax.fori_loop(
+    0,
+    spec.group_size,
+    per_group_head,
+    (zeros(spec.head_dim), zeros(spec.head_dim_v)),
+  )
+  if plan.dq_by_cols:
+    sink.rendezvous()  # the other consumer's last dQ wgmma has read my K
+  # K, V are done: stage dK, dV in them.
+  store_dkdv(plan, dk, dv, (my_k, my_v), (dk_ref.at[rows], dv_ref.at[rows]))
+
+
+def sum_slab(
+  plan: DkdvPlan, slab: jax.Array, spans: jax.Array | None = None
+) -> jax.Array:
+  """The interpreter's dQ slab summed over its slots (slots a CTA never
+  wrote, query tiles that see none of its keys, are left out; `spans`:
+  with segment ids, the `[2, b, kv_ctas]` query tile spans the CTAs
+  walked)."""
+  spec, bq = plan.spec, plan.config.block_q
+  with jax.ensure_compile_time_eval():  # static: Python ints under jit
+    ranges = [
+      tuple(
+        int(x)
+        for x in masking.q_block_range(
+          spec,
+          c * plan.kv_rows_per_cta,
+          (c + 1) * plan.kv_rows_per_cta,
+          bq,
+          plan.num_q_blocks,
+        )
+      )
+      for c in range(plan.kv_ctas)
+    ]
+  starts = jnp.asarray([r[0] for r in ranges], jnp.int32)[:, None]  # [c, 1]
+  ends = jnp.asarray([r[1] for r in ranges], jnp.int32)[:, None]
+  if spans is not None:  # [c, b]
+    starts = jnp.maximum(starts, spans[0].T)
+    ends = jnp.minimum(ends, spans[1].T)
+  starts = jnp.repeat(starts * bq, plan.dq_parts, axis=0)
+  ends = jnp.repeat(ends * bq, plan.dq_parts, axis=0)
+  rows = jnp.arange(slab.shape[2], dtype=jnp.int32)[None, None, :]
+  written = (rows >= starts[..., None]) & (rows < ends[..., None])
+  return jnp.where(written[..., None, None], slab, 0.0).sum(0)
+
+
+def _consumers(
+  plan: DkdvPlan,
+  ops: KernelOps,
+  refs: tuple,
+  extra: tuple,
+  dq_ref: Any,
+  seg: SegmentRefs | None,
+) -> None:
+  """Runs this warpgroup's consumer. `extra` are the scratch refs past the
+  common ones: shared, P, dS and their rendezvous, then fused the dQ
+  staging; own tiles fused, the dQ staging, the dS^T tiles and the
+  interpreter's exchange barrier. `seg`: segment ids' refs (or None)."""
+  consumers, wg = plan.config.dkdv_consumers, lax.axis_index("wg")
+  if plan.shared:
+    p_smem, ds_smem, xchg, *staging = extra
+    sink = DqSink(plan, ops, dq_ref, staging[0]) if plan.fused else None
+    full, empty, kv_bar = refs[-3:]
+    for w in range(consumers):
+      pl.when(wg == w)(
+        functools.partial(
+          dkdv_shared_consumer,
+          refs[:-3] + (p_smem, ds_smem, full, empty, kv_bar, xchg),
+          plan,
+          ops,
+          w,
+          sink,
+          seg,
+        )
+      )
+  elif plan.fused:
+    dq_smem, ds_smem, *xchg = extra
+    sink = DqSink(plan, ops, dq_ref, dq_smem, xchg[0] if xchg else None)
+    for w in range(consumers):
+      pl.when(wg == w)(
+        functools.partial(fused_consumer, refs, sink, ds_smem, plan, w, seg)
+      )
+  else:
+    pl.when(wg < consumers)(
+      functools.partial(dkdv_consumer, refs, plan, ops, seg)
+    )
+
+
+def dkdv_kernel(
+  plan: DkdvPlan, ops: KernelOps, interpret: Any, kv_rows: int
+) -> Callable[..., Any]:
+  """The dK/dV kernel, `(q, k, v, dout, lse2, delta) -> (dk, dv)`, or with
+  `plan.fused` `(q, k, v, dout, lse2, delta, dq) -> (dk, dv)` (`dq` a
+  float32 `jax.new_ref` accumulator, updated in place) compiled and
+  `(q, k, v, dout, lse2, delta) -> (dq_slab, dk, dv)` interpreted
+  (`sum_slab`). k, v, dk and dv have `kv_rows` rows (TMA
+  reads past them zeros, drops writes). With `spec.segmented` it takes
+  `segment_ids=(lo, hi, q_lo, q_hi)`, the query rows' key bounds and the
+  keys' query bounds (`segments.key_bounds`, `segments.query_bounds`): a
+  CTA walks only the query tiles that reach its keys and masks by them."""
+  spec, cfg = plan.spec, plan.config
+  st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
+  # The 64-byte swizzle where tiles are cut in halves (one for every
+  # operand of a GEMM); else each tile's own width.
+  narrow = plan.q_halves > 1 or plan.shared
+  tf_of = lambda width: (
+    swizzle64(spec.dtype) if narrow else smem_transforms(spec.dtype, width)
+  )
+  tf = tf_of(plan.chunk)
+  kv_tiles = 1 if plan.shared else consumers
+
+  def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
+    rest = list(refs)
+    ids = [rest.pop(0) for _ in range(3)] if spec.segmented else None
+    dq_ref = rest.pop(0) if plan.fused else None
+    dk_ref, dv_ref, *scratch = rest
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[:6]
+    # Fused: one "full" barrier per slot for all four loads (one wait).
+    n_full = 1 if plan.fused else 4
+    full = tuple(scratch[6 : 6 + n_full])
+    empty, kv_bar = scratch[6 + n_full : 8 + n_full]
+    extra = tuple(scratch[8 + n_full :])
+    seg = None
+    if spec.segmented:  # the keys' query bounds, read from global memory
+      seg = SegmentRefs(ids[0], ids[1], None, ids[2])
+    refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem)
+    refs += (lse_smem, dl_smem, full, empty, kv_bar)
+    _consumers(plan, ops, refs, extra, dq_ref, seg)
+
+    @pl.when(lax.axis_index("wg") == consumers)
+    def _():
+      dkdv_producer(
+        (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem)
+        + (full * (4 // n_full), empty),
+        plan,
+        seg,
+      )
+
+  chunked = lambda n, rows, of_v: plgpu.SMEM(
+    (n, splits, rows, plan.width(of_v)),
+    spec.dtype,
+    transforms=tf_of(plan.width(of_v)),
+  )
+  scratch = (
+    chunked(kv_tiles, cfg.block_kv, False),  # K
+    chunked(kv_tiles, cfg.block_kv, True),  # V
+    chunked(st, cfg.block_q, False),  # Q
+    chunked(st, cfg.block_q, True),  # dO
+    plgpu.SMEM((st, cfg.block_q), jnp.float32),
+    plgpu.SMEM((st, cfg.block_q), jnp.float32),
+  )
+  # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse,
+  # delta; fused, one barrier counting all of them.
+  if plan.fused:
+    scratch += (plgpu.Barrier(num_arrivals=2 * splits + 2, num_barriers=st),)
+  else:
+    scratch += (
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      plgpu.Barrier(num_barriers=st),
+      plgpu.Barrier(num_barriers=st),
+    )
+  scratch += (
+    # Slot releases: the fused kernel's arrive once per consumer warpgroup.
+    consumer_release(st, consumers)
+    if plan.fused
+    else plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    # K, V of each K/V tile (one TMA per head-dim chunk)
+    plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
+  )
+  if plan.shared:  # P and dS by step parity, and the consumers' rendezvous
+    exchange = lambda: plgpu.SMEM(
+      (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
+    )
+    scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
+  if plan.fused:
+    scratch += sink_scratch(plan, interpret is not None, tf)
+  out_type = tuple(
+    jax.ShapeDtypeStruct((spec.batch, kv_rows, spec.heads_kv, d), spec.dtype)
+    for d in (spec.head_dim, spec.head_dim_v)
+  )
+  if plan.fused and interpret is not None:
+    slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
+    slab += (spec.heads_q, spec.head_dim)
+    out_type = (jax.ShapeDtypeStruct(slab, jnp.float32),) + out_type
+  kernel = build_kernel(
+    fa3_bwd_dkdv,
+    out_type=out_type,
+    scratch=scratch,
+    grid=(spec.heads_kv, plan.kv_ctas * plan.cta_splits, spec.batch),
+    grid_names=("heads", "kv_tiles", "batch"),
+    warpgroups=consumers + 1,
+    interpret=interpret,
+    in_place=plan.fused,
+  )
+
+  def run(*args: Any, segment_ids: Any = None) -> Any:
+    if segment_ids is None:
+      return kernel(*args)
+    extra = dkdv_operands(plan, segment_ids)
+    return kernel(*args[:6], *extra, *args[6:])
+
+  return run

@@ -16,15 +16,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90 import common, compat
-from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
-from pallas_fa3.kernels.sm90.ops import KernelOps
-from pallas_fa3.kernels.sm90.persistent import TileWalk, kv_producer
-from pallas_fa3.kernels.sm90.segment_operands import (
+from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
   cta_span,
   id_operands,
 )
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.kernels.sm90.pipeline import TileWalk, kv_producer
 from pallas_fa3.spec import AttentionSpec
 
 

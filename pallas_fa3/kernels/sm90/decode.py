@@ -1,22 +1,13 @@
-"""The Hopper decode kernel: attention of a few new queries over a KV cache
-(split-KV flash-decoding, GQA-packed, contiguous or paged) in Pallas Mosaic
-GPU.
-
-One CTA per (sequence, KV head, split). Its 64 query rows are the KV head's
-group: `heads_q / heads_kv` query heads times `seq_q`, row `i * g + h`
-(packed by XLA before the kernel), so each K/V tile is read once for the
-whole group. A producer warpgroup streams the split's K/V tiles by TMA
-through a `num_stages` ring (a paged cache: one TMA per page, the page
-from the page table); one consumer warpgroup computes S = Q K^T with wgmma,
-masks by the sequence's length, causal rule and window, runs the online
-softmax (base 2, the scores scaled once: `common.scaled_once`) and adds
-P V. In the tile holding a sequence's last key, V's rows past the length
-are zeroed in shared memory first (0 x NaN is NaN: the cache past a length
-may hold anything). The CTA writes its range's float32 output, normalized
-over the range, and its lse; XLA merges the splits (`decode_combine`, with
-the sinks) and unpacks the rows (`decode_call.sm90_decode`). With an e4m3
-cache the second warpgroup converts tiles to float16 (`decode_fp8`).
-Design: docs/design_notes.md#decode-kernel.
+"""The Hopper decode kernel: a few new queries over a KV cache (split-KV
+flash-decoding, GQA-packed, contiguous or paged, a 16-bit or an e4m3
+cache) in Pallas Mosaic GPU. One CTA per (sequence, KV head, split); its
+64 query rows are the KV head's group times seq_q, packed by XLA
+(`pack_queries`), so each K/V tile is read once for the group. A producer
+warpgroup streams the split's K/V tiles by TMA (a paged cache: one TMA per
+page), or with an e4m3 cache converts them to float16 (`e4m3_converter`);
+one consumer runs S = Q K^T, the masked online softmax and P V with wgmma;
+XLA merges the splits (`lse.combine_splits`) and unpacks the rows
+(`sm90_decode`). docs/design_notes.md#decode-kernel
 """
 
 from __future__ import annotations
@@ -30,24 +21,180 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import compat, config_decode, decode_fp8, hardware
+from pallas_fa3.decode_combine import combine_splits
+from pallas_fa3.kernels.sm90 import compat, config_decode, hardware
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
   LONE_PRODUCER_REGS,
   build_kernel,
   consumer_release,
+  pad_axis,
   scaled_once,
   smem_transforms,
+  softcapped,
 )
 from pallas_fa3.kernels.sm90.config_decode import (
   DECODE_ROWS,
   Sm90DecodeConfig,
   out_cols,
 )
-from pallas_fa3.kernels.sm90.ops import KernelOps
+from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.kvcache_spec import DecodeSpec, key_range
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E
+
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+COMPUTE_DTYPE = jnp.dtype(jnp.float16)
+# The converter holds a 64 x 128 chunk (64 values a thread) and addresses.
+CONVERTER_REGS = 168
+hardware.check_split(2, LONE_CONSUMER_REGS, CONVERTER_REGS)
+# Q is scaled by a power of two into float16 when its amax exceeds this.
+_Q_RANGE = 2.0**14
+_CHUNK_ROWS = 64
+
+
+def converted_q(q_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(float16 Q `[b, hk, 64, d]`, its float32 scale `[b, hk]`): Q divided
+  by the power of two that brings its amax under 2^14 (1 if already
+  under), so that it converts to float16 without overflow."""
+  amax = jnp.max(jnp.abs(q_rows.astype(jnp.float32)), axis=(2, 3))
+  e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1.0) / _Q_RANGE))
+  scale = jnp.exp2(jnp.maximum(e, 0.0))
+  q16 = q_rows.astype(jnp.float32) / scale[:, :, None, None]
+  return q16.astype(COMPUTE_DTYPE), scale
+
+
+def descaled(spec: Any, s: jax.Array, k_descale: Any) -> tuple[Any, Any]:
+  """`softcapped` for scores of a descaled K: (scores, their base-2
+  scale) with `k_descale` folded into the scale (or, with softcap, into
+  the tanh's argument)."""
+  if k_descale is None:
+    return softcapped(spec, s)
+  if spec.softcap is None:
+    return s, jnp.float32(spec.softmax_scale * LOG2E) * k_descale
+  factor = jnp.float32(spec.softmax_scale / spec.softcap) * k_descale
+  return jnp.tanh(s * factor), jnp.float32(spec.softcap * LOG2E)
+
+
+def convert_tile(ops: KernelOps, src: Any, dst: Any, valid: Any = None):
+  """`dst[...] = src[...]` converted to float16 in 64-row chunks, the
+  e4m3 tile's swizzle width at a time (128 columns, or 64 at d192 and 32
+  at d96, whose rows are not whole 128-byte spans); rows `valid..` -> 0."""
+  rows, cols = src.shape
+  step = plgpu.find_swizzle(cols * 8 * src.dtype.itemsize) // src.dtype.itemsize
+  for r in range(0, rows, _CHUNK_ROWS):
+    keep = None
+    if valid is not None:
+      keep = ops.row_index(_CHUNK_ROWS) + r < valid
+    for c in range(0, cols, step):
+      box = (pl.ds(r, _CHUNK_ROWS), pl.ds(c, step))
+      if ops.interpreted:
+        x = src.at[box][...]
+      else:
+        x = compat.load_with_layout(src.at[box], plgpu.Layout.WGMMA)
+      y = x.astype(dst.dtype)
+      if keep is not None:
+        y = jnp.where(lax.broadcast_in_dim(keep, y.shape, [0]), y, 0)
+      dst.at[box][...] = y
+
+
+def e4m3_converter(
+  refs: tuple, plan: Any, ops: KernelOps, scalars: tuple
+) -> None:
+  """The second warpgroup with an e4m3 cache: TMA of the split's tiles into
+  the e4m3 ring (`num_stages` ahead), conversion into the float16 ring.
+
+  Every TMA it issues it also waits for, so none is in flight at exit; an
+  e4m3 slot is refilled only after the whole warpgroup has read it (the
+  warpgroup barrier of `commit_smem`); at the end it waits for the
+  consumer's release of the last float16 tiles."""
+  (k_ref, v_ref, pt_ref, raw_k, raw_v, raw_k_full, raw_v_full) = refs[:7]
+  k16, v16, k_full, v_full, k_empty, v_empty = refs[7:]
+  batch, head, row, first, count, length = scalars
+  stages, bkv = plan.config.num_stages, plan.block_kv
+  conv = config_decode.converted_stages(plan.spec)
+  parts = plan.pages_per_tile
+  rows = bkv // parts
+  plgpu.set_max_registers(CONVERTER_REGS, action="decrease")
+
+  def issue(j):
+    slot = lax.rem(j, stages)
+    for src_ref, dst, full in ((k_ref, raw_k, raw_k_full), (v_ref, raw_v, raw_v_full)):  # fmt: skip
+      for part in range(parts):
+        src = plan.tile_source(
+          src_ref, row, pt_ref, batch, head, first + j, part
+        )
+        plgpu.copy_gmem_to_smem(
+          src,
+          dst.at[slot, pl.ds(part * rows, rows)] if parts > 1 else dst.at[slot],
+          full.at[slot],
+          oob_mode=compat.ZERO_FILL,
+        )
+
+  pl.loop(0, jnp.minimum(count, stages))(issue)
+
+  @pl.loop(0, count)
+  def _convert(j):
+    raw, slot = lax.rem(j, stages), lax.rem(j, conv)
+    valid = length - (first + j) * bkv  # V's rows past the length -> 0
+    for src, raw_full, dst, full, empty in (
+      (raw_k, raw_k_full, k16, k_full, k_empty),
+      (raw_v, raw_v_full, v16, v_full, v_empty),
+    ):
+      plgpu.barrier_wait(raw_full.at[raw])
+
+      @pl.when(j >= conv)
+      def _():  # the consumer has read the slot's previous tile
+        plgpu.barrier_wait(empty.at[slot])
+
+      if dst is v16:
+        pl.when(valid < bkv)(
+          lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot], valid)
+        )
+        pl.when(valid >= bkv)(
+          lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot])
+        )
+      else:
+        convert_tile(ops, src.at[raw], dst.at[slot])
+      plgpu.commit_smem()  # stores -> the wgmma's proxy; reads finished
+      plgpu.barrier_arrive(full.at[slot])
+
+    @pl.when(j + stages < count)
+    def _():
+      issue(j + stages)
+
+  @pl.loop(jnp.maximum(count - conv, 0), count)
+  def _drain(j):  # the consumer has read the last tiles (as the TMA
+    slot = lax.rem(j, conv)  # producer's drain: every phase observed)
+    plgpu.barrier_wait(k_empty.at[slot])
+    plgpu.barrier_wait(v_empty.at[slot])
+
+
+def e4m3_scratch(plan: Any) -> tuple:
+  """The e4m3 rings, the float16 rings and their barriers (in
+  `converter`'s order after Q and before the output staging)."""
+  spec, cfg = plan.spec, plan.config
+  d, dv, bkv = spec.head_dim, spec.head_dim_v, cfg.block_kv
+  conv = config_decode.converted_stages(spec)
+  ring = lambda n, cols, dtype: plgpu.SMEM(
+    (n, bkv, cols), dtype, transforms=smem_transforms(dtype, cols)
+  )
+  tma = lambda: plgpu.Barrier(
+    num_arrivals=plan.pages_per_tile, num_barriers=cfg.num_stages
+  )
+  return (
+    ring(cfg.num_stages, d, FP8_DTYPE),
+    ring(cfg.num_stages, dv, FP8_DTYPE),
+    tma(),
+    tma(),
+    ring(conv, d, COMPUTE_DTYPE),
+    ring(conv, dv, COMPUTE_DTYPE),
+    consumer_release(conv, consumers=1),
+    consumer_release(conv, consumers=1),
+    consumer_release(conv, consumers=1),
+    consumer_release(conv, consumers=1),
+  )
+
 
 _F32 = jnp.float32
 hardware.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
@@ -81,7 +228,7 @@ class DecodePlan:
   @property
   def compute_dtype(self) -> Any:
     """Q's, K's, V's and P's dtype in the products."""
-    return decode_fp8.COMPUTE_DTYPE if self.fp8 else self.spec.dtype
+    return COMPUTE_DTYPE if self.fp8 else self.spec.dtype
 
   @property
   def ring_stages(self) -> int:
@@ -226,7 +373,7 @@ def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
     s = ops.scores(q_smem, k_smem.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
     # (a DecodeSpec serves as well as an AttentionSpec)
-    t, scale_log2 = decode_fp8.descaled(spec, s, k_descale)
+    t, scale_log2 = descaled(spec, s, k_descale)
     x = jnp.where(mask_for(tile), scaled_once(t, scale_log2), -jnp.inf)
     m_new = jnp.maximum(m, x.max(axis=1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -301,7 +448,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     def _():
       ring = (k_smem, v_smem, k_full, v_full, k_empty, v_empty)
       if plan.fp8:
-        decode_fp8.converter(
+        e4m3_converter(
           (k_ref, v_ref, pt_ref) + raw + ring,
           plan,
           ops,
@@ -320,7 +467,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     (stages, bkv, cols), dtype, transforms=smem_transforms(dtype, cols)
   )
   if plan.fp8:  # TMA -> e4m3 rings -> converter -> float16 rings
-    ring = decode_fp8.scratch(plan)
+    ring = e4m3_scratch(plan)
   else:
     full = lambda: plgpu.Barrier(
       num_arrivals=plan.pages_per_tile, num_barriers=stages
@@ -350,3 +497,77 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     warpgroups=2,
     interpret=interpret,
   )
+
+
+def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
+  """`[b, sq, hq, d]` -> `[b, hk, 64, d]`: row `i * g + h` is query i of
+  head `kv_head * g + h`; padded rows are zeros."""
+  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
+  rows = q.reshape(b, sq, hk, g, spec.head_dim).transpose(0, 2, 1, 3, 4)
+  return pad_axis(rows.reshape(b, hk, sq * g, spec.head_dim), 2, DECODE_ROWS)
+
+
+def unpack_rows(spec: DecodeSpec, x: jax.Array) -> jax.Array:
+  """`[b, hk, 64, ...]` -> `[b, sq, hq, ...]` (the inverse of
+  `pack_queries` on the first `sq * g` rows)."""
+  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
+  x = x[:, :, : sq * g].reshape((b, hk, sq, g) + x.shape[3:])
+  return jnp.moveaxis(x, 2, 1).reshape((b, sq, spec.heads_q) + x.shape[4:])
+
+
+def sm90_decode(
+  spec: DecodeSpec,
+  config: Sm90DecodeConfig,
+  splits: int,
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  lengths: jax.Array,
+  rows: jax.Array,
+  page_table: jax.Array | None,
+  sinks: jax.Array | None,
+  descale: tuple[jax.Array, jax.Array] | None = None,
+  *,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Runs the decode kernel and merges its splits.
+
+  Args: as `backends.DecodeBackend.run` (lengths: each sequence's
+    keys, appended tokens included; rows: the contiguous cache rows;
+    sinks: float32 `[b, hq]` or None; descale: an e4m3 cache's
+    `(k_descale, v_descale)`, float32 `[b, hk]`); `interpret`: None compiles for
+    sm90, interpret-mode parameters run the same kernel on a CPU.
+
+  Returns:
+    (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
+  """
+  plan = DecodePlan(spec, config, splits)
+  ops = COMPILED if interpret is None else INTERPRETED
+  pages = (
+    jnp.zeros((spec.batch, 1), jnp.int32) if page_table is None else page_table
+  )
+  q_rows, extra = pack_queries(spec, q), ()
+  if plan.fp8:  # Q in float16; its scale folds into k_descale
+    q_rows, q_scale = converted_q(q_rows)
+    extra = (descale[0] * q_scale, descale[1])
+  o_parts, lse_parts = build_decode(plan, ops, interpret)(
+    q_rows,
+    k_cache,
+    v_cache,
+    lengths.astype(jnp.int32),
+    rows.astype(jnp.int32),
+    pages.astype(jnp.int32),
+    *extra,
+  )
+  sink = None
+  if sinks is not None:  # per packed row: head kv_head * g + r % g
+    g = spec.group_size
+    per_head = sinks.reshape(spec.batch, spec.heads_kv, 1, g)
+    sink = jnp.broadcast_to(
+      per_head, (spec.batch, spec.heads_kv, spec.seq_q, g)
+    ).reshape(spec.batch, spec.heads_kv, spec.seq_q * g)
+    sink = pad_axis(sink, 2, DECODE_ROWS)
+  out, lse = combine_splits(o_parts, lse_parts, sink)
+  out = unpack_rows(spec, out).astype(spec.dtype)
+  lse = jnp.moveaxis(unpack_rows(spec, lse[..., None])[..., 0], 1, 2)
+  return out, lse

@@ -1,10 +1,10 @@
 """FlashAttention-3 forward kernel for Hopper (sm90) in Pallas Mosaic GPU.
 
-A persistent grid (`persistent.py`: one CTA per SM, causal tiles longest
+A persistent grid (`pipeline.py`: one CTA per SM, causal tiles longest
 first) of query tiles of `2 * block_q` rows of one (batch, head): a producer
 warpgroup streams K/V tiles by TMA into a `num_stages` ring that runs on
 across tiles; two consumer warpgroups compute S = Q K^T, an exp2 online
-softmax and O += P V with wgmma, in pingpong (`pingpong.py`), in FA3's
+softmax and O += P V with wgmma, in pingpong (`pipeline.Turns`), in FA3's
 order: the softmax of S_{j+1} runs while P_j V_j is in flight. Fully masked
 K/V tiles are skipped, fully visible ones are not masked; GQA heads share
 their K/V head; ragged sequences are padded to whole tiles. The leaf
@@ -32,8 +32,11 @@ from pallas_fa3.kernels.sm90.common import (
   MASK_EVERY_STEP_HEAD_DIM,
   PRODUCER_REGS,
   QueryPlan,
+  SegmentRefs,
+  bounds_scratch,
   build_kernel,
   consumer_release,
+  id_operands,
   kv_walk,
   scaled_once,
   smem_transforms,
@@ -48,18 +51,15 @@ from pallas_fa3.kernels.sm90.config import (
   forward_qo_layout,
 )
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kernels.sm90.persistent import (
+from pallas_fa3.kernels.sm90.pipeline import (
   Tile,
   TileWalk,
+  Turns,
   kv_producer,
   num_ctas,
+  release_rest,
   run_consumer,
-)
-from pallas_fa3.kernels.sm90.pingpong import Turns, release_rest, turn_barriers
-from pallas_fa3.kernels.sm90.segment_operands import (
-  SegmentRefs,
-  bounds_scratch,
-  id_operands,
+  turn_barriers,
 )
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E, AttentionSpec

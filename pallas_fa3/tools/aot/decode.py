@@ -80,7 +80,7 @@ def compile_decode(
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from pallas_fa3.kernels.sm90 import config_decode, decode_call
+  from pallas_fa3.kernels.sm90 import config_decode, decode as decode_kernel
 
   mesh = aot.h200_mesh() if mesh is None else mesh
   sharding = NamedSharding(mesh, PartitionSpec())
@@ -112,7 +112,7 @@ def compile_decode(
   )
   return aot.compile_report(
     f"decode {label} {config}",
-    lambda q, kc, vc, lens, rows_, pt_, *descale: decode_call.sm90_decode(
+    lambda q, kc, vc, lens, rows_, pt_, *descale: decode_kernel.sm90_decode(
       spec,
       config,
       splits,

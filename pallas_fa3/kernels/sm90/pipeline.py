@@ -1,16 +1,8 @@
-"""The forward kernels' persistent grid: one CTA per SM walks its query tiles.
-
-Tile t of the call (a `2 * block_q`-row query tile of one (batch, head))
-goes to CTA `t % num_ctas`, which takes its tiles in order `t = cta,
-cta + num_ctas, ...`. Causal calls number the tiles longest first (the last
-query tile, which sees the most keys, of every (batch, head) first), so the
-waves of tiles the CTAs take together shrink in step and the short tiles
-fill in at the end (FA3's LPT order). Non-causal calls number the tiles
-head by head, so the CTAs working at once share K/V heads in L2.
-
-The K/V ring runs on across tiles: a global step counter (`base + j`)
-picks the slot, so the producer streams the next tile's K/V while the
-consumers finish the current one and write it out.
+"""The forward kernels' pipeline: the persistent grid (one CTA per SM walks
+its query tiles, causal ones longest first), the K/V producer warpgroup
+whose `num_stages` ring runs on across tiles, the consumer loop, and the
+pingpong turns between the two consumer warpgroups (named barriers
+compiled, mbarriers in interpret mode). docs/design_notes.md#forward-kernel
 """
 
 from __future__ import annotations
@@ -32,7 +24,100 @@ from pallas_fa3.kernels.sm90.common import (
   tile_span,
 )
 from pallas_fa3.kernels.sm90.config import HOPPER_SMS
-from pallas_fa3.kernels.sm90.pingpong import Turns
+
+# -- The pingpong turns --------------------------------------------------
+# FA3's schedule: a consumer issues a step's wgmma only in its turn and
+# passes the turn on once they are issued, so one warpgroup's softmax runs
+# while the other's GEMMs hold the tensor cores. Compiled: two named
+# barriers (256 threads: the owner's bar.sync, the other's bar.arrive);
+# interpreted (no inline PTX): two mbarriers with the same protocol.
+
+# Hardware barrier ids of the turns (Mosaic uses 0 and 1-4, FA3 starts its
+# own after the ones the CTA reserves).
+_FIRST_TURN_BARRIER = 8
+_TURN_THREADS = 2 * 128  # the waiting consumer and the passing one
+
+
+def turn_barriers(interpreted: bool) -> tuple:
+  """Scratch the turns need: two mbarriers in interpret mode, else none."""
+  if interpreted:
+    return (plgpu.Barrier(num_barriers=2),)
+  return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+  """Whose turn it is to issue wgmma. `barriers` is the scratch from
+  `turn_barriers` (None compiled). Every consumer alternates `wait` and
+  `pass_on`, the same number of times; consumer 1 passes first (`start`) and
+  consumer 0 waits last (`finish`), so every arrival is consumed."""
+
+  barriers: Any
+  wg: Any
+
+  def _on(self, consumer: int, *, wait: bool) -> None:
+    if self.barriers is not None:
+      if wait:
+        plgpu.barrier_wait(self.barriers.at[consumer])
+      else:
+        plgpu.barrier_arrive(self.barriers.at[consumer])
+      return
+    compat.named_barrier(
+      _FIRST_TURN_BARRIER + consumer, _TURN_THREADS, sync=wait
+    )
+
+  def _mine(self, *, wait: bool) -> None:
+    # Barrier ids are static: one branch per consumer.
+    pl.when(self.wg == 0)(lambda: self._on(0, wait=wait))
+    pl.when(self.wg == 1)(lambda: self._on(1, wait=wait))
+
+  def _others(self) -> None:
+    pl.when(self.wg == 0)(lambda: self._on(1, wait=False))
+    pl.when(self.wg == 1)(lambda: self._on(0, wait=False))
+
+  def wait(self) -> None:
+    """Blocks until it is this consumer's turn."""
+    self._mine(wait=True)
+
+  def pass_on(self) -> None:
+    """Gives the turn to the other consumer."""
+    self._others()
+
+  def start(self) -> None:
+    """Consumer 0 goes first: consumer 1 passes it the turn."""
+    pl.when(self.wg == 1)(lambda: self._on(0, wait=False))
+
+  def finish(self) -> None:
+    """Consumer 0 takes consumer 1's last hand-off."""
+    pl.when(self.wg == 0)(lambda: self._on(0, wait=True))
+
+
+def release_rest(
+  turns: Turns, ring: tuple, stages: int, base: Any, steps: Any, cta_steps: Any
+) -> None:
+  """A consumer's end of one query tile's K/V walk after its `steps` tiles:
+  the K/V tiles the CTA loaded only for the other consumer (causal: `steps`
+  to `cta_steps`, global step `base + j`) are waited for and released
+  (every warpgroup waits on every phase of a barrier it uses) with one turn
+  each, as the other consumer takes one per step."""
+  k_full, v_full, k_empty, v_empty = ring
+
+  @pl.loop(steps, cta_steps)
+  def _drain(j):
+    slot = lax.rem(base + j, stages)
+    turns.wait()
+    turns.pass_on()
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(v_full.at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+
+
+# -- The persistent grid and the K/V producer --------------------------------
+# Tile t goes to CTA t % num_ctas, taken in order t = cta, cta + num_ctas,
+# ...; causal calls number the tiles longest first (FA3's LPT order),
+# others head by head (CTAs working at once share K/V heads in L2). The ring
+# runs on across tiles: a global step counter `base + j` picks the slot.
 
 # CTAs in interpret mode: few, so that every CTA walks several tiles.
 INTERPRET_CTAS = 2
@@ -159,7 +244,7 @@ def run_consumer(
 ) -> None:
   """A consumer warpgroup of a forward kernel: `query_tile(turns, tile,
   base)` for each of the CTA's tiles. `turn_barriers` is the scratch of
-  `pingpong.turn_barriers` (empty compiled). The turns run on across tiles
+  `turn_barriers` (empty compiled). The turns run on across tiles
   (both consumers take the same number per tile); a tile's O and lse leave
   by TMA while the next starts, waited for (read-only) before the next Q
   load reuses their buffers, and fully at the end."""
