@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_fa3
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.reference_decode import golden_decode
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.reference import golden_decode
 from pallas_fa3.tools.numerics import fp8_methods
 
 

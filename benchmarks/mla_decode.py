@@ -27,9 +27,13 @@ import numpy as np
 
 import pallas_fa3
 from pallas_fa3.kernels.sm90.config_decode import mla_reason
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.testing import max_abs_err, tolerance
-from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.testing import (
+  decode_case,
+  decode_golden_and_naive,
+  max_abs_err,
+  tolerance,
+)
 
 D, DV = 576, 512
 

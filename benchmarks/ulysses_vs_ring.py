@@ -187,7 +187,7 @@ def _axis_sweep(args, meshes):
 
 def _window_rows(args, meshes):
   import pallas_fa3
-  from pallas_fa3.parallel import ring, ring_plan
+  from pallas_fa3.parallel.ring import attention as ring, plan as ring_plan
   from pallas_fa3.spec import make_spec
 
   n, mesh, rows = args.ring, meshes(args.ring), []

@@ -26,7 +26,10 @@ Public API (everything else is private or lives in a submodule):
                        positions (for RoPE)
 """
 
-from pallas_fa3.attention import flash_attention as flash_attention
+from pallas_fa3.attention import (
+  flash_attention as flash_attention,
+  flash_attention_with_kvcache as flash_attention_with_kvcache,
+)
 from pallas_fa3.backends import (
   IMPLEMENTATIONS as IMPLEMENTATIONS,
   Implementation as Implementation,
@@ -42,14 +45,11 @@ from pallas_fa3.kernels.sm90.config_decode import (
   Sm90DecodeConfig as Sm90DecodeConfig,
 )
 from pallas_fa3.kvcache import (
-  flash_attention_with_kvcache as flash_attention_with_kvcache,
-)
-from pallas_fa3.kvcache_fp8 import (
   FP8KVCache as FP8KVCache,
   quantize_kv_cache as quantize_kv_cache,
 )
-from pallas_fa3.parallel.ring import ring_attention as ring_attention
-from pallas_fa3.parallel.ring_steps import zigzag_order as zigzag_order
+from pallas_fa3.parallel.ring.attention import ring_attention as ring_attention
+from pallas_fa3.parallel.ring.steps import zigzag_order as zigzag_order
 from pallas_fa3.parallel.ulysses import ulysses_attention as ulysses_attention
 from pallas_fa3.reference import reference_attention as reference_attention
 from pallas_fa3.segments import (

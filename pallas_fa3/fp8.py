@@ -35,7 +35,7 @@ Entry points:
 Backends: `mosaic` (the Hopper kernel, `kernels/sm90/forward_fp8.py`),
 `interpret` (the same kernel in GPU interpret mode) and `blockwise` (its
 pure-JAX twin with the identical quantization and P rounding,
-`backends/blockwise_fp8.py`), chosen like any other call
+`backends/blockwise/fp8.py`), chosen like any other call
 (`pallas_fa3.backends`). Gradients through FP8 raise `NotImplementedError`.
 
 Example:
@@ -50,18 +50,21 @@ Example:
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, modifiers, segments
-from pallas_fa3.backends.base import NO_FP8_GRADIENT, StaticCall
-from pallas_fa3.fp8_config import FP8Config as FP8Config, check_fp8 as check_fp8
+from pallas_fa3 import backends, modifiers, segments, vjp
+from pallas_fa3.backends.base import Quantized, StaticCall
+from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.quant import e4m3, hadamard
+from pallas_fa3.quant.config import (
+  FP8Config as FP8Config,
+  check_fp8 as check_fp8,
+)
 from pallas_fa3.quant.e4m3 import FP8_DTYPE, FP8Inputs, quantize_inputs
-from pallas_fa3.spec import check_bool, check_int, make_spec
+from pallas_fa3.spec import cdiv, check_bool, check_int, make_spec
 
 # Re-exported: the config and the quantization helpers are this module's API.
 E4M3_MAX = e4m3.E4M3_MAX
@@ -141,31 +144,13 @@ def quantize(
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _from_quantized(
   call: StaticCall, x: FP8Inputs, sinks: Any, segment_ids: Any
 ) -> tuple[jax.Array, jax.Array]:
-  extras = {}
-  if sinks is not None:
-    extras["sinks"] = sinks
-  if segment_ids is not None:
-    extras["segment_ids"] = segment_ids
-  return call.backend.fp8_forward(call.spec, call.config, x, **extras)
+  operands = sharding_checks.vary_alike(Quantized(x, sinks, segment_ids))
+  return vjp.call(call, operands)  # forward only: its gradient raises
 
 
-def _from_quantized_fwd(
-  call: StaticCall, x: FP8Inputs, sinks: Any, segment_ids: Any
-) -> tuple[tuple[jax.Array, jax.Array], None]:
-  return _from_quantized(call, x, sinks, segment_ids), None
-
-
-def _from_quantized_bwd(
-  call: StaticCall, residuals: None, cotangents: tuple
-) -> NoReturn:
-  raise NotImplementedError(NO_FP8_GRADIENT)
-
-
-_from_quantized.defvjp(_from_quantized_fwd, _from_quantized_bwd)
 _quantized_jit = jax.jit(_from_quantized, static_argnums=0)
 
 
@@ -304,9 +289,9 @@ def flash_attention_fp8(
   block_q, block_kv = backend.fp8_tiles(config)
   b, hq, hk = spec.batch, spec.heads_q, spec.heads_kv
   _check_scale(
-    "q_scale", q_scale, (b, hq, -(-spec.seq_q // block_q)), "block_q", block_q
+    "q_scale", q_scale, (b, hq, cdiv(spec.seq_q, block_q)), "block_q", block_q
   )
-  n_kv = -(-spec.seq_kv // block_kv)
+  n_kv = cdiv(spec.seq_kv, block_kv)
   _check_scale("k_scale", k_scale, (b, hk, n_kv), "block_kv", block_kv)
   _check_scale("v_scale", v_scale, (b, hk, n_kv), "block_kv", block_kv)
   if not any(isinstance(a, jax.core.Tracer) for a in (q8, k8, v8_t)):
@@ -315,6 +300,6 @@ def flash_attention_fp8(
     *(jnp.asarray(a) for a in (q8, k8, v8_t, q_scale, k_scale, v_scale)),
     None if q_residual is None else jnp.asarray(q_residual),
   )
-  call = StaticCall(spec, backend, config)
+  call = StaticCall(spec, backend, config, op="fp8")
   out, lse = _quantized_jit(call, x, sinks, segment_ids)
   return (out, lse) if return_lse else out

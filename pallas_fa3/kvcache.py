@@ -1,288 +1,689 @@
-"""Attention over a KV cache: `flash_attention_with_kvcache`, the decode entry
-point (validate -> spec -> append -> backend -> split-KV merge).
-
-Example:
-  >>> import jax, jax.numpy as jnp, pallas_fa3
-  >>> q = jax.random.normal(jax.random.key(0), (2, 1, 8, 64), "bfloat16")
-  >>> k_cache = jnp.zeros((2, 256, 2, 64), "bfloat16")
-  >>> v_cache = jnp.zeros((2, 256, 2, 64), "bfloat16")
-  >>> k = jax.random.normal(jax.random.key(1), (2, 1, 2, 64), "bfloat16")
-  >>> out, k_cache, v_cache = pallas_fa3.flash_attention_with_kvcache(
-  ...     q, k_cache, v_cache, k, k, cache_seqlens=jnp.array([5, 9]),
-  ...     causal=True)
-  >>> out.shape, k_cache.shape
-  ((2, 1, 8, 64), (2, 256, 2, 64))
-
-DeepSeek MLA (FlashMLA's layout): one cache, V its first 512 columns.
-  >>> q = jnp.zeros((2, 1, 16, 576), "bfloat16")
-  >>> kv = jnp.zeros((2, 64, 1, 576), "bfloat16")
-  >>> out, kv = pallas_fa3.flash_attention_with_kvcache(
-  ...     q, kv, None, kv[:, :1], cache_seqlens=5, head_dim_v=512)
-  >>> out.shape
-  (2, 1, 16, 512)
+"""The KV cache of `flash_attention_with_kvcache`: the decode spec (one
+frozen description of a call, its validation, and the visibility rule every
+decode backend shares), the cache layouts (contiguous `k_cache[row_b, t]`,
+paged `k_cache[page_table[b, t // page_size], t % page_size]`, or MLA's one
+cache whose first `head_dim_v` columns are V), appending new tokens in place
+and gathering a sequence's logical K/V, and the e4m3 cache (FA3's descales,
+`quantize_kv_cache`, the optional rotation of K). Sequence b holds
+`L_b = cache_seqlens[b] + seq_new` keys; its query i sits at position
+`L_b - seq_q + i` (bottom-right). docs/decoding.md
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NoReturn
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_fa3 import kvcache_fp8, modifiers
-from pallas_fa3.backends.decode import DecodeBackend, resolve_decode
-from pallas_fa3.kvcache_cache import append, cache_rows, invalid_sequences
-from pallas_fa3.kvcache_spec import DecodeSpec, make_decode_spec
-from pallas_fa3.spec import check_bool
-
-NO_DECODE_GRADIENT = (
-  "flash_attention_with_kvcache is forward only (decoding): it has no"
-  " gradient. Differentiate pallas_fa3.flash_attention instead, or wrap"
-  " the call in jax.lax.stop_gradient"
+from pallas_fa3 import modifiers
+from pallas_fa3.quant import hadamard
+from pallas_fa3.quant.config import FP8Config
+from pallas_fa3.quant.e4m3 import E4M3_MAX, FP8_DTYPE, scale_of
+from pallas_fa3.spec import (
+  SUPPORTED_DTYPES,
+  cdiv,
+  check_bool,
+  check_int,
+  check_softmax_scale,
 )
+
+_Q = "[batch, seq_q, heads_q, head_dim]"
+FP8_CACHE_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+_CONTIGUOUS = "[batch_cache, cache_len, heads_kv, head_dim]"
+_PAGED = "[num_pages, page_size, heads_kv, head_dim]"
+# Decoding takes head dims past flash_attention's 256: DeepSeek MLA's
+# latent cache is 512 value columns + 64 RoPE columns (FlashMLA's layout).
+MAX_DECODE_HEAD_DIM = 576
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
-  spec: DecodeSpec
-  backend: DecodeBackend
-  config: Any
-  splits: int
+class DecodeSpec:
+  """Canonical, hashable description of one attention call over a KV cache.
+
+  q `[b, sq, hq, d]`; cache `[batch_cache, cache_len, hk, d|dv]`
+  (contiguous) or `[num_pages, page_size, hk, d|dv]` (paged, with a
+  `[b, pages_per_seq]` page table); appended k/v `[b, seq_new, hk, d|dv]`.
+  `v_in_k`: no V cache: V is the K cache's first `head_dim_v` columns.
+  """
+
+  batch: int
+  seq_q: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  head_dim_v: int
+  dtype: Any  # q's (and the output's) jnp.dtype
+  cache_dtype: Any  # k_cache's and v_cache's: q's, or float8_e4m3fn
+  causal: bool
+  softmax_scale: float
+  paged: bool
+  # Contiguous: `cache_len`; paged: `pages_per_seq * page_size`.
+  capacity: int
+  page_size: int = 0  # paged only
+  pages_per_seq: int = 0  # paged only
+  cache_rows: int = 0  # batch_cache (contiguous) or num_pages (paged)
+  seq_new: int = 0  # appended tokens per sequence (k, v given)
+  batch_idx: bool = False  # cache_batch_idx given (contiguous only)
+  window_size: tuple[int | None, int | None] | None = None
+  softcap: float | None = None
+  sinks: bool = False
+  num_splits: int | None = None  # None: the backend chooses
+  v_in_k: bool = False  # v_cache=None: V = k_cache[..., :head_dim_v]
+
+  @property
+  def fp8_cache(self) -> bool:
+    """An e4m3 cache (with float32 descales `[batch, heads_kv]`)."""
+    return self.cache_dtype == FP8_CACHE_DTYPE
+
+  @property
+  def group_size(self) -> int:
+    return self.heads_q // self.heads_kv
+
+  @property
+  def window_left(self) -> int | None:
+    return None if self.window_size is None else self.window_size[0]
+
+  @property
+  def window_right(self) -> int | None:
+    if self.causal:
+      return 0
+    return None if self.window_size is None else self.window_size[1]
+
+  @property
+  def out_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seq_q, self.heads_q, self.head_dim_v)
+
+  @property
+  def lse_shape(self) -> tuple[int, int, int]:
+    return (self.batch, self.heads_q, self.seq_q)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(
-  call: _Call, q, k_cache, v_cache, lengths, rows, pages, sinks, descale
-):  # fmt: skip
-  return call.backend.run(
-    call.spec,
-    call.config,
-    call.splits,
-    q,
-    k_cache,
-    v_cache,
-    lengths,
-    rows,
-    pages,
-    sinks,
-    descale,
-  )
+def visible_in_cache(
+  spec: DecodeSpec, length: Any, q_idx: Any, kv_pos: Any
+) -> jax.Array:
+  """Whether query `q_idx` (0..seq_q-1) of a sequence of `length` keys sees
+  key position `kv_pos` (arrays that broadcast against each other)."""
+  pos = length - spec.seq_q + q_idx
+  mask = (kv_pos < length) & (kv_pos >= 0)
+  if spec.window_right is not None:
+    mask = mask & (kv_pos <= pos + spec.window_right)
+  if spec.window_left is not None:
+    mask = mask & (kv_pos >= pos - spec.window_left)
+  return mask
 
 
-def _attend_fwd(call: _Call, *args):
-  return _attend(call, *args), None
+def key_range(spec: DecodeSpec, length: Any) -> tuple[Any, Any]:
+  """[first, end) of the key positions any query of a sequence of `length`
+  keys sees (end <= first when none does)."""
+  end = length  # the last query sits at length - 1: any right bound holds
+  first = 0
+  if spec.window_left is not None:  # the first query's left bound
+    first = jnp.maximum(length - spec.seq_q - spec.window_left, 0)
+  return first, end
 
 
-def _attend_bwd(call: _Call, residuals: None, cotangents: Any) -> NoReturn:
-  raise NotImplementedError(NO_DECODE_GRADIENT)
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _decode(
-  call: _Call, return_lse: bool, q, k_cache, v_cache, k, v, seqlens, pages,
-  batch_idx, sinks, descale, signs,
-):  # fmt: skip
-  spec = call.spec
-  rows = cache_rows(spec, batch_idx)
-  if signs is not None:  # the cache holds K M: the scores need q M
-    q = kvcache_fp8.rotate(q, signs).astype(q.dtype)
-  if k is not None:  # one scatter each: in place when the caches are donated
-    if spec.fp8_cache:
-      k = kvcache_fp8.quantize_tokens(kvcache_fp8.rotate(k, signs), descale[0])
-      if v is not None:
-        v = kvcache_fp8.quantize_tokens(v, descale[1])
-    k_cache = append(spec, k_cache, k, seqlens, rows, pages)
-    if not spec.v_in_k:  # (else V is k_cache's columns: written with K)
-      v_cache = append(spec, v_cache, v, seqlens, rows, pages)
-  lengths = seqlens + spec.seq_new
-  if sinks is not None:
-    sinks = modifiers.batch_sinks(sinks, spec.batch)
-  out, lse = _attend(
-    call, q, k_cache, v_cache, lengths, rows, pages, sinks, descale
-  )
-  # A traced length past the cache (or negative), or a traced page or row
-  # index that is not the cache's, cannot raise: its sequence's rows are
-  # NaN, never a silently wrong result.
-  bad = (seqlens < 0) | (lengths > spec.capacity)
-  bad |= invalid_sequences(spec, lengths, rows, pages)
-  out = jnp.where(bad[:, None, None, None], jnp.nan, out)
-  lse = jnp.where(bad[:, None, None], jnp.nan, lse)
-  result = (out, lse) if return_lse else (out,)
-  if k is not None:
-    result += (k_cache,) if spec.v_in_k else (k_cache, v_cache)
-  return result[0] if len(result) == 1 else result
-
-
-def _descales(spec: DecodeSpec, k_descale: Any, v_descale: Any) -> Any:
-  """(k_descale, v_descale) as float32 `[b, hk]` for an e4m3 cache (with
-  v_cache=None, k_descale twice), None for a 16-bit one."""
-  if spec.v_in_k and v_descale is not None:
+def _array(
+  name: str, x: Any, layout: str, fp8: bool = False
+) -> tuple[tuple[int, ...], Any]:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+      f"{name} must be an array of shape {layout}; got {type(x).__name__}"
+    )
+  shape = tuple(int(s) for s in x.shape)
+  if len(shape) != 4:
     raise ValueError(
-      "v_descale must be None when v_cache is None: V is the K cache's"
-      " first head_dim_v columns and is dequantized by k_descale"
+      f"{name} must have rank 4 with layout {layout}; got shape {shape}"
     )
-  names = ("k_descale", "v_descale")
-  pair = (k_descale, k_descale if spec.v_in_k else v_descale)
-  descale = tuple(
-    kvcache_fp8.check_descale(
-      name, x, spec.fp8_cache, spec.batch, spec.heads_kv
+  if any(s == 0 for s in shape):
+    raise ValueError(f"{name} has an empty axis: shape {shape}")
+  dtype = jnp.dtype(x.dtype)
+  allowed = SUPPORTED_DTYPES + ((FP8_CACHE_DTYPE,) if fp8 else ())
+  if dtype not in allowed:
+    names = ", ".join(str(d) for d in allowed)
+    raise TypeError(f"{name} has dtype {dtype}; supported dtypes are {names}")
+  if shape[3] > MAX_DECODE_HEAD_DIM:
+    raise ValueError(
+      f"{name} head_dim {shape[3]} exceeds the maximum {MAX_DECODE_HEAD_DIM};"
+      f" shape {shape}"
     )
-    for name, x in zip(names, pair)
-  )
-  return descale if spec.fp8_cache else None
+  return shape, dtype
 
 
-def flash_attention_with_kvcache(
-  q: jax.Array,
-  k_cache: jax.Array,
-  v_cache: jax.Array | None,
-  k: jax.Array | None = None,
-  v: jax.Array | None = None,
+def _v_layout(
+  v_cache: Any, head_dim_v: Any, kc_shape: tuple, kc_dtype: Any, layout: str
+) -> tuple[tuple[int, ...], Any]:
+  """(shape, dtype) V has: v_cache's, or with v_cache=None the K cache's
+  first `head_dim_v` columns."""
+  dv = head_dim_v
+  if dv is not None:
+    dv = check_int("head_dim_v", head_dim_v, minimum=1)
+  if v_cache is None:
+    if dv is None:
+      raise ValueError(
+        "head_dim_v is required when v_cache is None (V is read as the"
+        " first head_dim_v columns of k_cache, DeepSeek MLA's layout); got"
+        " head_dim_v=None"
+      )
+    if dv > kc_shape[3]:
+      raise ValueError(
+        f"head_dim_v ({dv}) must be <= k_cache's head_dim ({kc_shape[3]})"
+        f" when v_cache is None: V is k_cache[..., :head_dim_v]; k_cache"
+        f" shape {kc_shape}"
+      )
+    return kc_shape[:3] + (dv,), kc_dtype
+  v_layout = layout.replace("]", "_v]")
+  shape, dtype = _array("v_cache", v_cache, v_layout, fp8=True)
+  if dv is not None and dv != shape[3]:
+    raise ValueError(
+      f"head_dim_v ({dv}) must be None or equal v_cache's last"
+      f" dim ({shape[3]}); v_cache shape {shape}"
+    )
+  return shape, dtype
+
+
+def _new_tokens(
+  k: Any, v: Any, v_in_k: bool, want: tuple, dv: int, q_dtype: Any
+) -> int:
+  """Validates appended k (and v); returns seq_new (0 without them).
+  `want`: (batch, heads_kv, head_dim)."""
+  b, hk, d = want
+  if v_in_k and v is not None:
+    raise ValueError(
+      "v must be None when v_cache is None: the appended tokens' values are"
+      f" the first head_dim_v={dv} columns of k; got v.shape="
+      f"{tuple(getattr(v, 'shape', ()))}"
+    )
+  if not v_in_k and (k is None) != (v is None):
+    raise ValueError(
+      "k and v must be given together (new tokens) or not at all"
+    )
+  if k is None:
+    return 0
+  k_shape, k_dtype = _array("k", k, "[batch, seq_new, heads_kv, head_dim]")
+  want_k = (b, k_shape[1], hk, d)
+  if v_in_k:
+    if k_shape != want_k:
+      raise ValueError(
+        f"k must have shape {want_k} (batch, seq_new, the cache's heads and"
+        f" head_dim); got k.shape={k_shape}"
+      )
+    v_dtype = k_dtype
+  else:
+    v_shape, v_dtype = _array("v", v, "[batch, seq_new, heads_kv, head_dim_v]")
+    want_v = (b, k_shape[1], hk, dv)
+    if k_shape != want_k or v_shape != want_v:
+      raise ValueError(
+        f"k and v must have shapes {want_k} and {want_v} (batch, seq_new,"
+        f" the cache's heads and head dims); got k.shape={k_shape},"
+        f" v.shape={v_shape}"
+      )
+  if v_in_k and k_dtype != q_dtype:
+    raise TypeError(f"k must have q's dtype {q_dtype}; got {k_dtype}")
+  if k_dtype != q_dtype or v_dtype != q_dtype:
+    raise TypeError(
+      f"k and v must have q's dtype {q_dtype}; got {k_dtype}, {v_dtype}"
+    )
+  return k_shape[1]
+
+
+def _int_vector(name: str, x: Any, batch: int) -> None:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+      f"{name} must be an int32 array [batch] = [{batch}]; got"
+      f" {type(x).__name__}"
+    )
+  if tuple(x.shape) != (batch,):
+    raise ValueError(
+      f"{name} must have shape [batch] = ({batch},); got {tuple(x.shape)}"
+    )
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be int32; got {jnp.dtype(x.dtype)}")
+
+
+def _check_cache_indices(
+  index: Any, rows: int, page_size: int, lengths: list[int] | None
+) -> None:
+  """A concrete `page_table` (`page_size` > 0) or `cache_batch_idx` names
+  only pages (rows) of k_cache's `rows`: ValueError naming the entry and the
+  bound. A page table is checked where the sequences' tokens (`lengths`
+  with the appended ones, when concrete) lie; the entries past them are
+  never read (padding, e.g. -1, is fine there). Traced indices are checked
+  on the device (`invalid_sequences`: NaN rows)."""
+  concrete = isinstance(index, (jax.Array, np.ndarray, list, tuple))
+  if not concrete or isinstance(index, jax.core.Tracer):
+    return  # None, traced, or a shape (jax.ShapeDtypeStruct)
+  values = np.asarray(jax.device_get(index))
+  bad = (values < 0) | (values >= rows)
+  if page_size:
+    name, what = "page_table", f"a page of k_cache, which has {rows} pages"
+    if lengths is None:
+      return  # which entries are read is known on the device only
+    used = cdiv(np.asarray(lengths), page_size)
+    bad &= np.arange(values.shape[1])[None, :] < used[:, None]
+  else:
+    name, what = "cache_batch_idx", f"a row of k_cache, which has {rows} rows"
+  if bad.any():
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = ", ".join(map(str, at))
+    raise ValueError(
+      f"{name}[{where}] = {int(values[at])} is not {what} (0..{rows - 1});"
+      f" {name} entries out of range: {int(bad.sum())}"
+      + (
+        f" (sequence {at[0]} holds {lengths[at[0]]} tokens)"
+        if page_size
+        else ""
+      )
+    )
+
+
+def make_decode_spec(
+  q: Any,
+  k_cache: Any,
+  v_cache: Any,
+  k: Any = None,
+  v: Any = None,
   *,
   cache_seqlens: Any,
-  page_table: jax.Array | None = None,
-  cache_batch_idx: jax.Array | None = None,
-  causal: bool = False,
-  softmax_scale: float | None = None,
-  window_size: tuple[int | None, int | None] | None = None,
-  softcap: float | None = None,
-  sinks: jax.Array | None = None,
-  num_splits: int | None = None,
-  return_lse: bool = False,
-  implementation: str | None = None,
-  config: Any = None,
-  k_descale: Any = None,
-  v_descale: Any = None,
-  cache_rotation: Any = None,
-  head_dim_v: int | None = None,
-) -> Any:
-  """Attention of new queries over each sequence's cached keys (decoding).
-
-  Sequence b has `L_b = cache_seqlens[b] + seq_new` keys; its query i sits
-  at position `L_b - seq_q + i` and sees the keys `causal`, `window_size`,
-  `softcap` and `sinks` allow, exactly as `flash_attention` with
-  `seq_kv = L_b` (bottom-right alignment). A row that sees no key gives 0
-  and lse -inf (the sink with sinks). The cache past each sequence's length
-  is garbage (any value, NaN included): none of it reaches the output.
-
-  Args:
-    q: `[batch, seq_q, heads_q, head_dim]` (seq_q 1 for plain decoding;
-      more for speculative decoding or a prefill chunk).
-    k_cache: contiguous `[batch_cache, cache_len, heads_kv, head_dim]`, or
-      paged `[num_pages, page_size, heads_kv, head_dim]` with `page_table`.
-    v_cache: the same with `head_dim_v`; or None (DeepSeek MLA's layout,
-      FlashMLA's): V is the first `head_dim_v` columns of k_cache, read in
-      place (no copy), and `head_dim_v` is required.
-    k, v: optional new tokens `[batch, seq_new, heads_kv, head_dim(_v)]`,
-      written at positions `cache_seqlens[b] ..` of each sequence and
-      attended to; the updated caches are returned. With `v_cache=None`
-      pass k only (v None): its first `head_dim_v` columns are the values.
-    cache_seqlens: a Python int or int32 `[batch]`: tokens already cached
-      (traced: one compilation serves every length).
-    page_table: int32 `[batch, pages_per_seq]`: token t of sequence b is
-      slot `t % page_size` of page `page_table[b, t // page_size]`.
-    cache_batch_idx: int32 `[batch]` (contiguous only): each sequence's
-      cache row (default: b).
-    causal, softmax_scale, window_size, softcap, sinks: as in
-      `pallas_fa3.flash_attention`.
-    num_splits: split-KV ranges per sequence (flash-decoding; None: the
-      backend chooses). Every value computes the same function.
-    return_lse: also return the natural-log lse `[batch, heads_q, seq_q]`.
-    implementation: None (automatic: `mosaic` on a Hopper GPU when it
-      serves the call, else `blockwise`), "mosaic", "interpret",
-      "blockwise" or "reference".
-    config: `pallas_fa3.Sm90DecodeConfig` (mosaic, interpret) or
-      `pallas_fa3.BlockwiseConfig` (blockwise: its `block_kv`).
-    k_descale, v_descale: an e4m3 cache's (`float8_e4m3fn`) float32
-      descales `[batch, heads_kv]` (or scalars; default 1): attention runs
-      over `k_cache * k_descale`, `v_cache * v_descale`, and appended k/v
-      are divided by them, saturated at 448 and rounded into the cache
-      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them). With
-      `v_cache=None`, V is dequantized by `k_descale` (v_descale None).
-    cache_rotation: None, or the `rotation=` the cache was quantized with
-      (`quantize_kv_cache`): q and appended k are rotated to match (not
-      with `v_cache=None`: V would be rotated too).
-    head_dim_v: with `v_cache=None`, V's columns (<= head_dim; 512 for
-      DeepSeek MLA's 576); with a v_cache, None or its last dim.
-
-  Returns:
-    out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
-    with `return_lse`; with k/v, the updated caches after them: `(out,
-    k_cache, v_cache)` or `(out, lse, k_cache, v_cache)`; with
-    `v_cache=None` the one cache: `(out[, lse], k_cache)`. Under `jax.jit`
-    with the caches donated, they are updated in place. A sequence whose
-    traced length is negative or overflows the cache, or whose traced
-    `page_table` entries (for its tokens) or `cache_batch_idx` entry name
-    no page or row of the cache, gets NaN rows (and its new tokens are not
-    written).
+  page_table: Any = None,
+  cache_batch_idx: Any = None,
+  causal: Any = False,
+  softmax_scale: Any = None,
+  window_size: Any = None,
+  softcap: Any = None,
+  sinks: bool = False,
+  num_splits: Any = None,
+  head_dim_v: Any = None,
+) -> DecodeSpec:
+  """Validates a `flash_attention_with_kvcache` call; returns its spec
+  (`v_cache=None` with `head_dim_v`: V is `k_cache[..., :head_dim_v]`).
 
   Raises:
-    TypeError / ValueError naming the argument (a concrete `page_table`
-    or `cache_batch_idx` entry out of range: naming the entry and the
-    bound); NotImplementedError for a
-    valid call the requested backend does not serve, and for `jax.grad`
-    (forward only).
+    TypeError / ValueError naming the argument and its shape or value;
+    a static `cache_seqlens` that (with the appended tokens) overflows
+    the cache is a ValueError.
   """
-  spec = make_decode_spec(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens=cache_seqlens,
-    page_table=page_table,
-    cache_batch_idx=cache_batch_idx,
-    causal=causal,
-    softmax_scale=softmax_scale,
-    window_size=window_size,
-    softcap=softcap,
-    sinks=sinks is not None,
-    num_splits=num_splits,
-    head_dim_v=head_dim_v,
+  q_shape, q_dtype = _array("q", q, _Q)
+  paged = page_table is not None
+  layout = _PAGED if paged else _CONTIGUOUS
+  kc_shape, kc_dtype = _array("k_cache", k_cache, layout, fp8=True)
+  vc_shape, vc_dtype = _v_layout(
+    v_cache, head_dim_v, kc_shape, kc_dtype, layout
   )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  descale = _descales(spec, k_descale, v_descale)
-  if cache_rotation is not None and not spec.fp8_cache:
-    raise ValueError(
-      "cache_rotation applies to an e4m3 cache (quantize_kv_cache's"
-      f" rotation=); this cache is {spec.cache_dtype}: pass None"
+  b, sq, hq, d = q_shape
+  v_text = f"v_cache.shape={vc_shape}" if v_cache is not None else (
+    f"v_cache=None (V: k_cache[..., :{vc_shape[3]}])"
+  )  # fmt: skip
+  shapes = f"q.shape={q_shape}, k_cache.shape={kc_shape}, {v_text}"
+  if kc_dtype != vc_dtype:
+    raise TypeError(
+      f"k_cache and v_cache must have the same dtype; got {kc_dtype} and"
+      f" {vc_dtype}"
     )
-  if cache_rotation is not None and spec.v_in_k:
-    raise ValueError(
-      "cache_rotation cannot be combined with v_cache=None: V is the K"
-      " cache's columns, and a rotated K cache holds rotated values"
+  if kc_dtype != q_dtype and kc_dtype != FP8_CACHE_DTYPE:
+    raise TypeError(
+      f"k_cache must have q's dtype {q_dtype} (or be an e4m3 cache,"
+      f" float8_e4m3fn); got {kc_dtype}"
     )
-  signs = kvcache_fp8.rotation_signs(cache_rotation, spec.head_dim)
-  return_lse = check_bool("return_lse", return_lse)
-  backend, config, splits = resolve_decode(spec, implementation, config)
-  arrays = (q, k_cache, v_cache, k, v, cache_seqlens, page_table)
-  if not any(isinstance(a, jax.core.Tracer) for a in arrays):
-    reason = backend.device_reason()
-    if reason:
-      hint = f". {backend.device_hint}" if backend.device_hint else ""
-      raise NotImplementedError(
-        f"implementation={backend.name!r} cannot run here: {reason}{hint}"
+  if kc_shape[:3] != vc_shape[:3]:
+    raise ValueError(
+      f"k_cache and v_cache must agree on every axis but head_dim; got {shapes}"
+    )
+  hk = kc_shape[2]
+  if kc_shape[3] != d:
+    raise ValueError(f"k_cache's head_dim must equal q's; got {shapes}")
+  if hq % hk:
+    raise ValueError(
+      f"q heads ({hq}) must be a multiple of the cache's kv heads ({hk});"
+      f" got {shapes}"
+    )
+  if paged and cache_batch_idx is not None:
+    raise ValueError(
+      "page_table and cache_batch_idx cannot be combined: a paged cache"
+      " maps sequences to pages through page_table alone"
+    )
+  pages_per_seq = page_size = 0
+  if paged:
+    if not (hasattr(page_table, "shape") and hasattr(page_table, "dtype")):
+      raise TypeError(
+        "page_table must be an int32 array [batch, pages_per_seq]; got"
+        f" {type(page_table).__name__}"
       )
-  seqlens = jnp.broadcast_to(
-    jnp.asarray(cache_seqlens, jnp.int32), (spec.batch,)
+    pt = tuple(page_table.shape)
+    if len(pt) != 2 or pt[0] != b:
+      raise ValueError(
+        f"page_table must have shape [batch, pages_per_seq] with batch {b};"
+        f" got {pt}"
+      )
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+      raise TypeError(
+        f"page_table must be int32; got {jnp.dtype(page_table.dtype)}"
+      )
+    pages_per_seq, page_size = pt[1], kc_shape[1]
+    capacity = pages_per_seq * page_size
+  else:
+    if cache_batch_idx is None and kc_shape[0] != b:
+      raise ValueError(
+        f"k_cache's batch ({kc_shape[0]}) must equal q's ({b}) unless"
+        f" cache_batch_idx maps each sequence to a cache row; got {shapes}"
+      )
+    if cache_batch_idx is not None:
+      _int_vector("cache_batch_idx", cache_batch_idx, b)
+    capacity = kc_shape[1]
+  v_in_k = v_cache is None
+  seq_new = _new_tokens(k, v, v_in_k, (b, hk, d), vc_shape[3], q_dtype)
+  if seq_new > capacity:
+    raise ValueError(
+      f"k has {seq_new} new tokens per sequence, more than the cache holds"
+      f" ({capacity}); {shapes}"
+    )
+  if isinstance(cache_seqlens, jax.core.Tracer) or hasattr(
+    cache_seqlens, "shape"
+  ):
+    if getattr(cache_seqlens, "ndim", 1) == 0:
+      raise ValueError(
+        "cache_seqlens must be a Python int or an int32 array [batch]; got a"
+        " 0-d array"
+      )
+    _int_vector("cache_seqlens", cache_seqlens, b)
+    concrete = not isinstance(cache_seqlens, jax.core.Tracer)
+    lengths = jax.device_get(cache_seqlens) if concrete else None
+  else:
+    lengths = [check_int("cache_seqlens", cache_seqlens, minimum=0)] * b
+  if lengths is not None:
+    longest = int(max(lengths)) + seq_new
+    if min(lengths) < 0:
+      raise ValueError(f"cache_seqlens must be >= 0; got {list(lengths)}")
+    if longest > capacity:
+      raise ValueError(
+        f"cache_seqlens + seq_new = {longest} overflows the cache, which"
+        f" holds {capacity} tokens per sequence (cache_seqlens="
+        f"{[int(x) for x in lengths]}, seq_new={seq_new})"
+      )
+  _check_cache_indices(
+    page_table if paged else cache_batch_idx,
+    kc_shape[0],
+    page_size,
+    None if lengths is None else [int(n) + seq_new for n in lengths],
   )
-  return _decode(
-    _Call(spec, backend, config, splits),
-    return_lse,
-    jnp.asarray(q),
-    k_cache,
-    v_cache,
-    k,
-    v,
-    seqlens,
-    page_table,
-    cache_batch_idx,
-    sinks,
-    descale,
-    signs,
+  if num_splits is not None:
+    num_splits = check_int("num_splits", num_splits, minimum=1)
+  causal = check_bool("causal", causal)
+  return DecodeSpec(
+    batch=b,
+    seq_q=sq,
+    heads_q=hq,
+    heads_kv=hk,
+    head_dim=d,
+    head_dim_v=vc_shape[3],
+    dtype=q_dtype,
+    cache_dtype=kc_dtype,
+    causal=causal,
+    softmax_scale=check_softmax_scale(softmax_scale, d),
+    paged=paged,
+    capacity=capacity,
+    page_size=page_size,
+    pages_per_seq=pages_per_seq,
+    cache_rows=kc_shape[0],
+    seq_new=seq_new,
+    batch_idx=cache_batch_idx is not None,
+    window_size=modifiers.check_window_size(
+      window_size, seq_q=sq, seq_kv=capacity, causal=causal
+    ),
+    softcap=modifiers.check_softcap(softcap),
+    sinks=bool(sinks),
+    num_splits=num_splits,
+    v_in_k=v_in_k,
   )
+
+
+def cache_rows(spec: DecodeSpec, cache_batch_idx: Any) -> jax.Array:
+  """int32 `[b]`: the contiguous cache row of each sequence."""
+  if cache_batch_idx is None:
+    return jnp.arange(spec.batch, dtype=jnp.int32)
+  return jnp.asarray(cache_batch_idx, jnp.int32)
+
+
+def token_slots(
+  spec: DecodeSpec, positions: jax.Array, rows: Any, page_table: Any
+) -> tuple[jax.Array, jax.Array]:
+  """(cache row or page, slot) of token `positions[b, ...]` of every
+  sequence; positions past the capacity get row `cache_rows` (out of
+  bounds: a scatter with mode="drop" skips them)."""
+  past = positions >= spec.capacity
+  if spec.paged:
+    index = jnp.clip(positions // spec.page_size, 0, spec.pages_per_seq - 1)
+    target = jnp.take_along_axis(
+      page_table.astype(jnp.int32),
+      index.reshape(spec.batch, -1),
+      axis=1,
+    ).reshape(positions.shape)
+    slot = positions % spec.page_size
+  else:
+    target = jnp.broadcast_to(
+      rows.reshape((spec.batch,) + (1,) * (positions.ndim - 1)),
+      positions.shape,
+    )
+    slot = positions
+  # A page or row that is not one of the cache's (a traced index) is out of
+  # bounds too, negative ones included: never another sequence's slot.
+  past |= (target < 0) | (target >= spec.cache_rows)
+  return jnp.where(past, spec.cache_rows, target), slot
+
+
+def invalid_sequences(
+  spec: DecodeSpec, lengths: jax.Array, rows: Any, page_table: Any
+) -> jax.Array:
+  """bool `[b]`: sequence b reads a page (of its first `lengths[b]` tokens)
+  or a row that is not one of the cache's (traced indices; concrete ones
+  raise in `make_decode_spec`)."""
+  if spec.paged:
+    pages = page_table.astype(jnp.int32)
+    used = jnp.arange(spec.pages_per_seq)[None, :] < (
+      (lengths[:, None] + spec.page_size - 1) // spec.page_size
+    )
+    bad = (pages < 0) | (pages >= spec.cache_rows)
+    return jnp.any(bad & used, axis=1)
+  rows = jnp.asarray(rows, jnp.int32)
+  return (rows < 0) | (rows >= spec.cache_rows)
+
+
+def append(
+  spec: DecodeSpec,
+  cache: jax.Array,
+  new: jax.Array,
+  start: jax.Array,
+  rows: Any,
+  page_table: Any,
+) -> jax.Array:
+  """`cache` with `new[b, i]` written at token `start[b] + i` of sequence b
+  (one scatter: in place when the cache is donated)."""
+  positions = start[:, None] + jnp.arange(spec.seq_new, dtype=jnp.int32)
+  where, slot = token_slots(spec, positions, rows, page_table)
+  return cache.at[where, slot].set(new.astype(cache.dtype), mode="drop")
+
+
+def gather(
+  spec: DecodeSpec, cache: jax.Array, rows: Any, page_table: Any
+) -> jax.Array:
+  """Every sequence's `capacity` cache slots in order, `[b, capacity, hk, x]`
+  (a copy: the reference's view)."""
+  if spec.paged:
+    pages = cache[page_table.astype(jnp.int32)]  # [b, pps, ps, hk, x]
+    return pages.reshape((spec.batch, spec.capacity) + cache.shape[2:])
+  return cache[rows]
+
+
+class FP8KVCache(NamedTuple):
+  """`quantize_kv_cache`'s result: the e4m3 caches and their descales."""
+
+  k_cache: jax.Array  # float8_e4m3fn, the input's layout (K rotated if asked)
+  v_cache: jax.Array | None  # float8_e4m3fn (None: MLA's one cache)
+  k_descale: jax.Array  # float32 [batch, heads_kv]
+  v_descale: jax.Array | None  # float32 [batch, heads_kv]
+
+
+def is_fp8(dtype: Any) -> bool:
+  return jnp.dtype(dtype) == FP8_DTYPE
+
+
+def rotation_signs(rotation: Any, head_dim: int) -> jax.Array | None:
+  """The +-1 diagonal of the cache's rotation (float32 `[head_dim]`), or None.
+
+  `rotation`: None/False (none), True (the FP8 forward's default key 0), an
+  int seed or a concrete JAX PRNG key (as `FP8Config.key`).
+  """
+  if rotation is None or rotation is False:
+    return None
+  key = FP8Config(key=0 if rotation is True else rotation).prng_key()
+  return hadamard.rotation_signs(key, head_dim)
+
+
+def rotate(x: jax.Array, signs: jax.Array | None) -> jax.Array:
+  """`x @ D H / sqrt(d)` along the last axis in float32 (x itself without
+  signs)."""
+  return x if signs is None else hadamard.rotate(x, signs)
+
+
+def check_descale(
+  name: str, x: Any, fp8: bool, batch: int, heads_kv: int
+) -> jax.Array | None:
+  """A descale as float32 `[batch, heads_kv]` (ones when an e4m3 cache has
+  none; None for a 16-bit cache, which takes none).
+
+  Raises:
+    ValueError / TypeError naming the argument: a descale for a 16-bit
+    cache, a shape other than a scalar or `[batch, heads_kv]`, a non-float
+    dtype, or a concrete value that is not positive and finite.
+  """
+  if x is None:
+    return jnp.ones((batch, heads_kv), jnp.float32) if fp8 else None
+  if not fp8:
+    raise ValueError(
+      f"{name} applies to an e4m3 (float8_e4m3fn) cache only; this cache"
+      " is 16-bit: pass None"
+    )
+  shape = tuple(getattr(x, "shape", ()))
+  if shape not in ((), (batch, heads_kv)):
+    raise ValueError(
+      f"{name} must be a scalar or float32 [batch, heads_kv] ="
+      f" ({batch}, {heads_kv}); got shape {shape}"
+    )
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be float32; got {dtype}")
+  if not isinstance(x, jax.core.Tracer):  # (numpy: also inside a trace)
+    value = np.asarray(x, np.float32)
+    if not np.all(np.isfinite(value) & (value > 0)):
+      raise ValueError(f"{name} must be positive and finite; got {value}")
+  return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (batch, heads_kv))
+
+
+def quantize_tokens(x: jax.Array, descale: jax.Array) -> jax.Array:
+  """`x / descale` in e4m3 (saturated at +-448, rounded to nearest):
+  x `[batch, n, heads_kv, d]`, descale float32 `[batch, heads_kv]`."""
+  y = x.astype(jnp.float32) / descale[:, None, :, None]
+  return jnp.clip(y, -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+
+
+def dequantize(x8: jax.Array, descale: jax.Array) -> jax.Array:
+  """float32 `x8 * descale` for per-sequence `[batch, n, heads_kv, d]`."""
+  return x8.astype(jnp.float32) * descale[:, None, :, None]
+
+
+def _amax(x: jax.Array, n: jax.Array | None) -> jax.Array:
+  """`[rows, heads]` amax of `[rows, tokens, heads, d]` over tokens < n."""
+  x = jnp.abs(x.astype(jnp.float32))
+  if n is not None:
+    live = jnp.arange(x.shape[1])[None, :] < n[:, None]
+    x = jnp.where(live[:, :, None, None], x, 0.0)
+  return jnp.max(x, axis=(1, 3))
+
+
+def quantize_kv_cache(
+  k_cache: jax.Array,
+  v_cache: jax.Array | None,
+  *,
+  page_table: jax.Array | None = None,
+  cache_seqlens: Any = None,
+  rotation: Any = None,
+) -> FP8KVCache:
+  """A bf16/fp16/fp32 KV cache in e4m3 with FA3's per-(sequence, KV head)
+  descales: `amax / 448` of the sequence's tokens, so nothing saturates.
+
+  Args:
+    k_cache, v_cache: contiguous `[batch, cache_len, heads_kv, d(_v)]` or,
+      with `page_table`, paged `[num_pages, page_size, heads_kv, d(_v)]`.
+      v_cache None: DeepSeek MLA's one cache (V its first columns, read
+      with `k_descale`); v_cache and v_descale come back None.
+    page_table: int32 `[batch, pages_per_seq]` for a paged cache. Pages
+      may be shared between sequences, so a paged cache gets one descale
+      per KV head (the amax over every sequence), repeated over the batch.
+    cache_seqlens: None (every slot counts) or int32 `[batch]`: only each
+      sequence's first `cache_seqlens[b]` tokens set its descale (the rest
+      may be garbage, NaN included; it is quantized all the same).
+    rotation: None, True, an int seed or a PRNG key: store K rotated (see
+      the module docstring); pass the same value as `cache_rotation=` to
+      `flash_attention_with_kvcache`.
+
+  Returns:
+    `FP8KVCache(k_cache, v_cache, k_descale, v_descale)` (v_cache and
+    v_descale None without a v_cache). With a contiguous
+    cache read through `cache_batch_idx`, the descales are per cache row:
+    pass `k_descale[cache_batch_idx]`.
+  """
+  named = (("k_cache", k_cache),) + (
+    () if v_cache is None else (("v_cache", v_cache),)
+  )
+  for name, x in named:
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(
+        f"{name} must be a rank-4 cache array; got shape"
+        f" {tuple(getattr(x, 'shape', ()))}"
+      )
+    if not jnp.issubdtype(x.dtype, jnp.floating) or is_fp8(x.dtype):
+      raise TypeError(f"{name} must be float16/bfloat16/float32; got {x.dtype}")
+  if v_cache is not None and k_cache.shape[:3] != v_cache.shape[:3]:
+    raise ValueError(
+      "k_cache and v_cache must agree on every axis but head_dim; got"
+      f" {k_cache.shape} and {v_cache.shape}"
+    )
+  if v_cache is None and rotation is not None and rotation is not False:
+    raise ValueError(
+      "rotation cannot be combined with v_cache=None: V is the K cache's"
+      " columns, and a rotated K cache holds rotated values"
+    )
+  signs = rotation_signs(rotation, k_cache.shape[3])
+  caches = [rotate(k_cache, signs)] + ([] if v_cache is None else [v_cache])
+  n = None if cache_seqlens is None else jnp.asarray(cache_seqlens, jnp.int32)
+  batch = caches[0].shape[0]
+  if page_table is None:
+    if n is not None and n.shape != (batch,):
+      raise ValueError(
+        f"cache_seqlens must have shape [batch] = ({batch},); got {n.shape}"
+      )
+    descales = [scale_of(_amax(c, n)) for c in caches]
+    rows = jnp.arange(batch)
+  else:
+    pt = jnp.asarray(page_table, jnp.int32)
+    if pt.ndim != 2:
+      raise ValueError(
+        f"page_table must be [batch, pages_per_seq]; got shape {pt.shape}"
+      )
+    seq = lambda c: c[pt].reshape((pt.shape[0], -1) + c.shape[2:])
+    per_head = lambda a: jnp.broadcast_to(a.max(0), a.shape)
+    descales = [scale_of(per_head(_amax(seq(c), n))) for c in caches]
+    rows = jnp.zeros((batch,), jnp.int32)  # every page: the head's
+  for (name, _), d in zip(named, descales):
+    if not isinstance(d, jax.core.Tracer) and not np.all(np.isfinite(d)):
+      raise ValueError(
+        f"{name} holds non-finite values among the tokens that set the"
+        " descales; pass cache_seqlens to leave out the slots past each"
+        " sequence's tokens"
+      )
+  out = [quantize_tokens(c, d[rows]) for c, d in zip(caches, descales)]
+  if v_cache is None:
+    return FP8KVCache(out[0], None, descales[0], None)
+  return FP8KVCache(out[0], out[1], descales[0], descales[1])

@@ -1,15 +1,11 @@
-"""The log-sum-exp residual: natural log outside, base 2 inside.
-
-Every backend returns lse in natural log (float32 `[batch, heads_q, seq_q]`);
-the kernels and the blockwise twin keep their running max in base 2 and
-their backward reads `lse2 = round(lse * log2(e))`. At large logits
-(|scores| ~ 1e10, where one ulp is ~1000) a naive conversion `(m2 + log2 l)
-* ln 2` does not come back to `m2 + log2 l` when multiplied by log2(e):
-the backward's P for a row's max would be `exp2(-1000) = 0` instead of 1.
-`natural_from_log2` picks, among the float32 neighbours of the naive value,
-the largest whose product with log2(e) does not exceed the base-2 value, so
-the round trip is exact where float32 allows (the backward clamps P's
-exponent at 0). docs/numerics.md#large-logits.
+"""The log-sum-exp residual: natural log outside, base 2 inside, and the
+split-KV merge. Every backend returns lse in natural log (float32 `[batch,
+heads_q, seq_q]`); the kernels and the blockwise twin keep their running max
+in base 2, and `natural_from_log2` converts so that the backward's round
+trip is exact where float32 allows (large logits). A decode backend may cut
+each sequence's keys into ranges; `combine_splits` merges their partial
+outputs and lses (with the sinks as one more term that has no value).
+docs/numerics.md#large-logits
 """
 
 from __future__ import annotations
@@ -50,3 +46,34 @@ def natural_from_log2(t: jax.Array) -> jax.Array:
   fits = lambda c: c * jnp.float32(LOG2E) <= t
   out = jnp.where(fits(up), up, jnp.where(fits(lse), lse, down))
   return jnp.where(jnp.abs(t) < jnp.inf, out, lse)  # (no isfinite in Mosaic)
+
+
+def combine_splits(
+  outs: jax.Array, lses: jax.Array, sinks: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) from partials.
+
+  Args:
+    outs: float32 `[splits, ..., rows, dv]`, each normalized over its range.
+    lses: float32 `[splits, ..., rows]` (natural log; -inf: empty range).
+    sinks: float32 broadcasting against `lses[0]`, or None.
+
+  Returns:
+    float32 out `[..., rows, dv]` (0 where nothing is seen) and lse
+    `[..., rows]` (-inf where nothing is seen and there is no sink).
+  """
+  top = jnp.max(lses, axis=0)
+  if sinks is not None:
+    top = jnp.maximum(top, sinks)
+  ref = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = jnp.exp(lses - ref)  # 0 for empty ranges
+  total = weights.sum(axis=0)
+  if sinks is not None:
+    total = total + jnp.exp(sinks - ref)
+  empty = total == 0.0
+  lse = jnp.where(empty, -jnp.inf, ref + jnp.log(jnp.where(empty, 1.0, total)))
+  scale = weights / jnp.where(empty, 1.0, total)
+  out = jnp.sum(
+    scale[..., None] * jnp.where(weights[..., None] > 0, outs, 0.0), axis=0
+  )
+  return out, lse

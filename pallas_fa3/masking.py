@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.spec import AttentionSpec, cdiv
 
 
 def visible(
@@ -169,7 +169,7 @@ def kv_blocks_unmasked(
   off = spec.causal_offset
   if spec.window_left is not None:
     first_key = q_end - 1 + off - spec.window_left  # of the last row
-    lo = -(-jnp.maximum(first_key, 0) // block_kv)
+    lo = cdiv(jnp.maximum(first_key, 0), block_kv)
   if spec.window_right is not None:
     seen = q_start + off + spec.window_right + 1  # keys of the first row
     hi = jnp.minimum(jnp.maximum(seen, 0) // block_kv, hi)

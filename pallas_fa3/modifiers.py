@@ -28,8 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
 
 def window_bound(name: str, value: Any) -> int | None:
   """One side of `window_size` as an int >= 0, or None (unbounded): None,
@@ -178,7 +176,7 @@ def sinks_gradient(
     "bqhd,bqhd->bhq",
     dout.astype(jnp.float32),
     out.astype(jnp.float32),
-    precision=_HIGHEST,
+    precision=jax.lax.Precision.HIGHEST,
   )
   p_sink = jnp.exp(sinks[..., None] - lse)
   return jnp.sum(p_sink * (dlse.astype(jnp.float32) - delta), axis=-1)

@@ -1,19 +1,13 @@
-"""Materialized baseline attention (the oracle) and float64 golden helpers.
-
-"Baseline attention" in the numerics literature materializes the full score
-matrix: S = scale * Q K^T, P = softmax(S), O = P V. `reference_attention`
-keeps every intermediate in `intermediate_dtype` (float32 by default, with
-`Precision.HIGHEST`), which makes it both the oracle for the other backends
-and, with a low `intermediate_dtype`, the "naive low-precision" attention of
-the tolerance rule and the numerics study.
-
-LSE convention (shared by every backend): `lse[b, h, i]` is the float32
-natural log of `sum_j exp(s_ij)` over the keys query i sees, `s_ij = scale *
-q_i . k_j` (softcapped when `softcap` is set), plus `exp(sink_h)` with
-sinks. A row that sees no key (bottom-right causal with `seq_q > seq_kv`, or
-outside its window) has output 0 and `lse = -inf` (the log of an empty sum,
-and the identity element when partial results are merged by log-sum-exp),
-or `lse = sink_h` with sinks. See `pallas_fa3.modifiers` for the options.
+"""Materialized baseline attention (the oracle), prefill and decode, and
+their float64 golden. `reference_attention` materializes S = scale * Q K^T,
+P = softmax(S), O = P V with every intermediate in `intermediate_dtype`
+(float32 by default, `Precision.HIGHEST`): the oracle of the other backends
+and, with a low `intermediate_dtype`, the naive low-precision attention of
+the tolerance rule. `reference_decode` gathers every sequence's logical K/V
+from its cache and materializes the scores (keys past a length masked and
+zeroed in V); `golden_decode` is its float64 golden. The lse of every
+backend is the float32 natural log of the row's softmax denominator (-inf
+for a row that sees no key; the sink with sinks). docs/api.md#conventions
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -34,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import masking, modifiers, segments
-from pallas_fa3.spec import AttentionSpec, group_heads, make_spec
-
-_HIGHEST = jax.lax.Precision.HIGHEST
+from pallas_fa3.kvcache import DecodeSpec, cache_rows, gather, visible_in_cache
+from pallas_fa3.spec import HIGHEST, AttentionSpec, group_heads, make_spec
 
 
 def reference_forward(
@@ -62,7 +55,7 @@ def reference_forward(
     qg,
     k.astype(dt),
     preferred_element_type=dt,
-    precision=_HIGHEST,
+    precision=HIGHEST,
   )
   s = s * jnp.asarray(spec.softmax_scale, dt)
   if spec.softcap is not None:
@@ -97,7 +90,7 @@ def reference_forward(
     p,
     v.astype(dt),
     preferred_element_type=dt,
-    precision=_HIGHEST,
+    precision=HIGHEST,
   )
   out = o.reshape(spec.out_shape).astype(spec.dtype)
   lse = (m + jnp.log(l_safe)).astype(jnp.float32)
@@ -302,3 +295,119 @@ def golden_attention_vjp(
   p_sink = np.exp(sk[..., 0] - lse)  # [b, hk, g, q]
   dsinks = -(p_sink * delta).sum(axis=(0, 3)).reshape(spec.heads_q)
   return grads + (dsinks,)
+
+
+def reference_decode(
+  spec: DecodeSpec,
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  lengths: jax.Array,
+  rows: Any,
+  page_table: Any,
+  sinks: jax.Array | None,
+  descale: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) for
+  sequences of `lengths[b]` keys (the appended tokens already written);
+  an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`;
+  `v_cache` None with `spec.v_in_k`."""
+  f32 = jnp.float32
+  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
+  k = gather(spec, k_cache, rows, page_table).astype(f32)
+  if spec.v_in_k:
+    v = k[..., : spec.head_dim_v]
+  else:
+    v = gather(spec, v_cache, rows, page_table).astype(f32)
+  if descale is not None:
+    k = k * descale[0][:, None, :, None]
+    v = v * descale[1][:, None, :, None]
+  pos = jnp.arange(spec.capacity)
+  keep = (pos[None, :] < lengths[:, None])[:, :, None, None]
+  v = jnp.where(keep, v, 0.0)  # 0 x NaN past the length would be NaN
+  qg = q.astype(f32).reshape(b, sq, hk, g, spec.head_dim)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=HIGHEST)
+  s = s * f32(spec.softmax_scale)
+  if spec.softcap is not None:
+    s = f32(spec.softcap) * jnp.tanh(s / f32(spec.softcap))
+  s = jax.lax.optimization_barrier(s)  # one rounding: see py
+  mask = visible_in_cache(
+    spec,
+    lengths[:, None, None],
+    jnp.arange(sq)[None, :, None],
+    pos[None, None, :],
+  )[:, None, None]  # [b, 1, 1, sq, capacity]
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:
+    sk = sinks.astype(f32).reshape(b, hk, g, 1, 1)
+    m = jnp.maximum(m, sk)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(s - m)
+  l = e.sum(axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sk - m)
+  empty = l == 0
+  p = e / jnp.where(empty, 1.0, l)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, precision=HIGHEST)
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  out = o.reshape(spec.out_shape).astype(spec.dtype)
+  return out, lse[..., 0].reshape(spec.lse_shape)
+
+
+def golden_decode(
+  spec: DecodeSpec,
+  q: Any,
+  k_cache: Any,
+  v_cache: Any,
+  lengths: Any,
+  rows: Any = None,
+  page_table: Any = None,
+  sinks: Any = None,
+  descale: Any = None,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Float64 (out, lse) of every sequence: `flash_attention`'s golden on
+  its logical keys `[0, lengths[b])` (bottom-right causal and windows, as
+  in the decode semantics). A sequence of length 0 sees no key; `v_cache`
+  None with `spec.v_in_k` (V: the K cache's columns). `rows`:
+  `cache_batch_idx` (contiguous), `page_table` (paged); an e4m3 cache is
+  dequantized with `descale = (k_descale, v_descale)` first."""
+  rows = cache_rows(spec, rows)
+  k = np.asarray(gather(spec, jnp.asarray(k_cache), rows, page_table))
+  if spec.v_in_k:  # v_cache None: V is K's first head_dim_v columns
+    v = k[..., : spec.head_dim_v]
+  else:
+    v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
+  if descale is not None:  # float32 inputs (the golden computes in float64)
+    k = (
+      k.astype(np.float32)
+      * np.asarray(descale[0], np.float32)[:, None, :, None]
+    )
+    v = (
+      v.astype(np.float32)
+      * np.asarray(descale[1], np.float32)[:, None, :, None]
+    )
+    q = np.asarray(q, np.float32)
+  outs, lses = [], []
+  for i in range(spec.batch):
+    n = int(lengths[i])
+    qi = np.asarray(q[i : i + 1])
+    if n == 0:
+      out = np.zeros(qi.shape[:3] + (spec.head_dim_v,))
+      lse = np.full((1, spec.heads_q, spec.seq_q), -np.inf)
+      if sinks is not None:
+        lse = lse * 0 + np.asarray(sinks, np.float64)[None, :, None]
+    else:
+      out, lse = golden_attention(
+        qi,
+        k[i : i + 1, :n],
+        v[i : i + 1, :n],
+        causal=spec.causal,
+        softmax_scale=spec.softmax_scale,
+        window_size=spec.window_size,
+        softcap=spec.softcap,
+        sinks=sinks,
+      )
+    outs.append(out)
+    lses.append(lse)
+  return np.concatenate(outs), np.concatenate(lses)

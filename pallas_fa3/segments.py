@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import masking
+from pallas_fa3.spec import cdiv
 
 
 class SegmentIds(NamedTuple):
@@ -142,7 +143,7 @@ def tile_id_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
   """(min, max) id of each `block`-long tile of `ids [b, s]`: `[b, tiles]`
   each (the last tile's padding takes no part)."""
   b, s = ids.shape
-  tiles = -(-s // block)
+  tiles = cdiv(s, block)
   pad = tiles * block - s
   big = jnp.iinfo(jnp.int32).max
   lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=big)
@@ -259,7 +260,7 @@ def spans_from_bounds(
   """(first, end) K/V tiles of each `block_q` query tile from its rows'
   key bounds (rows that see nothing take no part), `[b, q_tiles]`."""
   b, s = lo.shape
-  tiles = -(-s // block_q)
+  tiles = cdiv(s, block_q)
   pad = tiles * block_q - s
   empty = hi <= lo
   big = jnp.iinfo(jnp.int32).max
@@ -268,6 +269,6 @@ def spans_from_bounds(
   )
   hi_t = jnp.pad(jnp.where(empty, 0, hi), ((0, 0), (0, pad)))
   first = lo_t.reshape(b, tiles, block_q).min(-1) // block_kv
-  end = -(-hi_t.reshape(b, tiles, block_q).max(-1) // block_kv)
+  end = cdiv(hi_t.reshape(b, tiles, block_q).max(-1), block_kv)
   first = jnp.minimum(first, num_kv)
   return first.astype(jnp.int32), end.astype(jnp.int32)

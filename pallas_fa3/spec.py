@@ -34,10 +34,17 @@ MAX_HEAD_DIM = 256
 
 # exp(x) = exp2(x * log2(e)): the kernels and the blockwise twin use exp2.
 LOG2E = math.log2(math.e)
+# The precision of every float32 product the oracles and twins take.
+HIGHEST = jax.lax.Precision.HIGHEST
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
 
 _LAYOUT = "[batch, seq, heads, head_dim]"
+
+
+def cdiv(a: Any, b: Any) -> Any:
+  """ceil(a / b) of ints (or integer arrays, traced ones too)."""
+  return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,73 +1,85 @@
-"""custom_vjp wiring shared by every backend.
+"""THE custom_vjp: every call of every entry point goes through `call`.
 
-Each backend supplies `forward(spec, config, q, k, v) -> (out, lse)` and
-`backward(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`. The
-residuals are always `(q, k, v, out, lse)`, so a backend's backward never
-depends on private state of its forward, and the lse cotangent is passed
-through (a caller may differentiate through the lse as well as the output).
-With sinks (`spec.sinks`) both also take the `[b, heads_q]` float32 sinks
-last; their gradient is computed here from the residuals
-(`modifiers.sinks_gradient`), by no backend.
+A `StaticCall` names what to compute (`op`): flash_attention's forward,
+whose backward is itself a call (op "backward", which refuses a further
+derivative), the FP8 forward of pre-quantized operands and decoding over a
+KV cache (forward only: they refuse gradients here, with the reason). The
+residuals are always the forward's operands, out and the lse, so a
+backend's backward never depends on private state of its forward; the lse
+cotangent is passed through, and the sinks' gradient is computed here from
+the residuals (`modifiers.sinks_gradient`), by no backend. Every call runs
+through `parallel.partitioning`, which shards it or calls the backend
+directly. docs/design_notes.md
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import numpy as np
 
 from pallas_fa3 import modifiers
-from pallas_fa3.backends.base import StaticCall
+from pallas_fa3.backends.base import (
+  NO_DECODE_GRADIENT,
+  NO_FP8_GRADIENT,
+  Backward,
+  StaticCall,
+)
 from pallas_fa3.parallel import partitioning, sharding_checks
+
+NO_HIGHER_ORDER = (
+  "flash_attention has no higher-order derivatives: its backward pass is"
+  " not differentiable (jax.grad of jax.grad, jax.hessian). Use"
+  " pallas_fa3.reference_attention for higher-order derivatives"
+)
+
+
+def no_gradient(call: StaticCall) -> str | None:
+  """Why `call` has no gradient, or None (a forward that is not FP8)."""
+  if call.op == "backward":
+    return NO_HIGHER_ORDER
+  if call.op == "decode":
+    return NO_DECODE_GRADIENT
+  if call.op == "fp8" or getattr(call.spec, "fp8", None) is not None:
+    return NO_FP8_GRADIENT
+  return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_with_lse(
-  call: StaticCall,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None,
-  segment_ids: Any,
-) -> tuple[jax.Array, jax.Array]:
-  """Returns (out, lse) of `call.backend`; differentiable through both (and
-  in `sinks`, `[b, heads_q]` float32 or None). `segment_ids`: a
-  `segments.SegmentIds` of int32 arrays, or None (no cotangent).
-
-  Both passes go through `partitioning`, so that under SPMD sharding each
-  device runs the backend on its own batch/head shard.
-  """
-  return partitioning.forward(call, q, k, v, sinks, segment_ids)
+def call(static: StaticCall, operands: Any) -> Any:
+  """The result of `static` on `operands` (the tuple of `base` its op
+  takes): `(out, lse)`, or for op "backward" `(dq, dk, dv)`. Inside a
+  `jax.shard_map`, make the operands vary alike first
+  (`sharding_checks.vary_alike`): each cotangent then has its primal's
+  type."""
+  return partitioning.run(static, operands)
 
 
-def _fwd(
-  call: StaticCall,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None,
-  segment_ids: Any,
-) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-  out, lse = attention_with_lse(call, q, k, v, sinks, segment_ids)
-  return (out, lse), (q, k, v, out, lse, sinks, segment_ids)
+def _fwd(static: StaticCall, operands: Any) -> tuple[Any, tuple]:
+  result = call(static, operands)
+  return result, (operands, result)
 
 
-def _bwd(call: StaticCall, residuals: tuple, cotangents: tuple) -> tuple:
-  q, k, v, out, lse, sinks, segment_ids = residuals
+def _bwd(static: StaticCall, residuals: tuple, cotangents: Any) -> tuple:
+  reason = no_gradient(static)
+  if reason:
+    raise NotImplementedError(reason)
+  operands, (out, lse) = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward_once(
-    call, q, k, v, out, lse, dout, dlse, sinks, segment_ids
-  )
+  backward = dataclasses.replace(static, op="backward")
+  dq, dk, dv = call(backward, Backward(operands, out, lse, dout, dlse))
   dsinks = None
-  if sinks is not None:
-    dsinks = modifiers.sinks_gradient(sinks, out, lse, dout, dlse)
-    layout = sharding_checks.explicit_sharding(sinks)
+  if operands.sinks is not None:
+    dsinks = modifiers.sinks_gradient(operands.sinks, out, lse, dout, dlse)
+    layout = sharding_checks.explicit_sharding(operands.sinks)
     if layout is not None:  # `Explicit` axes: the type of the sinks' own
       dsinks = sharding_checks.fit_explicit(dsinks, layout)
-  ids_cotangent = None if segment_ids is None else _zero_cotangents(segment_ids)
-  return dq, dk, dv, dsinks, ids_cotangent
+  ids = operands.segment_ids
+  ids = None if ids is None else _zero_cotangents(ids)
+  return (operands._replace(q=dq, k=dk, v=dv, sinks=dsinks, segment_ids=ids),)
 
 
 def _zero_cotangents(tree: Any) -> Any:
@@ -77,36 +89,4 @@ def _zero_cotangents(tree: Any) -> Any:
   )
 
 
-NO_HIGHER_ORDER = (
-  "flash_attention has no higher-order derivatives: its backward pass is"
-  " not differentiable (jax.grad of jax.grad, jax.hessian). Use"
-  " pallas_fa3.reference_attention for higher-order derivatives"
-)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _backward_once(
-  call: StaticCall, *residuals_and_cotangents: Any
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The backward pass, itself not differentiable (a clear error if asked).
-
-  Takes `(q, k, v, out, lse, dout, dlse, sinks, segment_ids)`."""
-  return partitioning.backward(call, *residuals_and_cotangents)
-
-
-def _backward_once_fwd(
-  call: StaticCall, *args: Any
-) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
-  return _backward_once(call, *args), None
-
-
-def _backward_once_bwd(
-  call: StaticCall, residuals: None, cotangents: tuple
-) -> NoReturn:
-  raise NotImplementedError(NO_HIGHER_ORDER)
-
-
-_backward_once.defvjp(_backward_once_fwd, _backward_once_bwd)
-
-
-attention_with_lse.defvjp(_fwd, _bwd)
+call.defvjp(_fwd, _bwd)

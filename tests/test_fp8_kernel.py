@@ -21,7 +21,7 @@ from jax import export
 
 import pallas_fa3
 from pallas_fa3 import fp8, masking
-from pallas_fa3.backends import blockwise_fp8
+from pallas_fa3.backends.blockwise import fp8 as blockwise_fp8
 from pallas_fa3.kernels.sm90 import (
   compat,
   config_fp8 as sm90_fp8_config,

@@ -143,7 +143,7 @@ def _interpret_attention(q, k, v, fp8_config, causal):
   """The twin's quantization, then the FP8 attention kernel in interpret
   mode and its blockwise twin, each called on its own (interpreted kernels
   sharing one executable with other work can deadlock the interpreter)."""
-  from pallas_fa3.backends import blockwise_fp8
+  from pallas_fa3.backends.blockwise import fp8 as blockwise_fp8
   from pallas_fa3.kernels.sm90 import config_fp8, forward_fp8
 
   config = config_fp8.default_fp8_forward_config(q.shape[-1])

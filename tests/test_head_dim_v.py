@@ -124,8 +124,8 @@ def test_grad_through_mosaic_lowers_to_the_kernels(d, dv, deterministic):
 
 @pytest.mark.timeout(_TIMEOUT_S)
 def test_decode_kernel_with_head_dim_v(rng):
-  from pallas_fa3.kvcache_spec import make_decode_spec
-  from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+  from pallas_fa3.kvcache import make_decode_spec
+  from pallas_fa3.testing import decode_case, decode_golden_and_naive
 
   case = decode_case(
     rng, batch=2, seq_q=2, heads_q=8, heads_kv=2, head_dim=192,

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 import pallas_fa3
-from pallas_fa3.kvcache_cache import cache_rows, gather
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.testing import assert_within_tolerance
-from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+from pallas_fa3.kvcache import cache_rows, gather, make_decode_spec
+from pallas_fa3.testing import (
+  assert_within_tolerance,
+  decode_case,
+  decode_golden_and_naive,
+)
 
 BACKENDS = ("reference", "blockwise")
 
@@ -489,11 +491,11 @@ def test_bad_calls_are_errors_naming_the_argument(name, fn, error, match):
 
 
 def test_automatic_choice_without_a_gpu_is_blockwise():
-  from pallas_fa3.backends.decode import explain_decode_choice
+  from pallas_fa3.backends import explain_choice
 
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kc = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
   spec = make_decode_spec(q, kc, kc, cache_seqlens=5)
-  choices = dict(explain_decode_choice(spec))
+  choices = dict(explain_choice(spec))
   if jax.default_backend() != "gpu":
     assert choices["mosaic"] and choices["blockwise"] is None

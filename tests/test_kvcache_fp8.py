@@ -12,12 +12,11 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3 import kvcache_fp8
+from pallas_fa3 import kvcache
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.reference_decode import golden_decode
-from pallas_fa3.testing import lowered_kernel_count
-from pallas_fa3.testing_decode import decode_case
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.reference import golden_decode
+from pallas_fa3.testing import decode_case, lowered_kernel_count
 
 _TIMEOUT_S = 300
 F8 = jnp.float8_e4m3fn
@@ -224,7 +223,7 @@ def test_quantize_kv_cache_scales_and_error(rng):
     np.asarray(x.k_descale)[1], amax[1] / 448, rtol=1e-6
   )
   assert float(x.k_descale[2, 0]) == 1.0  # no token: scale 1
-  deq = kvcache_fp8.dequantize(x.k_cache[:1, :40], x.k_descale[:1])
+  deq = kvcache.dequantize(x.k_cache[:1, :40], x.k_descale[:1])
   ref = np.asarray(kc[:1, :40], np.float32)
   assert (
     np.max(np.abs(deq - ref) / np.maximum(np.abs(ref), 1e-3 * 30)) <= 2.0**-4
@@ -245,12 +244,12 @@ def test_rotation_stores_rotated_keys_and_keeps_the_function(rng):
     capacity=128, lengths=[128, 77],
   )  # fmt: skip
   lengths = _row_lengths(case)
-  signs = kvcache_fp8.rotation_signs(7, 64)
+  signs = kvcache.rotation_signs(7, 64)
   rot = pallas_fa3.quantize_kv_cache(
     case.k_cache, case.v_cache, cache_seqlens=lengths, rotation=7
   )
   by_hand = pallas_fa3.quantize_kv_cache(
-    kvcache_fp8.rotate(case.k_cache, signs), case.v_cache, cache_seqlens=lengths
+    kvcache.rotate(case.k_cache, signs), case.v_cache, cache_seqlens=lengths
   )
   for a, b in zip(rot, by_hand):
     np.testing.assert_array_equal(
@@ -292,10 +291,8 @@ def test_rotation_rotates_appended_keys(rng):
     k_descale=x.k_descale, v_descale=x.v_descale, cache_rotation=True,
     implementation="blockwise",
   )  # fmt: skip
-  signs = kvcache_fp8.rotation_signs(True, 64)
-  want = kvcache_fp8.quantize_tokens(
-    kvcache_fp8.rotate(case.k, signs), x.k_descale
-  )
+  signs = kvcache.rotation_signs(True, 64)
+  want = kvcache.quantize_tokens(kvcache.rotate(case.k, signs), x.k_descale)
   np.testing.assert_array_equal(
     np.asarray(k8[:, 9:11], np.float32), np.asarray(want, np.float32)
   )

@@ -17,9 +17,13 @@ from jax import export
 
 import pallas_fa3
 from pallas_fa3.kernels.sm90 import compat
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.testing import assert_within_tolerance, lowered_kernel_count
-from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.testing import (
+  assert_within_tolerance,
+  decode_case,
+  decode_golden_and_naive,
+  lowered_kernel_count,
+)
 
 _TIMEOUT_S = 300
 

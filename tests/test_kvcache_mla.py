@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 
 import pallas_fa3
-from pallas_fa3.backends.decode import resolve_decode
-from pallas_fa3.kvcache_spec import make_decode_spec
-from pallas_fa3.reference_decode import golden_decode
-from pallas_fa3.testing import assert_within_tolerance
-from pallas_fa3.testing_decode import decode_case, decode_golden_and_naive
+from pallas_fa3.backends import resolve
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.reference import golden_decode
+from pallas_fa3.testing import (
+  assert_within_tolerance,
+  decode_case,
+  decode_golden_and_naive,
+)
 
 D, DV, HQ = 576, 512, 16
 call = pallas_fa3.flash_attention_with_kvcache
@@ -276,6 +279,6 @@ def test_the_automatic_choice_serves_mla_with_blockwise():
   kc = jnp.zeros((1, 64, 1, D), jnp.bfloat16)
   spec = make_decode_spec(q, kc, None, cache_seqlens=3, head_dim_v=DV)
   with pytest.raises(NotImplementedError, match="smallest config"):
-    resolve_decode(spec, "mosaic", None)
-  backend, _, _ = resolve_decode(spec, None, None)
+    resolve(spec, "mosaic", None)
+  backend, _ = resolve(spec, None, None)
   assert backend.name == "blockwise"

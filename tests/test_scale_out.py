@@ -27,7 +27,11 @@ import numpy as np
 import pytest
 
 import pallas_fa3
-from pallas_fa3.parallel import ring_layout, ring_skip, ring_steps
+from pallas_fa3.parallel.ring import (
+  layout as ring_layout,
+  skip as ring_skip,
+  steps as ring_steps,
+)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUITE_DIR = REPO_ROOT / "tests" / "multidevice"

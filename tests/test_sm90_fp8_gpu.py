@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_fa3 import backends, fp8
-from pallas_fa3.backends import blockwise_fp8
+from pallas_fa3.backends.blockwise import fp8 as blockwise_fp8
 from pallas_fa3.kernels.sm90 import (
   config_fp8 as sm90_fp8_config,
   forward_fp8 as sm90_fwd_fp8,

@@ -1,91 +1,22 @@
-"""Every implementation of attention, in one registry, and the automatic choice.
-
-`BACKENDS` is the only place implementation names are spelled;
-`IMPLEMENTATIONS` and `Implementation` derive from it. A backend that cannot
-serve a call says why (a string): an explicit request raises
-`NotImplementedError` with that reason, and the automatic choice moves on to
-the next candidate. Only backends that compute the kernels' function are
-automatic candidates; the materialized `reference` is the oracle, never
-chosen automatically. FP8 (`spec.fp8`) and the stable max
-(`spec.stable_max`) are options of the spec that each backend accepts or
-refuses like any other.
+"""Every implementation of attention, in one registry, and the automatic
+choice, for every mode of a call: an `AttentionSpec` (flash_attention, FP8
+included) or a `DecodeSpec` (flash_attention_with_kvcache). `BACKENDS` is
+the only place implementation names are spelled. A backend that cannot
+serve a call says why: an explicit request raises `NotImplementedError`
+with that reason, the automatic choice moves on to the next candidate. The
+materialized `reference` is the oracle, never chosen automatically.
+docs/api.md#backends
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-import jax
-
-from pallas_fa3 import reference
 from pallas_fa3.backends import blockwise, sm90
-from pallas_fa3.backends.base import Backend
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.backends.base import Backend, Spec
+from pallas_fa3.backends.reference import REFERENCE
 
 hopper_reason = sm90.hopper_reason  # re-exported: None on an sm90 GPU
-
-
-def _reference_forward(
-  spec: AttentionSpec,
-  config: Any,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None = None,
-  segment_ids: Any = None,
-) -> tuple[jax.Array, jax.Array]:
-  del config
-  return reference.reference_forward(
-    spec, q, k, v, sinks=sinks, segment_ids=segment_ids
-  )
-
-
-def _reference_backward(
-  spec: AttentionSpec,
-  config: Any,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  out: jax.Array,
-  lse: jax.Array,
-  dout: jax.Array,
-  dlse: jax.Array,
-  sinks: jax.Array | None = None,
-  segment_ids: Any = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  del config, out, lse  # plain autodiff through the materialized forward
-  _, pullback = jax.vjp(
-    lambda *a: reference.reference_forward(
-      spec, *a, sinks=sinks, segment_ids=segment_ids
-    ),
-    q,
-    k,
-    v,
-  )
-  return pullback((dout, dlse))
-
-
-def _reference_unsupported(spec: AttentionSpec, config: Any) -> str | None:
-  del config
-  if spec.fp8 is not None:
-    return (
-      "the reference has no FP8 path (the float64 golden is the oracle"
-      " of FP8 accuracy)"
-    )
-  if spec.stable_max is not None:
-    return "stable_max is implemented by the blockwise backend only"
-  return None
-
-
-REFERENCE = Backend(
-  "reference",
-  "materialized baseline attention in float32 (the oracle;"
-  " memory quadratic in sequence length)",
-  _reference_forward,
-  _reference_backward,
-  _reference_unsupported,
-  backward_uses_lse=False,
-)
 
 # Fastest first: the automatic choice takes the first automatic backend that
 # can serve the call.
@@ -129,26 +60,26 @@ def check_implementation(implementation: Any) -> str | None:
 
 
 def _reason(
-  backend: Backend, spec: AttentionSpec, config: Any, automatic: bool
+  backend: Backend, spec: Spec, config: Any, automatic: bool
 ) -> str | None:
   """Why `backend` cannot serve the call (with the device when automatic)."""
-  reason = backend.config_mismatch(config)
+  reason = backend.config_mismatch(config, spec)
   if reason is None and automatic:
     reason = backend.device_reason()
   if reason is None:
-    reason = backend.unsupported(spec, backend.make_config(spec, config))
+    reason = backend.reason(spec, backend.config_for(spec, config))
   return reason
 
 
 def unsupported_reason(
-  implementation: str, spec: AttentionSpec, config: Any = None
+  implementation: str, spec: Spec, config: Any = None
 ) -> str | None:
   """Why `implementation` cannot serve the call (devices aside), or None."""
   return _reason(get(implementation), spec, config, automatic=False)
 
 
 def explain_choice(
-  spec: AttentionSpec, config: Any = None
+  spec: Spec, config: Any = None
 ) -> list[tuple[str, str | None]]:
   """The automatic candidates in order, each with its reason to be skipped
   (None for those that can serve the call)."""
@@ -159,9 +90,10 @@ def explain_choice(
 
 
 def resolve(
-  spec: AttentionSpec, implementation: str | None, config: Any
+  spec: Spec, implementation: str | None, config: Any
 ) -> tuple[Backend, Any]:
-  """The backend for a call and its config with defaults filled in.
+  """The backend for a call (either mode) and its config with defaults
+  filled in.
 
   Raises:
     NotImplementedError: an explicitly requested backend cannot serve the
@@ -182,7 +114,7 @@ def resolve(
     backend = _BY_NAME[chosen]
   else:
     backend = _BY_NAME[implementation]
-    mismatch = backend.config_mismatch(config)
+    mismatch = backend.config_mismatch(config, spec)
     if mismatch:
       raise TypeError(f"config={config!r} does not fit: {mismatch}")
     reason = _reason(backend, spec, config, automatic=False)
@@ -190,7 +122,7 @@ def resolve(
       raise NotImplementedError(
         f"implementation={implementation!r} cannot run this call: {reason}"
       )
-  return backend, backend.make_config(spec, config)
+  return backend, backend.config_for(spec, config)
 
 
 def require_runnable_here(backend: Backend) -> None:

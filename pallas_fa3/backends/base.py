@@ -1,13 +1,18 @@
-"""What a backend is: one way to compute attention, and what it supports."""
+"""What a backend is: one way to compute attention, in every mode a call can
+have (the forward and backward of `flash_attention`, its FP8 forward, and
+decoding over a KV cache), and the static half of a call. A backend that
+cannot serve a call says why; see `pallas_fa3.backends` for the registry.
+docs/api.md#backends
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 
+from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.quant import e4m3
 from pallas_fa3.spec import AttentionSpec
 
@@ -16,74 +21,183 @@ NO_FP8_GRADIENT = (
   " bf16/fp16 path (fp8=False) or wrap the FP8 call in"
   " jax.lax.stop_gradient"
 )
+NO_DECODE_GRADIENT = (
+  "flash_attention_with_kvcache is forward only (decoding): it has no"
+  " gradient. Differentiate pallas_fa3.flash_attention instead, or wrap"
+  " the call in jax.lax.stop_gradient"
+)
+
+Spec = AttentionSpec | DecodeSpec
 
 
-def _no_reason(spec: AttentionSpec, config: Any) -> str | None:
-  del spec, config
-  return None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class Backend:
   """One way to compute attention (compared and hashed by identity).
+
+  A subclass overrides the modes it serves; the others raise
+  `NotImplementedError` saying so, and `unsupported` / `decode_unsupported`
+  say why before any call is made.
 
   Attributes:
     name: the `implementation=` string.
     summary: one line for `pallas-fa3 info` and the README table.
-    forward: `(spec, config, q, k, v) -> (out, lse)`; with `spec.sinks`
-      also `sinks=` (`[b, heads_q]` float32), with `spec.segmented` also
-      `segment_ids=` (a `segments.SegmentIds`).
-    backward: `(spec, config, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`,
-      with `segment_ids=` when segmented (sinks are in the lse; `sinks=`
-      reaches only a backend with `backward_uses_lse=False`).
-    unsupported: `(spec, config) -> reason or None`, config as `make_config`
-      returns it; covers `spec.fp8`, `spec.stable_max` and the modifiers
-      (`spec.window_size`, `spec.softcap`, `spec.sinks`).
-    config_types: the `config=` classes it takes (empty: none).
-    make_config: `(spec, config) -> config` with defaults filled in.
-    device_reason: `() -> reason or None`: whether the devices present can
-      run it. Only the automatic choice and eager calls consult it, so an
-      explicit backend still lowers for another platform.
-    device_hint: what to do instead when `device_reason` refuses (said
-      after the reason).
-    fp8_forward: `(spec, config, FP8Inputs) -> (out, lse)`, with `sinks=`
-      and `segment_ids=` as `forward` takes them; or None.
-    fp8_tiles: `config -> (block_q, block_kv)`, the quantization tiles.
-    fp8_quantize: the quantization pass, with `e4m3.quantize_inputs`'s
-      signature and bits (default: that pure-JAX pass).
     automatic: a candidate of the automatic choice (computes the kernels'
       function, with P rounded to the input dtype).
     partitionable: may run as a `custom_partitioning` op (a backend whose
       calls have side effects, like the Pallas interpreter's, may not).
     backward_uses_lse: the backward reads the residual lse rather than
       recomputing its own softmax (ring attention needs it).
+    device_hint: what to do instead when `device_reason` refuses.
+    config_types: the `config=` classes of `flash_attention` calls.
+    decode_config_types: those of `flash_attention_with_kvcache` calls.
   """
 
-  name: str
-  summary: str
-  forward: Callable[..., Any]
-  backward: Callable[..., Any]
-  unsupported: Callable[[AttentionSpec, Any], str | None] = _no_reason
-  config_types: tuple[type, ...] = ()
-  make_config: Callable[[AttentionSpec, Any], Any] = lambda spec, config: None
-  device_reason: Callable[[], str | None] = lambda: None
-  device_hint: str = ""
-  fp8_forward: Callable[..., Any] | None = None
-  fp8_tiles: Callable[[Any], tuple[int, int]] | None = None
-  fp8_quantize: Callable[..., Any] = e4m3.quantize_inputs
+  name: str = ""
+  summary: str = ""
   automatic: bool = False
   partitionable: bool = True
   backward_uses_lse: bool = True
+  device_hint: str = ""
+  config_types: tuple[type, ...] = ()
+  decode_config_types: tuple[type, ...] = ()
 
-  def config_mismatch(self, config: Any) -> str | None:
-    """Why `config` does not belong to this backend, or None."""
-    if config is None or isinstance(config, self.config_types):
+  def __repr__(self) -> str:
+    return f"<backend {self.name}>"
+
+  def device_reason(self) -> str | None:
+    """Whether the devices present can run it (None: yes). Only the
+    automatic choice and eager calls consult it, so an explicit backend
+    still lowers for another platform."""
+    return None
+
+  # -- flash_attention: forward, backward, FP8 ------------------------------
+  def make_config(self, spec: AttentionSpec, config: Any) -> Any:
+    """`config` with the defaults of `spec` filled in."""
+    return config
+
+  def unsupported(self, spec: AttentionSpec, config: Any) -> str | None:
+    """Why it cannot serve `spec` with `config` (as `make_config` returns
+    it), or None; covers `spec.fp8`, `spec.stable_max` and the modifiers."""
+    return None
+
+  def forward(
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    segment_ids: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """(out, lse); `sinks` `[b, heads_q]` float32 with `spec.sinks`,
+    `segment_ids` a `segments.SegmentIds` with `spec.segmented`."""
+    raise NotImplementedError(f"implementation={self.name!r} has no forward")
+
+  def backward(
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array,
+    *,
+    sinks: jax.Array | None = None,
+    segment_ids: Any = None,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) from the residuals; `sinks` reach only a backend with
+    `backward_uses_lse=False` (elsewhere they are in the lse)."""
+    raise NotImplementedError(f"implementation={self.name!r} has no backward")
+
+  def fp8_tiles(self, config: Any) -> tuple[int, int]:
+    """(block_q, block_kv): the quantization tiles of an FP8 call."""
+    raise NotImplementedError(f"implementation={self.name!r} has no FP8 path")
+
+  def fp8_quantize(self, *args: Any, **kwargs: Any) -> Any:
+    """The quantization pass, with `e4m3.quantize_inputs`'s signature and
+    bits (that pure-JAX pass unless a kernel serves it)."""
+    return e4m3.quantize_inputs(*args, **kwargs)
+
+  def fp8_forward(
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    x: Any,
+    *,
+    sinks: jax.Array | None = None,
+    segment_ids: Any = None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) of pre-quantized `FP8Inputs` `x`."""
+    raise NotImplementedError(f"implementation={self.name!r} has no FP8 path")
+
+  # -- flash_attention_with_kvcache -----------------------------------------
+  def make_decode_config(self, spec: DecodeSpec, config: Any) -> Any:
+    return config
+
+  def decode_unsupported(self, spec: DecodeSpec, config: Any) -> str | None:
+    return None
+
+  def decode_splits(self, spec: DecodeSpec, config: Any) -> int:
+    """Split-KV ranges per sequence (every count computes the function)."""
+    return spec.num_splits or 1
+
+  def decode(
+    self,
+    spec: DecodeSpec,
+    config: Any,
+    splits: int,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array | None,
+    lengths: jax.Array,
+    rows: jax.Array,
+    page_table: jax.Array | None,
+    sinks: jax.Array | None,
+    descale: tuple[jax.Array, jax.Array] | None,
+  ) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) over each sequence's `lengths[b]` keys (the appended
+    tokens already written): `rows` the contiguous cache rows, `v_cache`
+    None with `spec.v_in_k` (V: k_cache's first head_dim_v columns),
+    `sinks` float32 `[b, hq]`, `descale` an e4m3 cache's `(k_descale,
+    v_descale)`, each `[b, hk]`."""
+    raise NotImplementedError(f"implementation={self.name!r} has no decode")
+
+  # -- one mode or the other: what the registry asks ------------------------
+  def takes(self, spec: Spec) -> tuple[type, ...]:
+    """The config classes it takes for `spec`'s mode."""
+    if isinstance(spec, DecodeSpec):
+      return self.decode_config_types
+    return self.config_types
+
+  def config_for(self, spec: Spec, config: Any) -> Any:
+    if isinstance(spec, DecodeSpec):
+      return self.make_decode_config(spec, config)
+    return self.make_config(spec, config)
+
+  def reason(self, spec: Spec, config: Any) -> str | None:
+    """Why it cannot serve `spec` with `config` (defaults filled in)."""
+    if isinstance(spec, DecodeSpec):
+      return self.decode_unsupported(spec, config)
+    return self.unsupported(spec, config)
+
+  def config_mismatch(
+    self, config: Any, spec: Spec | None = None
+  ) -> str | None:
+    """Why `config` does not belong to this backend (for `spec`'s mode),
+    or None."""
+    types = self.config_types if spec is None else self.takes(spec)
+    if config is None or isinstance(config, types):
       return None
-    if not self.config_types:
+    if not types:
       return f"implementation={self.name!r} takes no config"
-    names = " or ".join(c.__name__ for c in self.config_types)
+    names = " or ".join(c.__name__ for c in types)
     return f"implementation={self.name!r} takes a {names}"
 
+  # -- flash_attention's passes, FP8 included --------------------------------
   def run_forward(
     self,
     spec: AttentionSpec,
@@ -93,10 +207,8 @@ class Backend:
     v: jax.Array,
     **extras: Any,
   ) -> tuple[jax.Array, jax.Array]:
-    """`forward`, or with `spec.fp8` the quantization pass and `fp8_forward`.
-
-    `extras`: `sinks=` and `segment_ids=` when the call has them.
-    """
+    """`forward`, or with `spec.fp8` the quantization pass and
+    `fp8_forward`. `extras`: `sinks=` and `segment_ids=`."""
     if spec.fp8 is None:
       return self.forward(spec, config, q, k, v, **extras)
     block_q, block_kv = self.fp8_tiles(config)
@@ -121,9 +233,8 @@ class Backend:
     sinks: jax.Array | None = None,
     segment_ids: Any = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`backward` on `(q, k, v, out, lse, dout, dlse)`; returns (dq, dk, dv).
-    `segment_ids` reach every backward (the mask); `sinks` only one with
-    `backward_uses_lse=False` (elsewhere they are in the lse).
+    """`backward` on `(q, k, v, out, lse, dout, dlse)`; the sinks only where
+    the lse does not carry them.
 
     Raises:
       NotImplementedError: an FP8 call (FP8 has no backward).
@@ -136,11 +247,73 @@ class Backend:
     return self.backward(spec, config, *residuals_and_cts, **extras)
 
 
+# What a call computes (`StaticCall.op`): flash_attention's forward (FP8
+# included: `spec.fp8`, quantizing inside) and backward, the FP8 forward of
+# pre-quantized operands, and decoding over a KV cache.
+Op = Literal["forward", "backward", "fp8", "decode"]
+
+
 @dataclasses.dataclass(frozen=True)
 class StaticCall:
   """The static (hashable) half of a call: what to compute and with what
-  (the custom_vjp's and the partitioner's non-differentiable argument)."""
+  (the custom_vjp's and the partitioner's non-differentiable argument).
 
-  spec: AttentionSpec
+  Attributes:
+    spec: the call.
+    backend: what computes it.
+    config: the backend's config, defaults filled in.
+    op: which computation (`Op`); its operands are the matching tuple below.
+    splits: a decode call's split-KV ranges.
+    ring: with a sequence split named by `ring_attention`, its
+      `parallel.ring_plan.RingPlan` (the partitioner runs the ring).
+  """
+
+  spec: Spec
   backend: Backend
   config: Any = None
+  op: Op = "forward"
+  splits: int = 1
+  ring: Any = None
+
+
+class Prefill(NamedTuple):
+  """The operands of a forward call: q, k, v, and `[b, heads_q]` float32
+  sinks and a `segments.SegmentIds` where the spec has them (else None)."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  sinks: jax.Array | None = None
+  segment_ids: Any = None
+
+
+class Backward(NamedTuple):
+  """The operands of a backward call: the forward's and its residuals and
+  cotangents."""
+
+  forward: Prefill
+  out: jax.Array
+  lse: jax.Array
+  dout: jax.Array
+  dlse: jax.Array
+
+
+class Quantized(NamedTuple):
+  """The operands of an FP8 call on pre-quantized inputs (`FP8Inputs`)."""
+
+  x: Any
+  sinks: jax.Array | None = None
+  segment_ids: Any = None
+
+
+class Decode(NamedTuple):
+  """The operands of a decode call (`Backend.decode`'s)."""
+
+  q: jax.Array
+  k_cache: jax.Array
+  v_cache: jax.Array | None
+  lengths: jax.Array
+  rows: jax.Array
+  page_table: jax.Array | None
+  sinks: jax.Array | None
+  descale: tuple[jax.Array, jax.Array] | None

@@ -1,14 +1,15 @@
-"""The Hopper kernels as backends: `mosaic` (compiled for sm90) and
-`interpret` (the same kernels in Pallas GPU interpret mode on a CPU).
-
-The kernel modules are imported when a call is traced, so importing the
-registry does not load Mosaic GPU.
+"""The Hopper kernels as backends, in every mode: `mosaic` (compiled for
+sm90) and `interpret` (the same kernels in Pallas GPU interpret mode on a
+CPU, race detection on). Where a kernel cannot take a call's segment ids
+(ids whose keys are not contiguous), or the backward kernels its options,
+the blockwise twin computes the same function, said or decided on the
+device. The kernel modules are imported when a call is traced, so importing
+the registry does not load Mosaic GPU. docs/kernels.md
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from pallas_fa3.backends.base import Backend
 from pallas_fa3.kernels.sm90 import (
   config as sm90_config,
   config_backward as sm90_bwd_config,
+  config_decode,
   config_fp8 as sm90_fp8_config,
 )
 from pallas_fa3.kernels.sm90.config import (
@@ -26,6 +28,8 @@ from pallas_fa3.kernels.sm90.config import (
   Sm90Config,
   Sm90ForwardConfig,
 )
+from pallas_fa3.kernels.sm90.config_decode import Sm90DecodeConfig
+from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.spec import AttentionSpec
 
 # Race detection in interpret mode costs little at the small shapes the
@@ -44,72 +48,83 @@ def hopper_reason() -> str | None:
   return None
 
 
-def _make_config(spec: AttentionSpec, config: Any) -> Sm90Config:
-  config = Sm90Config.of(config)
-  if config.forward is not None:
-    return config
-  if spec.fp8 is not None:
-    if spec.head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
-      return config  # `unsupported` says why
-    forward = sm90_fp8_config.default_fp8_forward_config(spec.head_dim)
-  else:
-    forward = sm90_config.default_forward_config(spec)
-  return Sm90Config(forward=forward, backward=config.backward)
-
-
-def _unsupported(spec: AttentionSpec, config: Sm90Config) -> str | None:
-  if spec.stable_max is not None:
-    return "stable_max is implemented by the blockwise backend only"
-  if spec.fp8 is not None:
-    if config.backward is not None:
-      return "fp8 has no backward, so Sm90Config.backward must be None"
-    return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
-  reason = sm90_config.forward_unsupported(spec, config.forward)
-  if reason is None and config.backward is not None:
-    reason = sm90_bwd_config.backward_config_unsupported(
-      config.backward, spec.head_dim, spec.dtype.itemsize, spec.deterministic
-    )
-  return reason
-
-
 def interpret_params() -> Any:
   """The interpret-mode parameters every interpreted kernel runs with (race
-  detection on); raises RuntimeError where the interpreter could deadlock
-  (`interpret_pool.check`)."""
+  detection on: a race raises); raises RuntimeError where the interpreter
+  could deadlock (`interpret_pool.check`)."""
   from pallas_fa3.kernels.sm90 import compat  # pylint: disable=g-import-not-at-top
 
   interpret_pool.check()  # a pool too small for the interpreter: raise, not hang
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
 
 
-def _interpret_params(interpret: bool) -> Any:
-  return interpret_params() if interpret else None
+class Sm90Backend(Backend):
+  """The Hopper kernels, compiled (`interpret=False`) or interpreted."""
 
+  config_types = (Sm90Config, Sm90ForwardConfig)
+  decode_config_types = (Sm90DecodeConfig,)
 
-def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  def forward(
-    spec: AttentionSpec,
-    config: Sm90Config,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    sinks: jax.Array | None = None,
-    segment_ids: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
+  def __init__(self, interpret: bool):
+    self.interpret = interpret
+    if interpret:
+      self.name = "interpret"
+      self.summary = (
+        "the same kernels in Pallas GPU interpret mode (CPU, small shapes,"
+        " tests)"
+      )
+      self.partitionable = False  # the interpreter's callbacks
+    else:
+      self.name = "mosaic"
+      self.summary = "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU"
+      self.automatic = True
+      self.device_hint = (
+        "It needs an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda'])"
+        " lowers it on any machine, and implementation='interpret' runs the"
+        " same kernel on a CPU"
+      )
+
+  def device_reason(self) -> str | None:
+    return interpret_pool.shortfall() if self.interpret else hopper_reason()
+
+  def _params(self) -> Any:
+    return interpret_params() if self.interpret else None
+
+  # -- flash_attention ---------------------------------------------------------
+  def make_config(self, spec: AttentionSpec, config: Any) -> Sm90Config:
+    config = Sm90Config.of(config)
+    if config.forward is not None:
+      return config
+    if spec.fp8 is not None:
+      if spec.head_dim not in sm90_fp8_config.FP8_HEAD_DIMS:
+        return config  # `unsupported` says why
+      forward = sm90_fp8_config.default_fp8_forward_config(spec.head_dim)
+    else:
+      forward = sm90_config.default_forward_config(spec)
+    return Sm90Config(forward=forward, backward=config.backward)
+
+  def unsupported(self, spec: AttentionSpec, config: Sm90Config) -> str | None:
+    if spec.stable_max is not None:
+      return "stable_max is implemented by the blockwise backend only"
+    if spec.fp8 is not None:
+      if config.backward is not None:
+        return "fp8 has no backward, so Sm90Config.backward must be None"
+      return sm90_fp8_config.fp8_forward_unsupported(spec, config.forward)
+    reason = sm90_config.forward_unsupported(spec, config.forward)
+    if reason is None and config.backward is not None:
+      reason = sm90_bwd_config.backward_config_unsupported(
+        config.backward, spec.head_dim, spec.dtype.itemsize, spec.deterministic
+      )
+    return reason
+
+  def forward(self, spec, config, q, k, v, *, sinks=None, segment_ids=None):
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
     def run(operands):
       q, k, v, sinks, bounds, _ = operands
       return kernel.sm90_forward(
-        spec,
-        config.forward,
-        q,
-        k,
-        v,
-        interpret=_interpret_params(interpret),
-        sinks=sinks,
-        segment_ids=bounds,
-      )
+        spec, config.forward, q, k, v, interpret=self._params(),
+        sinks=sinks, segment_ids=bounds,
+      )  # fmt: skip
 
     def twin(operands):
       q, k, v, sinks, _, ids = operands
@@ -126,74 +141,11 @@ def _forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
     operands = (q, k, v, sinks, bounds[:2], segment_ids)
     return jax.lax.cond(keys_exact, run, twin, operands)
 
-  return forward
-
-
-def _fp8_forward(interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  def fp8_forward(
-    spec: AttentionSpec,
-    config: Sm90Config,
-    x: Any,
-    sinks: jax.Array | None = None,
-    segment_ids: Any = None,
-  ) -> tuple[jax.Array, jax.Array]:
-    from pallas_fa3.backends import blockwise_fp8  # pylint: disable=g-import-not-at-top
-    from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
-
-    def run(operands):
-      x, sinks, bounds, _ = operands
-      return kernel.sm90_forward_fp8(
-        spec,
-        config.forward,
-        *x,
-        interpret=_interpret_params(interpret),
-        sinks=sinks,
-        segment_ids=bounds,
-      )
-
-    if segment_ids is None:
-      return run((x, sinks, None, None))
-
-    def twin(operands):  # ids whose keys are not contiguous: the same
-      x, sinks, _, ids = operands  # function, the FP8 kernel's twin
-      cfg = config.forward
-      return blockwise_fp8.blockwise_forward_fp8(
-        spec, cfg.block_q, cfg.block_kv, *x, sinks=sinks, segment_ids=ids
-      )
-
-    bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
-    operands = (x, sinks, bounds[:2], segment_ids)
-    return jax.lax.cond(keys_exact, run, twin, operands)
-
-  return fp8_forward
-
-
-def _fp8_quantize(interpret: bool) -> Callable[..., Any]:
-  def fp8_quantize(*args: Any, **kwargs: Any) -> Any:
-    from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
-
-    return kernel.quantize_inputs_kernel(
-      *args, **kwargs, interpret=_interpret_params(interpret)
-    )
-
-  return fp8_quantize
-
-
-def _backward(
-  interpret: bool,
-) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
   def backward(
-    spec: AttentionSpec,
-    config: Sm90Config,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    out: jax.Array,
-    lse: jax.Array,
-    dout: jax.Array,
-    dlse: jax.Array,
-    segment_ids: Any = None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
+    segment_ids=None,
+  ):  # fmt: skip
+    del sinks  # in the lse
     tiling: Sm90BackwardConfig | None = config.backward
     residuals = (q, k, v, out, lse, dout, dlse)
 
@@ -221,12 +173,9 @@ def _backward(
     def run(operands):
       residuals, bounds, _ = operands
       return kernel.sm90_backward(
-        spec,
-        tiling,
-        *residuals,
-        interpret=_interpret_params(interpret),
+        spec, tiling, *residuals, interpret=self._params(),
         segment_ids=bounds,
-      )
+      )  # fmt: skip
 
     if segment_ids is None:
       return run((residuals, None, None))
@@ -237,51 +186,64 @@ def _backward(
     bounds, (keys_exact, queries_exact) = segments.kernel_bounds(
       spec, segment_ids
     )
-    exact = keys_exact & queries_exact
     operands = (residuals, bounds, segment_ids)
-    return jax.lax.cond(exact, run, twin, operands)
+    return jax.lax.cond(keys_exact & queries_exact, run, twin, operands)
 
-  return backward
+  def fp8_tiles(self, config: Sm90Config) -> tuple[int, int]:
+    return config.forward.block_q, config.forward.block_kv
+
+  def fp8_quantize(self, *args: Any, **kwargs: Any) -> Any:
+    from pallas_fa3.kernels.sm90 import quantize as kernel  # pylint: disable=g-import-not-at-top
+
+    return kernel.quantize_inputs_kernel(
+      *args, **kwargs, interpret=self._params()
+    )
+
+  def fp8_forward(self, spec, config, x, *, sinks=None, segment_ids=None):
+    from pallas_fa3.kernels.sm90 import forward_fp8 as kernel  # pylint: disable=g-import-not-at-top
+
+    def run(operands):
+      x, sinks, bounds, _ = operands
+      return kernel.sm90_forward_fp8(
+        spec, config.forward, *x, interpret=self._params(), sinks=sinks,
+        segment_ids=bounds,
+      )  # fmt: skip
+
+    if segment_ids is None:
+      return run((x, sinks, None, None))
+
+    def twin(operands):  # ids whose keys are not contiguous: the same
+      x, sinks, _, ids = operands  # function, the FP8 kernel's twin
+      cfg = config.forward
+      return blockwise.blockwise_forward_fp8(
+        spec, cfg.block_q, cfg.block_kv, *x, sinks=sinks, segment_ids=ids
+      )
+
+    bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
+    operands = (x, sinks, bounds[:2], segment_ids)
+    return jax.lax.cond(keys_exact, run, twin, operands)
+
+  # -- flash_attention_with_kvcache ----------------------------------------
+  def make_decode_config(
+    self, spec: DecodeSpec, config: Sm90DecodeConfig | None
+  ) -> Sm90DecodeConfig:
+    return config or config_decode.default_decode_config(spec)
+
+  def decode_unsupported(
+    self, spec: DecodeSpec, config: Sm90DecodeConfig
+  ) -> str | None:
+    return config_decode.decode_unsupported(spec, config)
+
+  def decode_splits(self, spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
+    return spec.num_splits or config_decode.default_splits(spec, config)
+
+  def decode(self, spec, config, splits, *operands):
+    from pallas_fa3.kernels.sm90 import decode as kernel  # pylint: disable=g-import-not-at-top
+
+    return kernel.sm90_decode(
+      spec, config, splits, *operands, interpret=self._params()
+    )
 
 
-def _fp8_tiles(config: Sm90Config) -> tuple[int, int]:
-  return config.forward.block_q, config.forward.block_kv
-
-
-def _kernel_backend(
-  name: str, summary: str, interpret: bool, **kwargs: Any
-) -> Backend:
-  return Backend(
-    name,
-    summary,
-    _forward(interpret),
-    _backward(interpret),
-    _unsupported,
-    config_types=(Sm90Config, Sm90ForwardConfig),
-    make_config=_make_config,
-    fp8_forward=_fp8_forward(interpret),
-    fp8_tiles=_fp8_tiles,
-    fp8_quantize=_fp8_quantize(interpret),
-    **kwargs,
-  )
-
-
-MOSAIC = _kernel_backend(
-  "mosaic",
-  "Pallas Mosaic GPU kernels on a Hopper (sm90) GPU",
-  interpret=False,
-  device_reason=hopper_reason,
-  device_hint=(
-    "It needs an sm90 (Hopper) GPU; jax.export(..., platforms=['cuda'])"
-    " lowers it on any machine, and implementation='interpret' runs the"
-    " same kernel on a CPU"
-  ),
-  automatic=True,
-)
-INTERPRET = _kernel_backend(
-  "interpret",
-  "the same kernels in Pallas GPU interpret mode (CPU, small shapes, tests)",
-  interpret=True,
-  partitionable=False,
-  device_reason=interpret_pool.shortfall,
-)
+MOSAIC = Sm90Backend(interpret=False)
+INTERPRET = Sm90Backend(interpret=True)

@@ -3,7 +3,7 @@
 `flash_attention` under `jax.jit` with q (and k, v) sharded along the
 sequence over one mesh axis runs ring attention by itself: the partitioner
 (`pallas_fa3.parallel.partitioning`) hands each device's shards to the
-per-device ring (`pallas_fa3.parallel.ring_local`), forward and backward,
+per-device ring (`pallas_fa3.parallel.ring.local`), forward and backward,
 instead of refusing the layout. Batch and head splits on other mesh axes
 compose with it as they do without a sequence split. Nothing gathers q, k
 or v: K/V move by collective-permute only, and the outputs come back
@@ -36,8 +36,12 @@ import jax
 
 from pallas_fa3 import backends
 from pallas_fa3.backends.base import StaticCall
-from pallas_fa3.parallel import ring_checks, ring_local, ring_plan
-from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3.parallel.ring import (
+  checks as ring_checks,
+  local as ring_local,
+  plan as ring_plan,
+)
+from pallas_fa3.parallel.ring.plan import RingPlan
 from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   check_shardings,

@@ -35,8 +35,9 @@ carrying the same message.
 
 `Explicit` mesh axes (the default of `jax.make_mesh` since JAX 0.7) put the
 layout in the traced types, so there the same plan runs through a
-`jax.shard_map` instead, decided at trace time. On one device (or inside a
-fully manual `shard_map` of the caller's) the custom_partitioning op lowers
+`jax.shard_map` instead, decided at trace time. On one device the backend
+is called directly (no custom_partitioning or custom_vmap wrapper); inside a
+fully manual `shard_map` of the caller's the custom_partitioning op lowers
 to the plain backend call. `custom_partitioning` has no batching rule, so
 each op is wrapped in `jax.custom_batching.custom_vmap`: a vmapped axis is
 folded into the batch axis. A backend call with side effects (the Pallas
@@ -49,15 +50,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
-from pallas_fa3.backends.base import StaticCall
+from pallas_fa3.backends.base import Op, StaticCall
 from pallas_fa3.parallel import context
+from pallas_fa3.parallel.ring import local as ring_local
 from pallas_fa3.parallel.sharding_checks import (
   CHECKED,
   axes_entry,
@@ -339,7 +341,41 @@ def _dispatch(
     return op.run(call, *args)
   if any(mesh_axes(e) for e in entries):
     return op.shard_map(call, sharding, *args)
+  if jax.device_count() == 1:  # nothing to partition: the call itself
+    return op.run(call, *args)
   return _with_vmap(partitioned, call, *args)
+
+
+def run(call: StaticCall, operands: Any) -> Any:
+  """`call` (`pallas_fa3.vjp.call`'s) on its operands: a forward or
+  backward shard-locally under SPMD sharding (or the ring of a
+  `ring_attention` call), an FP8 or decode call by the backend.
+  Returns (out, lse), or (dq, dk, dv) for op "backward"."""
+  if call.op == "forward":
+    q, k, v, sinks, ids = operands
+    if call.ring is not None:
+      return ring_local.ring_forward_global(
+        call.ring, q, k, v, sinks, () if ids is None else tuple(ids)
+      )
+    return forward(call, q, k, v, sinks, ids)
+  if call.op == "backward":
+    (q, k, v, sinks, ids), out, lse, dout, dlse = operands
+    if call.ring is not None:
+      return ring_local.ring_backward_global(
+        call.ring, q, k, v, out, lse, dout, dlse,
+        () if ids is None else tuple(ids),
+      )  # fmt: skip
+    return backward(call, q, k, v, out, lse, dout, dlse, sinks, ids)
+  if call.op == "fp8":
+    x, sinks, ids = operands
+    return call.backend.fp8_forward(
+      call.spec, call.config, x, sinks=sinks, segment_ids=ids
+    )
+  if call.op == "decode":
+    return call.backend.decode(call.spec, call.config, call.splits, *operands)
+  raise ValueError(
+    f"StaticCall.op must be one of {get_args(Op)}; got {call.op!r}"
+  )
 
 
 def _global_scales(spec: AttentionSpec) -> bool:

@@ -49,7 +49,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.parallel import ring_checks, sharding_checks
+from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel.ring import checks as ring_checks
 from pallas_fa3.spec import AttentionSpec
 
 # Head chunks a device's attention is cut into, so that all-to-alls overlap
@@ -148,24 +149,11 @@ def _chunk(x: jax.Array, n: int, chunks: int, t: int) -> jax.Array:
   return x.reshape(b, s, n, chunks, per, d)[:, :, :, t].reshape(b, s, -1, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def repeat_heads(x: jax.Array, r: int) -> jax.Array:
-  """`x` `[b, s, h, d]` with every head repeated `r` times (axis 2); its
-  gradient sums the `r` copies' cotangents in float32, rounded once."""
-  return jnp.repeat(x, r, axis=2)
-
-
-def _repeat_heads_fwd(x: jax.Array, r: int) -> tuple[jax.Array, None]:
-  return repeat_heads(x, r), None
-
-
-def _repeat_heads_bwd(r: int, _: None, g: jax.Array) -> tuple[jax.Array]:
-  b, s, h, d = g.shape
-  parts = g.astype(jnp.float32).reshape(b, s, h // r, r, d)
-  return (parts.sum(axis=3).astype(g.dtype),)
-
-
-repeat_heads.defvjp(_repeat_heads_fwd, _repeat_heads_bwd)
+  """`x` `[b, s, h, d]` with every head repeated `r` times (axis 2). The
+  repeat runs in float32 (exact: a copy), so that its transpose sums the
+  `r` copies' cotangents in float32, rounded once to x's dtype."""
+  return jnp.repeat(x.astype(jnp.float32), r, axis=2).astype(x.dtype)
 
 
 def _unchunk(parts: list[jax.Array], n: int, axis: int) -> jax.Array:

@@ -14,7 +14,7 @@ from jax import lax
 
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.quant.hadamard import rotation_signs
-from pallas_fa3.spec import LOG2E
+from pallas_fa3.spec import LOG2E, cdiv
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0  # largest finite e4m3fn value
@@ -98,7 +98,7 @@ def quantize_tiles(
   adds a third result, the rounding's residual in e4m3 (`split_residual`).
   """
   b, s, h, d = x.shape
-  n = -(-s // rows)
+  n = cdiv(s, rows)
   xf = x.astype(jnp.float32)
   xt = jnp.pad(xf, [(0, 0), (0, n * rows - s), (0, 0), (0, 0)]).reshape(
     b, n, rows, h, d
@@ -220,7 +220,7 @@ def online_softmax_fp8(
 
   Returns (p, alpha, m_new, l_new); p is in [0, 2^8]. `scale_log2` is a
   scalar or broadcasts against the row statistics (`s.shape[:-1]`). Shared
-  by the kernel and, through `pallas_fa3.backends.blockwise_fp8`, its twin.
+  by the kernel and, through `pallas_fa3.backends.blockwise.fp8`, its twin.
   """
   # `s` holds raw scores, `m` the running max of scaled ones. The scores
   # are scaled once (a multiply behind an optimization barrier, not an FFMA

@@ -26,7 +26,7 @@ from conftest import forward_and_grads
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
-from pallas_fa3.parallel import ring_layout
+from pallas_fa3.parallel.ring import layout as ring_layout
 from pallas_fa3.testing import (
   Shape,
   assert_within_tolerance,

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_fa3
 from pallas_fa3 import modifiers
-from pallas_fa3.parallel import ring_plan
+from pallas_fa3.parallel.ring import plan as ring_plan
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (
   Shape,

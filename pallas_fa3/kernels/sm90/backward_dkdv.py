@@ -49,6 +49,7 @@ from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
 from pallas_fa3.spec import AttentionSpec
 
 
+@dataclasses.dataclass(frozen=True)
 class DkdvPlan:
   """Static facts of one dK/dV kernel instance (padded lengths included)."""
 

@@ -23,7 +23,7 @@ from pallas_fa3 import masking, segments
 from pallas_fa3.kernels.sm90 import compat, hardware
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
 # setmaxnreg per warpgroup role, within the CTA's register pool
 # (`hardware.split_problems`). Two consumers: FA3's split, 2 * 240 + 24 = 504
@@ -309,7 +309,7 @@ def softcap_grad(ds: jax.Array, t: jax.Array | None) -> jax.Array:
 
 def round_up(n: int, multiple: int) -> int:
   """`n` rounded up to a multiple of `multiple`."""
-  return -(-n // multiple) * multiple
+  return cdiv(n, multiple) * multiple
 
 
 def pad_axis(
@@ -416,6 +416,7 @@ def build_kernel(
   return compat.fail_on_race(kernel, interpret)
 
 
+@dataclasses.dataclass(frozen=True)
 class SegmentRefs:
   """A kernel's segment refs: the bounds (global `[b, s_pad]` each, per
   query row in the forward and dQ kernels, per key in dK/dV), their shared

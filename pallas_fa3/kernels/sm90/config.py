@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pallas_fa3.spec import AttentionSpec, check_bool, check_int_fields
+from pallas_fa3.spec import AttentionSpec, cdiv, check_bool, check_int_fields
 
 # Hardware facts (sm90), each named once.
 MAX_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
@@ -45,7 +45,7 @@ STAGE_CHOICES = (2, 3, 4)
 
 def align_smem(nbytes: int) -> int:
   """One shared-memory allocation's size as Mosaic places it."""
-  return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+  return cdiv(nbytes, SMEM_ALIGN) * SMEM_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)

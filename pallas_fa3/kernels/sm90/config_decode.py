@@ -24,8 +24,8 @@ from pallas_fa3.kernels.sm90.config import (
   RESERVED_SMEM,
   align_smem,
 )
-from pallas_fa3.kvcache_spec import DecodeSpec
-from pallas_fa3.spec import check_int_fields
+from pallas_fa3.kvcache import DecodeSpec
+from pallas_fa3.spec import cdiv, check_int_fields
 
 # Query rows of one CTA: one wgmma M (the rows of a GQA group times seq_q,
 # padded).
@@ -220,8 +220,8 @@ def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
   batch x heads_kv does not, each range at least 4 tiles long."""
   ctas = spec.batch * spec.heads_kv
-  tiles = -(-spec.capacity // config.block_kv)
+  tiles = cdiv(spec.capacity, config.block_kv)
   if ctas >= HOPPER_SMS:
     return 1
-  wanted = -(-2 * HOPPER_SMS // ctas)
+  wanted = cdiv(2 * HOPPER_SMS, ctas)
   return max(1, min(wanted, tiles // 4, MAX_SPLITS))

@@ -16,6 +16,7 @@ from pallas_fa3.kernels.sm90.config import (
   Sm90ForwardConfig,
   align_smem,
 )
+from pallas_fa3.quant.config import DEFAULT_TILES
 from pallas_fa3.spec import AttentionSpec
 
 FP8_HEAD_DIMS = (64, 128, 256)  # the randomized Hadamard needs a power of two
@@ -115,9 +116,8 @@ def fp8_forward_config_space(
 
 
 _FP8_DEFAULTS = {
-  64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-  128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-  256: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+  d: Sm90ForwardConfig(block_q=bq, block_kv=bkv, num_stages=2)
+  for d, (bq, bkv) in DEFAULT_TILES.items()
 }
 
 

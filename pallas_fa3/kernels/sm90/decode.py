@@ -21,7 +21,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.decode_combine import combine_splits
 from pallas_fa3.kernels.sm90 import compat, config_decode, hardware
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
@@ -39,8 +38,8 @@ from pallas_fa3.kernels.sm90.config_decode import (
   out_cols,
 )
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kvcache_spec import DecodeSpec, key_range
-from pallas_fa3.lse import natural_from_log2
+from pallas_fa3.kvcache import DecodeSpec, key_range
+from pallas_fa3.lse import combine_splits, natural_from_log2
 from pallas_fa3.spec import LOG2E
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -532,7 +531,7 @@ def sm90_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the decode kernel and merges its splits.
 
-  Args: as `backends.DecodeBackend.run` (lengths: each sequence's
+  Args: as `backends.base.Backend.decode` (lengths: each sequence's
     keys, appended tokens included; rows: the contiguous cache rows;
     sinks: float32 `[b, hq]` or None; descale: an e4m3 cache's
     `(k_descale, v_descale)`, float32 `[b, hk]`); `interpret`: None compiles for

@@ -62,7 +62,7 @@ from pallas_fa3.kernels.sm90.pipeline import (
   turn_barriers,
 )
 from pallas_fa3.lse import natural_from_log2
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
 
 def _online_softmax(
@@ -409,8 +409,8 @@ def sm90_forward(
   plan = QueryPlan(
     spec,
     config,
-    seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
-    seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv,
+    seq_q_pad=cdiv(spec.seq_q, tile_q) * tile_q,
+    seq_kv_pad=cdiv(spec.seq_kv, config.block_kv) * config.block_kv,
   )
   ops = COMPILED if interpret is None else INTERPRETED
   # Ragged edges by TMA (zero-filled reads, dropped writes): no padded copy

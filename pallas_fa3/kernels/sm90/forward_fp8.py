@@ -5,7 +5,7 @@ scale per tile). The Q and K scales fold into the softmax scale, O stays in
 units of the current V tile's scale, and P, offset by 2^8 into the e4m3
 range, is staged through shared memory for the P V wgmma; its leaf ops
 (`Fp8Ops`), the query tile and the kernel's build are here.
-`backends/blockwise_fp8.py` is the step-for-step twin.
+`backends/blockwise/fp8.py` is the step-for-step twin.
 docs/design_notes.md#fp8-forward-kernel
 """
 
@@ -58,7 +58,7 @@ from pallas_fa3.quant.e4m3 import (
   online_softmax_fp8,
   v_scale_ratios,
 )
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
 _F32 = jnp.float32
 
@@ -464,8 +464,8 @@ def sm90_forward_fp8(
   plan = QueryPlan(
     spec,
     config,
-    seq_q_pad=-(-spec.seq_q // tile_q) * tile_q,
-    seq_kv_pad=-(-spec.seq_kv // config.block_kv) * config.block_kv,
+    seq_q_pad=cdiv(spec.seq_q, tile_q) * tile_q,
+    seq_kv_pad=cdiv(spec.seq_kv, config.block_kv) * config.block_kv,
   )
   ops = COMPILED_FP8 if interpret is None else INTERPRETED_FP8
   n_q_tiles = plan.seq_q_pad // config.block_q

@@ -12,6 +12,8 @@ consumers wait forever. ptxas does not check this; `split_problems` does
 
 from __future__ import annotations
 
+from pallas_fa3.spec import cdiv
+
 REGISTER_FILE = 65_536  # 32-bit registers per SM
 WARPGROUP_THREADS = 128
 MAX_THREAD_REGISTERS = 255  # the ISA's per-thread limit (ptxas reports it)
@@ -23,7 +25,7 @@ def _allocated(registers: int) -> int:
   """Registers a thread really holds for a per-thread count (rounded up to
   the allocation unit)."""
   g = REGISTER_GRANULE
-  return -(-registers // g) * g
+  return cdiv(registers, g) * g
 
 
 def launch_registers(warpgroups: int) -> int:

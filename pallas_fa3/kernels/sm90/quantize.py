@@ -48,6 +48,7 @@ from pallas_fa3.quant.e4m3 import (
   split_residual,
 )
 from pallas_fa3.quant.hadamard import rotation_signs
+from pallas_fa3.spec import cdiv
 
 _F32 = jnp.float32
 _CHUNK = 64  # output rows per warpgroup (one wgmma M)
@@ -181,7 +182,7 @@ def _build(
   terms: int, interpret: Any,
 ) -> Any:  # fmt: skip
   b, s, h, d = shape
-  n = -(-s // rows)
+  n = cdiv(s, rows)
   ops = COMPILED if interpret is None else INTERPRETED
   out_rows, out_cols = (d, rows) if transpose else (rows, d)
   warpgroups = _warpgroups(out_rows)

@@ -13,7 +13,7 @@ from pallas_fa3.tools.aot import compiler as aot
 if TYPE_CHECKING:  # jax is imported only when a compile runs
   from jax.sharding import Mesh
 
-  from pallas_fa3.kvcache_spec import DecodeSpec
+  from pallas_fa3.kvcache import DecodeSpec
 
 # Cache tokens per sequence of the sweep (a long decode: many tiles per
 # split), and its batch x kv heads.
@@ -46,7 +46,7 @@ def decode_spec(
   tokens; `cache_dtype=` an e4m3 cache, default bf16)."""
   import jax.numpy as jnp
 
-  from pallas_fa3.kvcache_spec import DecodeSpec
+  from pallas_fa3.kvcache import DecodeSpec
 
   cache_dtype = jnp.dtype(options.pop("cache_dtype", jnp.bfloat16))
   paged = page_size is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pallas_fa3.spec import cdiv
 from pallas_fa3.tools.aot import compiler as aot
 
 if TYPE_CHECKING:  # jax is imported only when a compile runs
@@ -34,8 +35,8 @@ def compile_forward_fp8(
   sharding = NamedSharding(mesh, PartitionSpec())
   f8, f32 = sm90_fwd_fp8.FP8_DTYPE, jnp.float32
   b, hq, hk, d = spec.batch, spec.heads_q, spec.heads_kv, spec.head_dim
-  n_q = -(-spec.seq_q // config.block_q)
-  n_kv = -(-spec.seq_kv // config.block_kv)
+  n_q = cdiv(spec.seq_q, config.block_q)
+  n_kv = cdiv(spec.seq_kv, config.block_kv)
   shapes = [
     jax.ShapeDtypeStruct(s, t, sharding=sharding)
     for s, t in (

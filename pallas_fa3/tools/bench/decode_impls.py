@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import flash_attention_with_kvcache
-from pallas_fa3.backends.decode import resolve_decode
-from pallas_fa3.kvcache_spec import make_decode_spec
+from pallas_fa3.backends import resolve
+from pallas_fa3.kvcache import make_decode_spec
 
 OURS: tuple[str, ...] = ("mosaic", "blockwise", "reference")
 BASELINES: tuple[str, ...] = ("xla", "cudnn", "triton-gqa", "triton-paged")
@@ -121,7 +121,7 @@ def _ours_unsupported(name):
   def check(spec, platform):
     del platform  # the backend knows its device
     try:
-      backend, _, _ = resolve_decode(decode_spec(spec), name, None)
+      backend, _ = resolve(decode_spec(spec), name, None)
     except NotImplementedError as e:
       return str(e)
     return backend.device_reason()
@@ -153,7 +153,8 @@ def _ours_splits(name):
   def splits(spec):
     if name == "reference":
       return None  # one materialized pass
-    return resolve_decode(decode_spec(spec), name, None)[2]
+    backend, config = resolve(decode_spec(spec), name, None)
+    return backend.decode_splits(decode_spec(spec), config)
 
   return splits
 

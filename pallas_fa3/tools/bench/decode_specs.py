@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.kvcache_fp8 import quantize_kv_cache
+from pallas_fa3.kvcache import quantize_kv_cache
+from pallas_fa3.spec import cdiv
 from pallas_fa3.tools.bench import flops, specs
 
 MODE = "decode"
@@ -126,7 +127,7 @@ class DecodeBenchSpec:
   @property
   def pages_per_seq(self) -> int:
     """Pages of each sequence's table (0: contiguous)."""
-    return -(-self.cache_len // self.page_size) if self.paged else 0
+    return cdiv(self.cache_len, self.page_size) if self.paged else 0
 
   @property
   def lengths(self) -> tuple[int, ...]:

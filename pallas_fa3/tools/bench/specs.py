@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 
+from pallas_fa3.spec import cdiv
 from pallas_fa3.tools.bench.options import (
   Window,
   check_modifiers,
@@ -256,7 +257,7 @@ def check_head_dims(
   for d in head_dims:
     if hidden % d:
       lcm = math.lcm(*head_dims)
-      fit = -(-hidden // lcm) * lcm  # the smallest multiple >= hidden
+      fit = cdiv(hidden, lcm) * lcm  # the smallest multiple >= hidden
       dims = " and ".join(map(str, sorted(set(head_dims))))
       raise ValueError(
         f"--head-dim {d} does not divide --hidden {hidden}: pick --hidden"

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pallas_fa3.spec import cdiv
 from pallas_fa3.tools.numerics import deviation_checks, metrics, report
 
 _SEQ_KINDS = (
@@ -143,7 +144,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
     if not groups or not any(k in p for p in points.values() for k in kinds):
       continue
     ncol = min(2, len(groups))
-    nrow = -(-len(groups) // ncol)
+    nrow = cdiv(len(groups), ncol)
     fig, axes = plt.subplots(
       nrow, ncol, squeeze=False, figsize=(5.5 * ncol, 4 * nrow)
     )

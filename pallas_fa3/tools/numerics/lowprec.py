@@ -44,11 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import stable_max as stable_max_lib
+from pallas_fa3.spec import HIGHEST
 
 Mode = Literal["all", "kernel"]
 MODES: tuple[str, ...] = ("all", "kernel")
 ALGORITHMS: tuple[str, ...] = ("fa2", "fa1")
-_HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
 
@@ -62,7 +62,7 @@ def _heads_first(x: jax.Array) -> jax.Array:
 
 def _mm(eq: str, a, b) -> jax.Array:
   """A float32-accumulating matmul (result float32, not yet rounded)."""
-  return jnp.einsum(eq, a, b, preferred_element_type=_F32, precision=_HIGHEST)
+  return jnp.einsum(eq, a, b, preferred_element_type=_F32, precision=HIGHEST)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "softmax_scale"))

@@ -1,28 +1,10 @@
-"""Portable pure-JAX FlashAttention: the CPU default and the kernels' numerics twin.
-
-Forward (FlashAttention-2/3 algorithm): each query tile of `block_q` rows
-walks the key/value tiles of `block_kv` columns in order, keeping a running
-max `m` and running sum `l` in float32. Scores are scaled by
-`softmax_scale * log2(e)` so that the exponentials are `exp2`, as in the
-Hopper kernels; P is rounded to the input dtype before the P V product (as a
-tensor-core kernel must), accumulated in float32; the tile is normalized by
-`1 / l` once at the end. Causal tiles past the diagonal are skipped, so the
-work is about half; the full `[seq_q, seq_kv]` score matrix never exists
-(memory is linear in sequence length).
-
-Windows skip every tile outside a query tile's window and mask only the
-boundary tiles; softcap is fused into the score (`c * tanh(s / c)`, with
-`1 - tanh^2` in the backward); sinks seed the running max and sum.
-
-Backward (`blockwise_backward.py`; FlashAttention-2 recomputation from the
-residuals out and lse):
-`delta = rowsum(dO * O)`, P recomputed as `exp2(S * scale * log2(e) - lse *
-log2(e))`, `dS = P * (dP - delta)`. The outer loop runs over kv tiles (as the
-kernel's grid does), the inner loop over the query tiles that see them,
-accumulating dK and dV for the tile and adding each dQ contribution into a
-float32 dQ accumulator in a fixed order (so gradients are deterministic).
-Grouped-query attention reads each K/V tile once for all query heads of its
-group and sums dK/dV over the group; K and V are never repeated.
+"""The blockwise forward: each query tile of `block_q` rows walks the
+key/value tiles of `block_kv` columns in order (FlashAttention-2/3), with a
+float32 running max and sum in base 2 as the Hopper kernels keep them, P
+rounded to the input dtype before the P V product, and the full score
+matrix never materialized. Causal and window tiles outside a query tile's
+reach are skipped, only boundary tiles masked; softcap is fused into the
+score and the sinks seed the running statistics. docs/design_notes.md
 
 Example:
   >>> import jax
@@ -38,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -46,17 +27,11 @@ import jax.numpy as jnp
 
 from pallas_fa3 import (
   masking,
-  modifiers,
   segments,
   stable_max as stable_max_lib,
 )
-from pallas_fa3.backends import blockwise_fp8
-from pallas_fa3.backends.base import Backend
-from pallas_fa3.backends.blockwise_backward import (
-  blockwise_backward as blockwise_backward,
-)
-from pallas_fa3.backends.blockwise_tiles import (
-  HIGHEST,
+from pallas_fa3.backends.blockwise.tiles import (
+  BlockwiseConfig,
   Tiling,
   clip_range,
   id_tiles,
@@ -66,31 +41,8 @@ from pallas_fa3.backends.blockwise_tiles import (
   varying_like,
   walk_tiles,
 )
-from pallas_fa3.kernels.sm90 import config_fp8 as sm90_fp8_config
 from pallas_fa3.lse import natural_from_log2
-from pallas_fa3.spec import LOG2E, AttentionSpec, check_int_fields, group_heads
-
-_MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockwiseConfig:
-  """Tile sizes of the blockwise backend (hashable: a static argument).
-
-  Attributes:
-    block_q: query rows per tile (the kernels' Br).
-    block_kv: key/value columns per tile (the kernels' Bc).
-
-  A tile larger than its sequence is clamped to the sequence length, which
-  computes the same values as padding it.
-  """
-
-  block_q: int = 128
-  block_kv: int = 128
-
-  def __post_init__(self) -> None:
-    block = dict(minimum=1, maximum=_MAX_BLOCK)
-    check_int_fields(self, block_q=block, block_kv=block)
+from pallas_fa3.spec import HIGHEST, LOG2E, AttentionSpec, group_heads
 
 
 def blockwise_forward(
@@ -203,55 +155,3 @@ def blockwise_forward(
     spec.batch, spec.heads_q, t.num_q * t.block_q
   )
   return out[:, : spec.seq_q], lse[..., : spec.seq_q]
-
-
-# Quantization tiles of FP8 calls without a config: the FP8 kernel's default
-# for the head dim (so the twin quantizes and rounds P as the kernel would),
-# else these.
-_FP8_FALLBACK_TILES = (64, 128)
-
-
-def _make_config(
-  spec: AttentionSpec, config: BlockwiseConfig | None
-) -> BlockwiseConfig:
-  if config is not None:
-    return config
-  if spec.fp8 is None:
-    return BlockwiseConfig()
-  if spec.head_dim in sm90_fp8_config.FP8_HEAD_DIMS:
-    kernel = sm90_fp8_config.default_fp8_forward_config(spec.head_dim)
-    return BlockwiseConfig(kernel.block_q, kernel.block_kv)
-  return BlockwiseConfig(*_FP8_FALLBACK_TILES)
-
-
-def _unsupported(spec: AttentionSpec, config: BlockwiseConfig) -> str | None:
-  del config
-  if spec.fp8 is not None and spec.stable_max is not None:
-    return "stable_max is not implemented for fp8 attention"
-  if spec.stable_max is not None and modifiers.active(spec):
-    names = ", ".join(modifiers.active(spec))
-    return f"stable_max is not implemented together with {names}"
-  return None
-
-
-def _fp8_forward(
-  spec: AttentionSpec, config: BlockwiseConfig, x: Any, **extras: Any
-) -> tuple[jax.Array, jax.Array]:
-  return blockwise_fp8.blockwise_forward_fp8(
-    spec, config.block_q, config.block_kv, *x, **extras
-  )
-
-
-BACKEND = Backend(
-  "blockwise",
-  "pure-JAX FlashAttention (tiled online softmax), any device;"
-  " the kernels' numerics twin",
-  blockwise_forward,
-  blockwise_backward,
-  _unsupported,
-  config_types=(BlockwiseConfig,),
-  make_config=_make_config,
-  fp8_forward=_fp8_forward,
-  fp8_tiles=lambda config: (config.block_q, config.block_kv),
-  automatic=True,
-)

@@ -1,11 +1,11 @@
 """The blockwise twin of the Hopper decode kernel: attention over a KV cache
 in pure JAX, tile by tile over each sequence's own keys.
 
-Each sequence's visible key range (`kvcache_spec.key_range`: its length,
+Each sequence's visible key range (`kvcache.key_range`: its length,
 a window's left bound) is cut into `block_kv`-key tiles (whole pages for a
 paged cache), and the tiles into `num_splits` ranges (flash-decoding);
 every range runs an online softmax (base 2, as the kernel) over its tiles
-and the ranges merge by log-sum-exp (`decode_combine`). The query rows of
+and the ranges merge by log-sum-exp (`lse.combine_splits`). The query rows of
 one KV head (its `heads_q / heads_kv` query heads times `seq_q`) are
 computed together, reading each K/V tile once. Keys past a sequence's
 length are masked in the scores and zeroed in V, so garbage in the cache
@@ -22,12 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa3.decode_combine import combine_splits
-from pallas_fa3.kvcache_spec import DecodeSpec, key_range, visible_in_cache
-from pallas_fa3.lse import natural_from_log2
-from pallas_fa3.spec import LOG2E
-
-_HIGHEST = lax.Precision.HIGHEST
+from pallas_fa3.kvcache import DecodeSpec, key_range, visible_in_cache
+from pallas_fa3.lse import combine_splits, natural_from_log2
+from pallas_fa3.spec import HIGHEST, LOG2E, cdiv
 
 
 def decode_compute_dtype(spec: DecodeSpec) -> jnp.dtype:
@@ -56,8 +53,8 @@ def split_ranges(
   last ones may be short or empty)."""
   first, end = key_range(spec, lengths)
   t0 = jnp.broadcast_to(jnp.asarray(first, jnp.int32), lengths.shape) // tile
-  t1 = jnp.maximum(-(-jnp.asarray(end, jnp.int32) // tile), t0)
-  per = -(-(t1 - t0) // splits)
+  t1 = jnp.maximum(cdiv(jnp.asarray(end, jnp.int32), tile), t0)
+  per = cdiv((t1 - t0), splits)
   return t0, t1, per
 
 
@@ -137,7 +134,7 @@ def blockwise_decode(
         qb,
         k.astype(compute),
         preferred_element_type=f32,
-        precision=_HIGHEST,
+        precision=HIGHEST,
       )
       if spec.softcap is None:
         x = s_ * (f32(spec.softmax_scale * LOG2E) * kd)
@@ -157,7 +154,7 @@ def blockwise_decode(
         p.astype(compute),
         v,
         preferred_element_type=f32,
-        precision=_HIGHEST,
+        precision=HIGHEST,
       )
       return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 

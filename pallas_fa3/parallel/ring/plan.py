@@ -1,15 +1,15 @@
 """The static half of a ring call: `RingPlan`, and how it is chosen.
 
 Two per-device algorithms share the plan. Without a window, the classic ring
-(`pallas_fa3.parallel.ring_steps`) sends K/V all the way round: causal calls
+(`pallas_fa3.parallel.ring.steps`) sends K/V all the way round: causal calls
 in the zig-zag order (balanced: two unmasked blocks per device per step),
 others in the caller's order. With a window, the windowed ring
-(`pallas_fa3.parallel.ring_window`) skips the blocks the window hides and
-stops K/V where the window ends (`pallas_fa3.parallel.ring_blocks`).
+(`pallas_fa3.parallel.ring.window`) skips the blocks the window hides and
+stops K/V where the window ends (`pallas_fa3.parallel.ring.blocks`).
 
 The order the ring computes in (`RingPlan.order`) may differ from the
 caller's (`RingPlan.layout`); the shards are then permuted in and out
-(`pallas_fa3.parallel.ring_layout`). With a left-bounded window every device
+(`pallas_fa3.parallel.ring.layout`). With a left-bounded window every device
 does the same work in natural order (each query sees the same number of
 keys, the first shards aside), and K/V only visit the next device(s), so
 natural order is chosen; zig-zag there would send K/V both ways, twice as
@@ -27,8 +27,9 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from pallas_fa3.backends.base import StaticCall
-from pallas_fa3.parallel import ring_blocks, sharding_checks
-from pallas_fa3.parallel.ring_blocks import BlockPlan
+from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel.ring import blocks as ring_blocks
+from pallas_fa3.parallel.ring.blocks import BlockPlan
 from pallas_fa3.spec import AttentionSpec
 
 
@@ -64,6 +65,16 @@ class RingPlan:
   @property
   def ring_size(self) -> int:
     return int(dict(self.mesh.shape)[self.seq_axis])
+
+  @property
+  def call(self) -> StaticCall:
+    """The call of the whole ring (`pallas_fa3.vjp.call`'s static half):
+    the backend of its steps, the plan in `ring`."""
+    first = self.steps[0] if self.steps else None
+    if first is None:
+      crop = self.blocks.full or self.blocks.partial[0][1]
+      first = crop.call
+    return StaticCall(self.spec, first.backend, first.config, ring=self)
 
   @property
   def reorder(self) -> bool:

@@ -4,7 +4,7 @@ Every check raises naming the argument: the mesh and `seq_axis`, the
 `batch_axes` / `head_axes`, sequence lengths that the ring (or the
 zig-zag chunks) cannot divide, the layout, and a known batch/head split
 that the plan would gather. (A backend that cannot serve a ring step is
-refused when the plan resolves its calls, `pallas_fa3.parallel.ring_plan`.)
+refused when the plan resolves its calls, `pallas_fa3.parallel.ring.plan`.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from pallas_fa3 import backends, modifiers, segments
 from pallas_fa3.parallel import sharding_checks
-from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3.parallel.ring.plan import RingPlan
 from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
 
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")

@@ -1,11 +1,11 @@
 """The blockwise twin's backward: FlashAttention-2 recomputation from the
-residuals out and lse (see `blockwise.py` for the algorithm).
-
-Each kv tile walks only the query tiles that see it (causal diagonal,
-window bounds, segment ids that can meet), masking only the boundary ones
-(every one with segment ids). Softcap multiplies dS by its
-derivative `1 - tanh^2` (tanh recomputed with the scores); sinks are in the
-lse, so nothing here sees them.
+residuals out and lse. `delta = rowsum(dO * O)`, P recomputed from the
+base-2 lse, `dS = P * (dP - delta)` (times `1 - tanh^2` with softcap); the
+outer loop runs over kv tiles (as the kernels' grid does), the inner loop
+over the query tiles that see them (masking only boundary tiles), and dQ is
+added into a float32 accumulator in a fixed order (deterministic). GQA
+reads each K/V tile once for its group; the sinks are in the lse.
+docs/design_notes.md#backward-kernels
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import masking, segments
-from pallas_fa3.backends.blockwise_tiles import (
-  HIGHEST,
+from pallas_fa3.backends.blockwise.tiles import (
   Tiling,
   clip_range,
   id_tiles,
@@ -28,7 +27,7 @@ from pallas_fa3.backends.blockwise_tiles import (
   walk_tiles,
 )
 from pallas_fa3.lse import log2_of
-from pallas_fa3.spec import AttentionSpec, group_heads
+from pallas_fa3.spec import HIGHEST, AttentionSpec, cdiv, group_heads
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -167,7 +166,7 @@ def _unmasked_q_blocks(
   kv0, kv_last = jk * t.block_kv, (jk + 1) * t.block_kv - 1
   off = spec.causal_offset
   if spec.window_right is not None:  # row i sees kv_last: i + off + r >= it
-    lo = -(-jnp.maximum(kv_last - off - spec.window_right, 0) // t.block_q)
+    lo = cdiv(jnp.maximum(kv_last - off - spec.window_right, 0), t.block_q)
   if spec.window_left is not None:  # the tile's last row sees kv0
     hi = (kv0 - off + spec.window_left + 1) // t.block_q
   full = kv_last < spec.seq_kv

@@ -4,16 +4,16 @@ q, k and v are sharded along the sequence over one mesh axis, the ring of
 `n` devices. K/V shards travel around the ring (`jax.lax.ppermute` inside
 `jax.shard_map`) while each device attends its query shard to the visiting
 block with the backend `flash_attention` would use, and merges the partial
-results by log-sum-exp; the backward pass runs the ring in reverse through
-a custom_vjp. Nothing gathers the full sequence, so memory per device falls
+results by log-sum-exp; the backward pass runs the ring in reverse
+(`ring.local`), both through `pallas_fa3.vjp` like every call. Nothing gathers the full sequence, so memory per device falls
 as 1/n. The per-device algorithm and the causal zig-zag load balancing are
-described in `pallas_fa3.parallel.ring_steps`; the argument checks are in
-`pallas_fa3.parallel.ring_checks`.
+described in `pallas_fa3.parallel.ring.steps`; the argument checks are in
+`pallas_fa3.parallel.ring.checks`.
 
 Packed sequences: with `segment_ids`, the query ids stay with the query
 shard and the kv ids travel around the ring with their K/V shard; each
 step's backend call gets the matching ids, and a step whose ids cannot
-meet does no attention work (`pallas_fa3.parallel.ring_skip`).
+meet does no attention work (`pallas_fa3.parallel.ring.skip`).
 
 `layout` says which order the caller's sequence is in:
 
@@ -40,134 +40,19 @@ Example (8 devices; on a CPU set
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
-from pallas_fa3 import modifiers, segments
-from pallas_fa3.parallel import (
-  ring_checks,
-  ring_local,
-  ring_plan,
-  sharding_checks,
-)
-from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3 import modifiers, segments, vjp
+from pallas_fa3.backends.base import Prefill
+from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel.ring import checks as ring_checks, plan as ring_plan
+from pallas_fa3.parallel.ring.plan import RingPlan
 
 Layout = Literal["natural", "zigzag"]
-
-
-# ---------------------------------------------------------------------------
-# custom_vjp over shard_map.
-
-
-def _shard_map(
-  plan: RingPlan, body: Callable[..., Any], in_specs: tuple, out_specs: Any
-) -> Callable[..., Any]:
-  # Every mesh axis is manual: the body sees one device's batch/head/sequence
-  # shard, and each step's backend call runs on it as is.
-  return jax.shard_map(
-    body,
-    mesh=plan.mesh,
-    in_specs=in_specs,
-    out_specs=out_specs,
-    check_vma=False,
-  )
-
-
-def _fit(plan: RingPlan, xs: tuple, specs: tuple) -> list[jax.Array]:
-  return [
-    sharding_checks.fit_explicit(x, NamedSharding(plan.mesh, spec))
-    for x, spec in zip(xs, specs)
-  ]
-
-
-def _forward_global(
-  plan: RingPlan,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None,
-  ids: tuple,
-) -> tuple[jax.Array, jax.Array]:
-  has_sinks = sinks is not None
-
-  def body(q, k, v, *rest):
-    sinks = rest[0] if has_sinks else None
-    return ring_local.local_forward(plan, q, k, v, sinks, rest[has_sinks:])
-
-  seq, lse = plan.seq_spec(), plan.lse_spec()
-  sinks_args = (sinks,) if has_sinks else ()
-  specs = (seq,) * 3 + (plan.sinks_spec(),) * has_sinks
-  specs += (plan.ids_spec(),) * len(ids)
-  args = _fit(plan, (q, k, v, *sinks_args, *ids), specs)
-  return _shard_map(plan, body, specs, (seq, lse))(*args)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(
-  plan: RingPlan,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None,
-  ids: tuple,
-) -> tuple[jax.Array, jax.Array]:
-  """(out, lse); `sinks`: None or float32 `[b, heads_q]`; `ids`: () or the
-  int32 (q_ids, kv_ids)."""
-  return _forward_global(plan, q, k, v, sinks, ids)
-
-
-def _ring_fwd(
-  plan: RingPlan,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  sinks: jax.Array | None,
-  ids: tuple,
-) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-  out, lse = _forward_global(plan, q, k, v, sinks, ids)
-  # Residuals in the caller's layout (the primal inputs and outputs, no
-  # copies); a reordered backward permutes them again.
-  return (out, lse), (q, k, v, out, lse, sinks, ids)
-
-
-def _ring_bwd(plan: RingPlan, residuals: tuple, cotangents: tuple) -> tuple:
-  *residuals, sinks, ids = residuals
-  dout, dlse = cotangents
-  has_sinks = sinks is not None
-
-  def body(q, k, v, out, lse, dout, dlse, *rest):
-    grads = ring_local.local_backward(
-      plan, q, k, v, out, lse, dout, dlse, rest[has_sinks:]
-    )
-    if not has_sinks:
-      return grads
-    # d/dsinks: this shard's rows, summed over the ring.
-    part = modifiers.sinks_gradient(rest[0], out, lse, dout, dlse)
-    return grads + (jax.lax.psum(part, plan.seq_axis),)
-
-  seq, lse = plan.seq_spec(), plan.lse_spec()
-  specs = (seq,) * 3 + (seq, lse, seq, lse)
-  specs += (plan.sinks_spec(),) * has_sinks + (plan.ids_spec(),) * len(ids)
-  sinks_args = (sinks,) if has_sinks else ()
-  args = _fit(plan, (*residuals, dout, dlse, *sinks_args, *ids), specs)
-  out_specs = (seq,) * 3 + (plan.sinks_spec(),) * has_sinks
-  dq, dk, dv, *dsinks = _shard_map(plan, body, specs, out_specs)(*args)
-  # Integer ids have float0 cotangents.
-  no_grad = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ids)
-  return dq, dk, dv, dsinks[0] if has_sinks else None, no_grad
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-# Jitted once per static plan, as flash_attention's entry point: an eager
-# call compiles once, and XLA (not shard_map) reshards inputs laid out
-# differently under automatic mesh axes.
-_ring_jit = jax.jit(_ring, static_argnums=0)
 
 
 def ring_attention(
@@ -199,7 +84,7 @@ def ring_attention(
   `seq_axis`, without ever gathering the sequence: K/V shards travel around
   the ring (see the module docstrings for the layouts and the algorithm).
   With a window, blocks the window hides do no work and K/V travel only as
-  far as the window reaches (`pallas_fa3.parallel.ring_window`). Use it
+  far as the window reaches (`pallas_fa3.parallel.ring.window`). Use it
   inside or outside `jax.jit`. Other mesh axes may shard the batch or the
   heads: name them in `batch_axes` / `head_axes` (the layout is fixed when
   the function is traced, and a split not named there is gathered).
@@ -286,7 +171,7 @@ def ring_attention(
     jnp.asarray(k),
     jnp.asarray(v),
     None if sinks is None else modifiers.batch_sinks(sinks, spec.batch),
-    () if segment_ids is None else tuple(segment_ids),
+    segment_ids,
   )
   return (out, lse) if return_lse else out
 
@@ -298,5 +183,23 @@ def run_plan(
   differentiable: for measurements that force the windowed ring's order
   (`benchmarks/ulysses_vs_ring.py`). `ring_attention` is the entry point."""
   return _ring_jit(
-    plan, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, ()
+    plan, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, None
   )
+
+
+def _ring(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+  segment_ids: Any,
+) -> tuple[jax.Array, jax.Array]:
+  operands = sharding_checks.vary_alike(Prefill(q, k, v, sinks, segment_ids))
+  return vjp.call(plan.call, operands)
+
+
+# Jitted once per static plan, as flash_attention's entry point: an eager
+# call compiles once, and XLA (not shard_map) reshards inputs laid out
+# differently under automatic mesh axes.
+_ring_jit = jax.jit(_ring, static_argnums=0)

@@ -41,10 +41,9 @@ from pallas_fa3.quant.e4m3 import (
   online_softmax_fp8,
   v_scale_ratios,
 )
-from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
+from pallas_fa3.spec import HIGHEST, LOG2E, AttentionSpec, cdiv, group_heads
 
 _F32 = jnp.float32
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _pad(x: jax.Array, axis: int, length: int) -> jax.Array:
@@ -87,7 +86,7 @@ def blockwise_forward_fp8(
   float32) seed the running max and sum, `segment_ids` mask by id.
   """
   b, hk, g = spec.batch, spec.heads_kv, spec.group_size
-  nq, nkv = -(-spec.seq_q // block_q), -(-spec.seq_kv // block_kv)
+  nq, nkv = cdiv(spec.seq_q, block_q), cdiv(spec.seq_kv, block_kv)
   q = q8.astype(_F32)
   if q_residual is not None:
     q = q + q_residual.astype(_F32)
@@ -128,7 +127,7 @@ def blockwise_forward_fp8(
         q_tile,
         k_tile,
         preferred_element_type=_F32,
-        precision=_HIGHEST,
+        precision=HIGHEST,
       )
       step_scale = (scale_log2 * ks[:, :, None, j])[..., None]
       kv_pos = j * block_kv + jnp.arange(block_kv)
@@ -151,7 +150,7 @@ def blockwise_forward_fp8(
         p8,
         vt_tile,
         preferred_element_type=_F32,
-        precision=_HIGHEST,
+        precision=HIGHEST,
       )
       return o, m, l
 

@@ -1,6 +1,7 @@
-"""FP8Config: how `flash_attention(..., fp8=...)` quantizes, and `check_fp8`.
-
-Re-exported by `pallas_fa3.fp8` (and `FP8Config` by `pallas_fa3`).
+"""FP8Config: how `flash_attention(..., fp8=...)` quantizes, `check_fp8`,
+and the default quantization tiles per head dim (the FP8 kernel's tiles,
+which its blockwise twin quantizes with too). Re-exported by
+`pallas_fa3.fp8` (and `FP8Config` by `pallas_fa3`). docs/fp8.md
 """
 
 from __future__ import annotations
@@ -112,3 +113,16 @@ def check_fp8(fp8: Any) -> FP8Config | None:
     f"fp8 must be a bool or a pallas_fa3.FP8Config; got"
     f" {fp8!r} of type {type(fp8).__name__}"
   )
+
+
+# (block_q, block_kv) quantization tiles by head dim: the FP8 kernel's
+# default tiling (`kernels/sm90/config_fp8.py` builds its defaults from
+# these), so a call without a config quantizes and rounds P as the kernel
+# does whichever backend runs it; other head dims take `_FALLBACK_TILES`.
+DEFAULT_TILES = {64: (64, 128), 128: (64, 128), 256: (64, 64)}
+_FALLBACK_TILES = (64, 128)
+
+
+def default_tiles(head_dim: int) -> tuple[int, int]:
+  """The default (block_q, block_kv) quantization tiles at `head_dim`."""
+  return DEFAULT_TILES.get(head_dim, _FALLBACK_TILES)

@@ -1,6 +1,6 @@
 """What a window lets through of one ring block, decided before tracing.
 
-The windowed ring (`pallas_fa3.parallel.ring_window`) cuts the sequence into
+The windowed ring (`pallas_fa3.parallel.ring.window`) cuts the sequence into
 chunks: one per device in natural order, two (`i`, `2n-1-i`) in zig-zag
 order. A ring block is one local query chunk against one visiting key
 chunk. Which of its (query, key) pairs the mask lets through depends only

@@ -16,11 +16,20 @@ the final out, and d/dsinks comes from the residuals
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from pallas_fa3.parallel import ring_layout, ring_steps, ring_window
-from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3.parallel import sharding_checks
+from pallas_fa3.parallel.ring import (
+  layout as ring_layout,
+  steps as ring_steps,
+  window as ring_window,
+)
+from pallas_fa3.parallel.ring.plan import RingPlan
 from pallas_fa3.segments import SegmentIds
 
 
@@ -97,3 +106,76 @@ def local_backward(
   )
   grads = engine(plan, *args[:7], _ids(args[7:]))
   return permute(plan, False, *(g.astype(plan.spec.dtype) for g in grads))
+
+
+# ---------------------------------------------------------------------------
+# The whole ring over its mesh: one shard_map per pass. Every mesh axis is
+# manual: the body sees one device's batch/head/sequence shard, and each
+# step's backend call runs on it as is.
+
+
+def _shard_map(
+  plan: RingPlan, body: Callable[..., Any], in_specs: tuple, out_specs: Any
+) -> Callable[..., Any]:
+  return jax.shard_map(
+    body,
+    mesh=plan.mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=False,
+  )
+
+
+def _fit(plan: RingPlan, xs: tuple, specs: tuple) -> list[jax.Array]:
+  return [
+    sharding_checks.fit_explicit(x, NamedSharding(plan.mesh, spec))
+    for x, spec in zip(xs, specs)
+  ]
+
+
+def ring_forward_global(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  sinks: jax.Array | None,
+  ids: tuple,
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of the ring on global arrays laid out as `plan` says
+  (`sinks`: None or float32 `[b, heads_q]`; `ids`: () or (q_ids, kv_ids))."""
+  has_sinks = sinks is not None
+
+  def body(q, k, v, *rest):
+    sinks = rest[0] if has_sinks else None
+    return local_forward(plan, q, k, v, sinks, rest[has_sinks:])
+
+  seq, lse = plan.seq_spec(), plan.lse_spec()
+  sinks_args = (sinks,) if has_sinks else ()
+  specs = (seq,) * 3 + (plan.sinks_spec(),) * has_sinks
+  specs += (plan.ids_spec(),) * len(ids)
+  args = _fit(plan, (q, k, v, *sinks_args, *ids), specs)
+  return _shard_map(plan, body, specs, (seq, lse))(*args)
+
+
+def ring_backward_global(
+  plan: RingPlan,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  out: jax.Array,
+  lse: jax.Array,
+  dout: jax.Array,
+  dlse: jax.Array,
+  ids: tuple,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(dq, dk, dv) of the ring from the residuals (the caller's layout);
+  the sinks are in the lse, their gradient `pallas_fa3.vjp`'s."""
+
+  def body(q, k, v, out, lse, dout, dlse, *ids):
+    return local_backward(plan, q, k, v, out, lse, dout, dlse, ids)
+
+  seq, lse_spec = plan.seq_spec(), plan.lse_spec()
+  specs = (seq,) * 3 + (seq, lse_spec, seq, lse_spec)
+  specs += (plan.ids_spec(),) * len(ids)
+  args = _fit(plan, (q, k, v, out, lse, dout, dlse, *ids), specs)
+  return tuple(_shard_map(plan, body, specs, (seq,) * 3)(*args))

@@ -1,6 +1,6 @@
-"""What the blockwise forward and backward share: the tiling, padding, one
-tile's scores (mask and softcap), and the walk over a tile range that masks
-only its boundary tiles."""
+"""What the blockwise twin's passes share: its config (the tile sizes), the
+tiling, padding, one tile's scores (mask and softcap), and the walk over a
+tile range that masks only its boundary tiles."""
 
 from __future__ import annotations
 
@@ -14,13 +14,35 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import masking
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import (
+  HIGHEST,
+  LOG2E,
+  AttentionSpec,
+  cdiv,
+  check_int_fields,
+)
 
-HIGHEST = jax.lax.Precision.HIGHEST
+_MAX_BLOCK = 8192  # a tile this large is no longer "blockwise" on any machine
 
 
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+@dataclasses.dataclass(frozen=True)
+class BlockwiseConfig:
+  """Tile sizes of the blockwise backend (hashable: a static argument).
+
+  Attributes:
+    block_q: query rows per tile (the kernels' Br).
+    block_kv: key/value columns per tile (the kernels' Bc).
+
+  A tile larger than its sequence is clamped to the sequence length, which
+  computes the same values as padding it.
+  """
+
+  block_q: int = 128
+  block_kv: int = 128
+
+  def __post_init__(self) -> None:
+    block = dict(minimum=1, maximum=_MAX_BLOCK)
+    check_int_fields(self, block_q=block, block_kv=block)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Used by `ring_attention` (and sequence-sharded `flash_attention`) when the
 call has a window. Each device keeps its query chunks; K/V (and the kv
 segment ids) travel `hops[0]` steps forward (device i -> i + 1) and
 `hops[1]` steps backward, as far as the window reaches and no further
-(`pallas_fa3.parallel.ring_blocks.block_plan`). At every step each (query
+(`pallas_fa3.parallel.ring.blocks.block_plan`). At every step each (query
 chunk, key chunk) block picks, from its distance D, one static call:
 skip (no attention work, nothing read), the whole block unmasked, or the
 visible rectangle of a partly visible block with its window re-aligned
@@ -27,11 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3.parallel import ring_blocks, ring_skip
-from pallas_fa3.parallel.ring_blocks import Crop
-from pallas_fa3.parallel.ring_layout import ppermute
-from pallas_fa3.parallel.ring_plan import RingPlan
-from pallas_fa3.parallel.ring_steps import (
+from pallas_fa3.parallel.ring import blocks as ring_blocks, skip as ring_skip
+from pallas_fa3.parallel.ring.blocks import Crop
+from pallas_fa3.parallel.ring.layout import ppermute
+from pallas_fa3.parallel.ring.plan import RingPlan
+from pallas_fa3.parallel.ring.steps import (
   add_rows,
   backward_stream,
   merge_rows,

@@ -10,8 +10,8 @@ chunks `i` and `2n-1-i`, so every step after the first is two unmasked
 the merged out and lse; the float32 dK/dV accumulators travel with their
 K/V block and one more hop brings them home. With segment ids the kv ids
 travel with their K/V block, and a step (block) whose ids cannot meet is
-skipped (`pallas_fa3.parallel.ring_skip`). The layout and the transfers are
-in `pallas_fa3.parallel.ring_layout`.
+skipped (`pallas_fa3.parallel.ring.skip`). The layout and the transfers are
+in `pallas_fa3.parallel.ring.layout`.
 Step by step: docs/design_notes.md#ring-attention.
 """
 
@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3.backends.base import StaticCall
-from pallas_fa3.parallel import ring_skip
-from pallas_fa3.parallel.ring_layout import (
+from pallas_fa3.parallel.ring import skip as ring_skip
+from pallas_fa3.parallel.ring.layout import (
   ppermute,
   zigzag_order as zigzag_order,
 )
-from pallas_fa3.parallel.ring_plan import RingPlan
+from pallas_fa3.parallel.ring.plan import RingPlan
 from pallas_fa3.segments import SegmentIds
 
 

@@ -1,0 +1,63 @@
+"""The `reference` backend: materialized attention in float32, the oracle
+(`pallas_fa3.reference`), prefill and decode; never chosen automatically.
+Its backward differentiates the materialized forward (it ignores the lse).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from pallas_fa3 import reference as oracle
+from pallas_fa3.backends.base import Backend
+from pallas_fa3.kvcache import DecodeSpec
+from pallas_fa3.spec import AttentionSpec
+
+
+class ReferenceBackend(Backend):
+  name = "reference"
+  summary = (
+    "materialized baseline attention in float32 (the oracle;"
+    " memory quadratic in sequence length)"
+  )
+  backward_uses_lse = False
+
+  def unsupported(self, spec: AttentionSpec, config: Any) -> str | None:
+    if spec.fp8 is not None:
+      return (
+        "the reference has no FP8 path (the float64 golden is the oracle"
+        " of FP8 accuracy)"
+      )
+    if spec.stable_max is not None:
+      return "stable_max is implemented by the blockwise backend only"
+    return None
+
+  def forward(self, spec, config, q, k, v, *, sinks=None, segment_ids=None):
+    return oracle.reference_forward(
+      spec, q, k, v, sinks=sinks, segment_ids=segment_ids
+    )
+
+  def backward(
+    self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
+    segment_ids=None,
+  ):  # fmt: skip
+    del out, lse  # plain autodiff through the materialized forward
+    _, pullback = jax.vjp(
+      lambda *a: oracle.reference_forward(
+        spec, *a, sinks=sinks, segment_ids=segment_ids
+      ),
+      q,
+      k,
+      v,
+    )
+    return pullback((dout, dlse))
+
+  def decode_splits(self, spec: DecodeSpec, config: Any) -> int:
+    return 1  # one materialized pass
+
+  def decode(self, spec, config, splits, *operands):
+    return oracle.reference_decode(spec, *operands)
+
+
+REFERENCE = ReferenceBackend()
