@@ -18,9 +18,9 @@ from pallas_fa3.flax import (
   FlashAttentionFallbackWarning,
   FlashMultiHeadAttention,
   FlashMultiHeadDotProductAttention,
+  adapter_masks as mask_segments,
   apply_rope,
   make_attention_fn,
-  mask_segments,
 )
 from pallas_fa3.testing import assert_within_tolerance
 

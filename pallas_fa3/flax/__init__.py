@@ -16,10 +16,10 @@ The native layers take flash_attention's `window_size`, `softcap` and
 top-left, like Flax's `is_causal`) and a softcap to every call of Flax's
 layers. Packed sequences and padding: the native layers take
 `segment_ids=` at call time; `make_attention_fn` turns padding and segment
-masks into segment ids (`pallas_fa3.flax.mask_segments`; traced padding
+masks into segment ids (`pallas_fa3.flax.adapter_masks`; traced padding
 masks with `make_attention_fn(padding_mask=True)`). Decoding: Flax's layers
 with `decode=True` run flash attention through `make_attention_fn`
-(`pallas_fa3.flax.key_mask`); the native layers take `decode=True` too,
+(`pallas_fa3.flax.adapter_masks`); the native layers take `decode=True` too,
 with a KV cache per kv head and per-sequence lengths
 (`pallas_fa3.flax.decode`).
 

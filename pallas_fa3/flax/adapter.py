@@ -34,12 +34,12 @@ call computes it intersected with the causal mask, as Flax does. The rule:
   `nnx.make_causal_mask`) means causal; a padding mask
   (`nnx.make_attention_mask(q_valid, kv_valid)`) or segment mask
   (`make_attention_mask(seg, seg, jnp.equal)`), alone or intersected with
-  the causal mask, becomes `segment_ids` (`pallas_fa3.flax.mask_segments`;
+  the causal mask, becomes `segment_ids` (`pallas_fa3.flax.adapter_masks`;
   padded queries -1, padded keys -2); anything else is unsupported.
 * a mask of a call with *one query row* (a decode step of Flax's layers:
   `[batch..., 1 | heads, 1, cache_len]`, the cache's occupancy) says only
   which keys that row sees: it is taken exactly as it is, concrete or
-  traced, whatever was declared (`pallas_fa3.flax.key_mask`).
+  traced, whatever was declared (`pallas_fa3.flax.adapter_masks`).
 * a *traced* mask (under `jit`, `grad` of a jitted function, `nnx.jit` ...)
   cannot be inspected, so it is unsupported -- unless the caller declared
   what it is. `make_attention_fn(causal=True)`: every call is causal, and a
@@ -84,37 +84,248 @@ Example:
   >>> x = jax.random.normal(jax.random.key(1), (2, 16, 32))
   >>> layer(x, is_causal=True).shape
   (2, 16, 32)
+
+Also here: Flax's top-left alignment on the core's bottom-right masks
+(`flash_top_left`, exact when seq_q != seq_kv) and the fallback to Flax's
+own `dot_product_attention` (bound when this module is imported).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
+from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from pallas_fa3 import modifiers
+from pallas_fa3.attention import flash_attention
 from pallas_fa3.backends import check_implementation
-from pallas_fa3.flax import attend, layout
-from pallas_fa3.flax.adapter_fallback import (
-  FlashAttentionFallbackWarning as FlashAttentionFallbackWarning,
-  flax_attention,
-  refuse_modified_fallback,
-  refuse_or_warn,
-)
+from pallas_fa3.flax import attend
 from pallas_fa3.flax.adapter_masks import (
   fill_empty_rows,
+  flash_key_mask,
   plan_mask,
   poison,
+  top_left_causal_mask,
   unsupported_feature,
 )
-from pallas_fa3.flax.key_mask import flash_key_mask
-from pallas_fa3.flax.top_left import flash_top_left
+from pallas_fa3.flax.attend import Window
+from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import (
   check_bool,
   check_softmax_scale,
 )
+
+# Flax's own attention functions, as imported (see the module docstring).
+FLAX_NNX_ATTENTION = nnx.dot_product_attention
+FLAX_LINEN_ATTENTION = linen.dot_product_attention
+
+
+class FlashAttentionFallbackWarning(UserWarning):
+  """A call ran Flax's dot_product_attention instead of flash attention."""
+
+
+def refuse_or_warn(
+  unsupported: tuple[str, str], on_unsupported: str, warned: set[str]
+) -> None:
+  """Raises for "raise"; else warns once per feature (recorded in `warned`)."""
+  feature, description = unsupported
+  if on_unsupported == "raise":
+    raise NotImplementedError(
+      f"pallas_fa3 flash attention does not support {description};"
+      " make_attention_fn(on_unsupported='fallback') runs Flax's"
+      " dot_product_attention for such calls instead"
+    )
+  if feature not in warned:
+    warned.add(feature)
+    warnings.warn(
+      f"pallas_fa3 flash attention does not support {description}; running"
+      " Flax's dot_product_attention instead (it materializes the attention"
+      " scores). Warned once per attention_fn and feature.",
+      FlashAttentionFallbackWarning,
+      stacklevel=3,
+    )
+
+
+def refuse_modified_fallback(
+  unsupported: tuple[str, str], modified: tuple[str, ...]
+) -> None:
+  """Raises: Flax's attention would drop the window / softcap."""
+  raise NotImplementedError(
+    f"pallas_fa3 flash attention does not support {unsupported[1]}, and"
+    f" make_attention_fn({', '.join(modified)}) cannot fall back to Flax's"
+    " dot_product_attention, which has no sliding window or softcap (it"
+    " would compute another function)"
+  )
+
+
+def flax_attention(
+  query,
+  key,
+  value,
+  *,
+  bias,
+  mask,
+  broadcast_dropout,
+  dropout_rng,
+  dropout_rate,
+  deterministic,
+  dtype,
+  precision,
+  module,
+  is_causal,
+  softmax_scale,
+  linen_kwargs,
+) -> jax.Array:
+  """Flax's own dot_product_attention: linen's for linen callers, else nnx's."""
+  if softmax_scale is not None:
+    # Flax divides q by sqrt(head_dim); pre-scale so the product is the scale.
+    query = query * jnp.asarray(
+      softmax_scale * math.sqrt(query.shape[-1]), query.dtype
+    )
+  common: dict[str, Any] = dict(
+    bias=bias,
+    broadcast_dropout=broadcast_dropout,
+    dropout_rng=dropout_rng,
+    dropout_rate=dropout_rate,
+    deterministic=deterministic,
+    dtype=dtype,
+    precision=precision,
+    module=module,
+  )
+  if isinstance(module, linen.Module) or linen_kwargs:
+    if is_causal:  # linen's function has no is_causal; fold it into the mask
+      causal = jnp.asarray(top_left_causal_mask(query.shape[-3], key.shape[-3]))
+      mask = causal if mask is None else jnp.logical_and(mask, causal)
+    return FLAX_LINEN_ATTENTION(
+      query, key, value, mask=mask, **common, **linen_kwargs
+    )
+  return FLAX_NNX_ATTENTION(
+    query, key, value, mask=mask, is_causal=is_causal, **common
+  )
+
+
+def flash_top_left(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  causal: bool,
+  window: Window | None,
+  options: dict[str, Any],
+  implementation: str | None,
+  segment_ids: SegmentIds | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """flash_attention on rank-4 inputs with Flax's top-left alignment.
+
+  The core aligns causal masks bottom-right. Top-left, query i sees keys
+  j <= i: with seq_q < seq_kv the keys past seq_q are never seen (slice them
+  off, then the mask is square); with seq_q > seq_kv the first seq_kv queries
+  see a square causal mask and the others see every key. A window is
+  translated too (`_window_top_left`).
+
+  Args:
+    q, k, v: `[batch, seq, heads, head_dim]`.
+    causal: Flax's top-left causal mask.
+    window: None or a checked `(left, right)`, top-left aligned.
+    options: other keywords of `flash_attention` (softmax_scale, config,
+      softcap).
+    implementation: `flash_attention`'s.
+    segment_ids: None or int32 ids `[batch, seq_q]` / `[batch, seq_kv]`,
+      sliced along with the queries and keys.
+
+  Returns:
+    `(out [batch, seq_q, heads_q, head_dim_v], lse [batch, heads_q, seq_q])`
+    (float32, natural log; -inf for a row that sees no key).
+  """
+
+  def call(q, k, v, causal, window=None, q_from=0):
+    ids = None
+    if segment_ids is not None:  # queries from q_from on, the leading keys
+      ids = SegmentIds(
+        segment_ids.q[:, q_from : q_from + q.shape[1]],
+        segment_ids.kv[:, : k.shape[1]],
+      )
+    return flash_attention(
+      q,
+      k,
+      v,
+      causal=causal,
+      window_size=window,
+      implementation=implementation,
+      segment_ids=ids,
+      return_lse=True,
+      **options,
+    )
+
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  if window is not None:
+    return _window_top_left(q, k, v, causal, window, call)
+  if not causal or seq_q == seq_kv:
+    return call(q, k, v, causal)
+  if seq_q < seq_kv:
+    return call(q, k[:, :seq_q], v[:, :seq_q], True)
+  head = call(q[:, :seq_kv], k, v, True)
+  tail = call(q[:, seq_kv:], k, v, False, q_from=seq_kv)
+  return _concat_rows(head, tail)
+
+
+def _concat_rows(
+  first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  """Two (out, lse) pairs of consecutive query rows as one."""
+  return (
+    jnp.concatenate([first[0], second[0]], axis=1),
+    jnp.concatenate([first[1], second[1]], axis=2),
+  )
+
+
+def _window_top_left(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  causal: bool,
+  window: Window,
+  call: Callable[..., tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, jax.Array]:
+  """A top-left window (query i sees `i - left <= j <= i + right`) as one
+  bottom-right windowed call.
+
+  Causal makes right 0. Bottom-right, query i sits at `i + d` with
+  `d = seq_kv - seq_q`, so the same keys are the window `(left + d,
+  right - d)`; a side that would be negative is made valid by slicing off
+  what no query sees: keys past `seq_q - 1 + right`, queries from
+  `seq_kv + left` on (they see no key: output 0, lse -inf).
+  """
+  left, right = window
+  if causal:
+    right = 0
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  if right is not None and seq_kv > seq_q + right:
+    seq_kv = seq_q + right
+    k, v = k[:, :seq_kv], v[:, :seq_kv]
+  rows = seq_q
+  if left is not None and seq_q > seq_kv + left:
+    rows = seq_kv + left
+  d = seq_kv - rows
+  left = None if left is None else left + d
+  right = None if right is None else right - d
+  if right == 0:  # the causal mask: let the core use its causal path
+    out = call(q[:, :rows], k, v, True, (left, None))
+  else:
+    out = call(q[:, :rows], k, v, False, (left, right))
+  if rows == seq_q:
+    return out
+  out, lse = out
+  empty = jnp.zeros((q.shape[0], seq_q - rows) + out.shape[2:], out.dtype)
+  no_key = jnp.full(lse.shape[:2] + (seq_q - rows,), -jnp.inf, lse.dtype)
+  return _concat_rows((out, lse), (empty, no_key))
+
 
 OnUnsupported = Literal["raise", "fallback"]
 ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
@@ -269,7 +480,7 @@ def make_attention_fn(
     query, key, value = (promote_dtype or nnx_dtypes.promote_dtype)(
       (query, key, value), dtype=dtype
     )
-    layout.check_qkv(query, key, value)
+    attend.check_qkv(query, key, value)
     seq_q, seq_kv = query.shape[-3], key.shape[-3]
     plan = plan_mask(
       mask,
@@ -313,7 +524,7 @@ def make_attention_fn(
         softmax_scale=options.get("softmax_scale"),
         linen_kwargs=linen_kwargs,
       )
-    q, k, v = (layout.fold_batch(x) for x in (query, key, value))
+    q, k, v = (attend.fold_batch(x) for x in (query, key, value))
     if plan.key_valid is not None:
       if window is not None:
         raise NotImplementedError(_ONE_ROW_WINDOW)
@@ -338,7 +549,7 @@ def make_attention_fn(
       )
     if plan.may_leave_rows_empty or window is not None:
       out = fill_empty_rows(out, lse, v)
-    return poison(layout.unfold_batch(out, query), plan.ok)
+    return poison(attend.unfold_batch(out, query), plan.ok)
 
   attention_fn.__doc__ = (
     "Flax-compatible attention_fn running pallas_fa3.flash_attention"

@@ -1,7 +1,9 @@
-"""The Flax adapter's call checks: which dense masks it recognises (none,
-Flax's top-left causal mask, padding and segment masks, one-row key masks,
-traced), the on-device checks of declared masks, what rows no key reaches
-give, and the first feature flash attention cannot compute.
+"""The Flax adapter's masks: which dense masks `make_attention_fn`
+recognises (none, Flax's top-left causal mask, padding and segment masks,
+traced ones whose kind `make_attention_fn` declares), exact decompositions of masks
+into segment ids, one-row key masks (decode steps: any mask is a key mask),
+the on-device checks of declared masks, and the first feature a call asks
+for that flash attention cannot compute. docs/flax.md#make_attention_fn
 """
 
 from __future__ import annotations
@@ -12,9 +14,204 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.flax import key_mask, mask_segments
+from pallas_fa3.attention import flash_attention
 from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+PAD_Q = -1  # id of a query that sees no key
+PAD_KV = -2  # id of a key that no query sees
+
+
+def _rebuilt(q_ids, kv_ids, tril, xp):
+  same = q_ids[..., :, None] == kv_ids[..., None, :]
+  return xp.logical_and(same, tril) if tril is not None else same
+
+
+def _tril(seq_q: int, seq_kv: int, causal: bool, xp=np):
+  return xp.tril(xp.ones((seq_q, seq_kv), bool)) if causal else None
+
+
+def padding_ids(
+  visible: np.ndarray, causal: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """(q_ids, kv_ids) int32 `[b, seq]` of a concrete padding mask `[b, sq,
+  skv]` (`q_valid & kv_valid`, `& tril` if causal), or None if it is not one.
+  """
+  tril = _tril(*visible.shape[-2:], causal)
+  q_ids = np.where(visible.any(-1), 0, PAD_Q).astype(np.int32)
+  kv_ids = np.where(visible.any(-2), 0, PAD_KV).astype(np.int32)
+  if np.array_equal(_rebuilt(q_ids, kv_ids, tril, np), visible):
+    return q_ids, kv_ids
+  return None
+
+
+def segment_ids_of(
+  visible: np.ndarray, causal: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """(q_ids, kv_ids) int32 with `visible [b, sq, skv]` equal to their mask
+  (`& tril` if causal), or None if there are none.
+
+  Ids are the connected components of the bipartite graph of queries and
+  keys joined where visible (every id class of a segment mask is a union
+  of components, so the components rebuild it if anything does); queries
+  and keys without an edge get `PAD_Q` / `PAD_KV`.
+  """
+  found = padding_ids(visible, causal)  # the common case, cheaply
+  if found is not None:
+    return found
+  from scipy.sparse import coo_matrix  # pylint: disable=g-import-not-at-top
+  from scipy.sparse.csgraph import connected_components  # pylint: disable=g-import-not-at-top
+
+  b, sq, skv = visible.shape
+  tril = _tril(sq, skv, causal)
+  q_ids = np.empty((b, sq), np.int32)
+  kv_ids = np.empty((b, skv), np.int32)
+  for row in range(b):
+    i, j = np.nonzero(visible[row])
+    graph = coo_matrix(
+      (np.ones(i.size, bool), (i, sq + j)), shape=(sq + skv,) * 2
+    )
+    _, labels = connected_components(graph, directed=False)
+    labels = labels.astype(np.int32)
+    q_ids[row] = np.where(visible[row].any(-1), labels[:sq], PAD_Q)
+    kv_ids[row] = np.where(visible[row].any(-2), labels[sq:], PAD_KV)
+  if np.array_equal(_rebuilt(q_ids, kv_ids, tril, np), visible):
+    return q_ids, kv_ids
+  return None
+
+
+def concrete_mask_ids(
+  visible: np.ndarray, causal: bool | None
+) -> tuple[SegmentIds, bool] | None:
+  """`(ids, causal)` that give exactly the mask `visible [b, heads, sq, skv]`
+  (heads may be 1), or None.
+
+  Args:
+    visible: a concrete boolean mask, batch axes folded into b.
+    causal: True: the call is causal, decompose `visible & tril`; None: try
+      without the causal mask, then with it.
+  """
+  if not (visible == visible[:, :1]).all():
+    return None  # ids are per batch entry, not per head
+  visible = visible[:, 0]
+  tries = (False, True) if causal is None else (True,)
+  for c in tries:
+    target = visible & _tril(*visible.shape[-2:], True) if c else visible
+    found = segment_ids_of(target, c)
+    # Without a causal call, a causal decomposition must be the whole mask.
+    if found is not None and (
+      causal is not None or np.array_equal(target, visible)
+    ):
+      return SegmentIds(*(jnp.asarray(x) for x in found)), c
+  return None
+
+
+def traced_padding_ids(
+  mask: jax.Array, causal: bool
+) -> tuple[SegmentIds, jax.Array]:
+  """Padding ids of a traced mask `[b, heads, sq, skv]` and a bool scalar:
+  whether the mask (`& tril` if causal) is exactly theirs (the same for
+  every head)."""
+  visible = mask.astype(bool)
+  tril = _tril(*visible.shape[-2:], causal, jnp)
+  if tril is not None:
+    visible = visible & tril
+  q_valid, kv_valid = visible.any(-1), visible.any(-2)  # [b, heads, seq]
+  q_ids = jnp.where(q_valid[:, 0], 0, PAD_Q).astype(jnp.int32)
+  kv_ids = jnp.where(kv_valid[:, 0], 0, PAD_KV).astype(jnp.int32)
+  rebuilt = _rebuilt(q_ids[:, None], kv_ids[:, None], tril, jnp)
+  ok = jnp.all(visible == rebuilt)
+  return SegmentIds(q_ids, kv_ids), ok
+
+
+def one_row_valid(
+  mask: Any, weights_shape: tuple[int, ...], is_causal: bool
+) -> jax.Array:
+  """The keys the single query row sees: bool `[prod(batch...), heads_m, seq_kv]`.
+
+  Args:
+    mask: broadcastable to `weights_shape` (checked by the caller).
+    weights_shape: `[batch..., heads, 1, seq_kv]`.
+    is_causal: Flax's top-left causal mask of the call: the row sees key 0
+      at most.
+
+  Returns:
+    heads_m is 1 when the mask has no head axis, or when it is concrete and
+    the same for every head; else the number of heads.
+  """
+  seq_kv = weights_shape[-1]
+  heads = mask.shape[-3] if mask.ndim >= 3 else 1
+  shape = weights_shape[:-3] + (heads, 1, seq_kv)
+  concrete = not isinstance(mask, jax.core.Tracer)
+  xp = np if concrete else jnp
+  valid = xp.broadcast_to(xp.asarray(mask).astype(bool), shape)
+  valid = valid.reshape((-1, heads, seq_kv))
+  if is_causal:
+    valid = valid & (xp.arange(seq_kv) == 0)
+  if concrete and heads > 1 and (valid == valid[:, :1]).all():
+    valid = valid[:, :1]
+  return jnp.asarray(valid)
+
+
+def flash_key_mask(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  valid: jax.Array,
+  *,
+  options: dict[str, Any],
+  implementation: str | None,
+) -> tuple[jax.Array, jax.Array]:
+  """flash_attention of one query row over the keys `valid` allows.
+
+  Args:
+    q: `[batch, 1, heads_q, head_dim]`.
+    k, v: `[batch, seq_kv, heads_kv, head_dim(_v)]`.
+    valid: bool `[batch, 1 | heads_q, seq_kv]` (`one_row_valid`).
+    options: other keywords of `flash_attention` (softmax_scale, config,
+      softcap).
+    implementation: `flash_attention`'s.
+
+  Returns:
+    `(out [batch, 1, heads_q, head_dim_v], lse [batch, heads_q, 1])`; a
+    query that sees no key has lse -inf.
+  """
+  batch, _, heads_q, head_dim = q.shape
+  seq_kv, heads_kv = k.shape[1], k.shape[2]
+
+  def call(q, k, v, valid):
+    ids = SegmentIds(
+      jnp.zeros((valid.shape[0], 1), jnp.int32),
+      jnp.where(valid, 0, PAD_KV).astype(jnp.int32),
+    )
+    return flash_attention(
+      q,
+      k,
+      v,
+      segment_ids=ids,
+      return_lse=True,
+      implementation=implementation,
+      **options,
+    )
+
+  if valid.shape[1] == 1:
+    return call(q, k, v, valid[:, 0])
+  # Per-head masks: every query head becomes a sequence of one head, with
+  # its kv head (GQA: query head h reads kv head h // group).
+  group = heads_q // heads_kv
+
+  def per_head(x):  # [b, s, hk, d] -> [b * hq, s, 1, d]
+    x = jnp.repeat(x, group, axis=2).transpose(0, 2, 1, 3)
+    return x.reshape((batch * heads_q, x.shape[2], 1, x.shape[3]))
+
+  out, lse = call(
+    q.reshape(batch * heads_q, 1, 1, head_dim),
+    per_head(k),
+    per_head(v),
+    valid.reshape(batch * heads_q, seq_kv),
+  )
+  out = out.reshape(batch, heads_q, 1, out.shape[-1]).transpose(0, 2, 1, 3)
+  return out, lse.reshape(batch, heads_q, 1)
 
 
 def top_left_causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
@@ -114,13 +311,11 @@ def plan_mask(
   if kind == "none" and mask is None:
     return MaskPlan("flash", causal)
   if weights_shape[-2] == 1:
-    valid = key_mask.one_row_valid(mask, weights_shape, is_causal)
+    valid = one_row_valid(mask, weights_shape, is_causal)
     return MaskPlan("flash", key_valid=valid)
   if kind == "traced":
     if padding_mask:
-      ids, ok = mask_segments.traced_padding_ids(
-        _by_heads(mask, weights_shape, jnp), causal
-      )
+      ids, ok = traced_padding_ids(_by_heads(mask, weights_shape, jnp), causal)
       return MaskPlan("flash", causal, ids, ok)
     if declared_causal:
       seq_q, seq_kv = weights_shape[-2:]
@@ -139,7 +334,7 @@ def plan_mask(
     return MaskPlan("flash", True)
   if kind == "none":
     return MaskPlan("flash", False)
-  found = mask_segments.concrete_mask_ids(
+  found = concrete_mask_ids(
     _by_heads(visible, weights_shape, np), True if causal else None
   )
   if found is None:

@@ -1,13 +1,12 @@
-"""The attention step shared by the nnx and linen modules: RoPE, then flash_attention.
-
-Both modules project with Flax's own layers (so their parameters are Flax's)
-and call `attend` on the projected `[batch..., seq, heads, head_dim]` tensors;
-what happens between the projections lives here once, with the checks of
-the options both modules (and `make_attention_fn`) take.
+"""The attention step shared by the nnx and linen modules (RoPE, then
+flash_attention), the checks of the options they and `make_attention_fn`
+take, and Flax's `[batch..., length, heads, head_dim]` layout folded onto
+the core's rank-4 one (any number of leading batch axes). docs/flax.md
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -16,9 +15,51 @@ import numpy as np
 
 from pallas_fa3 import modifiers
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.flax import layout, rope as rope_lib
+from pallas_fa3.flax import rope as rope_lib
 from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import check_int
+
+# Axes after the batch axes in Flax's layout: length, heads, head_dim.
+_TRAILING_AXES = 3
+
+
+def check_qkv(query: jax.Array, key: jax.Array, value: jax.Array) -> None:
+  """Checks that q, k, v share their rank (>= 3) and their leading batch axes.
+
+  Raises:
+    ValueError: naming the operands and their shapes.
+  """
+  shapes = (
+    f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)},"
+    f" value.shape={tuple(value.shape)}"
+  )
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError(
+      f"query, key and value must have the same rank; got {shapes}"
+    )
+  if query.ndim < _TRAILING_AXES:
+    raise ValueError(
+      "query, key and value must have layout [batch..., length, heads,"
+      f" head_dim] (rank >= {_TRAILING_AXES}); got {shapes}"
+    )
+  batch = query.shape[:-_TRAILING_AXES]
+  if not batch == key.shape[:-_TRAILING_AXES] == value.shape[:-_TRAILING_AXES]:
+    raise ValueError(
+      f"query, key and value must have the same batch dims (leading axes);"
+      f" got {shapes}"
+    )
+
+
+def fold_batch(x: jax.Array) -> jax.Array:
+  """`[batch..., length, heads, dim]` -> `[prod(batch...), length, heads, dim]`."""
+  batch = x.shape[:-_TRAILING_AXES]
+  return x.reshape((math.prod(batch),) + tuple(x.shape[-_TRAILING_AXES:]))
+
+
+def unfold_batch(out: jax.Array, like: jax.Array) -> jax.Array:
+  """Inverse of `fold_batch`: restores the batch axes of `like` on `out`."""
+  return out.reshape(tuple(like.shape[:-_TRAILING_AXES]) + tuple(out.shape[1:]))
+
 
 Window = tuple[int | None, int | None]
 
@@ -197,7 +238,7 @@ def attend(
   Returns:
     `[batch..., seq_q, heads_q, head_dim]` in the dtype of the inputs.
   """
-  layout.check_qkv(query, key, value)
+  check_qkv(query, key, value)
   segment_ids = layer_segment_ids(segment_ids, query, key)
   if rope:
     if query.shape[-3] != key.shape[-3]:
@@ -212,9 +253,9 @@ def attend(
   elif positions is not None:
     raise ValueError("positions is only used with rope=True; got rope=False")
   out = flash_attention(
-    layout.fold_batch(query),
-    layout.fold_batch(key),
-    layout.fold_batch(value),
+    fold_batch(query),
+    fold_batch(key),
+    fold_batch(value),
     causal=causal,
     implementation=implementation,
     config=config,
@@ -223,4 +264,4 @@ def attend(
     sinks=sinks,
     segment_ids=segment_ids,
   )
-  return layout.unfold_batch(out, query)
+  return unfold_batch(out, query)

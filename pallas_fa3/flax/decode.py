@@ -41,9 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.attention import flash_attention
-from pallas_fa3.flax import layout, rope as rope_lib
-from pallas_fa3.kvcache import flash_attention_with_kvcache
+from pallas_fa3.attention import flash_attention, flash_attention_with_kvcache
+from pallas_fa3.flax import attend, rope as rope_lib
 
 
 class DecodeState(NamedTuple):
@@ -220,7 +219,7 @@ def decode_attend(
     config: `flash_attention`'s tiling (prefill).
     decode_config: `flash_attention_with_kvcache`'s tiling (steps).
   """
-  layout.check_qkv(query, key, value)
+  attend.check_qkv(query, key, value)
   chunk_lengths = _check_call(query, key, state, chunk_lengths, causal)
   batch, chunk = tuple(query.shape[:-3]), query.shape[-3]
   max_length = state.key.shape[-3]
@@ -229,8 +228,8 @@ def decode_attend(
     positions = start[..., None] + jnp.arange(chunk, dtype=jnp.int32)
     query = rope_lib.apply_rope(query, positions, rope_base)
     key = rope_lib.apply_rope(key, positions, rope_base)
-  q, k, v = (layout.fold_batch(x) for x in (query, key, value))
-  caches = [layout.fold_batch(x) for x in (state.key, state.value)]
+  q, k, v = (attend.fold_batch(x) for x in (query, key, value))
+  caches = [attend.fold_batch(x) for x in (state.key, state.value)]
   common = dict(
     causal=causal,
     window_size=window_size,
@@ -258,4 +257,4 @@ def decode_attend(
     caches[1].reshape(state.value.shape),
     start + grown,
   )
-  return layout.unfold_batch(out, query), new_state
+  return attend.unfold_batch(out, query), new_state
