@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import modifiers
+from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.quant import hadamard
 from pallas_fa3.quant.config import FP8Config
 from pallas_fa3.quant.e4m3 import E4M3_MAX, FP8_DTYPE, scale_of
@@ -502,7 +503,12 @@ def append(
   (one scatter: in place when the cache is donated)."""
   positions = start[:, None] + jnp.arange(spec.seq_new, dtype=jnp.int32)
   where, slot = token_slots(spec, positions, rows, page_table)
-  return cache.at[where, slot].set(new.astype(cache.dtype), mode="drop")
+  # On `Explicit` mesh axes the scatter must be told: the cache's own layout.
+  layout = sharding_checks.explicit_sharding(cache)
+  extra = {} if layout is None else {"out_sharding": layout}
+  return cache.at[where, slot].set(
+    new.astype(cache.dtype), mode="drop", **extra
+  )
 
 
 def gather(

@@ -37,6 +37,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUITE_DIR = REPO_ROOT / "tests" / "multidevice"
 SUITES = (
   "check_sharded_attention.py",
+  "check_sharded_decode.py",
   "check_ring_attention.py",
   "check_ring_segments.py",
   "check_ring_modifiers.py",

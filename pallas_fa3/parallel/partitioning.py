@@ -1,54 +1,49 @@
-"""Batch/head parallelism: the attention forward and backward under SPMD sharding.
+"""Sharding attached to the backend call: every call `pallas_fa3.vjp` makes
+(flash_attention's forward and backward, the FP8 forward, decoding) runs
+shard-locally under SPMD sharding.
 
-`flash_attention` under `jax.jit` with q, k, v sharded (`NamedSharding` on a
-`Mesh`) over batch and/or heads runs every device's shard locally: each
-backend call (forward `(q, k, v) -> (out, lse)` and backward
-`(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)`) is a
-`jax.experimental.custom_partitioning` op. XLA's partitioner hands it the
-operand shardings; `_Op.plan` keeps q's batch and head sharding, checks
-(`sharding_checks`) that it can be honoured, and the op runs the backend on
-the local shard. So no collective is emitted for q, k, v or the output,
-whatever the backend (the kernels are custom calls that XLA could not split
-by itself). The Shardy rules (`_FWD_RULE`) tell propagation which
-dimensions correspond: batch, and query heads = kv heads times the group,
-so that a kv head and its query heads move together.
+Under `jax.jit` with the operands sharded (`NamedSharding` on a `Mesh`) over
+batch and/or heads, each backend call is a `custom_partitioning` op: XLA's
+partitioner hands it the operand shardings; `_Op.plan` keeps q's batch and
+head sharding, checks (`sharding_checks`) that it can be honoured, and the
+op runs the backend on the local shard, so no collective is emitted for the
+operands or the outputs whatever the backend (the kernels are custom calls
+XLA could not split by itself). The Shardy rules tell propagation which
+dimensions correspond: batch, and query heads = kv heads times the group.
 
 What can be honoured:
   * batch sharded over any mesh axes;
   * heads sharded over mesh axes of total size n when `heads_kv % n == 0`
-    (GQA groups stay whole: kv head j and query heads `j*g .. j*g+g-1` on
-    one device), or with MQA's one kv head, which every device then holds
-    (dK, dV summed over the head axes);
+    (GQA groups stay whole), or with MQA's one kv head, which every device
+    then holds (dK, dV summed over the head axes);
   * the sequence sharded over one mesh axis: each device then runs its half
-    of ring attention instead of the plain backend call (context
-    parallelism, `pallas_fa3.parallel.context`), with batch/head splits as
-    above on the other axes;
-  * k, v (and the backward's cotangents) sharded differently from q are
-    resharded to q's layout (a local slice when they are replicated).
+    of ring attention (`pallas_fa3.parallel.context`); not for FP8;
+  * decoding: the cache's kv heads split with q's; a contiguous cache
+    without cache_batch_idx shards with the batch, a paged cache (or one
+    whose rows cache_batch_idx picks) is whole on every device; the
+    sequence of q is whole (a split is gathered);
+  * operands sharded differently from q are resharded to its layout.
 What is refused, with a `ValueError` (or `NotImplementedError` for an
 option) naming the argument: a sharded head_dim, a head sharding that would
-split a GQA group, and a sequence split the ring cannot serve (see
-`context`). The check runs at trace time when the sharding is known then
-(concrete arrays, or `Explicit` mesh axes); otherwise the partitioner runs
-it at compile time and XLA reports it as a `jax.errors.JaxRuntimeError`
-carrying the same message.
+split a GQA group, and a sequence split the ring cannot serve. The check
+runs at trace time when the sharding is known then (concrete arrays, or
+`Explicit` mesh axes); otherwise the partitioner runs it at compile time
+and XLA reports it as a `jax.errors.JaxRuntimeError` with the same message.
 
-`Explicit` mesh axes (the default of `jax.make_mesh` since JAX 0.7) put the
-layout in the traced types, so there the same plan runs through a
-`jax.shard_map` instead, decided at trace time. On one device the backend
-is called directly (no custom_partitioning or custom_vmap wrapper); inside a
-fully manual `shard_map` of the caller's the custom_partitioning op lowers
-to the plain backend call. `custom_partitioning` has no batching rule, so
-each op is wrapped in `jax.custom_batching.custom_vmap`: a vmapped axis is
-folded into the batch axis. A backend call with side effects (the Pallas
-interpreter's callbacks) cannot be a custom_partitioning op and runs
-unpartitioned.
+`Explicit` mesh axes put the layout in the traced types, so there the same
+plan runs through a `jax.shard_map`, decided at trace time. On one device
+the backend is called directly (no wrapper); `custom_partitioning` has no
+batching rule, so elsewhere each op is wrapped in
+`jax.custom_batching.custom_vmap` (a vmapped axis folded into batch). A
+backend whose calls have side effects (the Pallas interpreter's callbacks)
+runs unpartitioned. docs/scale_out.md
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
@@ -57,7 +52,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
-from pallas_fa3.backends.base import Op, StaticCall
+from pallas_fa3.backends.base import Decode, Op, StaticCall
 from pallas_fa3.parallel import context
 from pallas_fa3.parallel.ring import local as ring_local
 from pallas_fa3.parallel.sharding_checks import (
@@ -70,6 +65,7 @@ from pallas_fa3.parallel.sharding_checks import (
   mesh_ways,
   spec_entries,
 )
+from pallas_fa3.quant.e4m3 import FP8Inputs
 from pallas_fa3.spec import AttentionSpec
 
 # Shardy rules, by operand: b batch, s/t query/key positions, k kv heads,
@@ -155,6 +151,9 @@ class _Op:
   run: Callable[..., Any]  # (call, *arrays) -> tuple of arrays
   rule: str
   backward: bool
+  # Folds a vmapped axis into batch (`_with_vmap`): every operand has the
+  # batch first (a paged cache does not).
+  foldable: bool = True
 
   def sharding_rule(
     self, call: StaticCall, mesh: Any, operand_types: Any, result_types: Any
@@ -254,6 +253,101 @@ def _partitioned(op: _Op) -> Any:
   return fn
 
 
+def _cache_follows_batch(spec: Any) -> bool:
+  """A decode call whose cache rows are its sequences (contiguous, no
+  cache_batch_idx): the cache shards with the batch; otherwise (pages, or
+  rows picked by cache_batch_idx) every device holds the whole cache."""
+  return not (spec.paged or spec.batch_idx)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeOp(_Op):
+  """A decode call, shard-local over batch and heads: q, the cache's kv
+  heads and the per-sequence operands split like q; the sequence is whole
+  (decoding's few queries: a split is gathered)."""
+
+  def plan(self, call, mesh, arg_specs):
+    spec, sizes = call.spec, dict(mesh.shape)
+    q = dict(zip(self.arg_names, arg_specs))["q"]
+    batch_axes, head_axes = mesh_axes(q[0]), mesh_axes(q[2])
+    ways = mesh_ways(mesh, head_axes)
+    if spec.heads_kv % ways and not kv_replicated_over_heads(spec, head_axes):
+      raise ValueError(
+        f"q is sharded over heads on mesh axes {head_axes} ({ways} ways),"
+        f" but the cache has heads_kv={spec.heads_kv} heads, not a multiple"
+        f" of {ways}: every device must hold whole groups. Shard heads at"
+        f" most {math.gcd(spec.heads_kv, ways)} ways, or shard batch instead"
+      )
+    del sizes
+    b, h = axes_entry(batch_axes), axes_entry(head_axes)
+    hk = None if kv_replicated_over_heads(spec, head_axes) else h
+    rows = b if _cache_follows_batch(spec) else None
+    by_name = dict(
+      q=P(b, None, h, None), out=P(b, None, h, None), lse=P(b, h, None),
+      k_cache=P(rows, None, hk, None), v_cache=P(rows, None, hk, None),
+      lengths=P(b), rows=P(b), pages=P(b, None), sinks=P(b, h),
+      k_descale=P(b, hk), v_descale=P(b, hk),
+    )  # fmt: skip
+    return (
+      (batch_axes, head_axes, ()),
+      tuple(by_name[n] for n in self.arg_names),
+      tuple(by_name[n] for n in self.result_names),
+    )
+
+  def local(self, call, mesh, axes):
+    batch_axes, head_axes, _ = axes
+    spec = call.spec
+    bw = mesh_ways(mesh, batch_axes)
+    local = _local_call(call, bw, mesh_ways(mesh, head_axes))
+    follows = _cache_follows_batch(spec)
+    if follows:
+      local_spec = dataclasses.replace(
+        local.spec, cache_rows=spec.cache_rows // bw
+      )
+      local = dataclasses.replace(local, spec=local_spec)
+    rows_at = self.arg_names.index("rows")
+
+    def run(*a):
+      if follows:  # a batch shard's cache rows are its own sequences
+        a = list(a)
+        a[rows_at] = jax.numpy.arange(local.spec.batch, dtype=jax.numpy.int32)
+      return self.run(local, *a)
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8Op(_Op):
+  """An FP8 call on pre-quantized operands, shard-local over batch and
+  heads (a sequence split is refused: the FP8 forward has no ring)."""
+
+  def plan(self, call, mesh, arg_specs):
+    named = dict(zip(self.arg_names, arg_specs))
+    shardings = {"q": named["q8"], "k": named["k8"]}
+    axes = context.check(call, dict(mesh.shape), shardings)
+    b, h, _ = (axes_entry(a) for a in axes)
+    hk = None if kv_replicated_over_heads(call.spec, axes[1]) else h
+    by_name = dict(
+      q8=P(b, None, h, None), q_residual=P(b, None, h, None),
+      k8=P(b, None, hk, None), v8_t=P(b, hk, None, None),
+      q_scale=P(b, h, None), k_scale=P(b, hk, None), v_scale=P(b, hk, None),
+      sinks=P(b, h), q_ids=P(b, None), kv_ids=P(b, None),
+      out=P(b, None, h, None), lse=P(b, h, None),
+    )  # fmt: skip
+    return (
+      axes,
+      tuple(by_name[n] for n in self.arg_names),
+      tuple(by_name[n] for n in self.result_names),
+    )
+
+  def local(self, call, mesh, axes):
+    batch_axes, head_axes, _ = axes
+    local = _local_call(
+      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
+    )
+    return lambda *a: self.run(local, *a)
+
+
 def _fold_batch(x: jax.Array, axis_size: int, batched: bool) -> jax.Array:
   """[n, b, ...] (or unbatched [b, ...], broadcast) -> [n * b, ...]."""
   if not batched:
@@ -330,6 +424,67 @@ def _ops(backward: bool, sinks: bool, ids: bool) -> tuple[_Op, Any]:
   return op, _partitioned(op)
 
 
+def _decode_names(spec: Any) -> tuple[str, ...]:
+  names = ("q", "k_cache") + ("v_cache",) * (not spec.v_in_k)
+  names += ("lengths", "rows") + ("pages",) * spec.paged
+  names += ("sinks",) * spec.sinks + ("k_descale", "v_descale") * spec.fp8_cache
+  return names
+
+
+def _run_decode(call: StaticCall, *arrays: jax.Array) -> tuple:
+  """The backend's decode on `_decode_names`' operands."""
+  named = dict(zip(_decode_names(call.spec), arrays))
+  descale = None
+  if "k_descale" in named:
+    descale = (named["k_descale"], named["v_descale"])
+  return tuple(
+    call.backend.decode(
+      call.spec, call.config, call.splits, named["q"], named["k_cache"],
+      named.get("v_cache"), named["lengths"], named["rows"],
+      named.get("pages"), named.get("sinks"), descale,
+    )
+  )  # fmt: skip
+
+
+@functools.cache
+def _decode_ops(names: tuple[str, ...], follows: bool) -> tuple[_Op, Any]:
+  """(op, its custom_partitioning function) of a decode call with these
+  operands; `follows`: its cache shards with the batch."""
+  r = "b" if follows else "c"  # the cache's rows: the sequences, or its own
+  factors = dict(
+    q=_Q, k_cache=f"{r} t k d", v_cache=f"{r} t k e", lengths="b", rows="b",
+    pages="b p", sinks=_S, k_descale="b k", v_descale="b k",
+  )  # fmt: skip
+  rule = ", ".join(factors[n] for n in names) + f" -> {_O}, {_L}"
+  op = _DecodeOp(names, ("out", "lse"), _run_decode, rule, False, False)
+  return op, _partitioned(op)
+
+
+_FP8_FACTORS = dict(
+  q8=_Q.replace("e", "d"), k8=_KV, v8_t="b k d t", q_scale="b {h} n",
+  k_scale="b k m", v_scale="b k m", q_residual=_Q.replace("e", "d"),
+  sinks=_S, q_ids="b s", kv_ids="b t",
+)  # fmt: skip
+
+
+def _run_fp8(call: StaticCall, *arrays: jax.Array) -> tuple:
+  """The backend's FP8 forward on `FP8Inputs` (+ sinks, ids) flattened."""
+  q8, k8, v8_t, qs, ks, vs, *rest = arrays
+  residual = rest.pop(0) if call.spec.fp8.q_residual else None
+  x = FP8Inputs(q8, k8, v8_t, qs, ks, vs, residual)
+  return tuple(
+    call.backend.fp8_forward(call.spec, call.config, x, **_extras(call, rest))
+  )
+
+
+@functools.cache
+def _fp8_ops(names: tuple[str, ...]) -> tuple[_Op, Any]:
+  rule = ", ".join(_FP8_FACTORS[n] for n in names)
+  rule += " -> b s {h} d, " + _L
+  op = _Fp8Op(names, ("out", "lse"), _run_fp8, rule, False)
+  return op, _partitioned(op)
+
+
 def _dispatch(
   op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
 ) -> tuple[jax.Array, ...]:
@@ -343,6 +498,8 @@ def _dispatch(
     return op.shard_map(call, sharding, *args)
   if jax.device_count() == 1:  # nothing to partition: the call itself
     return op.run(call, *args)
+  if not op.foldable:
+    return tuple(partitioned(call, *args))
   return _with_vmap(partitioned, call, *args)
 
 
@@ -368,11 +525,25 @@ def run(call: StaticCall, operands: Any) -> Any:
     return backward(call, q, k, v, out, lse, dout, dlse, sinks, ids)
   if call.op == "fp8":
     x, sinks, ids = operands
-    return call.backend.fp8_forward(
-      call.spec, call.config, x, sinks=sinks, segment_ids=ids
+    arrays = tuple(x[:6]) + (
+      (x.q_residual,) if call.spec.fp8.q_residual else ()
     )
+    names = ("q8", "k8", "v8_t", "q_scale", "k_scale", "v_scale")
+    names += ("q_residual",) * call.spec.fp8.q_residual
+    names += ("sinks",) * (sinks is not None)
+    names += ("q_ids", "kv_ids") * (ids is not None)
+    op, fn = _fp8_ops(names)
+    return _dispatch(op, fn, call, *arrays, *_operands(sinks, ids))
   if call.op == "decode":
-    return call.backend.decode(call.spec, call.config, call.splits, *operands)
+    names = _decode_names(call.spec)
+    present = dict(zip(Decode._fields, operands))
+    arrays = [present.get(n) for n in ("q", "k_cache", "v_cache")]
+    arrays += [present["lengths"], present["rows"], present["page_table"]]
+    arrays += [present["sinks"]]
+    arrays += list(present["descale"] or ())
+    arrays = tuple(a for a in arrays if a is not None)
+    op, fn = _decode_ops(names, _cache_follows_batch(call.spec))
+    return _dispatch(op, fn, call, *arrays)
   raise ValueError(
     f"StaticCall.op must be one of {get_args(Op)}; got {call.op!r}"
   )
@@ -381,7 +552,8 @@ def run(call: StaticCall, operands: Any) -> Any:
 def _global_scales(spec: AttentionSpec) -> bool:
   """FP8 with one scale per tensor: its amax spans every shard, so the call
   runs whole (XLA gathers) rather than per shard with per-shard scales."""
-  return spec.fp8 is not None and not spec.fp8.block_quantization
+  fp8 = getattr(spec, "fp8", None)  # (a decode spec has none)
+  return fp8 is not None and not fp8.block_quantization
 
 
 def forward(
