@@ -152,12 +152,25 @@ def copy_chunks(
     )
 
 
-def own_kv_tile(refs: tuple, plan: DkdvPlan, w: Any) -> tuple:
+# The kernel's operands, the tiles its producer streams (and their shared
+# memory), and what every consumer reads, by name.
+_INPUTS = ("q", "k", "v", "do", "lse", "dl")
+_STREAMED = (
+  "q", "do", "lse", "dl", "q_smem", "do_smem", "lse_smem", "dl_smem",
+)  # fmt: skip
+_CONSUMED = (
+  "k", "v", "dk", "dv", "k_smem", "v_smem", "q_smem", "do_smem", "lse_smem",
+  "dl_smem", "full", "empty", "kv_bar",
+)  # fmt: skip
+
+
+def own_kv_tile(refs: dict[str, Any], plan: DkdvPlan, w: Any) -> tuple:
   """Loads consumer `w`'s K/V tile (`block_kv` keys, as head-dim chunks
-  `[splits, block_kv, chunk]`) and waits for it. `refs` are (k_ref, v_ref,
-  k_smem, v_smem, kv_bar). Returns (its first key, its global rows, its K
-  chunks, its V chunks)."""
-  k_ref, v_ref, k_smem, v_smem, kv_bar = refs
+  `[splits, block_kv, chunk]`) and waits for it. Returns (its first key,
+  its global rows, its K chunks, its V chunks)."""
+  k_ref, v_ref, k_smem, v_smem, kv_bar = (
+    refs[n] for n in ("k", "v", "k_smem", "v_smem", "kv_bar")
+  )
   consumers, block_kv = plan.config.dkdv_consumers, plan.config.block_kv
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = cta_position(plan)
@@ -207,21 +220,16 @@ def q_tile_range(
   return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
 
 
-def dkdv_producer(refs: tuple, plan: DkdvPlan, seg: Any = None) -> None:
+def dkdv_producer(
+  refs: dict[str, Any], plan: DkdvPlan, seg: Any = None
+) -> None:
   """Streams Q, dO, lse and delta tiles of every visible query tile of every
   query head of the group."""
-  (
-    q_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    full,
-    empty,
-  ) = refs
+  q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem = (
+    refs[n] for n in _STREAMED
+  )
+  empty = refs["empty"]
+  full = refs["full"] * (4 // len(refs["full"]))  # fused: one for all four
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -255,25 +263,14 @@ def dkdv_producer(refs: tuple, plan: DkdvPlan, seg: Any = None) -> None:
 
 
 def dkdv_consumer(
-  refs: tuple, plan: DkdvPlan, ops: KernelOps, seg: Any = None
+  refs: dict[str, Any], plan: DkdvPlan, ops: KernelOps, seg: Any = None
 ) -> None:
   """A consumer owning its K/V tile: dK, dV (chunk `chunk`) over its steps
   (`seg`: segment ids' `SegmentRefs`, per-key query bounds)."""
   (
-    k_ref,
-    v_ref,
-    dk_ref,
-    dv_ref,
-    k_smem,
-    v_smem,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    full,
-    empty,
-    kv_bar,
-  ) = refs
+    k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+    dl_smem, full, empty, kv_bar,
+  ) = (refs[n] for n in _CONSUMED)  # fmt: skip
   spec, cfg = plan.spec, plan.config
   consumers = cfg.dkdv_consumers
   plgpu.set_max_registers(consumer_regs(consumers), action="increase")
@@ -281,9 +278,7 @@ def dkdv_consumer(
   # K, V tiles as head-dim chunks [splits, block_kv, chunk]: S^T and dP^T
   # contract over all of them, dK and dV are accumulated for chunk `chunk`.
   wg = lax.axis_index("wg")
-  kv0, rows, my_k, my_v = own_kv_tile(
-    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, wg
-  )
+  kv0, rows, my_k, my_v = own_kv_tile(refs, plan, wg)
   k_chunks = [my_k.at[c] for c in range(plan.splits)]
   v_chunks = [my_v.at[c] for c in range(plan.splits)]
   bounds = None
@@ -385,7 +380,7 @@ def dkdv_consumer(
 
 
 def dkdv_shared_consumer(
-  refs: tuple,
+  refs: dict[str, Any],
   plan: DkdvPlan,
   ops: KernelOps,
   w: int,
@@ -406,23 +401,10 @@ def dkdv_shared_consumer(
   also issues dQ_w = dS K_w under the same wait and hands it to the sink.
   """
   (
-    k_ref,
-    v_ref,
-    dk_ref,
-    dv_ref,
-    k_smem,
-    v_smem,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    p_smem,
-    ds_smem,
-    full,
-    empty,
-    kv_bar,
-    xchg,
-  ) = refs
+    k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+    dl_smem, full, empty, kv_bar,
+  ) = (refs[n] for n in _CONSUMED)  # fmt: skip
+  p_smem, ds_smem, xchg = refs["p_smem"], refs["ds_smem"], refs["xchg"]
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(consumer_regs(2), action="increase")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -591,33 +573,33 @@ class DqSink:
       plgpu.copy_smem_to_gmem(staged, self.dq_ref.at[tile], reduction_op="add")
 
 
-def sink_scratch(plan: DkdvPlan, interpreted: bool, transforms: tuple) -> tuple:
+def sink_scratch(
+  plan: DkdvPlan, interpreted: bool, transforms: tuple
+) -> dict[str, Any]:
   """Shared memory of the fused kernel's dQ: staging tiles per consumer;
   own layout: dS^T tiles by step parity (in K's `transforms`: one wgmma
   reads both); the interpreter's exchange barrier."""
   cfg, consumers = plan.config, plan.config.dkdv_consumers
-  scratch = (
-    plgpu.SMEM(
+  scratch = dict(
+    dq_smem=plgpu.SMEM(
       (consumers, cfg.block_q, plan.dq_cols),
       jnp.float32,
       transforms=smem_transforms(jnp.float32, plan.dq_cols),
     ),
   )
   if not plan.shared:
-    scratch += (
-      plgpu.SMEM(
-        (2, consumers, cfg.block_kv, cfg.block_q),
-        plan.spec.dtype,
-        transforms=transforms,
-      ),
+    scratch["dst_smem"] = plgpu.SMEM(
+      (2, consumers, cfg.block_kv, cfg.block_q),
+      plan.spec.dtype,
+      transforms=transforms,
     )
     if interpreted and plan.dq_by_cols:
-      scratch += (plgpu.Barrier(num_arrivals=consumers),)
+      scratch["dq_xchg"] = plgpu.Barrier(num_arrivals=consumers)
   return scratch
 
 
 def fused_consumer(
-  refs: tuple,
+  refs: dict[str, Any],
   sink: DqSink,
   ds_smem: Any,
   plan: DkdvPlan,
@@ -628,28 +610,15 @@ def fused_consumer(
   whole head dim and its dQ tiles, for every query tile of every query
   head of the group (`seg`: segment ids' refs, per-key query bounds)."""
   (
-    k_ref,
-    v_ref,
-    dk_ref,
-    dv_ref,
-    k_smem,
-    v_smem,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    full,
-    empty,
-    kv_bar,
-  ) = refs
+    k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem,
+    dl_smem, full, empty, kv_bar,
+  ) = (refs[n] for n in _CONSUMED)  # fmt: skip
   spec, cfg, ops = plan.spec, plan.config, sink.ops
   consumers = cfg.dkdv_consumers
   plgpu.set_max_registers(consumer_regs(consumers), action="increase")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = cta_position(plan)
-  kv0, rows, k_chunks, v_chunks = own_kv_tile(
-    (k_ref, v_ref, k_smem, v_smem, kv_bar), plan, w
-  )
+  kv0, rows, k_chunks, v_chunks = own_kv_tile(refs, plan, w)
   if plan.dq_by_cols:
     # My dQ wgmma reads the other consumers' K tiles too: wait for their
     # TMA myself rather than rely on ordering through their waits and the
@@ -773,40 +742,25 @@ def sum_slab(
 
 
 def _consumers(
-  plan: DkdvPlan,
-  ops: KernelOps,
-  refs: tuple,
-  extra: tuple,
-  dq_ref: Any,
-  seg: SegmentRefs | None,
+  plan: DkdvPlan, ops: KernelOps, refs: dict[str, Any], seg: SegmentRefs | None
 ) -> None:
-  """Runs this warpgroup's consumer. `extra` are the scratch refs past the
-  common ones: shared, P, dS and their rendezvous, then fused the dQ
-  staging; own tiles fused, the dQ staging, the dS^T tiles and the
-  interpreter's exchange barrier. `seg`: segment ids' refs (or None)."""
+  """Runs this warpgroup's consumer (`seg`: segment ids' refs, or None)."""
   consumers, wg = plan.config.dkdv_consumers, lax.axis_index("wg")
   if plan.shared:
-    p_smem, ds_smem, xchg, *staging = extra
-    sink = DqSink(plan, ops, dq_ref, staging[0]) if plan.fused else None
-    full, empty, kv_bar = refs[-3:]
+    sink = None
+    if plan.fused:
+      sink = DqSink(plan, ops, refs["dq"], refs["dq_smem"])
+    for w in range(consumers):
+      pl.when(wg == w)(
+        functools.partial(dkdv_shared_consumer, refs, plan, ops, w, sink, seg)
+      )
+  elif plan.fused:
+    sink = DqSink(plan, ops, refs["dq"], refs["dq_smem"], refs["dq_xchg"])
     for w in range(consumers):
       pl.when(wg == w)(
         functools.partial(
-          dkdv_shared_consumer,
-          refs[:-3] + (p_smem, ds_smem, full, empty, kv_bar, xchg),
-          plan,
-          ops,
-          w,
-          sink,
-          seg,
+          fused_consumer, refs, sink, refs["dst_smem"], plan, w, seg
         )
-      )
-  elif plan.fused:
-    dq_smem, ds_smem, *xchg = extra
-    sink = DqSink(plan, ops, dq_ref, dq_smem, xchg[0] if xchg else None)
-    for w in range(consumers):
-      pl.when(wg == w)(
-        functools.partial(fused_consumer, refs, sink, ds_smem, plan, w, seg)
       )
   else:
     pl.when(wg < consumers)(
@@ -837,82 +791,87 @@ def dkdv_kernel(
   tf = tf_of(plan.chunk)
   kv_tiles = 1 if plan.shared else consumers
 
-  def fa3_bwd_dkdv(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
-    rest = list(refs)
-    ids = [rest.pop(0) for _ in range(3)] if spec.segmented else None
-    dq_ref = rest.pop(0) if plan.fused else None
-    dk_ref, dv_ref, *scratch = rest
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem) = scratch[:6]
+  def fa3_bwd_dkdv(refs: dict[str, Any]) -> None:
     # Fused: one "full" barrier per slot for all four loads (one wait).
-    n_full = 1 if plan.fused else 4
-    full = tuple(scratch[6 : 6 + n_full])
-    empty, kv_bar = scratch[6 + n_full : 8 + n_full]
-    extra = tuple(scratch[8 + n_full :])
+    refs = dict(refs, full=tuple(refs.pop(n) for n in full_names))
     seg = None
     if spec.segmented:  # the keys' query bounds, read from global memory
-      seg = SegmentRefs(ids[0], ids[1], None, ids[2])
-    refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem)
-    refs += (lse_smem, dl_smem, full, empty, kv_bar)
-    _consumers(plan, ops, refs, extra, dq_ref, seg)
+      seg = SegmentRefs(refs["lo"], refs["hi"], None, refs["spans"])
+    _consumers(plan, ops, refs, seg)
 
     @pl.when(lax.axis_index("wg") == consumers)
     def _():
-      dkdv_producer(
-        (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem)
-        + (full * (4 // n_full), empty),
-        plan,
-        seg,
-      )
+      dkdv_producer(refs, plan, seg)
 
   chunked = lambda n, rows, of_v: plgpu.SMEM(
     (n, splits, rows, plan.width(of_v)),
     spec.dtype,
     transforms=tf_of(plan.width(of_v)),
   )
-  scratch = (
-    chunked(kv_tiles, cfg.block_kv, False),  # K
-    chunked(kv_tiles, cfg.block_kv, True),  # V
-    chunked(st, cfg.block_q, False),  # Q
-    chunked(st, cfg.block_q, True),  # dO
-    plgpu.SMEM((st, cfg.block_q), jnp.float32),
-    plgpu.SMEM((st, cfg.block_q), jnp.float32),
+  scratch = dict(
+    k_smem=chunked(kv_tiles, cfg.block_kv, False),
+    v_smem=chunked(kv_tiles, cfg.block_kv, True),
+    q_smem=chunked(st, cfg.block_q, False),
+    do_smem=chunked(st, cfg.block_q, True),
+    lse_smem=plgpu.SMEM((st, cfg.block_q), jnp.float32),
+    dl_smem=plgpu.SMEM((st, cfg.block_q), jnp.float32),
   )
   # "full" barriers per slot: Q, dO (one TMA per head-dim chunk), lse,
   # delta; fused, one barrier counting all of them.
   if plan.fused:
-    scratch += (plgpu.Barrier(num_arrivals=2 * splits + 2, num_barriers=st),)
-  else:
-    scratch += (
-      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-      plgpu.Barrier(num_arrivals=splits, num_barriers=st),
-      plgpu.Barrier(num_barriers=st),
-      plgpu.Barrier(num_barriers=st),
+    full_names = ("full",)
+    scratch["full"] = plgpu.Barrier(
+      num_arrivals=2 * splits + 2, num_barriers=st
     )
-  scratch += (
+  else:
+    full_names = ("q_full", "do_full", "lse_full", "dl_full")
+    scratch.update(
+      q_full=plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      do_full=plgpu.Barrier(num_arrivals=splits, num_barriers=st),
+      lse_full=plgpu.Barrier(num_barriers=st),
+      dl_full=plgpu.Barrier(num_barriers=st),
+    )
+  scratch.update(
     # Slot releases: the fused kernel's arrive once per consumer warpgroup.
-    consumer_release(st, consumers)
+    empty=consumer_release(st, consumers)
     if plan.fused
     else plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
     # K, V of each K/V tile (one TMA per head-dim chunk)
-    plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
+    kv_bar=plgpu.Barrier(num_arrivals=splits, num_barriers=2 * kv_tiles),
+    p_smem=None,
+    ds_smem=None,
+    xchg=None,
   )
   if plan.shared:  # P and dS by step parity, and the consumers' rendezvous
     exchange = lambda: plgpu.SMEM(
       (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
     )
-    scratch += (exchange(), exchange(), plgpu.Barrier(num_arrivals=consumers))
+    scratch.update(
+      p_smem=exchange(),
+      ds_smem=exchange(),
+      xchg=plgpu.Barrier(num_arrivals=consumers),
+    )
+  scratch.update(dict.fromkeys(("dq_smem", "dst_smem", "dq_xchg")))
   if plan.fused:
-    scratch += sink_scratch(plan, interpret is not None, tf)
-  out_type = tuple(
-    jax.ShapeDtypeStruct((spec.batch, kv_rows, spec.heads_kv, d), spec.dtype)
-    for d in (spec.head_dim, spec.head_dim_v)
-  )
-  if plan.fused and interpret is not None:
+    scratch.update(sink_scratch(plan, interpret is not None, tf))
+  dkdv_out = {
+    n: jax.ShapeDtypeStruct((spec.batch, kv_rows, spec.heads_kv, d), spec.dtype)
+    for n, d in (("dk", spec.head_dim), ("dv", spec.head_dim_v))
+  }
+  inputs = list(_INPUTS) + ["lo", "hi", "spans"] * spec.segmented
+  out_type = dkdv_out
+  if plan.fused and interpret is None:  # the accumulator, updated in place
+    inputs.append("dq")
+  elif plan.fused:  # the slab its tiles are stored to
     slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
     slab += (spec.heads_q, spec.head_dim)
-    out_type = (jax.ShapeDtypeStruct(slab, jnp.float32),) + out_type
+    out_type = {"dq": jax.ShapeDtypeStruct(slab, jnp.float32), **dkdv_out}
+  optional = [n for n in ("lo", "hi", "spans", "dq") if n not in inputs]
+  optional = [n for n in optional if n not in out_type]
   kernel = build_kernel(
     fa3_bwd_dkdv,
+    inputs=inputs,
+    optional=optional,
     out_type=out_type,
     scratch=scratch,
     grid=(spec.heads_kv, plan.kv_ctas * plan.cta_splits, spec.batch),

@@ -27,14 +27,32 @@ from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.kernels.sm90.pipeline import TileWalk, kv_producer
 from pallas_fa3.spec import AttentionSpec
 
+# A consumer's refs, by name (`build_kernel`'s dict).
+_CONSUMED = (
+  "q", "do", "lse", "dl", "dq", "q_smem", "do_smem", "lse_smem", "dl_smem",
+  "k_smem", "v_smem", "k_full", "v_full", "k_empty", "v_empty", "tile_bar",
+)  # fmt: skip
+
 
 def _tile_loads(
-  refs: tuple, seg: SegmentRefs | None, bars: list, b: int, at: tuple
+  refs: dict[str, Any], seg: SegmentRefs | None, bars: list, b: int, at: tuple
 ) -> None:
   """TMA of query-row block `b`'s Q, dO, lse and delta tiles (and, with
   segment ids, its rows' key bounds) at `at = (batch, rows, head)`, one
   barrier each."""
-  q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem = refs
+  q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem = (
+    refs[n]
+    for n in (
+      "q",
+      "do",
+      "lse",
+      "dl",
+      "q_smem",
+      "do_smem",
+      "lse_smem",
+      "dl_smem",
+    )
+  )
   batch, rows, head = at
   tile, row = (batch, rows, head), (batch, head, rows)
   plgpu.copy_gmem_to_smem(
@@ -63,30 +81,16 @@ def _row_bounds(
 
 
 def _dq_consumer(
-  refs: tuple,
+  refs: dict[str, Any],
   plan: common.QueryPlan,
   ops: KernelOps,
   seg: SegmentRefs | None = None,
 ) -> None:
   """A consumer with its own `block_q` rows: dQ over its K/V steps."""
   (
-    q_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    dq_ref,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    k_smem,
-    v_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    tile_bar,
-  ) = refs
+    q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem,
+    dl_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar,
+  ) = (refs[n] for n in _CONSUMED)  # fmt: skip
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(
     common.consumer_regs(plan.row_blocks), action="increase"
@@ -99,8 +103,7 @@ def _dq_consumer(
   tile = (batch, pl.ds(row0, cfg.block_q), head)
   n = _TILE_LOADS + (2 if seg is not None else 0)
   bars = [tile_bar.at[n * wg + i] for i in range(n)]
-  loads = (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem, dl_smem)
-  _tile_loads(loads, seg, bars, wg, tile)
+  _tile_loads(refs, seg, bars, wg, tile)
   for bar in bars:
     plgpu.barrier_wait(bar)
   lse2 = ops.load_rows(lse_smem.at[wg])
@@ -159,7 +162,7 @@ def _dq_consumer(
 
 
 def _dq_shared_consumer(
-  refs: tuple,
+  refs: dict[str, Any],
   plan: common.QueryPlan,
   ops: KernelOps,
   w: int,
@@ -175,25 +178,10 @@ def _dq_shared_consumer(
   kernel's shared layout).
   """
   (
-    q_ref,
-    do_ref,
-    lse_ref,
-    dl_ref,
-    dq_ref,
-    q_smem,
-    do_smem,
-    lse_smem,
-    dl_smem,
-    k_smem,
-    v_smem,
-    ds_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    tile_bar,
-    xchg,
-  ) = refs
+    q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem, lse_smem,
+    dl_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, tile_bar,
+  ) = (refs[n] for n in _CONSUMED)  # fmt: skip
+  ds_smem, xchg = refs["ds_smem"], refs["xchg"]
   spec, cfg = plan.spec, plan.config
   plgpu.set_max_registers(common.consumer_regs(2), action="increase")
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -202,8 +190,7 @@ def _dq_shared_consumer(
   tile = (batch, pl.ds(row0, cfg.block_q), head)
   bars = [tile_bar.at[i] for i in range(_TILE_LOADS + 2 * (seg is not None))]
   if w == 0:  # one consumer loads the shared tiles; both wait for them
-    loads = (q_ref, do_ref, lse_ref, dl_ref, q_smem, do_smem, lse_smem)
-    _tile_loads(loads + (dl_smem,), seg, bars, 0, tile)
+    _tile_loads(refs, seg, bars, 0, tile)
   for bar in bars:
     plgpu.barrier_wait(bar)
   lse2 = ops.load_rows(lse_smem.at[0])
@@ -300,44 +287,33 @@ def dq_kernel(
   tf = tf_of(d)
   loads = _TILE_LOADS + (2 if spec.segmented else 0)
 
-  def fa3_bwd_dq(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *refs):
-    refs = list(refs)
-    ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
-    dq_ref, q_smem, do_smem, lse_smem, dl_smem, k_smem, v_smem = refs[:7]
-    k_full, v_full, k_empty, v_empty, tile_bar = refs[7:12]
-    exchange = refs[12:]
+  def fa3_bwd_dq(refs: dict[str, Any]) -> None:
     seg, tiles = None, TileWalk(plan, plan.num_tiles)
     if spec.segmented:
-      *exchange, bounds_smem = exchange
-      seg = SegmentRefs(ids[0], ids[1], bounds_smem, ids[2])
-      tiles = dataclasses.replace(tiles, spans=ids[2])
+      seg = SegmentRefs(
+        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
+      )
+      tiles = dataclasses.replace(tiles, spans=refs["spans"])
     wg = lax.axis_index("wg")
-    refs = (q_ref, do_ref, lse_ref, dl_ref, dq_ref, q_smem, do_smem)
-    refs += (lse_smem, dl_smem, k_smem, v_smem)
-    ring = (k_full, v_full, k_empty, v_empty, tile_bar)
     if shared:
-      ds_smem, xchg = exchange
       for w in range(consumers):
         pl.when(wg == w)(
-          functools.partial(
-            _dq_shared_consumer,
-            refs + (ds_smem,) + ring + (xchg,),
-            plan,
-            ops,
-            w,
-            seg,
-          )
+          functools.partial(_dq_shared_consumer, refs, plan, ops, w, seg)
         )
     else:
       pl.when(wg < consumers)(
-        functools.partial(_dq_consumer, refs + ring, plan, ops, seg)
+        functools.partial(_dq_consumer, refs, plan, ops, seg)
       )
 
     @pl.when(wg == consumers)
     def _():
       # One query tile per CTA: the forward's K/V producer without a walk.
       kv_producer(
-        (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty),
+        tuple(
+          refs[n]
+          for n in ("k", "v", "k_smem", "v_smem", "k_full", "v_full")
+          + ("k_empty", "v_empty")
+        ),
         tiles,
         registers=common.producer_regs(consumers),
       )
@@ -348,30 +324,41 @@ def dq_kernel(
   ring = lambda width: plgpu.SMEM(
     (st, cfg.block_kv, width), spec.dtype, transforms=tf_of(width)
   )
-  scratch = (
-    per_block(d),  # Q
-    per_block(dv),  # dO
-    plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
-    plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
-    ring(d),  # K
-    ring(dv),  # V
-    plgpu.Barrier(num_barriers=st),
-    plgpu.Barrier(num_barriers=st),
-    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-    plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
-    plgpu.Barrier(num_barriers=loads * blocks),  # Q, dO, lse, delta (lo, hi)
+  scratch = dict(
+    q_smem=per_block(d),
+    do_smem=per_block(dv),
+    lse_smem=plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
+    dl_smem=plgpu.SMEM((blocks, cfg.block_q), jnp.float32),
+    k_smem=ring(d),
+    v_smem=ring(dv),
+    k_full=plgpu.Barrier(num_barriers=st),
+    v_full=plgpu.Barrier(num_barriers=st),
+    k_empty=plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    v_empty=plgpu.Barrier(num_arrivals=consumers, num_barriers=st),
+    # Q, dO, lse, delta (and the rows' key bounds) per query-row block
+    tile_bar=plgpu.Barrier(num_barriers=loads * blocks),
+    ds_smem=None,
+    xchg=None,
+    bounds_smem=None,
   )
   if shared:  # dS by step parity, and the consumers' rendezvous
-    scratch += (
-      plgpu.SMEM((2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf),
-      plgpu.Barrier(num_arrivals=consumers),
+    scratch.update(
+      ds_smem=plgpu.SMEM(
+        (2, cfg.block_q, cfg.block_kv), spec.dtype, transforms=tf
+      ),
+      xchg=plgpu.Barrier(num_arrivals=consumers),
     )
   if spec.segmented:  # the rows' key bounds
-    scratch += bounds_scratch(cfg.block_q, blocks)
+    scratch["bounds_smem"] = bounds_scratch(cfg.block_q, blocks)[0]
+  inputs = ["q", "k", "v", "do", "lse", "dl"] + ["lo", "hi", "spans"] * (
+    spec.segmented
+  )
   kernel = common.build_kernel(
     fa3_bwd_dq,
-    out_type=jax.ShapeDtypeStruct(
-      (spec.batch, q_rows, spec.heads_q, d), spec.dtype
+    inputs=inputs,
+    optional=[n for n in ("lo", "hi", "spans") if n not in inputs],
+    out_type=dict(
+      dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
     ),
     scratch=scratch,
     grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
@@ -382,6 +369,7 @@ def dq_kernel(
 
   def run(*args: jax.Array, segment_ids: Any = None) -> jax.Array:
     extra = () if segment_ids is None else id_operands(plan, *segment_ids)
-    return kernel(*args, *extra)
+    (dq,) = kernel(*args, *extra)
+    return dq
 
   return run

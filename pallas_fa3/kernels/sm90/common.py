@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -359,58 +359,79 @@ def consumer_release(num_barriers: int, consumers: int = NUM_CONSUMERS) -> Any:
 
 
 def build_kernel(
-  body: Callable[..., None],
+  body: Callable[[dict[str, Any]], None],
   *,
-  out_type: Any,
-  scratch: tuple,
+  inputs: Sequence[str],
+  out_type: dict[str, Any],
+  scratch: dict[str, Any],
   grid: tuple[int, ...],
   grid_names: tuple[str, ...],
   warpgroups: int,
   interpret: Any,
+  optional: Sequence[str] = (),
   in_place: bool = False,
+  approx_math: bool = True,
+  cluster: bool = True,
 ) -> Callable[..., Any]:
-  """`plgpu.kernel` with the settings every sm90 kernel here shares.
+  """`plgpu.kernel` with the settings every sm90 kernel here shares, its
+  refs by name.
 
-  `warpgroups` threads named "wg" (consumers first, the producer last),
-  approximate math for exp2 and the reciprocal, and `interpret` (None, or
-  interpret-mode parameters). `in_place` (compiled only) builds it on
+  `body(refs)` gets one dict: the operands named `inputs` (in the order the
+  kernel is called with them), the outputs named by `out_type`'s keys (the
+  kernel returns them in that order), the scratch named by `scratch`'s
+  keys, and None for every name of `optional` and every scratch entry that
+  is None (absent operands and scratch). `warpgroups` threads named "wg"
+  (consumers first, the producer last), a one-CTA cluster (`cluster`),
+  approximate math for exp2 and the reciprocal (`approx_math`), and
+  `interpret` (None, or interpret-mode parameters: a race then raises,
+  `compat.fail_on_race`). `in_place` (compiled only) builds it on
   `pl.kernel`, whose operands may be `jax.new_ref`s the kernel updates in
   place (`plgpu.kernel`'s vmap wrapper takes arrays only; such a kernel has
   no vmap rule, so its caller batches it).
   """
+  present = {n: t for n, t in scratch.items() if t is not None}
+  names = [*inputs, *out_type, *present]
+  absent = dict.fromkeys(optional) | {n: None for n in scratch if n not in present}
+
+  def by_name(*refs: Any) -> None:
+    body({**dict(zip(names, refs, strict=True)), **absent})
+
+  # The kernel's name in profiles, dumps and PTX: the body's.
+  by_name.__name__ = by_name.__qualname__ = body.__name__
+  out_types = tuple(out_type.values())
+  scratch_types = tuple(present.values())
   if in_place and interpret is None:
     mesh = plgpu.Mesh(
       grid=grid,
       grid_names=grid_names,
-      cluster=(1,),
-      cluster_names=(CLUSTER,),
+      cluster=(1,) if cluster else (),
+      cluster_names=(CLUSTER,) if cluster else (),
       num_threads=warpgroups,
       thread_name="wg",
     )
 
     def kernel_body(*refs):
       pl.run_scoped(
-        functools.partial(body, *refs), *scratch, collective_axes="wg"
+        functools.partial(by_name, *refs), *scratch_types, collective_axes="wg"
       )
 
     return pl.kernel(
       kernel_body,
-      out_type=out_type,
+      out_type=out_types,
       mesh=mesh,
-      compiler_params=compat.compiler_params(approx_math=True),
+      compiler_params=compat.compiler_params(approx_math=approx_math),
       name=body.__name__,
     )
   kernel = plgpu.kernel(
-    body,
-    out_type=out_type,
-    scratch_types=scratch,
+    by_name,
+    out_type=out_types,
+    scratch_types=scratch_types,
     grid=grid,
     grid_names=grid_names,
     num_threads=warpgroups,
     thread_name="wg",
-    cluster=(1,),
-    cluster_names=(CLUSTER,),
-    compiler_params=compat.compiler_params(approx_math=True),
+    **(dict(cluster=(1,), cluster_names=(CLUSTER,)) if cluster else {}),
+    compiler_params=compat.compiler_params(approx_math=approx_math),
     interpret=interpret,
   )
   return compat.fail_on_race(kernel, interpret)

@@ -98,7 +98,7 @@ def convert_tile(ops: KernelOps, src: Any, dst: Any, valid: Any = None):
 
 
 def e4m3_converter(
-  refs: tuple, plan: Any, ops: KernelOps, scalars: tuple
+  refs: dict[str, Any], plan: Any, ops: KernelOps, scalars: tuple
 ) -> None:
   """The second warpgroup with an e4m3 cache: TMA of the split's tiles into
   the e4m3 ring (`num_stages` ahead), conversion into the float16 ring.
@@ -107,8 +107,11 @@ def e4m3_converter(
   e4m3 slot is refilled only after the whole warpgroup has read it (the
   warpgroup barrier of `commit_smem`); at the end it waits for the
   consumer's release of the last float16 tiles."""
-  (k_ref, v_ref, pt_ref, raw_k, raw_v, raw_k_full, raw_v_full) = refs[:7]
-  k16, v16, k_full, v_full, k_empty, v_empty = refs[7:]
+  k_ref, v_ref, pt_ref, raw_k, raw_v, raw_k_full, raw_v_full = (
+    refs[n]
+    for n in ("k", "v", "pages", "raw_k", "raw_v", "raw_k_full", "raw_v_full")
+  )
+  k16, v16, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
   batch, head, row, first, count, length = scalars
   stages, bkv = plan.config.num_stages, plan.block_kv
   conv = config_decode.converted_stages(plan.spec)
@@ -169,9 +172,9 @@ def e4m3_converter(
     plgpu.barrier_wait(v_empty.at[slot])
 
 
-def e4m3_scratch(plan: Any) -> tuple:
-  """The e4m3 rings, the float16 rings and their barriers (in
-  `converter`'s order after Q and before the output staging)."""
+def e4m3_scratch(plan: Any) -> dict[str, Any]:
+  """The e4m3 rings, the float16 rings and their barriers (after Q's and
+  the output's staging, in the kernel's scratch)."""
   spec, cfg = plan.spec, plan.config
   d, dv, bkv = spec.head_dim, spec.head_dim_v, cfg.block_kv
   conv = config_decode.converted_stages(spec)
@@ -181,22 +184,24 @@ def e4m3_scratch(plan: Any) -> tuple:
   tma = lambda: plgpu.Barrier(
     num_arrivals=plan.pages_per_tile, num_barriers=cfg.num_stages
   )
-  return (
-    ring(cfg.num_stages, d, FP8_DTYPE),
-    ring(cfg.num_stages, dv, FP8_DTYPE),
-    tma(),
-    tma(),
-    ring(conv, d, COMPUTE_DTYPE),
-    ring(conv, dv, COMPUTE_DTYPE),
-    consumer_release(conv, consumers=1),
-    consumer_release(conv, consumers=1),
-    consumer_release(conv, consumers=1),
-    consumer_release(conv, consumers=1),
+  return dict(
+    raw_k=ring(cfg.num_stages, d, FP8_DTYPE),
+    raw_v=ring(cfg.num_stages, dv, FP8_DTYPE),
+    raw_k_full=tma(),
+    raw_v_full=tma(),
+    k_smem=ring(conv, d, COMPUTE_DTYPE),
+    v_smem=ring(conv, dv, COMPUTE_DTYPE),
+    k_full=consumer_release(conv, consumers=1),
+    v_full=consumer_release(conv, consumers=1),
+    k_empty=consumer_release(conv, consumers=1),
+    v_empty=consumer_release(conv, consumers=1),
   )
 
 
 _F32 = jnp.float32
 hardware.check_split(2, LONE_CONSUMER_REGS, LONE_PRODUCER_REGS)
+# The K/V ring (16-bit tiles) and its barriers, by name.
+_RING = ("k_smem", "v_smem", "k_full", "v_full", "k_empty", "v_empty")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,10 +274,11 @@ def split_tiles(plan: DecodePlan, length: Any, split: Any) -> tuple[Any, Any]:
   return lo, jnp.clip(t1 - lo, 0, per)
 
 
-def _producer(refs: tuple, plan: DecodePlan, scalars: tuple) -> None:
+def _producer(refs: dict[str, Any], plan: DecodePlan, scalars: tuple) -> None:
   """Streams the split's K/V tiles into the ring, then waits until the
   consumer has released the last ones (no TMA in flight at exit)."""
-  k_ref, v_ref, pt_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty = refs
+  k_ref, v_ref, pt_ref = refs["k"], refs["v"], refs["pages"]
+  k_smem, v_smem, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
   batch, head, row, first, count = scalars
   stages, parts = plan.config.num_stages, plan.pages_per_tile
   rows = plan.block_kv // parts
@@ -330,11 +336,15 @@ def _zero_rows_from(ops: KernelOps, tile_ref: Any, valid: Any) -> None:
   plgpu.commit_smem()  # generic stores -> the async proxy of the wgmma
 
 
-def _consumer(refs: tuple, plan: DecodePlan, ops: KernelOps, scalars: tuple):
+def _consumer(
+  refs: dict[str, Any], plan: DecodePlan, ops: KernelOps, scalars: tuple
+):
   """The query rows' online softmax over the split's tiles, and the
   epilogue (float32 output normalized over the split, its lse)."""
-  (q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem) = refs[:8]
-  k_full, v_full, k_empty, v_empty, q_bar = refs[8:]
+  q_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar = (
+    refs[n] for n in ("q", "o", "lse", "q_smem", "o_smem", "lse_smem", "q_bar")
+  )
+  k_smem, v_smem, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
   spec, cfg = plan.spec, plan.config
   batch, head, split, length, first, count, descale = scalars
   bkv, stages = cfg.block_kv, plan.ring_stages
@@ -419,76 +429,72 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
   spec, cfg = plan.spec, plan.config
   b, hk, splits = spec.batch, spec.heads_kv, plan.splits
   stages, bkv = plan.ring_stages, cfg.block_kv
-  n_in = 8 if plan.fp8 else 6  # + k_descale, v_descale `[b, hk]`
 
-  def fa3_decode(*refs):
-    q_ref, k_ref, v_ref, len_ref, row_ref, pt_ref = refs[:6]
-    o_ref, lse_ref, q_smem, o_smem, lse_smem, q_bar = refs[n_in : n_in + 6]
-    raw = refs[n_in + 6 : n_in + 10] if plan.fp8 else ()  # e4m3 rings
-    k_smem, v_smem, k_full, v_full, k_empty, v_empty = refs[-6:]
+  def fa3_decode(refs: dict[str, Any]) -> None:
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     split = lax.axis_index("split")
-    length = len_ref[batch]
+    length = refs["lengths"][batch]
     first, count = split_tiles(plan, length, split)
-    descale = tuple(r[batch, head] for r in refs[6:n_in])
+    descale = ()
+    if plan.fp8:  # `[b, hk]` each
+      descale = tuple(refs[n][batch, head] for n in ("k_descale", "v_descale"))
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
     def _():
       _consumer(
-        (q_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem)
-        + (k_full, v_full, k_empty, v_empty, q_bar),
-        plan,
-        ops,
-        (batch, head, split, length, first, count, descale),
+        refs, plan, ops, (batch, head, split, length, first, count, descale)
       )
 
     @pl.when(wg == 1)
     def _():
-      ring = (k_smem, v_smem, k_full, v_full, k_empty, v_empty)
+      row = refs["rows"][batch]
       if plan.fp8:
         e4m3_converter(
-          (k_ref, v_ref, pt_ref) + raw + ring,
-          plan,
-          ops,
-          (batch, head, row_ref[batch], first, count, length),
+          refs, plan, ops, (batch, head, row, first, count, length)
         )
       else:
-        _producer(
-          (k_ref, v_ref, pt_ref, k_smem, v_smem, k_full, v_full)
-          + (k_empty, v_empty),
-          plan,
-          (batch, head, row_ref[batch], first, count),
-        )
+        _producer(refs, plan, (batch, head, row, first, count))
 
   d, dv, dtype = spec.head_dim, spec.head_dim_v, plan.compute_dtype
   ring_of = lambda cols: plgpu.SMEM(
     (stages, bkv, cols), dtype, transforms=smem_transforms(dtype, cols)
   )
-  if plan.fp8:  # TMA -> e4m3 rings -> converter -> float16 rings
-    ring = e4m3_scratch(plan)
-  else:
-    full = lambda: plgpu.Barrier(
-      num_arrivals=plan.pages_per_tile, num_barriers=stages
-    )
-    ring = (ring_of(d), ring_of(dv), full(), full())
-    ring += (consumer_release(stages, 1), consumer_release(stages, 1))
-  scratch = (
-    plgpu.SMEM((DECODE_ROWS, d), dtype, transforms=smem_transforms(dtype, d)),
-    plgpu.SMEM(
+  scratch = dict(
+    q_smem=plgpu.SMEM(
+      (DECODE_ROWS, d), dtype, transforms=smem_transforms(dtype, d)
+    ),
+    o_smem=plgpu.SMEM(
       (DECODE_ROWS, out_cols(dv)),
       _F32,
       transforms=smem_transforms(_F32, out_cols(dv)),
     ),
-    plgpu.SMEM((DECODE_ROWS,), _F32),
-    plgpu.Barrier(num_barriers=1),  # Q
-  ) + ring
-  out_type = (
-    jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS, dv), _F32),
-    jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS), _F32),
+    lse_smem=plgpu.SMEM((DECODE_ROWS,), _F32),
+    q_bar=plgpu.Barrier(num_barriers=1),
   )
+  if plan.fp8:  # TMA -> e4m3 rings -> converter -> float16 rings
+    scratch.update(e4m3_scratch(plan))
+  else:
+    full = lambda: plgpu.Barrier(
+      num_arrivals=plan.pages_per_tile, num_barriers=stages
+    )
+    scratch.update(
+      k_smem=ring_of(d),
+      v_smem=ring_of(dv),
+      k_full=full(),
+      v_full=full(),
+      k_empty=consumer_release(stages, 1),
+      v_empty=consumer_release(stages, 1),
+    )
+  out_type = dict(
+    o=jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS, dv), _F32),
+    lse=jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS), _F32),
+  )
+  inputs = ["q", "k", "v", "lengths", "rows", "pages"]
+  inputs += ["k_descale", "v_descale"] * plan.fp8
   return build_kernel(
     fa3_decode,
+    inputs=inputs,
     out_type=out_type,
     scratch=scratch,
     grid=(b, hk, splits),

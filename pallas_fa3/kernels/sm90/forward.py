@@ -64,6 +64,9 @@ from pallas_fa3.kernels.sm90.pipeline import (
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
+# The K/V ring's barriers, in `pipeline.kv_producer`'s order.
+_RING = ("k_full", "v_full", "k_empty", "v_empty")
+
 
 def _online_softmax(
   s: jax.Array,
@@ -92,7 +95,9 @@ def _online_softmax(
 
 
 def _query_tile(
-  refs: tuple,
+  refs: dict[str, Any],
+  qo: tuple[Any, Any],
+  seg: SegmentRefs | None,
   plan: QueryPlan,
   ops: KernelOps,
   turns: Turns,
@@ -102,12 +107,14 @@ def _query_tile(
   """One query tile in FA3's order: in its pingpong turn the consumer issues
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
   while P_j V_j is still in flight. K/V step j sits in ring slot
-  `(base + j) % num_stages`."""
-  (q_ref, o_ref, lse_ref, sinks_ref, qo_smem, k_smem, v_smem, lse_smem) = refs[
-    :8
-  ]
-  q_smem, o_smem = qo_smem  # this consumer's (`config.forward_qo_layout`)
-  ring, q_bar, seg = refs[8:]
+  `(base + j) % num_stages`. `qo`: this consumer's Q and O tiles
+  (`config.forward_qo_layout`)."""
+  q_ref, sinks_ref, k_smem, v_smem = (
+    refs[n] for n in ("q", "sinks", "k_smem", "v_smem")
+  )
+  q_bar = refs["q_bar"]
+  q_smem, o_smem = qo
+  ring = tuple(refs[n] for n in _RING)
   k_full, v_full, k_empty, v_empty = ring
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
@@ -233,9 +240,9 @@ def _query_tile(
     m,
     l,
     o_smem,
-    lse_smem.at[wg],
-    o_ref,
-    lse_ref,
+    refs["lse_smem"].at[wg],
+    refs["o"],
+    refs["lse"],
     batch,
     head,
     row0,
@@ -278,37 +285,32 @@ def _build(
   layout = forward_qo_layout(cfg, d, spec.dtype.itemsize, dv)
   tmas = 3 if spec.segmented else 1  # TMA copies per Q barrier phase
 
-  def fa3_fwd(q_ref, k_ref, v_ref, *refs):
-    refs = list(refs)
-    sinks_ref = refs.pop(0) if spec.sinks else None
-    ids = [refs.pop(0) for _ in range(3)] if spec.segmented else None
-    o_ref, lse_ref, *scratch = refs
-    qo_smem, k_smem, v_smem, lse_smem = scratch[:4]
+  def fa3_fwd(refs: dict[str, Any]) -> None:
+    qo = refs["qo_smem"]
     if layout == "shared":  # Q's tiles, then O's on the way out
-      qo_smem = (qo_smem, qo_smem)
-    ring, (q_bar, *turns) = scratch[4:8], scratch[8:]
+      qo = (qo, qo)
     seg, tiles = None, walk
-    if spec.segmented:  # (lo, hi, spans) and the bounds' shared tile
-      *turns, bounds_smem = turns
-      seg = SegmentRefs(ids[0], ids[1], bounds_smem, ids[2])
-      tiles = dataclasses.replace(walk, spans=ids[2])
+    if spec.segmented:  # the rows' key bounds, their shared tile, the spans
+      seg = SegmentRefs(
+        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
+      )
+      tiles = dataclasses.replace(walk, spans=refs["spans"])
+    turns = () if refs["turns"] is None else (refs["turns"],)
     wg = lax.axis_index("wg")
 
     def consumer(qo):  # qo: this consumer's Q and O tiles
-      refs = (q_ref, o_ref, lse_ref, sinks_ref, qo, k_smem, v_smem)
-      refs += (lse_smem,)
       run_consumer(
         tiles,
         turns,
         CONSUMER_REGS,
-        lambda *at: _query_tile((*refs, ring, q_bar, seg), plan, ops, *at),
+        lambda *at: _query_tile(refs, qo, seg, plan, ops, *at),
       )
 
     if layout == "per_consumer":  # a union per consumer: refs by warpgroup
-      for w, union in enumerate(qo_smem):
+      for w, union in enumerate(qo):
         pl.when(wg == w)(functools.partial(consumer, tuple(union)))
     else:
-      q_all, o_all = qo_smem
+      q_all, o_all = qo
       pl.when(wg < NUM_CONSUMERS)(
         lambda: consumer((q_all.at[wg], o_all.at[wg]))
       )
@@ -316,7 +318,8 @@ def _build(
     @pl.when(wg == NUM_CONSUMERS)
     def _():
       kv_producer(
-        (k_ref, v_ref, k_smem, v_smem, *ring),
+        (refs["k"], refs["v"], refs["k_smem"], refs["v_smem"])
+        + tuple(refs[n] for n in _RING),
         tiles,
         registers=PRODUCER_REGS,
       )
@@ -340,31 +343,38 @@ def _build(
     qo = tuple(
       plgpu.RefUnion(tiles(d), tiles(dv)) for _ in range(NUM_CONSUMERS)
     )
-  scratch = (
-    qo,
-    ring(d),
-    ring(dv),
-    plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
-    plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
-    plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
-    consumer_release(cfg.num_stages),  # k_empty: one arrival per consumer
-    consumer_release(cfg.num_stages),  # v_empty
+  (turns,) = turn_barriers(ops.interpreted) or (None,)  # (named compiled)
+  scratch = dict(
+    qo_smem=qo,
+    k_smem=ring(d),
+    v_smem=ring(dv),
+    lse_smem=plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), jnp.float32),
+    k_full=plgpu.Barrier(num_barriers=cfg.num_stages),  # (TMA)
+    v_full=plgpu.Barrier(num_barriers=cfg.num_stages),
+    k_empty=consumer_release(cfg.num_stages),  # one arrival per consumer
+    v_empty=consumer_release(cfg.num_stages),
     # Q tile per consumer (and its rows' key bounds: one arrival each)
-    plgpu.Barrier(num_arrivals=tmas, num_barriers=NUM_CONSUMERS),
-    *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
+    q_bar=plgpu.Barrier(num_arrivals=tmas, num_barriers=NUM_CONSUMERS),
+    turns=turns,  # the pingpong's mbarriers in interpret mode
+    bounds_smem=(
+      bounds_scratch(cfg.block_q, NUM_CONSUMERS)[0] if spec.segmented else None
+    ),
   )
-  if spec.segmented:
-    scratch += bounds_scratch(cfg.block_q, NUM_CONSUMERS)
-  out_type = (
-    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, dv), spec.dtype),
+  out_type = dict(
+    o=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, dv), spec.dtype),
     # The lse tile's store is a plain bulk copy, whose bound is the end of
     # the whole buffer, not of a row: its buffer is padded to whole tiles.
-    jax.ShapeDtypeStruct(
+    lse=jax.ShapeDtypeStruct(
       (spec.batch, spec.heads_q, plan.seq_q_pad), jnp.float32
     ),
   )
+  inputs = ["q", "k", "v"] + ["sinks"] * spec.sinks
+  inputs += ["lo", "hi", "spans"] * spec.segmented  # the rows' key bounds
+  optional = [n for n in ("sinks", "lo", "hi", "spans") if n not in inputs]
   return build_kernel(
     fa3_fwd,
+    inputs=inputs,
+    optional=optional,
     out_type=out_type,
     scratch=scratch,
     grid=walk.grid[0],

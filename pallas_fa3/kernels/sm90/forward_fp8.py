@@ -92,6 +92,10 @@ class Fp8Ops(KernelOps):
     plgpu.wgmma(acc, p_smem, vt_smem.transpose((1, 0)))
 
 
+# The K/V ring's barriers, in `pipeline.kv_producer`'s order.
+_RING = ("k_full", "v_full", "k_empty", "v_empty")
+
+
 def sink_seed(
   ops: Fp8Ops, sinks_ref: Any, batch: Any, head: Any, rows: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -119,7 +123,8 @@ INTERPRETED_FP8 = Fp8Ops(interpreted=True)
 
 
 def query_tile(
-  refs: tuple,
+  refs: dict[str, Any],
+  seg: SegmentRefs | None,
   plan: QueryPlan,
   ops: Fp8Ops,
   turns: Turns,
@@ -127,33 +132,21 @@ def query_tile(
   base: jax.Array,
 ) -> None:
   """One query tile: S = Q K^T, softmax, O += P V over its K/V steps, K/V
-  step j in ring slot `(base + j) % num_stages`. `q_refs`: Q, or Q and its
-  rounding residual (S = Q K^T + Q_res K^T, two chained wgmma). As the
+  step j in ring slot `(base + j) % num_stages`. `refs["q"]`: Q, or Q and
+  its rounding residual (S = Q K^T + Q_res K^T, two chained wgmma). As the
   bf16 kernel: the walk starts at a window's first tile, masks come from
   the positions or (segment ids, `seg`) the rows' key bounds, softcap is
-  fused into the scores, sinks (`sinks_ref`) seed the running max."""
-  (
-    q_refs,
-    qs_ref,
-    ks_ref,
-    vs_ref,
-    vr_ref,
-    o_ref,
-    lse_ref,
-    q_smem_all,
-    o_smem_all,
-    p_smem_all,
-    k_smem,
-    vt_smem,
-    lse_smem,
-    k_full,
-    v_full,
-    k_empty,
-    v_empty,
-    q_bar,
-    sinks_ref,
-    seg,
-  ) = refs
+  fused into the scores, sinks seed the running max."""
+  q_refs, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref = (
+    refs[n]
+    for n in ("q", "q_scale", "k_scale", "v_scale", "v_ratio", "o", "lse")
+  )
+  q_smem_all, o_smem_all, p_smem_all, k_smem, vt_smem, lse_smem = (
+    refs[n]
+    for n in ("q_smem", "o_smem", "p_smem", "k_smem", "vt_smem", "lse_smem")
+  )
+  k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
+  q_bar, sinks_ref = refs["q_bar"], refs["sinks"]
   spec, cfg = plan.spec, plan.config
   wg = turns.wg
   batch, head, kv_head = tile.batch, tile.head, tile.kv_head
@@ -331,91 +324,87 @@ def _build(
   qk_transforms = smem_transforms(FP8_DTYPE, d)
   seq_transforms = smem_transforms(FP8_DTYPE, cfg.block_kv)  # P and V^T rows
 
-  def fa3_fwd_fp8(*refs):
-    q_refs, refs = refs[:terms], list(refs[terms:])
-    k_ref, vt_ref, qs_ref, ks_ref, vs_ref, vr_ref = refs[:6]
-    rest = refs[6:]
-    sinks_ref = rest.pop(0) if spec.sinks else None
-    ids = [rest.pop(0) for _ in range(3)] if spec.segmented else None
-    o_ref, lse_ref, *scratch = rest
-    # scratch: q, o, p, k, V^T, lse tiles; k/v full and empty; q; turns;
-    # with segment ids, the rows' bounds last.
-    tiles, ring, q_bar, turns = (
-      scratch[:6],
-      scratch[6:10],
-      scratch[10],
-      scratch[11:],
-    )
+  def fa3_fwd_fp8(refs: dict[str, Any]) -> None:
+    refs = dict(refs, q=tuple(refs.pop(f"q{t}") for t in range(terms)))
     seg, tiles_walk = None, walk
-    if spec.segmented:  # (lo, hi, spans) and the bounds' shared tile
-      *turns, bounds_smem = turns
-      seg = SegmentRefs(ids[0], ids[1], bounds_smem, ids[2])
-      tiles_walk = dataclasses.replace(walk, spans=ids[2])
+    if spec.segmented:  # the rows' key bounds, their shared tile, the spans
+      seg = SegmentRefs(
+        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
+      )
+      tiles_walk = dataclasses.replace(walk, spans=refs["spans"])
+    turns = () if refs["turns"] is None else (refs["turns"],)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
     def _():
-      refs = (q_refs, qs_ref, ks_ref, vs_ref, vr_ref, o_ref, lse_ref)
-      extra = (q_bar, sinks_ref, seg)
       run_consumer(
         tiles_walk,
         turns,
         CONSUMER_REGS,
-        lambda *at: query_tile((*refs, *tiles, *ring, *extra), plan, ops, *at),
+        lambda *at: query_tile(refs, seg, plan, ops, *at),
       )
 
     @pl.when(wg == NUM_CONSUMERS)
     def _():
       kv_producer(
-        (k_ref, vt_ref, tiles[3], tiles[4], *ring),
+        (refs["k"], refs["vt"], refs["k_smem"], refs["vt_smem"])
+        + tuple(refs[n] for n in _RING),
         tiles_walk,
         registers=PRODUCER_REGS,
         v_tile=vt_cols,
       )
 
-  scratch = (
-    plgpu.SMEM(
+  (turns,) = turn_barriers(ops.interpreted) or (None,)  # (named compiled)
+  scratch = dict(
+    q_smem=plgpu.SMEM(
       (NUM_CONSUMERS, terms, cfg.block_q, d),
       FP8_DTYPE,
       transforms=qk_transforms,
     ),
-    plgpu.SMEM(
+    o_smem=plgpu.SMEM(
       (NUM_CONSUMERS, cfg.block_q, out_cols(d)),
       spec.dtype,
       transforms=smem_transforms(spec.dtype, out_cols(d)),
     ),
-    plgpu.SMEM(
+    p_smem=plgpu.SMEM(
       (NUM_CONSUMERS, cfg.block_q, cfg.block_kv),
       FP8_DTYPE,
       transforms=seq_transforms,
     ),
-    plgpu.SMEM(
+    k_smem=plgpu.SMEM(
       (cfg.num_stages, cfg.block_kv, d), FP8_DTYPE, transforms=qk_transforms
     ),
-    plgpu.SMEM(
+    vt_smem=plgpu.SMEM(
       (cfg.num_stages, d, cfg.block_kv), FP8_DTYPE, transforms=seq_transforms
     ),
-    plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), _F32),
-    plgpu.Barrier(num_barriers=cfg.num_stages),  # k_full (TMA)
-    plgpu.Barrier(num_barriers=cfg.num_stages),  # v_full (TMA)
-    consumer_release(cfg.num_stages),  # k_empty: one arrival per consumer
-    consumer_release(cfg.num_stages),  # v_empty
+    lse_smem=plgpu.SMEM((NUM_CONSUMERS, cfg.block_q), _F32),
+    k_full=plgpu.Barrier(num_barriers=cfg.num_stages),  # (TMA)
+    v_full=plgpu.Barrier(num_barriers=cfg.num_stages),
+    k_empty=consumer_release(cfg.num_stages),  # one arrival per consumer
+    v_empty=consumer_release(cfg.num_stages),
     # Q tile(s) per consumer (and its rows' key bounds: one arrival each)
-    plgpu.Barrier(
+    q_bar=plgpu.Barrier(
       num_arrivals=terms + (2 if spec.segmented else 0),
       num_barriers=NUM_CONSUMERS,
     ),
-    *turn_barriers(ops.interpreted),  # pingpong (named barriers compiled)
+    turns=turns,  # the pingpong's mbarriers in interpret mode
+    bounds_smem=(
+      bounds_scratch(cfg.block_q, NUM_CONSUMERS)[0] if spec.segmented else None
+    ),
   )
-  if spec.segmented:
-    scratch += bounds_scratch(cfg.block_q, NUM_CONSUMERS)
-  out_type = (
-    jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
+  out_type = dict(
+    o=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype),
     # Padded to whole tiles, as in the bf16 kernel (a bulk copy's bound).
-    jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
+    lse=jax.ShapeDtypeStruct((spec.batch, spec.heads_q, plan.seq_q_pad), _F32),
   )
+  inputs = [f"q{t}" for t in range(terms)]
+  inputs += ["k", "vt", "q_scale", "k_scale", "v_scale", "v_ratio"]
+  inputs += ["sinks"] * spec.sinks + ["lo", "hi", "spans"] * spec.segmented
+  optional = [n for n in ("sinks", "lo", "hi", "spans") if n not in inputs]
   return build_kernel(
     fa3_fwd_fp8,
+    inputs=inputs,
+    optional=optional,
     out_type=out_type,
     scratch=scratch,
     grid=walk.grid[0],

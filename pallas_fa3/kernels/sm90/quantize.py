@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
+  build_kernel,
   smem_transforms,
   tma_extent,
 )
@@ -101,12 +102,15 @@ def _tile_body(
   terms: int,
   rows: int,
   d: int,
-  *refs,
+  refs: dict[str, Any],
 ) -> None:
-  x_ref, m_ref, *out_refs, scale_ref = refs[: 3 + terms]
-  (x_smem, out_smem), m_smem, amax_smem, scale_smem, loaded, *meet = refs[
-    3 + terms :
-  ]
+  x_ref, m_ref, scale_ref = refs["x"], refs["m"], refs["scale"]
+  out_refs = [refs[f"out{t}"] for t in range(terms)]
+  x_smem, out_smem = refs["x_out_smem"]
+  m_smem, amax_smem, scale_smem, loaded = (
+    refs[n] for n in ("m_smem", "amax_smem", "scale_smem", "loaded")
+  )
+  meet = () if refs["meet"] is None else (refs["meet"],)
   wg = lax.axis_index("wg")
   batch, tile, head = (lax.axis_index(n) for n in ("batch", "tile", "head"))
   row0 = tile * rows
@@ -189,10 +193,10 @@ def _build(
   m_shape = (_CHUNK, _CHUNK) if transpose else (d, d)
   # V^T's rows (the sequence) are whole tiles: its TMA box is a tile wide.
   out_shape = (b, h, d, n * rows) if transpose else (b, s, h, d)
-  scratch = [
+  scratch = dict(
     # The e4m3 tile reuses the input's memory: it is written once every
     # warpgroup's wgmma has read the input (the amax exchange).
-    plgpu.RefUnion(
+    x_out_smem=plgpu.RefUnion(
       plgpu.SMEM((rows, d), dtype, transforms=smem_transforms(dtype, d)),
       plgpu.SMEM(
         (terms, out_rows, out_cols),
@@ -200,33 +204,36 @@ def _build(
         transforms=smem_transforms(FP8_DTYPE, out_cols),
       ),
     ),
-    plgpu.SMEM(m_shape, dtype, transforms=smem_transforms(dtype, m_shape[1])),
-    plgpu.SMEM((out_rows,), _F32),
-    plgpu.SMEM((_CHUNK,), _F32),
-    plgpu.Barrier(num_barriers=2),
-  ]
-  if ops.interpreted:  # the amax meeting (inline PTX does not run there)
-    scratch.append(plgpu.Barrier(num_arrivals=warpgroups))
-
-  def fp8_quantize(*refs):  # the kernel's name in profiles and dumps
-    _tile_body(ops, transpose, rotate, terms, rows, d, *refs)
-
-  kernel = plgpu.kernel(
-    fp8_quantize,
-    out_type=(
-      *(jax.ShapeDtypeStruct(out_shape, FP8_DTYPE) for _ in range(terms)),
-      jax.ShapeDtypeStruct((b, h, n, _CHUNK), _F32),
+    m_smem=plgpu.SMEM(
+      m_shape, dtype, transforms=smem_transforms(dtype, m_shape[1])
     ),
-    scratch_types=tuple(scratch),
+    amax_smem=plgpu.SMEM((out_rows,), _F32),
+    scale_smem=plgpu.SMEM((_CHUNK,), _F32),
+    loaded=plgpu.Barrier(num_barriers=2),
+    # The amax meeting in interpret mode (inline PTX does not run there).
+    meet=plgpu.Barrier(num_arrivals=warpgroups) if ops.interpreted else None,
+  )
+
+  def fp8_quantize(refs):  # the kernel's name in profiles and dumps
+    _tile_body(ops, transpose, rotate, terms, rows, d, refs)
+
+  out_type = {
+    f"out{t}": jax.ShapeDtypeStruct(out_shape, FP8_DTYPE) for t in range(terms)
+  }
+  out_type["scale"] = jax.ShapeDtypeStruct((b, h, n, _CHUNK), _F32)
+  return build_kernel(
+    fp8_quantize,
+    inputs=("x", "m"),
+    out_type=out_type,
+    scratch=scratch,
     grid=(b, n, h),
     grid_names=("batch", "tile", "head"),
-    num_threads=warpgroups,
-    thread_name="wg",
-    # Exact division and no approximate math: the twin's bits.
-    compiler_params=compat.compiler_params(approx_math=False),
+    warpgroups=warpgroups,
     interpret=interpret,
+    cluster=False,
+    # Exact division and no approximate math: the twin's bits.
+    approx_math=False,
   )
-  return compat.fail_on_race(kernel, interpret)
 
 
 def quantize_tensor(
