@@ -391,7 +391,9 @@ def build_kernel(
   """
   present = {n: t for n, t in scratch.items() if t is not None}
   names = [*inputs, *out_type, *present]
-  absent = dict.fromkeys(optional) | {n: None for n in scratch if n not in present}
+  absent = dict.fromkeys(optional) | {
+    n: None for n in scratch if n not in present
+  }
 
   def by_name(*refs: Any) -> None:
     body({**dict(zip(names, refs, strict=True)), **absent})
