@@ -1,29 +1,20 @@
-"""pallas-fa3: FlashAttention-3 for Hopper in JAX Pallas Mosaic GPU.
+"""pallas-fa3: FlashAttention-3 for Hopper in JAX Pallas Mosaic GPU. The public
+API at a glance (everything else is private or lives in a submodule); its
+arguments and conventions are in docs/api.md.
 
-Public API (everything else is private or lives in a submodule):
-  flash_attention      attention with a choice of backend and custom_vjp
-  flash_attention_with_kvcache
-                       attention over a KV cache (decoding: contiguous or
-                       paged, appended tokens, split-KV, GQA-packed)
-  quantize_kv_cache    a KV cache in e4m3 with its descales (FP8KVCache)
-  Sm90DecodeConfig     tiling of the Hopper decode kernel
-  reference_attention  materialized baseline attention (the oracle)
-  BlockwiseConfig      tile sizes of the portable blockwise backend
-  Sm90Config           the Hopper kernels' tilings (mosaic/interpret):
-                       Sm90Config(forward=..., backward=...)
-  Sm90ForwardConfig    tiling of the Hopper forward kernel
-  Sm90BackwardConfig   tiling of the Hopper backward kernels
-  AttentionSpec        the validated, canonical description of a call
-  IMPLEMENTATIONS      the backend names; `Implementation` is their Literal
-  StableMax            settings of flash_attention(stable_max=...)
-  ring_attention       context parallelism: the sequence sharded over a mesh axis
-  ulysses_attention    context parallelism by all-to-all (sequence <-> heads)
-  zigzag_order         the token order of ring_attention's causal zig-zag layout
-  FP8Config            FP8 quantization options of flash_attention(fp8=...)
-  SegmentIds           packed sequences: flash_attention(segment_ids=...)
-  segment_ids_from_lengths, segment_positions
-                       segment ids of packed documents and their restarting
-                       positions (for RoPE)
+  flash_attention               attention, any backend, one custom_vjp
+  flash_attention_with_kvcache  attention over a KV cache (docs/decoding.md)
+  reference_attention           materialized baseline attention (the oracle)
+  ring_attention, ulysses_attention, zigzag_order
+                                context parallelism (docs/scale_out.md)
+  quantize_kv_cache, FP8KVCache an e4m3 KV cache and its descales
+  SegmentIds, segment_ids_from_lengths, segment_positions
+                                packed sequences, their RoPE positions
+  FP8Config, StableMax          flash_attention(fp8=...), (stable_max=...)
+  BlockwiseConfig, Sm90Config (forward=Sm90ForwardConfig, backward=
+  Sm90BackwardConfig), Sm90DecodeConfig   the backends' tilings
+  AttentionSpec                 the validated description of a call
+  IMPLEMENTATIONS, Implementation   the backend names, their Literal
 """
 
 from pallas_fa3.attention import (

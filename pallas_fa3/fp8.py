@@ -1,42 +1,12 @@
-"""FP8 (e4m3) attention forward: quantization pass, configuration and entry points.
-
-FlashAttention-3's accuracy techniques for FP8 (paper section 3.3), which the
-public CUDA kernel leaves out and ours carry:
-
-- **Block quantization.** One float32 scale per `block_q x d` tile of Q and
-  per `block_kv x d` tile of K and of V, the power of two just above
-  `amax(tile) / 448` (448 is e4m3's largest finite value; a power of two
-  keeps every descale exact), so a tile's outliers only coarsen that tile.
-  The tiles are the kernel's tiles: the kernel folds the Q and K scales of a
-  tile pair into its softmax scale and carries the V scale through O.
-- **Incoherent processing.** Q and K are multiplied along head_dim by the
-  orthogonal `M = D H / sqrt(d)` (D a random +-1 diagonal from a JAX PRNG
-  key, H the Walsh-Hadamard matrix), which leaves `(QM)(KM)^T = QK^T` exact
-  in real arithmetic and spreads outlier features across the row before
-  quantization. Computed as a matmul with the +-1 matrix D H (exact
-  products, float32 sums), fused with the quantization. V is not rotated.
-- **Beyond FA3** (`FP8Config(q_residual=True)`): Q's rounding residual in
-  e4m3, added in a second Q K^T product, which removes Q's share of the
-  error (docs/design_notes.md#fp8-accuracy).
-- **Layout.** FP8 wgmma wants both operands k-major; for O = P V the
-  contraction runs over the sequence, so V is written transposed,
-  `[batch, heads_kv, head_dim, seq_kv]` (sequence-contiguous).
-
-The quantization pass is a Pallas Mosaic GPU kernel on Hopper
-(`kernels/sm90/quantize.py`) and its pure-JAX twin elsewhere
-(`pallas_fa3.quant.e4m3.quantize_inputs`, the same bits).
-
-Entry points:
-  `pallas_fa3.flash_attention(q, k, v, fp8=True | FP8Config(...))`
-      quantizes bf16/fp16/fp32 inputs and runs the FP8 forward.
-  `quantize(q, k, v, block_q=..., block_kv=...)` -> `FP8Inputs`, and
-  `flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale, ...)`
-      for callers that keep activations in FP8.
-Backends: `mosaic` (the Hopper kernel, `kernels/sm90/forward_fp8.py`),
-`interpret` (the same kernel in GPU interpret mode) and `blockwise` (its
-pure-JAX twin with the identical quantization and P rounding,
-`backends/blockwise/fp8.py`), chosen like any other call
-(`pallas_fa3.backends`). Gradients through FP8 raise `NotImplementedError`.
+"""FP8 (e4m3) attention forward: the API behind `flash_attention(q, k, v,
+fp8=True | FP8Config(...))`. `quantize(q, k, v, block_q=, block_kv=)` ->
+`FP8Inputs` (FA3's block quantization and incoherent processing, optionally
+Q's residual: the Pallas kernel `kernels/sm90/quantize.py` on Hopper, its
+bit-identical pure-JAX twin `pallas_fa3.quant.e4m3.quantize_inputs`
+elsewhere), `flash_attention_fp8(q8, k8, v8_t, q_scale, k_scale, v_scale,
+...)` for callers that keep activations in FP8 (backends `mosaic`,
+`interpret` and the `blockwise` twin, chosen like any call; forward only),
+and `FP8Config`: docs/fp8.md#what-it-computes.
 
 Example:
   >>> import jax, pallas_fa3

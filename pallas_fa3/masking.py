@@ -1,16 +1,9 @@
-"""Which (query, key) pairs are visible, and which tiles can be skipped.
-
-One mask rule serves every backend: the reference applies it to the whole
-score matrix, the blockwise twin and the kernels to one tile at a time
-(`visible_tile_at`, `visible_keys_end` in the kernels). Block skipping is
-derived from the same rule, per tile, so the two can never disagree.
-
-Causal attention is **bottom-right aligned** (as in FlashAttention-2/3): with
-`offset = seq_kv - seq_q`, query i sees key j iff `j <= i + offset`. When
-`seq_q > seq_kv` the first `seq_q - seq_kv` queries see no key at all.
-A sliding window `(left, right)` is aligned the same way: query i sees key
-j iff `p - left <= j <= p + right` with `p = i + offset` (a None side is
-unbounded; causal is `right = 0`, and the two intersect).
+"""Which (query, key) pairs are visible, and which tiles can be skipped: the
+one mask rule every backend applies (the reference to the whole score
+matrix, the blockwise twin and the kernels one tile at a time:
+`visible_tile_at`, `visible_keys_end`), and the tile ranges derived from it
+per tile, so skipping and masking can never disagree. Causal and windows
+are bottom-right aligned: docs/api.md#conventions.
 """
 
 from __future__ import annotations

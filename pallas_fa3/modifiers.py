@@ -1,21 +1,10 @@
-"""Local attention and score modifiers: sliding windows, softcap, sinks.
-
-The options of `flash_attention(window_size=, softcap=, sinks=)` checked and
-made canonical, and the sinks' layout and gradient every backend shares:
-
-* `window_size=(left, right)`: bottom-right aligned like `causal`. Query i
-  sits at key position `p = i + seq_kv - seq_q` and sees key j iff
-  `p - left <= j <= p + right` (a None or -1 side is unbounded, as in
-  FA2/FA3: `(-1, -1)` is no window, `(-1, 0)` causal); with `causal` the
-  two masks intersect. The mask itself lives in `pallas_fa3.masking`.
-* `softcap=c`: the scaled score s becomes `c * tanh(s / c)` (Gemma 2's and
-  FA3's convention); its derivative is `1 - tanh^2`.
-* `sinks=[heads_q]`: one logit per query head counted once in every row's
-  softmax denominator, `out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
-  e^{sink})`; the lse is the log of that whole denominator, so a row that
-  sees no key has output 0 and lse = sink. Backends seed their running
-  denominator with it; its gradient needs only out, lse and the cotangents
-  (`sinks_gradient`), so no backward kernel sees it.
+"""Local attention and score modifiers: the options of
+`flash_attention(window_size=, softcap=, sinks=)` checked and made canonical
+(a window bottom-right aligned like `causal`, its mask in
+`pallas_fa3.masking`; softcap `c * tanh(s / c)`), the sinks' layout, and
+their gradient from out, lse and the cotangents (`sinks_gradient`), which
+every backend shares, so no backward kernel sees the sinks:
+docs/api.md#sliding-windows-softcap-and-sinks.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Packed sequences: segment ids, their checks, helpers and tile ranges.
-
-`flash_attention(..., segment_ids=SegmentIds(q, kv))` confines attention to
-each document of a packed sequence: query i sees key j only if
-`q[b, i] == kv[b, j]`, intersected with `causal` / `window_size` on
-positions. Ids are traced int32 data (`[batch, seq_q]`, `[batch, seq_kv]`):
-a new packing never recompiles. Padding is ids that match nothing (e.g. -1
-for padded queries, -2 for padded keys): such rows give output 0 and lse
--inf (or lse = sink with sinks), with finite gradients.
-
-Tile skipping: a small pre-pass takes each tile's min and max id
-(`tile_id_ranges`); a query tile and a K/V tile whose id ranges cannot
-meet are never computed. Per query tile the tiles that can meet are
-bounded by one contiguous range (`kv_tile_spans`; exact for sorted ids, as
-packing gives), so the backends reuse the window machinery's ranges.
+"""Packed sequences: `SegmentIds` (query i sees key j only if their ids match,
+intersected with `causal` / `window_size`; traced int32 data, so a new
+packing never recompiles), their checks, the helpers
+`segment_ids_from_lengths` and `segment_positions`, and the per-tile id
+ranges and tile spans by which the backends skip tiles whose ids cannot
+meet: docs/api.md#packed-sequences-segment-ids.
 
 Example:
   >>> import jax.numpy as jnp

@@ -1,8 +1,8 @@
-"""One frozen description of an attention call, and the one validation helper.
-
-Every public entry point turns its arguments into an `AttentionSpec` through
-`make_spec`; backends receive the spec and never re-validate. Errors name the
-offending argument and its shape or value.
+"""One frozen description of an attention call (`AttentionSpec`), and the one
+validation helper: every public entry point turns its arguments into a spec
+through `make_spec`, backends receive the spec and never re-validate, and
+errors name the offending argument and its shape or value:
+docs/api.md#conventions.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""`stable_max`: the repeated-max fix of Qiu and Yao (arXiv 2510.04212).
-
-When a row of a score tile has its maximum more than once, the unnormalized
-P = exp(S - rowmax) holds several entries exactly 1.0. Where the matching V
-values share a sign, rounding P V to bf16 then errs in one direction (the
-products sit on or half-way between bf16 values and the small remaining
-terms all push the same way), and the biased output biases
-`delta = rowsum(dO * O)` in the backward pass step after step.
-
-The fix changes only the stabilizing maximum of each tile, which cancels
-exactly in real arithmetic (out = sum exp(s - m) v / sum exp(s - m) for any
-m): with `r_m` the tile's row max and `r_s` the number of entries within
-`tie_tolerance` of it,
-
-  m = beta * r_m   if r_m > 0 and r_s > 1,
-  m = 0            if r_m < 0 and r_s > 1,
-  m = r_m          otherwise,
-
-and the running max then proceeds as usual. Every exponent stays <= 0 (m is
-never below the tile's max), so nothing overflows; the shift `m - r_m` is
-capped (`max_shift_log2` below) so that the largest P does not sink towards
-the underflow range of P's dtype. Rows without ties are untouched bit for
-bit, and gradients are unchanged: the backward recomputes P from the lse,
-which is the same number in real arithmetic.
+"""`stable_max`: the repeated-max fix of Qiu and Yao (arXiv 2510.04212), which
+moves a score tile's stabilizing max when the row max repeats (exact in real
+arithmetic, rows without ties bit for bit unchanged): its settings
+(`StableMax`), their checks and the per-tile shift the blockwise backend
+applies; the bias it removes and the rule: docs/numerics.md#stable_max.
 
 Example:
   >>> import jax, pallas_fa3

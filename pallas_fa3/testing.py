@@ -1,19 +1,8 @@
-"""Test helpers shared by every backend's tests: inputs, the tolerance rule,
-and decode cases (caches with garbage past the lengths, their golden).
-
-Tolerance rule (from the FlashAttention-3 test suite): an
-implementation's error against the float64 golden may be at most twice the
-error of the same attention computed naively with every intermediate in the
-input's low dtype, plus a small floor:
-
-    max|got - golden| <= 2 * max|naive - golden| + floor,
-    floor = FLOOR_ULPS * eps(float32) * max(max|golden|, 1).
-
-The floor only matters for float32 inputs, where the naive computation is
-itself float32 and both errors are a few float32 ulps, and for tensors whose
-golden value is exactly 0 (e.g. dq when each query sees a single key: the
-error is then the rounding of dP - delta, two equal sums taken in different
-orders). Its unit scale suits the O(1) inputs the tests use.
+"""Test helpers shared by every backend's tests: inputs, the tolerance rule of
+the FlashAttention-3 test suite (an error against the float64 golden of at
+most twice the naive low-precision attention's, plus a small floor),
+lowering checks, and decode cases (caches with garbage past the lengths,
+their golden): docs/testing.md#the-shared-suite-and-the-tolerance-rule.
 """
 
 from __future__ import annotations

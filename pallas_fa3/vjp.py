@@ -1,15 +1,9 @@
-"""THE custom_vjp: every call of every entry point goes through `call`.
-
-A `StaticCall` names what to compute (`op`): flash_attention's forward,
-whose backward is itself a call (op "backward", which refuses a further
-derivative), the FP8 forward of pre-quantized operands and decoding over a
-KV cache (forward only: they refuse gradients here, with the reason). The
-residuals are always the forward's operands, out and the lse, so a
-backend's backward never depends on private state of its forward; the lse
-cotangent is passed through, and the sinks' gradient is computed here from
-the residuals (`modifiers.sinks_gradient`), by no backend. Every call runs
-through `parallel.partitioning`, which shards it or calls the backend
-directly. docs/design_notes.md
+"""THE custom_vjp: every call of every entry point goes through `call`, whose
+`StaticCall` names the op (flash_attention's forward, its backward, which
+refuses a further derivative, the FP8 forward of pre-quantized operands
+and decoding, which refuse gradients), with the residuals, the lse's
+cotangent and the sinks' gradient handled here once, and every call run
+through `parallel.partitioning`: docs/api.md#backends.
 """
 
 from __future__ import annotations

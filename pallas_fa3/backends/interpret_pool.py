@@ -1,22 +1,10 @@
-"""Enough XLA CPU threads for the Pallas GPU interpreter not to deadlock.
-
-The interpreter runs a kernel's warpgroups as Python threads, each executing
-its own compiled program whose host callbacks block (barrier waits) until
-another warpgroup arrives. XLA's CPU runtime moves a program's continuation
-onto its intra-op thread pool whenever a step completes asynchronously, and
-it runs the enclosing program (whose callback waits for every warpgroup) on
-that pool too. The pool has one thread per core unless `PJRT_NPROC` says
-otherwise, so on a 2-core machine the blocked callbacks can hold every pool
-thread while the warpgroup that would release them waits for one: a hang
-that more threads remove (reproduced and measured:
-docs/design_notes.md#the-interpreters-thread-pool).
-
-The pool is sized once, when JAX creates its CPU client, and a pool larger
-than the cores slows ordinary CPU work (blockwise attention 20-45% on 2
-cores), so nothing here changes it behind a caller's back: `reserve()` asks
-for enough threads when called before JAX's first computation (the test
-suite and `pallas-fa3 numerics` do), and `check()` makes an interpret call
-on too small a pool raise instead of hang.
+"""Enough XLA CPU threads for the Pallas GPU interpreter not to deadlock: its
+warpgroups' blocking host callbacks can hold every thread of XLA's CPU pool
+(one per core unless `PJRT_NPROC` says otherwise), and the pool is sized
+once and slows ordinary CPU work when larger, so nothing here resizes it
+behind a caller's back: `reserve()` asks for enough threads before JAX's
+first computation, and `check()` makes an interpret call on too small a
+pool raise instead of hang: docs/design_notes.md#the-interpreters-thread-pool.
 """
 
 from __future__ import annotations

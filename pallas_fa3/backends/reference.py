@@ -1,6 +1,7 @@
 """The `reference` backend: materialized attention in float32, the oracle
 (`pallas_fa3.reference`), prefill and decode; never chosen automatically.
-Its backward differentiates the materialized forward (it ignores the lse).
+Its backward differentiates the materialized forward (it ignores the lse):
+docs/api.md#backends.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""Flax integration: flash attention inside Flax's modules, and native layers.
-
-Public API:
-  make_attention_fn                  `attention_fn` for `flax.nnx.MultiHeadAttention`
-                                     and `flax.linen.MultiHeadDotProductAttention`
-  FlashAttentionFallbackWarning      warned (once) when an unsupported call
-                                     falls back to Flax's attention
-  FlashMultiHeadAttention            NNX layer, parameters of nnx.MultiHeadAttention
-  FlashMultiHeadDotProductAttention  Linen layer, parameters of
-                                     linen.MultiHeadDotProductAttention
-  apply_rope                         rotary position embedding (half-split, float32)
-
-The native layers take flash_attention's `window_size`, `softcap` and
-`sinks=True` (a learnable float32 sink logit per head, zeros at init);
-`make_attention_fn(window_size=..., softcap=...)` applies a window (aligned
-top-left, like Flax's `is_causal`) and a softcap to every call of Flax's
-layers. Packed sequences and padding: the native layers take
-`segment_ids=` at call time; `make_attention_fn` turns padding and segment
-masks into segment ids (`pallas_fa3.flax.adapter_masks`; traced padding
-masks with `make_attention_fn(padding_mask=True)`). Decoding: Flax's layers
-with `decode=True` run flash attention through `make_attention_fn`
-(`pallas_fa3.flax.adapter_masks`); the native layers take `decode=True` too,
-with a KV cache per kv head and per-sequence lengths
-(`pallas_fa3.flax.decode`).
+"""Flax integration: flash attention inside Flax's own attention layers
+(`make_attention_fn`, the `attention_fn` of `flax.nnx.MultiHeadAttention` and
+`flax.linen.MultiHeadDotProductAttention`, warning
+`FlashAttentionFallbackWarning` once when an unsupported call falls back to
+Flax's attention), and native layers with Flax's parameters plus GQA, RoPE,
+windows, softcap, sinks, segment ids and decoding with a KV cache:
+`FlashMultiHeadAttention` (nnx), `FlashMultiHeadDotProductAttention` (linen)
+and their `apply_rope` (half-split, float32): docs/flax.md.
 
 Example:
   >>> import jax

@@ -1,78 +1,13 @@
-"""`make_attention_fn`: flash_attention as the `attention_fn` of Flax's attention modules.
-
-`flax.nnx.MultiHeadAttention(..., attention_fn=make_attention_fn())` and
-`flax.linen.MultiHeadDotProductAttention(..., attention_fn=make_attention_fn())`
-then run `pallas_fa3.flash_attention` for every call it can serve, with
-Flax's semantics: softmax scale `1/sqrt(head_dim)`, Flax's dtype promotion
-(`dtype` casts q, k, v), any number of leading batch axes, GQA, and Flax's
-**top-left** aligned `is_causal` (query i sees keys j <= i, also when
-seq_q != seq_kv; translated exactly onto the core's bottom-right mask).
-
-What flash attention cannot compute is *unsupported*: an attention `bias`,
-dropout (`dropout_rate > 0` and not `deterministic`), sowing the attention
-weights (`module` given, i.e. `sow_weights=True`), custom einsums, a dtype
-other than float16/bfloat16/float32, head_dim > 256, and a dense mask that
-is not recognised (below). `on_unsupported` says what happens then:
-
-* `"raise"` (the default): `NotImplementedError` naming the feature. The
-  default because the house rule is that nothing falls back silently, and a
-  fallback is never free: Flax's attention materializes the `[seq_q, seq_kv]`
-  scores, so a model that fits with flash attention can run out of memory
-  with the fallback. Asking for flash attention and not getting it should be
-  a decision, not a surprise.
-* `"fallback"`: Flax's own `dot_product_attention` (nnx's, or linen's for
-  linen modules and linen-only arguments) computes the call, with a
-  `FlashAttentionFallbackWarning` emitted once per attention function and
-  feature.
-
-Masks. A mask handed to the function is a dense boolean (or 0/1) array
-broadcastable to `[batch..., heads, seq_q, seq_kv]`; with `is_causal` the
-call computes it intersected with the causal mask, as Flax does. The rule:
-
-* a *concrete* mask (outside `jit`) is inspected: all True means no mask;
-  exactly `tril(ones(seq_q, seq_kv))` (Flax's causal mask, e.g.
-  `nnx.make_causal_mask`) means causal; a padding mask
-  (`nnx.make_attention_mask(q_valid, kv_valid)`) or segment mask
-  (`make_attention_mask(seg, seg, jnp.equal)`), alone or intersected with
-  the causal mask, becomes `segment_ids` (`pallas_fa3.flax.adapter_masks`;
-  padded queries -1, padded keys -2); anything else is unsupported.
-* a mask of a call with *one query row* (a decode step of Flax's layers:
-  `[batch..., 1 | heads, 1, cache_len]`, the cache's occupancy) says only
-  which keys that row sees: it is taken exactly as it is, concrete or
-  traced, whatever was declared (`pallas_fa3.flax.adapter_masks`).
-* a *traced* mask (under `jit`, `grad` of a jitted function, `nnx.jit` ...)
-  cannot be inspected, so it is unsupported -- unless the caller declared
-  what it is. `make_attention_fn(causal=True)`: every call is causal, and a
-  mask, if given, is promised to be the causal mask (a concrete mask may
-  also be a padding or segment mask within it: nothing above the diagonal).
-  `make_attention_fn(padding_mask=True)`: every mask is promised to be a
-  padding mask, intersected with the causal mask on causal calls; its ids
-  are computed on device. A promise is checked: a concrete mask that breaks
-  it raises `ValueError` (or is unsupported); a traced one that breaks it
-  turns the whole output into NaN (checked on device; the check reads the
-  mask, which costs far less than the attention).
-
-Rows that see no key. A query row that a mask (or a window) leaves with no
-visible key gives what Flax's attention gives it, whichever route computed
-the call: the mean of the values over all keys (Flax masks scores with a
-finite lowest value, so such a row has uniform weights), with zero
-gradients for q and k. `flash_attention` itself gives such rows 0.
-
-Local attention and softcap. `make_attention_fn(window_size=(left, right),
-softcap=c)` applies them to every call. The window is aligned like Flax's
-`is_causal`, **top-left**: query i sees key j iff `i - left <= j <= i + right`
-(a None side is unbounded), intersected with the causal mask when the call
-is causal (a query that then sees no key: see above). A window needs each
-query's position, so a one-row call with a mask (a decode step) and a
-window raises `NotImplementedError`. For self-attention (seq_q == seq_kv) this is the core's bottom-right window.
-Flax's attention has neither option, so with either set a call that flash
-attention cannot compute raises `NotImplementedError` even with
-`on_unsupported="fallback"`. Sinks need a parameter that Flax's modules do
-not have: use `FlashMultiHeadAttention(sinks=True)`.
-
-`precision` is accepted and not used: the kernels choose their own matmul
-precision (float32 accumulation). `force_fp32_for_softmax` is accepted: the
-softmax statistics are always float32.
+"""`make_attention_fn`: `pallas_fa3.flash_attention` as the `attention_fn` of
+Flax's attention modules, with Flax's semantics (scale, dtype promotion,
+leading batch axes, GQA, top-left `is_causal`, what a row that sees no key
+gives), a window and softcap for every call, and what happens to a call it
+cannot serve (`on_unsupported`: raise, or Flax's own
+`dot_product_attention`, bound when this module is imported, with a
+`FlashAttentionFallbackWarning`); also Flax's top-left alignment on the
+core's bottom-right masks (`flash_top_left`, exact when seq_q != seq_kv).
+The masks it recognises live in `adapter_masks`:
+docs/flax.md#inside-flaxs-own-layers.
 
 Example:
   >>> import jax
@@ -84,10 +19,6 @@ Example:
   >>> x = jax.random.normal(jax.random.key(1), (2, 16, 32))
   >>> layer(x, is_causal=True).shape
   (2, 16, 32)
-
-Also here: Flax's top-left alignment on the core's bottom-right masks
-(`flash_top_left`, exact when seq_q != seq_kv) and the fallback to Flax's
-own `dot_product_attention` (bound when this module is imported).
 """
 
 from __future__ import annotations

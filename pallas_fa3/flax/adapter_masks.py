@@ -1,9 +1,9 @@
-"""The Flax adapter's masks: which dense masks `make_attention_fn`
-recognises (none, Flax's top-left causal mask, padding and segment masks,
-traced ones whose kind `make_attention_fn` declares), exact decompositions of masks
-into segment ids, one-row key masks (decode steps: any mask is a key mask),
-the on-device checks of declared masks, and the first feature a call asks
-for that flash attention cannot compute. docs/flax.md#make_attention_fn
+"""The Flax adapter's masks: which dense masks `make_attention_fn` recognises
+(none, Flax's top-left causal mask, padding and segment masks, traced ones
+whose kind `make_attention_fn` declares), exact decompositions of masks into
+segment ids, one-row key masks (decode steps: any mask is a key mask), the
+on-device checks of declared masks, and the first feature a call asks for
+that flash attention cannot compute: docs/flax.md#inside-flaxs-own-layers.
 """
 
 from __future__ import annotations

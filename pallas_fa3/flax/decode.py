@@ -1,36 +1,12 @@
-"""Decoding in the native layers: the KV cache, prefill and decode steps.
-
-Shared by `FlashMultiHeadAttention(decode=True)` (nnx) and
+"""Decoding in the native layers, once for both
+`FlashMultiHeadAttention(decode=True)` (nnx) and
 `FlashMultiHeadDotProductAttention(decode=True)` (linen), which hold the
-state; what a call does with it lives here once.
-
-The cache (`DecodeState`) holds K and V per kv head, `[batch..., max_length,
-heads_kv, head_dim]` (GQA and MQA cache the kv heads only, never repeated),
-and each sequence's length, int32 `[batch...]`, so a batch of prompts of
-different lengths decodes together. Keys are cached after RoPE. A call
-carries a chunk of `chunk` tokens per sequence:
-
-* a decode step (`prefill=False`): the chunk sits at each sequence's
-  length (RoPE positions `length + i`), is appended to the cache and
-  attended by `flash_attention_with_kvcache` with the layer's causal mask,
-  window, softcap and sinks. One token is plain decoding; more is chunked
-  prefill. Traced lengths: one compilation serves every step.
-* a prefill (`prefill=True`): the chunk starts every sequence afresh at
-  position 0, is attended by `flash_attention` (the training kernels) and
-  written at the start of the cache.
-
-`chunk_lengths` (int32 `[batch...]`) makes a chunk ragged: sequence b keeps
-its first `chunk_lengths[b]` tokens (its length grows by that), the rest is
-padding on the right. Causal layers only: a query never sees the padding
-after it, whose K/V land past the sequence's length (garbage that no later
-call reads, overwritten by the next tokens). The outputs of padded rows are
-meaningless. Prefill + steps give the outputs of one causal call over the
-whole sequence.
-
-A chunk must fit: `lengths + chunk <= max_length` (the padding too). With
-concrete lengths (outside `jit`) an overflow raises `ValueError`; traced,
-`flash_attention_with_kvcache` turns the overflowing sequence's output
-into NaN (never a silently wrong result).
+state: the KV cache (`DecodeState`: K and V per kv head after RoPE, and each
+sequence's length), the checks of a call, and what a prefill
+(`flash_attention` from position 0) or a decode step (a chunk appended at
+each sequence's length and attended by `flash_attention_with_kvcache`;
+ragged with `chunk_lengths`) does with it:
+docs/flax.md#decoding-with-the-native-layers.
 """
 
 from __future__ import annotations

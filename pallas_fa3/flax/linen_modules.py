@@ -1,16 +1,8 @@
-"""`FlashMultiHeadDotProductAttention`: a Flax Linen attention layer backed by flash_attention.
-
-Its parameters are those of `flax.linen.MultiHeadDotProductAttention`:
-`DenseGeneral` submodules named `query`, `key`, `value` (kernels
-`[in_features, heads, head_dim]`, biases `[heads, head_dim]`) and `out`
-(kernel `[heads, head_dim, out_features]`, bias `[out_features]`), so a Linen
-params dict loads as it is. `num_kv_heads` (GQA) is an addition: with it the
-`key`/`value` kernels are `[in_features, num_kv_heads, head_dim]`; with
-`sinks=True` the params also hold `sinks` (float32 `[num_heads]`, zeros at
-initialization). With `decode=True` the `cache` collection holds the KV
-cache (`cached_key`, `cached_value`: kv heads only; `cache_lengths`: each
-sequence's length), created by `init` with its input's shape
-`[batch..., max_length, features]`, as in Flax.
+"""`FlashMultiHeadDotProductAttention`: a Flax Linen attention layer backed by
+flash_attention, with the parameters of
+`flax.linen.MultiHeadDotProductAttention` (a Linen params dict loads as it
+is) plus `num_kv_heads` (GQA) and `sinks=True`, and with `decode=True` a KV
+cache in the `cache` collection: docs/flax.md#native-layers.
 
 Example:
   >>> import jax

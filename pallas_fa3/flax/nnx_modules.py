@@ -1,14 +1,8 @@
-"""`FlashMultiHeadAttention`: a Flax NNX attention layer backed by flash_attention.
-
-Its parameters are those of `flax.nnx.MultiHeadAttention` (flax 0.12): the
-`query`, `key`, `value` and `out` submodules are `nnx.LinearGeneral` with
-kernels `[in_features, heads, head_dim]` (key/value: `num_kv_heads` heads)
-and `[heads, head_dim, out_features]`, biases `[heads, head_dim]` and
-`[out_features]`, created in Flax's order. A Flax checkpoint therefore loads
-as it is (`nnx.update(layer, nnx.state(flax_layer, nnx.Param))`), and the
-same `nnx.Rngs` seed initializes both to the same values. With `sinks=True`
-the layer has one more parameter, `sinks` (float32 `[num_heads]`, zeros at
-initialization), which a Flax checkpoint lacks and leaves as it is.
+"""`FlashMultiHeadAttention`: a Flax NNX attention layer backed by
+flash_attention, with the parameters of `flax.nnx.MultiHeadAttention`
+(created in Flax's order, so a Flax checkpoint loads as it is and the same
+seed initializes both alike) plus `num_kv_heads` (GQA) and `sinks=True`,
+and with `decode=True` a KV cache (`init_cache`): docs/flax.md#native-layers.
 
 Example:
   >>> import jax

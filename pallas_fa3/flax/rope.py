@@ -1,18 +1,6 @@
-"""Rotary position embedding (RoPE), half-split layout as in GPT-NeoX and LLaMA.
-
-For a head vector `x` of even size `d` at integer position `p`, the pairs
-`(x[i], x[i + d/2])` for `i < d/2` are rotated by the angle `p * theta_i`,
-`theta_i = base ** (-2 i / d)` (Su et al. 2021, "RoFormer"; the half-split
-pairing is GPT-NeoX's `rotate_half`, also used by LLaMA and Hugging Face):
-
-    out[..., :d/2] = x1 cos(p theta) - x2 sin(p theta)
-    out[..., d/2:] = x2 cos(p theta) + x1 sin(p theta)
-
-with `x1 = x[..., :d/2]`, `x2 = x[..., d/2:]`. The rotation is computed in
-float32 whatever the input dtype (angles of long sequences lose their low
-bits in bfloat16) and the result is cast back to the input dtype. Rotating
-q and k by their positions makes `q . k` depend on the positions only through
-their difference.
+"""Rotary position embedding (RoPE) in the half-split layout of GPT-NeoX and
+LLaMA, rotated in float32 and cast back to the input dtype: `apply_rope`
+and the checks of its positions, base and head dim: docs/flax.md#rope.
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -1,1 +1,1 @@
-"""The Hopper (sm90) kernels: `sm90/`."""
+"""The Hopper (sm90) kernels: `sm90/` (docs/kernels.md)."""

@@ -1,1 +1,3 @@
-"""Scale-out: batch/head sharding (`partitioning`) and context parallelism (`ring`)."""
+"""Scale-out: batch/head sharding (`partitioning`) and context parallelism
+(`context`, `ring`, `ulysses`): docs/scale_out.md.
+"""

@@ -1,29 +1,11 @@
 """Sequence-sharded `flash_attention`: context parallelism from the layout.
-
-`flash_attention` under `jax.jit` with q (and k, v) sharded along the
-sequence over one mesh axis runs ring attention by itself: the partitioner
-(`pallas_fa3.parallel.partitioning`) hands each device's shards to the
-per-device ring (`pallas_fa3.parallel.ring.local`), forward and backward,
-instead of refusing the layout. Batch and head splits on other mesh axes
-compose with it as they do without a sequence split. Nothing gathers q, k
-or v: K/V move by collective-permute only, and the outputs come back
-sharded like q (the lse like `P(batch, heads, seq)`).
-
-What it takes: the sequence of q split over exactly one mesh axis; k and v
-split over the same axis or not at all (then each device slices its
-shard); lengths in whole shards (whole zig-zag chunks where the ring uses
-them, see `ring_plan.needs_chunks`); `causal` with equal lengths. Every
-option the ring serves passes through: windows (the windowed ring),
-softcap, sinks, segment ids, GQA, `deterministic`. Refused, naming the
-option: a sequence split over several mesh axes, k/v split along the
-sequence while q is not, `fp8`, `stable_max`, and a backend whose backward
-ignores the lse (`reference`). The layouts are checked at trace time when
-they are known then (concrete arrays, `Explicit` mesh axes), otherwise by
-the partitioner at compile time (XLA then raises `JaxRuntimeError` with the
-same message).
-
-`explain` says which scheme a call with given shardings runs (for
-`pallas-fa3 info`-style reports).
+Under `jax.jit` with q (and k, v) sharded along the sequence over one mesh
+axis, the partitioner (`pallas_fa3.parallel.partitioning`) runs each
+device's half of ring attention (`pallas_fa3.parallel.ring.local`) instead
+of refusing the layout; here are the checks of which layouts and options
+it serves (the rest refused, naming them), its ring plan, and `explain`,
+which says which scheme a call with given shardings runs:
+docs/scale_out.md#sequence-sharded-flash_attention.
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """Sharding attached to the backend call: every call `pallas_fa3.vjp` makes
-(flash_attention's forward and backward, the FP8 forward, decoding) runs
-shard-locally under SPMD sharding.
-
-Under `jax.jit` with the operands sharded (`NamedSharding` on a `Mesh`) over
-batch and/or heads, each backend call is a `custom_partitioning` op: XLA's
-partitioner hands it the operand shardings; `_Op.plan` keeps q's batch and
-head sharding, checks (`sharding_checks`) that it can be honoured, and the
-op runs the backend on the local shard, so no collective is emitted for the
-operands or the outputs whatever the backend (the kernels are custom calls
-XLA could not split by itself). The Shardy rules tell propagation which
-dimensions correspond: batch, and query heads = kv heads times the group.
-
-What can be honoured:
-  * batch sharded over any mesh axes;
-  * heads sharded over mesh axes of total size n when `heads_kv % n == 0`
-    (GQA groups stay whole), or with MQA's one kv head, which every device
-    then holds (dK, dV summed over the head axes);
-  * the sequence sharded over one mesh axis: each device then runs its half
-    of ring attention (`pallas_fa3.parallel.context`); not for FP8;
-  * decoding: the cache's kv heads split with q's; a contiguous cache
-    without cache_batch_idx shards with the batch, a paged cache (or one
-    whose rows cache_batch_idx picks) is whole on every device; the
-    sequence of q is whole (a split is gathered);
-  * operands sharded differently from q are resharded to its layout.
-What is refused, with a `ValueError` (or `NotImplementedError` for an
-option) naming the argument: a sharded head_dim, a head sharding that would
-split a GQA group, and a sequence split the ring cannot serve. The check
-runs at trace time when the sharding is known then (concrete arrays, or
-`Explicit` mesh axes); otherwise the partitioner runs it at compile time
-and XLA reports it as a `jax.errors.JaxRuntimeError` with the same message.
-
-`Explicit` mesh axes put the layout in the traced types, so there the same
-plan runs through a `jax.shard_map`, decided at trace time. On one device
-the backend is called directly (no wrapper); `custom_partitioning` has no
-batching rule, so elsewhere each op is wrapped in
-`jax.custom_batching.custom_vmap` (a vmapped axis folded into batch). A
-backend whose calls have side effects (the Pallas interpreter's callbacks)
-runs unpartitioned. docs/scale_out.md
+(flash_attention's forward and backward, the FP8 forward, decoding) is a
+`custom_partitioning` op (a `jax.shard_map` on `Explicit` mesh axes) that
+runs the backend on the local shard of a batch and head split, with no
+collective (GQA groups kept whole), hands a sequence split to the ring
+(`pallas_fa3.parallel.context`), and refuses what it cannot honour, naming
+the argument: docs/scale_out.md#batchhead-parallelism.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checks of batch/head sharding: which layouts of q, k, v can run
 shard-locally (`check_shardings`), and the mesh and PartitionSpec helpers
-that `partitioning`, `context` and `ring` share.
+that `partitioning`, `context` and `ring` share:
+docs/scale_out.md#batchhead-parallelism.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
-"""Context parallelism by all-to-all (DeepSpeed-Ulysses): `ulysses_attention`.
-
-q, k and v arrive sharded along the sequence over one mesh axis of `n`
-devices. One all-to-all per tensor trades the sequence split for a head
-split: afterwards every device holds the whole sequence for `heads_q / n`
-query heads (and their kv heads), runs `flash_attention` on it with any
-backend and every option (causal, windows, softcap, sinks, segment ids),
-and a last all-to-all trades back: out (and the lse) come back sharded
-along the sequence like q. The heads go in up to `PIPELINE_CHUNKS` chunks
-(whole GQA groups), one flash_attention call each, so that one chunk's
-all-to-alls overlap another's attention. Gradients are the transposes
-(all-to-alls again) around flash_attention's own backward.
-
-Against the ring (`ring_attention`): Ulysses moves each tensor once (q, k,
-v in, out back: about `(3 + 1) / n` of the activations per device,
-independent of the number of steps), needs `heads_q` divisible by `n`,
-and holds the whole sequence of its heads on every device (memory per
-device does not fall with `n` for the attention's own working set as it
-does with the ring). Which to pick: docs/scale_out.md.
-
-Grouped-query attention: the query heads a device gets after the
-all-to-all are a contiguous block of `heads_q / n`; their kv heads must
-come along whole. When `heads_kv` does not split `n` ways along the same
-boundaries (fewer kv heads than devices, or groups straddling devices),
-every kv head is first repeated `r` times locally (the smallest `r`
-dividing the group size with `heads_kv * r` a multiple of `n`); each device
-then gets `heads_kv * r / n` kv heads and whole groups of `g / r` query
-heads each. K/V traffic grows by `r`; the repetition's gradient sums back.
+"""Context parallelism by all-to-all (DeepSpeed-Ulysses): `ulysses_attention`
+trades the sequence split of q, k and v for a head split (one all-to-all
+per tensor), runs `flash_attention` on whole sequences of `heads_q / n`
+heads with any backend and every option, in up to `PIPELINE_CHUNKS` chunks
+so that one chunk's all-to-alls overlap another's attention (kv heads
+repeated where GQA groups would straddle devices), and trades out and the
+lse back: docs/scale_out.md#context-parallelism-ulysses_attention.
 
 Example (8 devices; on a CPU set
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before importing JAX):

@@ -1,5 +1,6 @@
 """e4m3 block quantization, and the FP8 softmax steps shared by the Hopper
-FP8 kernel and its blockwise twin (same float32 operations, same order).
+FP8 kernel and its blockwise twin (same float32 operations, same order):
+docs/fp8.md#the-kernels-and-the-twin.
 """
 
 from __future__ import annotations

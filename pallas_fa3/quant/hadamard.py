@@ -1,9 +1,8 @@
-"""The randomized Hadamard transform of FA3's incoherent processing.
-
-Q and K are multiplied along head_dim by the orthogonal `M = D H / sqrt(d)`
-(D a random +-1 diagonal, H the Walsh-Hadamard matrix): `(QM)(KM)^T = QK^T`
-in real arithmetic, and outlier features are spread across the row before
-quantization.
+"""The randomized Hadamard transform of FA3's incoherent processing: Q and K
+are multiplied along head_dim by the orthogonal `M = D H / sqrt(d)` (D a
+random +-1 diagonal, H the Walsh-Hadamard matrix), which keeps
+`(QM)(KM)^T = QK^T` in real arithmetic and spreads outlier features across
+the row before quantization: docs/fp8.md#what-it-computes.
 """
 
 from __future__ import annotations

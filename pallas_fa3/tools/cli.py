@@ -1,31 +1,11 @@
-"""`pallas-fa3`: the command line.
-
-Subcommands:
-  info   the machine, JAX, whether a Hopper GPU is present, which backend the
-         automatic choice picks for a sample call and why, and (unless
-         --no-run) that sample call checked against the float64 golden.
-
-  train  `python -m models train` (from a source checkout): train the
-         byte-level GPT of `models/` on the Python standard library's
-         sources; checkpoints, --resume, a summary JSON.
-
-  generate  `python -m models generate`: continue text prompts with a
-         model trained by `train`: a prefill with flash_attention, then
-         decode steps over KV caches (flash_attention_with_kvcache).
-
-  bench  the performance harness (pallas_fa3/tools/bench/): named benchmark shapes,
-         our backends against the reference, jax.nn.dot_product_attention
-         (XLA, cuDNN) and JAX's attention_mgpu; TFLOPs/s, memory, CSV/JSON/PNG.
-         Without a GPU: a small CPU sweep (about a minute).
-
-  numerics  the numerics studies (pallas_fa3/tools/numerics/): forward deviation
-         against a float64 golden, the FP8 error table, weight divergence of
-         training runs, the repeated-max bias; report folders with JSON,
-         markdown and PNG. CPU defaults finish in minutes.
-
-  aot    the deviceless sm_90a compile of the kernels (Mosaic + ptxas on a
-         CPU, needs the CUDA plugin packages): spills per config, and with
-         --profile a static profile of each kernel's PTX.
+"""`pallas-fa3`: the command line, one subcommand per tool: `info` (the
+machine, JAX, whether a Hopper GPU is present, which backend the automatic
+choice picks for a sample call and why, and unless `--no-run` that call
+checked against the float64 golden), `train` and `generate` (`python -m
+models train|generate` from a source checkout: docs/training.md,
+docs/generation.md), `bench` (docs/benchmarks.md), `numerics`
+(docs/numerics.md) and `aot`, the deviceless sm_90a compile:
+docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations

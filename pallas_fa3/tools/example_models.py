@@ -1,11 +1,8 @@
-"""The training example (`models/` of the checkout) for the tools that run
-it: the `pallas-fa3 train|generate` aliases of `python -m models` and
-`pallas-fa3 numerics divergence`.
-
-`models/` is not installed with the package (a top-level package named
-`models` does not belong in site-packages): an importable `models` is used,
-else the one beside this `pallas_fa3` in its checkout, imported from that
-folder by file location (sys.path unchanged).
+"""The training example (`models/` of the checkout) for the tools that run it,
+the `pallas-fa3 train|generate` aliases of `python -m models` and
+`pallas-fa3 numerics divergence`: `models/` is not installed with the
+package, so an importable `models` is used, else the one beside this
+`pallas_fa3` in its checkout, imported by file location: docs/training.md.
 """
 
 from __future__ import annotations

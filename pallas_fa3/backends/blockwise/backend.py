@@ -1,6 +1,7 @@
 """The `blockwise` backend: the pure-JAX twin of the kernels' algorithm on
 any device (the CPU default), for every mode: `forward.py`, `backward.py`,
-`fp8.py` (the FP8 kernel's twin) and `decode.py` (the decode kernel's).
+`fp8.py` (the FP8 kernel's twin) and `decode.py` (the decode kernel's):
+docs/api.md#backends.
 """
 
 from __future__ import annotations

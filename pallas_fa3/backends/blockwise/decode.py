@@ -1,17 +1,10 @@
 """The blockwise twin of the Hopper decode kernel: attention over a KV cache
-in pure JAX, tile by tile over each sequence's own keys.
-
-Each sequence's visible key range (`kvcache.key_range`: its length,
-a window's left bound) is cut into `block_kv`-key tiles (whole pages for a
-paged cache), and the tiles into `num_splits` ranges (flash-decoding);
-every range runs an online softmax (base 2, as the kernel) over its tiles
-and the ranges merge by log-sum-exp (`lse.combine_splits`). The query rows of
-one KV head (its `heads_q / heads_kv` query heads times `seq_q`) are
-computed together, reading each K/V tile once. Keys past a sequence's
-length are masked in the scores and zeroed in V, so garbage in the cache
-(NaN included) never reaches the output. With `spec.v_in_k` (v_cache
-None, DeepSeek MLA's layout) each V tile is the first `head_dim_v`
-columns of the K tile just read: the cache is read once, never copied.
+in pure JAX, tile by tile over each sequence's own visible keys, split into
+`num_splits` ranges merged by log-sum-exp, the query rows of one KV head
+together; keys past a sequence's length are masked in the scores and
+zeroed in V (garbage, NaN included, never reaches the output), and with
+`spec.v_in_k` (MLA) each V tile is the first `head_dim_v` columns of the K
+tile just read: docs/decoding.md#backends.
 """
 
 from __future__ import annotations

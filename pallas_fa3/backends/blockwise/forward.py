@@ -4,7 +4,7 @@ float32 running max and sum in base 2 as the Hopper kernels keep them, P
 rounded to the input dtype before the P V product, and the full score
 matrix never materialized. Causal and window tiles outside a query tile's
 reach are skipped, only boundary tiles masked; softcap is fused into the
-score and the sinks seed the running statistics. docs/design_notes.md
+score and the sinks seed the running statistics: docs/api.md#backends.
 
 Example:
   >>> import jax

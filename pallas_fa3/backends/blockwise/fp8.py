@@ -1,19 +1,9 @@
-"""The FP8 kernel's pure-JAX twin: the same tiles, scales and P rounding, any device.
-
-`blockwise_forward_fp8` walks the same `block_q x block_kv` tiles as
-`kernels/sm90/forward_fp8.py` and performs the same float32 steps in the same
-order, reusing the kernel's own softmax step and epilogue
-(`online_softmax_fp8`, `finalize_fp8`) and its V-scale ratios:
-
-    s      = q8_i . k8_j                       (e4m3 products, float32 sums)
-    p      = exp2(s * (scale log2e sq_i sk_j) - (m - 8))       P <= 2^8
-    O      = O * alpha * (sv_{j-1} / sv_j) + e4m3(p) . v8_j
-    out    = O * sv_last / l,   lse = (m + log2 l - 8) ln 2
-
-What differs from the GPU: the summation order inside the dot products and
-the exp2 (approximate on the GPU, `approx_math`), so a P value next to an
-e4m3 rounding boundary can round the other way; results agree to about the
-e4m3 resolution of single P entries, not bit for bit.
+"""The FP8 kernel's pure-JAX twin, `blockwise_forward_fp8`: the same
+`block_q x block_kv` tiles as `kernels/sm90/forward_fp8.py`, the same
+float32 steps in the same order (the kernel's own softmax step, epilogue
+and V-scale ratios from `pallas_fa3.quant.e4m3`), on any device; it agrees
+with the GPU to about the e4m3 resolution of single P entries, not bit for
+bit: docs/fp8.md#the-kernels-and-the-twin.
 
 Example:
   >>> import jax, pallas_fa3

@@ -1,6 +1,7 @@
 """What the blockwise twin's passes share: its config (the tile sizes), the
 tiling, padding, one tile's scores (mask and softcap), and the walk over a
-tile range that masks only its boundary tiles."""
+tile range that masks only its boundary tiles: docs/api.md#backends.
+"""
 
 from __future__ import annotations
 

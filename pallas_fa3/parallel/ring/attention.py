@@ -1,32 +1,11 @@
-"""Context parallelism: `ring_attention`, the sequence sharded over a mesh axis.
-
-q, k and v are sharded along the sequence over one mesh axis, the ring of
-`n` devices. K/V shards travel around the ring (`jax.lax.ppermute` inside
-`jax.shard_map`) while each device attends its query shard to the visiting
-block with the backend `flash_attention` would use, and merges the partial
-results by log-sum-exp; the backward pass runs the ring in reverse
-(`ring.local`), both through `pallas_fa3.vjp` like every call. Nothing gathers the full sequence, so memory per device falls
-as 1/n. The per-device algorithm and the causal zig-zag load balancing are
-described in `pallas_fa3.parallel.ring.steps`; the argument checks are in
-`pallas_fa3.parallel.ring.checks`.
-
-Packed sequences: with `segment_ids`, the query ids stay with the query
-shard and the kv ids travel around the ring with their K/V shard; each
-step's backend call gets the matching ids, and a step whose ids cannot
-meet does no attention work (`pallas_fa3.parallel.ring.skip`).
-
-`layout` says which order the caller's sequence is in:
-
-  * `"natural"` (default): tokens in their natural order, device `i` holding
-    the i-th contiguous slice (`NamedSharding(mesh, P(None, seq_axis))`).
-    For causal attention the shards (segment ids included) are permuted to
-    the zig-zag layout inside (two `ppermute`s of half a shard per tensor,
-    in and out) and the outputs come back in natural order.
-  * `"zigzag"`: the caller already holds the sequence in zig-zag order,
-    `x[:, zigzag_order(seq, n)]` (e.g. permuted once at the model's input,
-    position and segment ids included), so nothing is permuted and the
-    outputs stay in that order. This saves every layer the permutation
-    traffic.
+"""Context parallelism: `ring_attention`, with q, k and v sharded along the
+sequence over one mesh axis. K/V shards travel around the ring
+(`jax.lax.ppermute` inside `jax.shard_map`) while each device attends its
+query shard to the visiting block and merges the partial results by
+log-sum-exp, the backward runs the ring in reverse (`ring.local`), both
+through `pallas_fa3.vjp`, and nothing gathers the sequence; `layout`
+(`"natural"` or `"zigzag"`) says which order the caller's tokens are in:
+docs/scale_out.md#context-parallelism-ring_attention.
 
 Example (8 devices; on a CPU set
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before importing JAX):

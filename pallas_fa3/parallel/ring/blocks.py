@@ -1,28 +1,9 @@
-"""What a window lets through of one ring block, decided before tracing.
-
-The windowed ring (`pallas_fa3.parallel.ring.window`) cuts the sequence into
-chunks: one per device in natural order, two (`i`, `2n-1-i`) in zig-zag
-order. A ring block is one local query chunk against one visiting key
-chunk. Which of its (query, key) pairs the mask lets through depends only
-on `D`, the query chunk's first token minus the key chunk's (global
-positions): query row `x` sees key `y` of the block iff
-
-    x + D + offset - left  <=  y  <=  x + D + offset + right
-
-(`offset = seq_kv - seq_q`, the bottom-right alignment; causal is
-`right = 0`; a None side is unbounded). So a block is skipped, fully
-visible, or partly visible; and a partly visible block is cropped to its
-visible rectangle (the rows that see a key, the keys that a row sees), in
-which the mask is again a bottom-right aligned window with non-negative
-sides -- an ordinary backend call, whatever the backend. Every distinct
-`D` of a partly visible block gets its own static call; at run time a
-device computes `D` from its index and picks the call (`lax.switch`).
-
-`block_plan` also works out how far K/V must travel: the ring offsets
-`r = (i - j) mod n` at which some device `i` needs the block of device `j`,
-covered by `hops[0]` steps forward (`j = i - s`) and `hops[1]` steps
-backward (`j = i + s`), as few as possible. A left-bounded causal window
-narrower than a shard needs one step forward; no window needs all `n - 1`.
+"""What a window lets through of one ring block, decided before tracing: by
+the distance `D` of its chunks, each (query chunk, key chunk) block is
+skipped, fully visible, or cropped to its visible rectangle (an ordinary
+windowed backend call, one static call per distinct `D`), and
+`block_plan` works out how far K/V must travel (its hops forward and
+backward): docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Validation of `ring_attention`'s (and `ulysses_attention`'s) arguments.
-
-Every check raises naming the argument: the mesh and `seq_axis`, the
-`batch_axes` / `head_axes`, sequence lengths that the ring (or the
-zig-zag chunks) cannot divide, the layout, and a known batch/head split
-that the plan would gather. (A backend that cannot serve a ring step is
-refused when the plan resolves its calls, `pallas_fa3.parallel.ring.plan`.)
+"""Validation of `ring_attention`'s (and `ulysses_attention`'s) arguments,
+every check raising naming the argument: the mesh and `seq_axis`, the
+`batch_axes` / `head_axes`, sequence lengths that the ring (or the zig-zag
+chunks) cannot divide, the layout, and a known batch/head split that the
+plan would gather (a backend that cannot serve a ring step is refused when
+`pallas_fa3.parallel.ring.plan` resolves its calls):
+docs/scale_out.md#context-parallelism-ring_attention.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The zig-zag layout of causal ring attention, and the ring's transfers.
-
-`zigzag_order` is the token order of the layout; `to_zigzag` /
-`from_zigzag` permute local shards between it and the natural layout
-inside the shard_map (two `ppermute`s of half a shard each); `ppermute`
-sends a pytree around the ring, 16-bit floats as their raw bits.
+"""The zig-zag layout of causal ring attention, and the ring's transfers:
+`zigzag_order` (the layout's token order), `to_zigzag` / `from_zigzag`
+(local shards permuted between it and the natural layout inside the
+shard_map, two `ppermute`s of half a shard each) and `ppermute` (a pytree
+sent around the ring, 16-bit floats as their raw bits):
+docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

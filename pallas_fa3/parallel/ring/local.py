@@ -1,17 +1,10 @@
-"""One device's whole ring call: the caller's shards in, its shards out.
-
-Shared by `ring_attention` (its shard_map bodies) and sequence-sharded
-`flash_attention` (the partitioner's per-device function, see
-`pallas_fa3.parallel.context`). Permutes the shards between the caller's
-order and the ring's (`RingPlan.reorder`), runs the classic ring
-(`ring_steps`) or the windowed one (`ring_window`), and adds the sinks.
-
-Sinks: a sink is one more term of every row's softmax denominator, so it is
-added once, after the ring has merged every block: `lse' = logaddexp(lse,
-sink)`, `out' = out * exp(lse - lse')`. The backward then needs nothing
-else: every block's backward reads the final lse (which holds the sink) and
-the final out, and d/dsinks comes from the residuals
-(`modifiers.sinks_gradient`).
+"""One device's whole ring call, the caller's shards in and its shards out,
+shared by `ring_attention` (its shard_map bodies) and sequence-sharded
+`flash_attention` (the partitioner's per-device function): it permutes the
+shards between the caller's order and the ring's (`RingPlan.reorder`),
+runs the classic ring (`ring_steps`) or the windowed one (`ring_window`),
+and adds the sinks once, after the ring has merged every block:
+docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

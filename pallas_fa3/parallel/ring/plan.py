@@ -1,21 +1,13 @@
-"""The static half of a ring call: `RingPlan`, and how it is chosen.
-
-Two per-device algorithms share the plan. Without a window, the classic ring
-(`pallas_fa3.parallel.ring.steps`) sends K/V all the way round: causal calls
-in the zig-zag order (balanced: two unmasked blocks per device per step),
-others in the caller's order. With a window, the windowed ring
-(`pallas_fa3.parallel.ring.window`) skips the blocks the window hides and
-stops K/V where the window ends (`pallas_fa3.parallel.ring.blocks`).
-
-The order the ring computes in (`RingPlan.order`) may differ from the
-caller's (`RingPlan.layout`); the shards are then permuted in and out
-(`pallas_fa3.parallel.ring.layout`). With a left-bounded window every device
-does the same work in natural order (each query sees the same number of
-keys, the first shards aside), and K/V only visit the next device(s), so
-natural order is chosen; zig-zag there would send K/V both ways, twice as
-many hops of half-shard chunks (measured in benchmarks/RESULTS.md, "Long
-context across devices"). A window bounded on the right only is causal-like
-(later queries see more) and keeps the zig-zag balance.
+"""The static half of a ring call: `RingPlan`, and how it is chosen. Without
+a window the classic ring (`pallas_fa3.parallel.ring.steps`) sends K/V all
+the way round; with one the windowed ring (`pallas_fa3.parallel.ring.window`)
+skips hidden blocks and stops K/V where the window ends. The order the ring
+computes in (`RingPlan.order`) is zig-zag for causal calls (balanced) and,
+where the chunks divide, for windows bounded on the right only; natural
+for a left-bounded window (equal work, K/V only to the next devices); the
+caller's without a mask. It may differ from the caller's order
+(`RingPlan.layout`); the shards are then permuted in and out:
+docs/scale_out.md#context-parallelism-ring_attention.
 """
 
 from __future__ import annotations

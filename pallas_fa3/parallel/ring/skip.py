@@ -1,20 +1,8 @@
-"""Segment ids in the ring: each step's ids, and skipping steps that cannot
-meet.
-
-A ring step attends a block of local query rows to a block of the visiting
-K/V rows. With segment ids, the step's ids are the same rows of the local
-query ids and of the visiting kv ids (which travel with their K/V shard).
-When no batch row's query id range (min to max) overlaps its key id range,
-no query of the block can see a key of it: its partial result is empty
-(out 0, lse -inf) and its gradients are zero, so `unless_apart` runs the
-step under `jax.lax.cond` and the false branch leaves the accumulators as
-they are -- no attention work, no K/V read (under `jax.vmap` a `cond`
-becomes a select and both branches run). The test is safe (it never skips
-a block with a visible pair) and, for sorted (packed) ids, usually tight;
-padding ids (e.g. -1) widen a block's range.
-
-The predicate is local data: every device decides alone, and no collective
-runs inside the `cond` (the ring's `ppermute`s stay outside it).
+"""Segment ids in the ring: each step's ids (the same rows of the local query
+ids and of the visiting kv ids), and `unless_apart`, which skips under
+`jax.lax.cond` a step whose ids cannot meet (no attention work, no K/V
+read; a local predicate, with no collective inside the `cond`):
+docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The per-device half of ring attention: what runs inside the shard_map.
-
-Each of the `n` devices keeps its query shard and passes K/V shards around
-the ring with `ppermute`; every step attends the local queries to the
-visiting block with its backend call (`step_forward`) and merges
-the partial `(out, lse)` exactly by log-sum-exp. Causal calls use the
-zig-zag layout: the sequence is cut into `2n` chunks and device `i` holds
-chunks `i` and `2n-1-i`, so every step after the first is two unmasked
-`c x c` blocks on every device. The backward runs the ring in reverse with
-the merged out and lse; the float32 dK/dV accumulators travel with their
-K/V block and one more hop brings them home. With segment ids the kv ids
-travel with their K/V block, and a step (block) whose ids cannot meet is
-skipped (`pallas_fa3.parallel.ring.skip`). The layout and the transfers are
-in `pallas_fa3.parallel.ring.layout`.
-Step by step: docs/design_notes.md#ring-attention.
+"""The per-device half of the classic ring, what runs inside the shard_map:
+K/V shards passed around with `ppermute`, every step's backend call on the
+visiting block (`step_forward`) merged exactly by log-sum-exp, causal calls
+in the zig-zag layout (two unmasked blocks per device per step after the
+first), steps whose segment ids cannot meet skipped
+(`pallas_fa3.parallel.ring.skip`), and the backward in reverse with the
+float32 dK/dV accumulators travelling with their K/V block:
+docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

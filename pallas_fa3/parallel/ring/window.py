@@ -1,22 +1,11 @@
-"""The windowed ring: what each device runs inside the shard_map.
-
-Used by `ring_attention` (and sequence-sharded `flash_attention`) when the
-call has a window. Each device keeps its query chunks; K/V (and the kv
-segment ids) travel `hops[0]` steps forward (device i -> i + 1) and
-`hops[1]` steps backward, as far as the window reaches and no further
-(`pallas_fa3.parallel.ring.blocks.block_plan`). At every step each (query
-chunk, key chunk) block picks, from its distance D, one static call:
-skip (no attention work, nothing read), the whole block unmasked, or the
-visible rectangle of a partly visible block with its window re-aligned
-(`lax.switch`). Partial results are merged by log-sum-exp
-(`ring_steps.merge_rows`).
-
-The backward runs the same steps (`ring_steps.backward_stream`): each
-block's float32 dK/dV accumulators follow it one step behind, and after the
-last step one `ppermute` of the stream's length takes them home (a direct
-transfer, not a walk back round the ring). Every step issues the transfers
-it needs before its own attention, so XLA overlaps them with it (async
-collective-permute-start/-done on GPUs; benchmarks/context_overlap.py).
+"""The windowed ring, what each device runs inside the shard_map when a call
+(`ring_attention` or sequence-sharded `flash_attention`) has a window: K/V
+and the kv segment ids travel only as far as the window reaches
+(`pallas_fa3.parallel.ring.blocks.block_plan`), every block picks its
+static call by its distance (`lax.switch`), partial results merge by
+log-sum-exp (`ring_steps.merge_rows`), and in the backward
+(`ring_steps.backward_stream`) the dK/dV accumulators follow their blocks
+and go home in one transfer: docs/design_notes.md#ring-attention.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Deviceless ahead-of-time compile of the sm90 kernels: Mosaic + ptxas on a CPU.
-
-Compiles every supported kernel config for an H200 (sm_90a) from a
-compile-only target description and reads ptxas's report, so register
-spills are caught without a GPU. Needs the package's `aot` extra (the CUDA
-plugin and PJRT at the installed JAX's version, and ptxas). The command
-fails on any spill and on any setmaxnreg split the CTA's register pool
-cannot satisfy (`ptx_profile.register_problems`); `--profile` adds each kernel's static profile
-(`ptx_profile`). The sweeps (what is compiled) are in `aot_sweeps`:
-
-    pallas-fa3 aot            # or: JAX_PLATFORMS=cpu python -m pallas_fa3.tools.aot
-
-More: docs/design_notes.md#deviceless-compile.
+"""Deviceless ahead-of-time compile of the sm90 kernels for an H200 (sm_90a),
+Mosaic + ptxas on a CPU: every supported kernel config is compiled and
+ptxas's report read, so register spills are caught without a GPU (needs
+the package's `aot` extra). The command fails on any spill and on any
+setmaxnreg split the CTA's register pool cannot satisfy; `--profile` adds
+each kernel's static PTX profile. Also `JAX_PLATFORMS=cpu python -m
+pallas_fa3.tools.aot`; what is compiled: `pallas_fa3.tools.aot.sweeps`;
+more: docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The deviceless sm_90a compile of the decode kernel: one call's compile
 (`compile_decode`) and the sweep of `pallas-fa3 aot --decode` (head dims,
 contiguous and paged caches, GQA groups and seq_q, window and softcap;
-bf16 and e4m3 caches)."""
+bf16 and e4m3 caches): docs/kernels.md#verification-without-a-gpu.
+"""
 
 from __future__ import annotations
 

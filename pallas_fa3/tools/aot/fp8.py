@@ -1,6 +1,7 @@
 """Deviceless compiles of the FP8 path for an H200 (`pallas_fa3.tools.aot`):
 the FP8 forward kernel, the quantization kernel, and the memory XLA assigns
-to a whole `flash_attention(..., fp8=True)` call.
+to a whole `flash_attention(..., fp8=True)` call:
+docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations

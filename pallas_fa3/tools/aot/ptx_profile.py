@@ -1,17 +1,10 @@
-"""A static profile of one compiled kernel, read off its PTX and ptxas report.
-
-What the kernel issues say a schedule change moves, counted before any GPU:
-threads, registers, the setmaxnreg split against the CTA's register pool
-(`register_problems`: a split that asks for more never completes), named
-barrier ids and thread counts (`named_barrier_problems`), spills,
-shared memory, the wgmma instructions and their
-shapes, `wgmma.wait_group` sites by depth, mbarrier arrival counts,
-named-barrier operations, TMA copies, and the instruction mix of the
-steady-state loop (per thread and K/V step).
-
-The steady-state loop is the innermost PTX loop (a label and the backward
-branch to it) holding the most `wgmma.mma_async` instructions; the
-mbarrier-wait spin loops Mosaic writes as inline assembly are not loops here.
+"""A static profile of one compiled kernel, read off its PTX and ptxas report:
+what a schedule change moves, counted before any GPU (threads, registers,
+the setmaxnreg split against the CTA's register pool, named barriers,
+spills, shared memory, wgmma shapes, `wgmma.wait_group` depths, mbarrier
+arrivals, TMA copies, and the instruction mix of the steady-state loop),
+and the problems that fail `pallas-fa3 aot` (`register_problems`,
+`named_barrier_problems`): docs/kernels.md#the-static-ptx-profile.
 """
 
 from __future__ import annotations

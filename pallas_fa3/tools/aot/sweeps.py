@@ -1,5 +1,6 @@
 """The sweeps of the deviceless compile (`aot`): which kernel configs and
-call shapes `pallas-fa3 aot` compiles, as (compile function, spec, config).
+call shapes `pallas-fa3 aot` compiles, as (compile function, spec, config):
+docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations

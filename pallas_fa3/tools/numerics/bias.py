@@ -1,28 +1,10 @@
-"""`pallas-fa3 numerics bias`: the repeated-max rounding bias and `stable_max`.
-
-After Qiu and Yao 2025 (arXiv 2510.04212). Each of `rows` independent score
-rows has `ties` entries equal to its maximum r_m ~ U(max_range) and the
-others far below it (r_m - U(gap)), so P = exp(S - r_m) holds `ties` exact
-ones and small remaining terms; V is mostly negative (N(v_mean, v_std)).
-All values are exactly representable in the format under study. The signed
-error against float64 is averaged over rows and features, without and with
-the `stable_max` fix, for three computations:
-
-  tile P V       the paper's quantity: bf16(P_bar V) for one tile, P_bar =
-                 bf16(exp(S - m)) and the product accumulated in float32 and
-                 rounded once; reported divided by the row sum (output units)
-  flash / all    FlashAttention-2 with every intermediate in bf16 (as the
-                 authors' PyTorch code), `lowprec.flash_all(stable_max=...)`
-  blockwise      the production backend, `flash_attention(stable_max=...)`
-                 (float32 statistics and accumulator, P in bf16)
-
-and, for the two full computations, the signed error of
-`delta = rowsum(dO * O)` with dO = 1 (a gradient direction aligned with the
-bias, as in the paper's low-rank mechanism). Rows without ties (ties = 1)
-are the control: there the fix must change nothing.
-
-The queries are one-hot (q = e_0, softmax_scale = 1), so the scores are
-exactly the constructed values.
+"""`pallas-fa3 numerics bias`: the repeated-max rounding bias and
+`stable_max`, after Qiu and Yao 2025 (arXiv 2510.04212). Score rows with
+`ties` entries equal to their maximum and V mostly negative, all exactly
+representable; the signed error against float64 of one tile's P V, of
+FlashAttention-2 with every intermediate in bf16 and of the blockwise
+backend, and of `delta = rowsum(dO * O)`, without and with the fix, rows
+without ties as the control: docs/numerics.md#bias.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The flags of `pallas-fa3 numerics <study>` and their mapping onto the configs.
-
-Kept free of JAX work so that `--help` is fast. Every flag maps onto one
-field of the study's frozen config; a value the config rejects is reported
-as a usage error naming the flag.
+"""The flags of `pallas-fa3 numerics <study>` and their mapping onto the
+configs, kept free of JAX work so that `--help` is fast: every flag maps
+onto one field of the study's frozen config, and a value the config
+rejects is reported as a usage error naming the flag: docs/numerics.md.
 """
 
 from __future__ import annotations

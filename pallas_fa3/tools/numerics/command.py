@@ -1,11 +1,10 @@
-"""`pallas-fa3 numerics <study>`: settings -> study -> report folder.
-
-Each study module provides a frozen config class (its CPU default) and a
+"""`pallas-fa3 numerics <study>`: settings -> study -> report folder. Each
+study module provides a frozen config class (its CPU default) and a
 `GPU_DEFAULT`, `run(config, progress=...) -> dict`, `markdown(result)` and
-`plot(result, out_dir)` (these two in the report module `REPORTS` names,
-if any); this module picks the platform default, applies the flags, adds the
+`plot(result, out_dir)` (these two in the report module `REPORTS` names, if
+any); this module picks the platform default, applies the flags, adds the
 environment header, writes `results.json`, `summary.md` and `plots/*.png`
-under `<out>/<study>`, and prints the summary.
+under `<out>/<study>`, and prints the summary: docs/numerics.md#the-studies.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""`pallas-fa3 numerics deviation`: forward deviation against a float64 golden.
-
-After "Is Flash Attention Stable?" (Golden et al. 2024, arXiv 2405.02803).
-For every case, q, k and v are drawn in float64, rounded to the format F
-(bf16, fp16, fp32), and each candidate's output is compared with the float64
-attention of those rounded values:
-
-  baseline / all     materialized attention, every intermediate in F
-  flash / all        FlashAttention-2 with every intermediate (running max,
-                     row sum, accumulator) in F; tiles Br x Bc
-  baseline / kernel  float32 scores and softmax, P rounded to F, float32 P V
-  blockwise / kernel the production blockwise backend (float32 statistics and
-                     accumulators, P rounded to F); tiles Br x Bc
-  interpret, mosaic  the Hopper kernels, when they can run here (else listed
-                     as skipped with the reason)
-
-Two sweeps: sequence length at one fixed tile (every head dim, input
-distribution and format), and tile sizes (squares and swapped pairs) at one
-sequence length. The checks against the paper are in `deviation_checks`, the
-markdown and plots in `deviation_report`.
+"""`pallas-fa3 numerics deviation`: forward deviation against a float64
+golden, after "Is Flash Attention Stable?" (Golden et al. 2024, arXiv
+2405.02803): materialized and flash attention with every intermediate in
+the format under study, kernel-like baseline, the blockwise backend and the
+Hopper kernels where they run, over a sequence-length sweep and a tile
+sweep; the checks against the paper are in `deviation_checks`, the
+markdown and plots in `deviation_report`: docs/numerics.md#deviation.
 """
 
 from __future__ import annotations

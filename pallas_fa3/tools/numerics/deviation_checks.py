@@ -1,9 +1,8 @@
-"""The deviation study's checks against the paper and the tables they read.
-
-Each check returns `{claim, paper, ours, verdict, note}`; the verdict is
+"""The deviation study's checks against the paper and the tables they read:
+each check returns `{claim, paper, ours, verdict, note}`, the verdict
 "reproduced", "partly reproduced" or "not reproduced", always with the
-figure it rests on. The markdown, plots and headline are in
-`deviation_report`.
+figure it rests on (the markdown, plots and headline are in
+`deviation_report`): docs/numerics.md#deviation.
 """
 
 from __future__ import annotations

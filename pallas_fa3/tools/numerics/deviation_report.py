@@ -1,6 +1,6 @@
-"""The deviation study's report: markdown, plots and headline figures.
-
-Reads the records of `deviation` and the checks of `deviation_checks`.
+"""The deviation study's report: markdown, plots and headline figures, from
+the records of `deviation` and the checks of `deviation_checks`:
+docs/numerics.md#deviation.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""`pallas-fa3 numerics divergence`: how far training runs drift apart.
-
-After the training study of Golden et al. 2024 (arXiv 2405.02803). The GPT
-of `models/` is trained four times from the same data order (the batch of
-step n depends only on the data seed and n):
-
-  R0  reference attention, bf16 compute (attention accumulates in float32):
-      the baseline
-  R1  flash attention (the automatic choice: `blockwise` on a CPU), else R0
-  R2  R0 from a different initialization seed (the "different init" bound)
-  R3  R0 in float32 compute: R0 - R3 is the effect of low-precision (bf16)
-      compute, the paper's "FP16 vs FP32 training"
-
-Every `interval` steps, per parameter tensor, each of R1..R3 is compared
-with R0: max |W_a - W_b| and the 1-D Wasserstein-1 distance between the
-flattened values (`metrics.wasserstein_1`, the exact sorted-difference
-formula). The growth of each curve is fitted by least squares (the slope per
-step); the paper's claim is slope(R3) / slope(R1) = 2..5 (flash deviates less
-than low precision) and flash at or below the different-init bound. The
-markdown and plots are in `divergence_report`.
+"""`pallas-fa3 numerics divergence`: how far training runs drift apart, after
+the training study of Golden et al. 2024 (arXiv 2405.02803). The GPT of
+`models/` trained four times from one data order (reference bf16, flash,
+another initialization, float32), each run's parameters compared with the
+reference's every `interval` steps (max |dW|, Wasserstein-1) and the
+growth fitted; the markdown and plots are in `divergence_report`:
+docs/numerics.md#divergence.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The divergence study's report: markdown tables and plots.
-
-Reads the result of `divergence.run` (samples, slopes, ratios, verdicts).
+"""The divergence study's report: markdown tables and plots, from the result
+of `divergence.run` (samples, slopes, ratios, verdicts):
+docs/numerics.md#divergence.
 """
 
 from __future__ import annotations

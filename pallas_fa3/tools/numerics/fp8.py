@@ -1,17 +1,8 @@
-"""`pallas-fa3 numerics fp8`: the FA3 paper's FP8 error table (its Table 3).
-
-Inputs, metric and the six methods are those of `fp8_methods` (outlier
-inputs in float16, RMSE against float64). Rows:
-
-  baseline FP16             materialized, every intermediate in float16
-  flash FP16                `flash_attention` on the blockwise backend, and
-                            on the Hopper kernels where they can run
-  baseline FP8 per-tensor   materialized, per-tensor e4m3 Q, K, V and P
-  ours FP8 (+ ablations)    `flash_attention(..., fp8=FP8Config(...))` on the
-                            blockwise twin and on the kernels where they run
-
-plus the ratios the paper quotes and the RMSE of each FP8 error source
-alone (`fp8_methods.source_errors`).
+"""`pallas-fa3 numerics fp8`: the FA3 paper's FP8 error table (its Table 3),
+with the inputs, metric and methods of `fp8_methods` (outlier inputs in
+float16, RMSE against float64), on the blockwise twin and on the Hopper
+kernels where they run, plus the ratios the paper quotes and the RMSE of
+each FP8 error source alone: docs/numerics.md#fp8.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""The methods of the FA3 paper's FP8 error test (its Table 3), and its tables.
-
-Inputs: every entry of Q, K and V is N(0, 1) + N(0, 100) * Bernoulli(0.001)
-(0.1% of entries carry an extra term of standard deviation 10: outlier
-features), rounded to float16, the dtype every method receives. Metric: RMSE
-of the attention output against float64 attention of the same float16
-inputs. Methods (paper's figures in `PAPER_RMSE`):
-
-- baseline FP16: materialized attention with every intermediate in float16
-  (`reference_attention(..., intermediate_dtype=float16)`).
-- flash FP16: `flash_attention` (float32 online softmax, P rounded to
-  float16, float32 accumulation).
-- baseline FP8 per-tensor: materialized attention on e4m3 Q, K, V with one
-  scale per tensor (amax / 448), float32 accumulation of both products,
-  scores rounded to float16 and the softmax evaluated from them in float32
-  with its output P rounded to float16 ("FP16 softmax"), then P quantized
-  to e4m3 with one per-tensor scale as well. Our reading of the paper's
-  one-line description; no rotation.
-- ours FP8: `flash_attention(..., fp8=FP8Config(...))` (block quantization
-  + rotation; the FP8 kernel, or its blockwise twin with the kernel's tiles,
-  P rounding and descales), and its two ablations
-  (`FP8Config(block_quantization=False)`, `FP8Config(rotation=False)`).
-- ours FP8 + Q residual: beyond the paper, `FP8Config(q_residual=True)`:
-  Q's rounding residual quantized again and added in a second QK^T product
-  (not in the paper's table: no paper figure).
+"""The methods of the FA3 paper's FP8 error test (its Table 3), and its
+tables: the outlier inputs, the metric (RMSE against float64 attention of
+the same float16 inputs), the methods (baseline FP16, flash FP16, baseline
+FP8 per-tensor, ours FP8 and its ablations, ours FP8 + Q residual) with the
+paper's figures in `PAPER_RMSE`, and each FP8 error source alone:
+docs/numerics.md#fp8.
 
 Example:
   >>> import jax

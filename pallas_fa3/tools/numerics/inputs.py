@@ -1,14 +1,8 @@
-"""Input distributions of the numerics studies, drawn in float64 with numpy.
-
-  normal    every entry N(0, 1)
-  outliers  the FA3 paper's error test (its Table 3): N(0, 1) + N(0, 100) *
-            Bernoulli(0.001), i.e. 0.1% of entries get an extra term of
-            standard deviation 10, simulating outlier features
-
-Inputs are drawn in float64 and then rounded to the format under study; the
-float64 golden is computed from the rounded values, so a study measures the
-error of the attention computation, not of rounding its inputs (`fp8` is
-the exception: quantizing the inputs is the method under study there).
+"""Input distributions of the numerics studies, drawn in float64 with numpy
+(`normal`, and `outliers`: the FA3 paper's Table 3 inputs) and rounded to
+the format under study, so that a study measures the error of the
+attention computation, not of rounding its inputs:
+docs/numerics.md#inputs-and-the-study-only-attention.
 
 Example:
   >>> import numpy as np

@@ -1,26 +1,11 @@
-"""Study-only attention with every intermediate in a chosen format, and the golden.
-
-The numerics study of Golden et al. (arXiv 2405.02803) keeps *every*
-intermediate of the attention in one format F ("all intermediates in F"):
-each operation's result is rounded to F, while the operation itself
-accumulates as the hardware does (a matmul or a row sum accumulates in
-float32 and rounds its result once, as tensor cores and GPU reductions do).
-The production backends are "kernel-like" instead: low-precision inputs,
-float32 statistics and accumulators, P rounded to the input dtype.
-
-This module gives the study what the production code deliberately lacks:
-
-  baseline(..., mode="all")     materialized S, softmax, P V, all in F
-  baseline(..., mode="kernel")  float32 S and softmax, P rounded to F,
-                                P V accumulated in float32, out in F
-  flash_all(...)                FlashAttention-2 (online softmax, tiles
-                                Br x Bc, normalization at the end) with the
-                                running max, row sum and output accumulator
-                                all kept in F; optional `stable_max`
-  golden(...)                   float64 numpy attention (the golden)
-
-The kernel-like flash is the production `blockwise` backend itself. Layout
-`[batch, seq, heads, head_dim]`, one kv head per query head, non-causal.
+"""Study-only attention with every intermediate in a chosen format, and the
+golden: what the production code deliberately lacks, `baseline` (mode
+"all": materialized, every intermediate in F; mode "kernel": float32 S and
+softmax, P rounded to F), `flash_all` (FlashAttention-2 with the running
+max, row sum and accumulator in F; optional `stable_max`) and `golden`
+(float64 numpy attention); layout `[batch, seq, heads, head_dim]`, one kv
+head per query head, non-causal:
+docs/numerics.md#inputs-and-the-study-only-attention.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np

@@ -1,7 +1,7 @@
-"""Error metrics of the numerics studies: deviation statistics, Wasserstein-1, slopes.
-
-All functions take array-likes, compute in float64 numpy and return Python
-floats, so results go straight into JSON.
+"""Error metrics of the numerics studies: deviation statistics, Wasserstein-1
+and slopes, all taking array-likes, computing in float64 numpy and
+returning Python floats, so results go straight into JSON:
+docs/numerics.md#inputs-and-the-study-only-attention.
 
 Example:
   >>> from pallas_fa3.tools.numerics import metrics

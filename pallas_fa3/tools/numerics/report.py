@@ -1,8 +1,7 @@
-"""What every numerics study writes: environment, JSON, markdown, progress bar.
-
-A report folder holds `results.json` (environment header, the study's
-settings, every measured figure), `summary.md` (tables with our numbers next
-to the published ones) and `plots/*.png`.
+"""What every numerics study writes: the environment header, `results.json`
+(the study's settings and every measured figure), `summary.md` (tables with
+our numbers next to the published ones), `plots/*.png`, and the progress
+bar: docs/numerics.md#the-studies.
 """
 
 from __future__ import annotations
