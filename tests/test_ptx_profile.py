@@ -1,5 +1,5 @@
 """The static PTX profile's parsers and hazard checks (`ptx_profile`, the
-ptxas report of `aot_compile`, the register split of `kernels.hopper`) on
+ptxas report of `aot_compile`, the register split of `kernels.sm90.hardware`) on
 small hand-written PTX: no compile, no CUDA packages. The compiled kernels'
 profiles are checked in tests/test_sm90_aot.py."""
 

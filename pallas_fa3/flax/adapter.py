@@ -264,7 +264,7 @@ ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
 # `implementation` are not: the first is the adapter's own declaration, an
 # attention_fn returns only the output, and the backend is the first argument.
 # `window_size` and `softcap` are keywords of their own (checked up front; the
-# window is aligned top-left, see `pallas_fa3.flax.top_left`).
+# window is aligned top-left, see `flash_top_left`).
 _FORWARDED_OPTIONS: tuple[str, ...] = ("softmax_scale", "config")
 _ONE_ROW_WINDOW = (
   "make_attention_fn(window_size=...) in a call with one query row and a"

@@ -259,7 +259,7 @@ class MaskPlan(NamedTuple):
     ok: None, or a traced bool scalar: whether a traced mask keeps the
       promise it was declared with (the output is NaN where it does not).
     key_valid: None, or bool `[prod(batch...), 1 | heads, seq_kv]`: a call
-      with one query row and a mask (`pallas_fa3.flax.key_mask`), whose
+      with one query row and a mask (`adapter_masks.flash_key_mask`), whose
       mask is exactly these keys.
   """
 
@@ -296,7 +296,7 @@ def plan_mask(
 
   A call with one query row and a mask (a decode step of Flax's layers:
   the mask is the cache's occupancy) is a key mask, taken exactly as it is
-  (`pallas_fa3.flax.key_mask`); `causal=True` and `padding_mask=True`
+  (`adapter_masks.flash_key_mask`); `causal=True` and `padding_mask=True`
   declare the masks of whole sequences and do not apply to it (a top-left
   causal mask would keep key 0 only, as Flax's layers, which drop
   `is_causal` in decode, know).

@@ -1,28 +1,12 @@
-"""FlashAttention-3 backward kernels for Hopper (sm90) in Pallas Mosaic GPU.
-
-Gradients by recomputation from the residuals (out, lse), after FA2/FA3:
-`delta = rowsum(dO * O) - dlse`, `P = exp2(S * scale * log2(e) - lse2)`,
-`dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - delta)`, `dK = scale dS^T Q`,
-`dQ = scale dS K`. Warp specialized like the forward; parallel over K/V
-tiles and kv heads: consumers hold K/V tiles and float32 dK, dV; the
-producer streams Q, dO, lse and delta tiles of every query head of the GQA
-group and every query tile that sees the keys.
-
-- **Fused** (`deterministic=False`, the default; `backward_fused`): one
-  kernel, FA3's five GEMMs per tile pair; dQ is TMA reduce-added in float32
-  into an accumulator in HBM (converted here). Its summation order varies
-  run to run.
-- **Deterministic** (`deterministic=True`, and configs the fused kernel
-  cannot run: CTA-split head dims, d = 256): the dK/dV kernel
-  (`backward_dkdv`) and a dQ kernel (`backward_dq`, the forward's
-  structure, dQ summed in a fixed order in registers): seven GEMMs per
-  pair, bitwise reproducible.
-
-At d = 192, 256 two consumers share each K/V tile (and each query tile in
-the dQ kernel), each owning half of the head dim and exchanging P and dS
-through shared memory (FA3's layout; no GEMM repeated). `delta` and the
-base-2 lse (+inf for rows that see no key) are prepared here in plain JAX.
-Design and measurements: docs/design_notes.md#backward-kernels.
+"""FlashAttention-3 backward for Hopper (sm90): gradients by recomputation
+from the residuals (out, lse), parallel over K/V tiles and kv heads, either
+one fused kernel with FA3's five GEMMs per tile pair and dQ TMA
+reduce-added in float32 (`deterministic=False`, the default;
+`backward_dkdv.fused_consumer`) or the dK/dV kernel plus the dQ kernel
+(`backward_dq`), seven GEMMs and bitwise reproducible (`deterministic=True`
+and configs the fused kernel cannot run); this module prepares `delta`
+and the base-2 lse in plain JAX, picks the form and converts dQ.
+More: docs/design_notes.md#backward-kernels.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class DkdvPlan:
   config: Sm90BackwardConfig
   seq_q_pad: int
   seq_kv_pad: int
-  # The fused kernel (`backward_fused`): dQ by reduce-add as well.
+  # The fused kernel (`fused_consumer`): dQ by reduce-add as well.
   fused: bool = False
 
   @property

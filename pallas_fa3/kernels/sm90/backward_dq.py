@@ -1,6 +1,8 @@
-"""The sm90 dQ kernel (the backward's design: `backward`): the forward
-kernel's structure (its producer streams K and V tiles), dQ accumulated in
-float32 registers."""
+"""The sm90 dQ kernel of the deterministic backward: the forward kernel's
+structure (its producer streams K and V tiles), dQ accumulated in float32
+registers in a fixed order.
+More: docs/design_notes.md#backward-kernels.
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Tilings of the sm90 kernels: the validated configs and the forward
-kernel's estimates, config space and heuristic defaults (the backward
-kernels' are in `config_backward`).
-
-The configs are frozen and hashable (static arguments of `jax.jit` and
-`custom_vjp`) and validate themselves. Whether a config fits a call is
-decided by one estimate against one limit (`forward_unsupported`,
-`config_backward.backward_config_unsupported`); the defaults and the config
-spaces are checked against the same estimates, so they cannot disagree.
-
-Tiles (FA3 terms): a forward CTA owns `2 * block_q` query rows, `block_q`
-per consumer warpgroup (the M of its wgmma); the producer warpgroup streams
-`block_kv`-row K and V tiles through a ring of `num_stages` slots.
+"""Tilings of the sm90 kernels: the validated, frozen configs (static
+arguments of `jax.jit` and `custom_vjp`) and the forward kernel's
+shared-memory and register estimates, config space and heuristic defaults,
+all judged by the same estimates (the backward's are in `config_backward`).
+More: docs/kernels.md#configs-and-tilings.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Tilings of the sm90 backward kernels: shared-memory and register
 estimates of `Sm90BackwardConfig`, its config space and heuristic default.
+More: docs/kernels.md#the-backward-kernels.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The Hopper decode kernel's tiling, what it serves, and the split-KV
-choice.
-
-One CTA per (sequence, KV head, split): the query rows of the KV head's
-group (`heads_q / heads_kv` heads times `seq_q`, packed into one 64-row
-wgmma tile) attend to `block_kv`-key tiles streamed through a
-`num_stages` ring. Shared memory: Q, the ring of K and V tiles, the
-float32 output staging; registers: S and O accumulators of one
-64-row consumer warpgroup. Neither holds DeepSeek MLA's 576 / 512 head
-dims (`mla_reason`), and V is always its own cache (`v_cache=None` is
-refused: the producer streams V by TMA from a second array).
+"""The Hopper decode kernel's tiling (one CTA per sequence, KV head and
+split; the GQA group's query rows packed into one 64-row wgmma tile), its
+shared-memory and register estimates, what it serves (`decode_unsupported`,
+`mla_reason`) and the split-KV choice.
+More: docs/design_notes.md#decode-kernel.
 """
 
 from __future__ import annotations

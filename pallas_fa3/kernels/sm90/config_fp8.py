@@ -1,6 +1,7 @@
-"""The FP8 (e4m3) forward kernel's tilings: the `Sm90ForwardConfig` dataclass
-with the FP8 kernel's own shared-memory and register footprint. Its block_q
-and block_kv are also the quantization tiles (`pallas_fa3.fp8`).
+"""The FP8 (e4m3) forward kernel's tilings: `Sm90ForwardConfig` judged by
+the FP8 kernel's own shared-memory and register footprint; its block_q and
+block_kv are also the quantization tiles (`pallas_fa3.fp8`).
+More: docs/fp8.md#the-kernels-and-the-twin.
 """
 
 from __future__ import annotations

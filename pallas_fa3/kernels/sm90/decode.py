@@ -264,7 +264,7 @@ class DecodePlan:
 def split_tiles(plan: DecodePlan, length: Any, split: Any) -> tuple[Any, Any]:
   """(first tile, tiles) of split `split` of a sequence of `length` keys:
   its visible keys' tiles (`key_range`) cut into `plan.splits` equal
-  ranges, as the blockwise twin cuts them (`blockwise_decode.split_ranges`)."""
+  ranges, as the blockwise twin cuts them (`backends/blockwise/decode.split_ranges`)."""
   bkv = plan.block_kv
   first, end = key_range(plan.spec, length)
   t0 = jnp.asarray(first, jnp.int32) // bkv

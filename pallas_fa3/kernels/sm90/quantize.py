@@ -1,18 +1,10 @@
-"""The FP8 quantization pass as one Pallas Mosaic GPU kernel (sm90).
-
-One CTA per `rows x d` tile of one head: it reads the bf16/fp16 tile once
-by TMA, rotates it on the tensor cores (Q and K: `y = (X @ (D H)) / sqrt(d)`,
-a `d x d` +-1 matrix, exact in 16 bits, with float32 accumulation), takes
-the tile's amax, and writes e4m3 and the tile's float32 scale (the power of
-two just above `amax / 448`, so dividing by it is exact), and with
-`residual` Q's rounding residual in e4m3. V is not rotated but written
-transposed (`[b, hk, d, skv]`, the layout FP8 wgmma needs): each warpgroup
-computes `I_64 @ X_c^T`, 64 columns of the tile transposed, which is exact.
-One warpgroup per 64 output rows; they meet once through shared memory for
-the tile's amax (interpreted, one warpgroup takes every chunk in turn).
-
-`pallas_fa3.quant.e4m3.quantize_inputs` is the pure-JAX twin (the same
-float32 operations in the same order); interpret mode gives its bits.
+"""The FP8 quantization pass as one Pallas Mosaic GPU kernel (sm90): one CTA
+per `rows x d` tile of one head reads it once by TMA, rotates Q and K on
+the tensor cores (`(X @ (D H)) / sqrt(d)`, exact in 16 bits), writes e4m3
+with the tile's power-of-two float32 scale (and Q's residual), and V
+transposed for the FP8 wgmma; `pallas_fa3.quant.e4m3.quantize_inputs` is
+its pure-JAX twin, bit for bit in interpret mode.
+More: docs/design_notes.md#fp8-quantization-kernel.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 kernels for an H200 from a compile-only target description, read ptxas's
 report (registers, spills) and each Mosaic kernel's static profile
 (`ptx_profile`), and judge it (spills, `budget_problems`). The sweeps of
-what is compiled are `aot_sweeps`; the command is `aot`.
+what is compiled are in `sweeps.py`; the command is `aot`.
 More: docs/design_notes.md#deviceless-compile.
 """
 
