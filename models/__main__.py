@@ -1,4 +1,6 @@
-"""`python -m models train|generate` (from the checkout's root)."""
+"""`python -m models train|generate` (from the checkout's root).
+More: docs/training.md#running-it
+"""
 
 import sys
 

@@ -1,19 +1,7 @@
-"""Checkpoints of the training loop with orbax-checkpoint.
-
-A checkpoint at step n holds two items:
-  state  the arrays: model parameters, optimizer state (AdamW moments and
-         counts) and the step, saved with `StandardSave`;
-  meta   JSON: the model and training configs, the data RNG state (the
-         data seed and the next step; batches are drawn by a generator
-         seeded by `(data_seed, step)`, see `models.data`), the data
-         fingerprint, and the validation loss at initialization.
-
-Restoring needs the abstract state (shapes, dtypes and tree structure) of a
-freshly initialized run, so the restored tree has exactly the structure the
-jitted train step was compiled for.
-
-Saving is synchronous: the train step donates the state's buffers, so a
-background save must not read them after the call returns.
+"""Orbax checkpoints of the training state: `Checkpointer` saves, by step and
+synchronously, the arrays (`state`) and a JSON `meta` item, and restores
+them into the structure of a freshly initialized run.
+More: docs/training.md#the-step-the-loop-and-checkpoints
 
 Example:
   >>> import jax.numpy as jnp, tempfile

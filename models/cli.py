@@ -1,10 +1,8 @@
 """`python -m models train|generate` (and the aliases `pallas-fa3 train`,
-`pallas-fa3 generate`): the flags and handlers of the example's commands.
-
-`train` fits the byte-level GPT on the Python standard library's sources;
-`generate` continues prompts with a trained run (prefill, then KV-cache
-decode steps). The models and Flax are imported only when a command runs,
-so `--help` needs neither. docs/training.md, docs/generation.md
+`pallas-fa3 generate`): the flags and handlers of the example's commands,
+`train` (fit the byte-level GPT on the standard library's sources) and
+`generate` (continue prompts with a trained run); `main`, `add_parsers`.
+More: docs/training.md#running-it
 """
 
 from __future__ import annotations

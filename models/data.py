@@ -1,21 +1,9 @@
-"""Byte-level training data: the Python standard library's own `.py` sources.
-
-Every machine with Python has this corpus, so training needs no download.
-Files are collected recursively under `sysconfig.get_paths()["stdlib"]` in
-sorted relative-path order (site-packages excluded; test folders excluded
-unless asked for). Each file goes to the validation split iff the CRC-32 of
-its relative path falls in the first `val_fraction` of the hash range, so a
-file's split never depends on which other files exist or on the byte cap.
-Files are concatenated in sorted order per split; bytes are the tokens
-(0..255). Where each file starts is kept (`ByteCorpus.train_bounds` /
-`val_bounds`): packed batches (`models.packing`) keep files apart.
-
-Batches are windows of `seq_len + 1` bytes. Training windows for step n are
-drawn by `numpy.random.default_rng((data_seed, n))`: a fresh generator per
-step, seeded by the step, so the batch of step n is the same whether or not
-the run was interrupted before it (the data RNG state at step n is fully
-described by `(data_seed, n)`). Validation windows are fixed, evenly spaced
-over the validation split.
+"""Byte-level training data: the Python standard library's own `.py` sources
+as a `ByteCorpus` (`load_stdlib_corpus`: bytes are the tokens, files split
+into train and validation by path hash) and its deterministic batches,
+`train_batch` (step n's windows depend only on `(data_seed, n)`) and
+`val_batches` (fixed windows).
+More: docs/training.md#the-data
 
 Example:
   >>> from models import data

@@ -1,24 +1,8 @@
-"""Text generation with the GPT of `models.gpt`: prefill, then cached decode steps.
-
-`generate(model, prompts, max_new_tokens=...)` continues a batch of token
-prompts of different lengths together:
-
-* with the cache (the default): the prompts, right-padded to the longest,
-  are one prefill call (`flash_attention`, causal, in every layer; the K/V
-  go to the layers' caches, each sequence keeps its own length), then one
-  jitted decode step per token, which feeds each sequence's last token,
-  attends over its cache with `flash_attention_with_kvcache` and donates
-  the caches (updated in place);
-* without it (`use_cache=False`, the check): every token recomputes the
-  whole sequence so far with the training forward pass (padded to a
-  multiple of `NO_CACHE_BUCKET` tokens, so a few compilations serve every
-  length).
-
-Both draw token i with the key `fold_in(key(seed), i)` from the logits of
-each sequence's last token, so greedy decoding (`temperature=0`) gives the
-same tokens on both paths unless two logits tie to rounding. Generation
-stops after `max_new_tokens` tokens (a byte model has no end token).
-Compilation is timed apart from the prefill and decode rates.
+"""Text generation with the GPT of `models.gpt`: `generate` continues a batch
+of prompts with a prefill, then cached decode steps (or, with
+`use_cache=False`, by recomputing the whole sequence for every token), and
+returns a `Generation`.
+More: docs/generation.md#the-two-paths
 
 Example:
   >>> from flax import nnx

@@ -1,23 +1,9 @@
-"""A GPT-style decoder-only transformer on pallas-fa3 attention (Flax nnx).
-
-One frozen dataclass, `GPTConfig` (`models.gpt_config`), describes the
-model; `GPT` builds it.
-Blocks are pre-norm (LayerNorm or RMSNorm), causal self-attention through
-`pallas_fa3.flax.FlashMultiHeadAttention` (so the attention backend is a
-config field: the numerics study trains the same model with `"blockwise"`
-and `"reference"`), and a GELU MLP. Positions are either rotary (inside the
-attention module) or a learned table; the output projection is either tied
-to the token embedding or a separate matrix. A call may pass packed
-sequences: `segment_ids` keep documents apart in every block's attention,
-with positions restarting per document. Optional attention variants:
-per-layer causal sliding windows (`window_pattern`, e.g. Gemma's alternation
-of local and global layers), an attention logit softcap and learnable
-attention sinks (one logit per head in every softmax denominator).
-After `init_cache`, calls with `decode=True` run the attention layers over
-their KV caches (a prefill, then decode steps: `models.generate`).
-
-Parameters live in `param_dtype` (float32 by default); the forward computes
-in `dtype` (float32 or bfloat16) and returns float32 logits.
+"""A GPT-style decoder-only transformer on pallas-fa3 attention (Flax nnx):
+`GPT` builds the byte-level model a `GPTConfig` describes (pre-norm blocks
+of `FlashMultiHeadAttention` and a GELU MLP, RoPE or learned positions;
+optionally packed sequences, sliding windows, softcap and sinks; KV-cache
+decoding after `init_cache`).
+More: docs/training.md#the-model
 
 Example:
   >>> from flax import nnx

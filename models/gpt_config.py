@@ -1,8 +1,6 @@
-"""`GPTConfig`: the frozen, validated description of the byte-level GPT.
-
-Every field is checked when the config is built, naming the field; the
-config is hashable (a static argument of the jitted step) and round-trips
-through JSON (`to_dict`, `GPTConfig(**d)`), as checkpoints store it.
+"""`GPTConfig`: the frozen, validated, hashable description of the byte-level
+GPT, which round-trips through JSON.
+More: docs/training.md#the-model
 """
 
 from __future__ import annotations

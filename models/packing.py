@@ -1,25 +1,8 @@
-"""Packed batches: stdlib files side by side in a row, kept apart by segment ids.
-
-The documents are the corpus's files (`ByteCorpus.train_bounds` /
-`val_bounds`). A row holds `seq_len + 1` bytes, like an unpacked window, plus
-int32 segment ids (one per document piece: 0, 1, 2, ... along the row) and
-positions restarting at 0 where a piece starts. The model attends only
-within a segment (`flash_attention(segment_ids=...)`), and a next-byte
-target counts only when it lies in the same segment as its input
-(`loss_mask`).
-
-Training rows of step n are drawn by `numpy.random.default_rng((data_seed,
-n))`, as unpacked ones are, so the batch depends only on `(data_seed, n)`.
-Each document is cut into consecutive pieces of `seq_len + 1` bytes (the
-last one shorter; a short file is one piece); a row is filled by pieces
-drawn uniformly at random, laid end to end, and the piece that does not fit
-is cut to the room left. Every piece is equally likely, so every byte of the
-split is about equally likely, as in unpacked mode; short files share a row
-whole, long ones fill it with one piece. Training rows have no padding.
-
-Validation rows are the unpacked validation windows (`data.val_batches`:
-the same bytes), with segment ids at the file boundaries inside each window
-(a window's first segment may start mid-file, at position 0).
+"""Packed batches: stdlib files side by side in a row, kept apart by segment
+ids, with positions restarting per piece and a `loss_mask` of the targets
+inside a segment (`PackedBatch`, `packed_train_batch`,
+`packed_val_batches`).
+More: docs/training.md#packed-batches
 
 Example:
   >>> from models import data, packing

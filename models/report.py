@@ -1,11 +1,6 @@
-"""What a training run shows and records: a rich progress bar and a JSONL log.
-
-Every step appends `{"step", "train_bpb", "lr", "grad_norm", "tokens_per_s"}`
-and every evaluation `{"step", "val_bpb"}` to the metrics file, so a run's
-history survives interruptions (a resumed run appends to the same file).
-Each invocation first appends `{"step", "run": {"packed"}}`.
-The progress bar is drawn only on a terminal; evaluation lines are printed
-either way.
+"""What a training run shows and records: `RunLog`, a rich progress bar and a
+JSONL metrics log.
+More: docs/training.md#outputs
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""A trained GPT from a `pallas-fa3 train --out DIR` run, for inference.
-
-`load_model(path)` takes the run folder `DIR`, its `DIR/checkpoints`
-folder, or one checkpoint inside it (`DIR/checkpoints/<step>`), rebuilds the
-model from the configs the checkpoint stores, and restores its parameters
-(the newest checkpoint unless one is named). A checkpoint holds the whole
-training state; its structure comes from `models.step.build_program`.
+"""A trained GPT from a `pallas-fa3 train --out DIR` run, for inference:
+`load_model(path)` takes the run folder, its checkpoint folder or one
+checkpoint, and rebuilds the model from the configs stored there.
+More: docs/generation.md#from-python
 
 Example:
   >>> model, info = load_model("runs/train")  # doctest: +SKIP

@@ -1,11 +1,6 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p.
-
-`Sampling` is frozen and hashable (a constant of the jitted decode step);
-`sample(logits, key, sampling)` draws one token per row. Temperature 0 is
-greedy (argmax, no randomness). Otherwise the logits are divided by the
-temperature, cut to the `top_k` largest (ties at the k-th value stay), then
-to the smallest set of most likely tokens whose probability reaches `top_p`
-(nucleus sampling, Holtzman et al. 2020), and one token is drawn.
+"""Choosing the next token from logits: `Sampling` (greedy, temperature,
+top-k, top-p) and `sample`, one token per row.
+More: docs/generation.md#sampling
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -1,13 +1,8 @@
-"""TrainConfig and the compiled training program of the byte-level GPT.
-
-The whole optimization step (forward, backward, global-norm clipping, AdamW
-with linear warmup + cosine decay) is one `jax.jit`-compiled function of a
-plain pytree state `{"params", "opt_state", "step"}` (parameters split off
-the nnx module with `nnx.split`), so the state is exactly what a checkpoint
-holds. Losses are reported in bits per byte (nats / ln 2; one token is one
-byte), so a uniform guess over 256 bytes scores 8. With
-`TrainConfig.packed` the step takes a `models.packing.PackedBatch` and
-averages the loss over the targets that `packing.loss_mask` counts.
+"""`TrainConfig` and the compiled training program of the byte-level GPT:
+`build_program` gives the one jitted optimization step (AdamW, warmup +
+cosine decay, global-norm clipping) over a plain pytree state, `evaluate`
+the validation loss in bits per byte.
+More: docs/training.md#the-step-the-loop-and-checkpoints
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Training loop of the byte-level GPT: data, evaluation, checkpoints, resume.
-
-Runs the compiled step of `models.step` over the batches of `models.data`
-(or, with `TrainConfig.packed`, the packed batches of `models.packing`).
-Runs are bitwise reproducible: the model is initialized from
-`TrainConfig.seed`, the batch of step n depends only on
-`(TrainConfig.data_seed, n)` (see `models.data`), and nothing else is random
-(no dropout). Resuming at step n therefore gives the same losses as an
-uninterrupted run.
+"""Training loop of the byte-level GPT: `train()` runs the jitted step of
+`models.step` over the batches of `models.data` (or `models.packing`), with
+evaluation, checkpoints and bitwise-reproducible resume.
+More: docs/training.md#the-step-the-loop-and-checkpoints
 
 Example:
   >>> from models.gpt import GPTConfig
