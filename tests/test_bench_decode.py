@@ -17,9 +17,9 @@ from pallas_fa3.tools.bench import (
   decode_command,
   decode_impls,
   decode_report,
-  decode_specs,
   flops,
   report,
+  specs,
   timing,
 )
 
@@ -121,13 +121,13 @@ def test_terminal_tables_fit_80_columns(tiny_sweep):
 
 
 def test_bytes_and_flops_by_hand():
-  s = decode_specs.DecodeBenchSpec("x", 3, 100, 8, 2, 64, "bf16")
+  s = specs.DecodeBenchSpec("x", 3, 100, 8, 2, 64, "bf16")
   # K and V: 3 x 100 tokens x 2 heads x (64 + 64) x 2 bytes.
   assert s.kv_bytes == 3 * 100 * 2 * 128 * 2 == 153600
   assert s.flops == 4 * 3 * 8 * 1 * 100 * 64 == 614400  # 4 b hq sq L d
   # Ragged: 100, 100 - 50 // 3 = 84, 100 - 100 // 3 = 67 tokens; the
   # layout does not change the bytes, the dtype does.
-  r = decode_specs.DecodeBenchSpec(
+  r = specs.DecodeBenchSpec(
     "y", 3, 100, 8, 2, 64, "fp32", page_size=16, ragged=True
   )
   assert r.lengths == (100, 84, 67) and r.pages_per_seq == 7
@@ -185,7 +185,7 @@ def test_our_backends_check_every_gpu_case():
 
 def test_baselines_say_why_on_a_gpu():
   reg = decode_impls.REGISTRY
-  spec = decode_specs.DecodeBenchSpec
+  spec = specs.DecodeBenchSpec
   contiguous = spec("c", 1, 8192, 32, 8, 128, "bf16")
   paged = spec("p", 1, 8192, 32, 8, 128, "bf16", page_size=64)
   assert "paged" in reg["triton-gqa"].unsupported(paged, "gpu")
@@ -203,14 +203,15 @@ def test_baselines_say_why_on_a_gpu():
 def test_fp8_cases_read_an_e4m3_cache(page_size):
   """--dtype fp8: bf16 queries over an e4m3 cache with its descales, half
   the K/V bytes of bf16; ours compute it, the baselines say why not."""
-  s = decode_specs.DecodeBenchSpec(
+  s = specs.DecodeBenchSpec(
     "f", 2, 64, 4, 2, 64, "fp8", page_size=page_size, ragged=True
   )
-  bf16 = decode_specs.DecodeBenchSpec(
+  bf16 = specs.DecodeBenchSpec(
     "b", 2, 64, 4, 2, 64, "bf16", page_size=page_size, ragged=True
   )
   assert 2 * s.kv_bytes == bf16.kv_bytes
-  q, kc, vc, lengths, table, kd, vd = decode_specs.make_inputs(s, 1, 0)[0]
+  inputs = timing.make_inputs(s, s.jax_dtype, 1, 0)
+  q, kc, vc, lengths, table, kd, vd = inputs[0]
   assert kc.dtype == vc.dtype == jax.numpy.float8_e4m3fn
   assert q.dtype == jax.numpy.bfloat16 and kd.shape == vd.shape == (2, 2)
   args = (q, kc, vc, lengths, table, kd, vd)
@@ -227,11 +228,11 @@ def test_fp8_cases_read_an_e4m3_cache(page_size):
 def test_triton_wrappers_match_the_reference(page_size):
   # The Triton ops in Pallas interpret mode, on this CPU: our layouts,
   # scale and split counts around them give the reference's output.
-  s = decode_specs.DecodeBenchSpec(
+  s = specs.DecodeBenchSpec(
     "t", 2, 64, 4, 2, 64, "fp32", page_size=page_size, ragged=True
   )
   impl = decode_impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
-  inputs = decode_specs.make_inputs(s, 1, 0)[0]
+  inputs = timing.make_inputs(s, s.jax_dtype, 1, 0)[0]
   want = jax.jit(decode_impls.REGISTRY["reference"].build(s))(*inputs)
   got = jax.jit(impl.build(s, interpret=True))(*impl.prepare(s, *inputs))
   assert impl.splits(s) == 4

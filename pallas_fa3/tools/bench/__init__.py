@@ -1,7 +1,8 @@
 """`pallas-fa3 bench`: the performance harness (issue 3).
 
 Roles, one file each:
-  specs.py     named, tagged benchmark shapes and the default grids (data).
+  specs.py     named, tagged benchmark shapes and the default grids (data),
+               decode's too.
   options.py   window, softcap and sinks of a case: checks, labels, sinks.
   flops.py     the one FLOPs model (causal, windows: exact visible pairs)
                and the K/V bytes of a decode step.
@@ -9,8 +10,8 @@ Roles, one file each:
                turning a spec into a function or saying why it cannot.
   fp8_case.py  fp8 cases: the quantization pass, the FP8 attention and both
                together, timed apart (forward only).
-  timing.py    compile-excluded timing, compiled/peak memory, matmul peak,
-               HBM peaks by device kind.
+  timing.py    the inputs, compile-excluded timing, compiled/peak memory,
+               matmul peak, HBM peaks by device kind.
   runner.py    the sweep: cases, progress bar, records, environment header.
   report.py    ratios, CSV, JSON, markdown summary (wide tables).
   terminal.py  the terminal summary: tables that fit 80 columns.
@@ -18,7 +19,6 @@ Roles, one file each:
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
   flags.py     the flags' argparse types (usage errors naming the flag).
 Decoding (`--mode decode`, one generation step over a KV cache):
-  decode_specs.py    decode cases, the default grids, their inputs.
   decode_impls.py    ours and the baselines (XLA, cuDNN, JAX's Triton ops).
   decode.py          the sweep: GB/s of K/V read, % of the HBM peak.
   decode_report.py   summary.md and the terminal's tables.

@@ -12,7 +12,6 @@ from pallas_fa3.backends import interpret_pool
 from pallas_fa3.tools.bench import (
   decode_command,
   decode_impls,
-  decode_specs,
   flags,
   impls,
   plots,
@@ -137,7 +136,7 @@ def add_parser(
   p.add_argument(
     "--mode",
     nargs="+",
-    choices=specs.MODES + (decode_specs.MODE,),
+    choices=specs.MODES + (specs.DECODE,),
     metavar="MODE",
     help=f"passes to time, of {' '.join(specs.MODES)} ("
     + flags.unset(gpu.modes, cpu.modes)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pallas_fa3.tools.bench import decode_impls, decode_specs, runner, timing
+from pallas_fa3.tools.bench import decode_impls, runner, specs, timing
 
 _MIB = 2**20
 _REASON_CHARS = 400  # as runner.py: readable in tables and CSV
@@ -41,8 +41,8 @@ def hbm_peak(platform: str) -> tuple[float | None, str]:
 
 
 def plan(
-  grid: Sequence[decode_specs.DecodeBenchSpec], impl_names: Sequence[str]
-) -> list[tuple[decode_impls.DecodeImpl, decode_specs.DecodeBenchSpec]]:
+  grid: Sequence[specs.DecodeBenchSpec], impl_names: Sequence[str]
+) -> list[tuple[decode_impls.DecodeImpl, specs.DecodeBenchSpec]]:
   """(impl, spec) pairs: ours (kind "ours") on every spec first, then the
   others on every spec, each spec's implementations in the order given
   (a spec's inputs are made once per block)."""
@@ -97,7 +97,7 @@ def _max_err(got, want) -> float:
 
 def run_case(
   impl: decode_impls.DecodeImpl,
-  spec: decode_specs.DecodeBenchSpec,
+  spec: specs.DecodeBenchSpec,
   inputs: list[tuple],
   settings: dict,
   reference,
@@ -159,8 +159,8 @@ def run_sweep(cases: Sequence[tuple], settings: dict, progress=True) -> dict:
   def inputs(spec):
     if spec not in inputs_of:
       inputs_of.clear()  # one spec's inputs alive at a time
-      inputs_of[spec] = decode_specs.make_inputs(
-        spec, settings["input_sets"], settings["seed"]
+      inputs_of[spec] = timing.make_inputs(
+        spec, spec.jax_dtype, settings["input_sets"], settings["seed"]
       )
     return inputs_of[spec]
 

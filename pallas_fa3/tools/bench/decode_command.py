@@ -10,6 +10,7 @@ usage errors with it, and the decode flags (--batch, --cache-len,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -19,10 +20,10 @@ from pallas_fa3.tools.bench import (
   decode_impls,
   decode_plots,
   decode_report,
-  decode_specs,
   flags,
   report,
   runner,
+  specs,
 )
 
 OUT_DIR = "bench_out/decode"
@@ -71,7 +72,7 @@ def _show(values: tuple, none: str = flags.NONE_WORD) -> str:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
   """Adds the decode flags to the `bench` parser."""
-  gpu, cpu = decode_specs.GPU_GRID, decode_specs.CPU_GRID
+  gpu, cpu = specs.DECODE_GPU_GRID, specs.DECODE_CPU_GRID
   positive = flags.int_at_least(1)
   p.add_argument(
     "--batch",
@@ -129,7 +130,7 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
 
 
 def is_decode(args: argparse.Namespace) -> bool:
-  return bool(args.mode) and decode_specs.MODE in args.mode
+  return bool(args.mode) and specs.DECODE in args.mode
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -137,7 +138,7 @@ def check_flags(args: argparse.Namespace) -> None:
   error = args.parser.error
   if is_decode(args):
     if len(args.mode) > 1:
-      others = " ".join(m for m in args.mode if m != decode_specs.MODE)
+      others = " ".join(m for m in args.mode if m != specs.DECODE)
       error(
         f"--mode decode cannot be combined with {others}: decode cases are"
         " a grid of their own (run them separately)"
@@ -162,16 +163,16 @@ def check_flags(args: argparse.Namespace) -> None:
         error(f"{flag} {name} is a decode baseline: use it with --mode decode")
 
 
-def grid(args, platform: str) -> list[decode_specs.DecodeBenchSpec]:
+def grid(args, platform: str) -> list[specs.DecodeBenchSpec]:
   """The decode grid: the groups of --grid (unset: the platform's), each
   flag replacing its axis in every group, filtered by --tags.
 
   Raises:
-    ValueError: naming the flag (see `decode_specs.make_grid`), or --tags
+    ValueError: naming the flag (see `specs.make_grid`), or --tags
       that select nothing.
   """
   gpu = (args.grid or platform) == "gpu"
-  groups = decode_specs.GPU_GRID if gpu else decode_specs.CPU_GRID
+  groups = specs.DECODE_GPU_GRID if gpu else specs.DECODE_CPU_GRID
   overrides = dict(
     batches=args.batch,
     cache_lens=args.cache_len,
@@ -188,9 +189,12 @@ def grid(args, platform: str) -> list[decode_specs.DecodeBenchSpec]:
     for k, v in overrides.items()
     if v is not None
   }
-  made = decode_specs.make_grid(groups, args.tags or (), **overrides)
+  groups = [dataclasses.replace(axes, **overrides) for axes in groups]
+  made = specs.make_grid(groups, args.tags or ())
   if not made:
-    tags = " ".join(decode_specs.all_tags(groups, **overrides))
+    tags = " ".join(
+      sorted({t for s in specs.make_grid(groups) for t in s.tags})
+    )
     raise ValueError(
       f"--tags {' '.join(args.tags)} selects no decode case; the grid's"
       f" tags: {tags}"

@@ -1,7 +1,7 @@
 """What `--mode decode` benchmarks: our decode backends and JAX's baselines.
 
 Every implementation gets the case's `(q, k_cache, v_cache, lengths,
-page_table)` (`decode_specs.make_inputs`: our layouts, page_table None for
+page_table)` (`timing.make_inputs`: our layouts, page_table None for
 a contiguous cache), may move them into its own native layout outside the
 timed function (`prepare`), and returns the attention of each sequence's
 one query over its first `lengths[b]` keys, scale `1/sqrt(d)`. One that
