@@ -15,9 +15,9 @@ from pallas_fa3.tools import cli
 from pallas_fa3.tools.bench import (
   decode,
   decode_command,
-  decode_impls,
   decode_report,
   flops,
+  impls,
   report,
   specs,
   timing,
@@ -177,14 +177,14 @@ def test_our_backends_check_every_gpu_case():
   # Shapes only (no arrays): the library validates every default GPU case,
   # and split counts come from the backends.
   for spec in decode_command.grid(_parse(["--mode", "decode"]), "gpu"):
-    assert "GPU" in decode_impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
+    assert "GPU" in impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
     for name in ("mosaic", "blockwise"):
-      splits = decode_impls.REGISTRY[name].splits(spec)
+      splits = impls.REGISTRY[name].splits(spec)
       assert splits >= 1 and spec.num_splits in (None, splits)
 
 
 def test_baselines_say_why_on_a_gpu():
-  reg = decode_impls.REGISTRY
+  reg = impls.REGISTRY
   spec = specs.DecodeBenchSpec
   contiguous = spec("c", 1, 8192, 32, 8, 128, "bf16")
   paged = spec("p", 1, 8192, 32, 8, 128, "bf16", page_size=64)
@@ -192,7 +192,7 @@ def test_baselines_say_why_on_a_gpu():
   assert "contiguous" in reg["triton-paged"].unsupported(contiguous, "gpu")
   assert reg["triton-gqa"].unsupported(contiguous, "gpu") is None
   assert reg["triton-paged"].unsupported(paged, "gpu") is None
-  assert reg["triton-gqa"].splits(contiguous) == decode_impls.TRITON_SPLITS
+  assert reg["triton-gqa"].splits(contiguous) == impls.TRITON_SPLITS
   odd = spec("o", 1, 8192, 32, 8, 128, "bf16", num_splits=3)
   assert "num_splits=3" in reg["triton-gqa"].unsupported(odd, "gpu")
   fp32 = spec("f", 1, 8192, 32, 8, 128, "fp32")
@@ -215,7 +215,7 @@ def test_fp8_cases_read_an_e4m3_cache(page_size):
   assert kc.dtype == vc.dtype == jax.numpy.float8_e4m3fn
   assert q.dtype == jax.numpy.bfloat16 and kd.shape == vd.shape == (2, 2)
   args = (q, kc, vc, lengths, table, kd, vd)
-  reg = decode_impls.REGISTRY
+  reg = impls.REGISTRY
   want = np.asarray(jax.jit(reg["reference"].build(s))(*args), np.float32)
   got = np.asarray(jax.jit(reg["blockwise"].build(s))(*args), np.float32)
   np.testing.assert_allclose(got, want, atol=2e-2)
@@ -231,9 +231,9 @@ def test_triton_wrappers_match_the_reference(page_size):
   s = specs.DecodeBenchSpec(
     "t", 2, 64, 4, 2, 64, "fp32", page_size=page_size, ragged=True
   )
-  impl = decode_impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
+  impl = impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
   inputs = timing.make_inputs(s, s.jax_dtype, 1, 0)[0]
-  want = jax.jit(decode_impls.REGISTRY["reference"].build(s))(*inputs)
+  want = jax.jit(impls.REGISTRY["reference"].build(s))(*inputs)
   got = jax.jit(impl.build(s, interpret=True))(*impl.prepare(s, *inputs))
   assert impl.splits(s) == 4
   np.testing.assert_allclose(

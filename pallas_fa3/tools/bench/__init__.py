@@ -6,8 +6,10 @@ Roles, one file each:
   options.py   window, softcap and sinks of a case: checks, labels, sinks.
   flops.py     the one FLOPs model (causal, windows: exact visible pairs)
                and the K/V bytes of a decode step.
-  impls.py     what is benchmarked: our backends and the JAX baselines, each
-               turning a spec into a function or saying why it cannot.
+  impls.py     what is benchmarked, in one registry: our backends and the
+               JAX baselines (decode's Triton ops too), each saying which
+               modes it serves, turning a spec into a function or saying
+               why it cannot.
   fp8_case.py  fp8 cases: the quantization pass, the FP8 attention and both
                together, timed apart (forward only).
   timing.py    the inputs, compile-excluded timing, compiled/peak memory,
@@ -19,7 +21,6 @@ Roles, one file each:
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
   flags.py     the flags' argparse types (usage errors naming the flag).
 Decoding (`--mode decode`, one generation step over a KV cache):
-  decode_impls.py    ours and the baselines (XLA, cuDNN, JAX's Triton ops).
   decode.py          the sweep: GB/s of K/V read, % of the HBM peak.
   decode_report.py   summary.md and the terminal's tables.
   decode_plots.py    GB/s vs cache length PNGs.

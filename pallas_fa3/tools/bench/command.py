@@ -11,7 +11,6 @@ from typing import Any
 from pallas_fa3.backends import interpret_pool
 from pallas_fa3.tools.bench import (
   decode_command,
-  decode_impls,
   flags,
   impls,
   plots,
@@ -43,7 +42,7 @@ def add_parser(
   positive = flags.int_at_least(1)
   # --impl and --ours: every mode's names (read now: tests may add one);
   # each mode checks its own.
-  every_impl = impls.ALL + decode_impls.DECODE_ONLY
+  every_impl = impls.ALL
   p = sub.add_parser(
     "bench",
     help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
@@ -71,11 +70,12 @@ def add_parser(
     nargs="+",
     choices=every_impl,
     metavar="IMPL",
-    help=f"implementations to time, of {' '.join(impls.ALL)} ("
+    help="implementations to time, of"
+    f" {' '.join(impls.serving(specs.MODES[0]))} ("
     + flags.unset(runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
-    + f"); --mode decode: of {' '.join(decode_impls.ALL)} ("
+    + f"); --mode decode: of {' '.join(impls.serving(specs.DECODE))} ("
     + flags.unset(
-      decode_impls.DEFAULT_IMPLS["gpu"], decode_impls.DEFAULT_IMPLS["cpu"]
+      runner.DEFAULT_DECODE_IMPLS["gpu"], runner.DEFAULT_DECODE_IMPLS["cpu"]
     )
     + ")",
   )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pallas_fa3.tools.bench import decode_impls, runner, specs, timing
+from pallas_fa3.tools.bench import impls, runner, specs, timing
 
 _MIB = 2**20
 _REASON_CHARS = 400  # as runner.py: readable in tables and CSV
@@ -42,13 +42,13 @@ def hbm_peak(platform: str) -> tuple[float | None, str]:
 
 def plan(
   grid: Sequence[specs.DecodeBenchSpec], impl_names: Sequence[str]
-) -> list[tuple[decode_impls.DecodeImpl, specs.DecodeBenchSpec]]:
+) -> list[tuple[impls.Impl, specs.DecodeBenchSpec]]:
   """(impl, spec) pairs: ours (kind "ours") on every spec first, then the
   others on every spec, each spec's implementations in the order given
   (a spec's inputs are made once per block)."""
-  impls = [decode_impls.REGISTRY[n] for n in dict.fromkeys(impl_names)]
-  ours = [i for i in impls if i.kind == "ours"]
-  others = [i for i in impls if i.kind != "ours"]
+  chosen = [impls.REGISTRY[n] for n in dict.fromkeys(impl_names)]
+  ours = [i for i in chosen if i.kind == "ours"]
+  others = [i for i in chosen if i.kind != "ours"]
   return [(i, s) for block in (ours, others) for s in grid for i in block]
 
 
@@ -96,7 +96,7 @@ def _max_err(got, want) -> float:
 
 
 def run_case(
-  impl: decode_impls.DecodeImpl,
+  impl: impls.Impl,
   spec: specs.DecodeBenchSpec,
   inputs: list[tuple],
   settings: dict,
@@ -166,7 +166,7 @@ def run_sweep(cases: Sequence[tuple], settings: dict, progress=True) -> dict:
 
   def reference(spec):
     if spec.name not in want_of:  # small: [b, 1, hq, d] per spec
-      fn = jax.jit(decode_impls.REGISTRY["reference"].build(spec))
+      fn = jax.jit(impls.REGISTRY["reference"].build(spec))
       want_of[spec.name] = np.asarray(fn(*inputs(spec)[0]), np.float32)
     return want_of[spec.name]
 

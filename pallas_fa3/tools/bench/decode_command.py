@@ -17,10 +17,10 @@ from typing import Any
 
 from pallas_fa3.tools.bench import (
   decode,
-  decode_impls,
   decode_plots,
   decode_report,
   flags,
+  impls,
   report,
   runner,
   specs,
@@ -148,10 +148,10 @@ def check_flags(args: argparse.Namespace) -> None:
         error(f"{flag} does not apply to --mode decode")
     for flag, names in (("--impl", args.impl or ()), ("--ours", [args.ours])):
       for name in names:
-        if name is not None and name not in decode_impls.ALL:
+        if name is not None and name not in impls.serving(specs.DECODE):
           error(
             f"{flag} {name} has no decode benchmark; --mode decode"
-            f" implementations: {' '.join(decode_impls.ALL)}"
+            f" implementations: {' '.join(impls.serving(specs.DECODE))}"
           )
     return
   for dest, flag in _DECODE_ONLY.items():
@@ -159,7 +159,7 @@ def check_flags(args: argparse.Namespace) -> None:
       error(f"{flag} applies only to --mode decode")
   for flag, names in (("--impl", args.impl or ()), ("--ours", [args.ours])):
     for name in names:
-      if name in decode_impls.DECODE_ONLY:
+      if name is not None and name not in impls.serving(specs.MODES[0]):
         error(f"{flag} {name} is a decode baseline: use it with --mode decode")
 
 
@@ -210,8 +210,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     cases = grid(args, platform)
   except ValueError as e:
     args.parser.error(str(e))
-  impl_names = tuple(args.impl or decode_impls.DEFAULT_IMPLS[platform])
-  ours = args.ours or decode_impls.OURS_ON[platform]
+  impl_names = tuple(args.impl or runner.DEFAULT_DECODE_IMPLS[platform])
+  ours = args.ours or impls.OURS_ON[platform]
   peak, peak_text = decode.hbm_peak(platform)
   settings = dict(
     platform=platform,
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     environment=runner.environment(argv),
     settings=settings,
     hbm_peak=peak_text,
-    impls={n: decode_impls.REGISTRY[n].summary for n in impl_names},
+    impls={n: impls.REGISTRY[n].summary for n in impl_names},
   )
   out = args.out or OUT_DIR
   paths = report.write_files(result, out, ours, decode_report.markdown)

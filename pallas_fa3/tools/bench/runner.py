@@ -45,6 +45,12 @@ DEFAULT_IMPLS = {
   "gpu": ("mosaic", "blockwise", "reference", "cudnn", "xla", "mgpu"),
   "cpu": ("blockwise", "reference", "xla"),
 }
+# --mode decode: JAX's Triton decode ops instead of attention_mgpu.
+DEFAULT_DECODE_IMPLS = {
+  "gpu": ("mosaic", "blockwise", "reference", "xla", "cudnn")
+  + ("triton-gqa", "triton-paged"),
+  "cpu": ("blockwise", "reference", "xla"),
+}
 
 
 def platform_name() -> str:
