@@ -13,12 +13,12 @@ import pytest
 
 from pallas_fa3.tools import cli
 from pallas_fa3.tools.bench import (
-  decode,
   decode_command,
   decode_report,
   flops,
   impls,
   report,
+  runner,
   specs,
   timing,
 )
@@ -107,7 +107,7 @@ def test_skipped_implementations_say_why(tiny_sweep):
   why = {r["impl"]: r["reason"] for r in skipped}
   assert "GPU" in why["mosaic"] and "GPU" in why["cudnn"]
   assert "Triton" in why["triton-gqa"] and "Triton" in why["triton-paged"]
-  assert why["xla"] == decode.NO_SPLITS
+  assert why["xla"] == runner.NO_SPLITS
   md = open(os.path.join(tiny_sweep, report.MARKDOWN_FILE)).read()
   for impl in ("mosaic", "cudnn", "triton-gqa", "triton-paged"):
     assert f"- {impl}: [skipped]" in md
@@ -139,7 +139,7 @@ def test_hbm_peak_by_device_kind():
   assert timing.hbm_peak_bytes_s("NVIDIA H200") == 4.8e12
   assert timing.hbm_peak_bytes_s("NVIDIA H100 80GB HBM3") == 3.35e12
   assert timing.hbm_peak_bytes_s("cpu") is None
-  assert decode.hbm_peak("cpu") == (None, decode.NO_PEAK_CPU)
+  assert timing.hbm_peak("cpu") == (None, timing.NO_PEAK_CPU)
 
 
 def test_default_grids():

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pallas_fa3.tools.bench import (
-  decode,
   decode_plots,
   decode_report,
   flags,
@@ -24,6 +23,7 @@ from pallas_fa3.tools.bench import (
   report,
   runner,
   specs,
+  timing,
 )
 
 OUT_DIR = "bench_out/decode"
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     args.parser.error(str(e))
   impl_names = tuple(args.impl or runner.DEFAULT_DECODE_IMPLS[platform])
   ours = args.ours or impls.OURS_ON[platform]
-  peak, peak_text = decode.hbm_peak(platform)
+  peak, peak_text = timing.hbm_peak(platform)
   settings = dict(
     platform=platform,
     runs=args.runs or runner.DEFAULT_RUNS[platform],
@@ -229,8 +229,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   console = report.make_console()
   if platform != "gpu":
     console.print(CPU_NOTE)
-  result = decode.run_sweep(
-    decode.plan(cases, impl_names), settings, progress=args.progress
+  result = runner.run_sweep(
+    runner.plan(cases, impl_names), settings, progress=args.progress
   )
   result.update(
     environment=runner.environment(argv),
