@@ -14,12 +14,12 @@ import pytest
 from pallas_fa3.tools import cli
 from pallas_fa3.tools.bench import (
   decode_command,
-  decode_report,
   flops,
   impls,
   report,
   runner,
   specs,
+  terminal,
   timing,
 )
 
@@ -115,9 +115,9 @@ def test_skipped_implementations_say_why(tiny_sweep):
 
 def test_terminal_tables_fit_80_columns(tiny_sweep):
   result = json.loads(open(os.path.join(tiny_sweep, report.JSON_FILE)).read())
-  text = decode_report.text(result, "blockwise")
+  text = terminal.text(result, "blockwise")
   assert "contiguous cache" in text and "paged cache" in text
-  assert max(map(len, text.splitlines())) <= decode_report.WIDTH
+  assert max(map(len, text.splitlines())) <= terminal.WIDTH
 
 
 def test_bytes_and_flops_by_hand():

@@ -16,13 +16,14 @@ Roles, one file each:
                matmul peak, HBM peaks by device kind.
   runner.py    the sweep, every mode's: cases, progress bar, records,
                environment header (decode: GB/s, % of the HBM peak).
-  report.py    ratios, CSV, JSON, markdown summary (wide tables).
-  terminal.py  the terminal summary: tables that fit 80 columns.
+  report.py    ratios, CSV, JSON, markdown summary (wide tables), every
+               mode's.
+  terminal.py  the terminal summary: tables that fit 80 columns, every
+               mode's.
   plots.py     TFLOPs/s vs sequence length PNGs, made from the records.
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
   flags.py     the flags' argparse types (usage errors naming the flag).
 Decoding (`--mode decode`, one generation step over a KV cache):
-  decode_report.py   summary.md and the terminal's tables.
   decode_plots.py    GB/s vs cache length PNGs.
   decode_command.py  its flags, their checks, the run.
 

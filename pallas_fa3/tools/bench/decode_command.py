@@ -17,12 +17,12 @@ from typing import Any
 
 from pallas_fa3.tools.bench import (
   decode_plots,
-  decode_report,
   flags,
   impls,
   report,
   runner,
   specs,
+  terminal,
   timing,
 )
 
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     impls={n: impls.REGISTRY[n].summary for n in impl_names},
   )
   out = args.out or OUT_DIR
-  paths = report.write_files(result, out, ours, decode_report.markdown)
+  paths = report.write_files(result, out, ours)
   if args.plots:
     try:
       paths["png"] = decode_plots.plot(
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
       )
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")
-  decode_report.print_summary(result, ours, console)
+  terminal.print_summary(result, ours, console)
   if platform != "gpu":
     console.print(CPU_NOTE)
   files = [

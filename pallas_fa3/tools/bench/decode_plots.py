@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from pallas_fa3.tools.bench import decode_report, plots
+from pallas_fa3.tools.bench import plots, report
 
 _PANEL_INCHES = (4.5, 3.5)
 _MAX_COLUMNS = 3
@@ -92,7 +92,7 @@ def figures(
         ax.axhline(peak / 1e9, color="gray", linestyle="--", label="HBM peak")
       ax.set_xscale("log", base=2)
       lens = sorted({r["cache_len"] for r in recs})
-      ax.set_xticks(lens, [decode_report.tokens(n) for n in lens])
+      ax.set_xticks(lens, [report.tokens(n) for n in lens])
       ax.minorticks_off()
       ax.set_title(title, fontsize="medium")
       ax.set_xlabel("cache length (tokens)")
