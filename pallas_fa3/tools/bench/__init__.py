@@ -20,11 +20,11 @@ Roles, one file each:
                mode's.
   terminal.py  the terminal summary: tables that fit 80 columns, every
                mode's.
-  plots.py     TFLOPs/s vs sequence length PNGs, made from the records.
+  plots.py     TFLOPs/s vs sequence length PNGs (decode: GB/s vs cache
+               length), made from the records.
   command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
   flags.py     the flags' argparse types (usage errors naming the flag).
 Decoding (`--mode decode`, one generation step over a KV cache):
-  decode_plots.py    GB/s vs cache length PNGs.
   decode_command.py  its flags, their checks, the run.
 
 Example:

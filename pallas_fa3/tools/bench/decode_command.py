@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pallas_fa3.tools.bench import (
-  decode_plots,
   flags,
   impls,
+  plots,
   report,
   runner,
   specs,
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   paths = report.write_files(result, out, ours)
   if args.plots:
     try:
-      paths["png"] = decode_plots.plot(
+      paths["png"] = plots.plot(
         result["records"],
         os.path.join(out, "plots"),
         result["environment"],
