@@ -13,7 +13,7 @@ import pytest
 
 from pallas_fa3.tools import cli
 from pallas_fa3.tools.bench import (
-  decode_command,
+  command,
   flops,
   impls,
   report,
@@ -143,12 +143,10 @@ def test_hbm_peak_by_device_kind():
 
 
 def test_default_grids():
-  gpu = decode_command.grid(_parse(["--mode", "decode"]), "gpu")
+  gpu = command.grid(_parse(["--mode", "decode"]), "gpu")
   names = [s.name for s in gpu]
   assert len(names) == len(set(names))
-  head = decode_command.grid(
-    _parse(["--mode", "decode", "--tags", "headline"]), "gpu"
-  )
+  head = command.grid(_parse(["--mode", "decode", "--tags", "headline"]), "gpu")
   assert [(s.batch, s.cache_len, s.page_size, s.num_splits) for s in head] == [
     (64, 8192, None, None),
     (64, 8192, 64, None),
@@ -158,7 +156,7 @@ def test_default_grids():
   assert {s.gqa for s in gpu} == {1, 4, 8}
   assert {s.num_splits for s in gpu if s.batch == 1} == {None, 1, 8, 32, 128}
   # A flag replaces its axis in every group; duplicates are dropped.
-  flat = decode_command.grid(
+  flat = command.grid(
     _parse(["--mode", "decode", "--page-size", "none", "--num-splits", "auto"]),
     "gpu",
   )
@@ -166,17 +164,16 @@ def test_default_grids():
   assert len(flat) == len({s.shape_key for s in flat})
   # --grid gpu picks the GPU grid on any platform.
   assert (
-    decode_command.grid(_parse(["--mode", "decode", "--grid", "gpu"]), "cpu")
-    == gpu
+    command.grid(_parse(["--mode", "decode", "--grid", "gpu"]), "cpu") == gpu
   )
-  cpu = decode_command.grid(_parse(["--mode", "decode"]), "cpu")
+  cpu = command.grid(_parse(["--mode", "decode"]), "cpu")
   assert len(cpu) == 8 and max(s.kv_bytes for s in cpu) <= 2**25  # 32 MiB
 
 
 def test_our_backends_check_every_gpu_case():
   # Shapes only (no arrays): the library validates every default GPU case,
   # and split counts come from the backends.
-  for spec in decode_command.grid(_parse(["--mode", "decode"]), "gpu"):
+  for spec in command.grid(_parse(["--mode", "decode"]), "gpu"):
     assert "GPU" in impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
     for name in ("mosaic", "blockwise"):
       splits = impls.REGISTRY[name].splits(spec)
