@@ -1,11 +1,7 @@
-"""`pallas-fa3 bench`: its flags and their checks, and the run (parsed flags
--> grid -> sweep -> files, plots and tables), for every mode.
-
-The flags of the attention modes that mean nothing for a decode step
-(--seq, --tokens, --causal, --window, --softcap, --sinks, --docs,
---head-dim-v) are usage errors with --mode decode, and the decode flags
-(--batch, --cache-len, --page-size, --num-splits, --ragged) without it;
-either names the flag.
+"""`pallas-fa3 bench`, every mode's: the flags (one of the attention modes
+with `--mode decode`, or a decode flag without it, is a usage error naming
+it), the grid they select and the run (flags -> grid -> sweep -> files,
+plots and tables): docs/benchmarks.md.
 """
 
 from __future__ import annotations

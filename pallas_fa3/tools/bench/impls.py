@@ -1,46 +1,9 @@
-"""What the harness benchmarks: our backends and JAX's baselines, one
-registry for every mode.
-
-Each `Impl` says which modes it serves (`modes`), turns a spec into the
-timed function or gives the reason it cannot serve it (`unsupported`), and
-may move the inputs into its own layout outside the timed function
-(`prepare`). A backend that raises `NotImplementedError` while being traced
-(e.g. for a window it does not implement yet) is reported as skipped with
-that message by the runner, so a backend starts being measured by itself as
-soon as it is implemented.
-
-The attention modes (fwd, bwd, fwd+bwd): `fn(q, k, v) -> out` with our
-conventions (layout `[batch, seq, heads, head_dim]`, scale `1/sqrt(d)`,
-bottom-right causal, the spec's window, softcap, sinks and packed documents
-as segment ids). Baselines without segment ids skip --docs cases, and JAX's
-baselines skip head_dim_v != head_dim, saying so. Sinks are inputs of the
-timed function but not differentiated (their gradient is O(n) work).
-
-Decode: `fn(q, k_cache, v_cache, lengths, page_table)` (our layouts,
-page_table None for a contiguous cache; fp8: the e4m3 cache and then its
-descales) -> the attention of each sequence's one query over its first
-`lengths[b]` keys, scale `1/sqrt(d)`.
-
-  mosaic, blockwise, reference  ours: `flash_attention` and
-                 `flash_attention_with_kvcache` (the baselines have no e4m3
-                 cache: their fp8 decode cases are skipped).
-  mosaic-det     mosaic with deterministic=True (attention modes).
-  interpret      the kernels in Pallas interpret mode: one tiny correctness
-                 case (attention modes).
-  xla, cudnn     `jax.nn.dot_product_attention`; decode: with
-                 `key_value_seq_lengths` over the cache, a paged cache
-                 gathered into a contiguous one inside the timed function
-                 (its cost is part of theirs).
-  mgpu           `jax.experimental.pallas.ops.gpu.attention_mgpu` (attention
-                 modes).
-  triton-gqa     `jax.experimental.pallas.ops.gpu.decode_attention.gqa`
-                 (Triton, decode): contiguous caches; it wants `[b, hk, L,
-                 d]`, so the cache is transposed outside the timed function
-                 and back inside it, where XLA folds the two transposes.
-  triton-paged   `jax.experimental.pallas.ops.gpu.paged_attention` (Triton,
-                 decode): paged caches, in its `[hk, pages, page_size, d]`
-                 layout (moved outside the timed function); q pre-scaled (it
-                 takes no softmax scale).
+"""What the harness times, in one registry for every mode: our backends and
+JAX's baselines (decode's Triton ops among them), each `Impl` saying which
+modes it serves, why it cannot serve a case (the runner lists it as
+skipped with that reason, as it does a `NotImplementedError` raised while
+tracing), how it builds the timed function with our conventions and how it
+moves the inputs into its own layout outside it: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -492,7 +455,9 @@ def _triton_unsupported(module, paged):
 
 def _gqa_prepare(spec, q, k_cache, v_cache, lengths, table):
   del spec, table
-  swap = lambda x: jnp.swapaxes(x, 1, 2)  # [b, hk, L, d]: the op's layout
+  # [b, hk, L, d]: the op's layout; _gqa_build swaps it back inside the
+  # timed function, where XLA folds the two transposes.
+  swap = lambda x: jnp.swapaxes(x, 1, 2)
   return q[:, 0], swap(k_cache), swap(v_cache), lengths, None
 
 

@@ -1,18 +1,9 @@
 """PNG plots made from the records, every mode's: the rate of the median
-call vs the length, error bars from the fastest and the slowest timed call
-(min/max); matplotlib with the Agg backend (no display needed). The title
-names the device and the JAX version, wrapped to the figure's width.
-
-The attention modes: FLOP/s vs sequence length, in the unit of the run's
-tables (`report.rate_unit`), which the file names start with; one figure
-per (mode, dtype, options: window, softcap, sinks, docs; the options that
-are set are in the title and suffix the file name); one panel per head
-dims (d, and dv where it differs) x causal; one line per implementation.
-fp8 plots the total (quantization + attention). Decode: K/V bytes read per
-second vs cache length, `decode_gbps_<dtype>.png`; one panel per (batch,
-heads, head dim, cache layout, ragged or not); one line per implementation
-(and per requested split count where a panel has several); the HBM peak as
-a dashed line where the device has one.
+call against the length, bars from the fastest to the slowest call, a
+title naming the device and JAX wrapped to the figure (`fit_title`);
+FLOP/s vs sequence length per (mode, dtype, options) with a panel per head
+dims x causal, or decode's K/V GB/s vs cache length per dtype with a panel
+per case and the HBM peak dashed: docs/benchmarks.md#pallas-fa3-bench.
 """
 
 from __future__ import annotations

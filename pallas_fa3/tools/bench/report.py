@@ -1,15 +1,8 @@
-"""Reports made from the sweep's records, every mode's: ratios, CSV, JSON,
-markdown (summary.md: one wide table).
-
-summary.md has a row per case, a column per implementation and ours over
-each other implementation. The attention modes' cells: FLOP/s of the
-median time (`rate_unit`), % of the matmul peak on a GPU, the median ms
-(fp8: also the kernel alone and the quantization). Decode's: GB/s of K/V
-read (`flops.decode_kv_bytes` / median time), % of the HBM peak where the
-device has one, the median ms and the split count the implementation ran,
-and under the table the largest difference from our reference per
-implementation. Both list every skipped case with its reason. The terminal
-summary is terminal.py's.
+"""Reports made from the sweep's records, every mode's: ratios, results.csv
+(the environment on every row), results.json and summary.md (one wide
+table: a row per case, a cell per implementation, ours over each other;
+decode's also the largest error per implementation); the terminal's tables
+are terminal.py's: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""The sweep, every mode's: plan (impl, spec) cases, measure each, collect
-records.
-
-Every planned case yields one record (a flat dict, one CSV row): status
-"ok" with the times (compile excluded, warm-up, median/min/max of `runs`
-calls rotating `input_sets` inputs: `timing.measure`), the rates and
-memory; "skipped" with the reason (unsupported shape or option, backend not
-implemented, no GPU, FP8 backward, time budget; a case's own reason comes
-first, also past the budget); or "error" with the exception. Nothing is
-dropped silently.
-
-The attention modes' records: TFLOPs/s and % of the measured matmul peak
-(fp8: also the quantization and the attention timed apart); a record's
-`window` is "LEFT,RIGHT" text as on the command line (None: no window),
-`softcap` a float or None, `sinks` a bool, `docs` an int or None (one
-document) and `head_dim_v` an int (equal to `head_dim` unless set).
-Decode's: the K/V bytes read per second and their share of the device's
-HBM peak (`timing.hbm_peak`; none on a CPU or an unlisted GPU: the column
-stays empty), TFLOP/s, the split count run and the largest difference from
-our reference on the first inputs; an implementation that takes no split
-count is timed once per shape, at "auto", when the grid has it.
+"""The sweep, every mode's: `plan` orders the (implementation, case) pairs
+(decode: ours first, so that a time budget cuts the baselines first),
+`run_case` measures one into one record (compile excluded, warm-up,
+median/min/max of calls on rotated inputs, the rates, memory and, where
+recorded, the error against our reference) or says why not, `run_sweep`
+runs them under the time budget behind a progress bar, and `environment`
+is the run's header: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""Benchmark shapes as data: one frozen spec per case, and the default grids.
-
-The attention modes (fwd, bwd, fwd+bwd) time `BenchSpec`s. Their GPU grid
-is the FlashAttention-3 paper's (Shah et al. 2024, section 4.1): batch x
-seq = 16k tokens, hidden 2048, so 32/16/8 query heads for head dims
-64/128/256, seq 512..16k, causal and not. The CPU grid is a small copy of
-it that finishes in about a minute on two cores.
-
-`--mode decode` times `DecodeBenchSpec`s: one generation step, every
-sequence of the batch one new query (seq_q 1, causal: it sits at the end of
-its cache and sees every cached key) over a cache filled to `cache_len`
-(`ragged`: lengths spread from `cache_len` down to about half of it),
-contiguous `[batch, cache_len, heads_kv, d]` or paged `[num_pages,
-page_size, heads_kv, d]` with a shuffled page table.
-
-A grid is a union of groups (`GridAxes` or `DecodeAxes`), each a product of
-axes; a flag replaces its axis in every group and duplicates are dropped,
-so the default decode GPU grid can hold points that are no product (batch
-64 x 8k and batch 1 x 128k).
+"""Benchmark cases as data, every mode's: `BenchSpec` (fwd, bwd, fwd+bwd;
+the GPU grid is the FA3 paper's, Shah et al. 2024 section 4.1, the CPU grid
+a small copy of it that finishes in about a minute on two cores) and
+`DecodeBenchSpec` (`--mode decode`: one generation step, one new query per
+sequence over a contiguous or paged KV cache), their axes (`GridAxes`,
+`DecodeAxes`; a grid is a union of groups, each a product of axes), the
+default grids and `make_grid`: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The terminal summary, every mode's: small tables that fit 80 columns.
-
-The attention modes: one table per (mode, dtype, options): its title names
-the window, softcap, sinks and docs when set; a row per shape (head dim,
-"d/dv" where the value head dim differs, causal, seq), a column per
-implementation that ran (FLOP/s of the median time in the run's one unit,
-`report.rate_unit`, as in summary.md and the plots), and the speedup of
-ours over the fastest other implementation. fp8 cells are total/kernel
-(quantization included / attention alone). Decode: one table per (dtype,
-contiguous or paged cache), a row per case (batch x cache length, heads,
-head dim, page size, requested split-KV ranges), cells in % of the HBM peak
-when it is known, else GB/s, and the same speedup; then the largest
-difference from our reference per implementation. Times, min/max, batch and
-heads, memory and compile seconds are in the CSV, JSON and summary.md;
-correctness cases and skip reasons follow the tables as lines.
+"""The terminal summary, every mode's, every line at most 80 columns: a
+table per (mode, dtype, options), decode's per (dtype, cache layout), a
+column per implementation that ran and ours over the fastest other, then
+the correctness cases, decode's errors and the skip reasons as lines:
+docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations

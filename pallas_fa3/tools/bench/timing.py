@@ -1,9 +1,9 @@
 """Timing and memory of one compiled case, its inputs, and the device's
-peaks (the measured matmul rate, the HBM bandwidth by device kind).
-
-Compilation is excluded (`jit(...).lower(...).compile()`); then warm-up
-calls, then timed calls each ending in `block_until_ready`, cycling through
-several independent random input sets (never zeros). Median, min and max.
+peaks (the measured matmul rate, the HBM bandwidth by device kind):
+compilation excluded (`jit(...).lower(...).compile()`), then warm-up calls,
+then timed calls each ending in `block_until_ready`, cycling through
+several independent random input sets (never zeros); median, min and max:
+docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
