@@ -13,13 +13,13 @@ import pytest
 
 from pallas_fa3.tools import cli
 from pallas_fa3.tools.bench import (
-  decode,
-  decode_command,
-  decode_impls,
-  decode_report,
-  decode_specs,
+  command,
   flops,
+  impls,
   report,
+  runner,
+  specs,
+  terminal,
   timing,
 )
 
@@ -107,7 +107,7 @@ def test_skipped_implementations_say_why(tiny_sweep):
   why = {r["impl"]: r["reason"] for r in skipped}
   assert "GPU" in why["mosaic"] and "GPU" in why["cudnn"]
   assert "Triton" in why["triton-gqa"] and "Triton" in why["triton-paged"]
-  assert why["xla"] == decode.NO_SPLITS
+  assert why["xla"] == runner.NO_SPLITS
   md = open(os.path.join(tiny_sweep, report.MARKDOWN_FILE)).read()
   for impl in ("mosaic", "cudnn", "triton-gqa", "triton-paged"):
     assert f"- {impl}: [skipped]" in md
@@ -115,19 +115,19 @@ def test_skipped_implementations_say_why(tiny_sweep):
 
 def test_terminal_tables_fit_80_columns(tiny_sweep):
   result = json.loads(open(os.path.join(tiny_sweep, report.JSON_FILE)).read())
-  text = decode_report.text(result, "blockwise")
+  text = terminal.text(result, "blockwise")
   assert "contiguous cache" in text and "paged cache" in text
-  assert max(map(len, text.splitlines())) <= decode_report.WIDTH
+  assert max(map(len, text.splitlines())) <= terminal.WIDTH
 
 
 def test_bytes_and_flops_by_hand():
-  s = decode_specs.DecodeBenchSpec("x", 3, 100, 8, 2, 64, "bf16")
+  s = specs.DecodeBenchSpec("x", 3, 100, 8, 2, 64, "bf16")
   # K and V: 3 x 100 tokens x 2 heads x (64 + 64) x 2 bytes.
   assert s.kv_bytes == 3 * 100 * 2 * 128 * 2 == 153600
   assert s.flops == 4 * 3 * 8 * 1 * 100 * 64 == 614400  # 4 b hq sq L d
   # Ragged: 100, 100 - 50 // 3 = 84, 100 - 100 // 3 = 67 tokens; the
   # layout does not change the bytes, the dtype does.
-  r = decode_specs.DecodeBenchSpec(
+  r = specs.DecodeBenchSpec(
     "y", 3, 100, 8, 2, 64, "fp32", page_size=16, ragged=True
   )
   assert r.lengths == (100, 84, 67) and r.pages_per_seq == 7
@@ -139,16 +139,14 @@ def test_hbm_peak_by_device_kind():
   assert timing.hbm_peak_bytes_s("NVIDIA H200") == 4.8e12
   assert timing.hbm_peak_bytes_s("NVIDIA H100 80GB HBM3") == 3.35e12
   assert timing.hbm_peak_bytes_s("cpu") is None
-  assert decode.hbm_peak("cpu") == (None, decode.NO_PEAK_CPU)
+  assert timing.hbm_peak("cpu") == (None, timing.NO_PEAK_CPU)
 
 
 def test_default_grids():
-  gpu = decode_command.grid(_parse(["--mode", "decode"]), "gpu")
+  gpu = command.grid(_parse(["--mode", "decode"]), "gpu")
   names = [s.name for s in gpu]
   assert len(names) == len(set(names))
-  head = decode_command.grid(
-    _parse(["--mode", "decode", "--tags", "headline"]), "gpu"
-  )
+  head = command.grid(_parse(["--mode", "decode", "--tags", "headline"]), "gpu")
   assert [(s.batch, s.cache_len, s.page_size, s.num_splits) for s in head] == [
     (64, 8192, None, None),
     (64, 8192, 64, None),
@@ -158,7 +156,7 @@ def test_default_grids():
   assert {s.gqa for s in gpu} == {1, 4, 8}
   assert {s.num_splits for s in gpu if s.batch == 1} == {None, 1, 8, 32, 128}
   # A flag replaces its axis in every group; duplicates are dropped.
-  flat = decode_command.grid(
+  flat = command.grid(
     _parse(["--mode", "decode", "--page-size", "none", "--num-splits", "auto"]),
     "gpu",
   )
@@ -166,33 +164,32 @@ def test_default_grids():
   assert len(flat) == len({s.shape_key for s in flat})
   # --grid gpu picks the GPU grid on any platform.
   assert (
-    decode_command.grid(_parse(["--mode", "decode", "--grid", "gpu"]), "cpu")
-    == gpu
+    command.grid(_parse(["--mode", "decode", "--grid", "gpu"]), "cpu") == gpu
   )
-  cpu = decode_command.grid(_parse(["--mode", "decode"]), "cpu")
+  cpu = command.grid(_parse(["--mode", "decode"]), "cpu")
   assert len(cpu) == 8 and max(s.kv_bytes for s in cpu) <= 2**25  # 32 MiB
 
 
 def test_our_backends_check_every_gpu_case():
   # Shapes only (no arrays): the library validates every default GPU case,
   # and split counts come from the backends.
-  for spec in decode_command.grid(_parse(["--mode", "decode"]), "gpu"):
-    assert "GPU" in decode_impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
+  for spec in command.grid(_parse(["--mode", "decode"]), "gpu"):
+    assert "GPU" in impls.REGISTRY["mosaic"].unsupported(spec, "cpu")
     for name in ("mosaic", "blockwise"):
-      splits = decode_impls.REGISTRY[name].splits(spec)
+      splits = impls.REGISTRY[name].splits(spec)
       assert splits >= 1 and spec.num_splits in (None, splits)
 
 
 def test_baselines_say_why_on_a_gpu():
-  reg = decode_impls.REGISTRY
-  spec = decode_specs.DecodeBenchSpec
+  reg = impls.REGISTRY
+  spec = specs.DecodeBenchSpec
   contiguous = spec("c", 1, 8192, 32, 8, 128, "bf16")
   paged = spec("p", 1, 8192, 32, 8, 128, "bf16", page_size=64)
   assert "paged" in reg["triton-gqa"].unsupported(paged, "gpu")
   assert "contiguous" in reg["triton-paged"].unsupported(contiguous, "gpu")
   assert reg["triton-gqa"].unsupported(contiguous, "gpu") is None
   assert reg["triton-paged"].unsupported(paged, "gpu") is None
-  assert reg["triton-gqa"].splits(contiguous) == decode_impls.TRITON_SPLITS
+  assert reg["triton-gqa"].splits(contiguous) == impls.TRITON_SPLITS
   odd = spec("o", 1, 8192, 32, 8, 128, "bf16", num_splits=3)
   assert "num_splits=3" in reg["triton-gqa"].unsupported(odd, "gpu")
   fp32 = spec("f", 1, 8192, 32, 8, 128, "fp32")
@@ -203,18 +200,19 @@ def test_baselines_say_why_on_a_gpu():
 def test_fp8_cases_read_an_e4m3_cache(page_size):
   """--dtype fp8: bf16 queries over an e4m3 cache with its descales, half
   the K/V bytes of bf16; ours compute it, the baselines say why not."""
-  s = decode_specs.DecodeBenchSpec(
+  s = specs.DecodeBenchSpec(
     "f", 2, 64, 4, 2, 64, "fp8", page_size=page_size, ragged=True
   )
-  bf16 = decode_specs.DecodeBenchSpec(
+  bf16 = specs.DecodeBenchSpec(
     "b", 2, 64, 4, 2, 64, "bf16", page_size=page_size, ragged=True
   )
   assert 2 * s.kv_bytes == bf16.kv_bytes
-  q, kc, vc, lengths, table, kd, vd = decode_specs.make_inputs(s, 1, 0)[0]
+  inputs = timing.make_inputs(s, s.jax_dtype, 1, 0)
+  q, kc, vc, lengths, table, kd, vd = inputs[0]
   assert kc.dtype == vc.dtype == jax.numpy.float8_e4m3fn
   assert q.dtype == jax.numpy.bfloat16 and kd.shape == vd.shape == (2, 2)
   args = (q, kc, vc, lengths, table, kd, vd)
-  reg = decode_impls.REGISTRY
+  reg = impls.REGISTRY
   want = np.asarray(jax.jit(reg["reference"].build(s))(*args), np.float32)
   got = np.asarray(jax.jit(reg["blockwise"].build(s))(*args), np.float32)
   np.testing.assert_allclose(got, want, atol=2e-2)
@@ -227,12 +225,12 @@ def test_fp8_cases_read_an_e4m3_cache(page_size):
 def test_triton_wrappers_match_the_reference(page_size):
   # The Triton ops in Pallas interpret mode, on this CPU: our layouts,
   # scale and split counts around them give the reference's output.
-  s = decode_specs.DecodeBenchSpec(
+  s = specs.DecodeBenchSpec(
     "t", 2, 64, 4, 2, 64, "fp32", page_size=page_size, ragged=True
   )
-  impl = decode_impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
-  inputs = decode_specs.make_inputs(s, 1, 0)[0]
-  want = jax.jit(decode_impls.REGISTRY["reference"].build(s))(*inputs)
+  impl = impls.REGISTRY["triton-paged" if page_size else "triton-gqa"]
+  inputs = timing.make_inputs(s, s.jax_dtype, 1, 0)[0]
+  want = jax.jit(impls.REGISTRY["reference"].build(s))(*inputs)
   got = jax.jit(impl.build(s, interpret=True))(*impl.prepare(s, *inputs))
   assert impl.splits(s) == 4
   np.testing.assert_allclose(

@@ -1,33 +1,14 @@
-"""`pallas-fa3 bench`: the performance harness (issue 3).
-
-Roles, one file each:
-  specs.py     named, tagged benchmark shapes and the default grids (data).
-  options.py   window, softcap and sinks of a case: checks, labels, sinks.
-  flops.py     the one FLOPs model (causal, windows: exact visible pairs)
-               and the K/V bytes of a decode step.
-  impls.py     what is benchmarked: our backends and the JAX baselines, each
-               turning a spec into a function or saying why it cannot.
-  fp8_case.py  fp8 cases: the quantization pass, the FP8 attention and both
-               together, timed apart (forward only).
-  timing.py    compile-excluded timing, compiled/peak memory, matmul peak,
-               HBM peaks by device kind.
-  runner.py    the sweep: cases, progress bar, records, environment header.
-  report.py    ratios, CSV, JSON, markdown summary (wide tables).
-  terminal.py  the terminal summary: tables that fit 80 columns.
-  plots.py     TFLOPs/s vs sequence length PNGs, made from the records.
-  command.py   `pallas-fa3 bench`: parsed flags -> grid -> sweep -> files.
-  flags.py     the flags' argparse types (usage errors naming the flag).
-Decoding (`--mode decode`, one generation step over a KV cache):
-  decode_specs.py    decode cases, the default grids, their inputs.
-  decode_impls.py    ours and the baselines (XLA, cuDNN, JAX's Triton ops).
-  decode.py          the sweep: GB/s of K/V read, % of the HBM peak.
-  decode_report.py   summary.md and the terminal's tables.
-  decode_plots.py    GB/s vs cache length PNGs.
-  decode_command.py  its flags, their checks, the run.
-
-Example:
-  >>> from pallas_fa3.tools.bench import flops, specs
-  >>> s = specs.BenchSpec("x", 1, 4, 4, 1, 1, 8, True, "bf16", "fwd")
-  >>> flops.attention_flops(s)  # 10 unmasked pairs * 4 * d
-  320
+"""`pallas-fa3 bench`, the performance harness (issue 3), one concept per
+file and every mode (fwd, bwd, fwd+bwd and `--mode decode`) through the
+same files: `specs.py` the named, tagged cases (`BenchSpec`,
+`DecodeBenchSpec`) and the default grids; `options.py` a case's window,
+softcap, sinks and docs; `flops.py` the one FLOPs model and the K/V bytes
+of a decode step; `impls.py` one registry of our backends and the
+baselines, each saying which modes it serves and why it cannot serve a
+case; `fp8_case.py` the fp8 cases' quantization and attention, timed apart;
+`timing.py` the inputs, compile-excluded timing, memory and the device's
+peaks; `runner.py` the sweep (cases, records, progress bar, environment
+header); `report.py` ratios, CSV, JSON and summary.md; `terminal.py` the
+80-column tables; `plots.py` the PNGs; `command.py` the flags, their checks
+and the run; `flags.py` the flags' argparse types: docs/benchmarks.md.
 """

@@ -1,4 +1,8 @@
-"""`pallas-fa3 bench`: parsed flags -> grid -> sweep -> files and table."""
+"""`pallas-fa3 bench`, every mode's: the flags (one of the attention modes
+with `--mode decode`, or a decode flag without it, is a usage error naming
+it), the grid they select and the run (flags -> grid -> sweep -> files,
+plots and tables): docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,6 @@ from typing import Any
 
 from pallas_fa3.backends import interpret_pool
 from pallas_fa3.tools.bench import (
-  decode_command,
-  decode_impls,
-  decode_specs,
   flags,
   impls,
   plots,
@@ -23,13 +24,63 @@ from pallas_fa3.tools.bench import (
   timing,
 )
 
-OUT_DIR = "bench_out/bench"
+# --out unset: this folder's "bench" (the attention modes) or "decode".
+OUT_ROOT = "bench_out"
 GRIDS = ("gpu", "cpu")  # --grid: whose default grid
+# What a run without a GPU says first (format: the sweep, what needs a GPU).
 CPU_NOTE = (
-  "No GPU: this is the CPU sweep (blockwise vs reference vs XLA)."
-  " GPU figures (mosaic, cuDNN, attention_mgpu, % of matmul peak)"
-  " need a Hopper GPU: run benchmarks/device_check.sh there."
+  "No GPU: this is the CPU {sweep} (blockwise vs reference vs XLA)."
+  " GPU figures ({gpu}) need a Hopper GPU: run benchmarks/device_check.sh"
+  " there."
 )
+_NEEDS_GPU = {
+  False: "mosaic, cuDNN, attention_mgpu, % of matmul peak",
+  True: "the Hopper decode kernel, cuDNN, JAX's Triton decode ops, % of the"
+  " HBM peak",
+}
+# Flags of the attention modes a decode step has no use for, by dest.
+_NOT_DECODE = {
+  "seq": "--seq (decode cases: --cache-len)",
+  "tokens": "--tokens (decode cases: --batch)",
+  "causal": "--causal/--no-causal (one query at the end of its cache is"
+  " causal by position)",
+  "window": "--window",
+  "softcap": "--softcap",
+  "sinks": "--sinks",
+  "docs": "--docs",
+  "head_dim_v": "--head-dim-v (decode cases keep head_dim_v == head_dim)",
+}
+# Decode flags, by dest.
+_DECODE_ONLY = {
+  "batch": "--batch",
+  "cache_len": "--cache-len",
+  "page_size": "--page-size",
+  "num_splits": "--num-splits",
+  "ragged": "--ragged",
+}
+# What an unset flag holds (store_true flags: False; the others: None).
+_UNSET = {"sinks": False, "ragged": False}
+
+
+def out_dir(args: argparse.Namespace) -> str:
+  """--out, or the mode's folder under OUT_ROOT."""
+  return args.out or os.path.join(
+    OUT_ROOT, specs.DECODE if is_decode(args) else "bench"
+  )
+
+
+def cpu_note(decode: bool) -> str:
+  sweep = "decode sweep" if decode else "sweep"
+  return CPU_NOTE.format(sweep=sweep, gpu=_NEEDS_GPU[decode])
+
+
+def _decode_unset(field: str) -> str:
+  """Help: a decode axis's values over the default grids' groups."""
+  values = lambda grid: tuple(
+    dict.fromkeys(v for axes in grid for v in getattr(axes, field))
+  )
+  gpu, cpu = values(specs.DECODE_GPU_GRID), values(specs.DECODE_CPU_GRID)
+  return f"decode only; {flags.unset(gpu, cpu)}, as the default grid pairs them"
 
 
 def add_parser(
@@ -42,9 +93,6 @@ def add_parser(
   """
   gpu, cpu = specs.PAPER_AXES, specs.CPU_AXES
   positive = flags.int_at_least(1)
-  # --impl and --ours: every mode's names (read now: tests may add one);
-  # each mode checks its own.
-  every_impl = impls.ALL + decode_impls.DECODE_ONLY
   p = sub.add_parser(
     "bench",
     help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
@@ -70,19 +118,20 @@ def add_parser(
   p.add_argument(
     "--impl",
     nargs="+",
-    choices=every_impl,
+    choices=impls.ALL,  # read now: tests may add one; each mode checks its own
     metavar="IMPL",
-    help=f"implementations to time, of {' '.join(impls.ALL)} ("
+    help="implementations to time, of"
+    f" {' '.join(impls.serving(specs.MODES[0]))} ("
     + flags.unset(runner.DEFAULT_IMPLS["gpu"], runner.DEFAULT_IMPLS["cpu"])
-    + f"); --mode decode: of {' '.join(decode_impls.ALL)} ("
+    + f"); --mode decode: of {' '.join(impls.serving(specs.DECODE))} ("
     + flags.unset(
-      decode_impls.DEFAULT_IMPLS["gpu"], decode_impls.DEFAULT_IMPLS["cpu"]
+      runner.DEFAULT_DECODE_IMPLS["gpu"], runner.DEFAULT_DECODE_IMPLS["cpu"]
     )
     + ")",
   )
   p.add_argument(
     "--ours",
-    choices=every_impl,
+    choices=impls.ALL,
     metavar="IMPL",
     help="the implementation compared with the others ("
     + flags.unset(impls.OURS_ON["gpu"], impls.OURS_ON["cpu"])
@@ -137,7 +186,7 @@ def add_parser(
   p.add_argument(
     "--mode",
     nargs="+",
-    choices=specs.MODES + (decode_specs.MODE,),
+    choices=specs.MODES + (specs.DECODE,),
     metavar="MODE",
     help=f"passes to time, of {' '.join(specs.MODES)} ("
     + flags.unset(gpu.modes, cpu.modes)
@@ -228,7 +277,7 @@ def add_parser(
   p.add_argument(
     "--out",
     help="output folder: results.csv/json, summary.md, plots/ (unset:"
-    f" {OUT_DIR}; --mode decode: {decode_command.OUT_DIR})",
+    f" {OUT_ROOT}/bench; --mode decode: {OUT_ROOT}/{specs.DECODE})",
   )
   p.add_argument(
     "--plots",
@@ -247,42 +296,149 @@ def add_parser(
     action="store_true",
     help="exit 1 if any case failed with an error",
   )
-  decode_command.add_flags(p)
+  p.add_argument(
+    "--batch",
+    nargs="+",
+    type=positive,
+    help="sequences per decode step (" + _decode_unset("batches") + ")",
+  )
+  p.add_argument(
+    "--cache-len",
+    nargs="+",
+    type=positive,
+    help="tokens in each sequence's KV cache ("
+    + _decode_unset("cache_lens")
+    + ")",
+  )
+  p.add_argument(
+    "--page-size",
+    nargs="+",
+    type=flags.int_or_word(1, flags.NONE_WORD),
+    metavar="N|none",
+    help="tokens per page of a paged cache, 'none': contiguous ("
+    + _decode_unset("page_sizes")
+    + ")",
+  )
+  p.add_argument(
+    "--num-splits",
+    nargs="+",
+    type=flags.int_or_word(1, flags.AUTO_WORD),
+    metavar="N|auto",
+    help="split-KV ranges per sequence, 'auto': each implementation's own"
+    " choice (decode only; unset: auto, and 1 8 32 128 at batch 1 x 128k"
+    " on a GPU; auto and 4 at batch 1 on a CPU)",
+  )
+  p.add_argument(
+    "--ragged",
+    action="store_true",
+    help="decode only: ragged cache lengths, from --cache-len down to about"
+    " half of it across the batch (bytes and FLOPs count each length)",
+  )
+  p.add_argument(
+    "--tags",
+    nargs="+",
+    metavar="TAG",
+    help="only the cases carrying every TAG (e.g. headline: the decode"
+    " points the targets of issue 29 name; d128, paged, causal, ...)",
+  )
   return p
 
 
-def grid_axes(args, platform: str) -> specs.GridAxes:
-  """The grid's axes: the platform default, overridden by the flags."""
-  axes = (
-    specs.PAPER_AXES if (args.grid or platform) == "gpu" else specs.CPU_AXES
+def is_decode(args: argparse.Namespace) -> bool:
+  return bool(args.mode) and specs.DECODE in args.mode
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+  return getattr(args, dest) != _UNSET.get(dest)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+  """Usage errors (exit 2, naming the flag) for flags of the wrong mode."""
+  error = args.parser.error
+  decode = is_decode(args)
+  if decode and len(args.mode) > 1:
+    others = " ".join(m for m in args.mode if m != specs.DECODE)
+    error(
+      f"--mode decode cannot be combined with {others}: decode cases are"
+      " a grid of their own (run them separately)"
+    )
+  for dest, flag in (_NOT_DECODE if decode else _DECODE_ONLY).items():
+    if _given(args, dest):
+      error(
+        f"{flag} does not apply to --mode decode"
+        if decode
+        else f"{flag} applies only to --mode decode"
+      )
+  what = "--mode decode" if decode else f"--mode {'/'.join(specs.MODES)}"
+  serving = impls.serving(specs.DECODE if decode else specs.MODES[0])
+  for flag, names in (("--impl", args.impl or ()), ("--ours", [args.ours])):
+    for name in names:
+      if name is not None and name not in serving:
+        modes = " ".join(impls.REGISTRY[name].modes)
+        error(
+          f"{flag} {name} has no {what} benchmark (it times --mode {modes});"
+          f" {what} implementations: {' '.join(serving)}"
+        )
+
+
+def grid_axes(args, platform: str) -> tuple:
+  """The groups of the default grid (--grid, unset: the platform's; the
+  attention modes' is one group), each set flag replacing its axis in
+  every group."""
+  gpu = (args.grid or platform) == "gpu"
+  given = dict(
+    dtypes=args.dtype, head_dims=args.head_dim, gqa=args.gqa, hidden=args.hidden
   )
-  overrides = dict(
-    dtypes=args.dtype,
-    head_dims=args.head_dim,
-    head_dims_v=args.head_dim_v,
-    seqs=args.seq,
-    modes=args.mode,
-    gqa=args.gqa,
-    tokens=args.tokens,
-    hidden=args.hidden,
-    causals=None if args.causal is None else (args.causal,),
-    window=args.window,
-    softcap=args.softcap,
-    sinks=args.sinks or None,
-    docs=args.docs,
-  )
-  return dataclasses.replace(
-    axes,
-    **{
-      k: tuple(v) if isinstance(v, list) else v
-      for k, v in overrides.items()
-      if v is not None
-    },
-  )
+  if is_decode(args):
+    groups = specs.DECODE_GPU_GRID if gpu else specs.DECODE_CPU_GRID
+    given.update(
+      batches=args.batch,
+      cache_lens=args.cache_len,
+      page_sizes=args.page_size,
+      num_splits=args.num_splits,
+      ragged=args.ragged or None,
+    )
+  else:
+    groups = (specs.PAPER_AXES if gpu else specs.CPU_AXES,)
+    given.update(
+      head_dims_v=args.head_dim_v,
+      seqs=args.seq,
+      modes=args.mode,
+      tokens=args.tokens,
+      causals=None if args.causal is None else (args.causal,),
+      window=args.window,
+      softcap=args.softcap,
+      sinks=args.sinks or None,
+      docs=args.docs,
+    )
+  given = {
+    k: tuple(dict.fromkeys(v)) if isinstance(v, list) else v
+    for k, v in given.items()
+    if v is not None
+  }
+  return tuple(dataclasses.replace(axes, **given) for axes in groups)
+
+
+def grid(args, platform: str) -> list:
+  """The cases of the run: `grid_axes` expanded, filtered by --tags.
+
+  Raises:
+    ValueError: naming the flag (see `specs.make_grid`), or --tags that
+      select nothing.
+  """
+  groups = grid_axes(args, platform)
+  made = specs.make_grid(groups, args.tags or ())
+  if not made:
+    tags = sorted({t for s in specs.make_grid(groups) for t in s.tags})
+    raise ValueError(
+      f"--tags {' '.join(args.tags)} selects no case; the grid's tags:"
+      f" {' '.join(tags)}"
+    )
+  return made
 
 
 def settings_from(args, platform: str) -> dict:
-  return dict(
+  settings = dict(
     platform=platform,
     runs=args.runs or runner.DEFAULT_RUNS[platform],
     warmup=(
@@ -293,39 +449,39 @@ def settings_from(args, platform: str) -> dict:
     input_sets=args.input_sets,
     seed=args.seed,
     time_budget_s=args.time_budget,
-    matmul_n=timing.MATMUL_N_GPU if platform == "gpu" else None,
   )
+  if is_decode(args):
+    settings["hbm_peak_bytes_s"] = timing.hbm_peak(platform)[0]
+  else:
+    settings["matmul_n"] = timing.MATMUL_N_GPU if platform == "gpu" else None
+  return settings
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
   if "interpret" in (args.impl or ()):  # before JAX starts: the interpreter
     interpret_pool.reserve()  # needs its threads (else interpret is skipped)
-  if decode_command.is_decode(args):
-    return decode_command.run(args, argv)
-  decode_command.check_flags(args)
+  check_flags(args)
+  decode = is_decode(args)
   platform = runner.platform_name()
   try:
-    grid = specs.make_grid(grid_axes(args, platform))
+    cases = grid(args, platform)
   except ValueError as e:
     args.parser.error(str(e))
-  if args.tags and not (grid := specs.select(grid, args.tags)):
-    args.parser.error(f"--tags {' '.join(args.tags)} selects no case")
-  impl_names = tuple(args.impl or runner.DEFAULT_IMPLS[platform])
+  impl_names = tuple(args.impl or runner.default_impls(platform, decode))
   ours = args.ours or impls.OURS_ON[platform]
   settings = settings_from(args, platform)
   console = report.make_console()
   if platform != "gpu":  # once, before the sweep: what this run can measure
-    console.print(CPU_NOTE)
+    console.print(cpu_note(decode))
   result = runner.run_sweep(
-    runner.plan(grid, impl_names), settings, progress=args.progress
+    runner.plan(cases, impl_names), settings, progress=args.progress
   )
-  result.update(
-    environment=runner.environment(argv),
-    settings=settings,
-    impls={n: impls.REGISTRY[n].summary for n in impl_names},
-  )
-  out = args.out or OUT_DIR
+  result.update(environment=runner.environment(argv), settings=settings)
+  if decode:
+    result["hbm_peak"] = timing.hbm_peak(platform)[1]
+  result["impls"] = {n: impls.REGISTRY[n].summary for n in impl_names}
+  out = out_dir(args)
   paths = report.write_files(result, out, ours)
   if args.plots:
     try:
@@ -333,6 +489,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         result["records"],
         os.path.join(out, "plots"),
         result["environment"],
+        settings.get("hbm_peak_bytes_s"),
       )
     except ImportError as e:  # a bare GPU image may lack matplotlib
       console.print(f"no plots: {e} (pip install matplotlib)")

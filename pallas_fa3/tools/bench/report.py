@@ -1,6 +1,8 @@
-"""Reports made from the sweep's records: ratios, CSV, JSON, markdown.
-
-The terminal summary is terminal.py's.
+"""Reports made from the sweep's records, every mode's: ratios, results.csv
+(the environment on every row), results.json and summary.md (one wide
+table: a row per case, a cell per implementation, ours over each other;
+decode's also the largest error per implementation); the terminal's tables
+are terminal.py's: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import csv
 import json
 import os
 
-from pallas_fa3.tools.bench import options
+from pallas_fa3.tools.bench import options, specs
 
 CSV_FILE = "results.csv"
 # Environment fields repeated on every CSV row, so that the CSV loads with a
@@ -33,6 +35,52 @@ def head_dims_header(records: list[dict]) -> str:
   """ "d", or "d/dv" when some record's value head dim differs."""
   differs = any(head_dims_label(r) != f"{r['head_dim']}" for r in records)
   return "d/dv" if differs else "d"
+
+
+def is_decode(records: list[dict]) -> bool:
+  """Whether the records are a decode sweep's."""
+  return any(r["mode"] == specs.DECODE for r in records)
+
+
+def by_spec(records: list[dict]) -> dict[str, dict[str, dict]]:
+  """{spec: {impl: record}}, in the records' order."""
+  cases = collections.defaultdict(dict)
+  for r in records:
+    cases[r["spec"]][r["impl"]] = r
+  return cases
+
+
+def tokens(n: int) -> str:
+  """8192 -> "8k", 131072 -> "128k", 1000 -> "1000"."""
+  return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def cache_columns(r: dict, paged: bool | None = None) -> list[str]:
+  """The columns naming a decode record's case (`cache_header`); a table
+  of one layout (`paged` True or False) names only the page size, if any."""
+  size = f"{r['batch']}x{tokens(r['cache_len'])}" + ("r" if r["ragged"] else "")
+  heads = f"{r['heads_q']}/{r['heads_kv']} d{r['head_dim']}"
+  if paged is None:
+    layout = [
+      "contiguous" if r["page_size"] is None else f"page {r['page_size']}"
+    ]
+  else:
+    layout = [str(r["page_size"])] if paged else []
+  return [size, heads] + layout + [str(r["num_splits"])]
+
+
+def cache_header(paged: bool | None = None) -> list[str]:
+  layout = {None: ["cache"], True: ["page"], False: []}[paged]
+  return ["b x L", "hq/hk d"] + layout + ["splits"]
+
+
+def errors(records: list[dict]) -> list[str]:
+  """ "impl 0.0039" per implementation: its largest |out - reference|."""
+  worst = {}
+  for r in records:
+    if r["status"] == "ok" and r["max_abs_err"] is not None:
+      worst[r["impl"]] = max(worst.get(r["impl"], 0.0), r["max_abs_err"])
+  return [f"{impl} {err:.2g}" for impl, err in worst.items()]
 
 
 def rate_unit(records: list[dict]) -> tuple[str, float]:
@@ -74,69 +122,78 @@ def ratios(records: list[dict], ours: str) -> list[dict]:
 
 
 def _cell(r: dict, show_peak: bool, scale: float) -> str:
+  """ "<rate>[ <% of peak>] (<median> ms[<more>])"; the correctness case:
+  its error."""
   if r["status"] != "ok":
     return "skip" if r["status"] == "skipped" else "error"
   if r["note"]:
     return f"err {r['max_abs_err']:.2g} ({r['time_median_ms']:.3g} ms)"
-  peak = f" {r['pct_peak']:.0f}%" if show_peak and r["pct_peak"] else ""
-  kernel = (  # fp8: the attention alone and the quantization alone
-    f"; kernel {r['kernel_tflops'] * scale:.3g} in {r['kernel_ms']:.3g} ms,"
-    f" quantization {r['quantize_ms']:.3g} ms"
-    if r.get("kernel_tflops")
-    else ""
-  )
-  rate = r["tflops"] * scale
-  return f"{rate:.3g}{peak} ({r['time_median_ms']:.3g} ms{kernel})"
+  if r["mode"] == specs.DECODE:
+    rate, pct, n = r["gbps"], r["pct_hbm"], r["splits"]
+    more = "" if n is None else f", {n} split{'s' if n != 1 else ''}"
+  else:
+    rate, pct = r["tflops"] * scale, show_peak and r["pct_peak"]
+    more = (  # fp8: the attention alone and the quantization alone
+      f"; kernel {r['kernel_tflops'] * scale:.3g} in {r['kernel_ms']:.3g} ms,"
+      f" quantization {r['quantize_ms']:.3g} ms"
+      if r.get("kernel_tflops")
+      else ""
+    )
+  pct = f" {pct:.0f}%" if pct else ""
+  return f"{rate:.3g}{pct} ({r['time_median_ms']:.3g} ms{more})"
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
-  """Header and rows of the summary table: one row per spec; an "options"
-  column (window, softcap, sinks) when any case sets one."""
+  """Header and rows of the summary table: one row per spec (the attention
+  modes: an "options" column (window, softcap, sinks) when any case sets
+  one; decode: the cache's columns), a cell per implementation, then ours'
+  temp MiB (the attention modes) and ours over each other implementation."""
   records = result["records"]
-  with_options = any(options.record_label(r) for r in records)
+  decode = is_decode(records)
   show_peak = bool(result.get("matmul_peak_tflops"))
   unit, scale = rate_unit(records)
-  impl_names = list(dict.fromkeys(r["impl"] for r in records))
-  specs = list(dict.fromkeys(r["spec"] for r in records))
-  cell = {(r["spec"], r["impl"]): r for r in records}
+  names = list(dict.fromkeys(r["impl"] for r in records))
   speed = collections.defaultdict(list)
   for x in ratios(records, ours):
     speed[x["spec"]].append(f"{x['baseline']} {x['speedup']:.2f}x")
-  header = (
-    ["mode", "dtype", head_dims_header(records), "causal"]
-    + (["options"] if with_options else [])
-    + ["seq", "b x hq/hk"]
-    + [f"{n} {unit}{' %peak' if show_peak else ''} (ms)" for n in impl_names]
-    + [f"{ours} temp MiB", f"{ours} / baseline"]
-  )
-  rows = []
-  for s in specs:
-    first = next(r for r in records if r["spec"] == s)
-    ours_rec = cell.get((s, ours))
-    temp = ours_rec and ours_rec["temp_mib"]
-    rows.append(
+  if decode:
+    header = cache_header() + [f"{n} GB/s %HBM (ms)" for n in names]
+    header += [f"{ours} / other"]
+    key = cache_columns
+  else:
+    with_options = any(options.record_label(r) for r in records)
+    header = (
+      ["mode", "dtype", head_dims_header(records), "causal"]
+      + (["options"] if with_options else [])
+      + ["seq", "b x hq/hk"]
+      + [f"{n} {unit}{' %peak' if show_peak else ''} (ms)" for n in names]
+      + [f"{ours} temp MiB", f"{ours} / baseline"]
+    )
+    key = lambda r: (
       [
-        first["mode"],
-        first["dtype"],
-        head_dims_label(first),
-        "yes" if first["causal"] else "no",
+        r["mode"],
+        r["dtype"],
+        head_dims_label(r),
+        "yes" if r["causal"] else "no",
       ]
-      + ([options.record_label(first) or "-"] if with_options else [])
+      + ([options.record_label(r) or "-"] if with_options else [])
       + [
-        str(first["seq_q"])
-        if first["seq_q"] == first["seq_kv"]
-        else f"{first['seq_q']}x{first['seq_kv']}",
-        f"{first['batch']} x {first['heads_q']}/{first['heads_kv']}",
-      ]
-      + [
-        _cell(cell[(s, n)], show_peak, scale) if (s, n) in cell else ""
-        for n in impl_names
-      ]
-      + [
-        "" if temp is None else f"{temp:.1f}",
-        first["note"] or ", ".join(speed[s]),
+        str(r["seq_q"])
+        if r["seq_q"] == r["seq_kv"]
+        else f"{r['seq_q']}x{r['seq_kv']}",
+        f"{r['batch']} x {r['heads_q']}/{r['heads_kv']}",
       ]
     )
+  rows = []
+  for spec, cases in by_spec(records).items():
+    first = next(iter(cases.values()))
+    row = key(first) + [
+      _cell(cases[n], show_peak, scale) if n in cases else "" for n in names
+    ]
+    if not decode:
+      temp = cases.get(ours) and cases[ours]["temp_mib"]
+      row.append("" if temp is None else f"{temp:.1f}")
+    rows.append(row + [first["note"] or ", ".join(speed[spec])])
   return header, rows
 
 
@@ -152,34 +209,62 @@ def skipped(records: list[dict]) -> list[tuple[str, str, int, str]]:
 
 
 def markdown(result: dict, ours: str) -> str:
-  """The summary table and the skipped cases, as markdown."""
-  env = result["environment"]
+  """summary.md: the environment, the summary table, (decode) the errors
+  and the skipped cases, as markdown."""
+  env, records = result["environment"], result["records"]
+  decode = is_decode(records)
   header, rows = pivot(result, ours)
-  unit, _ = rate_unit(result["records"])
+  runs = result["settings"]["runs"]
+  if decode:
+    about = [
+      "- cells: GB/s of K/V read (sum of each sequence's length x heads_kv x"
+      f" (d + dv) x itemsize, over the median of {runs} runs, compile"
+      " excluded), % of the HBM peak, median ms, split-KV ranges run;"
+      " ratios: ours GB/s / other GB/s",
+      f"- HBM peak: {result['hbm_peak']}",
+    ]
+    holds = (
+      "- CSV/JSON also hold min/max times, compile seconds, bytes, FLOPs and"
+      " TFLOP/s, temp and peak MiB, each case's max |out - reference|"
+    )
+  else:
+    unit, _ = rate_unit(records)
+    about = [
+      f"- cells: {unit} (median ms of {runs} runs, compile excluded); ratios"
+      " = ours FLOP/s / baseline FLOP/s",
+      f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
+      + (" TFLOP/s" if result["matmul_peak_tflops"] else ""),
+    ]
+    holds = (
+      "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
+      " the matmul peak (GPU) and peak_mib: the device's"
+      " peak_bytes_in_use after the case (the process's high-water mark"
+      " so far; GPU only)"
+    )
   lines = [
-    f"# pallas-fa3 bench: {env['device']}",
+    f"# pallas-fa3 bench{' --mode decode' if decode else ''}: {env['device']}",
     "",
     f"- date: {env['date']}; JAX {env['jax']} / jaxlib {env['jaxlib']};"
     f" platform {env['platform_version']}; commit {env['git_commit']}",
     f"- command: `{env['command']}`",
-    f"- cells: {unit} (median ms of {result['settings']['runs']} runs,"
-    " compile excluded); ratios = ours FLOP/s / baseline FLOP/s",
-    f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
-    + (" TFLOP/s" if result["matmul_peak_tflops"] else ""),
+    *about,
     f"- sweep wall time: {result['sweep_wall_s']:.1f} s",
-    "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
-    " the matmul peak (GPU) and peak_mib: the device's"
-    " peak_bytes_in_use after the case (the process's high-water mark"
-    " so far; GPU only)",
+    holds,
     "",
     "| " + " | ".join(header) + " |",
     "|" + "|".join("---" for _ in header) + "|",
   ]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
+  if decode:
+    lines += [
+      "",
+      "Largest |out - reference| (float32):"
+      f" {', '.join(errors(records)) or '-'}",
+    ]
   lines += ["", "Skipped or failed (impl, reason, cases, first case):", ""]
   lines += [
     f"- {i}: {why} ({n} cases, e.g. {first})"
-    for i, why, n, first in skipped(result["records"])
+    for i, why, n, first in skipped(records)
   ] or ["- none"]
   return "\n".join(lines) + "\n"
 
@@ -204,14 +289,11 @@ def make_console():
   return console
 
 
-def write_files(
-  result: dict, out_dir: str, ours: str, summary=None
-) -> dict[str, str]:
+def write_files(result: dict, out_dir: str, ours: str) -> dict[str, str]:
   """Writes CSV, JSON and markdown into `out_dir`; returns their paths.
 
   The CSV is a header line and one row per record (no comment lines), each
-  row with the `CSV_ENVIRONMENT` fields appended. `summary(result, ours)`
-  makes the markdown (default: `markdown`; decode has its own).
+  row with the `CSV_ENVIRONMENT` fields appended.
   """
   os.makedirs(out_dir, exist_ok=True)
   paths = {
@@ -232,7 +314,7 @@ def write_files(
       dict(result, ratios=ratios(records, ours), ours=ours), f, indent=1
     )
   with open(paths["md"], "w") as f:
-    f.write((summary or markdown)(result, ours))
+    f.write(markdown(result, ours))
   return paths
 
 

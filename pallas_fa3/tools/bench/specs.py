@@ -1,9 +1,10 @@
-"""Benchmark shapes as data: one frozen spec per case, and the default grids.
-
-The GPU grid is the FlashAttention-3 paper's (Shah et al. 2024, section 4.1):
-batch x seq = 16k tokens, hidden 2048, so 32/16/8 query heads for head dims
-64/128/256, seq 512..16k, causal and not. The CPU grid is a small copy of it
-that finishes in about a minute on two cores.
+"""Benchmark cases as data, every mode's: `BenchSpec` (fwd, bwd, fwd+bwd;
+the GPU grid is the FA3 paper's, Shah et al. 2024 section 4.1, the CPU grid
+a small copy of it that finishes in about a minute on two cores) and
+`DecodeBenchSpec` (`--mode decode`: one generation step, one new query per
+sequence over a contiguous or paged KV cache), their axes (`GridAxes`,
+`DecodeAxes`; a grid is a union of groups, each a product of axes), the
+default grids and `make_grid`: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 
+import jax.numpy as jnp
+
 from pallas_fa3.spec import cdiv
+from pallas_fa3.tools.bench import flops
 from pallas_fa3.tools.bench.options import (
   Window,
   check_modifiers,
@@ -21,10 +25,13 @@ from pallas_fa3.tools.bench.options import (
   modifier_names,
 )
 
+# The attention modes; decode is a grid of its own (`DecodeBenchSpec`).
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
+DECODE = "decode"
 # Short names used on the command line -> the inputs' JAX dtype. fp8 cases
-# take bf16 inputs and quantize them to e4m3 (bench/fp8_case.py); fp32 is
-# accepted for CPU runs.
+# take bf16 inputs and quantize them to e4m3 (bench/fp8_case.py); decode's
+# are bf16 queries over an e4m3 cache with FA3's per-(sequence, KV head)
+# descales (`pallas_fa3.quantize_kv_cache`). fp32 is accepted for CPU runs.
 DTYPES: dict[str, str] = {
   "bf16": "bfloat16",
   "fp16": "float16",
@@ -58,10 +65,14 @@ CPU_MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 TINY_TAG = "correctness-only"
 TINY_MAX_SEQ = 512
 
+# The decode points the issue sets targets for (issue 29); `--tags headline`
+# selects them (benchmarks/device_check.sh does).
+HEADLINE_TAG = "headline"
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchSpec:
-  """One benchmark shape.
+  """One benchmark shape of the attention modes.
 
   Attributes:
     name: unique, human-readable identifier (also used in files).
@@ -79,6 +90,11 @@ class BenchSpec:
       `options.segment_ids_for`), at most min(seq_q, seq_kv); None: one.
     head_dim_v: v `[batch, seq_kv, heads_kv, head_dim_v]` (and the output);
       None (the default) becomes head_dim.
+
+  Example:
+    >>> s = BenchSpec("x", 1, 4, 4, 1, 1, 8, True, "bf16", "fwd")
+    >>> s.flops  # 10 unmasked pairs * 4 * d
+    320
   """
 
   name: str
@@ -156,86 +172,193 @@ class BenchSpec:
     """The `flash_attention` options this case sets beyond causal."""
     return modifier_names(self.window, self.softcap, self.sinks, self.docs)
 
+  @property
+  def flops(self) -> int:
+    return flops.attention_flops(self, self.head_dim_v)
+
 
 @dataclasses.dataclass(frozen=True)
-class GridAxes:
-  """The axes of a grid; every combination becomes one `BenchSpec`.
+class DecodeBenchSpec:
+  """One decode case (`--mode decode`).
 
-  `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
-  query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
-  `window`, `softcap`, `sinks` and `docs` are not axes: every spec gets
-  them. `head_dims_v`: value head dims, each paired with every head dim;
-  None: each spec's equals its head dim.
+  Attributes:
+    name: unique, human-readable identifier.
+    batch, cache_len, heads_q, heads_kv, head_dim: q `[batch, 1, heads_q,
+      head_dim]`; each sequence's cache holds `cache_len` tokens of
+      `heads_kv` heads (head_dim for K and V).
+    dtype: a key of `DTYPES`; "fp8" is bf16 queries over an e4m3 cache.
+    page_size: tokens per page of a paged cache; None: contiguous.
+    num_splits: split-KV ranges per sequence; None: each backend's choice.
+    ragged: sequence b holds `cache_len - (cache_len // 2) * b // batch`
+      tokens (cache_len down to about half of it); else all `cache_len`.
+    tags: free labels for selection (`--tags`) and reports.
   """
 
-  tokens: int
-  hidden: int
-  head_dims: tuple[int, ...]
-  seqs: tuple[int, ...]
-  causals: tuple[bool, ...] = (False, True)
-  dtypes: tuple[str, ...] = ("bf16",)
-  modes: tuple[str, ...] = ("fwd",)
-  gqa: tuple[int, ...] = (1,)
+  name: str
+  batch: int
+  cache_len: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  dtype: str
+  page_size: int | None = None
+  num_splits: int | None = None
+  ragged: bool = False
   tags: tuple[str, ...] = ()
-  window: Window | None = None
-  softcap: float | None = None
-  sinks: bool = False
-  docs: int | None = None
-  head_dims_v: tuple[int, ...] | None = None
+  # One new token per sequence, at the end of its cache: seeing all of it.
+  seq_q: int = dataclasses.field(default=1, init=False)
+  causal: bool = dataclasses.field(default=True, init=False)
+  mode: str = dataclasses.field(default=DECODE, init=False)
 
+  def __post_init__(self):
+    where = f"DecodeBenchSpec {self.name!r}: "
+    fields = ("batch", "cache_len", "heads_q", "heads_kv", "head_dim")
+    optional = ("page_size", "num_splits")
+    for field in fields + optional:
+      value = getattr(self, field)
+      if value is None and field in optional:
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+          f"{where}{field} must be a positive int; got {value!r}"
+        )
+    if self.heads_q % self.heads_kv:
+      raise ValueError(
+        f"{where}heads_q ({self.heads_q}) must be a multiple of heads_kv"
+        f" ({self.heads_kv})"
+      )
+    if self.head_dim > MAX_HEAD_DIM:
+      raise ValueError(
+        f"{where}head_dim {self.head_dim} is over {MAX_HEAD_DIM}"
+      )
+    if self.dtype not in DTYPES:
+      raise ValueError(f"{where}dtype {self.dtype!r} not in {tuple(DTYPES)}")
 
-PAPER_AXES = GridAxes(
-  PAPER_TOKENS,
-  PAPER_HIDDEN,
-  PAPER_HEAD_DIMS,
-  PAPER_SEQS,
-  modes=MODES,
-  tags=("paper",),
-)
-CPU_AXES = GridAxes(
-  CPU_TOKENS,
-  CPU_HIDDEN,
-  CPU_HEAD_DIMS,
-  CPU_SEQS,
-  modes=CPU_MODES,
-  tags=("cpu",),
-)
+  @property
+  def gqa(self) -> int:
+    """Query heads per key/value head."""
+    return self.heads_q // self.heads_kv
+
+  @property
+  def head_dim_v(self) -> int:
+    return self.head_dim
+
+  @property
+  def jax_dtype(self) -> str:
+    """The JAX dtype name of q (and of the cache but for fp8's e4m3)."""
+    return DTYPES[self.dtype]
+
+  @property
+  def correctness_only(self) -> bool:
+    return TINY_TAG in self.tags
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.jax_dtype).itemsize
+
+  @property
+  def fp8_cache(self) -> bool:
+    return self.dtype == "fp8"
+
+  @property
+  def cache_itemsize(self) -> int:
+    """Bytes per cached value (1 for the e4m3 cache)."""
+    return 1 if self.fp8_cache else self.itemsize
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+  @property
+  def pages_per_seq(self) -> int:
+    """Pages of each sequence's table (0: contiguous)."""
+    return cdiv(self.cache_len, self.page_size) if self.paged else 0
+
+  @property
+  def lengths(self) -> tuple[int, ...]:
+    """Tokens in each sequence's cache."""
+    if not self.ragged:
+      return (self.cache_len,) * self.batch
+    half = self.cache_len // 2
+    return tuple(
+      self.cache_len - half * b // self.batch for b in range(self.batch)
+    )
+
+  @property
+  def kv_bytes(self) -> int:
+    return flops.decode_kv_bytes(self)
+
+  @property
+  def flops(self) -> int:
+    return flops.decode_flops(self)
+
+  @property
+  def shape_key(self) -> tuple:
+    """Everything but the split count: cases an implementation that does
+    not split computes alike."""
+    return (
+      self.dtype,
+      self.batch,
+      self.cache_len,
+      self.heads_q,
+      self.heads_kv,
+      self.head_dim,
+      self.page_size,
+      self.ragged,
+    )
+
+  @property
+  def splits_label(self) -> str:
+    """ "auto" or the requested count."""
+    return "auto" if self.num_splits is None else str(self.num_splits)
 
 
 def spec_name(
   mode,
   dtype,
   batch,
-  seq_q,
-  seq_kv,
   heads_q,
   heads_kv,
   head_dim,
-  causal,
   *,
+  seq_q=None,
+  seq_kv=None,
+  causal=False,
   window=None,
   softcap=None,
   sinks=False,
   docs=None,
   head_dim_v=None,
+  cache_len=None,
+  page_size=None,
+  num_splits=None,
+  ragged=False,
 ) -> str:
-  """E.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-sinks-docs4";
-  "-d192-dv128-" where head_dim_v differs from head_dim."""
-  seq = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
+  """A case's name, "<mode>-<dtype>-b<batch>-<length>-h<hq>x<hk>-<dims>-
+  <the rest>": e.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-
+  sinks-docs4" ("-d192-dv128-" where head_dim_v differs from head_dim) and
+  "decode-bf16-b64-L8192-h32x8-d128-page64-splits_auto-ragged"."""
   dims = f"d{head_dim}" + (
     "" if head_dim_v in (None, head_dim) else f"-dv{head_dim_v}"
   )
-  win = format_window(window)
-  extra = (
-    ("" if win is None else f"-win{win.replace(',', '_')}")
-    + ("" if softcap is None else f"-softcap{softcap:g}")
-    + ("-sinks" if sinks else "")
-    + ("" if docs is None else f"-docs{docs}")
-  )
-  return (
-    f"{mode}-{dtype}-b{batch}-{seq}-h{heads_q}x{heads_kv}-{dims}-"
-    f"{'causal' if causal else 'full'}{extra}"
-  )
+  if mode == DECODE:
+    length = f"L{cache_len}"
+    rest = (
+      ("contiguous" if page_size is None else f"page{page_size}")
+      + f"-splits_{'auto' if num_splits is None else num_splits}"
+      + ("-ragged" if ragged else "")
+    )
+  else:
+    length = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
+    win = format_window(window)
+    rest = (
+      ("causal" if causal else "full")
+      + ("" if win is None else f"-win{win.replace(',', '_')}")
+      + ("" if softcap is None else f"-softcap{softcap:g}")
+      + ("-sinks" if sinks else "")
+      + ("" if docs is None else f"-docs{docs}")
+    )
+  return f"{mode}-{dtype}-b{batch}-{length}-h{heads_q}x{heads_kv}-{dims}-{rest}"
 
 
 def check_head_dims(
@@ -265,65 +388,221 @@ def check_head_dims(
       )
 
 
-def make_grid(axes: GridAxes) -> list[BenchSpec]:
-  """Every combination of `axes`, in a stable order (mode, dtype, d, dv,
-  causal, gqa, seq).
+def _query_heads(hidden: int, head_dim: int, gqa: int) -> int:
+  """hidden // head_dim, as in the FA3 paper; ValueError naming --gqa
+  unless the GQA ratio divides it."""
+  heads_q = hidden // head_dim
+  if heads_q % gqa:
+    raise ValueError(
+      f"--gqa {gqa} does not divide {heads_q} query heads (head dim"
+      f" {head_dim}, --hidden {hidden})"
+    )
+  return heads_q
+
+
+@dataclasses.dataclass(frozen=True)
+class GridAxes:
+  """The axes of a grid of the attention modes; every combination becomes
+  one `BenchSpec`.
+
+  `tokens // seq` gives the batch (at least 1) and `hidden // head_dim` the
+  query heads, as in the FA3 paper; `gqa` ratios divide the query heads.
+  `window`, `softcap`, `sinks` and `docs` are not axes: every spec gets
+  them. `head_dims_v`: value head dims, each paired with every head dim;
+  None: each spec's equals its head dim.
+  """
+
+  tokens: int
+  hidden: int
+  head_dims: tuple[int, ...]
+  seqs: tuple[int, ...]
+  causals: tuple[bool, ...] = (False, True)
+  dtypes: tuple[str, ...] = ("bf16",)
+  modes: tuple[str, ...] = ("fwd",)
+  gqa: tuple[int, ...] = (1,)
+  tags: tuple[str, ...] = ()
+  window: Window | None = None
+  softcap: float | None = None
+  sinks: bool = False
+  docs: int | None = None
+  head_dims_v: tuple[int, ...] | None = None
+
+  def expand(self) -> list[BenchSpec]:
+    """Every combination, in a stable order (mode, dtype, d, dv, causal,
+    gqa, seq)."""
+    check_head_dims(self.head_dims, self.hidden, self.head_dims_v or ())
+    check_modifiers(self.window, self.softcap, self.sinks, docs=self.docs)
+    if self.docs is not None and self.docs > min(self.seqs):
+      raise ValueError(
+        f"--docs {self.docs} is over --seq {min(self.seqs)}: every sequence"
+        " needs at least one position per document"
+      )
+    mods = dict(
+      window=self.window, softcap=self.softcap, sinks=self.sinks, docs=self.docs
+    )
+    specs = []
+    for mode, dtype, d, dv, causal, gqa, seq in itertools.product(
+      self.modes,
+      self.dtypes,
+      self.head_dims,
+      self.head_dims_v or (None,),  # None: dv = d
+      self.causals,
+      self.gqa,
+      self.seqs,
+    ):
+      heads_q = _query_heads(self.hidden, d, gqa)
+      dv = d if dv is None else dv
+      tags = (
+        self.tags
+        + (f"d{d}",)
+        + (() if dv == d else (f"dv{dv}",))
+        + ("causal" if causal else "full", mode, dtype)
+        + (("gqa",) if gqa > 1 else ())
+        + modifier_names(**mods)
+      )
+      fields = dict(
+        mode=mode,
+        dtype=dtype,
+        batch=max(1, self.tokens // seq),
+        seq_q=seq,
+        seq_kv=seq,
+        heads_q=heads_q,
+        heads_kv=heads_q // gqa,
+        head_dim=d,
+        head_dim_v=dv,
+        causal=causal,
+        **mods,
+      )
+      specs.append(BenchSpec(spec_name(**fields), tags=tags, **fields))
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAxes:
+  """One group of a decode grid: every combination is a `DecodeBenchSpec`.
+
+  `hidden // head_dim` gives the query heads (as `--hidden` does for the
+  other modes), `gqa` ratios divide them; None in `page_sizes` is a
+  contiguous cache, in `num_splits` the backend's own choice.
+  """
+
+  batches: tuple[int, ...]
+  cache_lens: tuple[int, ...]
+  hidden: int
+  head_dims: tuple[int, ...]
+  gqa: tuple[int, ...] = (4,)
+  page_sizes: tuple[int | None, ...] = (None,)
+  num_splits: tuple[int | None, ...] = (None,)
+  dtypes: tuple[str, ...] = ("bf16",)
+  ragged: bool = False
+  tags: tuple[str, ...] = ()
+
+  def expand(self) -> list[DecodeBenchSpec]:
+    """Every combination, in a stable order (dtype, d, gqa, batch, cache
+    length, page size, split count)."""
+    check_head_dims(self.head_dims, self.hidden)
+    specs = []
+    for dtype, d, gqa, b, n, ps, splits in itertools.product(
+      self.dtypes,
+      self.head_dims,
+      self.gqa,
+      self.batches,
+      self.cache_lens,
+      self.page_sizes,
+      self.num_splits,
+    ):
+      heads_q = _query_heads(self.hidden, d, gqa)
+      tags = self.tags + (
+        DECODE,
+        dtype,
+        f"d{d}",
+        f"gqa{gqa}",
+        "contiguous" if ps is None else "paged",
+        "split-auto" if splits is None else "split-fixed",
+      )
+      fields = dict(
+        dtype=dtype,
+        batch=b,
+        cache_len=n,
+        heads_q=heads_q,
+        heads_kv=heads_q // gqa,
+        head_dim=d,
+        page_size=ps,
+        num_splits=splits,
+        ragged=self.ragged,
+      )
+      specs.append(
+        DecodeBenchSpec(
+          spec_name(DECODE, **fields),
+          tags=tags + (("ragged",) if self.ragged else ()),
+          **fields,
+        )
+      )
+    return specs
+
+
+PAPER_AXES = GridAxes(
+  PAPER_TOKENS,
+  PAPER_HIDDEN,
+  PAPER_HEAD_DIMS,
+  PAPER_SEQS,
+  modes=MODES,
+  tags=("paper",),
+)
+CPU_AXES = GridAxes(
+  CPU_TOKENS,
+  CPU_HIDDEN,
+  CPU_HEAD_DIMS,
+  CPU_SEQS,
+  modes=CPU_MODES,
+  tags=("cpu",),
+)
+# The decode GPU grid (issue 29): 32 query / 8 KV heads at d128 (hidden
+# 4096, GQA group 4): the targets' points (batch 64 x 8k, contiguous and
+# page 64; batch 1 x 128k, split-KV by each backend's choice), page 256,
+# fixed split counts at 128k, batch 8 x 32k with GQA groups 1/4/8 and paged.
+_GPU = dict(hidden=4096, head_dims=(128,))
+DECODE_GPU_GRID: tuple[DecodeAxes, ...] = (
+  DecodeAxes(
+    (64,), (8192,), page_sizes=(None, 64), tags=(HEADLINE_TAG,), **_GPU
+  ),
+  DecodeAxes((64,), (8192,), page_sizes=(256,), **_GPU),
+  DecodeAxes((1,), (131072,), tags=(HEADLINE_TAG,), **_GPU),
+  DecodeAxes((1,), (131072,), num_splits=(1, 8, 32, 128), **_GPU),
+  DecodeAxes((8,), (32768,), gqa=(1, 4, 8), **_GPU),
+  DecodeAxes((8,), (32768,), page_sizes=(256,), **_GPU),
+)
+# The decode CPU grid: about a minute on two cores for blockwise, reference
+# and XLA: 8 query / 2 KV heads at d64, batch 4 at 1k/4k/16k contiguous and
+# page 64, and batch 1 x 16k by the backend's choice and in 4 splits.
+_CPU = dict(hidden=512, head_dims=(64,))
+DECODE_CPU_GRID: tuple[DecodeAxes, ...] = (
+  DecodeAxes((4,), (1024, 4096, 16384), page_sizes=(None, 64), **_CPU),
+  DecodeAxes((1,), (16384,), num_splits=(None, 4), **_CPU),
+)
+
+
+def make_grid(
+  groups: GridAxes | DecodeAxes | Sequence[GridAxes | DecodeAxes],
+  tags: Iterable[str] = (),
+) -> list:
+  """The specs of one group of axes or of a union of them: each group
+  expanded in turn (`expand`), duplicates dropped (the first one's tags
+  kept), only the specs carrying every one of `tags`.
 
   Raises:
-    ValueError: a head dim over MAX_HEAD_DIM or not dividing the hidden size,
-      a value head dim outside 1..MAX_HEAD_DIM, a GQA ratio not dividing the
-      number of query heads, a bad window, softcap or sinks, or more --docs
-      than a sequence has positions.
+    ValueError: naming the flag: a head dim over MAX_HEAD_DIM or not
+      dividing the hidden size, a value head dim outside 1..MAX_HEAD_DIM, a
+      GQA ratio not dividing the number of query heads, a bad window,
+      softcap or sinks, or more --docs than a sequence has positions.
   """
-  check_head_dims(axes.head_dims, axes.hidden, axes.head_dims_v or ())
-  check_modifiers(axes.window, axes.softcap, axes.sinks, docs=axes.docs)
-  if axes.docs is not None and axes.docs > min(axes.seqs):
-    raise ValueError(
-      f"--docs {axes.docs} is over --seq {min(axes.seqs)}: every sequence"
-      " needs at least one position per document"
-    )
-  mods = dict(
-    window=axes.window, softcap=axes.softcap, sinks=axes.sinks, docs=axes.docs
-  )
-  specs = []
-  for mode, dtype, d, dv, causal, gqa, seq in itertools.product(
-    axes.modes,
-    axes.dtypes,
-    axes.head_dims,
-    axes.head_dims_v or (None,),  # None: dv = d
-    axes.causals,
-    axes.gqa,
-    axes.seqs,
-  ):
-    heads_q = axes.hidden // d
-    if heads_q % gqa:
-      raise ValueError(
-        f"--gqa {gqa} does not divide {heads_q} query heads (head dim {d})"
-      )
-    dv = d if dv is None else dv
-    tags = (
-      axes.tags
-      + (f"d{d}",)
-      + (() if dv == d else (f"dv{dv}",))
-      + ("causal" if causal else "full", mode, dtype)
-      + (("gqa",) if gqa > 1 else ())
-      + modifier_names(**mods)
-    )
-    fields = dict(
-      mode=mode,
-      dtype=dtype,
-      batch=max(1, axes.tokens // seq),
-      seq_q=seq,
-      seq_kv=seq,
-      heads_q=heads_q,
-      heads_kv=heads_q // gqa,
-      head_dim=d,
-      head_dim_v=dv,
-      causal=causal,
-      **mods,
-    )
-    specs.append(BenchSpec(spec_name(**fields), tags=tags, **fields))
-  return specs
+  if isinstance(groups, (GridAxes, DecodeAxes)):
+    groups = (groups,)
+  by_name = {}
+  for axes in groups:
+    for s in axes.expand():
+      by_name.setdefault(s.name, s)
+  return select(by_name.values(), tags)
 
 
 def tiny_spec(
@@ -396,9 +675,7 @@ def tiny_spec_for(grid: Sequence[BenchSpec]) -> BenchSpec:
   )
 
 
-def select(
-  specs: Iterable[BenchSpec], tags: Iterable[str] = ()
-) -> list[BenchSpec]:
+def select(specs: Iterable, tags: Iterable[str] = ()) -> list:
   """The specs carrying every one of `tags`."""
   wanted = set(tags)
   return [s for s in specs if wanted <= set(s.tags)]

@@ -1,14 +1,8 @@
-"""The terminal summary: small tables that fit 80 columns.
-
-One table per (mode, dtype, options): its title names the window, softcap,
-sinks and docs when set; a row per shape (head dim, "d/dv" where the value
-head dim differs, causal, seq), a column per implementation that ran
-(FLOP/s of the median time in the run's one unit, `report.rate_unit`, as
-in summary.md and the plots), and the speedup of ours over the fastest
-other implementation. fp8 cells are total/kernel (quantization
-included / attention alone). Times, min/max, batch and heads, memory and
-compile seconds are in the CSV, JSON and summary.md; correctness cases and
-skip reasons follow the tables as lines.
+"""The terminal summary, every mode's, every line at most 80 columns: a
+table per (mode, dtype, options), decode's per (dtype, cache layout), a
+column per implementation that ran and ours over the fastest other, then
+the correctness cases, decode's errors and the skip reasons as lines:
+docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -21,51 +15,69 @@ from pallas_fa3.tools.bench import options, report
 
 WIDTH = 80
 _KEY_COLUMNS = ("d", "causal", "seq")
+# Decode's column names (the legend under its tables says so).
+_SHORT = {
+  "blockwise": "blockw",
+  "reference": "ref",
+  "triton-gqa": "triton",
+  "triton-paged": "triton",
+}
 
 
-def _rate(tflops: float, scale: float) -> str:
-  value = tflops * scale
-  return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+def _rate(value: float, whole: bool = False) -> str:
+  return f"{value:.0f}" if value >= 100 or whole else f"{value:.3g}"
 
 
-def _cell(r: dict, scale: float) -> str:
-  if r["status"] != "ok":
-    return "-" if r["status"] == "skipped" else "error"
-  cell = _rate(r["tflops"], scale)
-  if r.get("kernel_tflops"):  # fp8: total / the attention alone
-    cell += "/" + _rate(r["kernel_tflops"], scale)
-  return cell
-
-
-def _speedup(cases: dict, ours: str) -> str:
+def _speedup(cases: dict, ours: str, rate: str) -> str:
   """ours / the fastest other implementation of one shape, or ''."""
   mine = cases.get(ours)
   others = [
-    r["tflops"] for n, r in cases.items() if n != ours and r["status"] == "ok"
+    r[rate] for n, r in cases.items() if n != ours and r["status"] == "ok"
   ]
   if not (mine and mine["status"] == "ok" and others):
     return ""
-  return f"{mine['tflops'] / max(others):.2f}x"
+  return f"{mine[rate] / max(others):.2f}x"
 
 
 def tables(
   result: dict, ours: str
 ) -> list[tuple[str, list[str], list[list[str]]]]:
-  """(title, header, rows) of each (mode, dtype, options) table, in sweep
-  order.
+  """(title, header, rows) of each table, in sweep order.
 
   An implementation gets a column where it ran at least one shape of the
   table (its skips are listed after the tables).
   """
   timed = [r for r in result["records"] if not r["note"]]
-  unit, scale = report.rate_unit(timed)
+  decode = report.is_decode(timed)
   runs = result["settings"]["runs"]
+  if decode:
+    percent = bool(result["settings"].get("hbm_peak_bytes_s"))
+    unit = "% of the HBM peak" if percent else "GB/s of K/V read"
+    scale, rate = 1.0, "gbps"
+    label = lambda r: (
+      f"{'contiguous' if r['page_size'] is None else 'paged'} cache"
+    )
+  else:
+    unit, scale = report.rate_unit(timed)
+    percent, rate, label = False, "tflops", options.record_label
   groups = collections.defaultdict(lambda: collections.defaultdict(dict))
   for r in timed:
-    key = (r["mode"], r["dtype"], options.record_label(r))
-    groups[key][r["spec"]][r["impl"]] = r
+    groups[(r["mode"], r["dtype"], label(r))][r["spec"]][r["impl"]] = r
+
+  def cell(r: dict | None) -> str:
+    if r is None:
+      return ""
+    if r["status"] != "ok":
+      return "-" if r["status"] == "skipped" else "error"
+    if decode:
+      return _rate(r["pct_hbm"] if percent else r["gbps"], whole=percent)
+    text = _rate(r["tflops"] * scale)
+    if r.get("kernel_tflops"):  # fp8: total / the attention alone
+      text += "/" + _rate(r["kernel_tflops"] * scale)
+    return text
+
   out = []
-  for (mode, dtype, label), by_spec in groups.items():
+  for (mode, dtype, group), by_spec in groups.items():
     names = list(
       dict.fromkeys(
         n
@@ -77,30 +89,40 @@ def tables(
     if not names:
       continue
     speedup = ours in names and len(names) > 1
-    dims = report.head_dims_header(
-      [r for cases in by_spec.values() for r in cases.values()]
-    )
-    header = (
-      [dims, *_KEY_COLUMNS[1:]] + names + (["speedup"] if speedup else [])
-    )
+    paged = group == "paged cache"
+    if decode:
+      header = report.cache_header(paged) + [_SHORT.get(n, n) for n in names]
+    else:
+      dims = report.head_dims_header(
+        [r for cases in by_spec.values() for r in cases.values()]
+      )
+      header = [dims, *_KEY_COLUMNS[1:]] + names
     rows = []
     for cases in by_spec.values():
       first = next(iter(cases.values()))
-      seq = (
-        str(first["seq_q"])
-        if first["seq_q"] == first["seq_kv"]
-        else f"{first['seq_q']}x{first['seq_kv']}"
-      )
+      if decode:
+        key = report.cache_columns(first, paged)
+      else:
+        seq = (
+          str(first["seq_q"])
+          if first["seq_q"] == first["seq_kv"]
+          else f"{first['seq_q']}x{first['seq_kv']}"
+        )
+        key = [
+          report.head_dims_label(first),
+          "yes" if first["causal"] else "no",
+          seq,
+        ]
       rows.append(
-        [report.head_dims_label(first), "yes" if first["causal"] else "no", seq]
-        + [_cell(cases[n], scale) if n in cases else "" for n in names]
-        + ([_speedup(cases, ours)] if speedup else [])
+        key
+        + [cell(cases.get(n)) for n in names]
+        + ([_speedup(cases, ours, rate)] if speedup else [])
       )
-    title = f"{mode} {dtype}{', ' + label if label else ''}: {unit}, median"
+    title = f"{mode} {dtype}{', ' + group if group else ''}: {unit}, median"
     title += f" of {runs} runs"
-    if dtype == "fp8":
+    if dtype == "fp8" and not decode:
       title += "; cells: total/kernel"
-    out.append((title, header, rows))
+    out.append((title, header + (["speedup"] if speedup else []), rows))
   return out
 
 
@@ -121,11 +143,13 @@ def format_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def text(result: dict, ours: str, width: int = WIDTH) -> str:
   """The whole terminal summary, every line at most `width` columns."""
-  env = result["environment"]
-  lines = textwrap.wrap(
-    f"pallas-fa3 bench on {env['device']}, JAX {env['jax']} (compile excluded)",
-    width,
-  )
+  env, records = result["environment"], result["records"]
+  decode = report.is_decode(records)
+  head = f"pallas-fa3 bench{' --mode decode' if decode else ''} on"
+  head += f" {env['device']}, JAX {env['jax']} (compile excluded)"
+  if decode:
+    head += f"; HBM peak: {result['hbm_peak']}"
+  lines = textwrap.wrap(head, width)
   if result.get("matmul_peak_tflops"):
     lines += textwrap.wrap(
       f"bf16 matmul peak: {result['matmul_peak_tflops']:.0f} TFLOP/s"
@@ -135,13 +159,28 @@ def text(result: dict, ours: str, width: int = WIDTH) -> str:
   made = tables(result, ours)
   for title, header, rows in made:
     lines += [""] + textwrap.wrap(title, width) + format_table(header, rows)
-  if any("speedup" in header for _, header, _ in made):
+  if decode and made:
+    lines += [""] + textwrap.wrap(
+      "b x L: batch x cache length (r: ragged lengths); page: tokens per"
+      " page; splits: split-KV ranges asked for; blockw: blockwise, ref:"
+      " reference, triton: decode_attention.gqa (contiguous) or"
+      f" paged_attention (paged); speedup: {ours} / the fastest other (> 1:"
+      f" {ours} faster). GB/s, ms, splits run, TFLOP/s: summary.md and"
+      " results.csv.",
+      width,
+    )
+  elif any("speedup" in header for _, header, _ in made):
     lines += [""] + textwrap.wrap(
       f"speedup: {ours} / the fastest other implementation (> 1: {ours}"
       " faster). Times, min/max, batch x heads, memory: results.csv.",
       width,
     )
-  checks = [r for r in result["records"] if r["note"] and r["status"] == "ok"]
+  errs = report.errors(records) if decode else []
+  if errs:
+    lines += [""] + textwrap.wrap(
+      f"largest |out - reference|: {', '.join(errs)}", width
+    )
+  checks = [r for r in records if r["note"] and r["status"] == "ok"]
   if checks:
     lines.append("")
   for r in checks:
@@ -151,7 +190,7 @@ def text(result: dict, ours: str, width: int = WIDTH) -> str:
       width,
       subsequent_indent="  ",
     )
-  groups = report.skipped(result["records"])
+  groups = report.skipped(records)
   if groups:
     lines.append("")
   for impl, why, n, first in groups:

@@ -1,8 +1,9 @@
-"""Timing and memory of one compiled case, and the device's matmul rate.
-
-Compilation is excluded (`jit(...).lower(...).compile()`); then warm-up
-calls, then timed calls each ending in `block_until_ready`, cycling through
-several independent random input sets (never zeros). Median, min and max.
+"""Timing and memory of one compiled case, its inputs, and the device's
+peaks (the measured matmul rate, the HBM bandwidth by device kind):
+compilation excluded (`jit(...).lower(...).compile()`), then warm-up calls,
+then timed calls each ending in `block_until_ready`, cycling through
+several independent random input sets (never zeros); median, min and max:
+docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa3.kvcache import quantize_kv_cache
+from pallas_fa3.tools.bench import specs
 
 # The matmul used to measure the device's dense bf16 rate (FLOPs = 2 n^3).
 MATMUL_N_GPU = 8192
@@ -31,6 +36,7 @@ HBM_PEAK_BYTES_S: tuple[tuple[str, float], ...] = (
   ("H100 NVL", 3.9e12),
   ("H100 PCIe", 2.0e12),
 )
+NO_PEAK_CPU = "no HBM peak on a CPU: the % column is empty"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,22 +51,51 @@ class Timing:
 
 
 def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
-  """`num_sets` independent standard-normal `(q, k, v, dout)` tuples; v and
-  dout have `spec.head_dim_v` columns where the spec has one (not None)."""
-  dv = getattr(spec, "head_dim_v", None) or spec.head_dim
+  """`num_sets` independent input tuples of a case, standard-normal (never
+  zeros) in `dtype`.
+
+  The attention modes: `(q, k, v, dout)`; v and dout have
+  `spec.head_dim_v` columns where the spec has one (not None). Decode:
+  `(q, k_cache, v_cache, lengths, page_table)`, and for fp8 `k_descale,
+  v_descale` after them: the whole cache random, also past a ragged length
+  (fp8: quantized by `quantize_kv_cache`); lengths int32 `[batch]`;
+  page_table int32 `[batch, pages_per_seq]`, a random permutation of the
+  pages (the pages of a sequence are scattered, as a serving system
+  recycles them), None for a contiguous cache.
+  """
   q_shape = (spec.batch, spec.seq_q, spec.heads_q, spec.head_dim)
-  k_shape = (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim)
-  v_shape = k_shape[:3] + (dv,)
-  out_shape = q_shape[:3] + (dv,)
+  decode = getattr(spec, "mode", None) == specs.DECODE
+  if decode:
+    pages = spec.batch * spec.pages_per_seq
+    rows = (
+      (pages, spec.page_size) if spec.paged else (spec.batch, spec.cache_len)
+    )
+    shapes = (q_shape,) + ((*rows, spec.heads_kv, spec.head_dim),) * 2
+    lengths = jnp.asarray(spec.lengths, jnp.int32)
+  else:
+    dv = getattr(spec, "head_dim_v", None) or spec.head_dim
+    k_shape = (spec.batch, spec.seq_kv, spec.heads_kv, spec.head_dim)
+    shapes = (q_shape, k_shape, k_shape[:3] + (dv,), q_shape[:3] + (dv,))
   sets = []
   for i in range(num_sets):
-    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
-    sets.append(
-      tuple(
-        jax.random.normal(key, shape, dtype)
-        for key, shape in zip(keys, (q_shape, k_shape, v_shape, out_shape))
-      )
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    keys = jax.random.split(key, len(shapes))
+    arrays = tuple(
+      jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes)
     )
+    if not decode:
+      sets.append(arrays)
+      continue
+    q, k, v = arrays
+    table = None
+    if spec.paged:
+      order = np.random.default_rng([seed, i]).permutation(pages)
+      table = jnp.asarray(order.reshape(spec.batch, -1), jnp.int32)
+    if spec.fp8_cache:
+      x = quantize_kv_cache(k, v, page_table=table)
+      sets.append((q, x.k_cache, x.v_cache, lengths, table) + x[2:])
+    else:
+      sets.append((q, k, v, lengths, table))
   return jax.block_until_ready(sets)
 
 
@@ -72,8 +107,11 @@ def mode_function(
   "fwd": `fn(q, k, v)`. "fwd+bwd": the forward and the pullback of a random
   cotangent, in one function. "bwd": the pullback alone; the forward's
   residuals are computed beforehand (`jax.vjp` returns them inside a pytree
-  that is passed to the timed function as an argument).
+  that is passed to the timed function as an argument). "decode": `fn` of
+  the whole input tuple.
   """
+  if mode == specs.DECODE:
+    return jax.jit(fn), list(input_sets)
   if mode == "fwd":
     return jax.jit(fn), [s[:3] for s in input_sets]
   if mode == "fwd+bwd":
@@ -97,7 +135,7 @@ def mode_function(
     return jax.jit(
       lambda leaves, dout: jax.tree.unflatten(treedef, leaves)(dout)
     ), args
-  raise ValueError(f"mode must be fwd, bwd or fwd+bwd; got {mode!r}")
+  raise ValueError(f"mode must be fwd, bwd, fwd+bwd or decode; got {mode!r}")
 
 
 def compile_only(jitted: Callable, args: tuple) -> tuple[Any, float]:
@@ -152,6 +190,17 @@ def hbm_peak_bytes_s(device_kind: str) -> float | None:
     if name.lower() in device_kind.lower():
       return peak
   return None
+
+
+def hbm_peak(platform: str) -> tuple[float | None, str]:
+  """(bytes/s, what it is) of the default device's HBM peak."""
+  if platform != "gpu":
+    return None, NO_PEAK_CPU
+  kind = jax.devices()[0].device_kind
+  peak = hbm_peak_bytes_s(kind)
+  if peak is None:
+    return None, f"no HBM peak known for {kind!r}: the % column is empty"
+  return peak, f"{peak / 1e12:.3g} TB/s ({kind}, datasheet)"
 
 
 def peak_device_bytes() -> int | None:
