@@ -2,6 +2,7 @@
 FLOPs model, grids, baselines' skip reasons, the runner's time budget and
 correctness-only records, and the CPU default grid."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -138,3 +139,17 @@ def test_cpu_default_is_small():
     tiny[0], "cpu"
   ) in (None, "no GPU")
   assert runner.DEFAULT_RUNS["cpu"] <= 3
+
+
+def test_mgpu_inputs_are_float16_with_their_cotangent():
+  # attention_mgpu runs on float16 copies of bf16 inputs; the backward's
+  # dout must follow, or the pullback rejects a bf16 cotangent.
+  from pallas_fa3.tools.bench import timing
+
+  spec = _spec(64, 64, mode="bwd", b=1, hq=2, d=16)
+  (inputs,) = timing.make_inputs(spec, "bfloat16", 1, 0)
+  prepared = impls.REGISTRY["mgpu"].prepare(spec, *inputs)
+  assert [x.dtype for x in prepared] == ["float16"] * 4
+  q, k, v, dout = prepared
+  _, pullback = jax.vjp(lambda q, k, v: q @ k.mT @ v, q, k, v)
+  assert pullback(dout)[0].dtype == "float16"

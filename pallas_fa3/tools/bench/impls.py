@@ -375,9 +375,11 @@ def _mgpu_prepare(spec, q, k, v, *rest):
   # the timed function. Its shared-memory tiles are float16 whatever the
   # input (JAX 0.11-0.12: bf16 inputs fail with a dtype mismatch), so bf16
   # cases run it on float16 copies: the same tensor-core rate on Hopper.
+  # The backward's dout (in `rest`) follows: a pullback takes a cotangent
+  # of its output's dtype only.
   scale = 1.0 / math.sqrt(spec.head_dim)
   q = (q * jnp.asarray(scale, q.dtype)).astype(q.dtype)
-  return tuple(x.astype(jnp.float16) for x in (q, k, v)) + rest
+  return tuple(x.astype(jnp.float16) for x in (q, k, v, *rest))
 
 
 def _import_triton(module: str):
