@@ -30,8 +30,9 @@ def _two_writers(racy: bool):
   """A two-warpgroup kernel whose warpgroups both write one shared buffer
   (`racy`), or only the first does."""
 
-  def body(o_ref, smem):
+  def body(refs):
     wg = lax.axis_index("wg")
+    smem = refs["smem"]
 
     @pl.when(wg >= 0 if racy else wg == 0)
     def _():
@@ -39,8 +40,9 @@ def _two_writers(racy: bool):
 
   return common.build_kernel(
     body,
-    out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
-    scratch=(plgpu.SMEM((128,), jnp.float32),),
+    inputs=(),
+    out_type={"o": jax.ShapeDtypeStruct((128,), jnp.float32)},
+    scratch={"smem": plgpu.SMEM((128,), jnp.float32)},
     grid=(1,),
     grid_names=("x",),
     warpgroups=2,
