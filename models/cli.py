@@ -323,10 +323,7 @@ def run_train(args) -> int:
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " " + XLA_DETERMINISTIC
     ).strip()
-  try:
-    model_cfg, train_cfg = train_configs(args)
-  except (TypeError, ValueError) as e:
-    args.parser.error(str(e))
+  # First: `train_configs` imports models.step, which imports optax too.
   try:
     from models.train import SUMMARY_FILE, train  # pylint: disable=g-import-not-at-top
   except ModuleNotFoundError as e:
@@ -340,6 +337,11 @@ def run_train(args) -> int:
       file=sys.stderr,
     )
     return 1
+
+  try:
+    model_cfg, train_cfg = train_configs(args)
+  except (TypeError, ValueError) as e:
+    args.parser.error(str(e))
 
   try:
     summary = train(

@@ -185,7 +185,7 @@ def test_train_outside_a_checkout_says_it_needs_one(
   monkeypatch.setattr(
     example_models,
     "__file__",
-    str(tmp_path / "pallas_fa3" / "example_models.py"),
+    str(tmp_path / "pallas_fa3" / "tools" / "example_models.py"),
   )
   assert cli.main([*_TRAIN, "--out", str(tmp_path / "run")]) == 1
   err = capsys.readouterr().err

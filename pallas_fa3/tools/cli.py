@@ -174,8 +174,10 @@ def _add_model_parsers(sub) -> None:
       p = sub.add_parser(
         name, help=f"{name} with the example GPT (needs a source checkout)"
       )
-      p.add_argument("rest", nargs=argparse.REMAINDER)
-      p.set_defaults(func=lambda args, name=name: _no_models(name, missing))
+      # Any flags at all: the command only says why it cannot run.
+      p.set_defaults(
+        func=lambda args, name=name: _no_models(name, missing), any_flags=True
+      )
     return
   models.cli.add_parsers(sub, HelpFormatter)
 
@@ -249,7 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, unknown = parser.parse_known_args(argv)
+  if unknown and not getattr(args, "any_flags", False):
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
   return args.func(args)
 
 

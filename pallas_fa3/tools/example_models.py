@@ -13,12 +13,15 @@ import pathlib
 import sys
 from types import ModuleType
 
-_CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
+
+def _checkout() -> pathlib.Path:
+  """The folder holding this `pallas_fa3` (a checkout's root, if it is one)."""
+  return pathlib.Path(__file__).resolve().parents[2]
 
 
 def checkout_models() -> pathlib.Path | None:
   """The checkout's `models/` folder, if this `pallas_fa3` sits in one."""
-  init = _CHECKOUT / "models" / "__init__.py"
+  init = _checkout() / "models" / "__init__.py"
   return init.parent if init.is_file() else None
 
 
@@ -31,7 +34,8 @@ def load(command: str) -> ModuleType:
       that is not the example's (it lacks `models.cli`). The message says
       what to do.
   """
-  if "models" not in sys.modules:
+  # None in sys.modules (an import that was blocked) imports nothing either.
+  if sys.modules.get("models") is None:
     try:
       importlib.import_module("models")
     except ModuleNotFoundError as e:
@@ -44,7 +48,7 @@ def load(command: str) -> ModuleType:
           " folder (the training example is not installed): clone the"
           " repository and run `python -m models ...` (or `pip install -e"
           f" '.[train]'` and {command}) in it; found no models/ next to"
-          f" {_CHECKOUT / 'pallas_fa3'}"
+          f" {_checkout() / 'pallas_fa3'}"
         ) from None
       spec = importlib.util.spec_from_file_location(
         "models",
