@@ -69,13 +69,36 @@ def visible_tile_at(
   kv_dim = 1 - q_dim
   keys = lax.broadcast_in_dim(kv_idx, shape, [kv_dim])
   mask = None
-  p = q_idx + (q0 + spec.causal_offset - kv0)  # each row's own key position
+  shift = q0 + spec.causal_offset - kv0  # query q_idx's own key: q_idx + shift
+  if q_dim == 1:
+    # Keys along the rows (a transposed tile, the dK/dV consumers): a
+    # column index of a wgmma accumulator is `8j + e` with j fixed per
+    # register and e < 8 lane-dependent, so `q & ~7` folds to a constant per
+    # register and `q & 7` takes two values per thread. Moving every scalar
+    # and `q & 7` to the key side leaves compares against immediates (FA3's
+    # trick) instead of 16 query indices held across the loop, which spilled
+    # the fused d128 consumer: `k <= q + s` is `k - s - (q & 7) <= q & ~7`.
+    low = q_idx & 7
+    high = q_idx - low
+
+    def bound(side: int) -> tuple[jax.Array, jax.Array]:
+      keys_rel = lax.broadcast_in_dim(kv_idx - (shift + side), shape, [kv_dim])
+      return (
+        keys_rel - lax.broadcast_in_dim(low, shape, [q_dim]),
+        lax.broadcast_in_dim(high, shape, [q_dim]),
+      )
+  else:
+
+    def bound(side: int) -> tuple[jax.Array, jax.Array]:
+      pos = q_idx + shift + side  # each row's bound on the key position
+      return keys, lax.broadcast_in_dim(pos, shape, [q_dim])
+
   if spec.window_right is not None:
-    last = p + spec.window_right  # last visible key per row
-    mask = keys <= lax.broadcast_in_dim(last, shape, [q_dim])
+    k, q = bound(spec.window_right)  # last visible key per query
+    mask = k <= q
   if spec.window_left is not None:
-    first = keys >= lax.broadcast_in_dim(p - spec.window_left, shape, [q_dim])
-    mask = first if mask is None else mask & first
+    k, q = bound(-spec.window_left)
+    mask = k >= q if mask is None else mask & (k >= q)
   if check_seq_kv:
     in_seq = keys < (spec.seq_kv - kv0)
     mask = in_seq if mask is None else mask & in_seq

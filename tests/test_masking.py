@@ -17,10 +17,13 @@ from pallas_fa3.spec import make_spec
   "seq_q,seq_kv", [(100, 300), (300, 100), (128, 128), (70, 70)]
 )
 @pytest.mark.parametrize("causal", [True, False])
-def test_visible_tile_at_matches_visible_tile(seq_q, seq_kv, causal):
+@pytest.mark.parametrize("window", [None, (37, 5)], ids=["nowin", "win"])
+def test_visible_tile_at_matches_visible_tile(seq_q, seq_kv, causal, window):
+  """Both forms, including the transposed one that splits each query index
+  into `q & ~7` and `q & 7` (compares against immediates, issue 43)."""
   x = jax.ShapeDtypeStruct((1, seq_q, 1, 64), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1, seq_kv, 1, 64), jnp.bfloat16)
-  spec = make_spec(x, y, y, causal=causal)
+  spec = make_spec(x, y, y, causal=causal, window_size=window)
   rows, cols = 64, 32
   checked = 0
   for q0, kv0 in itertools.product(
