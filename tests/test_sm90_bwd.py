@@ -313,6 +313,21 @@ def test_every_head_dim_has_a_backward_kernel_config():
     assert config.dq_consumers == 2
 
 
+def test_deterministic_defaults_have_two_consumers_up_to_d128():
+  """Two dK/dV consumers owning 64 keys each (0 spills at 64 x 64 x 2 over
+  the backward shapes, issue 43), not one; 64/192 (4 B) keeps the shared
+  tile."""
+  for d, dv in ((96, 96), (128, 128), (96, 128), (128, 64)):
+    q = jax.ShapeDtypeStruct((1, 1000, 4, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1100, 2, d), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 1100, 2, dv), jnp.bfloat16)
+    spec = make_spec(q, k, v, causal=True, deterministic=True)
+    config = sm90_bwd_config.default_backward_config(spec)
+    assert config == Sm90BackwardConfig(64, 64, 2, 2, 1, 2, 1), (d, dv)
+  space = sm90_bwd_config.backward_config_space(64, 2, True, 192)
+  assert Sm90BackwardConfig(64, 64, 2, 2, 1, 2, 1) not in space
+
+
 def test_head_split_needs_32_column_chunks():
   reason = sm90_bwd_config.backward_config_unsupported(
     Sm90BackwardConfig(64, 64, 2, 1, 2, 2), 96, 2

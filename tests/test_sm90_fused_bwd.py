@@ -149,17 +149,43 @@ def test_fused_space_falls_back_where_nothing_fits():
     Sm90BackwardConfig(64, 64, 2, 1, 2), 128, 2
   )
   assert reason and "once per CTA" in reason
-  # Over the register model: selectable, outside the space.
-  config = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  # Over the register model (FA3's layout at 3 stages spills 4-8 B):
+  # selectable, outside the space.
+  config = Sm90BackwardConfig(64, 64, 3, 2, 1)
   assert sm90_bwd_config.fused_unsupported(config, 128, 2) is None
   assert not sm90_bwd_config.fused_fits_registers(config, 128, 2)
   assert config not in sm90_bwd_config.backward_config_space(128, 2, False)
 
 
+def test_d128_fused_default_is_fa3s_layout():
+  """Two consumers each owning 64 keys (no shared K/V tile): 0 spills
+  causal and not since the transposed mask compares against immediates
+  (issue 43); 64/192 and 3 stages stay outside the space (they spill)."""
+  for dv in (128, 96, 64):
+    q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1100, 2, 128), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 1100, 2, dv), jnp.bfloat16)
+    spec = make_spec(q, k, v, causal=True)
+    config = sm90_bwd_config.default_backward_config(spec)
+    assert config == Sm90BackwardConfig(64, 64, 2, 2, 1), dv
+    assert sm90_bwd_config.fused_backward(spec, config)
+  space = sm90_bwd_config.backward_config_space(64, 2, False, 192)
+  assert Sm90BackwardConfig(64, 64, 2, 2, 1) not in space
+
+
 def test_fused_only_configs_are_validated_by_mode():
-  """d 128 with two own-tile consumers: fused only (the deterministic dK/dV
-  kernel keeps dK, dV and S^T, dP^T of 2 x 64 keys: too many registers)."""
-  config = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  """d 128 with two own-tile consumers at 3 stages: fused only (the
+  deterministic dK/dV kernel's measured room of 192 registers holds at 2
+  stages; other forms keep 128), while at 2 stages both modes run it."""
+  two_stages = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  for deterministic in (False, True):
+    assert (
+      sm90_bwd_config.backward_config_unsupported(
+        two_stages, 128, 2, deterministic
+      )
+      is None
+    )
+  config = Sm90BackwardConfig(64, 64, 3, 2, 1)
   assert (
     sm90_bwd_config.backward_config_unsupported(config, 128, 2, False) is None
   )

@@ -128,13 +128,17 @@ def fused_unsupported(
   return None
 
 
-# Float32 tile registers a fused consumer may hold, by consumers per CTA,
-# for a config to enter the space; calibrated with the sm_90a compile over
-# `aot --backward-shapes` (benchmarks/RESULTS.md, "Fused backward"): the
-# layouts at 224 (d128 two own-key consumers 64 x 64, FA3's; d128 shared
-# 64 x 128) spill 4-32 B at GQA shapes (causal at seq_q != seq_kv). Configs
-# over it stay selectable (`fused_unsupported` does not check registers).
-_FUSED_TILE_REGS = {2: 208, 1: 240}
+# Float32 tile registers a fused consumer may hold, by layout, for a config
+# to enter the space; calibrated with the sm_90a compile over `aot
+# --backward-shapes` (benchmarks/RESULTS.md, "Fused backward" and issue
+# 43). Two consumers: 208; own K/V tiles at 2 stages with dV at most 128
+# columns: 224 (FA3's d128 64 x 64 layout, and 96/128), which compile
+# without spills since the transposed tiles' mask compares against
+# immediates (`masking.visible_tile_at`). Measured over it: 3 stages
+# (d128: 4-8 B), 64/192 (dV's 96 registers: 4 B), the shared 64 x 128
+# (4-32 B), all at causal or GQA shapes. Configs over it stay selectable
+# (`fused_unsupported` does not check registers).
+_FUSED_TILE_REGS = {"two": 208, "two, own tiles": 224, "one": 240}
 
 
 def fused_fits_registers(
@@ -145,7 +149,14 @@ def fused_fits_registers(
 ) -> bool:
   """The fused register model within its room (the space's filter)."""
   regs = _fused_tile_regs(config, head_dim, itemsize, head_dim_v)
-  return regs <= _FUSED_TILE_REGS[config.dkdv_consumers]
+  dv = head_dim if head_dim_v is None else head_dim_v
+  if config.dkdv_consumers == 1:
+    room = _FUSED_TILE_REGS["one"]
+  elif not _dkdv_shared(config) and config.num_stages == 2 and dv <= 128:
+    room = _FUSED_TILE_REGS["two, own tiles"]
+  else:
+    room = _FUSED_TILE_REGS["two"]
+  return regs <= room
 
 
 def _fused_tile_regs(
@@ -191,8 +202,12 @@ def backward_smem_bytes(
 
 # Float32 tile registers a backward consumer may hold, by consumers per CTA
 # (setmaxnreg 240 with two, 256 with one). Calibrated with the sm_90a
-# compile: docs/design_notes.md#tile-budgets.
+# compile: docs/design_notes.md#tile-budgets. Two dK/dV consumers owning
+# 64 x 64 tiles at 2 stages with dV at most 128 columns: 192 (measured
+# without spills up to d128 over `aot --backward-shapes`, issue 43; 64/192
+# spills 4 B causal); other two-consumer forms keep the conservative 128.
 _DKDV_TILE_REGS = {2: 128, 1: 192}
+_DKDV_OWN_64_TILE_REGS = 192
 _DQ_TILE_REGS = {2: 128, 1: 192}
 _DKDV_SHARED_TILE_REGS = 160
 
@@ -257,11 +272,16 @@ def backward_config_unsupported(
       f" sm90 limit of {MAX_SMEM_BYTES}"
     )
   dkdv = _dkdv_tile_regs(config, head_dim, head_dim_v)
-  room = (
-    _DKDV_SHARED_TILE_REGS
-    if _dkdv_shared(config)
-    else _DKDV_TILE_REGS[config.dkdv_consumers]
-  )
+  if _dkdv_shared(config):
+    room = _DKDV_SHARED_TILE_REGS
+  elif (
+    config.dkdv_consumers == 2
+    and (config.block_q, config.block_kv, config.num_stages) == (64, 64, 2)
+    and (head_dim_v or head_dim) <= 128
+  ):
+    room = _DKDV_OWN_64_TILE_REGS
+  else:
+    room = _DKDV_TILE_REGS[config.dkdv_consumers]
   if dkdv > room:
     return (
       f"{config}: the dK/dV kernel keeps {dkdv} float32 tile registers"
