@@ -149,10 +149,9 @@ def fused_fits_registers(
 ) -> bool:
   """The fused register model within its room (the space's filter)."""
   regs = _fused_tile_regs(config, head_dim, itemsize, head_dim_v)
-  dv = head_dim if head_dim_v is None else head_dim_v
   if config.dkdv_consumers == 1:
     room = _FUSED_TILE_REGS["one"]
-  elif not _dkdv_shared(config) and config.num_stages == 2 and dv <= 128:
+  elif _measured_own_tiles(config, head_dim, head_dim_v):
     room = _FUSED_TILE_REGS["two, own tiles"]
   else:
     room = _FUSED_TILE_REGS["two"]
@@ -210,6 +209,21 @@ _DKDV_TILE_REGS = {2: 128, 1: 192}
 _DKDV_OWN_64_TILE_REGS = 192
 _DQ_TILE_REGS = {2: 128, 1: 192}
 _DKDV_SHARED_TILE_REGS = 160
+
+
+def _measured_own_tiles(
+  config: Sm90BackwardConfig, head_dim: int, head_dim_v: int | None
+) -> bool:
+  """Two dK/dV consumers owning 64 x 64 tiles at 2 stages with dV at most
+  128 columns: the form whose larger rooms (fused and deterministic) were
+  measured without spills (issue 43; 3 stages and 64/192 spill)."""
+  dv = head_dim if head_dim_v is None else head_dim_v
+  return (
+    config.dkdv_consumers == 2
+    and not _dkdv_shared(config)
+    and (config.block_q, config.block_kv, config.num_stages) == (64, 64, 2)
+    and dv <= 128
+  )
 
 
 def _dkdv_shared(config: Sm90BackwardConfig) -> bool:
@@ -274,11 +288,7 @@ def backward_config_unsupported(
   dkdv = _dkdv_tile_regs(config, head_dim, head_dim_v)
   if _dkdv_shared(config):
     room = _DKDV_SHARED_TILE_REGS
-  elif (
-    config.dkdv_consumers == 2
-    and (config.block_q, config.block_kv, config.num_stages) == (64, 64, 2)
-    and (head_dim_v or head_dim) <= 128
-  ):
+  elif _measured_own_tiles(config, head_dim, head_dim_v):
     room = _DKDV_OWN_64_TILE_REGS
   else:
     room = _DKDV_TILE_REGS[config.dkdv_consumers]
