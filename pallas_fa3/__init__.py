@@ -5,6 +5,9 @@ arguments and conventions are in docs/api.md.
   flash_attention               attention, any backend, one custom_vjp
   flash_attention_with_kvcache  attention over a KV cache (docs/decoding.md)
   reference_attention           materialized baseline attention (the oracle)
+  dot_product_attention         jax.nn.dot_product_attention, flash-computed
+  create_block_mask, BlockMask  flex attention's block masks (docs/flex.md);
+                                ready-made score/mask functions: `mods`
   ring_attention, ulysses_attention, zigzag_order
                                 context parallelism (docs/scale_out.md)
   quantize_kv_cache, FP8KVCache an e4m3 KV cache and its descales
@@ -17,6 +20,7 @@ arguments and conventions are in docs/api.md.
   IMPLEMENTATIONS, Implementation   the backend names, their Literal
 """
 
+from pallas_fa3 import mods as mods
 from pallas_fa3.attention import (
   flash_attention as flash_attention,
   flash_attention_with_kvcache as flash_attention_with_kvcache,
@@ -26,6 +30,13 @@ from pallas_fa3.backends import (
   Implementation as Implementation,
 )
 from pallas_fa3.backends.blockwise import BlockwiseConfig as BlockwiseConfig
+from pallas_fa3.dot_product import (
+  dot_product_attention as dot_product_attention,
+)
+from pallas_fa3.flex import (
+  BlockMask as BlockMask,
+  create_block_mask as create_block_mask,
+)
 from pallas_fa3.fp8 import FP8Config as FP8Config
 from pallas_fa3.kernels.sm90.config import (
   Sm90BackwardConfig as Sm90BackwardConfig,

@@ -7,13 +7,14 @@ registry, either mode) and runs through the one custom_vjp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, kvcache, modifiers, segments, vjp
+from pallas_fa3 import backends, flex, kvcache, modifiers, segments, vjp
 from pallas_fa3.backends.base import Backend, Decode, Prefill, StaticCall
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.kvcache import DecodeSpec, make_decode_spec
@@ -29,12 +30,15 @@ def _attention(
   v: jax.Array,
   sinks: jax.Array | None,
   segment_ids: segments.SegmentIds | None,
+  flex_ops: flex.FlexOperands | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   if sinks is not None:  # [hq] -> float32 [b, hq]; d/dsinks sums over b
     sinks = modifiers.batch_sinks(sinks, call.spec.batch)
   # Inside a shard_map: every operand varies like q (cotangents then have
   # their primal's type; a replicated one's gradient is summed by the cast).
-  operands = sharding_checks.vary_alike(Prefill(q, k, v, sinks, segment_ids))
+  operands = sharding_checks.vary_alike(
+    Prefill(q, k, v, sinks, segment_ids, flex_ops)
+  )
   return vjp.call(call, operands)
 
 
@@ -60,6 +64,10 @@ def flash_attention(
   softcap: float | None = None,
   sinks: jax.Array | None = None,
   segment_ids: segments.SegmentIds | tuple | None = None,
+  score_mod: Any = None,
+  mask_mod: Any = None,
+  block_mask: flex.BlockMask | None = None,
+  bias: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
@@ -113,6 +121,19 @@ def flash_attention(
       `(q_ids, kv_ids)` tuple of int32 `[batch, seq]` arrays, or for
       self-attention one int32 `[batch, seq]` array; query i sees key j
       only where their ids are equal (see `pallas_fa3.segments`).
+    score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score` on
+      scalars: score the float32 scaled logit (after softmax_scale and
+      softcap, with the bias added), indices int32 absolute positions and
+      the query head. Arrays it closes over are operands of the call and
+      get gradients (docs/flex.md).
+    mask_mod: `mask_mod(batch, head, q_idx, kv_idx) -> bool`: the pairs
+      that may attend (and-ed with every other mask).
+    block_mask: a `pallas_fa3.BlockMask` (`create_block_mask`,
+      `BlockMask.from_dense`) for this call's sizes: its empty tiles are
+      never computed, its full ones not masked, its partial ones masked by
+      `mask_mod` (default: the block mask's own) or its dense mask.
+    bias: `[batch|1, heads_q|1, seq_q, seq_kv]` added to the scaled
+      logits (differentiable).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -156,6 +177,18 @@ def flash_attention(
   segment_ids = segments.check_segment_ids(
     segment_ids, spec.batch, spec.seq_q, spec.seq_kv
   )
+  flex_spec, flex_ops = flex.prepare(
+    score_mod=score_mod,
+    mask_mod=mask_mod,
+    block_mask=block_mask,
+    bias=bias,
+    batch=spec.batch,
+    heads=spec.heads_q,
+    seq_q=spec.seq_q,
+    seq_kv=spec.seq_kv,
+  )
+  if flex_spec is not None:
+    spec = dataclasses.replace(spec, flex=flex_spec)
   if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
     raise ValueError(
       f"fp8 needs v's head_dim equal to q's; got q.shape="
@@ -175,6 +208,7 @@ def flash_attention(
     jnp.asarray(v),
     sinks,
     segment_ids,
+    flex_ops,
   )
   return (out, lse) if return_lse else out
 

@@ -182,7 +182,7 @@ def active(spec: Any) -> tuple[str, ...]:
       ("segment_ids", spec.segmented),
     )
     if on
-  )
+  ) + (() if getattr(spec, "flex", None) is None else spec.flex.names())
 
 
 def refuse(where: str, **options: Any) -> None:

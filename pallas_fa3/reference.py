@@ -21,13 +21,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import masking, modifiers, segments
+from pallas_fa3 import flex, masking, modifiers, segments
 from pallas_fa3.kvcache import DecodeSpec, cache_rows, gather, visible_in_cache
 from pallas_fa3.spec import HIGHEST, AttentionSpec, group_heads, make_spec
 
@@ -40,13 +41,18 @@ def reference_forward(
   intermediate_dtype: Any = jnp.float32,
   sinks: jax.Array | None = None,
   segment_ids: segments.SegmentIds | None = None,
+  flex_ops: flex.FlexOperands | None = None,
+  flex_fns: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Materialized attention for a validated spec; returns (out, lse).
 
   Every intermediate (scores, softmax, P V accumulation) is kept in
   `intermediate_dtype`; out is cast to `spec.dtype`, lse is float32.
   `sinks`: `[batch, heads_q]` (`modifiers.batch_sinks`) when `spec.sinks`;
-  `segment_ids` (int32 `SegmentIds`) when `spec.segmented`.
+  `segment_ids` (int32 `SegmentIds`) when `spec.segmented`; `flex_ops`
+  (`flex.FlexOperands`) with `spec.flex`. `flex_fns`: the user's own
+  (score_mod, mask_mod) to call instead of the closure-converted ones (the
+  oracle's path, any intermediate dtype).
   """
   dt = jnp.dtype(intermediate_dtype)
   qg = group_heads(q.astype(dt), spec.heads_kv)
@@ -65,8 +71,12 @@ def reference_forward(
   # XLA would otherwise contract the scaling into the subtraction (an FMA)
   # in one fusion only, and at large logits (|s| ~ 1e10) exp of the max's
   # own argument becomes exp(+-1000): lse inf or -inf, out NaN.
-  s = jax.lax.optimization_barrier(s)
   mask = masking.visible(spec, jnp.arange(spec.seq_q), jnp.arange(spec.seq_kv))
+  if spec.flex is not None:
+    s, fmask = _flex_scores(spec, flex_ops, flex_fns, s)
+    if fmask is not None:
+      mask = mask & fmask
+  s = jax.lax.optimization_barrier(s)
   if segment_ids is not None:  # [b, sq, skv] -> [b, 1, 1, sq, skv]
     mask = mask & segments.visible_ids(*segment_ids)[:, None, None]
   s = jnp.where(mask, s, -jnp.inf)
@@ -98,6 +108,35 @@ def reference_forward(
   return out, lse.reshape(spec.lse_shape)
 
 
+def _flex_scores(
+  spec: AttentionSpec, ops: Any, fns: tuple | None, s: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+  """The scores `[b, hk, g, sq, skv]` through bias and score_mod, and the
+  mask of mask_mod / the block mask (None: no mask)."""
+  fs = spec.flex
+  b = jnp.arange(spec.batch)[:, None, None, None, None]
+  h = flex.head_index(spec.heads_kv, spec.group_size)[None, :, :, None, None]
+  q = jnp.arange(spec.seq_q)[:, None]
+  kv = jnp.arange(spec.seq_kv)[None, :]
+  score_mod, mask_mod = fs.score_mod, fs.mask_mod
+  score_consts, mask_consts = ops.score_consts, ops.mask_consts
+  if fns is not None:  # the user's functions themselves, closures included
+    if score_mod is not None:
+      score_mod = lambda consts, *a, f=fns[0]: f(*a)
+    if mask_mod is not None:
+      mask_mod = lambda consts, *a, f=fns[1]: f(*a)
+  bias = flex.grouped(ops.bias, spec.heads_kv, spec.group_size)
+  if bias is not None:
+    s = s + bias.astype(s.dtype)
+  if score_mod is not None:
+    fspec = flex.FlexSpec(score_mod=score_mod)
+    s = flex.modify_scores(fspec, score_consts, None, s, b, h, q, kv)
+  vis = flex.visible(
+    ops.block_mask, mask_mod, mask_consts, b, h, q, kv, s.shape
+  )
+  return s, vis
+
+
 def reference_attention(
   q: jax.Array,
   k: jax.Array,
@@ -111,9 +150,15 @@ def reference_attention(
   softcap: float | None = None,
   sinks: jax.Array | None = None,
   segment_ids: Any = None,
+  score_mod: Any = None,
+  mask_mod: Any = None,
+  block_mask: Any = None,
+  bias: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Materialized baseline attention, differentiable by plain JAX autodiff
-  (in q, k, v and sinks).
+  (in q, k, v, sinks, the bias and whatever score_mod closes over; with
+  `jax.enable_x64` and `intermediate_dtype=jnp.float64`, the flex
+  options' float64 golden).
 
   Args:
     q: `[batch, seq_q, heads_q, head_dim]`, any head_dim (`flash_attention`
@@ -126,8 +171,9 @@ def reference_attention(
     intermediate_dtype: dtype of every intermediate (scores, softmax, P V).
       float32 (default) is the oracle; the input dtype gives the naive
       low-precision baseline of the tolerance rule and the numerics study.
-    window_size, softcap, sinks, segment_ids: as in
-      `pallas_fa3.flash_attention`.
+    window_size, softcap, sinks, segment_ids, score_mod, mask_mod,
+      block_mask, bias: as in `pallas_fa3.flash_attention` (the functions
+      are called as given, on scores of `intermediate_dtype`).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype, and the lse
@@ -151,8 +197,25 @@ def reference_attention(
   segment_ids = segments.check_segment_ids(
     segment_ids, spec.batch, spec.seq_q, spec.seq_kv
   )
+  flex_spec, flex_ops = flex.prepare(
+    score_mod=score_mod,
+    mask_mod=mask_mod,
+    block_mask=block_mask,
+    bias=bias,
+    batch=spec.batch,
+    heads=spec.heads_q,
+    seq_q=spec.seq_q,
+    seq_kv=spec.seq_kv,
+  )
+  fns = None
+  if flex_spec is not None:
+    spec = dataclasses.replace(spec, flex=flex_spec)
+    fns = tuple(
+      None if f is None else f.original
+      for f in (flex_spec.score_mod, flex_spec.mask_mod)
+    )
   out, lse = reference_forward(
-    spec, q, k, v, intermediate_dtype, sinks, segment_ids
+    spec, q, k, v, intermediate_dtype, sinks, segment_ids, flex_ops, fns
   )
   return (out, lse) if return_lse else out
 

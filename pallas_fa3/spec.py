@@ -85,6 +85,9 @@ class AttentionSpec:
   # Packed sequences: the call has segment ids (`pallas_fa3.segments`);
   # the arrays are operands, not part of the spec.
   segmented: bool = False
+  # score_mod / mask_mod / bias / block_mask: a `pallas_fa3.flex.FlexSpec`
+  # (the arrays are operands); None: none of them.
+  flex: Any = None
 
   @property
   def group_size(self) -> int:
@@ -113,7 +116,11 @@ class AttentionSpec:
   def masked(self) -> bool:
     """Whether any (query, key) pair of the unpadded sequences may be
     hidden (causal, a window or segment ids)."""
-    return self.causal or self.window_size is not None or self.segmented
+    flex_masks = self.flex is not None and self.flex.masks
+    return (
+      self.causal or self.window_size is not None or self.segmented
+      or flex_masks
+    )  # fmt: skip
 
   @property
   def out_shape(self) -> tuple[int, int, int, int]:

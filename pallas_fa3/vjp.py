@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_fa3 import modifiers
+from pallas_fa3 import flex, modifiers
 from pallas_fa3.backends.base import (
   NO_DECODE_GRADIENT,
   NO_FP8_GRADIENT,
@@ -64,7 +64,11 @@ def _bwd(static: StaticCall, residuals: tuple, cotangents: Any) -> tuple:
   operands, (out, lse) = residuals
   dout, dlse = cotangents
   backward = dataclasses.replace(static, op="backward")
-  dq, dk, dv = call(backward, Backward(operands, out, lse, dout, dlse))
+  grads = call(backward, Backward(operands, out, lse, dout, dlse))
+  dq, dk, dv = grads[:3]
+  dflex = None
+  if operands.flex is not None:  # (dbias, d score_mod's arrays)
+    dflex = flex.cotangents(operands.flex, *grads[3])
   dsinks = None
   if operands.sinks is not None:
     dsinks = modifiers.sinks_gradient(operands.sinks, out, lse, dout, dlse)
@@ -73,7 +77,11 @@ def _bwd(static: StaticCall, residuals: tuple, cotangents: Any) -> tuple:
       dsinks = sharding_checks.fit_explicit(dsinks, layout)
   ids = operands.segment_ids
   ids = None if ids is None else _zero_cotangents(ids)
-  return (operands._replace(q=dq, k=dk, v=dv, sinks=dsinks, segment_ids=ids),)
+  return (
+    operands._replace(
+      q=dq, k=dk, v=dv, sinks=dsinks, segment_ids=ids, flex=dflex
+    ),
+  )
 
 
 def _zero_cotangents(tree: Any) -> Any:

@@ -89,9 +89,11 @@ class Backend:
     *,
     sinks: jax.Array | None = None,
     segment_ids: Any = None,
+    flex: Any = None,
   ) -> tuple[jax.Array, jax.Array]:
     """(out, lse); `sinks` `[b, heads_q]` float32 with `spec.sinks`,
-    `segment_ids` a `segments.SegmentIds` with `spec.segmented`."""
+    `segment_ids` a `segments.SegmentIds` with `spec.segmented`, `flex` a
+    `flex.FlexOperands` with `spec.flex`."""
     raise NotImplementedError(f"implementation={self.name!r} has no forward")
 
   def backward(
@@ -232,9 +234,11 @@ class Backend:
     *residuals_and_cts: jax.Array,
     sinks: jax.Array | None = None,
     segment_ids: Any = None,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    flex: Any = None,
+  ) -> tuple[jax.Array, ...]:
     """`backward` on `(q, k, v, out, lse, dout, dlse)`; the sinks only where
-    the lse does not carry them.
+    the lse does not carry them. With `flex` (`spec.flex`'s operands) the
+    backend returns `(dq, dk, dv, dflex)`, dflex the operands' cotangents.
 
     Raises:
       NotImplementedError: an FP8 call (FP8 has no backward).
@@ -242,6 +246,8 @@ class Backend:
     if spec.fp8 is not None:
       raise NotImplementedError(NO_FP8_GRADIENT)
     extras = {} if segment_ids is None else {"segment_ids": segment_ids}
+    if flex is not None:
+      extras["flex"] = flex
     if sinks is not None and not self.backward_uses_lse:
       extras["sinks"] = sinks
     return self.backward(spec, config, *residuals_and_cts, **extras)
@@ -285,6 +291,7 @@ class Prefill(NamedTuple):
   v: jax.Array
   sinks: jax.Array | None = None
   segment_ids: Any = None
+  flex: Any = None  # a `flex.FlexOperands` with `spec.flex`
 
 
 class Backward(NamedTuple):

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from pallas_fa3 import reference as oracle
+from pallas_fa3 import flex as flex_lib, reference as oracle
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.spec import AttentionSpec
@@ -34,25 +34,39 @@ class ReferenceBackend(Backend):
       return "stable_max is implemented by the blockwise backend only"
     return None
 
-  def forward(self, spec, config, q, k, v, *, sinks=None, segment_ids=None):
+  def forward(
+    self, spec, config, q, k, v, *, sinks=None, segment_ids=None, flex=None
+  ):  # fmt: skip
     return oracle.reference_forward(
-      spec, q, k, v, sinks=sinks, segment_ids=segment_ids
+      spec, q, k, v, sinks=sinks, segment_ids=segment_ids, flex_ops=flex
     )
 
   def backward(
     self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
-    segment_ids=None,
+    segment_ids=None, flex=None,
   ):  # fmt: skip
     del out, lse  # plain autodiff through the materialized forward
-    _, pullback = jax.vjp(
-      lambda *a: oracle.reference_forward(
-        spec, *a, sinks=sinks, segment_ids=segment_ids
-      ),
-      q,
-      k,
-      v,
-    )
-    return pullback((dout, dlse))
+    if flex is None:
+      _, pullback = jax.vjp(
+        lambda *a: oracle.reference_forward(
+          spec, *a, sinks=sinks, segment_ids=segment_ids
+        ),
+        q,
+        k,
+        v,
+      )
+      return pullback((dout, dlse))
+
+    def forward(q, k, v, bias, floats):
+      ops = flex_lib.with_float_consts(flex._replace(bias=bias), floats)
+      return oracle.reference_forward(
+        spec, q, k, v, sinks=sinks, segment_ids=segment_ids, flex_ops=ops
+      )
+
+    floats = flex_lib.float_consts(flex)
+    _, pullback = jax.vjp(forward, q, k, v, flex.bias, floats)
+    dq, dk, dv, dbias, dfloats = pullback((dout, dlse))
+    return dq, dk, dv, (dbias, flex_lib.spread_float_grads(flex, dfloats))
 
   def decode_splits(self, spec: DecodeSpec, config: Any) -> int:
     return 1  # one materialized pass

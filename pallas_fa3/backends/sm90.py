@@ -103,6 +103,11 @@ class Sm90Backend(Backend):
     return Sm90Config(forward=forward, backward=config.backward)
 
   def unsupported(self, spec: AttentionSpec, config: Sm90Config) -> str | None:
+    if spec.flex is not None:
+      return (
+        f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
+        " kernels yet (blockwise and reference serve them; docs/flex.md)"
+      )
     if spec.stable_max is not None:
       return "stable_max is implemented by the blockwise backend only"
     if spec.fp8 is not None:

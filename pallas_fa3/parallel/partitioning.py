@@ -476,15 +476,17 @@ def run(call: StaticCall, operands: Any) -> Any:
   backward shard-locally under SPMD sharding (or the ring of a
   `ring_attention` call), an FP8 or decode call by the backend.
   Returns (out, lse), or (dq, dk, dv) for op "backward"."""
+  if call.op in ("forward", "backward") and call.spec.flex is not None:
+    return _run_flex(call, operands)
   if call.op == "forward":
-    q, k, v, sinks, ids = operands
+    q, k, v, sinks, ids, _ = operands
     if call.ring is not None:
       return ring_local.ring_forward_global(
         call.ring, q, k, v, sinks, () if ids is None else tuple(ids)
       )
     return forward(call, q, k, v, sinks, ids)
   if call.op == "backward":
-    (q, k, v, sinks, ids), out, lse, dout, dlse = operands
+    (q, k, v, sinks, ids, _), out, lse, dout, dlse = operands
     if call.ring is not None:
       return ring_local.ring_backward_global(
         call.ring, q, k, v, out, lse, dout, dlse,
@@ -515,6 +517,29 @@ def run(call: StaticCall, operands: Any) -> Any:
   raise ValueError(
     f"StaticCall.op must be one of {get_args(Op)}; got {call.op!r}"
   )
+
+
+def _run_flex(call: StaticCall, operands: Any) -> Any:
+  """A call with score_mod / mask_mod / bias / block_mask runs whole (XLA
+  partitions the backend's pure-JAX computation itself): their operands
+  have no shard-local rule yet."""
+  if call.ring is not None:
+    raise NotImplementedError(
+      "ring_attention does not implement score_mod, mask_mod, bias or"
+      " block_mask; flash_attention has them"
+    )
+  spec, backend, config = call.spec, call.backend, call.config
+  if call.op == "forward":
+    q, k, v, sinks, ids, flex = operands
+    extras = dict(sinks=sinks, segment_ids=ids, flex=flex)
+    return tuple(backend.run_forward(spec, config, q, k, v, **extras))
+  (q, k, v, sinks, ids, flex), out, lse, dout, dlse = operands
+  return tuple(
+    backend.run_backward(
+      spec, config, q, k, v, out, lse, dout, dlse, sinks=sinks,
+      segment_ids=ids, flex=flex,
+    )
+  )  # fmt: skip
 
 
 def _global_scales(spec: AttentionSpec) -> bool:

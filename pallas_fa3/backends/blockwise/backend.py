@@ -37,12 +37,17 @@ class BlockwiseBackend(Backend):
   ) -> BlockwiseConfig:
     if config is not None:
       return config
+    if spec.flex is not None and spec.flex.block is not None:
+      return BlockwiseConfig(*spec.flex.block_tiles)  # its skipping
     if spec.fp8 is None:
       return BlockwiseConfig()
     # The FP8 kernel's tiles: the twin quantizes and rounds P as it would.
     return BlockwiseConfig(*default_tiles(spec.head_dim))
 
   def unsupported(self, spec: AttentionSpec, config: Any) -> str | None:
+    if spec.fp8 is not None and spec.flex is not None:
+      names = ", ".join(spec.flex.names())
+      return f"fp8 is not implemented together with {names}"
     if spec.fp8 is not None and spec.stable_max is not None:
       return "stable_max is not implemented for fp8 attention"
     if spec.stable_max is not None and modifiers.active(spec):
@@ -50,19 +55,22 @@ class BlockwiseBackend(Backend):
       return f"stable_max is not implemented together with {names}"
     return None
 
-  def forward(self, spec, config, q, k, v, *, sinks=None, segment_ids=None):
+  def forward(
+    self, spec, config, q, k, v, *, sinks=None, segment_ids=None, flex=None
+  ):  # fmt: skip
     return blockwise_forward(
-      spec, config, q, k, v, sinks=sinks, segment_ids=segment_ids
+      spec, config, q, k, v, sinks=sinks, segment_ids=segment_ids, flex=flex
     )
 
   def backward(
     self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
-    segment_ids=None,
+    segment_ids=None, flex=None,
   ):  # fmt: skip
     del sinks  # in the lse
     return blockwise_backward(
-      spec, config, q, k, v, out, lse, dout, dlse, segment_ids=segment_ids
-    )
+      spec, config, q, k, v, out, lse, dout, dlse, segment_ids=segment_ids,
+      flex=flex,
+    )  # fmt: skip
 
   def fp8_tiles(self, config: BlockwiseConfig) -> tuple[int, int]:
     return config.block_q, config.block_kv

@@ -34,11 +34,15 @@ from pallas_fa3.backends.blockwise.tiles import (
   BlockwiseConfig,
   Tiling,
   clip_range,
+  flex_tile,
   id_tiles,
+  live_tiles,
+  pad_bias,
   pad_seq,
   scores_log2,
   seq_tile,
   varying_like,
+  walk_live,
   walk_tiles,
 )
 from pallas_fa3.lse import natural_from_log2
@@ -53,6 +57,7 @@ def blockwise_forward(
   v: jax.Array,
   sinks: jax.Array | None = None,
   segment_ids: Any = None,
+  flex: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Tiled online-softmax forward; returns (out `[b, sq, hq, dv]`, lse `[b, hq, sq]`).
 
@@ -76,6 +81,8 @@ def blockwise_forward(
   if segment_ids is not None:
     spans = segments.kv_tile_spans(segment_ids, t.block_q, t.block_kv)
     ids = id_tiles(segment_ids, t)
+  bias = pad_bias(flex, t)
+  live = live_tiles(spec, flex, t)
 
   def q_tile_fn(iq):
     q_tile = seq_tile(qp, iq, t.block_q)
@@ -84,15 +91,20 @@ def blockwise_forward(
 
     def kv_step(j, carry, *, masked):
       m, l, acc = carry
-      s, _ = scores_log2(
+      kv_pos = j * t.block_kv + jnp.arange(t.block_kv)
+      s, _, _ = scores_log2(
         spec,
         q_tile,
         seq_tile(kp, j, t.block_kv),
         q_pos,
-        j * t.block_kv + jnp.arange(t.block_kv),
+        kv_pos,
         masked=masked,
         ids=None if ids is None else (q_ids, seq_tile(ids[1], j, t.block_kv)),
-      )
+        flex_tile=flex_tile(
+          spec, flex, bias, q_pos, kv_pos, iq * t.block_q, j * t.block_kv,
+          (t.block_q, t.block_kv),
+        ),
+      )  # fmt: skip
       if spec.stable_max is None:
         m_new = jnp.maximum(m, s.max(axis=-1))
       else:  # scores are base 2 here: one natural-log unit is log2(e)
@@ -133,11 +145,14 @@ def blockwise_forward(
     rows = (iq * t.block_q, (iq + 1) * t.block_q)
     bounds = masking.kv_block_range(spec, *rows, t.block_kv, t.num_kv)
     bounds = clip_range(bounds, spans, iq)
-    if spans is None:
+    if spans is None and not (spec.flex is not None and spec.flex.masks):
       bounds += masking.kv_blocks_unmasked(spec, *rows, t.block_kv)
-    else:  # every tile masked (the ids)
+    else:  # every tile masked (the ids, mask_mod)
       bounds += (0, 0)
-    m, l, acc = walk_tiles(bounds, kv_step, init, masked=masked)
+    if live is None:
+      m, l, acc = walk_tiles(bounds, kv_step, init, masked=masked)
+    else:  # the block mask's live tiles only
+      m, l, acc = walk_live(live[iq], *bounds[:2], kv_step, init)
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
     out = (acc * inv_l[..., None]).astype(spec.dtype)

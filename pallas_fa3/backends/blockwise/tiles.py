@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import masking
+from pallas_fa3 import flex, masking
 from pallas_fa3.spec import (
   HIGHEST,
   LOG2E,
@@ -100,11 +100,15 @@ def scores_log2(
   *,
   masked: bool = True,
   ids: tuple[jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+  flex_tile: FlexTile | None = None,
+  pullback: bool = False,
+) -> tuple[jax.Array, jax.Array | None, Any]:
   """Base-2 scores of one tile, float32 `[b, hk, g, block_q, block_kv]`
   (hidden entries -inf where `masked`; `ids`: the tile's query and key
-  segment ids, `[b, block_q]` and `[b, block_kv]`), and the softcap's tanh
-  (None without softcap: the backward's `1 - tanh^2`)."""
+  segment ids, `[b, block_q]` and `[b, block_kv]`; `flex_tile`: the bias,
+  score_mod and mask_mod of the tile), the softcap's tanh (None without
+  softcap: the backward's `1 - tanh^2`), and with `pullback` the flex
+  modification's vjp (ds -> (ds before it, d bias tile, d arrays))."""
   s = jnp.einsum(
     "bqhgd,bkhd->bhgqk",
     q_tile,
@@ -112,8 +116,19 @@ def scores_log2(
     preferred_element_type=jnp.float32,
     precision=HIGHEST,
   )
-  t = None
-  if spec.softcap is None:
+  t = pull = None
+  if flex_tile is not None:  # natural units through the user's functions
+    if spec.softcap is None:
+      s = s * jnp.float32(spec.softmax_scale)
+    else:
+      t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
+      s = t * jnp.float32(spec.softcap)
+    if pullback:
+      s, pull = jax.vjp(flex_tile.scores, s, flex_tile.bias, flex_tile.floats)
+    else:
+      s = flex_tile.scores(s, flex_tile.bias, flex_tile.floats)
+    s = s * jnp.float32(LOG2E)
+  elif spec.softcap is None:
     s = s * jnp.float32(spec.softmax_scale * LOG2E)
   else:
     t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
@@ -128,8 +143,98 @@ def scores_log2(
     mask = masking.visible(spec, q_pos, kv_pos)
     if ids is not None:
       mask = mask & (ids[0][:, :, None] == ids[1][:, None, :])[:, None, None]
+    if flex_tile is not None:
+      fmask = flex_tile.mask(s.shape)
+      mask = mask if fmask is None else mask & fmask
     s = jnp.where(mask, s, -jnp.inf)
-  return s, t
+  return s, t, pull
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexTile:
+  """One tile's flex options: its bias tile and score_mod's floating
+  arrays (differentiable arguments of `scores`), and its positions."""
+
+  spec: AttentionSpec
+  ops: flex.FlexOperands
+  bias: jax.Array | None  # grouped `[b|1, hk|1, g|1, block_q, block_kv]`
+  floats: tuple
+  q_pos: jax.Array
+  kv_pos: jax.Array
+
+  def _index(self) -> tuple:
+    sp = self.spec
+    b = jnp.arange(sp.batch)[:, None, None, None, None]
+    h = flex.head_index(sp.heads_kv, sp.group_size)[None, :, :, None, None]
+    # padded positions: in range (their entries are hidden anyway)
+    q = jnp.minimum(self.q_pos, sp.seq_q - 1)[:, None]
+    kv = jnp.minimum(self.kv_pos, sp.seq_kv - 1)[None, :]
+    return b, h, q, kv
+
+  def scores(self, s: jax.Array, bias: Any, floats: tuple) -> jax.Array:
+    consts = flex.with_float_consts(self.ops, floats).score_consts
+    return flex.modify_scores(self.spec.flex, consts, bias, s, *self._index())
+
+  def mask(self, shape: tuple[int, ...]) -> jax.Array | None:
+    return flex.tile_visible(self.spec.flex, self.ops, *self._index(), shape)
+
+
+def flex_tile(
+  spec: AttentionSpec,
+  ops: flex.FlexOperands | None,
+  bias: jax.Array | None,
+  q_pos: jax.Array,
+  kv_pos: jax.Array,
+  q0: Any,
+  kv0: Any,
+  block: tuple[int, int],
+) -> FlexTile | None:
+  """The `FlexTile` of the tile at rows `q0`, columns `kv0` (`bias`: the
+  padded `[b|1, hq|1, ..]` bias, or None)."""
+  if ops is None:
+    return None
+  tile = None
+  if bias is not None:
+    size = bias.shape[:2] + block
+    tile = jax.lax.dynamic_slice(bias, (0, 0, q0, kv0), size)
+    tile = flex.grouped(tile, spec.heads_kv, spec.group_size)
+  return FlexTile(spec, ops, tile, flex.float_consts(ops), q_pos, kv_pos)
+
+
+def pad_bias(ops: Any, t: Tiling) -> jax.Array | None:
+  """The bias padded to whole tiles (zeros: padding is hidden anyway)."""
+  if ops is None or ops.bias is None:
+    return None
+  b = ops.bias
+  pads = ((0, 0), (0, 0), (0, t.num_q * t.block_q - b.shape[2]))
+  return jnp.pad(b, pads + ((0, t.num_kv * t.block_kv - b.shape[3]),))
+
+
+def live_tiles(spec: AttentionSpec, ops: Any, t: Tiling) -> jax.Array | None:
+  """`[num_q, num_kv]`: the tiles a block mask lets through for some
+  (batch, head), when its tiles are this tiling's (else None: every tile
+  of the positional range is visited, masked)."""
+  if ops is None or ops.block_mask is None:
+    return None
+  if spec.flex.block_tiles != (t.block_q, t.block_kv):
+    return None
+  return flex.live_tiles(ops.block_mask.state)
+
+
+def walk_live(
+  live_row: jax.Array,
+  first: Any,
+  end: Any,
+  step: Callable[..., Any],
+  carry: Any,
+) -> Any:
+  """`step(j, carry, masked=True)` for the live tiles j in `[first, end)`,
+  in order: empty tiles are never computed."""
+  j = jnp.arange(live_row.shape[0])
+  order, count = flex.order_live(live_row & (j >= first) & (j < end))
+  return jax.lax.fori_loop(
+    0, count, lambda n, c: step(order[n], c, masked=True), carry
+  )
 
 
 def id_tiles(segment_ids: Any, t: Tiling) -> tuple[jax.Array, jax.Array]:

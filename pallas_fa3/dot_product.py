@@ -1,0 +1,192 @@
+"""`dot_product_attention`: `jax.nn.dot_product_attention`'s signature and
+semantics (rank-3 or rank-4 `BTNH` operands, a broadcastable additive bias
+and boolean mask, top-left `is_causal`, sequence lengths, `local_window_size`,
+`return_residual`, and what it returns for a row with no visible key),
+computed by `flash_attention` without materializing the scores. The
+options map onto the built-in ones where the alignment agrees (causal and
+windows at seq_q == seq_kv, lengths as segment ids) and onto a mask_mod or
+block mask otherwise: docs/flex.md#migrating.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa3 import flex, mods
+from pallas_fa3.attention import flash_attention
+
+_JAX_NN = ("xla", "cudnn")
+
+
+def _ensure_4d(x: Any) -> jax.Array:
+  x = jnp.asarray(x)
+  return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def _check(x: Any, shape: list[int], dtype: Any, name: str) -> None:
+  """jax.nn's own checks, with its messages."""
+  if x is None:
+    return
+  if x.ndim != len(shape):
+    raise ValueError(f"{name} ndim should be {len(shape)}, but got {x.ndim}")
+  if dtype is not None and x.dtype != dtype:
+    raise ValueError(f"{name} dtype should be {dtype}, but got {x.dtype}")
+  for i, n in enumerate(shape):
+    if n != -1 and x.shape[i] != n:
+      raise ValueError(f"{name} shape should be {shape}: but got {x.shape}")
+
+
+def _broadcastable(x: jax.Array, shape: tuple[int, ...], name: str) -> None:
+  if any(d not in (1, n) for d, n in zip(x.shape, shape)):
+    raise ValueError(
+      f"{name} of shape {tuple(x.shape)} must be broadcastable to (B, N, T,"
+      f" S) = {shape}"
+    )
+
+
+def dot_product_attention(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: Any = None,
+  key_value_seq_lengths: Any = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  implementation: str | None = None,
+  return_residual: bool = False,
+) -> Any:
+  """`jax.nn.dot_product_attention`, computed by `flash_attention`.
+
+  Same arguments, shapes, broadcasting and results as jax.nn's: query
+  `(B, T, N, H)` or `(T, N, H)`, key and value `(B, S, K, H)` with N a
+  multiple of K; `bias` and boolean `mask` broadcastable to `(B, N, T, S)`;
+  `is_causal` top-left (query i sees keys j <= i); `query_seq_lengths` /
+  `key_value_seq_lengths` int32 `(B,)` (padded query rows give 0);
+  `local_window_size` `(left, right)` or one int for both, top-left; a row
+  that sees no key gives the mean of all values, as jax.nn's large-negative
+  masking does. `return_residual`: also the logsumexp `(B, T, N)` in the
+  input dtype.
+
+  Args:
+    implementation: None (the automatic choice of `flash_attention`), one
+      of our backends ("mosaic", "interpret", "blockwise", "reference"), or
+      "xla" / "cudnn" (jax.nn's own, called as is).
+
+  Raises:
+    ValueError: jax.nn's checks (ranks, dtypes, shapes, head counts).
+  """
+  if implementation in _JAX_NN:
+    return jax.nn.dot_product_attention(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, implementation=implementation,
+      return_residual=return_residual,
+    )  # fmt: skip
+  output_shape = jnp.shape(query)
+  q, k, v = (_ensure_4d(x) for x in (query, key, value))
+  bias = None if bias is None else _ensure_4d(bias)
+  mask = None if mask is None else _ensure_4d(mask)
+  qlen = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths)
+  kvlen = key_value_seq_lengths
+  kvlen = None if kvlen is None else jnp.asarray(kvlen)
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  B, S, K, H = k.shape
+  _check(v, [B, S, K, H], k.dtype, "value")
+  _check(q, [B, -1, -1, H], k.dtype, "query")
+  _check(mask, [-1] * 4, np.dtype(bool), "mask")
+  _check(bias, [-1] * 4, None, "bias")
+  _check(qlen, [B], np.dtype("int32"), "query_seq_lengths")
+  _check(kvlen, [B], np.dtype("int32"), "key_value_seq_lengths")
+  if q.shape[-2] % K != 0:
+    raise ValueError(
+      "The number of query heads must be a multiple of key/value heads, but"
+      f" got {q.shape[-2]} vs {K}"
+    )
+  T, N = q.shape[1], q.shape[2]
+  full = (B, N, T, S)
+  scale = (1.0 / np.sqrt(H)) if scale is None else scale
+
+  options: dict[str, Any] = {}
+  mask_mods = []
+  if is_causal or local_window_size is not None:
+    if T == S:  # top-left is bottom-right: the built-in options
+      options["causal"] = bool(is_causal)
+      if local_window_size is not None:
+        options["window_size"] = tuple(int(x) for x in local_window_size)
+    else:
+      if is_causal:
+        mask_mods.append(mods.causal_top_left)
+      if local_window_size is not None:
+        left, right = (int(x) for x in local_window_size)
+        mask_mods.append(mods.sliding_window(left, right))
+  if qlen is not None or kvlen is not None:  # lengths as segment ids
+    rows = lambda n, lengths, pad: (
+      jnp.zeros((B, n), jnp.int32)
+      if lengths is None
+      else jnp.where(jnp.arange(n)[None] < lengths[:, None], 0, pad)
+    )
+    options["segment_ids"] = (rows(T, qlen, -1), rows(S, kvlen, -2))
+  if bias is not None:
+    _broadcastable(bias, full, "bias")
+    bshape = (bias.shape[0], bias.shape[1], T, S)
+    options["bias"] = jnp.broadcast_to(bias, bshape)
+  if mask is not None:
+    _broadcastable(mask, full, "mask")
+    dense = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], T, S))
+    if mask_mods:  # one function for every mask: the dense one gathered
+      mask_mods.append(_dense_mask_mod(dense))
+    else:
+      options["block_mask"] = flex.BlockMask.from_dense(dense)
+  if mask_mods:
+    options["mask_mod"] = mods.and_masks(*mask_mods)
+
+  out, lse = flash_attention(
+    q, k, v, softmax_scale=float(scale), return_lse=True,
+    implementation=implementation, **options,
+  )  # fmt: skip
+  # A row that sees no key: jax.nn's masked logits are all one large
+  # negative number, so its softmax is uniform: the mean of every value
+  # (a padded query row stays 0).
+  empty = jnp.swapaxes(lse, 1, 2) == -jnp.inf  # [B, T, N]
+  uniform = jnp.asarray(1.0 / S, jnp.float32).astype(k.dtype)
+  mean_v = jnp.einsum(
+    "bskh,s->bkh",
+    v,
+    jnp.full((S,), uniform),
+    preferred_element_type=jnp.float32,
+  ).astype(v.dtype)
+  mean_v = jnp.repeat(mean_v, N // K, axis=1)[:, None]  # [B, 1, N, H]
+  fill = (
+    empty
+    if qlen is None
+    else empty & (jnp.arange(T) < qlen[:, None])[..., None]
+  )
+  out = jnp.where(fill[..., None], mean_v, out)
+  if not return_residual:
+    return jnp.reshape(out, output_shape)
+  large = -0.7 * float(np.finfo(np.float32).max)
+  residual = jnp.where(lse == -jnp.inf, jnp.float32(large) + np.log(S), lse)
+  residual = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2)).astype(k.dtype)
+  return jnp.reshape(out, output_shape), jnp.reshape(
+    residual, output_shape[:-1]
+  )
+
+
+def _dense_mask_mod(dense: jax.Array) -> Any:
+  """A mask_mod reading a `[b|1, h|1, T, S]` boolean mask."""
+  nb, nh = dense.shape[:2]
+
+  def read(b, h, q_idx, kv_idx):
+    return dense[b if nb > 1 else 0, h if nh > 1 else 0, q_idx, kv_idx]
+
+  return read
