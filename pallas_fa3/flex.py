@@ -430,14 +430,16 @@ def prepare(
   heads: int,
   seq_q: int,
   seq_kv: int,
+  score_dtype: Any = jnp.float32,
 ) -> tuple[FlexSpec | None, FlexOperands | None]:
   """The call's flex options validated: `(FlexSpec, FlexOperands)`, or
   `(None, None)` when it has none. A block mask from `create_block_mask`
-  brings its mask_mod when `mask_mod` is None."""
+  brings its mask_mod when `mask_mod` is None. `score_dtype`: the scores'
+  dtype score_mod must keep (float32; the oracle's intermediate dtype)."""
   block_mask = check_block_mask(block_mask, batch, heads, seq_q, seq_kv)
   if mask_mod is None and block_mask is not None:
     mask_mod = block_mask.mask_mod
-  score = check_function("score_mod", score_mod, jnp.float32)
+  score = check_function("score_mod", score_mod, score_dtype)
   mask = check_function("mask_mod", mask_mod)
   bias = check_bias(bias, batch, heads, seq_q, seq_kv)
   if score is None and mask is None and bias is None and block_mask is None:

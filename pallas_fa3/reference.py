@@ -108,6 +108,14 @@ def reference_forward(
   return out, lse.reshape(spec.lse_shape)
 
 
+def _score_mod_dtype(intermediate_dtype: Any) -> Any:
+  """score_mod sees float32 scores (float64 in the golden), whatever the
+  oracle's intermediate dtype."""
+  if jnp.dtype(intermediate_dtype) == jnp.float64:
+    return jnp.float64
+  return jnp.float32
+
+
 def _flex_scores(
   spec: AttentionSpec, ops: Any, fns: tuple | None, s: jax.Array
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -128,9 +136,12 @@ def _flex_scores(
   bias = flex.grouped(ops.bias, spec.heads_kv, spec.group_size)
   if bias is not None:
     s = s + bias.astype(s.dtype)
-  if score_mod is not None:
+  if score_mod is not None:  # called on float32 (float64 golden) scores
     fspec = flex.FlexSpec(score_mod=score_mod)
-    s = flex.modify_scores(fspec, score_consts, None, s, b, h, q, kv)
+    sd = _score_mod_dtype(s.dtype)
+    s = flex.modify_scores(
+      fspec, score_consts, None, s.astype(sd), b, h, q, kv
+    ).astype(s.dtype)
   vis = flex.visible(
     ops.block_mask, mask_mod, mask_consts, b, h, q, kv, s.shape
   )
@@ -206,6 +217,7 @@ def reference_attention(
     heads=spec.heads_q,
     seq_q=spec.seq_q,
     seq_kv=spec.seq_kv,
+    score_dtype=_score_mod_dtype(intermediate_dtype),
   )
   fns = None
   if flex_spec is not None:

@@ -369,3 +369,40 @@ def decode_golden_and_naive(
     outs.append(np.asarray(out, np.float64))
     lses.append(np.asarray(lse, np.float64))
   return golden, (np.concatenate(outs), np.concatenate(lses))
+
+
+def flex_golden_and_naive(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  dout: jax.Array,
+  params: Any,
+  options: Any,
+) -> tuple[tuple, tuple]:
+  """The flex options' golden and naive `(out, dq, dk, dv, dparams)`.
+
+  `options(params)` gives `flash_attention`'s keywords (score_mod,
+  mask_mod, block_mask, bias, causal, ...) from a pytree of differentiable
+  arrays (slopes, a bias, a table). The golden is `reference_attention`
+  with float64 intermediates under `jax.enable_x64` (the user's functions
+  called on float64 scores; outputs rounded once to float32); the naive
+  one keeps every intermediate in the inputs' dtype.
+  """
+
+  def run(dtype, q, k, v, params):
+    return reference_attention(
+      q, k, v, intermediate_dtype=dtype, **options(params)
+    )
+
+  with jax.enable_x64(True):
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+    out, pull = jax.vjp(
+      lambda *a: run(jnp.float64, *a), f32(q), f32(k), f32(v), p64
+    )
+    grads = pull(f32(dout))
+    golden = jax.tree.map(
+      lambda x: np.asarray(x, np.float64), (out,) + tuple(grads)
+    )
+  out, pull = jax.vjp(lambda *a: run(q.dtype, *a), q, k, v, params)
+  return golden, (out,) + tuple(pull(dout))

@@ -1,0 +1,194 @@
+"""`pallas_fa3.dot_product_attention` against
+`jax.nn.dot_product_attention(implementation="xla")` on jax.nn's own
+argument grid (bias and boolean masks of every broadcast shape, is_causal
+with T != S, sequence lengths, local windows, GQA, rank 3), outputs,
+residuals and gradients, in float32; jax.nn's errors; the jax.nn names.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa3
+
+B, T, S, N, K, H = 2, 48, 80, 4, 2, 16
+
+
+def _inputs(t=T, s=S, n=N, k=K, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (B, t, n, H), jnp.float32)
+  kk = jax.random.normal(ks[1], (B, s, k, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, s, k, H), jnp.float32)
+  do = jax.random.normal(ks[3], (B, t, n, H), jnp.float32)
+  return q, kk, v, do, ks[4], ks[5]
+
+
+def _both(q, k, v, do, impl="blockwise", **kw):
+  """(ours, jax.nn's) outputs and gradients for q, k, v (and bias)."""
+  bias = kw.pop("bias", None)
+
+  def run(fn, **extra):
+    def f(q, k, v, bias):
+      return fn(q, k, v, bias, **kw, **extra)
+
+    out, pull = jax.vjp(f, q, k, v, bias)
+    return (out,) + pull(do)
+
+  ours = run(pallas_fa3.dot_product_attention, implementation=impl)
+  theirs = run(jax.nn.dot_product_attention, implementation="xla")
+  return ours, theirs
+
+
+def _close(ours, theirs, atol=2e-5):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
+
+
+GRID = {
+  "plain": {},
+  "causal_T_ne_S": dict(is_causal=True),
+  "causal_T_eq_S": dict(is_causal=True, _t=S),
+  "window_T_ne_S": dict(local_window_size=(10, 3)),
+  "window_int_causal": dict(local_window_size=7, is_causal=True, _t=S),
+  "kv_lengths": dict(key_value_seq_lengths=jnp.array([80, 33], jnp.int32)),
+  "q_lengths_causal": dict(
+    query_seq_lengths=jnp.array([20, 48], jnp.int32), is_causal=True
+  ),
+  "both_lengths_window": dict(
+    query_seq_lengths=jnp.array([48, 9], jnp.int32),
+    key_value_seq_lengths=jnp.array([50, 80], jnp.int32),
+    local_window_size=(30, 30),
+  ),
+  "mha": dict(_k=N),
+  "mqa_causal": dict(_k=1, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRID))
+def test_grid_matches_jax_nn(case):
+  kw = dict(GRID[case])
+  t, k = kw.pop("_t", T), kw.pop("_k", K)
+  q, kk, v, do, _, _ = _inputs(t=t, k=k)
+  _close(*_both(q, kk, v, do, **kw))
+
+
+# Every broadcast shape of jax.nn's (B, N, T, S) bias and mask.
+SHAPES = [
+  (B, N, T, S),
+  (1, N, T, S),
+  (B, 1, T, S),
+  (1, 1, T, S),
+  (B, N, 1, S),
+  (1, 1, 1, S),
+  (B, N, T, 1),
+  (T, S),
+  (S,),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_bias_broadcast_shapes_and_dbias(shape):
+  q, k, v, do, kb, _ = _inputs()
+  bias = jax.random.normal(kb, shape, jnp.float32)
+  _close(*_both(q, k, v, do, bias=bias))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mask_broadcast_shapes(shape):
+  q, k, v, do, _, km = _inputs()
+  mask = jax.random.bernoulli(km, 0.7, shape)
+  _close(*_both(q, k, v, do, mask=mask))
+
+
+def test_mask_bias_causal_lengths_together_and_residual():
+  q, k, v, do, kb, km = _inputs()
+  bias = jax.random.normal(kb, (1, N, T, S), jnp.float32)
+  mask = jax.random.bernoulli(km, 0.8, (B, 1, T, S))
+  kw = dict(
+    bias=bias,
+    mask=mask,
+    is_causal=True,
+    key_value_seq_lengths=jnp.array([70, 40], jnp.int32),
+  )
+  _close(*_both(q, k, v, do, **kw))
+  ours = pallas_fa3.dot_product_attention(
+    q, k, v, return_residual=True, implementation="blockwise", **kw
+  )
+  theirs = jax.nn.dot_product_attention(
+    q, k, v, return_residual=True, implementation="xla", **kw
+  )
+  np.testing.assert_allclose(ours[0], theirs[0], atol=2e-5)
+  np.testing.assert_allclose(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_without_keys_match_jax_nn():
+  """A row whose mask hides every key: jax.nn gives the mean of V."""
+  q, k, v, do, _, _ = _inputs()
+  mask = jnp.ones((B, N, T, S), bool).at[:, :, 5].set(False)
+  _close(*_both(q, k, v, do, mask=mask))
+
+
+def test_rank3_operands():
+  q, k, v, do, kb, _ = _inputs()
+  q3, k3, v3, do3 = q[0], k[0], v[0], do[0]
+  bias = jax.random.normal(kb, (N, T, S), jnp.float32)
+  _close(*_both(q3, k3, v3, do3, bias=bias, is_causal=True))
+
+
+def test_reference_backend_and_default_choice():
+  q, k, v, do, _, _ = _inputs()
+  for impl in ("reference", None):
+    _close(*_both(q, k, v, do, impl=impl, is_causal=True))
+
+
+def test_bfloat16_close_to_jax_nn():
+  q, k, v, _, kb, _ = _inputs()
+  bf = lambda x: x.astype(jnp.bfloat16)
+  bias = jax.random.normal(kb, (1, 1, T, S), jnp.float32)
+  ours = pallas_fa3.dot_product_attention(
+    bf(q), bf(k), bf(v), bf(bias), is_causal=True
+  )
+  exact = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True)
+  naive = jax.nn.dot_product_attention(
+    bf(q), bf(k), bf(v), bf(bias), is_causal=True, implementation="xla"
+  )
+  err = np.abs(np.asarray(ours, np.float32) - np.asarray(exact)).max()
+  naive_err = np.abs(np.asarray(naive, np.float32) - np.asarray(exact)).max()
+  assert err <= 2 * naive_err + 1e-2
+
+
+def test_xla_implementation_is_jax_nn():
+  q, k, v, _, _, _ = _inputs()
+  got = pallas_fa3.dot_product_attention(q, k, v, implementation="xla")
+  want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_signature_is_jax_nns():
+  ours = inspect.signature(pallas_fa3.dot_product_attention).parameters
+  theirs = inspect.signature(jax.nn.dot_product_attention).parameters
+  assert list(ours) == list(theirs)
+  for name, p in theirs.items():
+    assert ours[name].kind == p.kind, name
+
+
+def test_errors_match_jax_nn():
+  q, k, v, _, _, _ = _inputs()
+  f = pallas_fa3.dot_product_attention
+  with pytest.raises(ValueError, match="value shape"):
+    f(q, k, v[:, :-1])
+  with pytest.raises(ValueError, match="multiple of key/value heads"):
+    f(q[:, :, :3], k, v)
+  with pytest.raises(ValueError, match="mask dtype"):
+    f(q, k, v, mask=jnp.ones((T, S), jnp.int32))
+  with pytest.raises(ValueError, match="key_value_seq_lengths"):
+    f(q, k, v, key_value_seq_lengths=jnp.ones((B + 1,), jnp.int32))
+  with pytest.raises(ValueError, match="bias of shape"):
+    f(q, k, v, bias=jnp.zeros((3, N, T, S)))
+  with pytest.raises(ValueError, match="mask of shape"):
+    f(q, k, v, mask=jnp.ones((1, 1, T, S - 1), bool))

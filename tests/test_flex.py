@@ -1,0 +1,316 @@
+"""Flex attention (`score_mod`, `mask_mod`, `block_mask`, `bias`;
+`pallas_fa3.flex`, `pallas_fa3.mods`): every ready-made function and user
+closures over arrays in reference and blockwise, forward and every gradient
+(captured slopes, tables and the bias included) against the float64
+golden with the tolerance rule; block masks (built under jit, reused in a
+scan, their tiles and skipping); the Hopper backends' refusal and the
+automatic fallback; bad input. dot_product_attention: test_dot_product.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa3
+from pallas_fa3 import flex, mods
+from pallas_fa3.testing import assert_within_tolerance, flex_golden_and_naive
+
+B, SQ, SKV, HQ, HK, D = 2, 160, 192, 4, 2, 32
+TILES = pallas_fa3.BlockwiseConfig(block_q=64, block_kv=64)
+NAMES = ("out", "dq", "dk", "dv", "dparams")
+
+
+def _inputs(dtype=jnp.bfloat16, sq=SQ, skv=SKV, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, sq, HQ, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, skv, HK, D), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, skv, HK, D), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, sq, HQ, D), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+_IDS = jnp.asarray(
+  np.repeat(np.arange(4), [40, 70, 50, 32])[None].repeat(B, 0), jnp.int32
+)
+_QIDS = _IDS[:, SKV - SQ :]
+
+# name -> (params, options(params)); every one at sq != skv.
+CASES = {
+  "causal_bottom_right": (
+    (),
+    lambda p: dict(mask_mod=mods.causal_bottom_right(SQ, SKV)),
+  ),
+  "causal_top_left": ((), lambda p: dict(mask_mod=mods.causal_top_left)),
+  "sliding_window": (
+    (),
+    lambda p: dict(mask_mod=mods.sliding_window(24, 8, offset=SKV - SQ)),
+  ),
+  "document": ((), lambda p: dict(mask_mod=mods.document_mask(_QIDS, _IDS))),
+  "prefix_lm": (
+    (),
+    lambda p: dict(mask_mod=mods.prefix_lm(jnp.array([30, 90]))),
+  ),
+  "chunked": ((), lambda p: dict(mask_mod=mods.chunked(48, offset=SKV - SQ))),
+  "softcap": ((), lambda p: dict(score_mod=mods.softcap(2.0))),
+  "alibi": (
+    mods.alibi_slopes(HQ),
+    lambda p: dict(score_mod=mods.alibi(p, offset=SKV - SQ), causal=True),
+  ),
+  "relative_bias": (
+    0.5 * jax.random.normal(jax.random.key(7), (HQ, 2 * 16 + 1)),
+    lambda p: dict(score_mod=mods.relative_position_bias(p, 16)),
+  ),
+  "bias": (
+    0.5 * jax.random.normal(jax.random.key(8), (1, HQ, SQ, SKV)),
+    lambda p: dict(bias=p),
+  ),
+  "bias_batch": (
+    0.5 * jax.random.normal(jax.random.key(9), (B, 1, SQ, SKV)),
+    lambda p: dict(bias=p, mask_mod=mods.causal_top_left),
+  ),
+  # A user closure: learnable per-head slope and per-head offset table
+  # (on every third key: a row-wide offset would have a zero gradient),
+  # a document mask and a key-length cut, with the built-in softcap.
+  "user_closure": (
+    (jnp.array([0.05, 0.1, 0.2, 0.3]), jnp.array([0.0, 0.5, -0.5, 1.0])),
+    lambda p: dict(
+      score_mod=lambda s, b, h, qi, ki: (
+        s * (1 + p[0][h])
+        + p[1][h] * (ki % 3 == 0)
+        - 0.01 * (qi - ki).astype(s.dtype)
+      ),
+      mask_mod=lambda b, h, qi, ki: (_QIDS[b, qi] == _IDS[b, ki]) & (ki < 180),
+      softcap=5.0,
+    ),
+  ),
+}
+
+
+def _check(impl, case, dtype=jnp.bfloat16, config=None):
+  params, options = CASES[case]
+  q, k, v, do = _inputs(dtype)
+  golden, naive = flex_golden_and_naive(q, k, v, do, params, options)
+
+  def f(q, k, v, params):
+    return pallas_fa3.flash_attention(
+      q, k, v, implementation=impl, config=config, **options(params)
+    )
+
+  out, pull = jax.vjp(f, q, k, v, params)
+  got = (out,) + tuple(pull(do))
+  for name, g, n, ref in zip(NAMES, got, naive, golden):
+    for i, (gl, nl, rl) in enumerate(
+      zip(jax.tree.leaves(g), jax.tree.leaves(n), jax.tree.leaves(ref))
+    ):
+      assert_within_tolerance(f"{case} {name}[{i}]", gl, nl, rl)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_ready_made_and_closures_against_golden(impl, case):
+  _check(impl, case, config=TILES if impl == "blockwise" else None)
+
+
+@pytest.mark.parametrize("case", ["alibi", "user_closure"])
+def test_float32_against_golden(case):
+  _check("blockwise", case, jnp.float32, TILES)
+
+
+def test_kernels_refuse_and_automatic_choice_falls_back():
+  q, k, v, _ = _inputs()
+  with pytest.raises(NotImplementedError, match="score_mod.*Hopper"):
+    pallas_fa3.flash_attention(
+      q, k, v, score_mod=mods.softcap(3.0), implementation="interpret"
+    )
+  got = pallas_fa3.flash_attention(q, k, v, score_mod=mods.softcap(3.0))
+  want = pallas_fa3.flash_attention(
+    q, k, v, score_mod=mods.softcap(3.0), implementation="blockwise"
+  )
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_score_mod_softcap_equals_builtin_softcap():
+  q, k, v, _ = _inputs(jnp.float32)
+  a = pallas_fa3.flash_attention(
+    q, k, v, softcap=3.0, implementation="blockwise"
+  )
+  b = pallas_fa3.flash_attention(
+    q, k, v, score_mod=mods.softcap(3.0), implementation="blockwise"
+  )
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+
+
+# ---------------------------------------------------------------------------
+# Block masks.
+
+_DOC = mods.document_mask(_QIDS, _IDS)
+
+
+def test_create_block_mask_matches_dense_and_brute_force():
+  mask = mods.and_masks(_DOC, mods.causal_bottom_right(SQ, SKV))
+  bm = pallas_fa3.create_block_mask(
+    mask, B, None, SQ, SKV, block_q=32, block_kv=64
+  )
+  b, h, qi, ki = np.meshgrid(
+    np.arange(B), [0], np.arange(SQ), np.arange(SKV), indexing="ij"
+  )
+  dense = np.asarray(_QIDS)[b, qi] == np.asarray(_IDS)[b, ki]
+  dense &= ki <= qi + SKV - SQ
+  np.testing.assert_array_equal(np.asarray(bm.to_dense()), dense)
+  # brute-force tile states
+  for i in range(bm.state.shape[2]):
+    for j in range(bm.state.shape[3]):
+      t = dense[:, :, i * 32 : (i + 1) * 32, j * 64 : (j + 1) * 64]
+      want = np.where(t.all(axis=(2, 3)), 2, np.where(t.any(axis=(2, 3)), 1, 0))
+      np.testing.assert_array_equal(np.asarray(bm.state[:, :, i, j]), want)
+  dm = pallas_fa3.BlockMask.from_dense(dense, block_q=32, block_kv=64)
+  np.testing.assert_array_equal(np.asarray(dm.state), np.asarray(bm.state))
+  assert bm.kv_num_blocks.shape == (B, 1, 5)
+  assert int(bm.tiles_visited()) == int((np.asarray(bm.state) > 0).sum())
+
+
+def test_create_block_mask_chunks_bounded(monkeypatch):
+  monkeypatch.setattr(flex, "_CHUNK_ELEMENTS", 64 * 64)  # one tile a step
+  bm = pallas_fa3.create_block_mask(
+    _DOC, B, None, SQ, SKV, block_q=64, block_kv=64
+  )
+  monkeypatch.undo()
+  ref = pallas_fa3.create_block_mask(
+    _DOC, B, None, SQ, SKV, block_q=64, block_kv=64
+  )
+  np.testing.assert_array_equal(np.asarray(bm.state), np.asarray(ref.state))
+
+
+def test_block_mask_equals_mask_mod_and_skips_empty_tiles():
+  q, k, v, do = _inputs(jnp.float32)
+  bm = jax.jit(
+    lambda: pallas_fa3.create_block_mask(
+      _DOC, B, None, SQ, SKV, block_q=64, block_kv=64
+    )
+  )()
+  assert int((np.asarray(bm.state) == 0).sum()) > 0  # something to skip
+  f = lambda **kw: jax.vjp(
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, implementation="blockwise", **kw
+    ),
+    q,
+    k,
+    v,
+  )
+  out_a, pull_a = f(block_mask=bm)
+  out_b, pull_b = f(mask_mod=_DOC, config=TILES)
+  np.testing.assert_allclose(np.asarray(out_a), np.asarray(out_b), atol=1e-6)
+  for a, b in zip(pull_a(do), pull_b(do)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  # An empty tile is never computed: marking a visible tile empty hides it.
+  state = bm.state.at[:, :, 0, 0].set(flex.EMPTY)
+  hidden = flex.BlockMask(state, None, SQ, SKV, 64, 64, _DOC)
+  got = pallas_fa3.flash_attention(
+    q, k, v, block_mask=hidden, implementation="blockwise"
+  )
+  want = pallas_fa3.reference_attention(
+    q, k, v, mask_mod=lambda b, h, qi, ki: _DOC(b, h, qi, ki)
+    & ~((qi < 64) & (ki < 64)),
+  )  # fmt: skip
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_block_mask_reused_under_jit_and_scan():
+  q, k, v, _ = _inputs(jnp.float32)
+  bm = pallas_fa3.create_block_mask(_DOC, B, None, SQ, SKV)
+  want = pallas_fa3.flash_attention(q, k, v, mask_mod=_DOC)
+
+  @jax.jit
+  def layers(q, bm):
+    def layer(x, _):
+      return pallas_fa3.flash_attention(x, k, v, block_mask=bm), None
+
+    return jax.lax.scan(layer, q, None, length=2)[0]
+
+  got = layers(q, bm)
+  want2 = pallas_fa3.flash_attention(want, k, v, mask_mod=_DOC)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want2), atol=1e-5)
+
+
+def test_tiles_visited_equal_segment_id_and_window_skipping():
+  """A block mask visits the tiles today's segment-id / window skipping
+  does (full and partial together), for 16 documents and a window."""
+  from pallas_fa3 import masking, segments
+
+  s = 1024
+  lengths = np.full(16, s // 16)
+  ids = jnp.asarray(np.repeat(np.arange(16), lengths)[None], jnp.int32)
+  bm = pallas_fa3.create_block_mask(
+    mods.document_mask(ids), 1, None, s, s, block_q=64, block_kv=64
+  )
+  spans = segments.kv_tile_spans(segments.SegmentIds(ids, ids), 64, 64)
+  spec = pallas_fa3.AttentionSpec(
+    1, s, s, 1, 1, 64, 64, jnp.bfloat16, False, 1.0
+  )
+  walked = sum(
+    int(e - f)
+    for i in range(s // 64)
+    for f, e in [
+      pallas_fa3.backends.blockwise.tiles.clip_range(
+        masking.kv_block_range(spec, i * 64, (i + 1) * 64, 64, s // 64),
+        spans,
+        i,
+      )[:2]
+    ]
+  )
+  assert int(bm.tiles_visited()) == walked == 16 * 1
+  window = pallas_fa3.create_block_mask(
+    mods.sliding_window(100, 0), None, None, s, s, block_q=64, block_kv=64
+  )
+  wspec = pallas_fa3.AttentionSpec(
+    1, s, s, 1, 1, 64, 64, jnp.bfloat16, True, 1.0, window_size=(100, None)
+  )
+  wwalked = sum(
+    int(e - f)
+    for i in range(s // 64)
+    for f, e, *_ in [
+      masking.kv_block_range(wspec, i * 64, (i + 1) * 64, 64, s // 64)
+    ]
+  )
+  assert int(window.tiles_visited()) == wwalked
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_functions_and_masks_name_the_argument():
+  q, k, v, _ = _inputs()
+  call = lambda **kw: pallas_fa3.flash_attention(
+    q, k, v, implementation="blockwise", **kw
+  )
+  with pytest.raises(TypeError, match="mask_mod must return one bool"):
+    call(mask_mod=lambda b, h, qi, ki: qi - ki)
+  with pytest.raises(TypeError, match="mask_mod must return one bool"):
+    call(mask_mod=lambda b, h, qi, ki: jnp.stack([qi >= ki, qi >= ki]))
+  with pytest.raises(TypeError, match="score_mod must return a score"):
+    call(score_mod=lambda s, b, h, qi, ki: s.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="score_mod must return a score"):
+    call(score_mod=lambda s, b, h, qi, ki: jnp.stack([s, s]))
+  with pytest.raises(TypeError, match="score_mod must be a function"):
+    call(score_mod=lambda s: s)
+  with pytest.raises(TypeError, match="mask_mod must be a callable"):
+    call(mask_mod=3)
+  bm = pallas_fa3.create_block_mask(mods.causal_top_left, None, None, 64, 64)
+  with pytest.raises(ValueError, match="block_mask was built for"):
+    call(block_mask=bm)
+  with pytest.raises(
+    TypeError, match="block_mask must be a pallas_fa3.BlockMask"
+  ):
+    call(block_mask=np.ones((1, 1, SQ, SKV), bool))
+  with pytest.raises(ValueError, match="bias must have shape"):
+    call(bias=jnp.zeros((B, HQ, SQ, SKV - 1)))
+  with pytest.raises(ValueError, match="bias must have shape"):
+    call(bias=jnp.zeros((3, HQ, SQ, SKV)))
+  with pytest.raises(TypeError, match="bias must be a floating"):
+    call(bias=jnp.zeros((1, 1, SQ, SKV), jnp.int32))
+  with pytest.raises(NotImplementedError, match="fp8 is not implemented"):
+    call(fp8=True, bias=jnp.zeros((1, 1, SQ, SKV)))
