@@ -228,7 +228,7 @@ def _check_device_for_eager_call(backend: Backend, *arrays: Any) -> None:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _decode(
   call: StaticCall, return_lse: bool, q, k_cache, v_cache, k, v, seqlens,
-  pages, batch_idx, sinks, descale, signs,
+  pages, batch_idx, sinks, descale, signs, flex_ops=None,
 ):  # fmt: skip
   spec = call.spec
   rows = kvcache.cache_rows(spec, batch_idx)
@@ -245,7 +245,9 @@ def _decode(
   lengths = seqlens + spec.seq_new
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
-  operands = Decode(q, k_cache, v_cache, lengths, rows, pages, sinks, descale)
+  operands = Decode(
+    q, k_cache, v_cache, lengths, rows, pages, sinks, descale, flex_ops
+  )
   out, lse = vjp.call(call, sharding_checks.vary_alike(operands))
   # A traced length past the cache (or negative), or a traced page or row
   # index that is not the cache's, cannot raise: its sequence's rows are
@@ -300,6 +302,9 @@ def flash_attention_with_kvcache(
   v_descale: Any = None,
   cache_rotation: Any = None,
   head_dim_v: int | None = None,
+  score_mod: Any = None,
+  mask_mod: Any = None,
+  block_mask: flex.BlockMask | None = None,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -349,6 +354,12 @@ def flash_attention_with_kvcache(
       with `v_cache=None`: V would be rotated too).
     head_dim_v: with `v_cache=None`, V's columns (<= head_dim; 512 for
       DeepSeek MLA's 576); with a v_cache, None or its last dim.
+    score_mod, mask_mod: as in `flash_attention`, with sequence positions:
+      query i of sequence b is `q_idx = L_b - seq_q + i`, key t is
+      `kv_idx = t` (docs/flex.md#decoding).
+    block_mask: a `BlockMask` over sequence positions, built for
+      `seq_q = seq_kv =` the cache capacity (`cache_len`, or
+      `pages_per_seq * page_size`); query rows read it at their positions.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
@@ -386,6 +397,18 @@ def flash_attention_with_kvcache(
     head_dim_v=head_dim_v,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
+  flex_spec, flex_ops = flex.prepare(
+    score_mod=score_mod,
+    mask_mod=mask_mod,
+    block_mask=block_mask,
+    bias=None,
+    batch=spec.batch,
+    heads=spec.heads_q,
+    seq_q=spec.capacity,
+    seq_kv=spec.capacity,
+  )
+  if flex_spec is not None:
+    spec = dataclasses.replace(spec, flex=flex_spec)
   descale = _descales(spec, k_descale, v_descale)
   if cache_rotation is not None and not spec.fp8_cache:
     raise ValueError(
@@ -421,4 +444,5 @@ def flash_attention_with_kvcache(
     sinks,
     descale,
     signs,
+    flex_ops,
   )

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3.spec import cdiv
+from pallas_fa3.kvcache import DecodeSpec, query_positions
+from pallas_fa3.spec import cdiv, check_int
 
 # A block mask's tile states.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -222,8 +223,6 @@ def _state(any_: jax.Array, all_: jax.Array) -> jax.Array:
 
 
 def _blocks(block_q: Any, block_kv: Any, seq_q: int, seq_kv: int) -> tuple:
-  from pallas_fa3.spec import check_int  # (spec imports nothing from here)
-
   bq = DEFAULT_BLOCK if block_q is None else block_q
   bkv = DEFAULT_BLOCK if block_kv is None else block_kv
   bq = check_int("block_q", bq, minimum=1)
@@ -614,3 +613,40 @@ def grouped(x: jax.Array | None, heads_kv: int, group: int) -> Any:
   if x.shape[1] == 1:
     return x[:, :, None]
   return x.reshape((x.shape[0], heads_kv, group) + x.shape[2:])
+
+
+def decode_scores(
+  spec: DecodeSpec,
+  ops: FlexOperands,
+  s: jax.Array,
+  batch: jax.Array,
+  lengths: jax.Array,
+  kv_pos: jax.Array,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Decode scores `[B, hk, g, sq, K]` (scaled logits, after softcap) of
+  sequences `batch` `[B]` with `lengths` `[B]` over key positions `kv_pos`
+  `[K]` through score_mod, and the pairs mask_mod / the block mask let
+  through (None: all): query i sits at position `lengths - seq_q + i`."""
+  fs = spec.flex
+  bi = batch[:, None, None, None, None]
+  h = head_index(spec.heads_kv, spec.group_size)[None, :, :, None, None]
+  qpos = query_positions(spec, lengths[:, None], jnp.arange(spec.seq_q))
+  qi = qpos[:, None, None, :, None]
+  ki = kv_pos[None, None, None, None, :]
+  if fs.score_mod is not None:
+    s = modify_scores(fs, ops.score_consts, None, s, bi, h, qi, ki)
+  # Positions outside [0, capacity) (a query of a sequence shorter than
+  # seq_q; a clamped tile) read the block mask in range; the length mask
+  # hides them anyway.
+  top = spec.capacity - 1
+  vis = visible(
+    ops.block_mask,
+    fs.mask_mod,
+    ops.mask_consts,
+    bi,
+    h,
+    jnp.clip(qi, 0, top),
+    jnp.clip(ki, 0, top),
+    s.shape,
+  )
+  return s, vis

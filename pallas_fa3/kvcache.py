@@ -73,6 +73,7 @@ class DecodeSpec:
   sinks: bool = False
   num_splits: int | None = None  # None: the backend chooses
   v_in_k: bool = False  # v_cache=None: V = k_cache[..., :head_dim_v]
+  flex: Any = None  # flex.FlexSpec: score_mod / mask_mod / block_mask
 
   @property
   def fp8_cache(self) -> bool:
@@ -102,12 +103,18 @@ class DecodeSpec:
     return (self.batch, self.heads_q, self.seq_q)
 
 
+def query_positions(spec: DecodeSpec, length: Any, q_idx: Any) -> Any:
+  """The sequence position of query `q_idx` of a sequence of `length`
+  keys: `length - seq_q + q_idx` (the last query is the last key)."""
+  return length - spec.seq_q + q_idx
+
+
 def visible_in_cache(
   spec: DecodeSpec, length: Any, q_idx: Any, kv_pos: Any
 ) -> jax.Array:
   """Whether query `q_idx` (0..seq_q-1) of a sequence of `length` keys sees
   key position `kv_pos` (arrays that broadcast against each other)."""
-  pos = length - spec.seq_q + q_idx
+  pos = query_positions(spec, length, q_idx)
   mask = (kv_pos < length) & (kv_pos >= 0)
   if spec.window_right is not None:
     mask = mask & (kv_pos <= pos + spec.window_right)

@@ -29,7 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3 import flex, masking, modifiers, segments
-from pallas_fa3.kvcache import DecodeSpec, cache_rows, gather, visible_in_cache
+from pallas_fa3.kvcache import (
+  DecodeSpec,
+  cache_rows,
+  gather,
+  visible_in_cache,
+)
 from pallas_fa3.spec import HIGHEST, AttentionSpec, group_heads, make_spec
 
 
@@ -382,11 +387,13 @@ def reference_decode(
   page_table: Any,
   sinks: jax.Array | None,
   descale: tuple[jax.Array, jax.Array] | None = None,
+  flex_ops: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) for
   sequences of `lengths[b]` keys (the appended tokens already written);
   an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`;
-  `v_cache` None with `spec.v_in_k`."""
+  `v_cache` None with `spec.v_in_k`; `flex_ops` those of `spec.flex`
+  (score_mod / mask_mod at sequence positions)."""
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   k = gather(spec, k_cache, rows, page_table).astype(f32)
@@ -412,6 +419,12 @@ def reference_decode(
     jnp.arange(sq)[None, :, None],
     pos[None, None, :],
   )[:, None, None]  # [b, 1, 1, sq, capacity]
+  if spec.flex is not None:
+    s, fmask = flex.decode_scores(
+      spec, flex_ops, s, jnp.arange(b), lengths, pos
+    )
+    if fmask is not None:
+      mask = mask & fmask
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   if sinks is not None:

@@ -314,3 +314,92 @@ def test_bad_functions_and_masks_name_the_argument():
     call(bias=jnp.zeros((1, 1, SQ, SKV), jnp.int32))
   with pytest.raises(NotImplementedError, match="fp8 is not implemented"):
     call(fp8=True, bias=jnp.zeros((1, 1, SQ, SKV)))
+
+
+# ---------------------------------------------------------------------------
+# Decoding: score_mod / mask_mod / block_mask at sequence positions.
+
+CAP, DSQ = 96, 3
+_DIDS = jnp.asarray(np.repeat(np.arange(4), 24)[None].repeat(B, 0), jnp.int32)
+
+
+def _decode_mask(b, h, qi, ki):
+  return _DIDS[b, qi] == _DIDS[b, ki]
+
+
+def _decode_golden(q, kc, vc, lens, mask_mod, score_mod):
+  """Each sequence through the float64 reference prefill over its own
+  keys, the user functions shifted to the queries' sequence positions."""
+  outs = []
+  with jax.enable_x64(True):
+    for b in range(q.shape[0]):
+      n, off = int(lens[b]), int(lens[b]) - DSQ
+      f64 = lambda x: jnp.asarray(x[b : b + 1], jnp.float32)
+      outs.append(
+        np.asarray(
+          pallas_fa3.reference_attention(
+            f64(q), f64(kc)[:, :n], f64(vc)[:, :n], causal=True,
+            mask_mod=lambda bb, h, qi, ki: mask_mod(bb + b, h, qi + off, ki),
+            score_mod=lambda s, bb, h, qi, ki: score_mod(
+              s, bb + b, h, qi + off, ki
+            ),
+            intermediate_dtype=jnp.float64,
+          ),
+          np.float64,
+        )
+      )  # fmt: skip
+  return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_decode_with_mask_and_score_mod(impl, paged):
+  ks = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(ks[0], (B, DSQ, HQ, D), jnp.float32)
+  kc = jax.random.normal(ks[1], (B, CAP, HK, D), jnp.float32)
+  vc = jax.random.normal(ks[2], (B, CAP, HK, D), jnp.float32)
+  lens = jnp.array([50, 96], jnp.int32)
+  score_mod = mods.alibi(mods.alibi_slopes(HQ))
+  want = _decode_golden(q, kc, vc, lens, _decode_mask, score_mod)
+  kw = dict(causal=True, score_mod=score_mod, implementation=impl)
+  if impl == "blockwise":
+    kw["config"] = pallas_fa3.BlockwiseConfig(block_kv=32)
+  if paged:  # pages of 16 in a shuffled order
+    order = np.random.default_rng(0).permutation(B * CAP // 16)
+    table = jnp.asarray(order.reshape(B, CAP // 16), jnp.int32)
+    to_pages = lambda c: (
+      jnp.zeros((B * CAP // 16, 16, HK, D))
+      .at[table.reshape(-1)]
+      .set(c.reshape(B * CAP // 16, 16, HK, D))
+    )
+    kc_, vc_, kw["page_table"] = to_pages(kc), to_pages(vc), table
+  else:
+    kc_, vc_ = kc, vc
+  got = pallas_fa3.flash_attention_with_kvcache(
+    q, kc_, vc_, cache_seqlens=lens, mask_mod=_decode_mask, **kw
+  )
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+  # A block mask over sequence positions gives the same rows.
+  bm = pallas_fa3.create_block_mask(_decode_mask, B, None, CAP, CAP)
+  got_bm = pallas_fa3.flash_attention_with_kvcache(
+    q, kc_, vc_, cache_seqlens=lens, block_mask=bm, **kw
+  )
+  np.testing.assert_allclose(np.asarray(got_bm), want, atol=2e-6)
+
+
+def test_decode_flex_kernel_refuses_and_automatic_choice_falls_back():
+  q = jnp.ones((1, 1, HQ, D), jnp.bfloat16)
+  kc = jnp.ones((1, 64, HK, D), jnp.bfloat16)
+  call = lambda **kw: pallas_fa3.flash_attention_with_kvcache(
+    q, kc, kc, cache_seqlens=10, mask_mod=mods.causal_top_left, **kw
+  )
+  with pytest.raises(NotImplementedError, match="mask_mod.*Hopper decode"):
+    call(implementation="interpret")
+  np.testing.assert_array_equal(
+    np.asarray(call()), np.asarray(call(implementation="blockwise"))
+  )
+  bm = pallas_fa3.create_block_mask(mods.causal_top_left, None, None, 32, 32)
+  with pytest.raises(ValueError, match="block_mask was built for"):
+    pallas_fa3.flash_attention_with_kvcache(
+      q, kc, kc, cache_seqlens=10, block_mask=bm
+    )

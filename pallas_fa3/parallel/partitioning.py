@@ -504,6 +504,11 @@ def run(call: StaticCall, operands: Any) -> Any:
     names += ("q_ids", "kv_ids") * (ids is not None)
     op, fn = _fp8_ops(names)
     return _dispatch(op, fn, call, *arrays, *_operands(sinks, ids))
+  if call.op == "decode" and call.spec.flex is not None:
+    # score_mod / mask_mod operands have no shard-local rule: run whole
+    return tuple(
+      call.backend.decode(call.spec, call.config, call.splits, *operands)
+    )
   if call.op == "decode":
     names = _decode_names(call.spec)
     present = dict(zip(Decode._fields, operands))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_fa3 import flex
 from pallas_fa3.kvcache import DecodeSpec, key_range, visible_in_cache
 from pallas_fa3.lse import combine_splits, natural_from_log2
 from pallas_fa3.spec import HIGHEST, LOG2E, cdiv
@@ -95,6 +96,7 @@ def blockwise_decode(
   page_table: Any,
   sinks: jax.Array | None,
   descale: tuple[jax.Array, jax.Array] | None = None,
+  flex_ops: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
 
@@ -102,7 +104,8 @@ def blockwise_decode(
   (k_descale, v_descale)`, float32 `[b, hk]`)
   computes as the kernel does: K and V tiles converted exactly to float16
   (float32 for float32 queries), k_descale folded into the scores' scale,
-  P rounded to float16, O times v_descale.
+  P rounded to float16, O times v_descale. `flex_ops`: those of
+  `spec.flex` (score_mod in natural units on each tile, then log2).
   """
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
@@ -113,7 +116,7 @@ def blockwise_decode(
   if descale is None:
     descale = (jnp.ones((b, hk), f32),) * 2
 
-  def one_split(qb, length, row, pages, kd, t0, t1, per, s):
+  def one_split(bi, qb, length, row, pages, kd, t0, t1, per, s):
     lo = t0 + s * per
     hi = jnp.minimum(lo + per, t1)
     kd = kd[:, None, None, None]  # [hk, 1, 1, 1]
@@ -129,7 +132,19 @@ def blockwise_decode(
         preferred_element_type=f32,
         precision=HIGHEST,
       )
-      if spec.softcap is None:
+      fmask = None
+      if spec.flex is not None:  # natural units through the user functions
+        if spec.softcap is None:
+          x = s_ * (f32(spec.softmax_scale) * kd)
+        else:
+          t = jnp.tanh(s_ * (f32(spec.softmax_scale / spec.softcap) * kd))
+          x = t * f32(spec.softcap)
+        x, fmask = flex.decode_scores(
+          spec, flex_ops, x[None], bi[None], length[None], pos
+        )
+        x = x[0] * f32(LOG2E)
+        fmask = None if fmask is None else fmask[0]
+      elif spec.softcap is None:
         x = s_ * (f32(spec.softmax_scale * LOG2E) * kd)
       else:
         t = jnp.tanh(s_ * (f32(spec.softmax_scale / spec.softcap) * kd))
@@ -137,6 +152,8 @@ def blockwise_decode(
       x = lax.optimization_barrier(x)  # one rounding: see blockwise_tiles
       seen = pos >= j * tile  # a clamped tile's start repeats keys
       mask = visible_in_cache(spec, length, jnp.arange(sq)[:, None], pos)
+      if fmask is not None:
+        mask = mask & fmask
       x = jnp.where(mask & seen, x, -jnp.inf)
       m_new = jnp.maximum(m, x.max(axis=-1))
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -169,11 +186,20 @@ def blockwise_decode(
     jnp.zeros((b, 1), jnp.int32) if page_table is None else page_table
   ).astype(jnp.int32)
   per_sequence = jax.vmap(
-    jax.vmap(one_split, in_axes=(None,) * 8 + (0,)),
-    in_axes=(0,) * 8 + (None,),
+    jax.vmap(one_split, in_axes=(None,) * 9 + (0,)),
+    in_axes=(0,) * 9 + (None,),
   )
   outs, lses = per_sequence(
-    qg, lengths, rows, pages, descale[0], t0, t1, per, jnp.arange(splits)
+    jnp.arange(b, dtype=jnp.int32),
+    qg,
+    lengths,
+    rows,
+    pages,
+    descale[0],
+    t0,
+    t1,
+    per,
+    jnp.arange(splits),
   )  # [b, S, hk, g, sq, dv], [b, S, hk, g, sq]
   outs = outs * descale[1][:, None, :, None, None, None]
   sink = None

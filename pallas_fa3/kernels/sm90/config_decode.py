@@ -130,6 +130,11 @@ def decode_unsupported(
   spec: DecodeSpec, config: Sm90DecodeConfig | None = None
 ) -> str | None:
   """Why the decode kernel cannot serve `spec` with `config`, or None."""
+  if spec.flex is not None:
+    return (
+      f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
+      " decode kernel yet (blockwise and reference serve them; docs/flex.md)"
+    )
   if str(spec.dtype) not in ("bfloat16", "float16"):
     return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
   reason = mla_reason(spec)
