@@ -31,7 +31,9 @@ _SCORE_ARGS = "score_mod(score, batch, head, q_idx, kv_idx) -> score"
 _MASK_ARGS = "mask_mod(batch, head, q_idx, kv_idx) -> bool"
 
 
-def _scalar_args(n: int, score_dtype: Any = None) -> tuple:
+def scalar_args(n: int, score_dtype: Any = None) -> tuple:
+  """Arguments to trace a mask_mod on (n int32 scalars), with a score of
+  `score_dtype` first for a score_mod."""
   ints = (jnp.int32(0),) * n
   return ints if score_dtype is None else (jnp.zeros((), score_dtype),) + ints
 
@@ -47,7 +49,7 @@ class UserFunction:
   def __init__(self, name: str, original: Callable, score_dtype: Any = None):
     self.name = name
     self.original = original
-    args = _scalar_args(4, score_dtype)
+    args = scalar_args(4, score_dtype)
     try:
       self.converted, consts = jax.closure_convert(original, *args)
     except TypeError as e:

@@ -118,8 +118,9 @@ def chunked(
   def chunk_mask(b, h, q_idx, kv_idx):
     del b, h
     p = q_idx + offset
-    same = (p // chunk) == (kv_idx // chunk)
-    return same & (kv_idx <= p) if causal else same
+    start = (p // chunk) * chunk  # (as bounds: compares the kernels fold)
+    inside = (kv_idx >= start) & (kv_idx < start + chunk)
+    return inside & (kv_idx <= p) if causal else inside
 
   return chunk_mask
 

@@ -9,6 +9,8 @@ automatic fallback; bad input. dot_product_attention: test_dot_product.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +25,12 @@ TILES = pallas_fa3.BlockwiseConfig(block_q=64, block_kv=64)
 NAMES = ("out", "dq", "dk", "dv", "dparams")
 
 
-def _inputs(dtype=jnp.bfloat16, sq=SQ, skv=SKV, seed=0):
+def _inputs(dtype=jnp.bfloat16, sq=SQ, skv=SKV, seed=0, d=D):
   ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (B, sq, HQ, D), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (B, skv, HK, D), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (B, skv, HK, D), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (B, sq, HQ, D), jnp.float32).astype(dtype)
+  q = jax.random.normal(ks[0], (B, sq, HQ, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, skv, HK, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, skv, HK, d), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, sq, HQ, d), jnp.float32).astype(dtype)
   return q, k, v, do
 
 
@@ -89,9 +91,9 @@ CASES = {
 }
 
 
-def _check(impl, case, dtype=jnp.bfloat16, config=None):
+def _check(impl, case, dtype=jnp.bfloat16, config=None, d=D):
   params, options = CASES[case]
-  q, k, v, do = _inputs(dtype)
+  q, k, v, do = _inputs(dtype, d=d)
   golden, naive = flex_golden_and_naive(q, k, v, do, params, options)
 
   def f(q, k, v, params):
@@ -119,17 +121,117 @@ def test_float32_against_golden(case):
   _check("blockwise", case, jnp.float32, TILES)
 
 
-def test_kernels_refuse_and_automatic_choice_falls_back():
-  q, k, v, _ = _inputs()
-  with pytest.raises(NotImplementedError, match="score_mod.*Hopper"):
+# The Hopper forward kernel in interpret mode (race detection on): the
+# functions traced into its tile loop; its backward is the blockwise one
+# on the kernel's residuals (said by a warning).
+KERNEL_CASES = sorted(set(CASES) - {"relative_bias"})
+
+
+@pytest.mark.filterwarnings("ignore:the sm90 backward kernels do not compile")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_interpret_kernel_against_golden(case):
+  _check("interpret", case, d=64)
+
+
+def test_kernel_backward_says_it_uses_blockwise():
+  q, k, v, do = _inputs(d=64)
+  f = lambda q: pallas_fa3.flash_attention(
+    q, k, v, mask_mod=_DOC, implementation="interpret"
+  )
+  with pytest.warns(UserWarning, match="use the blockwise backward"):
+    jax.vjp(f, q)[1](do)
+
+
+def test_kernels_refuse_a_gather_and_automatic_choice_falls_back():
+  q, k, v, _ = _inputs(d=64)
+  rel = mods.relative_position_bias(jnp.zeros((HQ, 33)), 16)
+  with pytest.raises(NotImplementedError, match="score_mod reads a captured"):
     pallas_fa3.flash_attention(
-      q, k, v, score_mod=mods.softcap(3.0), implementation="interpret"
+      q, k, v, score_mod=rel, implementation="interpret"
     )
-  got = pallas_fa3.flash_attention(q, k, v, score_mod=mods.softcap(3.0))
+  got = pallas_fa3.flash_attention(q, k, v, score_mod=rel)
   want = pallas_fa3.flash_attention(
-    q, k, v, score_mod=mods.softcap(3.0), implementation="blockwise"
+    q, k, v, score_mod=rel, implementation="blockwise"
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(NotImplementedError, match="uses `(stack|cumsum)`"):
+    pallas_fa3.flash_attention(
+      q, k, v, implementation="interpret",
+      mask_mod=lambda b, h, qi, ki: jnp.cumsum(jnp.stack([qi, ki]))[1] > 9,
+    )  # fmt: skip
+
+
+def test_interpret_kernel_honors_block_mask_states():
+  """Inside the producer's span an empty tile is hidden and a full one
+  shows every pair, whatever the mask_mod says (the block mask rules)."""
+  q, k, v, _ = _inputs(jnp.float32, d=64)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  bm = pallas_fa3.create_block_mask(
+    mods.causal_top_left, B, None, SQ, SKV, block_q=64, block_kv=64
+  )
+  state = bm.state.at[:, :, 1, 0].set(flex.EMPTY).at[:, :, 0, 1].set(flex.FULL)
+  odd = flex.BlockMask(state, None, SQ, SKV, 64, 64, mods.causal_top_left)
+  got = pallas_fa3.flash_attention(
+    q, k, v, block_mask=odd, implementation="interpret"
+  )
+  want = pallas_fa3.flash_attention(
+    q, k, v, block_mask=odd, implementation="reference"
+  )
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
+  )
+
+
+def test_kernel_producer_visits_the_segment_id_tiles():
+  """The producer's span per CTA tile from a 16-document block mask equals
+  the segment-id kernel's (`id_operands`)."""
+  from pallas_fa3.kernels.sm90 import common, flex_tile
+  from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
+
+  s = 2048
+  ids = jnp.asarray(np.arange(s)[None] // (s // 16), jnp.int32)
+  bm = pallas_fa3.create_block_mask(mods.document_mask(ids), 1, None, s, s)
+  q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
+  spec = pallas_fa3.spec.make_spec(q, q, q)
+  fspec, ops = flex.prepare(
+    score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=1,
+    heads=1, seq_q=s, seq_kv=s,
+  )  # fmt: skip
+  spec = dataclasses.replace(spec, flex=fspec)
+  cfg = Sm90ForwardConfig(64, 128, 2)
+  plan = common.QueryPlan(spec, cfg, seq_q_pad=s, seq_kv_pad=s)
+  spans = flex_tile.kernel_operands(
+    spec, ops, q_pad=s, kv_pad=s, rows_per_cta=128, block_kv=128
+  )["bm_spans"][:, :, 0]
+  seg_spec = dataclasses.replace(spec, flex=None, segmented=True)
+  (lo, hi, _, _), _ = pallas_fa3.segments.kernel_bounds(seg_spec, (ids, ids))
+  seg = common.id_operands(plan, lo, hi)[2]
+  np.testing.assert_array_equal(np.asarray(spans), np.asarray(seg))
+  assert int((spans[1] - spans[0]).sum()) == 16  # one tile per CTA tile
+
+
+def test_flex_lowers_to_the_mosaic_gpu_kernel_for_cuda():
+  from jax import export
+
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  ids = jnp.asarray(np.arange(256)[None] // 64, jnp.int32)
+  bm = pallas_fa3.create_block_mask(mods.document_mask(ids), 1, None, 256, 256)
+  for kw in (
+    dict(score_mod=mods.alibi(mods.alibi_slopes(4)), mask_mod=_DOC4(ids)),
+    dict(bias=jnp.zeros((1, 4, 256, 256), jnp.bfloat16), block_mask=bm),
+  ):
+    f = jax.jit(
+      lambda q, k, v, kw=kw: pallas_fa3.flash_attention(
+        q, k, v, implementation="mosaic", **kw
+      )
+    )
+    text = export.export(f, platforms=["cuda"])(q, k, k).mlir_module()
+    assert "mosaic_gpu" in text
+
+
+def _DOC4(ids):
+  return mods.document_mask(ids)
 
 
 def test_score_mod_softcap_equals_builtin_softcap():

@@ -104,10 +104,9 @@ class Sm90Backend(Backend):
 
   def unsupported(self, spec: AttentionSpec, config: Sm90Config) -> str | None:
     if spec.flex is not None:
-      return (
-        f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
-        " kernels yet (blockwise and reference serve them; docs/flex.md)"
-      )
+      reason = self._flex_unsupported(spec, config)
+      if reason:
+        return f"{reason} (blockwise and reference serve it; docs/flex.md)"
     if spec.stable_max is not None:
       return "stable_max is implemented by the blockwise backend only"
     if spec.fp8 is not None:
@@ -121,21 +120,36 @@ class Sm90Backend(Backend):
       )
     return reason
 
-  def forward(self, spec, config, q, k, v, *, sinks=None, segment_ids=None):
+  def _flex_unsupported(
+    self, spec: AttentionSpec, config: Sm90Config
+  ) -> str | None:
+    if spec.fp8 is not None:
+      return f"fp8 together with {', '.join(spec.flex.names())}"
+    if spec.stable_max is not None:
+      return None  # (said below)
+    from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+    cfg = config.forward or sm90_config.default_forward_config(spec)
+    return flex_tile.kernel_unsupported(spec, cfg.block_q, cfg.block_kv)
+
+  def forward(
+    self, spec, config, q, k, v, *, sinks=None, segment_ids=None, flex=None
+  ):  # fmt: skip
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
     def run(operands):
       q, k, v, sinks, bounds, _ = operands
       return kernel.sm90_forward(
         spec, config.forward, q, k, v, interpret=self._params(),
-        sinks=sinks, segment_ids=bounds,
+        sinks=sinks, segment_ids=bounds, flex=flex,
       )  # fmt: skip
 
     def twin(operands):
       q, k, v, sinks, _, ids = operands
       return blockwise.blockwise_forward(
-        spec, blockwise.BlockwiseConfig(), q, k, v, sinks=sinks, segment_ids=ids
-      )
+        spec, blockwise.BlockwiseConfig(), q, k, v, sinks=sinks,
+        segment_ids=ids, flex=flex,
+      )  # fmt: skip
 
     if segment_ids is None:
       return run((q, k, v, sinks, None, None))
@@ -148,11 +162,24 @@ class Sm90Backend(Backend):
 
   def backward(
     self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
-    segment_ids=None,
+    segment_ids=None, flex=None,
   ):  # fmt: skip
     del sinks  # in the lse
     tiling: Sm90BackwardConfig | None = config.backward
     residuals = (q, k, v, out, lse, dout, dlse)
+    if spec.flex is not None:
+      # The same gradients from the kernel's residuals, by the blockwise
+      # backward (flex is not compiled into the backward kernels yet).
+      warnings.warn(
+        f"the sm90 backward kernels do not compile"
+        f" {', '.join(spec.flex.names())} yet; the gradients of this call"
+        " use the blockwise backward (the same function)",
+        stacklevel=2,
+      )
+      twin_config = blockwise.BACKEND.make_config(spec, None)
+      return blockwise.blockwise_backward(
+        spec, twin_config, *residuals, segment_ids=segment_ids, flex=flex
+      )
 
     def twin(operands):
       residuals, _, ids = operands

@@ -168,11 +168,16 @@ def kv_walk(
   return KvWalk(first, steps, cta_steps, lo, hi)
 
 
-def tile_span(span_ref: Any, batch: Any, q_tile: Any) -> tuple[Any, Any]:
+def tile_span(
+  span_ref: Any, batch: Any, q_tile: Any, head: Any = None
+) -> tuple[Any, Any]:
   """The (first, end) K/V tiles of query tile `q_tile` of `batch` from a
-  `[2, b, q_tiles]` int32 spans operand (None without segment ids)."""
+  `[2, b, q_tiles]` int32 spans operand (segment ids), or of `head` too
+  from a `[2, b, heads, q_tiles]` one (a block mask); None without."""
   if span_ref is None:
     return None
+  if len(span_ref.shape) == 4:
+    return span_ref[0, batch, head, q_tile], span_ref[1, batch, head, q_tile]
   return span_ref[0, batch, q_tile], span_ref[1, batch, q_tile]
 
 

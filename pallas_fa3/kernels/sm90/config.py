@@ -258,6 +258,18 @@ def forward_unsupported(
   )
 
 
+# With score_mod / mask_mod / bias / a block mask (traced into the tile
+# loop, `flex_tile`): the largest tiling with 0 spills for every case of
+# `pallas-fa3 aot --flex` (the plain defaults spill 4-36 B at d64/96/128:
+# the user function's vectors and the bias tile share the S tile's
+# registers). d256 keeps its one tiling (ALiBi and a block mask spill 8-16
+# B there). benchmarks/RESULTS.md, issue 44.
+_FLEX_DEFAULTS = {
+  64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3),
+  96: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
+  128: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
+}
+
 # The heuristic default per head dim (bf16/fp16 alike): the largest K/V
 # tile and deepest ring that fit. docs/design_notes.md#default-tilings
 _DEFAULTS = {
@@ -287,8 +299,26 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
   config = _DEFAULTS.get(max(d, dv), Sm90ForwardConfig())
   if spec.segmented:
     config = _SEGMENTED_DEFAULTS.get(max(d, dv), config)
+  if spec.flex is not None:
+    config = _FLEX_DEFAULTS.get(max(d, dv), config)
   if spec.dtype.itemsize != 2:
     return config  # a dtype the kernel refuses: `forward_unsupported` says so
+  block = None if spec.flex is None else spec.flex.block
+  if block is not None and (
+    block[2] % config.block_q or block[3] % config.block_kv
+  ):
+    # A block mask's tiles must each hold whole kernel tiles (one state per
+    # kernel step): the largest such tiling.
+    space = [
+      c
+      for c in forward_config_space(d, spec.dtype.itemsize, dv)
+      if block[2] % c.block_q == 0 and block[3] % c.block_kv == 0
+    ]
+    return max(
+      space,
+      key=lambda c: (c.block_q == 64, c.block_kv, c.num_stages),
+      default=config,
+    )
   if forward_config_unsupported(config, d, spec.dtype.itemsize, dv) is None:
     return config
   assert d != dv, config  # the tuned defaults fit their own head dim

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
   MASK_EVERY_STEP_HEAD_DIM,
@@ -144,6 +144,9 @@ def _query_tile(
     bounds = tuple(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1))
     q_tile = lax.div(tile.row0, jnp.int32(plan.rows_per_cta))
     span = tile_span(seg.spans, batch, q_tile)
+  elif refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
+    q_tile = lax.div(tile.row0, jnp.int32(plan.rows_per_cta))
+    span = tile_span(refs["bm_spans"], batch, q_tile, head)
 
   walk = kv_walk(plan, tile.row0, row0, cfg.block_q, span)
   # Padded keys matter only where rows see keys after their own position
@@ -153,21 +156,35 @@ def _query_tile(
   def softmax(s, j, m, l, *, masked: bool):
     mask = None
     s, scale_log2 = softcapped(spec, s)
+    kv0 = (walk.first + j) * cfg.block_kv
+    if spec.flex is not None:
+      # score_mod and the bias act on natural units (then base 2); a mask
+      # alone leaves the scores raw, scaled once in the exponent as always
+      units = spec.flex.score_mod is not None or spec.flex.bias is not None
+      if units:
+        natural = spec.softmax_scale if spec.softcap is None else spec.softcap
+        s = s * jnp.float32(natural)
+        scale_log2 = jnp.float32(LOG2E)
+      s, mask = flex_tile.kernel_scores(
+        spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head
+      )
+    builtin = None
     if masked and bounds is not None:  # positions folded into the bounds
-      kv0 = (walk.first + j) * cfg.block_kv
       cols = ops.col_index(cfg.block_kv)
-      mask = masking.within_bounds(cols, *bounds, kv0, s.shape)
+      builtin = masking.within_bounds(cols, *bounds, kv0, s.shape)
     elif masked:  # 1-D index vectors: no index tile lives in registers
-      mask = masking.visible_tile_at(
+      builtin = masking.visible_tile_at(
         spec,
         row0,
-        (walk.first + j) * cfg.block_kv,
+        kv0,
         ops.row_index(cfg.block_q),
         ops.col_index(cfg.block_kv),
         s.shape,
         0,
         check_seq_kv=check_seq_kv,
       )
+    if builtin is not None:
+      mask = builtin if mask is None else mask & builtin
     return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
   # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
@@ -224,7 +241,9 @@ def _query_tile(
     carry,
     masked=plan.needs_mask,
     ahead=1,
-    split=max(spec.head_dim, spec.head_dim_v) < MASK_EVERY_STEP_HEAD_DIM,
+    # (a flex mask applies at every step: one loop, not three copies)
+    split=max(spec.head_dim, spec.head_dim_v) < MASK_EVERY_STEP_HEAD_DIM
+    and spec.flex is None,
   )
   o, p, m, l = carry
   last = slot_of(walk.steps - 1)
@@ -275,7 +294,11 @@ def _epilogue(
 
 
 def _build(
-  plan: QueryPlan, ops: KernelOps, interpret: Any, q_rows: int
+  plan: QueryPlan,
+  ops: KernelOps,
+  interpret: Any,
+  q_rows: int,
+  flex_names: tuple[str, ...] = (),
 ) -> Callable:
   spec, cfg = plan.spec, plan.config
   walk = TileWalk(
@@ -295,6 +318,8 @@ def _build(
         *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
       )
       tiles = dataclasses.replace(walk, spans=refs["spans"])
+    elif refs.get("bm_spans") is not None:  # a block mask's: the producer
+      tiles = dataclasses.replace(walk, spans=refs["bm_spans"])  # skips too
     turns = () if refs["turns"] is None else (refs["turns"],)
     wg = lax.axis_index("wg")
 
@@ -370,7 +395,10 @@ def _build(
   )
   inputs = ["q", "k", "v"] + ["sinks"] * spec.sinks
   inputs += ["lo", "hi", "spans"] * spec.segmented  # the rows' key bounds
-  optional = [n for n in ("sinks", "lo", "hi", "spans") if n not in inputs]
+  inputs += list(flex_names)  # flex_tile.kernel_operands'
+  optional = [
+    n for n in ("sinks", "lo", "hi", "spans", "bm_spans") if n not in inputs
+  ]
   return build_kernel(
     fa3_fwd,
     inputs=inputs,
@@ -394,6 +422,7 @@ def sm90_forward(
   interpret: Any = None,
   sinks: jax.Array | None = None,
   segment_ids: Any = None,
+  flex: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the forward kernel.
 
@@ -411,6 +440,9 @@ def sm90_forward(
       `(lo, hi)`, narrowed by the causal/window rule
       (`segments.kernel_bounds`, exact for contiguous ids): the CTA walks
       only the K/V tiles its rows reach and masks by the bounds alone.
+    flex: `spec.flex`'s operands (`flex.FlexOperands`): score_mod and
+      mask_mod traced into the tile loop, a block mask's empty tiles
+      skipped by the producer (`flex_tile`).
 
   Returns:
     (out `[b, sq, hq, dv]` in `spec.dtype`, float32 lse `[b, hq, sq]`).
@@ -426,11 +458,22 @@ def sm90_forward(
   # Ragged edges by TMA (zero-filled reads, dropped writes): no padded copy
   # unless a length is shorter than one tile or not a multiple of 8.
   q = tma_extent(q, 1, config.block_q)
-  out, lse = _build(plan, ops, interpret, q.shape[1])(
+  extra = {}
+  if spec.flex is not None:
+    extra = flex_tile.kernel_operands(
+      spec,
+      flex,
+      q_pad=plan.seq_q_pad,
+      kv_pad=plan.seq_kv_pad,
+      rows_per_cta=tile_q,
+      block_kv=config.block_kv,
+    )
+  out, lse = _build(plan, ops, interpret, q.shape[1], tuple(extra))(
     q,
     tma_extent(k, 1, config.block_kv),
     tma_extent(v, 1, config.block_kv),
     *(() if sinks is None else (sinks.astype(jnp.float32),)),
     *(() if segment_ids is None else id_operands(plan, *segment_ids)),
+    *extra.values(),
   )
   return out[:, : spec.seq_q], lse[:, :, : spec.seq_q]

@@ -40,6 +40,13 @@ class KernelOps:
       return x
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
 
+  def cols(self, x: jax.Array) -> jax.Array:
+    """A per-column vector in the layout of a wgmma accumulator's column
+    reduction."""
+    if self.interpreted:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0))
+
   def tile(self, x: jax.Array) -> jax.Array:
     """A 2-D array in the wgmma accumulator layout."""
     if self.interpreted:
@@ -65,6 +72,13 @@ class KernelOps:
       return ref[...]
     layout = plgpu.Layout.WGMMA.reduce(1 if as_rows else 0)
     return compat.load_global_with_layout(ref, layout)
+
+  def load_global_tile(self, ref: Any) -> jax.Array:
+    """A 2-D global-memory `ref` into registers in the wgmma accumulator
+    layout (plain loads)."""
+    if self.interpreted:
+      return ref[...]
+    return compat.load_global_with_layout(ref, plgpu.Layout.WGMMA)
 
   def row_index(self, n: int) -> jax.Array:
     """int32 0..n-1 laid out as the rows of a wgmma accumulator."""

@@ -209,7 +209,7 @@ class TileWalk:
   def span(self, tile: Tile) -> tuple[Any, Any] | None:
     """The tile's K/V span from its segment ids (None without)."""
     q_tile = lax.div(tile.row0, jnp.int32(self.plan.rows_per_cta))
-    return tile_span(self.spans, tile.batch, q_tile)
+    return tile_span(self.spans, tile.batch, q_tile, tile.head)
 
   def steps(self, tile: Tile) -> jax.Array:
     """K/V steps the CTA streams for `tile` (its slowest consumer's)."""

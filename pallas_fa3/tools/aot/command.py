@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     " windows, softcap and sinks (MODIFIER_CASES) instead",
   )
   sweeps.add_argument(
+    "--flex",
+    action="store_true",
+    help="the default forward kernel of every head dim with each ready-made"
+    " score_mod / mask_mod, a dense bias and a block mask (FLEX_CASES)"
+    " instead",
+  )
+  sweeps.add_argument(
     "--decode",
     action="store_true",
     help="sweep the decode kernel (flash_attention_with_kvcache): head dims"
@@ -116,6 +123,8 @@ def _items(args: argparse.Namespace) -> Iterator[SweepItem]:
     return sweeps.backward_shapes_sweep()
   if args.modifiers:
     return sweeps.modifiers_sweep()
+  if args.flex:
+    return sweeps.flex_sweep()
   return sweeps.sweep()
 
 

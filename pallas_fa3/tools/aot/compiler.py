@@ -222,9 +222,14 @@ def bf16_operands(spec: AttentionSpec, mesh: Mesh, backward: bool) -> list:
 
 
 def compile_forward(
-  spec: AttentionSpec, config: sm90.Sm90ForwardConfig, mesh: Mesh | None = None
+  spec: AttentionSpec,
+  config: sm90.Sm90ForwardConfig,
+  mesh: Mesh | None = None,
+  flex: Any = None,
+  label: str = "",
 ) -> CompileReport:
-  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's report."""
+  """Compiles the forward kernel for `spec`/`config` for sm_90a; ptxas's
+  report. `flex`: `spec.flex`'s operands (`label` names them)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import forward as sm90_fwd
@@ -237,9 +242,9 @@ def compile_forward(
     ids = packed_bounds(spec)[:2]
   return compile_report(
     f"fwd d={spec.head_dim}{_dv_label(spec)} {spec.dtype} causal={spec.causal}"
-    f"{modifier_label(spec)} {config}",
+    f"{modifier_label(spec)}{label} {config}",
     lambda q, k, v: sm90_fwd.sm90_forward(
-      spec, config, q, k, v, sinks=sinks, segment_ids=ids
+      spec, config, q, k, v, sinks=sinks, segment_ids=ids, flex=flex
     ),
     bf16_operands(spec, mesh, backward=False),
     short_label(spec, config),

@@ -243,3 +243,68 @@ def _fp8_modifiers() -> Iterator[SweepItem]:
           fp8=fp8.FP8Config(),
         )
         yield compile_forward_fp8, spec, config
+
+
+def flex_cases(seq: int, heads: int) -> dict:
+  """name -> flash_attention keywords: each ready-made function of
+  `pallas_fa3.mods` the kernels compile, a user closure, a dense bias and a
+  block mask, at `seq` x `seq` with `heads` query heads (the --flex sweep;
+  `relative_position_bias` gathers by a computed index: refused)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  import pallas_fa3
+  from pallas_fa3 import mods
+
+  ids = jnp.asarray(np.arange(seq)[None] // (seq // 16), jnp.int32)
+  slopes = mods.alibi_slopes(heads)
+  doc = mods.and_masks(mods.causal_top_left, mods.document_mask(ids))
+  return {
+    "causal_mask_mod": dict(mask_mod=mods.causal_top_left),
+    "sliding_window": dict(mask_mod=mods.sliding_window(256)),
+    "document": dict(mask_mod=mods.document_mask(ids)),
+    "prefix_lm": dict(mask_mod=mods.prefix_lm(jnp.array([512], jnp.int32))),
+    "chunked": dict(mask_mod=mods.chunked(1024)),
+    "softcap": dict(score_mod=mods.softcap(30.0), causal=True),
+    "alibi": dict(score_mod=mods.alibi(slopes), causal=True),
+    "closure": dict(
+      score_mod=lambda s, b, h, qi, ki: s * (1 + slopes[h]),
+      mask_mod=lambda b, h, qi, ki: ids[b, qi] >= ids[b, ki],
+    ),
+    "bias": dict(bias=jnp.zeros((1, heads, seq, seq), jnp.bfloat16)),
+    "block_mask": dict(
+      block_mask=pallas_fa3.create_block_mask(doc, 1, None, seq, seq)
+    ),
+  }
+
+
+def flex_sweep() -> Iterator[SweepItem]:
+  """The default forward of every head dim with each of `flex_cases`, bf16
+  at `PROFILE_SHAPE`; the backward of these calls runs the blockwise twin
+  (flex is not compiled into the backward kernels yet)."""
+  import functools
+
+  import jax
+
+  from pallas_fa3 import flex
+  from pallas_fa3.kernels.sm90 import config as sm90_config
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk = PROFILE_SHAPE
+  for d in sm90_config.KERNEL_HEAD_DIMS:
+    q = jax.ShapeDtypeStruct((b, s, hq, d), "bfloat16")
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), "bfloat16")
+    for name, kw in flex_cases(s, hq).items():
+      causal = kw.pop("causal", False)
+      spec = make_spec(q, kv, kv, causal=causal)
+      fspec, ops = flex.prepare(
+        **{k: kw.get(k) for k in ("score_mod", "mask_mod", "block_mask", "bias")},
+        batch=b, heads=hq, seq_q=s, seq_kv=s,
+      )  # fmt: skip
+      spec = dataclasses.replace(spec, flex=fspec)
+      config = sm90_config.default_forward_config(spec)
+      yield (
+        functools.partial(compile_forward, flex=ops, label=f" flex={name}"),
+        spec,
+        config,
+      )

@@ -17,6 +17,7 @@ from pallas_fa3.tools.bench import (
   flags,
   impls,
   plots,
+  flex_case,
   report,
   runner,
   specs,
@@ -186,11 +187,14 @@ def add_parser(
   p.add_argument(
     "--mode",
     nargs="+",
-    choices=specs.MODES + (specs.DECODE,),
+    choices=specs.MODES + (specs.DECODE, flex_case.FLEX),
     metavar="MODE",
     help=f"passes to time, of {' '.join(specs.MODES)} ("
     + flags.unset(gpu.modes, cpu.modes)
-    + "); or decode alone: one generation step over a KV cache",
+    + "); or decode alone: one generation step over a KV cache; or flex"
+    " alone: ALiBi, document masks and a dense bias through score_mod /"
+    " mask_mod / block_mask / bias beside jax.nn and our built-in options"
+    " (--seq, --head-dim and --dtype take their first value)",
   )
   p.add_argument(
     "--gqa",
@@ -457,8 +461,37 @@ def settings_from(args, platform: str) -> dict:
   return settings
 
 
+def run_flex(args: argparse.Namespace) -> int:
+  """`--mode flex` (`flex_case`): its own cases, one table."""
+  if len(args.mode) > 1:
+    args.parser.error("--mode flex cannot be combined with other modes")
+  platform = runner.platform_name()
+  shape = flex_case.shapes(platform)
+  if args.seq:
+    shape["seq"] = args.seq[0]
+  if args.head_dim:
+    shape["head_dim"] = args.head_dim[0]
+  dtype = specs.DTYPES[args.dtype[0]] if args.dtype else "bfloat16"
+  records = flex_case.run_flex(
+    platform,
+    dtype=dtype,
+    runs=args.runs or runner.DEFAULT_RUNS[platform],
+    warmup=(
+      args.warmup
+      if args.warmup is not None
+      else runner.DEFAULT_WARMUP[platform]
+    ),
+    out_dir=args.out or os.path.join(OUT_ROOT, flex_case.FLEX),
+    shape=shape,
+  )
+  failed = any(r["status"] == "error" for r in records)
+  return 1 if (args.strict and failed) else 0
+
+
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
+  if args.mode and flex_case.FLEX in args.mode:
+    return run_flex(args)
   if "interpret" in (args.impl or ()):  # before JAX starts: the interpreter
     interpret_pool.reserve()  # needs its threads (else interpret is skipped)
   check_flags(args)

@@ -1,0 +1,610 @@
+"""A user's score_mod / mask_mod traced into a Hopper kernel's tile loop.
+
+The function's jaxpr (`flex.UserFunction`, traced on scalars) is walked once
+per tile with every value classed by what it varies with: a literal, a
+per-(batch, head) scalar, a vector along the tile's queries or its keys, or
+the whole tile. Elementwise operations run on the kernel's registers in the
+wgmma layouts, broadcast only as far as they need; an array the function
+closes over is read by scalar loads where its indices depend on batch and
+head alone, and as one row or column vector from global memory where one
+index is `q_idx + c` or `kv_idx + c` (document ids, lengths per query).
+Anything else (a gather by a computed index, a reduction, a loop) is refused
+with the reason, and the automatic choice runs the blockwise twin instead.
+`plan` is the static check; `evaluate` the kernel side. docs/flex.md#in-the-kernels
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
+
+from pallas_fa3.spec import cdiv
+
+# What a value varies with (ordered: joining two takes the larger, except
+# that a query vector and a key vector join to a tile).
+LIT, SCALAR, QVEC, KVEC, TILE, CONST = range(6)
+
+_ELEMENTWISE = frozenset(
+  """add sub mul div rem max min neg abs sign floor ceil round exp exp2 log
+  log1p expm1 tanh logistic sqrt rsqrt cbrt pow integer_pow square sin cos
+  tan erf erfc is_finite not and or xor eq ne lt le gt ge select_n
+  convert_element_type clamp shift_left shift_right_arithmetic
+  shift_right_logical nextafter copy copy_p atan2 asin acos atan sinh cosh
+  asinh acosh atanh reduce_precision""".split()
+)
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_FLIP_PRIMS = {
+  "lt": lax.lt_p, "le": lax.le_p, "gt": lax.gt_p, "ge": lax.ge_p,
+  "eq": lax.eq_p, "ne": lax.ne_p,
+}  # fmt: skip
+_SHAPE_ONLY = frozenset(
+  ["squeeze", "reshape", "broadcast_in_dim", "expand_dims"]
+)
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class Refused(Exception):
+  """The function cannot be compiled into the kernel (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A value's class; `base`/`offset`: it is `q_idx + offset` or `kv_idx +
+  offset` exactly (an index the kernel can load a vector at)."""
+
+  kind: int
+  base: str | None = None
+  offset: int = 0
+  const: int = -1  # CONST: which captured array
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+  """One read of captured array `const`: per axis "s" (a scalar index) or
+  `("q" | "kv", offset)`."""
+
+  const: int
+  axes: tuple
+
+
+@dataclasses.dataclass
+class Tile:
+  """Where a kernel tile sits (None in `plan`'s static walk): its shape,
+  the tile axis its queries run along, the first query and key positions,
+  the batch and query head (scalars), and the captured arrays' refs."""
+
+  ops: Any
+  shape: tuple[int, int]
+  q_axis: int
+  q0: Any
+  kv0: Any
+  batch: Any
+  head: Any
+  refs: tuple
+
+
+class _Val:
+  __slots__ = ("kind", "value", "dtype")
+
+  def __init__(self, kind: Kind, value: Any, dtype: Any):
+    self.kind, self.value, self.dtype = kind, value, jnp.dtype(dtype)
+
+
+def _join(kinds: list[int]) -> int:
+  ks = set(kinds)
+  if QVEC in ks and KVEC in ks:
+    return TILE
+  return max(ks)
+
+
+class _Walk:
+  """One walk of a function's jaxpr: static (`tile` None: kinds and reads
+  only) or in the kernel (values too)."""
+
+  def __init__(self, name: str, consts: tuple, tile: Tile | None, seqs):
+    self.name = name
+    self.consts = consts  # avals of the captured arrays
+    self.tile = tile
+    self.seq_q, self.seq_kv = seqs
+    self.reads: list[Read] = []
+
+  def refuse(self, why: str) -> None:
+    raise Refused(f"{self.name} {why}")
+
+  # -- values -----------------------------------------------------------------
+  def literal(self, x: Any, dtype: Any) -> _Val:
+    return _Val(Kind(LIT), np.asarray(x, dtype), dtype)
+
+  def lift(self, v: _Val, kind: int) -> Any:
+    """v's value as a `kind` value in registers."""
+    t = self.tile
+    if v.kind.kind == kind:
+      return v.value
+    x = v.value
+    if v.kind.kind == LIT:
+      x = jnp.asarray(x, v.dtype)
+    if kind == SCALAR:
+      return x
+    n_q, n_kv = t.shape[t.q_axis], t.shape[1 - t.q_axis]
+    if kind in (QVEC, KVEC):  # from a scalar
+      n, axis = (n_q, t.q_axis) if kind == QVEC else (n_kv, 1 - t.q_axis)
+      return _vector(t.ops, lax.broadcast_in_dim(x, (n,), ()), axis)
+    assert kind == TILE
+    if v.kind.kind in (LIT, SCALAR):
+      return t.ops.tile(lax.broadcast_in_dim(x, t.shape, ()))
+    axis = t.q_axis if v.kind.kind == QVEC else 1 - t.q_axis
+    return lax.broadcast_in_dim(x, t.shape, [axis])
+
+  # -- the walk -----------------------------------------------------------------
+  def run(self, jaxpr: Any, args: list[_Val], consts=()) -> list[_Val]:
+    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+
+    def read(a):
+      if isinstance(a, jex_core.Literal):
+        return self.literal(a.val, a.aval.dtype)
+      return env[a]
+
+    for var, arg in zip(jaxpr.invars, args, strict=True):
+      env[var] = arg
+    for eqn in jaxpr.eqns:
+      outs = self.apply(eqn, [read(a) for a in eqn.invars])
+      for var, out in zip(eqn.outvars, outs, strict=True):
+        env[var] = out
+    return [read(a) for a in jaxpr.outvars]
+
+  def apply(self, eqn: Any, ins: list[_Val]) -> list[_Val]:
+    name = eqn.primitive.name
+    dtype = eqn.outvars[0].aval.dtype if eqn.outvars else None
+    sub = next((eqn.params[k] for k in _CALLS if k in eqn.params), None)
+    if sub is not None:  # jit, custom_jvp / custom_vjp: their body
+      closed = getattr(sub, "jaxpr", sub)
+      if getattr(sub, "consts", ()):
+        self.refuse(f"calls `{name}` with arrays of its own")
+      return self.run(closed, ins)
+    ins = [  # a 0-d captured array is a scalar read
+      self.load(v, [], v.dtype)
+      if v.kind.kind == CONST and not self.consts[v.kind.const].shape
+      else v
+      for v in ins
+    ]
+    if any(v.kind.kind == CONST for v in ins):
+      if name != "dynamic_slice" or ins[0].kind.kind != CONST:
+        self.refuse(
+          f"uses a captured array in `{name}`; the kernels read captured"
+          " arrays only as `array[i, ...]` with scalar indices"
+        )
+      return [self.load(ins[0], ins[1:], dtype)]
+    if name in _SHAPE_ONLY:
+      if any(int(np.prod(v.aval.shape)) != 1 for v in eqn.outvars):
+        self.refuse(f"builds an array (`{name}`); it must work on scalars")
+      v = ins[0]
+      return [_Val(v.kind, v.value, dtype)]
+    if name not in _ELEMENTWISE:
+      self.refuse(
+        f"uses `{name}`, which the Hopper kernels cannot compile into a"
+        " tile (elementwise operations and captured-array reads only)"
+      )
+    folded = self.fold(name, ins, dtype)
+    if folded is not None:
+      return [folded]
+    if name in _FLIP and self.tile is not None:
+      compared = self.compare(name, ins)
+      if compared is not None:
+        return [compared]
+    if name == "sub" and self.tile is not None:
+      a, b = ins
+      if a.kind.base and b.kind.base and a.kind.base != b.kind.base:
+        return [self.difference(a, b)]
+    kind = _join([v.kind.kind for v in ins])
+    base = self.affine(name, ins, dtype)
+    if kind == LIT or self.tile is None:
+      value = None
+      if kind == LIT:
+        with jax.ensure_compile_time_eval():
+          value = np.asarray(
+            eqn.primitive.bind(
+              *(jnp.asarray(v.value) for v in ins), **eqn.params
+            )
+          )
+      return [_Val(base or Kind(kind), value, dtype)]
+    args = [self.lift(v, kind) for v in ins]
+    out = eqn.primitive.bind(*args, **eqn.params)
+    return [_Val(base or Kind(kind), out, dtype)]
+
+  def fold(self, name: str, ins: list[_Val], dtype: Any) -> _Val | None:
+    """jnp indexing's wrap of negative indices, `select_n(i < 0, i, i +
+    n)`, on an index known not to be negative: the index itself."""
+    if name == "lt" and ins[1].kind.kind == LIT and ins[0].kind.base:
+      if ins[0].kind.offset >= 0 and int(ins[1].value) <= 0:
+        return self.literal(False, jnp.bool_)
+    if name == "select_n" and ins[0].kind.kind == LIT:
+      return ins[1 + int(ins[0].value)]
+    return None
+
+  def compare(self, name: str, ins: list[_Val]) -> _Val | None:
+    """`q_idx + c` (or `kv_idx + c`) against a vector along the other axis,
+    with the scalars moved to the vector: `local op y - start - c`, the
+    local index a per-register constant of the layout, so no index tile is
+    held in registers (the built-in masks' form, `masking.visible_tile_at`)."""
+    a, b = ins
+    for x, y, op in ((a, b, name), (b, a, _FLIP[name])):
+      k = y.kind.kind
+      if (
+        x.kind.base is None
+        or k not in (LIT, SCALAR, QVEC, KVEC)
+        or k == x.kind.kind
+        or not jnp.issubdtype(y.dtype, jnp.integer)
+      ):
+        continue
+      t = self.tile
+      start = t.q0 if x.kind.base == "q" else t.kv0
+      shift = jnp.asarray(start + x.kind.offset, jnp.int32)
+      local, axis = self._local(x.kind.base)
+      if k in (LIT, SCALAR):  # a vector along x's axis: local op y - shift
+        y = jnp.asarray(y.value, jnp.int32) - shift
+        rhs = _vector(t.ops, lax.broadcast_in_dim(y, local.shape, ()), axis)
+        return _Val(
+          Kind(x.kind.kind), _FLIP_PRIMS[op].bind(local, rhs), jnp.bool_
+        )
+      sv = _Val(Kind(SCALAR), shift, jnp.int32)
+      rhs = lax.sub(self.lift(y, k).astype(jnp.int32), self.lift(sv, k))
+      lhs = lax.broadcast_in_dim(local, t.shape, [axis])
+      rhs = lax.broadcast_in_dim(rhs, t.shape, [1 - axis])
+      return _Val(Kind(TILE), _FLIP_PRIMS[op].bind(lhs, rhs), jnp.bool_)
+    return None
+
+  def _local(self, base: str) -> tuple[Any, int]:
+    """(the tile-local index along `base`'s axis, that axis)."""
+    t = self.tile
+    axis = t.q_axis if base == "q" else 1 - t.q_axis
+    n = t.shape[axis]
+    return (t.ops.row_index(n) if axis == 0 else t.ops.col_index(n)), axis
+
+  def difference(self, a: _Val, b: _Val) -> _Val:
+    """`(q_idx + c) - (kv_idx + c')` (or the reverse) as `(local_a +
+    shift) - local_b`: the scalars on one vector, the other a per-register
+    constant."""
+    t = self.tile
+    start = lambda v: (t.q0 if v.kind.base == "q" else t.kv0) + v.kind.offset
+    la, axis_a = self._local(a.kind.base)
+    lb, axis_b = self._local(b.kind.base)
+    shifted = la + jnp.asarray(start(a) - start(b), jnp.int32)
+    out = lax.broadcast_in_dim(shifted, t.shape, [axis_a]) - (
+      lax.broadcast_in_dim(lb, t.shape, [axis_b])
+    )
+    return _Val(Kind(TILE), out, jnp.int32)
+
+  def affine(self, name: str, ins: list[_Val], dtype: Any) -> Kind | None:
+    """The Kind of `index + c` kept exact (None: not such an index)."""
+    if not jnp.issubdtype(dtype, jnp.integer):
+      return None
+    if name == "convert_element_type" and ins[0].kind.base:
+      return ins[0].kind
+    if name in ("add", "sub") and len(ins) == 2:
+      a, b = ins
+      if a.kind.base and b.kind.kind == LIT:
+        c = int(b.value) if name == "add" else -int(b.value)
+        return dataclasses.replace(a.kind, offset=a.kind.offset + c)
+      if name == "add" and b.kind.base and a.kind.kind == LIT:
+        return dataclasses.replace(b.kind, offset=b.kind.offset + int(a.value))
+    return None
+
+  def load(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
+    """`array[index]` (a dynamic_slice of size 1 in every axis)."""
+    aval = self.consts[array.kind.const]
+    axes, vector = [], None
+    for axis, i in enumerate(index):
+      k = i.kind
+      if k.kind in (LIT, SCALAR):
+        axes.append("s")
+        continue
+      if k.base is None or k.kind not in (QVEC, KVEC) or vector is not None:
+        self.refuse(
+          "reads a captured array at an index computed from q_idx/kv_idx"
+          " (a gather the kernels cannot load; only `q_idx + c` or"
+          " `kv_idx + c` in one axis, the others by batch/head)"
+        )
+      seq = self.seq_q if k.base == "q" else self.seq_kv
+      if k.offset < 0 or seq - 1 + k.offset >= aval.shape[axis]:
+        self.refuse(
+          f"reads a captured array of shape {tuple(aval.shape)} at"
+          f" {k.base}_idx + {k.offset} in axis {axis}, past its ends"
+        )
+      axes.append((k.base, k.offset))
+      vector = (axis, k)
+    self.reads.append(Read(array.kind.const, tuple(axes)))
+    kind = Kind(SCALAR) if vector is None else Kind(vector[1].kind)
+    if self.tile is None:
+      return _Val(kind, None, dtype)
+    t = self.tile
+    ref = t.refs[array.kind.const]
+    at = []
+    for axis, (i, how) in enumerate(zip(index, axes)):
+      if how == "s":
+        j = jnp.asarray(i.value).astype(jnp.int32)
+        at.append(jnp.clip(j, 0, aval.shape[axis] - 1))
+      else:
+        base, offset = how
+        start = t.q0 if base == "q" else t.kv0
+        n = t.shape[t.q_axis] if base == "q" else t.shape[1 - t.q_axis]
+        at.append(pl.ds(start + offset, n))
+    if not aval.shape:  # (0-d arrays travel as [1])
+      x = ref[0]
+    elif vector is None:
+      x = ref[tuple(at)]
+    else:
+      q_rows = vector[1].base == "q"
+      along = t.q_axis if q_rows else 1 - t.q_axis
+      x = t.ops.load_global(ref.at[tuple(at)], as_rows=along == 0)
+    return _Val(kind, x.astype(aval.dtype), dtype)
+
+
+def _vector(ops: Any, x: jax.Array, axis: int) -> jax.Array:
+  """A 1-D vector laid out along tile axis `axis` (0: the rows)."""
+  return ops.rows(x) if axis == 0 else ops.cols(x)
+
+
+def captured(fn: Any, score: bool) -> tuple[Any, tuple]:
+  """(jaxpr, arrays): `fn`'s jaxpr on scalars and the concrete arrays
+  `jax.closure_convert` left in it (constants it did not lift into
+  `fn.consts`). The kernel's operands are the call's `fn.consts`, then
+  these."""
+  from pallas_fa3 import flex  # (flex does not import the kernels)
+
+  args = flex.scalar_args(4, jnp.float32 if score else None)
+  avals = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in fn.consts)
+  closed = jax.make_jaxpr(fn.converted)(*args, *avals)
+  return closed.jaxpr, tuple(closed.consts)
+
+
+def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None):
+  jaxpr, left = captured(fn, score)
+  arrays = tuple(fn.consts) + left
+  consts = tuple(
+    jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in arrays
+  )
+  walk = _Walk(fn.name, consts, tile, seqs)
+  n_args = len(jaxpr.invars) - len(fn.consts)
+  vals = _inputs(walk, len(consts), score, tile, s)
+  args = vals[:n_args] + vals[n_args : n_args + len(fn.consts)]
+  (out,) = walk.run(jaxpr, args, vals[n_args + len(fn.consts) :])
+  return walk, out
+
+
+def plan(fn: Any, score: bool, seq_q: int, seq_kv: int) -> tuple[Read, ...]:
+  """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
+  tile; raises `Refused` naming what cannot be compiled."""
+  walk, _ = _walk(fn, score, None, (seq_q, seq_kv))
+  return tuple(walk.reads)
+
+
+def _inputs(walk: _Walk, n_consts: int, score: bool, tile: Tile | None,
+            s: Any = None) -> list:  # fmt: skip
+  i32 = jnp.int32
+  q = k = b = h = None
+  if tile is not None:
+    ops = tile.ops
+    n_q, n_kv = tile.shape[tile.q_axis], tile.shape[1 - tile.q_axis]
+    q_iota = ops.row_index(n_q) if tile.q_axis == 0 else ops.col_index(n_q)
+    kv_iota = ops.col_index(n_kv) if tile.q_axis == 0 else ops.row_index(n_kv)
+    q, k, b, h = tile.q0 + q_iota, tile.kv0 + kv_iota, tile.batch, tile.head
+  idx = [
+    _Val(Kind(SCALAR), b, i32),
+    _Val(Kind(SCALAR), h, i32),
+    _Val(Kind(QVEC, "q"), q, i32),
+    _Val(Kind(KVEC, "kv"), k, i32),
+  ]
+  if score:
+    idx = [_Val(Kind(TILE), s, jnp.float32)] + idx
+  return idx + [_Val(Kind(CONST, const=i), None, None) for i in range(n_consts)]
+
+
+def evaluate(fn: Any, tile: Tile, s: Any = None) -> jax.Array:
+  """`fn` on the kernel tile `tile`: the new scores (score_mod, `s` the
+  float32 scaled scores) or the boolean mask (mask_mod), in `tile.shape`."""
+  # (the reads' bounds were `plan`'s check: one position passes here)
+  walk, out = _walk(fn, s is not None, tile, (1, 1), s)
+  return walk.lift(out, TILE)
+
+
+def pad_consts(consts: tuple, reads: tuple[Read, ...], q_pad: int,
+               kv_pad: int) -> tuple:  # fmt: skip
+  """The captured arrays as kernel operands: 32-bit (bools and narrow types
+  widened; `evaluate` narrows them back) and padded along each vector-read
+  axis so that a whole tile's read stays inside (padding is never a
+  visible row's value)."""
+  out = []
+  for i, c in enumerate(consts):
+    c = jnp.asarray(c)
+    if not c.shape:
+      c = c.reshape(1)
+    if c.dtype.itemsize < 4 or c.dtype == jnp.bool_:
+      c = c.astype(
+        jnp.float32 if jnp.issubdtype(c.dtype, jnp.floating) else jnp.int32
+      )
+    for r in reads:
+      if r.const != i:
+        continue
+      for axis, how in enumerate(r.axes):
+        if how == "s":
+          continue
+        base, offset = how
+        need = (q_pad if base == "q" else kv_pad) + offset
+        if c.shape[axis] < need:
+          widths = [(0, 0)] * c.ndim
+          widths[axis] = (0, need - c.shape[axis])
+          c = jnp.pad(c, widths)
+    out.append(c)
+  return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# The forward kernel's side: what it refuses, its operands, one tile.
+
+
+def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
+  """Why the Hopper forward kernel cannot compile `spec.flex`, or None."""
+  fs = spec.flex
+  if fs.block is not None:
+    if fs.dense or fs.mask_mod is None:
+      return (
+        "block_mask from a dense mask: the Hopper kernels mask partial"
+        " tiles with a mask_mod"
+      )
+    if spec.segmented:
+      return "block_mask together with segment_ids in the Hopper kernels"
+    bq, bkv = fs.block[2:]
+    if bq % block_q or bkv % block_kv:
+      return (
+        f"block_mask tiles {bq} x {bkv} are not multiples of the kernel's"
+        f" {block_q} x {block_kv} (create_block_mask(block_q=, block_kv=))"
+      )
+  for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
+    if fn is not None:
+      try:
+        plan(fn, score, spec.seq_q, spec.seq_kv)
+      except Refused as e:
+        return str(e)
+  return None
+
+
+def _functions(spec: Any, ops: Any) -> list:
+  """(name prefix, UserFunction, is score_mod, the call's lifted consts)."""
+  fs = spec.flex
+  out = []
+  if fs.score_mod is not None:
+    out.append(("score", fs.score_mod, True, ops.score_consts))
+  if fs.mask_mod is not None:
+    out.append(("mask", fs.mask_mod, False, ops.mask_consts))
+  return out
+
+
+def kernel_operands(
+  spec: Any,
+  ops: Any,
+  *,
+  q_pad: int,
+  kv_pad: int,
+  rows_per_cta: int,
+  block_kv: int,
+) -> dict[str, jax.Array]:
+  """The forward kernel's flex operands by name: each function's arrays
+  (`score0`, ... and `mask0`, ...), and with a block mask its tile states
+  (`bm_state`, int32, padded with empty tiles to the padded queries) and
+  per CTA tile the span of non-empty kernel K/V tiles (`bm_spans`, `[2,
+  batch, heads_q, q_tiles]`, what the producer streams); with a bias,
+  `bias` padded to the padded sequences."""
+  out = {}
+  if ops.bias is not None:  # whole tiles: padded to the padded sequences
+    b = ops.bias
+    out["bias"] = jnp.pad(
+      b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3]))
+    )
+  for prefix, fn, score, consts in _functions(spec, ops):
+    reads = plan(fn, score, spec.seq_q, spec.seq_kv)
+    arrays = tuple(consts) + captured(fn, score)[1]
+    for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
+      out[f"{prefix}{i}"] = c
+  bm = ops.block_mask
+  if bm is not None:
+    from pallas_fa3 import flex  # (flex does not import the kernels)
+
+    nq = cdiv(q_pad, bm.block_q)
+    state = bm.state.astype(jnp.int32)
+    state = jnp.pad(
+      state,
+      ((0, 0), (0, 0), (0, nq - state.shape[2]), (0, 0)),
+      constant_values=flex.EMPTY,
+    )
+    out["bm_state"] = state
+    tiles = q_pad // rows_per_cta
+    member = np.zeros((tiles, nq), bool)  # CTA tile t's block-mask rows
+    for t in range(tiles):
+      lo = t * rows_per_cta // bm.block_q
+      hi = ((t + 1) * rows_per_cta - 1) // bm.block_q
+      member[t, lo : hi + 1] = True
+    seen = state != flex.EMPTY  # [b|1, h|1, nq, nkv]
+    seen = (seen[:, :, None] & member[None, None, :, :, None]).any(axis=3)
+    n = kv_pad // block_kv
+    kmap = np.minimum(
+      np.arange(n) * block_kv // bm.block_kv, seen.shape[-1] - 1
+    )
+    seen = seen[..., kmap]  # [b|1, h|1, tiles, n]
+    anyk = seen.any(-1)
+    first = jnp.where(anyk, jnp.argmax(seen, -1), 0)
+    end = jnp.where(anyk, n - jnp.argmax(seen[..., ::-1], -1), 0)
+    full = (2, spec.batch, spec.heads_q, tiles)
+    out["bm_spans"] = jnp.broadcast_to(
+      jnp.stack([first, end]).astype(jnp.int32), full
+    )
+  return out
+
+
+def kernel_scores(
+  spec: Any,
+  refs: dict,
+  ops: Any,
+  s: jax.Array,
+  *,
+  q0: Any,
+  kv0: Any,
+  batch: Any,
+  head: Any,
+  q_axis: int = 0,
+) -> tuple[jax.Array, jax.Array | None]:
+  """One kernel tile through the flex options: `s` the scaled (and
+  softcapped) float32 scores in natural units, `q0`/`kv0` the tile's first
+  query and key positions along `q_axis` and the other axis; returns the
+  new scores and the mask (None: all visible)."""
+  from pallas_fa3 import flex  # (flex does not import the kernels)
+
+  fs = spec.flex
+  mask = None
+  if fs.bias is not None:  # one tile a step, plain loads (L2-resident)
+    nb, nh = fs.bias
+    n_q, n_kv = s.shape[q_axis], s.shape[1 - q_axis]
+    ref = refs["bias"].at[
+      batch if nb > 1 else 0,
+      head if nh > 1 else 0,
+      pl.ds(q0, n_q),
+      pl.ds(kv0, n_kv),
+    ]
+    tile = ops.load_global_tile(ref).astype(jnp.float32)
+    s = s + (tile if q_axis == 0 else tile.T)
+  for prefix, fn, score, _ in _functions(spec, _NoOperands):
+    n = len(fn.consts) + len(captured(fn, score)[1])
+    tile = Tile(ops, s.shape, q_axis, q0, kv0, batch, head,
+                tuple(refs[f"{prefix}{i}"] for i in range(n)))  # fmt: skip
+    if score:
+      s = evaluate(fn, tile, s)
+    else:
+      mask = evaluate(fn, tile)
+  if fs.block is not None:  # the tile's state: empty hides, full shows all
+    st_ref = refs["bm_state"]
+    nb, nh, bq, bkv = fs.block
+    state = st_ref[
+      batch if nb > 1 else 0,
+      head if nh > 1 else 0,
+      lax.div(q0, jnp.int32(bq)),
+      lax.div(kv0, jnp.int32(bkv)),
+    ]
+    # One int per row (not a splat tile): 0 hides, 1 asks mask_mod, 2 shows.
+    n_q = s.shape[q_axis]
+    rows = _vector(ops, lax.broadcast_in_dim(state, (n_q,), ()), q_axis)
+    rows = lax.broadcast_in_dim(rows, s.shape, [q_axis])
+    if mask is None:
+      mask = rows > flex.EMPTY
+    else:
+      mask = (rows == flex.FULL) | (mask & (rows == flex.PARTIAL))
+  return s, mask
+
+
+class _NoOperands:
+  score_consts = mask_consts = ()
