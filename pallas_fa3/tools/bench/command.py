@@ -15,9 +15,9 @@ from typing import Any
 from pallas_fa3.backends import interpret_pool
 from pallas_fa3.tools.bench import (
   flags,
+  flex_case,
   impls,
   plots,
-  flex_case,
   report,
   runner,
   specs,
