@@ -10,6 +10,7 @@ automatic fallback; bad input. dot_product_attention: test_dot_product.py.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -121,25 +122,59 @@ def test_float32_against_golden(case):
   _check("blockwise", case, jnp.float32, TILES)
 
 
-# The Hopper forward kernel in interpret mode (race detection on): the
-# functions traced into its tile loop; its backward is the blockwise one
-# on the kernel's residuals (said by a warning).
+# The Hopper kernels in interpret mode (race detection on): the functions
+# traced into the forward's tile loop; mask_mod and block masks into the
+# deterministic dK/dV and dQ kernels too; the backward of a score_mod or a
+# bias is the blockwise one on the kernel's residuals (said by a warning).
 KERNEL_CASES = sorted(set(CASES) - {"relative_bias"})
 
 
-@pytest.mark.filterwarnings("ignore:the sm90 backward kernels do not compile")
+@pytest.mark.filterwarnings("ignore:the sm90 backward kernels cannot")
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_interpret_kernel_against_golden(case):
   _check("interpret", case, d=64)
 
 
-def test_kernel_backward_says_it_uses_blockwise():
+def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
   q, k, v, do = _inputs(d=64)
-  f = lambda q: pallas_fa3.flash_attention(
-    q, k, v, mask_mod=_DOC, implementation="interpret"
+  grad = lambda **kw: jax.vjp(
+    lambda q: pallas_fa3.flash_attention(
+      q, k, v, implementation="interpret", **kw
+    ),
+    q,
+  )[1](do)
+  with warnings.catch_warnings():  # a mask_mod: the backward kernels
+    warnings.simplefilter("error")
+    grad(mask_mod=_DOC)
+  with pytest.warns(UserWarning, match="score_mod in the backward kernels"):
+    grad(score_mod=mods.softcap(4.0))
+
+
+@pytest.mark.parametrize("state_edit", ["as_built", "odd_states"])
+def test_interpret_backward_with_block_masks(state_edit):
+  """Gradients through the dK/dV and dQ kernels with a block mask (the dQ
+  kernel walking only its spans), hand-edited states included."""
+  q, k, v, do = _inputs(d=64)
+  mask = mods.and_masks(_DOC, mods.causal_bottom_right(SQ, SKV))
+  bm = pallas_fa3.create_block_mask(
+    mask, B, None, SQ, SKV, block_q=64, block_kv=64
   )
-  with pytest.warns(UserWarning, match="use the blockwise backward"):
-    jax.vjp(f, q)[1](do)
+  if state_edit == "odd_states":
+    state = bm.state.at[:, :, 1, 1].set(flex.EMPTY)
+    bm = flex.BlockMask(state, None, SQ, SKV, 64, 64, mask)
+  golden, naive = flex_golden_and_naive(
+    q, k, v, do, (), lambda p: dict(block_mask=bm)
+  )
+  out, pull = jax.vjp(
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, block_mask=bm, implementation="interpret"
+    ),
+    q,
+    k,
+    v,
+  )
+  for name, g, n, ref in zip(NAMES, (out,) + pull(do), naive, golden):
+    assert_within_tolerance(f"block mask {name}", g, n, ref)
 
 
 def test_kernels_refuse_a_gather_and_automatic_choice_falls_back():

@@ -168,18 +168,7 @@ class Sm90Backend(Backend):
     tiling: Sm90BackwardConfig | None = config.backward
     residuals = (q, k, v, out, lse, dout, dlse)
     if spec.flex is not None:
-      # The same gradients from the kernel's residuals, by the blockwise
-      # backward (flex is not compiled into the backward kernels yet).
-      warnings.warn(
-        f"the sm90 backward kernels do not compile"
-        f" {', '.join(spec.flex.names())} yet; the gradients of this call"
-        " use the blockwise backward (the same function)",
-        stacklevel=2,
-      )
-      twin_config = blockwise.BACKEND.make_config(spec, None)
-      return blockwise.blockwise_backward(
-        spec, twin_config, *residuals, segment_ids=segment_ids, flex=flex
-      )
+      return self._flex_backward(spec, tiling, residuals, segment_ids, flex)
 
     def twin(operands):
       residuals, _, ids = operands
@@ -220,6 +209,41 @@ class Sm90Backend(Backend):
     )
     operands = (residuals, bounds, segment_ids)
     return jax.lax.cond(keys_exact & queries_exact, run, twin, operands)
+
+  def _flex_backward(self, spec, tiling, residuals, segment_ids, flex):
+    """A mask_mod / block mask: the deterministic dK/dV and dQ kernels
+    mask with them (the dQ kernel skips empty tiles). A score_mod or a
+    bias (their jvp, dbias), or tiles a block mask does not divide: the
+    blockwise backward on the kernel's residuals, said by a warning."""
+    import dataclasses  # pylint: disable=g-import-not-at-top
+
+    from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
+
+    det = dataclasses.replace(spec, deterministic=True)
+    tiling = tiling or sm90_bwd_config.default_backward_config(det)
+    reason = sm90_bwd_config.backward_unsupported(det, tiling)
+    if segment_ids is not None:
+      reason = "segment_ids together with flex options"
+    if reason is None:
+      for cfg in (tiling, tiling.dq_config):
+        reason = reason or flex_tile.backward_unsupported(
+          det, cfg.block_q, cfg.block_kv
+        )
+    if reason is None:  # no score_mod, no bias: nothing else to return
+      dq, dk, dv = kernel.sm90_backward(
+        det, tiling, *residuals, interpret=self._params(), flex=flex
+      )
+      return dq, dk, dv, (None, ())
+    warnings.warn(
+      f"the sm90 backward kernels cannot differentiate this call"
+      f" ({reason}); its gradients use the blockwise backward (the same"
+      " function)",
+      stacklevel=3,
+    )
+    twin_config = blockwise.BACKEND.make_config(spec, None)
+    return blockwise.blockwise_backward(
+      spec, twin_config, *residuals, segment_ids=segment_ids, flex=flex
+    )
 
   def fp8_tiles(self, config: Sm90Config) -> tuple[int, int]:
     return config.forward.block_q, config.forward.block_kv

@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_fa3.kernels.sm90 import flex_tile
 from pallas_fa3.kernels.sm90.backward_dkdv import (
   DkdvPlan,
   dkdv_kernel,
   sum_slab,
 )
-from pallas_fa3.kernels.sm90.backward_dq import dq_kernel
+from pallas_fa3.kernels.sm90.backward_dq import dq_kernel, dq_query_plan
 from pallas_fa3.kernels.sm90.common import (
   pad_axis,
   query_tile_spans,
@@ -51,6 +52,7 @@ def sm90_backward(
   *,
   interpret: Any = None,
   segment_ids: Any = None,
+  flex: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Runs the fused kernel, or with `spec.deterministic` the dK/dV and dQ
   kernels (`config_backward.fused_backward` says which).
@@ -69,12 +71,19 @@ def sm90_backward(
       row's key bounds (`segments.key_bounds`) and each key's query bounds
       (`segments.query_bounds`), exact for contiguous ids. Every kernel
       walks only the tiles that can meet and masks by the bounds.
+    flex: `spec.flex`'s operands (a mask_mod and block mask only:
+      `flex_tile.backward_unsupported`), with `spec.deterministic`: both
+      kernels mask with them, the dQ kernel skips a block mask's empty
+      tiles.
 
   Returns:
     (dq, dk, dv), shaped like q, k, v, in `spec.dtype`.
   """
   args = (q, k, v, out, lse, dout, dlse)
   args += () if segment_ids is None else tuple(segment_ids)
+  if spec.flex is not None:
+    assert not fused_backward(spec, config), "flex: the two kernels"
+    return _kernels(spec, config, *args, interpret=interpret, flex=flex)
   if fused_backward(spec, config) and interpret is None:
     return _fused_compiled(spec, config, *args)
   return _kernels(spec, config, *args, interpret=interpret)
@@ -92,6 +101,7 @@ def _kernels(
   dlse: jax.Array,
   *bounds: jax.Array,
   interpret: Any,
+  flex: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The kernels; `bounds`: with segment ids, (lo, hi, q_lo, q_hi)."""
   fused = fused_backward(spec, config)
@@ -123,9 +133,16 @@ def _kernels(
   )
   kp, vp = tma_extent(k, 1, config.block_kv), tma_extent(v, 1, config.block_kv)
   dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad, fused=fused)
+  fx = {}
+  if spec.flex is not None:  # mask_mod's arrays, the block mask's states
+    fx = flex_tile.kernel_operands(
+      spec, flex, q_pad=sq_pad, kv_pad=skv_pad, rows_per_cta=2 * config.block_q,
+      block_kv=config.block_kv, spans=False,
+    )  # fmt: skip
   kernel = functools.partial(
-    dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1]),
+    dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1], tuple(fx)),
     segment_ids=bounds or None,
+    flex=tuple(fx.values()),
   )
   if fused:
     scale = jnp.float32(spec.softmax_scale)
@@ -152,8 +169,24 @@ def _kernels(
     (dk, dv), (qp, kp, vp, dop, lse2, delta, rows_ids) = _after(
       (dk, dv), (qp, kp, vp, dop, lse2, delta, rows_ids)
     )
-  dq = dq_kernel(spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1])(
-    qp, kp, vp, dop, lse2, delta, segment_ids=rows_ids
+  dq_fx = {}
+  if spec.flex is not None:  # its K/V walk skips empty tiles too
+    dq_plan = dq_query_plan(spec, config, sq_pad, skv_pad)
+    dq_fx = flex_tile.kernel_operands(
+      spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
+      rows_per_cta=dq_plan.rows_per_cta, block_kv=dq_plan.config.block_kv,
+    )  # fmt: skip
+  dq = dq_kernel(
+    spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1], tuple(dq_fx)
+  )(
+    qp,
+    kp,
+    vp,
+    dop,
+    lse2,
+    delta,
+    segment_ids=rows_ids,
+    flex=tuple(dq_fx.values()),
   )
   return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
 

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   build_kernel,
@@ -294,7 +294,7 @@ def dkdv_consumer(
   sub = cfg.block_q // halves
   shape = (cfg.block_kv, sub)
 
-  def part(qi, h, slot, carry, masked):
+  def part(qi, h, slot, carry, masked, group_head):
     dk, dv = carry
     rows_h = pl.ds(h * sub, sub)
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
@@ -322,6 +322,14 @@ def dkdv_consumer(
           check_seq_kv=False,
         )
       p_t = jnp.where(mask, p_t, 0.0)
+    if spec.flex is not None:  # every step: the mask is not positional
+      head = lax.axis_index("heads") * spec.group_size + group_head
+      fmask = flex_tile.kernel_mask(
+        spec, refs, ops, shape, q0=qi * cfg.block_q + h * sub, kv0=kv0,
+        batch=lax.axis_index("batch"), head=head, q_axis=1,
+      )  # fmt: skip
+      if fmask is not None:
+        p_t = jnp.where(fmask, p_t, 0.0)
     # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T.
     pg_t = None
     if spec.softcap is not None:
@@ -341,12 +349,12 @@ def dkdv_consumer(
     )
     return dk, dv
 
-  def step(qi, carry, *, base, masked):
+  def step(qi, carry, *, base, masked, group_head):
     slot = lax.rem(base + qi - first, cfg.num_stages)
     for bar in full:
       plgpu.barrier_wait(bar.at[slot])
     for h in range(halves):
-      carry = part(qi, h, slot, carry, masked)
+      carry = part(qi, h, slot, carry, masked, group_head)
     # lse and delta were read by ordinary loads (generic proxy) and TMA
     # refills the slot: a proxy fence orders the two before the release.
     plgpu.commit_smem()
@@ -360,7 +368,7 @@ def dkdv_consumer(
     return lax.fori_loop(
       first,
       first + per_head,
-      functools.partial(step, base=base, masked=spec.masked),
+      functools.partial(step, base=base, masked=spec.masked, group_head=h),
       carry,
     )
 
@@ -466,6 +474,13 @@ def dkdv_shared_consumer(
         check_seq_kv=False,
         bounds=bounds,
       )
+      if spec.flex is not None:  # (the fused kernel runs no flex call)
+        fmask = flex_tile.kernel_mask(
+          spec, refs, ops, p.shape, q0=qi * cfg.block_q, kv0=kv0 + w * half,
+          batch=batch, head=kv_head * spec.group_size + h,
+        )  # fmt: skip
+        if fmask is not None:
+          p = jnp.where(fmask, p, 0.0)
       pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)
       p = p.astype(spec.dtype)
       pg = p if pg is None else pg
@@ -769,7 +784,11 @@ def _consumers(
 
 
 def dkdv_kernel(
-  plan: DkdvPlan, ops: KernelOps, interpret: Any, kv_rows: int
+  plan: DkdvPlan,
+  ops: KernelOps,
+  interpret: Any,
+  kv_rows: int,
+  flex_names: tuple[str, ...] = (),
 ) -> Callable[..., Any]:
   """The dK/dV kernel, `(q, k, v, dout, lse2, delta) -> (dk, dv)`, or with
   `plan.fused` `(q, k, v, dout, lse2, delta, dq) -> (dk, dv)` (`dq` a
@@ -859,6 +878,7 @@ def dkdv_kernel(
     for n, d in (("dk", spec.head_dim), ("dv", spec.head_dim_v))
   }
   inputs = list(_INPUTS) + ["lo", "hi", "spans"] * spec.segmented
+  inputs += list(flex_names)  # flex_tile.kernel_operands' (no spans)
   out_type = dkdv_out
   if plan.fused and interpret is None:  # the accumulator, updated in place
     inputs.append("dq")
@@ -881,10 +901,8 @@ def dkdv_kernel(
     in_place=plan.fused,
   )
 
-  def run(*args: Any, segment_ids: Any = None) -> Any:
-    if segment_ids is None:
-      return kernel(*args)
-    extra = dkdv_operands(plan, segment_ids)
-    return kernel(*args[:6], *extra, *args[6:])
+  def run(*args: Any, segment_ids: Any = None, flex: tuple = ()) -> Any:
+    extra = () if segment_ids is None else dkdv_operands(plan, segment_ids)
+    return kernel(*args[:6], *extra, *flex, *args[6:])
 
   return run

@@ -17,12 +17,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat
+from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
   cta_span,
   id_operands,
+  tile_span,
 )
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
@@ -72,6 +73,17 @@ def _tile_loads(
       )
 
 
+def _flex_masked(spec, refs, ops, p, q0, kv0, batch, head) -> jax.Array:
+  """P with the flex mask (mask_mod, block-mask state) applied: 0 where
+  hidden (every step: the mask is not the positional one)."""
+  if spec.flex is None:
+    return p
+  mask = flex_tile.kernel_mask(
+    spec, refs, ops, p.shape, q0=q0, kv0=kv0, batch=batch, head=head
+  )
+  return p if mask is None else jnp.where(mask, p, 0.0)
+
+
 def _row_bounds(
   seg: SegmentRefs | None, ops: KernelOps, b: int | Any
 ) -> tuple | None:
@@ -113,6 +125,8 @@ def _dq_consumer(
   bounds = _row_bounds(seg, ops, wg)
 
   span = cta_span(seg, batch, lax.axis_index("q_tiles"))
+  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
+    span = tile_span(refs["bm_spans"], batch, lax.axis_index("q_tiles"), head)
   walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   # A lone consumer takes each K/V tile in halves of `block_kv / 2` keys
   # (64-byte swizzle: a half is a whole wgmma K step).
@@ -130,6 +144,7 @@ def _dq_consumer(
       p, t = common.row_probabilities(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
       )
+      p = _flex_masked(spec, refs, ops, p, row0, kv0, batch, head)
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
@@ -200,6 +215,8 @@ def _dq_shared_consumer(
   bounds = _row_bounds(seg, ops, 0)
 
   span = cta_span(seg, batch, lax.axis_index("q_tiles"))
+  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
+    span = tile_span(refs["bm_spans"], batch, lax.axis_index("q_tiles"), head)
   walk = common.kv_walk(plan, row0, row0, cfg.block_q, span)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
@@ -218,6 +235,7 @@ def _dq_shared_consumer(
       p, t = common.row_probabilities(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
       )
+      p = _flex_masked(spec, refs, ops, p, row0, kv0, batch, head)
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)
@@ -253,6 +271,24 @@ def _dq_shared_consumer(
 _TILE_LOADS = 4
 
 
+def dq_query_plan(
+  spec: AttentionSpec,
+  config: Sm90BackwardConfig,
+  seq_q_pad: int,
+  seq_kv_pad: int,
+) -> common.QueryPlan:
+  """The dQ kernel's query plan: `config.dq_consumers` row blocks of its
+  own, or one the two consumers share (`dq_head_splits=2`)."""
+  shared = config.dq_head_splits == 2
+  return common.QueryPlan(
+    spec,
+    config.dq_config,
+    seq_q_pad,
+    seq_kv_pad,
+    row_blocks=1 if shared else config.dq_consumers,
+  )
+
+
 def dq_kernel(
   spec: AttentionSpec,
   config: Sm90BackwardConfig,
@@ -261,6 +297,7 @@ def dq_kernel(
   ops: KernelOps,
   interpret: Any,
   q_rows: int,
+  flex_names: tuple[str, ...] = (),
 ) -> Callable[..., jax.Array]:
   """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) -> dq`;
   q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
@@ -272,10 +309,8 @@ def dq_kernel(
   (`dq_head_splits=2`) two sharing one query tile's head dim.
   """
   consumers, shared = config.dq_consumers, config.dq_head_splits == 2
-  blocks = 1 if shared else consumers  # query-row blocks per CTA
-  plan = common.QueryPlan(
-    spec, config.dq_config, seq_q_pad, seq_kv_pad, row_blocks=blocks
-  )
+  plan = dq_query_plan(spec, config, seq_q_pad, seq_kv_pad)
+  blocks = plan.row_blocks
   cfg = plan.config
   d, dv, st = spec.head_dim, spec.head_dim_v, cfg.num_stages
   # Halves of K/V tiles (a lone consumer) and column halves of dS (shared)
@@ -296,6 +331,8 @@ def dq_kernel(
         *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
       )
       tiles = dataclasses.replace(tiles, spans=refs["spans"])
+    elif refs.get("bm_spans") is not None:  # a block mask's: skipped by
+      tiles = dataclasses.replace(tiles, spans=refs["bm_spans"])  # the producer
     wg = lax.axis_index("wg")
     if shared:
       for w in range(consumers):
@@ -355,10 +392,11 @@ def dq_kernel(
   inputs = ["q", "k", "v", "do", "lse", "dl"] + ["lo", "hi", "spans"] * (
     spec.segmented
   )
+  inputs += list(flex_names)  # flex_tile.kernel_operands'
   kernel = common.build_kernel(
     fa3_bwd_dq,
     inputs=inputs,
-    optional=[n for n in ("lo", "hi", "spans") if n not in inputs],
+    optional=[n for n in ("lo", "hi", "spans", "bm_spans") if n not in inputs],
     out_type=dict(
       dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
     ),
@@ -369,9 +407,11 @@ def dq_kernel(
     interpret=interpret,
   )
 
-  def run(*args: jax.Array, segment_ids: Any = None) -> jax.Array:
+  def run(
+    *args: jax.Array, segment_ids: Any = None, flex: tuple = ()
+  ) -> jax.Array:
     extra = () if segment_ids is None else id_operands(plan, *segment_ids)
-    (dq,) = kernel(*args, *extra)
+    (dq,) = kernel(*args, *extra, *flex)
     return dq
 
   return run

@@ -494,10 +494,11 @@ def kernel_operands(
   kv_pad: int,
   rows_per_cta: int,
   block_kv: int,
+  spans: bool = True,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
-  (`bm_state`, int32, padded with empty tiles to the padded queries) and
+  (`bm_state`, int32, padded with empty tiles to the padded sequences) and
   per CTA tile the span of non-empty kernel K/V tiles (`bm_spans`, `[2,
   batch, heads_q, q_tiles]`, what the producer streams); with a bias,
   `bias` padded to the padded sequences."""
@@ -516,14 +517,16 @@ def kernel_operands(
   if bm is not None:
     from pallas_fa3 import flex  # (flex does not import the kernels)
 
-    nq = cdiv(q_pad, bm.block_q)
+    nq, nkv = cdiv(q_pad, bm.block_q), cdiv(kv_pad, bm.block_kv)
     state = bm.state.astype(jnp.int32)
     state = jnp.pad(
       state,
-      ((0, 0), (0, 0), (0, nq - state.shape[2]), (0, 0)),
+      ((0, 0), (0, 0), (0, nq - state.shape[2]), (0, nkv - state.shape[3])),
       constant_values=flex.EMPTY,
     )
     out["bm_state"] = state
+    if not spans:
+      return out
     tiles = q_pad // rows_per_cta
     member = np.zeros((tiles, nq), bool)  # CTA tile t's block-mask rows
     for t in range(tiles):
@@ -563,7 +566,6 @@ def kernel_scores(
   softcapped) float32 scores in natural units, `q0`/`kv0` the tile's first
   query and key positions along `q_axis` and the other axis; returns the
   new scores and the mask (None: all visible)."""
-  from pallas_fa3 import flex  # (flex does not import the kernels)
 
   fs = spec.flex
   mask = None
@@ -586,6 +588,55 @@ def kernel_scores(
       s = evaluate(fn, tile, s)
     else:
       mask = evaluate(fn, tile)
+  return s, _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head,
+                        q_axis)  # fmt: skip
+
+
+def kernel_mask(
+  spec: Any,
+  refs: dict,
+  ops: Any,
+  shape: tuple[int, int],
+  *,
+  q0: Any,
+  kv0: Any,
+  batch: Any,
+  head: Any,
+  q_axis: int = 0,
+) -> jax.Array | None:
+  """The backward kernels' side: mask_mod and the block mask's state on a
+  `shape` tile (queries along `q_axis`; `head` the query head), None
+  without either. (score_mod and a bias are `backward_unsupported`.)"""
+  fs = spec.flex
+  mask = None
+  if fs.mask_mod is not None:
+    fn = fs.mask_mod
+    n = len(fn.consts) + len(captured(fn, False)[1])
+    tile = Tile(ops, shape, q_axis, q0, kv0, batch, head,
+                tuple(refs[f"mask{i}"] for i in range(n)))  # fmt: skip
+    mask = evaluate(fn, tile)
+  return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
+
+
+def backward_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
+  """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
+  with these tiles, or None: they take mask_mod and block masks."""
+  fs = spec.flex
+  if fs.score_mod is not None or fs.bias is not None:
+    names = [
+      n for n, x in (("score_mod", fs.score_mod), ("bias", fs.bias)) if x
+    ]
+    return f"{' and '.join(names)} in the backward kernels (their jvp, dbias)"
+  return kernel_unsupported(spec, block_q, block_kv)
+
+
+def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
+  """`mask` and-ed with the block mask's state of the tile (empty hides,
+  full shows every pair, partial asks mask_mod); as is without one."""
+  from pallas_fa3 import flex  # (flex does not import the kernels)
+
+  fs = spec.flex
+  s_shape = shape
   if fs.block is not None:  # the tile's state: empty hides, full shows all
     st_ref = refs["bm_state"]
     nb, nh, bq, bkv = fs.block
@@ -596,14 +647,14 @@ def kernel_scores(
       lax.div(kv0, jnp.int32(bkv)),
     ]
     # One int per row (not a splat tile): 0 hides, 1 asks mask_mod, 2 shows.
-    n_q = s.shape[q_axis]
+    n_q = s_shape[q_axis]
     rows = _vector(ops, lax.broadcast_in_dim(state, (n_q,), ()), q_axis)
-    rows = lax.broadcast_in_dim(rows, s.shape, [q_axis])
+    rows = lax.broadcast_in_dim(rows, s_shape, [q_axis])
     if mask is None:
       mask = rows > flex.EMPTY
     else:
       mask = (rows == flex.FULL) | (mask & (rows == flex.PARTIAL))
-  return s, mask
+  return mask
 
 
 class _NoOperands:

@@ -285,22 +285,28 @@ def modifier_label(spec: AttentionSpec) -> str:
 
 
 def compile_backward(
-  spec: AttentionSpec, config: sm90.Sm90BackwardConfig, mesh: Mesh | None = None
+  spec: AttentionSpec,
+  config: sm90.Sm90BackwardConfig,
+  mesh: Mesh | None = None,
+  flex: Any = None,
+  label: str = "",
 ) -> CompileReport:
   """Compiles the backward for sm_90a (the fused kernel, or with
-  `spec.deterministic` the dK/dV and dQ kernels); ptxas's report."""
+  `spec.deterministic` the dK/dV and dQ kernels); ptxas's report. `flex`:
+  `spec.flex`'s operands (`label` names them)."""
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 
   mesh = h200_mesh() if mesh is None else mesh
   return compile_report(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}{_dv_label(spec)}"
-    f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}"
+    f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}{label}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
     lambda *a: sm90_bwd.sm90_backward(
       spec,
       config,
       *a,
       segment_ids=packed_bounds(spec) if spec.segmented else None,
+      flex=flex,
     ),
     bf16_operands(spec, mesh, backward=True),
     short_label(spec, config),

@@ -280,14 +280,19 @@ def flex_cases(seq: int, heads: int) -> dict:
 
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
-  at `PROFILE_SHAPE`; the backward of these calls runs the blockwise twin
-  (flex is not compiled into the backward kernels yet)."""
+  at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
+  mask-only cases (a score_mod or a bias differentiates by the blockwise
+  backward: `flex_tile.backward_unsupported`)."""
   import functools
 
   import jax
 
   from pallas_fa3 import flex
-  from pallas_fa3.kernels.sm90 import config as sm90_config
+  from pallas_fa3.kernels.sm90 import (
+    config as sm90_config,
+    config_backward as sm90_bwd_config,
+    flex_tile,
+  )
   from pallas_fa3.spec import make_spec
 
   b, s, hq, hk = PROFILE_SHAPE
@@ -303,8 +308,20 @@ def flex_sweep() -> Iterator[SweepItem]:
       )  # fmt: skip
       spec = dataclasses.replace(spec, flex=fspec)
       config = sm90_config.default_forward_config(spec)
+      label = f" flex={name}"
       yield (
-        functools.partial(compile_forward, flex=ops, label=f" flex={name}"),
+        functools.partial(compile_forward, flex=ops, label=label),
         spec,
         config,
       )
+      det = dataclasses.replace(spec, deterministic=True)
+      tiling = sm90_bwd_config.default_backward_config(det)
+      if tiling is not None and not any(
+        flex_tile.backward_unsupported(det, c.block_q, c.block_kv)
+        for c in (tiling, tiling.dq_config)
+      ):
+        yield (
+          functools.partial(compile_backward, flex=ops, label=label),
+          det,
+          tiling,
+        )
