@@ -123,9 +123,10 @@ def test_float32_against_golden(case):
 
 
 # The Hopper kernels in interpret mode (race detection on): the functions
-# traced into the forward's tile loop; mask_mod and block masks into the
-# deterministic dK/dV and dQ kernels too; the backward of a score_mod or a
-# bias is the blockwise one on the kernel's residuals (said by a warning).
+# traced into the forward's tile loop, and into the deterministic dK/dV
+# and dQ kernels (score_mod with its derivative); the gradients of a bias
+# or of a score_mod's float arrays are the blockwise backward's on the
+# kernel's residuals (said by a warning).
 KERNEL_CASES = sorted(set(CASES) - {"relative_bias"})
 
 
@@ -143,11 +144,20 @@ def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
     ),
     q,
   )[1](do)
-  with warnings.catch_warnings():  # a mask_mod: the backward kernels
+  with warnings.catch_warnings():  # the backward kernels: no warning
     warnings.simplefilter("error")
     grad(mask_mod=_DOC)
-  with pytest.warns(UserWarning, match="score_mod in the backward kernels"):
-    grad(score_mod=mods.softcap(4.0))
+    grad(score_mod=mods.alibi(mods.alibi_slopes(HQ)), mask_mod=_DOC)
+  with pytest.warns(UserWarning, match="bias in the backward kernels"):
+    grad(bias=jnp.zeros((1, HQ, SQ, SKV)))
+  slopes = mods.alibi_slopes(HQ)  # learnable: its gradient needs blockwise
+  with pytest.warns(UserWarning, match="floating captured arrays"):
+    jax.vjp(
+      lambda s: pallas_fa3.flash_attention(
+        q, k, v, score_mod=mods.alibi(s), implementation="interpret"
+      ),
+      slopes,
+    )[1](do)
 
 
 @pytest.mark.parametrize("state_edit", ["as_built", "odd_states"])

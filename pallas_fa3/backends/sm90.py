@@ -229,11 +229,11 @@ class Sm90Backend(Backend):
         reason = reason or flex_tile.backward_unsupported(
           det, cfg.block_q, cfg.block_kv
         )
-    if reason is None:  # no score_mod, no bias: nothing else to return
+    if reason is None:  # no bias, no score_mod array to differentiate
       dq, dk, dv = kernel.sm90_backward(
         det, tiling, *residuals, interpret=self._params(), flex=flex
       )
-      return dq, dk, dv, (None, ())
+      return dq, dk, dv, (None, (None,) * len(flex.score_consts))
     warnings.warn(
       f"the sm90 backward kernels cannot differentiate this call"
       f" ({reason}); its gradients use the blockwise backward (the same"

@@ -137,7 +137,7 @@ def _kernels(
   if spec.flex is not None:  # mask_mod's arrays, the block mask's states
     fx = flex_tile.kernel_operands(
       spec, flex, q_pad=sq_pad, kv_pad=skv_pad, rows_per_cta=2 * config.block_q,
-      block_kv=config.block_kv, spans=False,
+      block_kv=config.block_kv, spans=False, grad=True,
     )  # fmt: skip
   kernel = functools.partial(
     dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1], tuple(fx)),
@@ -175,6 +175,7 @@ def _kernels(
     dq_fx = flex_tile.kernel_operands(
       spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
       rows_per_cta=dq_plan.rows_per_cta, block_kv=dq_plan.config.block_kv,
+      grad=True,
     )  # fmt: skip
   dq = dq_kernel(
     spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1], tuple(dq_fx)

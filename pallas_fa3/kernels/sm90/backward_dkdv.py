@@ -46,7 +46,7 @@ from pallas_fa3.kernels.sm90.common import (
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
-from pallas_fa3.spec import AttentionSpec
+from pallas_fa3.spec import LOG2E, AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,13 +301,24 @@ def dkdv_consumer(
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     # S^T = K Q^T, [block_kv, sub]
     t_t, scale_log2 = softcapped(spec, ops.scores(k_chunks, q_parts))
-    s_t = scaled_once(t_t, scale_log2) - lax.broadcast_in_dim(
+    q0 = qi * cfg.block_q + h * sub
+    head = lax.axis_index("heads") * spec.group_size + group_head
+    grad_t = None  # a score_mod's derivative (flex)
+    if spec.flex is None or spec.flex.score_mod is None:
+      x_t = scaled_once(t_t, scale_log2)
+    else:
+      natural = spec.softmax_scale if spec.softcap is None else spec.softcap
+      y_t, grad_t = flex_tile.kernel_score_grad(
+        spec, refs, ops, t_t * jnp.float32(natural), q0=q0, kv0=kv0,
+        batch=lax.axis_index("batch"), head=head, q_axis=1,
+      )  # fmt: skip
+      x_t = scaled_once(y_t, jnp.float32(LOG2E))
+    s_t = x_t - lax.broadcast_in_dim(
       ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
     )
     p_t = jnp.exp2(jnp.minimum(s_t, 0.0))  # as `row_probabilities`
     if masked:
       # Causal/window only: padded keys' rows of dK, dV are sliced off.
-      q0 = qi * cfg.block_q + h * sub
       if bounds is not None:  # lo <= query < hi, positions folded in
         mask = masking.within_bounds(ops.col_index(sub), *bounds, q0, shape)
       else:
@@ -323,17 +334,19 @@ def dkdv_consumer(
         )
       p_t = jnp.where(mask, p_t, 0.0)
     if spec.flex is not None:  # every step: the mask is not positional
-      head = lax.axis_index("heads") * spec.group_size + group_head
       fmask = flex_tile.kernel_mask(
-        spec, refs, ops, shape, q0=qi * cfg.block_q + h * sub, kv0=kv0,
+        spec, refs, ops, shape, q0=q0, kv0=kv0,
         batch=lax.axis_index("batch"), head=head, q_axis=1,
       )  # fmt: skip
       if fmask is not None:
         p_t = jnp.where(fmask, p_t, 0.0)
-    # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T.
+    # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T (and a
+    # score_mod's derivative).
     pg_t = None
-    if spec.softcap is not None:
-      pg_t = softcap_grad(p_t, t_t).astype(spec.dtype)
+    if spec.softcap is not None or grad_t is not None:
+      cap = t_t if spec.softcap is not None else None
+      ctx = cap if grad_t is None else (cap, grad_t)
+      pg_t = softcap_grad(p_t, ctx).astype(spec.dtype)
     p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
     pg_t = p_t if pg_t is None else pg_t
     dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
@@ -473,14 +486,8 @@ def dkdv_shared_consumer(
         masked=spec.masked,
         check_seq_kv=False,
         bounds=bounds,
+        flex_at=(refs, batch, kv_head * spec.group_size + h),
       )
-      if spec.flex is not None:  # (the fused kernel runs no flex call)
-        fmask = flex_tile.kernel_mask(
-          spec, refs, ops, p.shape, q0=qi * cfg.block_q, kv0=kv0 + w * half,
-          batch=batch, head=kv_head * spec.group_size + h,
-        )  # fmt: skip
-        if fmask is not None:
-          p = jnp.where(fmask, p, 0.0)
       pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)
       p = p.astype(spec.dtype)
       pg = p if pg is None else pg

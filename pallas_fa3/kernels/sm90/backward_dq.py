@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat, flex_tile
+from pallas_fa3.kernels.sm90 import common, compat
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
@@ -71,17 +71,6 @@ def _tile_loads(
       plgpu.copy_gmem_to_smem(
         ref.at[batch, rows], seg.bounds_smem.at[i, b], bars[4 + i]
       )
-
-
-def _flex_masked(spec, refs, ops, p, q0, kv0, batch, head) -> jax.Array:
-  """P with the flex mask (mask_mod, block-mask state) applied: 0 where
-  hidden (every step: the mask is not the positional one)."""
-  if spec.flex is None:
-    return p
-  mask = flex_tile.kernel_mask(
-    spec, refs, ops, p.shape, q0=q0, kv0=kv0, batch=batch, head=head
-  )
-  return p if mask is None else jnp.where(mask, p, 0.0)
 
 
 def _row_bounds(
@@ -142,9 +131,9 @@ def _dq_consumer(
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
       kv0 = (walk.first + j) * cfg.block_kv + h * sub
       p, t = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
-      )
-      p = _flex_masked(spec, refs, ops, p, row0, kv0, batch, head)
+        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
+        flex_at=(refs, batch, head),
+      )  # fmt: skip
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
@@ -233,9 +222,9 @@ def _dq_shared_consumer(
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
       kv0 = (walk.first + j) * cfg.block_kv + w * half
       p, t = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds
-      )
-      p = _flex_masked(spec, refs, ops, p, row0, kv0, batch, head)
+        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
+        flex_at=(refs, batch, head),
+      )  # fmt: skip
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       return ds.astype(spec.dtype)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking, segments
-from pallas_fa3.kernels.sm90 import compat, hardware
+from pallas_fa3.kernels.sm90 import compat, flex_tile, hardware
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
@@ -263,7 +263,8 @@ def row_probabilities(
   check_seq_kv: bool = True,
   q_axis: int = 0,
   bounds: tuple | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+  flex_at: tuple | None = None,
+) -> tuple[jax.Array, Any]:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
@@ -278,11 +279,32 @@ def row_probabilities(
   `q_axis`; keys `kv0 + col` in `[lo, hi)`) or per key (queries in
   `[lo, hi)`), applied where `masked`. Returns (P, the softcap's tanh or
   None). Segment bounds come folded with the positional rule
-  (`segments.kernel_bounds`) and replace it."""
+  (`segments.kernel_bounds`) and replace it. `flex_at = (refs, batch,
+  query head)` with `spec.flex`: the score_mod's scores (the second result
+  is then `(tanh or None, its derivative)`, for `softcap_grad`) and the
+  flex mask on every tile (`flex_tile`)."""
   shape = s.shape
   t, scale_log2 = softcapped(spec, s)
-  arg = scaled_once(t, scale_log2) - lax.broadcast_in_dim(lse2, shape, [q_axis])
+  fx = flex_at is not None and spec.flex is not None
+  grad = None
+  if fx and spec.flex.score_mod is not None:
+    natural = spec.softmax_scale if spec.softcap is None else spec.softcap
+    x, grad = flex_tile.kernel_score_grad(
+      spec, flex_at[0], ops, t * jnp.float32(natural), q0=q0, kv0=kv0,
+      batch=flex_at[1], head=flex_at[2], q_axis=q_axis,
+    )  # fmt: skip
+    arg = scaled_once(x, jnp.float32(LOG2E))
+  else:
+    arg = scaled_once(t, scale_log2)
+  arg = arg - lax.broadcast_in_dim(lse2, shape, [q_axis])
   p = jnp.exp2(jnp.minimum(arg, 0.0))
+  if fx:  # every tile: the flex mask is not positional
+    mask = flex_tile.kernel_mask(
+      spec, flex_at[0], ops, shape, q0=q0, kv0=kv0, batch=flex_at[1],
+      head=flex_at[2], q_axis=q_axis,
+    )  # fmt: skip
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)
   if masked and bounds is not None:  # positions folded into the bounds
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     lo, hi, dim = bounds
@@ -304,11 +326,17 @@ def row_probabilities(
       check_seq_kv=check_seq_kv,
     )
     p = jnp.where(mask, p, 0.0)
-  return p, (None if spec.softcap is None else t)
+  t = None if spec.softcap is None else t
+  return p, (t if grad is None else (t, grad))
 
 
-def softcap_grad(ds: jax.Array, t: jax.Array | None) -> jax.Array:
-  """dS times the softcap's derivative `1 - tanh^2` (as is without)."""
+def softcap_grad(ds: jax.Array, t: Any) -> jax.Array:
+  """dS times the score's derivative: the softcap's `1 - tanh^2` (`t` the
+  tanh; as is with None), and with `(t, g)` (`row_probabilities` with a
+  score_mod) a score_mod's `g` too."""
+  if isinstance(t, tuple):
+    t, g = t
+    ds = ds * g
   return ds if t is None else ds * (1.0 - t * t)
 
 

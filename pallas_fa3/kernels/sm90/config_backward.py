@@ -439,6 +439,19 @@ def _space(
   return space or tilings(_CTA_SPLIT)
 
 
+# A score_mod traced into the deterministic kernels (`flex_tile`): its
+# derivative tile sits beside P^T and dS^T, and the default d128 layout
+# (two consumers owning 64 keys each) spills 4-8 B (`pallas-fa3 aot
+# --flex`); the shared-tile layout (the consumers split the head dim) and a
+# lone consumer compile with 0; the shared one keeps two consumers busy.
+_FLEX_SCORE_DEFAULTS = {
+  128: Sm90BackwardConfig(
+    block_q=64, block_kv=64, num_stages=2, dkdv_consumers=2,
+    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1,
+  ),
+}  # fmt: skip
+
+
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   """The heuristic backward tiling for `spec`: 64 x 64 tiles, 2 stages, in
   the first form of `backward_config_space` (for `spec.deterministic`)
@@ -449,6 +462,11 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   """
   small = dict(block_choices=(64,), stage_choices=(2,))
   d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
+  flex = getattr(spec, "flex", None)
+  if flex is not None and flex.score_mod is not None and spec.deterministic:
+    shared = _FLEX_SCORE_DEFAULTS.get(max(d, dv))
+    if shared is not None and shared in _space(d, size, dv, **small):
+      return shared
   space = () if spec.deterministic else _fused_space(d, size, dv, **small)
   space = space or _space(d, size, dv, **small)
   if not space:

@@ -181,6 +181,13 @@ class _Walk:
           " arrays only as `array[i, ...]` with scalar indices"
         )
       return [self.load(ins[0], ins[1:], dtype)]
+    if name == "add_any":  # (jvp's sum of tangents)
+      return [self.apply_prim(lax.add_p, ins, dtype)]
+    if name == "one_minus_square":  # (jvp of tanh) as plain arithmetic
+      x = ins[0]
+      sq = self.apply_prim(lax.mul_p, [x, x], x.dtype)
+      one = self.literal(1, x.dtype)
+      return [self.apply_prim(lax.sub_p, [one, sq], x.dtype)]
     if name in _SHAPE_ONLY:
       if any(int(np.prod(v.aval.shape)) != 1 for v in eqn.outvars):
         self.refuse(f"builds an array (`{name}`); it must work on scalars")
@@ -217,6 +224,15 @@ class _Walk:
     args = [self.lift(v, kind) for v in ins]
     out = eqn.primitive.bind(*args, **eqn.params)
     return [_Val(base or Kind(kind), out, dtype)]
+
+  def apply_prim(self, prim: Any, ins: list[_Val], dtype: Any) -> _Val:
+    """An elementwise primitive `prim` on `ins` (no params)."""
+    eqn = jex_core.new_jaxpr_eqn(
+      [jex_core.Var(jax.core.ShapedArray((), v.dtype)) for v in ins],
+      [jex_core.Var(jax.core.ShapedArray((), dtype))],
+      prim, {}, set(),
+    )  # fmt: skip
+    return self.apply(eqn, ins)[0]
 
   def fold(self, name: str, ins: list[_Val], dtype: Any) -> _Val | None:
     """jnp indexing's wrap of negative indices, `select_n(i < 0, i, i +
@@ -351,21 +367,30 @@ def _vector(ops: Any, x: jax.Array, axis: int) -> jax.Array:
   return ops.rows(x) if axis == 0 else ops.cols(x)
 
 
-def captured(fn: Any, score: bool) -> tuple[Any, tuple]:
+def captured(fn: Any, score: bool, grad: bool = False) -> tuple[Any, tuple]:
   """(jaxpr, arrays): `fn`'s jaxpr on scalars and the concrete arrays
   `jax.closure_convert` left in it (constants it did not lift into
   `fn.consts`). The kernel's operands are the call's `fn.consts`, then
-  these."""
+  these. `grad` (a score_mod): the jaxpr gives the new score and its
+  derivative in the score (`jax.jvp` with tangent 1), for the backward."""
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
   args = flex.scalar_args(4, jnp.float32 if score else None)
   avals = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in fn.consts)
-  closed = jax.make_jaxpr(fn.converted)(*args, *avals)
+  f = fn.converted
+  if grad:
+
+    def f(s, *rest):
+      return jax.jvp(
+        lambda x: fn.converted(x, *rest), (s,), (jnp.ones_like(s),)
+      )
+
+  closed = jax.make_jaxpr(f)(*args, *avals)
   return closed.jaxpr, tuple(closed.consts)
 
 
-def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None):
-  jaxpr, left = captured(fn, score)
+def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None, grad=False):
+  jaxpr, left = captured(fn, score, grad)
   arrays = tuple(fn.consts) + left
   consts = tuple(
     jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in arrays
@@ -374,14 +399,16 @@ def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None):
   n_args = len(jaxpr.invars) - len(fn.consts)
   vals = _inputs(walk, len(consts), score, tile, s)
   args = vals[:n_args] + vals[n_args : n_args + len(fn.consts)]
-  (out,) = walk.run(jaxpr, args, vals[n_args + len(fn.consts) :])
-  return walk, out
+  outs = walk.run(jaxpr, args, vals[n_args + len(fn.consts) :])
+  return walk, outs
 
 
-def plan(fn: Any, score: bool, seq_q: int, seq_kv: int) -> tuple[Read, ...]:
+def plan(
+  fn: Any, score: bool, seq_q: int, seq_kv: int, grad: bool = False
+) -> tuple[Read, ...]:
   """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
   tile; raises `Refused` naming what cannot be compiled."""
-  walk, _ = _walk(fn, score, None, (seq_q, seq_kv))
+  walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
   return tuple(walk.reads)
 
 
@@ -410,8 +437,14 @@ def evaluate(fn: Any, tile: Tile, s: Any = None) -> jax.Array:
   """`fn` on the kernel tile `tile`: the new scores (score_mod, `s` the
   float32 scaled scores) or the boolean mask (mask_mod), in `tile.shape`."""
   # (the reads' bounds were `plan`'s check: one position passes here)
-  walk, out = _walk(fn, s is not None, tile, (1, 1), s)
+  walk, (out,) = _walk(fn, s is not None, tile, (1, 1), s)
   return walk.lift(out, TILE)
+
+
+def evaluate_with_grad(fn: Any, tile: Tile, s: Any) -> tuple[Any, Any]:
+  """A score_mod on the kernel tile and its derivative in the score."""
+  walk, (out, d) = _walk(fn, True, tile, (1, 1), s, grad=True)
+  return walk.lift(out, TILE), walk.lift(d, TILE)
 
 
 def pad_consts(consts: tuple, reads: tuple[Read, ...], q_pad: int,
@@ -495,6 +528,7 @@ def kernel_operands(
   rows_per_cta: int,
   block_kv: int,
   spans: bool = True,
+  grad: bool = False,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
@@ -509,8 +543,9 @@ def kernel_operands(
       b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3]))
     )
   for prefix, fn, score, consts in _functions(spec, ops):
-    reads = plan(fn, score, spec.seq_q, spec.seq_kv)
-    arrays = tuple(consts) + captured(fn, score)[1]
+    g = grad and score  # the backward's: the jvp's arrays
+    reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g)
+    arrays = tuple(consts) + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
   bm = ops.block_mask
@@ -620,14 +655,46 @@ def kernel_mask(
 
 def backward_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
   """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
-  with these tiles, or None: they take mask_mod and block masks."""
+  with these tiles, or None: they take mask_mod, block masks and a
+  score_mod (its derivative traced in) whose captured arrays need no
+  gradient."""
   fs = spec.flex
-  if fs.score_mod is not None or fs.bias is not None:
-    names = [
-      n for n, x in (("score_mod", fs.score_mod), ("bias", fs.bias)) if x
-    ]
-    return f"{' and '.join(names)} in the backward kernels (their jvp, dbias)"
+  if fs.bias is not None:
+    return "bias in the backward kernels (dbias)"
+  fn = fs.score_mod
+  if fn is not None:
+    if any(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in fn.consts):
+      return (
+        "score_mod's floating captured arrays (their gradients) in the"
+        " backward kernels"
+      )
+    try:
+      plan(fn, True, spec.seq_q, spec.seq_kv, grad=True)
+    except Refused as e:
+      return f"{e} (its derivative, in the backward kernels)"
   return kernel_unsupported(spec, block_q, block_kv)
+
+
+def kernel_score_grad(
+  spec: Any,
+  refs: dict,
+  ops: Any,
+  s: jax.Array,
+  *,
+  q0: Any,
+  kv0: Any,
+  batch: Any,
+  head: Any,
+  q_axis: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+  """The backward kernels' score_mod: (new scores, their derivative in `s`)
+  on a tile of natural-unit scores `s` (operands `score{i}` from
+  `kernel_operands(..., grad=True)`)."""
+  fn = spec.flex.score_mod
+  n = len(fn.consts) + len(captured(fn, True, True)[1])
+  tile = Tile(ops, s.shape, q_axis, q0, kv0, batch, head,
+              tuple(refs[f"score{i}"] for i in range(n)))  # fmt: skip
+  return evaluate_with_grad(fn, tile, s)
 
 
 def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
