@@ -33,6 +33,7 @@ def test_every_case_runs_and_agrees(tmp_path):
   assert "| alibi | ours | fwd |" in (tmp_path / "flex.md").read_text()
 
 
+@pytest.mark.slow
 def test_cli_runs_flex_alone(tmp_path, capsys):
   code = cli.main(
     ["bench", "--mode", "flex", "--seq", "128", "--runs", "1",

@@ -77,16 +77,18 @@ def test_grid_matches_jax_nn(case):
   _close(*_both(q, kk, v, do, **kw))
 
 
-# Every broadcast shape of jax.nn's (B, N, T, S) bias and mask.
+# Every broadcast shape of jax.nn's (B, N, T, S) bias and mask (four of
+# them `slow`: the default run keeps one per kind of broadcast).
+_slow = lambda s: pytest.param(s, marks=pytest.mark.slow)
 SHAPES = [
   (B, N, T, S),
-  (1, N, T, S),
-  (B, 1, T, S),
+  _slow((1, N, T, S)),
+  _slow((B, 1, T, S)),
   (1, 1, T, S),
   (B, N, 1, S),
-  (1, 1, 1, S),
+  _slow((1, 1, 1, S)),
   (B, N, T, 1),
-  (T, S),
+  _slow((T, S)),
   (S,),
 ]
 
