@@ -111,7 +111,22 @@ def _check(impl, case, dtype=jnp.bfloat16, config=None, d=D):
       assert_within_tolerance(f"{case} {name}[{i}]", gl, nl, rl)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# One of each kind in the default run (a positional mask, vector reads, a
+# score_mod with learnable arrays, a gather, a closure, a bias); the rest
+# `slow`.
+_GOLDEN_QUICK = {
+  "causal_bottom_right", "document", "alibi", "relative_bias",
+  "user_closure", "bias_batch",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    c if c in _GOLDEN_QUICK else pytest.param(c, marks=pytest.mark.slow)
+    for c in sorted(CASES)
+  ],
+)
 @pytest.mark.parametrize("impl", ["reference", "blockwise"])
 def test_ready_made_and_closures_against_golden(impl, case):
   _check(impl, case, config=TILES if impl == "blockwise" else None)
