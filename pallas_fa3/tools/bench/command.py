@@ -472,15 +472,12 @@ def run_flex(args: argparse.Namespace) -> int:
   if args.head_dim:
     shape["head_dim"] = args.head_dim[0]
   dtype = specs.DTYPES[args.dtype[0]] if args.dtype else "bfloat16"
+  settings = settings_from(args, platform)
   records = flex_case.run_flex(
     platform,
     dtype=dtype,
-    runs=args.runs or runner.DEFAULT_RUNS[platform],
-    warmup=(
-      args.warmup
-      if args.warmup is not None
-      else runner.DEFAULT_WARMUP[platform]
-    ),
+    runs=settings["runs"],
+    warmup=settings["warmup"],
     out_dir=args.out or os.path.join(OUT_ROOT, flex_case.FLEX),
     shape=shape,
   )
