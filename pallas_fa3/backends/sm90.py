@@ -9,6 +9,7 @@ the registry does not load Mosaic GPU. docs/kernels.md
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -215,8 +216,6 @@ class Sm90Backend(Backend):
     mask with them (the dQ kernel skips empty tiles). A score_mod or a
     bias (their jvp, dbias), or tiles a block mask does not divide: the
     blockwise backward on the kernel's residuals, said by a warning."""
-    import dataclasses  # pylint: disable=g-import-not-at-top
-
     from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
 
     det = dataclasses.replace(spec, deterministic=True)

@@ -136,9 +136,8 @@ def _kernels(
   fx = {}
   if spec.flex is not None:  # mask_mod's arrays, the block mask's states
     fx = flex_tile.kernel_operands(
-      spec, flex, q_pad=sq_pad, kv_pad=skv_pad, rows_per_cta=2 * config.block_q,
-      block_kv=config.block_kv, spans=False, grad=True,
-    )  # fmt: skip
+      spec, flex, q_pad=sq_pad, kv_pad=skv_pad, grad=True
+    )
   kernel = functools.partial(
     dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1], tuple(fx)),
     segment_ids=bounds or None,

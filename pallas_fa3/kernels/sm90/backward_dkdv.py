@@ -307,9 +307,8 @@ def dkdv_consumer(
     if spec.flex is None or spec.flex.score_mod is None:
       x_t = scaled_once(t_t, scale_log2)
     else:
-      natural = spec.softmax_scale if spec.softcap is None else spec.softcap
       y_t, grad_t = flex_tile.kernel_score_grad(
-        spec, refs, ops, t_t * jnp.float32(natural), q0=q0, kv0=kv0,
+        spec, refs, ops, flex_tile.natural_units(spec, t_t), q0=q0, kv0=kv0,
         batch=lax.axis_index("batch"), head=head, q_axis=1,
       )  # fmt: skip
       x_t = scaled_once(y_t, jnp.float32(LOG2E))

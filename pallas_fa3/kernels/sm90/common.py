@@ -288,9 +288,8 @@ def row_probabilities(
   fx = flex_at is not None and spec.flex is not None
   grad = None
   if fx and spec.flex.score_mod is not None:
-    natural = spec.softmax_scale if spec.softcap is None else spec.softcap
     x, grad = flex_tile.kernel_score_grad(
-      spec, flex_at[0], ops, t * jnp.float32(natural), q0=q0, kv0=kv0,
+      spec, flex_at[0], ops, flex_tile.natural_units(spec, t), q0=q0, kv0=kv0,
       batch=flex_at[1], head=flex_at[2], q_axis=q_axis,
     )  # fmt: skip
     arg = scaled_once(x, jnp.float32(LOG2E))

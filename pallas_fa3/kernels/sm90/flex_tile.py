@@ -16,6 +16,7 @@ with the reason, and the automatic choice runs the blockwise twin instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -182,12 +183,12 @@ class _Walk:
         )
       return [self.load(ins[0], ins[1:], dtype)]
     if name == "add_any":  # (jvp's sum of tangents)
-      return [self.apply_prim(lax.add_p, ins, dtype)]
+      return [self.elementwise("add", lax.add_p, {}, ins, dtype)]
     if name == "one_minus_square":  # (jvp of tanh) as plain arithmetic
       x = ins[0]
-      sq = self.apply_prim(lax.mul_p, [x, x], x.dtype)
-      one = self.literal(1, x.dtype)
-      return [self.apply_prim(lax.sub_p, [one, sq], x.dtype)]
+      sq = self.elementwise("mul", lax.mul_p, {}, [x, x], dtype)
+      one = self.literal(1, dtype)
+      return [self.elementwise("sub", lax.sub_p, {}, [one, sq], dtype)]
     if name in _SHAPE_ONLY:
       if any(int(np.prod(v.aval.shape)) != 1 for v in eqn.outvars):
         self.refuse(f"builds an array (`{name}`); it must work on scalars")
@@ -198,17 +199,25 @@ class _Walk:
         f"uses `{name}`, which the Hopper kernels cannot compile into a"
         " tile (elementwise operations and captured-array reads only)"
       )
+    return [self.elementwise(name, eqn.primitive, eqn.params, ins, dtype)]
+
+  def elementwise(
+    self, name: str, prim: Any, params: dict, ins: list[_Val], dtype: Any
+  ) -> _Val:
+    """An elementwise primitive on `ins`: folded, compared or differenced
+    on the layouts' local indices where it can, else bound on the inputs
+    lifted to the widest kind among them."""
     folded = self.fold(name, ins, dtype)
     if folded is not None:
-      return [folded]
+      return folded
     if name in _FLIP and self.tile is not None:
       compared = self.compare(name, ins)
       if compared is not None:
-        return [compared]
+        return compared
     if name == "sub" and self.tile is not None:
       a, b = ins
       if a.kind.base and b.kind.base and a.kind.base != b.kind.base:
-        return [self.difference(a, b)]
+        return self.difference(a, b)
     kind = _join([v.kind.kind for v in ins])
     base = self.affine(name, ins, dtype)
     if kind == LIT or self.tile is None:
@@ -216,23 +225,11 @@ class _Walk:
       if kind == LIT:
         with jax.ensure_compile_time_eval():
           value = np.asarray(
-            eqn.primitive.bind(
-              *(jnp.asarray(v.value) for v in ins), **eqn.params
-            )
+            prim.bind(*(jnp.asarray(v.value) for v in ins), **params)
           )
-      return [_Val(base or Kind(kind), value, dtype)]
-    args = [self.lift(v, kind) for v in ins]
-    out = eqn.primitive.bind(*args, **eqn.params)
-    return [_Val(base or Kind(kind), out, dtype)]
-
-  def apply_prim(self, prim: Any, ins: list[_Val], dtype: Any) -> _Val:
-    """An elementwise primitive `prim` on `ins` (no params)."""
-    eqn = jex_core.new_jaxpr_eqn(
-      [jex_core.Var(jax.core.ShapedArray((), v.dtype)) for v in ins],
-      [jex_core.Var(jax.core.ShapedArray((), dtype))],
-      prim, {}, set(),
-    )  # fmt: skip
-    return self.apply(eqn, ins)[0]
+      return _Val(base or Kind(kind), value, dtype)
+    out = prim.bind(*(self.lift(v, kind) for v in ins), **params)
+    return _Val(base or Kind(kind), out, dtype)
 
   def fold(self, name: str, ins: list[_Val], dtype: Any) -> _Val | None:
     """jnp indexing's wrap of negative indices, `select_n(i < 0, i, i +
@@ -372,18 +369,22 @@ def captured(fn: Any, score: bool, grad: bool = False) -> tuple[Any, tuple]:
   `jax.closure_convert` left in it (constants it did not lift into
   `fn.consts`). The kernel's operands are the call's `fn.consts`, then
   these. `grad` (a score_mod): the jaxpr gives the new score and its
-  derivative in the score (`jax.jvp` with tangent 1), for the backward."""
+  derivative in the score (`jax.jvp` with tangent 1), for the backward.
+  Cached: every kernel step and check walks the same jaxpr."""
+  avals = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in fn.consts)
+  return _captured(fn.converted, avals, score, grad)
+
+
+@functools.lru_cache(maxsize=128)
+def _captured(converted: Any, avals: tuple, score: bool, grad: bool) -> tuple:
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
   args = flex.scalar_args(4, jnp.float32 if score else None)
-  avals = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in fn.consts)
-  f = fn.converted
+  f = converted
   if grad:
 
     def f(s, *rest):
-      return jax.jvp(
-        lambda x: fn.converted(x, *rest), (s,), (jnp.ones_like(s),)
-      )
+      return jax.jvp(lambda x: converted(x, *rest), (s,), (jnp.ones_like(s),))
 
   closed = jax.make_jaxpr(f)(*args, *avals)
   return closed.jaxpr, tuple(closed.consts)
@@ -508,15 +509,33 @@ def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
   return None
 
 
-def _functions(spec: Any, ops: Any) -> list:
-  """(name prefix, UserFunction, is score_mod, the call's lifted consts)."""
+def _functions(spec: Any) -> list:
+  """(operand name prefix, UserFunction, is score_mod) of the call's."""
   fs = spec.flex
   out = []
   if fs.score_mod is not None:
-    out.append(("score", fs.score_mod, True, ops.score_consts))
+    out.append(("score", fs.score_mod, True))
   if fs.mask_mod is not None:
-    out.append(("mask", fs.mask_mod, False, ops.mask_consts))
+    out.append(("mask", fs.mask_mod, False))
   return out
+
+
+def _tile(
+  refs: dict, prefix: str, fn: Any, score: bool, grad: bool, ops: Any,
+  shape: tuple, q_axis: int, q0: Any, kv0: Any, batch: Any, head: Any,
+) -> Tile:  # fmt: skip
+  """The `Tile` of a function whose arrays are the operands `prefix0`,
+  ... (`kernel_operands`: the call's lifted consts, then the captured)."""
+  n = len(fn.consts) + len(captured(fn, score, grad)[1])
+  arrays = tuple(refs[f"{prefix}{i}"] for i in range(n))
+  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays)
+
+
+def natural_units(spec: Any, t: jax.Array) -> jax.Array:
+  """The scaled (and softcapped) scores score_mod takes, from the kernels'
+  raw or softcapped ones (`common.softcapped`'s first result)."""
+  natural = spec.softmax_scale if spec.softcap is None else spec.softcap
+  return t * jnp.float32(natural)
 
 
 def kernel_operands(
@@ -525,24 +544,26 @@ def kernel_operands(
   *,
   q_pad: int,
   kv_pad: int,
-  rows_per_cta: int,
-  block_kv: int,
-  spans: bool = True,
+  rows_per_cta: int | None = None,
+  block_kv: int | None = None,
   grad: bool = False,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
   (`bm_state`, int32, padded with empty tiles to the padded sequences) and
-  per CTA tile the span of non-empty kernel K/V tiles (`bm_spans`, `[2,
-  batch, heads_q, q_tiles]`, what the producer streams); with a bias,
-  `bias` padded to the padded sequences."""
+  per CTA tile of `rows_per_cta` rows the span of non-empty `block_kv`-key
+  tiles (`bm_spans`, `[2, batch, heads_q, q_tiles]`, what the producer
+  streams; not without `rows_per_cta`: the dK/dV kernel walks no spans);
+  with a bias, `bias` padded to the padded sequences. `grad`: the
+  backward's score_mod operands (its jvp's arrays)."""
   out = {}
   if ops.bias is not None:  # whole tiles: padded to the padded sequences
     b = ops.bias
     out["bias"] = jnp.pad(
       b, ((0, 0), (0, 0), (0, q_pad - b.shape[2]), (0, kv_pad - b.shape[3]))
     )
-  for prefix, fn, score, consts in _functions(spec, ops):
+  for prefix, fn, score in _functions(spec):
+    consts = ops.score_consts if score else ops.mask_consts
     g = grad and score  # the backward's: the jvp's arrays
     reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g)
     arrays = tuple(consts) + captured(fn, score, g)[1]
@@ -560,7 +581,7 @@ def kernel_operands(
       constant_values=flex.EMPTY,
     )
     out["bm_state"] = state
-    if not spans:
+    if rows_per_cta is None:
       return out
     tiles = q_pad // rows_per_cta
     member = np.zeros((tiles, nq), bool)  # CTA tile t's block-mask rows
@@ -595,36 +616,32 @@ def kernel_scores(
   kv0: Any,
   batch: Any,
   head: Any,
-  q_axis: int = 0,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """One kernel tile through the flex options: `s` the scaled (and
-  softcapped) float32 scores in natural units, `q0`/`kv0` the tile's first
-  query and key positions along `q_axis` and the other axis; returns the
-  new scores and the mask (None: all visible)."""
+  """One forward tile through the flex options: `s` the scaled (and
+  softcapped) float32 scores in natural units, queries as rows from `q0`,
+  keys as columns from `kv0`; returns the new scores and the mask (None:
+  all visible)."""
 
   fs = spec.flex
   mask = None
   if fs.bias is not None:  # one tile a step, plain loads (L2-resident)
     nb, nh = fs.bias
-    n_q, n_kv = s.shape[q_axis], s.shape[1 - q_axis]
     ref = refs["bias"].at[
       batch if nb > 1 else 0,
       head if nh > 1 else 0,
-      pl.ds(q0, n_q),
-      pl.ds(kv0, n_kv),
+      pl.ds(q0, s.shape[0]),
+      pl.ds(kv0, s.shape[1]),
     ]
-    tile = ops.load_global_tile(ref).astype(jnp.float32)
-    s = s + (tile if q_axis == 0 else tile.T)
-  for prefix, fn, score, _ in _functions(spec, _NoOperands):
-    n = len(fn.consts) + len(captured(fn, score)[1])
-    tile = Tile(ops, s.shape, q_axis, q0, kv0, batch, head,
-                tuple(refs[f"{prefix}{i}"] for i in range(n)))  # fmt: skip
+    s = s + ops.load_global_tile(ref).astype(jnp.float32)
+  for prefix, fn, score in _functions(spec):
+    tile = _tile(
+      refs, prefix, fn, score, False, ops, s.shape, 0, q0, kv0, batch, head
+    )
     if score:
       s = evaluate(fn, tile, s)
     else:
       mask = evaluate(fn, tile)
-  return s, _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head,
-                        q_axis)  # fmt: skip
+  return s, _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head, 0)
 
 
 def kernel_mask(
@@ -646,9 +663,9 @@ def kernel_mask(
   mask = None
   if fs.mask_mod is not None:
     fn = fs.mask_mod
-    n = len(fn.consts) + len(captured(fn, False)[1])
-    tile = Tile(ops, shape, q_axis, q0, kv0, batch, head,
-                tuple(refs[f"mask{i}"] for i in range(n)))  # fmt: skip
+    tile = _tile(
+      refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch, head
+    )
     mask = evaluate(fn, tile)
   return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
 
@@ -691,9 +708,9 @@ def kernel_score_grad(
   on a tile of natural-unit scores `s` (operands `score{i}` from
   `kernel_operands(..., grad=True)`)."""
   fn = spec.flex.score_mod
-  n = len(fn.consts) + len(captured(fn, True, True)[1])
-  tile = Tile(ops, s.shape, q_axis, q0, kv0, batch, head,
-              tuple(refs[f"score{i}"] for i in range(n)))  # fmt: skip
+  tile = _tile(
+    refs, "score", fn, True, True, ops, s.shape, q_axis, q0, kv0, batch, head
+  )
   return evaluate_with_grad(fn, tile, s)
 
 
@@ -722,7 +739,3 @@ def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
     else:
       mask = (rows == flex.FULL) | (mask & (rows == flex.PARTIAL))
   return mask
-
-
-class _NoOperands:
-  score_consts = mask_consts = ()

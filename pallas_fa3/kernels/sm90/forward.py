@@ -162,8 +162,7 @@ def _query_tile(
       # alone leaves the scores raw, scaled once in the exponent as always
       units = spec.flex.score_mod is not None or spec.flex.bias is not None
       if units:
-        natural = spec.softmax_scale if spec.softcap is None else spec.softcap
-        s = s * jnp.float32(natural)
+        s = flex_tile.natural_units(spec, s)
         scale_log2 = jnp.float32(LOG2E)
       s, mask = flex_tile.kernel_scores(
         spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head
