@@ -235,3 +235,49 @@ def test_a_setmaxnreg_that_ptxas_ignored_fails_the_compile(tmp_path, note):
   (tmp_path / "fa3_fwd_0.ptxas").write_text(report.split("\n", 1)[1])
   (kernel,) = aot_compile.kernel_profiles(tmp_path, "d128")
   assert ptx_profile.register_problems(kernel) == []
+
+
+# A consumer loop as ptxas writes it (Mosaic's `.sass_ctrl`): the S GEMM,
+# the P.V GEMM, a partial wait, then the softmax's exp2. `hoisted` waits for
+# every group first, as ptxas does when it cannot keep P.V in flight.
+_SASS = """
+.L_x_3:
+   -:-:-:Y:01        /*4a00*/                   HGMMA.64x192x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT, gsb0 ;
+   -:-:-:Y:01        /*4b80*/                   HGMMA.64x64x16.F32.BF16 R120, R152, gdesc[UR8].tnspB, R120, gsb0 ;
+   -:-:-:-:02        /*4d40*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+{hoisted}   -:-:-:Y:01        /*5780*/                   MUFU.EX2 R31, R52 ;
+   -:-:-:Y:01        /*5790*/                   MUFU.EX2 R32, R53 ;
+   -:-:-:-:02        /*5800*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+   -:-:-:Y:05        /*5810*/              @!P1 BRA `(.L_x_3) ;
+   -:-:-:Y:05        /*5820*/                   EXIT ;
+"""
+_FULL_WAIT = "   -:-:-:-:02        /*5110*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+
+
+@pytest.mark.parametrize("hoisted", [False, True])
+def test_sass_exp2_under_an_in_flight_wgmma(hoisted):
+  sass = _SASS.replace("{hoisted}", _FULL_WAIT if hoisted else "")
+  assert ptx_profile.sass_ex2_in_flight(sass) == ((0, 2) if hoisted else (2, 2))
+  p = ptx_profile.profile_ptx(
+    "k",
+    _PTX,
+    registers=168,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=2048,
+    sass=sass,
+  )
+  # The PTX loop: its exp2 follows a partial wait (wait_group 1).
+  assert p.ex2_in_flight == (1, 1)
+  assert p.sass_ex2_in_flight == ((0, 2) if hoisted else (2, 2))
+  row = ptx_profile.table([p]).splitlines()[2]
+  assert (" 1/1 0/2 |" if hoisted else " 1/1 2/2 |") in row
+
+
+def test_in_flight_reads_the_loop_cyclically():
+  # Rotated: the exp2 comes first in the body, under the previous step's
+  # P.V (issued at the end of the body, retired by the wait that follows).
+  events = ["ex2", "wait0", "mma", "wait", "ex2", "mma"]
+  assert ptx_profile.ex2_under_wgmma(events) == (2, 2)
+  assert ptx_profile.ex2_under_wgmma(["ex2", "ex2"]) == (0, 2)
+  assert ptx_profile.ex2_under_wgmma(["mma", "ex2", "wait"]) == (1, 1)

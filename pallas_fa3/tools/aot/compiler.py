@@ -13,6 +13,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -108,6 +109,18 @@ def setmaxnreg_notes(ptxas_report: str) -> tuple[str, ...]:
   return tuple(m.strip() for m in _SETMAXNREG_IGNORED.findall(ptxas_report))
 
 
+def _cuda_bin() -> str:
+  """The folder of the pip CUDA tools (ptxas, nvdisasm) beside this jax."""
+  for package in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+    try:
+      spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:
+      continue
+    if spec and spec.submodule_search_locations:
+      return os.path.join(list(spec.submodule_search_locations)[0], "bin")
+  return os.environ.get("PATH", "")
+
+
 def h200_mesh() -> Mesh:
   """A one-device mesh of the H200 compile-only target."""
   import jax
@@ -120,7 +133,8 @@ def h200_mesh() -> Mesh:
 
 
 def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
-  """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`)."""
+  """One profile per kernel Mosaic dumped (`<kernel>_<n>.ptx/.ptxas/...`,
+  `.sass_ctrl` where nvdisasm is installed)."""
   profiles = []
   for ptxas in sorted(dump.glob("*.ptxas")):
     stem = ptxas.name[: -len(".ptxas")]
@@ -129,9 +143,11 @@ def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
     resources = dump / f"{stem}.resources.txt"
     smem = _SMEM.search(resources.read_text()) if resources.exists() else None
     ptx = dump / f"{stem}.ptx"
+    sass = dump / f"{stem}.sass_ctrl"
+    kernel = stem.rsplit("_", 1)[0]
     profiles.append(
       ptx_profile.profile_ptx(
-        f"{stem.rsplit('_', 1)[0]} {label}",
+        f"{kernel} {label}",
         ptx.read_text() if ptx.exists() else "",
         registers=regs,
         spill_store_bytes=stores,
@@ -139,6 +155,7 @@ def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
         smem_bytes=int(smem.group(1)) if smem else None,
         wgmma_serialized=_SERIALIZED in report,
         setmaxnreg_ignored=setmaxnreg_notes(report),
+        sass=sass.read_text() if sass.exists() else None,
       )
     )
   if not profiles:
@@ -171,10 +188,13 @@ def short_label(
 
 
 def compile_report(
-  name: str, fn: Callable[..., Any], shapes: list, label: str | None = None
+  name: str,
+  fn: Callable[..., Any],
+  shapes: list,
+  label: str | None = None,
 ) -> CompileReport:
   """Compiles `jax.jit(fn)` on `shapes` for sm_90a; ptxas's report and each
-  Mosaic kernel's profile."""
+  Mosaic kernel's profile (`kernel_profiles`)."""
   import jax
 
   with tempfile.TemporaryDirectory() as dump:
@@ -185,6 +205,8 @@ def compile_report(
       MOSAIC_GPU_DUMP_RESOURCES="1",
       MOSAIC_GPU_DUMP_TO=dump,
     )
+    if shutil.which("nvdisasm", path=_cuda_bin()):  # the SASS, for overlap
+      flags["MOSAIC_GPU_DUMP_SASS_CTRL"] = "1"
     os.environ.update(flags)
     try:
       jax.jit(fn).lower(*shapes).compile()

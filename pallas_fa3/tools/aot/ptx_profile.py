@@ -1,10 +1,12 @@
-"""A static profile of one compiled kernel, read off its PTX and ptxas report:
-what a schedule change moves, counted before any GPU (threads, registers,
-the setmaxnreg split against the CTA's register pool, named barriers,
-spills, shared memory, wgmma shapes, `wgmma.wait_group` depths, mbarrier
-arrivals, TMA copies, and the instruction mix of the steady-state loop),
-and the problems that fail `pallas-fa3 aot` (`register_problems`,
-`named_barrier_problems`): docs/kernels.md#the-static-ptx-profile.
+"""A static profile of one compiled kernel, read off its PTX, its SASS (when
+nvdisasm is installed) and ptxas report: what a schedule change moves,
+counted before any GPU (threads, registers, the setmaxnreg split against
+the CTA's register pool, named barriers, spills, shared memory, wgmma
+shapes, `wgmma.wait_group` depths, mbarrier arrivals, TMA copies, the instruction mix of the steady-state loop,
+and how many of its exp2 issue under an in-flight wgmma in the PTX and
+after ptxas), and the problems that fail `pallas-fa3 aot`
+(`register_problems`, `named_barrier_problems`):
+docs/kernels.md#the-static-ptx-profile.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ _NAMED_BARRIER = re.compile(
 )
 # Hardware named barriers per CTA (ids 0-15).
 _NAMED_BARRIERS = 16
+# Mosaic's `*.sass_ctrl` lines: `WAIT:RD:WR:Y:STALL  /*addr*/  [@P] OP args`.
+_SASS_INSTR = re.compile(
+  r"^\s*[-0-9a-fx&]+:[-0-9]+:[-0-9]+:[-Y]:\d+\s+/\*[0-9a-f]+\*/\s+"
+  r"(?:@!?U?P[T\d]+\s+)?([A-Z][\w.]*)\s*(.*?)\s*;?\s*$"
+)
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 # Loop-mix columns: a name and the opcode prefixes it counts.
 LOOP_COLUMNS = {
@@ -80,6 +89,11 @@ class KernelProfile:
   # C7508: "'setmaxnreg' ignored; ..."): the warpgroups then keep the
   # launch count, whatever the PTX asks for.
   setmaxnreg_ignored: tuple[str, ...] = ()
+  # (exp2 issued while a wgmma group is in flight, all exp2) over the
+  # innermost loops that issue wgmma: in the PTX, and in the SASS ptxas
+  # made of it (None: no SASS was dumped, nvdisasm missing).
+  ex2_in_flight: tuple[int, int] = (0, 0)
+  sass_ex2_in_flight: tuple[int, int] | None = None
 
 
 def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
@@ -153,9 +167,10 @@ def _named_barriers(ptx: str, threads: int) -> tuple[tuple[int, int], ...]:
   return tuple(sorted(found))
 
 
-def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
-  """(line index, opcode) of every PTX instruction; inline-assembly lines
-  (`{ .reg .pred p; setp...; wgmma...; }`) hold several."""
+def _statements(lines: Sequence[str]) -> Iterator[tuple[int, str, str]]:
+  """(line index, opcode, statement) of every PTX instruction;
+  inline-assembly lines (`{ .reg .pred p; setp...; wgmma...; }`) hold
+  several."""
   for i, line in enumerate(lines):
     code = line.split("//", 1)[0]
     for stmt in code.replace("{", ";").replace("}", ";").split(";"):
@@ -164,7 +179,13 @@ def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
         stmt = stmt.split(" ", 1)[1] if " " in stmt else ""
       match = _OPCODE.match(stmt)
       if match and not stmt.startswith("."):
-        yield i, match.group(1)
+        yield i, match.group(1), stmt
+
+
+def _instructions(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
+  """(line index, opcode) of every PTX instruction."""
+  for i, op, _ in _statements(lines):
+    yield i, op
 
 
 def _loops(lines: Sequence[str]) -> list[tuple[int, int]]:
@@ -241,6 +262,95 @@ def _exposed_loads(ops: Sequence[str]) -> int:
   return count
 
 
+def ex2_under_wgmma(events: Sequence[str]) -> tuple[int, int]:
+  """(exp2 under an in-flight wgmma, all exp2) of one loop body, given as
+  events: "mma" (a wgmma issued), "wait0" (a wait that retires every
+  group), "wait" (one that leaves groups in flight) and "ex2". Read
+  cyclically from the first full wait (compilers rotate loops); a loop with
+  no full wait always has a group in flight once one issued."""
+  ex2 = sum(e == "ex2" for e in events)
+  if "mma" not in events:
+    return 0, ex2
+  if "wait0" not in events:
+    return ex2, ex2
+  start = events.index("wait0")
+  flying, count = False, 0
+  for e in list(events[start:]) + list(events[:start]):
+    if e == "mma":
+      flying = True
+    elif e == "wait0":
+      flying = False
+    elif e == "ex2" and flying:
+      count += 1
+  return count, ex2
+
+
+def _ptx_event(op: str, stmt: str) -> str | None:
+  if op.startswith("wgmma.mma_async"):
+    return "mma"
+  if op.startswith("wgmma.wait_group"):
+    wait = _WAIT.search(stmt + ";")
+    return "wait0" if wait and wait.group(1) == "0" else "wait"
+  return "ex2" if op.startswith("ex2.") else None
+
+
+def ptx_ex2_in_flight(ptx: str) -> tuple[int, int]:
+  """`ex2_under_wgmma` summed over the PTX's innermost loops that issue wgmma."""
+  lines = ptx.splitlines()
+  stmts = list(_statements(lines))
+  found, total = 0, 0
+  for first, last in _innermost(_loops(lines)):
+    events = [
+      e
+      for i, op, stmt in stmts
+      if first <= i <= last and (e := _ptx_event(op, stmt))
+    ]
+    if "mma" in events:
+      a, b = ex2_under_wgmma(events)
+      found, total = found + a, total + b
+  return found, total
+
+
+def _sass_event(op: str, args: str) -> str | None:
+  if op.startswith("HGMMA."):
+    return "mma"
+  if op.startswith("WARPGROUP.DEPBAR"):
+    depth = args.rsplit(",", 1)[-1].strip()
+    return "wait0" if int(depth, 0) == 0 else "wait"
+  return "ex2" if op.startswith("MUFU.EX2") else None
+
+
+def sass_ex2_in_flight(sass: str) -> tuple[int, int]:
+  """`ex2_under_wgmma` summed over the SASS's innermost loops (a backward branch
+  whose region holds no EXIT) that issue HGMMA: what ptxas kept of the
+  PTX's overlap (it may hoist a wait above the softmax)."""
+  ops, labels = [], {}
+  for line in sass.splitlines():
+    label = _SASS_LABEL.match(line.strip())
+    if label:
+      labels[label.group(1)] = len(ops)
+      continue
+    m = _SASS_INSTR.match(line)
+    if m:
+      ops.append((m.group(1), m.group(2)))
+  exits = [i for i, (op, _) in enumerate(ops) if op == "EXIT"]
+  loops = []
+  for i, (op, args) in enumerate(ops):
+    target = _SASS_TARGET.search(args) if op == "BRA" else None
+    first = labels.get(target.group(1), i + 1) if target else i + 1
+    if first <= i and not any(first <= e <= i for e in exits):
+      loops.append((first, i))
+  found, total = 0, 0
+  for first, last in _innermost(sorted(set(loops))):
+    events = [
+      e for op, args in ops[first : last + 1] if (e := _sass_event(op, args))
+    ]
+    if "mma" in events:
+      a, b = ex2_under_wgmma(events)
+      found, total = found + a, total + b
+  return found, total
+
+
 def _arrival_counts(ptx: str) -> tuple[int, ...]:
   consts: dict[str, int] = {}
   counts = []
@@ -277,8 +387,10 @@ def profile_ptx(
   smem_bytes: int | None,
   wgmma_serialized: bool = False,
   setmaxnreg_ignored: tuple[str, ...] = (),
+  sass: str | None = None,
 ) -> KernelProfile:
-  """The profile of one kernel from its PTX text and ptxas's figures."""
+  """The profile of one kernel from its PTX text, ptxas's figures and (if
+  dumped) its SASS with control codes."""
   lines = ptx.splitlines()
   ops = [op for _, op in _instructions(lines)]
   wgmma = collections.Counter(
@@ -312,6 +424,8 @@ def profile_ptx(
     wgmma_serialized=wgmma_serialized,
     named_barriers=_named_barriers(ptx, cta_threads),
     setmaxnreg_ignored=tuple(setmaxnreg_ignored),
+    ex2_in_flight=ptx_ex2_in_flight(ptx),
+    sass_ex2_in_flight=None if sass is None else sass_ex2_in_flight(sass),
   )
 
 
@@ -322,6 +436,7 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     "| kernel | threads | regs | setmaxnreg | reg pool need/have |"
     " spill st/ld B | smem KiB | wgmma |"
     " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
+    " ex2 under wgmma PTX SASS |"
     " loop " + " ".join(loop_cols) + " |"
   )
   rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -339,6 +454,17 @@ def table(profiles: Iterable[KernelProfile]) -> str:
       f"{p.spill_load_bytes} | {smem} | {shapes}"
       f"{' (serialized)' if p.wgmma_serialized else ''} | {waits} |"
       f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
-      f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} | {loop} |"
+      f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} |"
+      f" {_overlap_cell(p)} | {loop} |"
     )
   return "\n".join(rows)
+
+
+def _overlap_cell(p: KernelProfile) -> str:
+  ptx = "{}/{}".format(*p.ex2_in_flight)
+  sass = (
+    "?"
+    if p.sass_ex2_in_flight is None
+    else "{}/{}".format(*p.sass_ex2_in_flight)
+  )
+  return f"{ptx} {sass}"
