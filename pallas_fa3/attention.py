@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, flex, kvcache, modifiers, segments, vjp
+from pallas_fa3 import backends, flex, kvcache, modifiers, rotary, segments, vjp
 from pallas_fa3.backends.base import Backend, Decode, Prefill, StaticCall
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.kvcache import DecodeSpec, make_decode_spec
@@ -228,10 +228,20 @@ def _check_device_for_eager_call(backend: Backend, *arrays: Any) -> None:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _decode(
   call: StaticCall, return_lse: bool, q, k_cache, v_cache, k, v, seqlens,
-  pages, batch_idx, sinks, descale, signs, flex_ops=None,
+  pages, batch_idx, sinks, descale, signs, flex_ops=None, starts=None,
+  cos_sin=None,
 ):  # fmt: skip
   spec = call.spec
   rows = kvcache.cache_rows(spec, batch_idx)
+  if spec.rotary_dim:  # at each sequence's slots (FA3's positions)
+    rope = lambda x, pos: rotary.apply_rotary(
+      x, *cos_sin, pos, interleaved=spec.rotary_interleaved
+    )
+    per_token = spec.causal or spec.window_size is not None
+    q = rope(
+      q, rotary.decode_positions(seqlens, spec.seq_q, per_token=per_token)
+    )
+    k = rope(k, rotary.decode_positions(seqlens, spec.seq_new, per_token=True))
   if signs is not None:  # the cache holds K M: the scores need q M
     q = kvcache.rotate(q, signs).astype(q.dtype)
   if k is not None:  # one scatter each: in place when the caches are donated
@@ -246,13 +256,15 @@ def _decode(
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
   operands = Decode(
-    q, k_cache, v_cache, lengths, rows, pages, sinks, descale, flex_ops
+    q, k_cache, v_cache, lengths, rows, pages, sinks, descale, flex_ops, starts
   )
   out, lse = vjp.call(call, sharding_checks.vary_alike(operands))
   # A traced length past the cache (or negative), or a traced page or row
   # index that is not the cache's, cannot raise: its sequence's rows are
   # NaN, never a silently wrong result.
   bad = (seqlens < 0) | (lengths > spec.capacity)
+  if starts is not None:
+    bad |= (starts < 0) | (starts > seqlens)
   bad |= kvcache.invalid_sequences(spec, lengths, rows, pages)
   out = jnp.where(bad[:, None, None, None], jnp.nan, out)
   lse = jnp.where(bad[:, None, None], jnp.nan, lse)
@@ -305,6 +317,10 @@ def flash_attention_with_kvcache(
   score_mod: Any = None,
   mask_mod: Any = None,
   block_mask: flex.BlockMask | None = None,
+  rotary_cos: jax.Array | None = None,
+  rotary_sin: jax.Array | None = None,
+  rotary_interleaved: bool = True,
+  cache_leftpad: jax.Array | None = None,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -360,6 +376,20 @@ def flash_attention_with_kvcache(
     block_mask: a `BlockMask` over sequence positions, built for
       `seq_q = seq_kv =` the cache capacity (`cache_len`, or
       `pages_per_seq * page_size`); query rows read it at their positions.
+    rotary_cos, rotary_sin: optional `[seqlen_ro, rotary_dim / 2]` tables
+      (FA3's): the appended k (required with them) is rotated at positions
+      `cache_seqlens[b] + i` before it is written, and q at the same
+      positions when `causal` or a `window_size` is set, else all at
+      `cache_seqlens[b]`. The first `rotary_dim` features rotate, in
+      float32; `seqlen_ro` must cover the cache's capacity.
+    rotary_interleaved: True (FA3's default, GPT-J): pairs `(2i, 2i+1)`;
+      False (GPT-NeoX): pairs `(i, i + rotary_dim / 2)`.
+    cache_leftpad: optional int32 `[batch]`: sequence b's cached tokens
+      are the slots `[cache_leftpad[b], cache_seqlens[b])` (left padding;
+      `cache_seqlens` counts the padding, and new tokens go at
+      `cache_seqlens[b]`, as in FA3). Positions (masks, score_mod,
+      rotary) stay slot indices; the slots before it are never read into
+      the output (garbage, NaN included, is fine there).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
@@ -395,6 +425,10 @@ def flash_attention_with_kvcache(
     sinks=sinks is not None,
     num_splits=num_splits,
     head_dim_v=head_dim_v,
+    cache_leftpad=cache_leftpad,
+    rotary_cos=rotary_cos,
+    rotary_sin=rotary_sin,
+    rotary_interleaved=rotary_interleaved,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
   flex_spec, flex_ops = flex.prepare(
@@ -445,4 +479,6 @@ def flash_attention_with_kvcache(
     descale,
     signs,
     flex_ops,
+    None if cache_leftpad is None else jnp.asarray(cache_leftpad, jnp.int32),
+    (rotary_cos, rotary_sin) if spec.rotary_dim else None,
   )

@@ -6,7 +6,8 @@ cache whose first `head_dim_v` columns are V), appending new tokens in place
 and gathering a sequence's logical K/V, and the e4m3 cache (FA3's descales,
 `quantize_kv_cache`, the optional rotation of K). Sequence b holds
 `L_b = cache_seqlens[b] + seq_new` keys; its query i sits at position
-`L_b - seq_q + i` (bottom-right). docs/decoding.md
+`L_b - seq_q + i` (bottom-right); with `cache_leftpad` its keys are the
+slots `[cache_leftpad[b], L_b)` (FA3's convention). docs/decoding.md
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import modifiers
+from pallas_fa3 import modifiers, rotary
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.quant import hadamard
 from pallas_fa3.quant.config import FP8Config
@@ -74,6 +75,9 @@ class DecodeSpec:
   num_splits: int | None = None  # None: the backend chooses
   v_in_k: bool = False  # v_cache=None: V = k_cache[..., :head_dim_v]
   flex: Any = None  # flex.FlexSpec: score_mod / mask_mod / block_mask
+  leftpad: bool = False  # cache_leftpad given: keys start at it
+  rotary_dim: int = 0  # rotary_cos/sin given: features rotated (0: none)
+  rotary_interleaved: bool = True  # with rotary_dim: GPT-J pairs
 
   @property
   def fp8_cache(self) -> bool:
@@ -110,12 +114,13 @@ def query_positions(spec: DecodeSpec, length: Any, q_idx: Any) -> Any:
 
 
 def visible_in_cache(
-  spec: DecodeSpec, length: Any, q_idx: Any, kv_pos: Any
+  spec: DecodeSpec, length: Any, q_idx: Any, kv_pos: Any, start: Any = 0
 ) -> jax.Array:
   """Whether query `q_idx` (0..seq_q-1) of a sequence of `length` keys sees
-  key position `kv_pos` (arrays that broadcast against each other)."""
+  key position `kv_pos` (arrays that broadcast against each other);
+  `start`: its first key (`cache_leftpad`)."""
   pos = query_positions(spec, length, q_idx)
-  mask = (kv_pos < length) & (kv_pos >= 0)
+  mask = (kv_pos < length) & (kv_pos >= start)
   if spec.window_right is not None:
     mask = mask & (kv_pos <= pos + spec.window_right)
   if spec.window_left is not None:
@@ -123,13 +128,14 @@ def visible_in_cache(
   return mask
 
 
-def key_range(spec: DecodeSpec, length: Any) -> tuple[Any, Any]:
+def key_range(spec: DecodeSpec, length: Any, start: Any = 0) -> tuple[Any, Any]:
   """[first, end) of the key positions any query of a sequence of `length`
-  keys sees (end <= first when none does)."""
+  keys (from `start`, its `cache_leftpad`) sees (end <= first when none
+  does)."""
   end = length  # the last query sits at length - 1: any right bound holds
-  first = 0
+  first = start
   if spec.window_left is not None:  # the first query's left bound
-    first = jnp.maximum(length - spec.seq_q - spec.window_left, 0)
+    first = jnp.maximum(length - spec.seq_q - spec.window_left, start)
   return first, end
 
 
@@ -304,6 +310,10 @@ def make_decode_spec(
   sinks: bool = False,
   num_splits: Any = None,
   head_dim_v: Any = None,
+  cache_leftpad: Any = None,
+  rotary_cos: Any = None,
+  rotary_sin: Any = None,
+  rotary_interleaved: Any = True,
 ) -> DecodeSpec:
   """Validates a `flash_attention_with_kvcache` call; returns its spec
   (`v_cache=None` with `head_dim_v`: V is `k_cache[..., :head_dim_v]`).
@@ -410,6 +420,22 @@ def make_decode_spec(
         f" holds {capacity} tokens per sequence (cache_seqlens="
         f"{[int(x) for x in lengths]}, seq_new={seq_new})"
       )
+  _check_leftpad(cache_leftpad, b, lengths)
+  rotary_dim = rotary.check_rotary(
+    rotary_cos, rotary_sin, head_dim=d, capacity=capacity
+  )
+  if rotary_dim and not seq_new:
+    raise ValueError(
+      "rotary_cos / rotary_sin rotate q and the appended k at their"
+      " positions: new tokens k (and v) must be given with them (FA3's"
+      " rule; the cache already holds rotated keys)"
+    )
+  if rotary_dim and v_in_k:
+    raise ValueError(
+      "rotary_cos / rotary_sin cannot be combined with v_cache=None: V is"
+      f" k's first {vc_shape[3]} columns, and rotary rotates k's first"
+      f" {rotary_dim}; apply RoPE to the key's rope columns before the call"
+    )
   _check_cache_indices(
     page_table if paged else cache_batch_idx,
     kc_shape[0],
@@ -444,7 +470,30 @@ def make_decode_spec(
     sinks=bool(sinks),
     num_splits=num_splits,
     v_in_k=v_in_k,
+    leftpad=cache_leftpad is not None,
+    rotary_dim=rotary_dim,
+    rotary_interleaved=check_bool("rotary_interleaved", rotary_interleaved),
   )
+
+
+def _check_leftpad(leftpad: Any, batch: int, lengths: Any) -> None:
+  """`cache_leftpad`: None or int32 `[batch]`, each entry in `0 ..
+  cache_seqlens[b]` when both are concrete (traced values out of range
+  give NaN rows)."""
+  if leftpad is None:
+    return
+  _int_vector("cache_leftpad", leftpad, batch)
+  if isinstance(leftpad, jax.core.Tracer) or lengths is None:
+    return
+  pad = np.asarray(jax.device_get(leftpad))
+  bad = (pad < 0) | (pad > np.asarray(lengths))
+  if bad.any():
+    i = int(np.argwhere(bad)[0, 0])
+    raise ValueError(
+      f"cache_leftpad[{i}] = {int(pad[i])} must be in 0..cache_seqlens[{i}]"
+      f" = {int(lengths[i])}: sequence {i}'s cached tokens are the slots"
+      f" [cache_leftpad, cache_seqlens); cache_leftpad={pad.tolist()}"
+    )
 
 
 def cache_rows(spec: DecodeSpec, cache_batch_idx: Any) -> jax.Array:
@@ -606,11 +655,19 @@ def dequantize(x8: jax.Array, descale: jax.Array) -> jax.Array:
   return x8.astype(jnp.float32) * descale[:, None, :, None]
 
 
-def _amax(x: jax.Array, n: jax.Array | None) -> jax.Array:
-  """`[rows, heads]` amax of `[rows, tokens, heads, d]` over tokens < n."""
+def _amax(
+  x: jax.Array, n: jax.Array | None, lo: jax.Array | None = None
+) -> jax.Array:
+  """`[rows, heads]` amax of `[rows, tokens, heads, d]` over the tokens
+  `lo <= t < n`."""
   x = jnp.abs(x.astype(jnp.float32))
-  if n is not None:
-    live = jnp.arange(x.shape[1])[None, :] < n[:, None]
+  if n is not None or lo is not None:
+    t = jnp.arange(x.shape[1])[None, :]
+    live = jnp.ones((x.shape[0], x.shape[1]), bool)
+    if n is not None:
+      live &= t < n[:, None]
+    if lo is not None:
+      live &= t >= lo[:, None]
     x = jnp.where(live[:, :, None, None], x, 0.0)
   return jnp.max(x, axis=(1, 3))
 
@@ -622,6 +679,7 @@ def quantize_kv_cache(
   page_table: jax.Array | None = None,
   cache_seqlens: Any = None,
   rotation: Any = None,
+  cache_leftpad: Any = None,
 ) -> FP8KVCache:
   """A bf16/fp16/fp32 KV cache in e4m3 with FA3's per-(sequence, KV head)
   descales: `amax / 448` of the sequence's tokens, so nothing saturates.
@@ -637,6 +695,9 @@ def quantize_kv_cache(
     cache_seqlens: None (every slot counts) or int32 `[batch]`: only each
       sequence's first `cache_seqlens[b]` tokens set its descale (the rest
       may be garbage, NaN included; it is quantized all the same).
+    cache_leftpad: None or int32 `[batch]`: the slots before it are
+      padding too (as `flash_attention_with_kvcache`'s): left out of the
+      descales.
     rotation: None, True, an int seed or a PRNG key: store K rotated (see
       the module docstring); pass the same value as `cache_rotation=` to
       `flash_attention_with_kvcache`.
@@ -671,13 +732,15 @@ def quantize_kv_cache(
   signs = rotation_signs(rotation, k_cache.shape[3])
   caches = [rotate(k_cache, signs)] + ([] if v_cache is None else [v_cache])
   n = None if cache_seqlens is None else jnp.asarray(cache_seqlens, jnp.int32)
-  batch = caches[0].shape[0]
-  if page_table is None:
-    if n is not None and n.shape != (batch,):
+  lo = None if cache_leftpad is None else jnp.asarray(cache_leftpad, jnp.int32)
+  batch = caches[0].shape[0] if page_table is None else len(page_table)
+  for name, x in (("cache_seqlens", n), ("cache_leftpad", lo)):
+    if x is not None and x.shape != (batch,):
       raise ValueError(
-        f"cache_seqlens must have shape [batch] = ({batch},); got {n.shape}"
+        f"{name} must have shape [batch] = ({batch},); got {x.shape}"
       )
-    descales = [scale_of(_amax(c, n)) for c in caches]
+  if page_table is None:
+    descales = [scale_of(_amax(c, n, lo)) for c in caches]
     rows = jnp.arange(batch)
   else:
     pt = jnp.asarray(page_table, jnp.int32)
@@ -687,8 +750,8 @@ def quantize_kv_cache(
       )
     seq = lambda c: c[pt].reshape((pt.shape[0], -1) + c.shape[2:])
     per_head = lambda a: jnp.broadcast_to(a.max(0), a.shape)
-    descales = [scale_of(per_head(_amax(seq(c), n))) for c in caches]
-    rows = jnp.zeros((batch,), jnp.int32)  # every page: the head's
+    descales = [scale_of(per_head(_amax(seq(c), n, lo))) for c in caches]
+    rows = jnp.zeros((caches[0].shape[0],), jnp.int32)  # every page: the head's
   for (name, _), d in zip(named, descales):
     if not isinstance(d, jax.core.Tracer) and not np.all(np.isfinite(d)):
       raise ValueError(

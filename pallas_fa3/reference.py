@@ -388,9 +388,11 @@ def reference_decode(
   sinks: jax.Array | None,
   descale: tuple[jax.Array, jax.Array] | None = None,
   flex_ops: Any = None,
+  starts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) for
-  sequences of `lengths[b]` keys (the appended tokens already written);
+  sequences of keys `[starts[b], lengths[b])` (the appended tokens already
+  written; `starts` None: 0);
   an e4m3 cache is dequantized with `descale = (k_descale, v_descale)`;
   `v_cache` None with `spec.v_in_k`; `flex_ops` those of `spec.flex`
   (score_mod / mask_mod at sequence positions)."""
@@ -405,7 +407,9 @@ def reference_decode(
     k = k * descale[0][:, None, :, None]
     v = v * descale[1][:, None, :, None]
   pos = jnp.arange(spec.capacity)
-  keep = (pos[None, :] < lengths[:, None])[:, :, None, None]
+  start = jnp.zeros_like(lengths) if starts is None else starts
+  keep = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= start[:, None])
+  keep = keep[:, :, None, None]
   v = jnp.where(keep, v, 0.0)  # 0 x NaN past the length would be NaN
   qg = q.astype(f32).reshape(b, sq, hk, g, spec.head_dim)
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=HIGHEST)
@@ -418,6 +422,7 @@ def reference_decode(
     lengths[:, None, None],
     jnp.arange(sq)[None, :, None],
     pos[None, None, :],
+    start[:, None, None],
   )[:, None, None]  # [b, 1, 1, sq, capacity]
   if spec.flex is not None:
     s, fmask = flex.decode_scores(
@@ -453,10 +458,11 @@ def golden_decode(
   page_table: Any = None,
   sinks: Any = None,
   descale: Any = None,
+  starts: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Float64 (out, lse) of every sequence: `flash_attention`'s golden on
-  its logical keys `[0, lengths[b])` (bottom-right causal and windows, as
-  in the decode semantics). A sequence of length 0 sees no key; `v_cache`
+  its logical keys `[starts[b], lengths[b])` (`starts` None: 0;
+  bottom-right causal and windows, as in the decode semantics). A sequence of length 0 sees no key; `v_cache`
   None with `spec.v_in_k` (V: the K cache's columns). `rows`:
   `cache_batch_idx` (contiguous), `page_table` (paged); an e4m3 cache is
   dequantized with `descale = (k_descale, v_descale)` first."""
@@ -479,8 +485,9 @@ def golden_decode(
   outs, lses = [], []
   for i in range(spec.batch):
     n = int(lengths[i])
+    first = 0 if starts is None else int(starts[i])
     qi = np.asarray(q[i : i + 1])
-    if n == 0:
+    if n <= first:
       out = np.zeros(qi.shape[:3] + (spec.head_dim_v,))
       lse = np.full((1, spec.heads_q, spec.seq_q), -np.inf)
       if sinks is not None:
@@ -488,8 +495,8 @@ def golden_decode(
     else:
       out, lse = golden_attention(
         qi,
-        k[i : i + 1, :n],
-        v[i : i + 1, :n],
+        k[i : i + 1, first:n],
+        v[i : i + 1, first:n],
         causal=spec.causal,
         softmax_scale=spec.softmax_scale,
         window_size=spec.window_size,

@@ -322,10 +322,12 @@ def decode_golden_and_naive(
   k_cache: Any,
   v_cache: Any,
   sinks: Any = None,
+  starts: Any = None,
 ) -> tuple[tuple, tuple]:
   """((golden out, lse), (naive out, lse)) of every sequence of `case`
   against the (updated) caches: float64, and every intermediate in q's
-  dtype. `v_cache` None with `spec.v_in_k`."""
+  dtype. `v_cache` None with `spec.v_in_k`; `starts`: cache_leftpad (a
+  sequence's keys are the slots `[starts[b], length)`)."""
   lengths = np.asarray(case.cache_seqlens) + spec.seq_new
   golden = golden_decode(
     spec,
@@ -336,6 +338,7 @@ def decode_golden_and_naive(
     case.cache_batch_idx,
     case.page_table,
     sinks,
+    starts=starts,
   )
   ids = cache_rows(spec, case.cache_batch_idx)
   k = gather(spec, jnp.asarray(k_cache), ids, case.page_table)
@@ -346,8 +349,9 @@ def decode_golden_and_naive(
   outs, lses = [], []
   for b in range(spec.batch):
     n = int(lengths[b])
+    first = 0 if starts is None else int(starts[b])
     qb = case.q[b : b + 1]
-    if n == 0:
+    if n <= first:
       outs.append(np.zeros(qb.shape[:3] + (spec.head_dim_v,)))
       lse = np.full((1, spec.heads_q, spec.seq_q), -np.inf)
       if sinks is not None:
@@ -356,8 +360,8 @@ def decode_golden_and_naive(
       continue
     out, lse = reference_attention(
       qb,
-      k[b : b + 1, :n],
-      v[b : b + 1, :n],
+      k[b : b + 1, first:n],
+      v[b : b + 1, first:n],
       causal=spec.causal,
       softmax_scale=spec.softmax_scale,
       window_size=spec.window_size,

@@ -161,12 +161,14 @@ class Backend:
     sinks: jax.Array | None,
     descale: tuple[jax.Array, jax.Array] | None,
     flex: Any = None,
+    starts: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) over each sequence's `lengths[b]` keys (the appended
-    tokens already written): `rows` the contiguous cache rows, `v_cache`
-    None with `spec.v_in_k` (V: k_cache's first head_dim_v columns),
-    `sinks` float32 `[b, hq]`, `descale` an e4m3 cache's `(k_descale,
-    v_descale)`, each `[b, hk]`, `flex` the operands of `spec.flex`."""
+    """(out, lse) over each sequence's keys `[starts[b], lengths[b])`
+    (the appended tokens already written; `starts` None: from 0): `rows`
+    the contiguous cache rows, `v_cache` None with `spec.v_in_k` (V:
+    k_cache's first head_dim_v columns), `sinks` float32 `[b, hq]`,
+    `descale` an e4m3 cache's `(k_descale, v_descale)`, each `[b, hk]`,
+    `flex` the operands of `spec.flex`."""
     raise NotImplementedError(f"implementation={self.name!r} has no decode")
 
   # -- one mode or the other: what the registry asks ------------------------
@@ -326,3 +328,4 @@ class Decode(NamedTuple):
   sinks: jax.Array | None
   descale: tuple[jax.Array, jax.Array] | None
   flex: Any = None  # flex.FlexOperands (score_mod / mask_mod consts, mask)
+  starts: jax.Array | None = None  # int32 [b]: cache_leftpad (spec.leftpad)

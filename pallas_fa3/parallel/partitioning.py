@@ -254,7 +254,7 @@ class _DecodeOp(_Op):
       q=P(b, None, h, None), out=P(b, None, h, None), lse=P(b, h, None),
       k_cache=P(rows, None, hk, None), v_cache=P(rows, None, hk, None),
       lengths=P(b), rows=P(b), pages=P(b, None), sinks=P(b, h),
-      k_descale=P(b, hk), v_descale=P(b, hk),
+      k_descale=P(b, hk), v_descale=P(b, hk), starts=P(b),
     )  # fmt: skip
     return (
       (batch_axes, head_axes, ()),
@@ -396,7 +396,7 @@ def _decode_names(spec: Any) -> tuple[str, ...]:
   names = ("q", "k_cache") + ("v_cache",) * (not spec.v_in_k)
   names += ("lengths", "rows") + ("pages",) * spec.paged
   names += ("sinks",) * spec.sinks + ("k_descale", "v_descale") * spec.fp8_cache
-  return names
+  return names + ("starts",) * spec.leftpad
 
 
 def _run_decode(call: StaticCall, *arrays: jax.Array) -> tuple:
@@ -409,7 +409,8 @@ def _run_decode(call: StaticCall, *arrays: jax.Array) -> tuple:
     call.backend.decode(
       call.spec, call.config, call.splits, named["q"], named["k_cache"],
       named.get("v_cache"), named["lengths"], named["rows"],
-      named.get("pages"), named.get("sinks"), descale,
+      named.get("pages"), named.get("sinks"), descale, None,
+      named.get("starts"),
     )
   )  # fmt: skip
 
@@ -421,7 +422,7 @@ def _decode_ops(names: tuple[str, ...], follows: bool) -> tuple[_Op, Any]:
   r = "b" if follows else "c"  # the cache's rows: the sequences, or its own
   factors = dict(
     q=_Q, k_cache=f"{r} t k d", v_cache=f"{r} t k e", lengths="b", rows="b",
-    pages="b p", sinks=_S, k_descale="b k", v_descale="b k",
+    pages="b p", sinks=_S, k_descale="b k", v_descale="b k", starts="b",
   )  # fmt: skip
   rule = ", ".join(factors[n] for n in names) + f" -> {_O}, {_L}"
   op = _DecodeOp(names, ("out", "lse"), _run_decode, rule, False, False)
@@ -516,6 +517,7 @@ def run(call: StaticCall, operands: Any) -> Any:
     arrays += [present["lengths"], present["rows"], present["page_table"]]
     arrays += [present["sinks"]]
     arrays += list(present["descale"] or ())
+    arrays += [present["starts"]]
     arrays = tuple(a for a in arrays if a is not None)
     op, fn = _decode_ops(names, _cache_follows_batch(call.spec))
     return _dispatch(op, fn, call, *arrays)

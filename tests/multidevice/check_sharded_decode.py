@@ -85,6 +85,50 @@ def test_decode_shards_over_batch_and_heads(layout, explicit, rng):
   assert got[0].sharding.spec[0] == "data"
 
 
+def test_decode_with_leftpad_and_rotary_shards_over_the_batch(rng):
+  """cache_leftpad shards with the batch (its partition spec), the
+  rotary tables are replicated; the cache is never gathered."""
+  mesh = mh.mesh((2, 4), _AXES)
+  case = decode_case(
+    rng, batch=4, seq_q=1, heads_q=16, heads_kv=4, head_dim=32,
+    capacity=128, lengths=[5, 60, 120, 30], seq_new=1,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  q, kc, vc, k, v = args
+  angle = rng.uniform(0, 6, size=(128, 8))
+  tables = dict(
+    rotary_cos=jnp.asarray(np.cos(angle), jnp.float32),
+    rotary_sin=jnp.asarray(np.sin(angle), jnp.float32),
+  )
+  pads = jnp.asarray([0, 17, 100, 3], jnp.int32)
+  sharded = (
+    _put(mesh, q, "data", None, "model"),
+    _put(mesh, kc, "data", None, "model"),
+    _put(mesh, vc, "data", None, "model"),
+    _put(mesh, k, "data", None, "model"),
+    _put(mesh, v, "data", None, "model"),
+  )
+  kw = dict(kwargs, cache_seqlens=_put(mesh, kwargs["cache_seqlens"], "data"))
+
+  def step(args, kw, pad):
+    return pallas_fa3.flash_attention_with_kvcache(
+      *args, **kw, **tables, causal=True, cache_leftpad=pad,
+      implementation="blockwise",
+    )  # fmt: skip
+
+  compiled = jax.jit(step).lower(sharded, kw, _put(mesh, pads, "data"))
+  text = compiled.compile().as_text()
+  shape = f"[{','.join(map(str, kc.shape))}]"
+  assert not [x for x in text.splitlines() if "all-gather" in x and shape in x]
+  got = jax.jit(step)(sharded, kw, _put(mesh, pads, "data"))
+  want = jax.jit(step)(args, kwargs, pads)
+  for name, g, w in zip(("out", "k_cache", "v_cache"), got, want):
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2,
+      err_msg=name,
+    )  # fmt: skip
+
+
 def test_mqa_decode_with_head_sharded_queries(rng):
   mesh = mh.mesh((2, 4), _AXES)
   case = decode_case(

@@ -40,12 +40,12 @@ def decode_tile(spec: DecodeSpec, block_kv: int) -> int:
 
 
 def split_ranges(
-  spec: DecodeSpec, lengths: jax.Array, tile: int, splits: int
+  spec: DecodeSpec, lengths: jax.Array, tile: int, splits: int, starts=0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(first tile `[b]`, end tile `[b]`, tiles per split `[b]`) of every
-  sequence: its visible keys' tiles, cut into `splits` equal ranges (the
-  last ones may be short or empty)."""
-  first, end = key_range(spec, lengths)
+  sequence: its visible keys' tiles (from `starts`, its cache_leftpad),
+  cut into `splits` equal ranges (the last ones may be short or empty)."""
+  first, end = key_range(spec, lengths, starts)
   t0 = jnp.broadcast_to(jnp.asarray(first, jnp.int32), lengths.shape) // tile
   t1 = jnp.maximum(cdiv(jnp.asarray(end, jnp.int32), tile), t0)
   per = cdiv((t1 - t0), splits)
@@ -97,8 +97,10 @@ def blockwise_decode(
   sinks: jax.Array | None,
   descale: tuple[jax.Array, jax.Array] | None = None,
   flex_ops: Any = None,
+  starts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
+  """(out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32) over
+  keys `[starts[b], lengths[b])` (`starts` None: 0).
 
   `v_cache` is None with `spec.v_in_k`. An e4m3 cache (`descale =
   (k_descale, v_descale)`, float32 `[b, hk]`)
@@ -110,13 +112,15 @@ def blockwise_decode(
   f32 = jnp.float32
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   tile = decode_tile(spec, block_kv)
-  t0, t1, per = split_ranges(spec, lengths, tile, splits)
+  if starts is None:
+    starts = jnp.zeros_like(lengths)
+  t0, t1, per = split_ranges(spec, lengths, tile, splits, starts)
   stat = (hk, g, sq)
   compute = decode_compute_dtype(spec)
   if descale is None:
     descale = (jnp.ones((b, hk), f32),) * 2
 
-  def one_split(bi, qb, length, row, pages, kd, t0, t1, per, s):
+  def one_split(bi, qb, length, start, row, pages, kd, t0, t1, per, s):
     lo = t0 + s * per
     hi = jnp.minimum(lo + per, t1)
     kd = kd[:, None, None, None]  # [hk, 1, 1, 1]
@@ -124,7 +128,8 @@ def blockwise_decode(
     def step(j, carry):
       m, l, acc = carry
       k, v, pos = _tile_kv(spec, k_cache, v_cache, row, pages, j, tile)
-      v = jnp.where((pos < length)[:, None, None], v, 0).astype(compute)
+      live = (pos < length) & (pos >= start)
+      v = jnp.where(live[:, None, None], v, 0).astype(compute)
       s_ = jnp.einsum(
         "qhgd,khd->hgqk",
         qb,
@@ -151,7 +156,7 @@ def blockwise_decode(
         x = t * f32(spec.softcap * LOG2E)
       x = lax.optimization_barrier(x)  # one rounding: see blockwise_tiles
       seen = pos >= j * tile  # a clamped tile's start repeats keys
-      mask = visible_in_cache(spec, length, jnp.arange(sq)[:, None], pos)
+      mask = visible_in_cache(spec, length, jnp.arange(sq)[:, None], pos, start)
       if fmask is not None:
         mask = mask & fmask
       x = jnp.where(mask & seen, x, -jnp.inf)
@@ -186,13 +191,14 @@ def blockwise_decode(
     jnp.zeros((b, 1), jnp.int32) if page_table is None else page_table
   ).astype(jnp.int32)
   per_sequence = jax.vmap(
-    jax.vmap(one_split, in_axes=(None,) * 9 + (0,)),
-    in_axes=(0,) * 9 + (None,),
+    jax.vmap(one_split, in_axes=(None,) * 10 + (0,)),
+    in_axes=(0,) * 10 + (None,),
   )
   outs, lses = per_sequence(
     jnp.arange(b, dtype=jnp.int32),
     qg,
     lengths,
+    starts.astype(jnp.int32),
     rows,
     pages,
     descale[0],

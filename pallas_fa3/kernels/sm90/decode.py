@@ -75,16 +75,19 @@ def descaled(spec: Any, s: jax.Array, k_descale: Any) -> tuple[Any, Any]:
   return jnp.tanh(s * factor), jnp.float32(spec.softcap * LOG2E)
 
 
-def convert_tile(ops: KernelOps, src: Any, dst: Any, valid: Any = None):
+def convert_tile(
+  ops: KernelOps, src: Any, dst: Any, valid: Any = None, lo: Any = None
+):
   """`dst[...] = src[...]` converted to float16 in 64-row chunks, the
   e4m3 tile's swizzle width at a time (128 columns, or 64 at d192 and 32
-  at d96, whose rows are not whole 128-byte spans); rows `valid..` -> 0."""
+  at d96, whose rows are not whole 128-byte spans); rows `valid..` and
+  (with `lo`) rows before `lo` -> 0."""
   rows, cols = src.shape
   step = plgpu.find_swizzle(cols * 8 * src.dtype.itemsize) // src.dtype.itemsize
   for r in range(0, rows, _CHUNK_ROWS):
     keep = None
     if valid is not None:
-      keep = ops.row_index(_CHUNK_ROWS) + r < valid
+      keep = _rows_between(ops.row_index(_CHUNK_ROWS) + r, lo, valid)
     for c in range(0, cols, step):
       box = (pl.ds(r, _CHUNK_ROWS), pl.ds(c, step))
       if ops.interpreted:
@@ -95,6 +98,12 @@ def convert_tile(ops: KernelOps, src: Any, dst: Any, valid: Any = None):
       if keep is not None:
         y = jnp.where(lax.broadcast_in_dim(keep, y.shape, [0]), y, 0)
       dst.at[box][...] = y
+
+
+def _rows_between(row: Any, lo: Any, hi: Any) -> Any:
+  """`lo <= row < hi` (`lo` None: no lower bound)."""
+  keep = row < hi
+  return keep if lo is None else keep & (row >= lo)
 
 
 def e4m3_converter(
@@ -112,7 +121,7 @@ def e4m3_converter(
     for n in ("k", "v", "pages", "raw_k", "raw_v", "raw_k_full", "raw_v_full")
   )
   k16, v16, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
-  batch, head, row, first, count, length = scalars
+  batch, head, row, first, count, length, start = scalars
   stages, bkv = plan.config.num_stages, plan.block_kv
   conv = config_decode.converted_stages(plan.spec)
   parts = plan.pages_per_tile
@@ -139,6 +148,7 @@ def e4m3_converter(
   def _convert(j):
     raw, slot = lax.rem(j, stages), lax.rem(j, conv)
     valid = length - (first + j) * bkv  # V's rows past the length -> 0
+    lo = None if start is None else start - (first + j) * bkv  # (leftpad)
     for src, raw_full, dst, full, empty in (
       (raw_k, raw_k_full, k16, k_full, k_empty),
       (raw_v, raw_v_full, v16, v_full, v_empty),
@@ -150,12 +160,13 @@ def e4m3_converter(
         plgpu.barrier_wait(empty.at[slot])
 
       if dst is v16:
-        pl.when(valid < bkv)(
-          lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot], valid)
+        partial, whole = valid < bkv, valid >= bkv
+        if lo is not None:
+          partial, whole = partial | (lo > 0), whole & (lo <= 0)
+        pl.when(partial)(
+          lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot], valid, lo)
         )
-        pl.when(valid >= bkv)(
-          lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot])
-        )
+        pl.when(whole)(lambda: convert_tile(ops, raw_v.at[raw], v16.at[slot]))
       else:
         convert_tile(ops, src.at[raw], dst.at[slot])
       plgpu.commit_smem()  # stores -> the wgmma's proxy; reads finished
@@ -261,12 +272,15 @@ class DecodePlan:
     return cache_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), bkv), head]
 
 
-def split_tiles(plan: DecodePlan, length: Any, split: Any) -> tuple[Any, Any]:
-  """(first tile, tiles) of split `split` of a sequence of `length` keys:
-  its visible keys' tiles (`key_range`) cut into `plan.splits` equal
-  ranges, as the blockwise twin cuts them (`backends/blockwise/decode.split_ranges`)."""
+def split_tiles(
+  plan: DecodePlan, length: Any, split: Any, start: Any = 0
+) -> tuple[Any, Any]:
+  """(first tile, tiles) of split `split` of a sequence of `length` keys
+  from `start` (its cache_leftpad): its visible keys' tiles (`key_range`)
+  cut into `plan.splits` equal ranges, as the blockwise twin cuts them
+  (`backends/blockwise/decode.split_ranges`)."""
   bkv = plan.block_kv
-  first, end = key_range(plan.spec, length)
+  first, end = key_range(plan.spec, length, start)
   t0 = jnp.asarray(first, jnp.int32) // bkv
   t1 = jnp.maximum(lax.div(end + bkv - 1, jnp.int32(bkv)), t0)
   per = lax.div(t1 - t0 + plan.splits - 1, jnp.int32(plan.splits))
@@ -318,13 +332,16 @@ def _producer(refs: dict[str, Any], plan: DecodePlan, scalars: tuple) -> None:
 _ZERO_CHUNK = 64
 
 
-def _zero_rows_from(ops: KernelOps, tile_ref: Any, valid: Any) -> None:
-  """Zeroes rows `valid..` of a `[block_kv, dv]` shared-memory V tile in
-  64 x 64 chunks, and fences the stores for the wgmma that reads it."""
+def _zero_rows_from(
+  ops: KernelOps, tile_ref: Any, valid: Any, lo: Any = None
+) -> None:
+  """Zeroes rows `valid..` (and with `lo` the rows before it) of a
+  `[block_kv, dv]` shared-memory V tile in 64 x 64 chunks, and fences the
+  stores for the wgmma that reads it."""
   rows, cols = tile_ref.shape
   step = _ZERO_CHUNK if cols % _ZERO_CHUNK == 0 else cols
   for r in range(0, rows, _ZERO_CHUNK):
-    keep_rows = ops.row_index(_ZERO_CHUNK) + r < valid
+    keep_rows = _rows_between(ops.row_index(_ZERO_CHUNK) + r, lo, valid)
     for c in range(0, cols, step):
       chunk = tile_ref.at[pl.ds(r, _ZERO_CHUNK), pl.ds(c, step)]
       if ops.interpreted:
@@ -346,7 +363,7 @@ def _consumer(
   )
   k_smem, v_smem, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
   spec, cfg = plan.spec, plan.config
-  batch, head, split, length, first, count, descale = scalars
+  batch, head, split, length, start, first, count, descale = scalars
   bkv, stages = cfg.block_kv, plan.ring_stages
   k_descale, v_descale = descale if plan.fp8 else (None, None)
   plgpu.set_max_registers(LONE_CONSUMER_REGS, action="increase")
@@ -361,6 +378,8 @@ def _consumer(
     keys = tile * bkv + ops.col_index(bkv)
     ok = lambda a, b: lax.broadcast_in_dim(a, (DECODE_ROWS, bkv), [b])
     mask = ok(keys < length, 1)
+    if start is not None:  # cache_leftpad
+      mask = mask & ok(keys >= start, 1)
     rpos = lambda off: ok(pos + off, 0)
     if spec.window_right is not None:
       mask = mask & (ok(keys, 1) <= rpos(spec.window_right))
@@ -375,8 +394,13 @@ def _consumer(
     # while only O is live in registers; the converter does it for e4m3).
     if not plan.fp8:
       plgpu.barrier_wait(v_full.at[slot])
-      pl.when((tile + 1) * bkv > length)(
-        lambda: _zero_rows_from(ops, v_smem.at[slot], length - tile * bkv)
+      partial = (tile + 1) * bkv > length
+      lo = None
+      if start is not None:  # and the tile holding the first key
+        lo = start - tile * bkv
+        partial = partial | (lo > 0)
+      pl.when(partial)(
+        lambda: _zero_rows_from(ops, v_smem.at[slot], length - tile * bkv, lo)
       )
     plgpu.barrier_wait(k_full.at[slot])
     s = ops.scores(q_smem, k_smem.at[slot])
@@ -434,7 +458,10 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     split = lax.axis_index("split")
     length = refs["lengths"][batch]
-    first, count = split_tiles(plan, length, split)
+    start = refs["starts"][batch] if spec.leftpad else None
+    first, count = split_tiles(
+      plan, length, split, 0 if start is None else start
+    )
     descale = ()
     if plan.fp8:  # `[b, hk]` each
       descale = tuple(refs[n][batch, head] for n in ("k_descale", "v_descale"))
@@ -443,7 +470,10 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     @pl.when(wg == 0)
     def _():
       _consumer(
-        refs, plan, ops, (batch, head, split, length, first, count, descale)
+        refs,
+        plan,
+        ops,
+        (batch, head, split, length, start, first, count, descale),
       )
 
     @pl.when(wg == 1)
@@ -451,7 +481,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
       row = refs["rows"][batch]
       if plan.fp8:
         e4m3_converter(
-          refs, plan, ops, (batch, head, row, first, count, length)
+          refs, plan, ops, (batch, head, row, first, count, length, start)
         )
       else:
         _producer(refs, plan, (batch, head, row, first, count))
@@ -491,7 +521,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     lse=jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS), _F32),
   )
   inputs = ["q", "k", "v", "lengths", "rows", "pages"]
-  inputs += ["k_descale", "v_descale"] * plan.fp8
+  inputs += ["k_descale", "v_descale"] * plan.fp8 + ["starts"] * spec.leftpad
   return build_kernel(
     fa3_decode,
     inputs=inputs,
@@ -532,6 +562,8 @@ def sm90_decode(
   page_table: jax.Array | None,
   sinks: jax.Array | None,
   descale: tuple[jax.Array, jax.Array] | None = None,
+  flex_ops: Any = None,
+  starts: jax.Array | None = None,
   *,
   interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -540,12 +572,16 @@ def sm90_decode(
   Args: as `backends.base.Backend.decode` (lengths: each sequence's
     keys, appended tokens included; rows: the contiguous cache rows;
     sinks: float32 `[b, hq]` or None; descale: an e4m3 cache's
-    `(k_descale, v_descale)`, float32 `[b, hk]`); `interpret`: None compiles for
+    `(k_descale, v_descale)`, float32 `[b, hk]`; flex_ops: None (the
+    kernel serves no flex call); starts: cache_leftpad, int32 `[b]`, with
+    `spec.leftpad`); `interpret`: None compiles for
     sm90, interpret-mode parameters run the same kernel on a CPU.
 
   Returns:
     (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
   """
+  if flex_ops is not None:
+    raise NotImplementedError("the sm90 decode kernel serves no flex call")
   plan = DecodePlan(spec, config, splits)
   ops = COMPILED if interpret is None else INTERPRETED
   pages = (
@@ -563,6 +599,7 @@ def sm90_decode(
     rows.astype(jnp.int32),
     pages.astype(jnp.int32),
     *extra,
+    *(() if starts is None else (starts.astype(jnp.int32),)),
   )
   sink = None
   if sinks is not None:  # per packed row: head kv_head * g + r % g

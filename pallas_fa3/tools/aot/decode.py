@@ -1,7 +1,7 @@
 """The deviceless sm_90a compile of the decode kernel: one call's compile
 (`compile_decode`) and the sweep of `pallas-fa3 aot --decode` (head dims,
-contiguous and paged caches, GQA groups and seq_q, window and softcap;
-bf16 and e4m3 caches): docs/kernels.md#verification-without-a-gpu.
+contiguous and paged caches, GQA groups and seq_q, window and softcap,
+cache_leftpad; bf16 and e4m3 caches): docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations
@@ -103,17 +103,19 @@ def compile_decode(
   ]
   if spec.fp8_cache:  # k_descale, v_descale
     shapes += [arr((b, hk), jnp.float32)] * 2
+  if spec.leftpad:  # cache_leftpad
+    shapes += [arr((b,), jnp.int32)]
   layout = f"paged{spec.page_size}" if spec.paged else "contiguous"
   if spec.fp8_cache:
     layout = f"e4m3 {layout}"
   label = (
     f"d{spec.head_dim}/{spec.head_dim_v} {layout} g{spec.group_size}"
-    f" q{spec.seq_q}{aot.modifier_label(spec)}"
+    f" q{spec.seq_q}{aot.modifier_label(spec)}{' leftpad' * spec.leftpad}"
     f" {config.block_kv}x{config.num_stages} s{splits}"
   )
   return aot.compile_report(
     f"decode {label} {config}",
-    lambda q, kc, vc, lens, rows_, pt_, *descale: decode_kernel.sm90_decode(
+    lambda q, kc, vc, lens, rows_, pt_, *rest: decode_kernel.sm90_decode(
       spec,
       config,
       splits,
@@ -124,7 +126,9 @@ def compile_decode(
       rows_,
       pt_ if spec.paged else None,
       None,
-      descale or None,
+      tuple(rest[:2]) if spec.fp8_cache else None,
+      None,
+      rest[-1] if spec.leftpad else None,
     ),
     shapes,
     label,
@@ -194,3 +198,7 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
         yield compile_decode, spec, config
   spec = decode_spec(128, 128, 4, 1, 64, softcap=30.0, **e4m3)
   yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # cache_leftpad (its mask, and V zeroed before it), bf16 and e4m3.
+  for options in (dict(causal=True), e4m3):
+    spec = decode_spec(128, 128, 4, 1, 64, leftpad=True, **options)
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
