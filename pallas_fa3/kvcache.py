@@ -128,14 +128,23 @@ def visible_in_cache(
   return mask
 
 
-def key_range(spec: DecodeSpec, length: Any, start: Any = 0) -> tuple[Any, Any]:
+def key_range(
+  spec: DecodeSpec, length: Any, start: Any = 0, queries: Any = None
+) -> tuple[Any, Any]:
   """[first, end) of the key positions any query of a sequence of `length`
   keys (from `start`, its `cache_leftpad`) sees (end <= first when none
-  does)."""
+  does); `queries`: only those of query indices `[q0, q1]` (default: all,
+  0 .. seq_q - 1)."""
+  q0, q1 = (0, spec.seq_q - 1) if queries is None else queries
   end = length  # the last query sits at length - 1: any right bound holds
+  if queries is not None and spec.window_right is not None:
+    end = jnp.minimum(
+      length, query_positions(spec, length, q1) + spec.window_right + 1
+    )
   first = start
   if spec.window_left is not None:  # the first query's left bound
-    first = jnp.maximum(length - spec.seq_q - spec.window_left, start)
+    left = query_positions(spec, length, q0) - spec.window_left
+    first = jnp.maximum(left, start)
   return first, end
 
 

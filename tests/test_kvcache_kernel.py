@@ -50,6 +50,22 @@ CASES = [
     dict(causal=True),
     id="paged256-tiles-within-a-page-g16-d128",
   ),
+  # Packed rows past one 64-row tile (a prefill chunk against the cache):
+  # a CTA per query tile, each walking only the keys its queries see.
+  pytest.param(
+    2, 128, 6, 1, 64, 384, [0, 100], None, 128, False, 64, (1, 2),
+    dict(causal=True),
+    id="query-tiles-12-gqa6-q128-prefill-chunk-append",
+  ),
+  pytest.param(
+    1, 40, 8, 2, 64, 256, [150], 64, 0, False, 128, (1,),
+    dict(window_size=(30, 0), sinks=True),
+    id="query-tiles-5-partial-last-paged64-window-sinks",
+  ),
+  pytest.param(
+    2, 20, 4, 1, 128, 256, [50, 200], None, 20, True, 64, (3,), {},
+    id="query-tiles-2-not-causal-batch-idx-3-splits",
+  ),
 ]  # fmt: skip
 
 
@@ -121,6 +137,34 @@ def test_interpret_traced_overflowing_length_reads_no_page_past_the_table(
   np.testing.assert_allclose(out[1], np.asarray(want[1], np.float32), atol=2e-2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ps", [None, 64], ids=["contiguous", "paged64"])
+def test_interpret_fa3_kvcache_grid_seq_q_512_gqa6(ps, rng):
+  """FA3's own kvcache grid's largest chunk: seq_q 512 with GQA 6 (3072
+  packed rows, 48 query tiles), appended tokens, causal: the kernel serves
+  it (no refusal) against the float64 golden."""
+  sq = 512
+  case = decode_case(
+    rng, batch=2, seq_q=sq, heads_q=6, heads_kv=1, head_dim=64,
+    capacity=768, lengths=[100, 0], page_size=ps, seq_new=sq,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, causal=True)
+  assert pallas_fa3.backends.unsupported_reason("interpret", spec) is None
+  with compat.capture_race_report() as report:
+    out, lse, kc, vc = pallas_fa3.flash_attention_with_kvcache(
+      *args, **kwargs, causal=True, return_lse=True,
+      implementation="interpret",
+      config=pallas_fa3.Sm90DecodeConfig(block_kv=64, num_stages=2),
+    )  # fmt: skip
+    jax.block_until_ready(out)
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  golden, naive = decode_golden_and_naive(spec, case, kc, vc)
+  for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+    assert_within_tolerance(name, got, nv, g)
+
+
 def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
   S = jax.ShapeDtypeStruct
   b, hq, hk, d = 4, 16, 4, 128
@@ -151,8 +195,9 @@ def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
     dict(causal=True),
     dict(paged=True, window_size=(1000, 0), softcap=30.0),
     dict(num_splits=8, causal=True),
+    dict(sq=128, causal=True),
   ],
-  ids=["contiguous", "paged-window-softcap", "8-splits"],
+  ids=["contiguous", "paged-window-softcap", "8-splits", "q128-8-query-tiles"],
 )
 def test_mosaic_lowers_to_one_kernel_without_a_score_tensor(options):
   text = _lowered(**options)

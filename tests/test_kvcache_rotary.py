@@ -6,6 +6,8 @@ hold the rotated k; the refusals name the argument."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,17 +139,11 @@ def test_interpret_rotary_against_float64_golden(ps, interleaved, rng):
   c16 = np.asarray(jnp.asarray(cos, jnp.bfloat16), np.float64)
   s16 = np.asarray(jnp.asarray(sin, jnp.bfloat16), np.float64)
   q_ro, k_ro = _by_hand(case, c16, s16, interleaved, per_token=True)
-  hand = dataclasses_replace(case, q=q_ro, k=k_ro)
+  hand = dataclasses.replace(case, q=q_ro, k=k_ro)
   spec = make_decode_spec(*hand.call_args()[0], **kwargs, causal=True)
   golden, naive = decode_golden_and_naive(spec, hand, kc, vc)
   for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
     assert_within_tolerance(name, got, nv, g)
-
-
-def dataclasses_replace(case, **changes):
-  import dataclasses  # pylint: disable=g-import-not-at-top
-
-  return dataclasses.replace(case, **changes)
 
 
 def _small(rng, **kw):
@@ -213,7 +209,7 @@ def test_rotary_under_jit_with_traced_lengths_compiles_once(rng):
 
   for n in ([3, 10], [7, 1]):
     got = step(jnp.asarray(n, jnp.int32))
-    hand = dataclasses_replace(case, cache_seqlens=np.asarray(n, np.int32))
+    hand = dataclasses.replace(case, cache_seqlens=np.asarray(n, np.int32))
     q_ro, k_ro = _by_hand(hand, cos, sin, True, per_token=True)
     want = pallas_fa3.flash_attention_with_kvcache(
       q_ro, case.k_cache, case.v_cache, k_ro, case.v,

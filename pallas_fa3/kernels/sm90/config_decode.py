@@ -1,5 +1,6 @@
-"""The Hopper decode kernel's tiling (one CTA per sequence, KV head and
-split; the GQA group's query rows packed into one 64-row wgmma tile), its
+"""The Hopper decode kernel's tiling (one CTA per sequence, KV head, query
+tile and split; the GQA group's query rows packed into 64-row wgmma
+tiles), its
 shared-memory and register estimates, what it serves (`decode_unsupported`,
 `mla_reason`) and the split-KV choice.
 More: docs/design_notes.md#decode-kernel.
@@ -151,12 +152,6 @@ def decode_unsupported(
       " the whole cache every step; the blockwise backend reads V from the"
       " K tiles in place"
     )
-  rows = spec.group_size * spec.seq_q
-  if rows > DECODE_ROWS:
-    return (
-      f"heads_q / heads_kv x seq_q = {spec.group_size} x {spec.seq_q} ="
-      f" {rows} query rows exceed one {DECODE_ROWS}-row tile"
-    )
   config = config or default_decode_config(spec)
   if spec.paged:
     ps = spec.page_size
@@ -215,10 +210,17 @@ def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   return best
 
 
+def query_tiles(spec: DecodeSpec) -> int:
+  """64-row query tiles per (sequence, KV head): the group's heads times
+  seq_q packed rows (a prefill chunk takes several; a CTA each)."""
+  return cdiv(spec.group_size * spec.seq_q, DECODE_ROWS)
+
+
 def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
-  batch x heads_kv does not, each range at least 4 tiles long."""
-  ctas = spec.batch * spec.heads_kv
+  batch x heads_kv x query tiles do not, each range at least 4 tiles
+  long."""
+  ctas = spec.batch * spec.heads_kv * query_tiles(spec)
   tiles = cdiv(spec.capacity, config.block_kv)
   if ctas >= HOPPER_SMS:
     return 1

@@ -236,6 +236,11 @@ class DecodePlan:
     return 1
 
   @property
+  def query_tiles(self) -> int:
+    """64-row query tiles per (sequence, KV head): a CTA each."""
+    return config_decode.query_tiles(self.spec)
+
+  @property
   def fp8(self) -> bool:
     """An e4m3 cache: the converter warpgroup feeds float16 tiles."""
     return self.spec.fp8_cache
@@ -273,14 +278,23 @@ class DecodePlan:
 
 
 def split_tiles(
-  plan: DecodePlan, length: Any, split: Any, start: Any = 0
+  plan: DecodePlan, length: Any, split: Any, start: Any = 0, qtile: Any = None
 ) -> tuple[Any, Any]:
   """(first tile, tiles) of split `split` of a sequence of `length` keys
-  from `start` (its cache_leftpad): its visible keys' tiles (`key_range`)
-  cut into `plan.splits` equal ranges, as the blockwise twin cuts them
-  (`backends/blockwise/decode.split_ranges`)."""
+  from `start` (its cache_leftpad): its visible keys' tiles (`key_range`;
+  with `qtile`, those query tile `qtile`'s queries see: causal tiles past
+  them skipped) cut into `plan.splits` equal ranges, as the blockwise twin
+  cuts them (`backends/blockwise/decode.split_ranges`)."""
   bkv = plan.block_kv
-  first, end = key_range(plan.spec, length, start)
+  queries = None
+  if qtile is not None:  # its first and last query
+    g = jnp.int32(plan.spec.group_size)
+    q0 = lax.div(qtile * DECODE_ROWS, g)
+    q1 = jnp.minimum(
+      lax.div(qtile * DECODE_ROWS + DECODE_ROWS - 1, g), plan.spec.seq_q - 1
+    )
+    queries = (q0, q1)
+  first, end = key_range(plan.spec, length, start, queries)
   t0 = jnp.asarray(first, jnp.int32) // bkv
   t1 = jnp.maximum(lax.div(end + bkv - 1, jnp.int32(bkv)), t0)
   per = lax.div(t1 - t0 + plan.splits - 1, jnp.int32(plan.splits))
@@ -363,15 +377,20 @@ def _consumer(
   )
   k_smem, v_smem, k_full, v_full, k_empty, v_empty = (refs[n] for n in _RING)
   spec, cfg = plan.spec, plan.config
-  batch, head, split, length, start, first, count, descale = scalars
+  batch, head, split, qtile, length, start, first, count, descale = scalars
   bkv, stages = cfg.block_kv, plan.ring_stages
   k_descale, v_descale = descale if plan.fp8 else (None, None)
   plgpu.set_max_registers(LONE_CONSUMER_REGS, action="increase")
-  plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_bar.at[0])
+  row0 = 0  # the tile's first packed row (query tile qtile)
+  q_src, o_dst, lse_dst = q_ref.at[batch, head], o_ref, lse_ref
+  if qtile is not None:
+    row0 = qtile * DECODE_ROWS
+    q_src = q_ref.at[batch, head, pl.ds(row0, DECODE_ROWS)]
+  plgpu.copy_gmem_to_smem(q_src, q_smem, q_bar.at[0])
   plgpu.barrier_wait(q_bar.at[0])
 
-  # Row r is query r // g: it sits at position length - seq_q + r // g.
-  rows = ops.row_index(DECODE_ROWS)
+  # Packed row r is query r // g: at position length - seq_q + r // g.
+  rows = ops.row_index(DECODE_ROWS) + row0
   pos = length - spec.seq_q + lax.div(rows, jnp.int32(spec.group_size))
 
   def mask_for(tile):
@@ -440,10 +459,14 @@ def _consumer(
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     o_smem[...] = o[:, c : c + cols]
     plgpu.commit_smem()
+    out_rows = slice(None) if qtile is None else pl.ds(row0, DECODE_ROWS)
     plgpu.copy_smem_to_gmem(
-      o_smem, o_ref.at[split, batch, head, :, pl.ds(c, cols)]
+      o_smem, o_dst.at[split, batch, head, out_rows, pl.ds(c, cols)]
     )
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, batch, head])
+  lse_out = lse_dst.at[split, batch, head]
+  if qtile is not None:
+    lse_out = lse_dst.at[split, batch, head, pl.ds(row0, DECODE_ROWS)]
+  plgpu.copy_smem_to_gmem(lse_smem, lse_out)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -453,14 +476,18 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
   spec, cfg = plan.spec, plan.config
   b, hk, splits = spec.batch, spec.heads_kv, plan.splits
   stages, bkv = plan.ring_stages, cfg.block_kv
+  qtiles = plan.query_tiles
 
   def fa3_decode(refs: dict[str, Any]) -> None:
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    split = lax.axis_index("split")
+    split, qtile = lax.axis_index("split"), None
+    if qtiles > 1:  # the grid's last axis walks query tiles x splits
+      qtile = lax.div(split, jnp.int32(splits))
+      split = lax.rem(split, jnp.int32(splits))
     length = refs["lengths"][batch]
     start = refs["starts"][batch] if spec.leftpad else None
     first, count = split_tiles(
-      plan, length, split, 0 if start is None else start
+      plan, length, split, 0 if start is None else start, qtile
     )
     descale = ()
     if plan.fp8:  # `[b, hk]` each
@@ -473,7 +500,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
         refs,
         plan,
         ops,
-        (batch, head, split, length, start, first, count, descale),
+        (batch, head, split, qtile, length, start, first, count, descale),
       )
 
     @pl.when(wg == 1)
@@ -517,8 +544,8 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
       v_empty=consumer_release(stages, 1),
     )
   out_type = dict(
-    o=jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS, dv), _F32),
-    lse=jax.ShapeDtypeStruct((splits, b, hk, DECODE_ROWS), _F32),
+    o=jax.ShapeDtypeStruct((splits, b, hk, qtiles * DECODE_ROWS, dv), _F32),
+    lse=jax.ShapeDtypeStruct((splits, b, hk, qtiles * DECODE_ROWS), _F32),
   )
   inputs = ["q", "k", "v", "lengths", "rows", "pages"]
   inputs += ["k_descale", "v_descale"] * plan.fp8 + ["starts"] * spec.leftpad
@@ -527,7 +554,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     inputs=inputs,
     out_type=out_type,
     scratch=scratch,
-    grid=(b, hk, splits),
+    grid=(b, hk, qtiles * splits),
     grid_names=("batch", "heads", "split"),
     warpgroups=2,
     interpret=interpret,
@@ -535,15 +562,16 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
 
 
 def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
-  """`[b, sq, hq, d]` -> `[b, hk, 64, d]`: row `i * g + h` is query i of
-  head `kv_head * g + h`; padded rows are zeros."""
+  """`[b, sq, hq, d]` -> `[b, hk, 64 x query tiles, d]`: row `i * g + h`
+  is query i of head `kv_head * g + h`; padded rows are zeros."""
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   rows = q.reshape(b, sq, hk, g, spec.head_dim).transpose(0, 2, 1, 3, 4)
-  return pad_axis(rows.reshape(b, hk, sq * g, spec.head_dim), 2, DECODE_ROWS)
+  padded = config_decode.query_tiles(spec) * DECODE_ROWS
+  return pad_axis(rows.reshape(b, hk, sq * g, spec.head_dim), 2, padded)
 
 
 def unpack_rows(spec: DecodeSpec, x: jax.Array) -> jax.Array:
-  """`[b, hk, 64, ...]` -> `[b, sq, hq, ...]` (the inverse of
+  """`[b, hk, 64 x query tiles, ...]` -> `[b, sq, hq, ...]` (the inverse of
   `pack_queries` on the first `sq * g` rows)."""
   b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
   x = x[:, :, : sq * g].reshape((b, hk, sq, g) + x.shape[3:])
@@ -608,7 +636,7 @@ def sm90_decode(
     sink = jnp.broadcast_to(
       per_head, (spec.batch, spec.heads_kv, spec.seq_q, g)
     ).reshape(spec.batch, spec.heads_kv, spec.seq_q * g)
-    sink = pad_axis(sink, 2, DECODE_ROWS)
+    sink = pad_axis(sink, 2, config_decode.query_tiles(spec) * DECODE_ROWS)
   out, lse = combine_splits(o_parts, lse_parts, sink)
   out = unpack_rows(spec, out).astype(spec.dtype)
   lse = jnp.moveaxis(unpack_rows(spec, lse[..., None])[..., 0], 1, 2)

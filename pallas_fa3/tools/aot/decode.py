@@ -198,6 +198,11 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
         yield compile_decode, spec, config
   spec = decode_spec(128, 128, 4, 1, 64, softcap=30.0, **e4m3)
   yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # Prefill chunks past one 64-row tile (FA3's kvcache grid: seq_q to 512
+  # at GQA 6): a CTA per query tile.
+  for d, ps, seq_q in ((128, 64, 128), (64, None, 512)):
+    spec = decode_spec(d, d, 6, seq_q, ps)
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
   # cache_leftpad (its mask, and V zeroed before it), bf16 and e4m3.
   for options in (dict(causal=True), e4m3):
     spec = decode_spec(128, 128, 4, 1, 64, leftpad=True, **options)
