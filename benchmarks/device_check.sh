@@ -77,16 +77,19 @@ if [ "$QUICK" = 1 ]; then
   # Worst case 235 s: the FP8 configs are left to the smoke call. The
   # decode step's 25 s came from smoke (60 -> 50), gpu_tests (45 -> 35)
   # and headline (15 -> 10).
-  T_SMOKE=50; T_CAUSAL=20; T_TESTS=35; T_FP8T=0; T_FWD=30; T_BWD=25; T_FP8=20
-  T_GRID=0; T_DEC=25; T_HEAD=10
+  # The MLA step's 15 s came from smoke (50 -> 45), causal (20 -> 15) and
+  # bench_fwd (30 -> 25).
+  T_SMOKE=45; T_CAUSAL=15; T_TESTS=35; T_FP8T=0; T_FWD=25; T_BWD=25; T_FP8=20
+  T_GRID=0; T_DEC=25; T_MLA=15; T_HEAD=10
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
   # Worst case 480 s (every step at its limit). The decode step's 40 s
   # came from gpu_tests (95 -> 90), bench_fwd (70 -> 60), bench_bwd
   # (60 -> 50), fp8_speed (35 -> 30), grid (35 -> 30), headline (15 -> 10).
-  T_SMOKE=70; T_CAUSAL=35; T_TESTS=90; T_FP8T=45; T_FWD=60; T_BWD=50; T_FP8=30
-  T_GRID=30; T_DEC=40; T_HEAD=10
+  # The MLA step's 20 s came from gpu_tests (90 -> 80) and grid (30 -> 20).
+  T_SMOKE=70; T_CAUSAL=35; T_TESTS=80; T_FP8T=45; T_FWD=60; T_BWD=50; T_FP8=30
+  T_GRID=20; T_DEC=40; T_MLA=20; T_HEAD=10
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 16384
@@ -96,6 +99,11 @@ BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 163
 DECODE=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu --tags headline
         --dtype bf16 fp8 --runs 10 --warmup 2 --no-progress --no-plots
         --impl mosaic triton-gqa triton-paged xla cudnn)
+# DeepSeek MLA's target point (batch 64 x 8k, 128 heads, page 64): the MLA
+# kernel beside its blockwise twin.
+DECODE_MLA=("$PY" -m pallas_fa3.tools.cli bench --mode decode --mla --grid gpu
+            --tags headline --runs 10 --warmup 2 --no-progress --no-plots
+            --impl mosaic blockwise)
 
 if [ "$GPU" = 1 ]; then
   # Every smoke item at once, each in its own process and killed (recorded
@@ -112,6 +120,8 @@ if [ "$GPU" = 1 ]; then
   # 15 s of margin: start-up (JAX, CUDA) and the last case's compile.
   run_step decode "$T_DEC" "${DECODE[@]}" --time-budget $(( T_DEC - 15 )) \
     --out "$OUT/decode"
+  run_step decode_mla "$T_MLA" "${DECODE_MLA[@]}" \
+    --time-budget $(( T_MLA - 12 )) --out "$OUT/decode_mla"
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
   [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
@@ -130,6 +140,8 @@ else
   run_step bench_bwd 120 "${BENCH[@]}" --mode bwd --head-dim $DIMS_BWD \
     --time-budget 0 --out "$OUT/bench_bwd"
   run_step decode 120 "${DECODE[@]}" --time-budget 0 --out "$OUT/decode"
+  run_step decode_mla 120 "${DECODE_MLA[@]}" --time-budget 0 \
+    --out "$OUT/decode_mla"
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
   run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \

@@ -1,6 +1,7 @@
 """DeepSeek MLA decoding in FlashMLA's layout (issue 32, stretch): its error
 against the float64 golden, what reading V in place saves, and why the
-Hopper decode kernel refuses the shape.
+one-consumer decode kernel cannot serve the shape (the MLA kernel,
+`kernels/sm90/decode_mla.py`, does: issue 45).
 
 `flash_attention_with_kvcache(q, kv, None, k, head_dim_v=512)`: one cache
 of head dim 576, one KV head, V its first 512 columns.
@@ -11,7 +12,8 @@ of head dim 576, one KV head, V its first 512 columns.
 - time: one jitted blockwise step, `v_cache=None` against an explicit
   `v_cache=k_cache[..., :512]` (a copy of the cache every step), median of
   `--runs` after a warm-up;
-- the kernel's reason (`config_decode.mla_reason`) with its numbers.
+- the one-consumer kernel's reason (`config_decode.mla_reason`) with its
+  numbers.
 
   JAX_PLATFORMS=cpu python benchmarks/mla_decode.py
 """

@@ -152,6 +152,36 @@ def _decode_item(fp8_cache: bool):
   }
 
 
+def _mla_item():
+  """One DeepSeek MLA step (576 / 512, 128 query heads: two query tiles),
+  paged, left-padded, one appended token, against the blockwise twin: the
+  MLA kernel's three warpgroups (setmaxnreg 256/224/24), its P hand-off
+  and its Q / output union."""
+  b, hq, d, dv, cap, ps = 2, 128, 576, 512, 2048, 64
+  keys = jax.random.split(jax.random.key(12), 4)
+  q = jax.random.normal(keys[0], (b, 1, hq, d), jnp.bfloat16)
+  kc = jax.random.normal(keys[1], (b * cap // ps, ps, 1, d), jnp.bfloat16)
+  k = jax.random.normal(keys[2], (b, 1, 1, d), jnp.bfloat16)
+  table = jax.random.permutation(keys[3], b * cap // ps).reshape(b, -1)
+  f = lambda impl: jax.jit(
+    lambda q, kc, k: pallas_fa3.flash_attention_with_kvcache(
+      q, kc, None, k, cache_seqlens=jnp.asarray([2000, 130], jnp.int32),
+      page_table=table.astype(jnp.int32), head_dim_v=dv, causal=True,
+      cache_leftpad=jnp.asarray([70, 0], jnp.int32), implementation=impl,
+    )
+  )(q, kc, k)  # fmt: skip
+  got, twin = f("mosaic"), f("blockwise")
+  diff = lambda a, b: float(
+    np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
+  )
+  return {
+    "out_vs_twin_err": diff(got[0], twin[0]),
+    "out_vs_twin_bound": 0.03,
+    "cache_vs_twin_err": diff(got[1], twin[1]),
+    "cache_vs_twin_bound": 0.0,
+  }
+
+
 def _quantize_item():
   """The quantization kernel with four warpgroups (256 output rows: V^T at
   d256) against its pure-JAX twin, bit for bit."""
@@ -223,5 +253,9 @@ SMOKE_ITEMS = {
   "decode e4m3 d128 paged": (
     "the e4m3 decode's converter warpgroup (setmaxnreg 256/168, handshake)",
     lambda: _decode_item(True),
+  ),
+  "decode mla 576/512 paged leftpad": (
+    "the MLA decode kernel (two consumers, P through shared memory)",
+    _mla_item,
   ),
 }

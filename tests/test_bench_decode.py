@@ -281,6 +281,8 @@ def test_headline_has_a_decode_table(tmp_path):
     (["--mode", "decode", "--num-splits", "0"], "--num-splits"),
     (["--mode", "fwd", "--cache-len", "128"], "--cache-len"),
     (["--ragged"], "--ragged"),
+    (["--mla"], "--mla"),
+    (["--mode", "decode", "--mla", "--head-dim", "128"], "--head-dim"),
     (["--impl", "triton-gqa"], "--impl triton-gqa"),
   ],
   ids=lambda x: x if isinstance(x, str) else " ".join(x),
@@ -292,3 +294,29 @@ def test_bad_flags_are_usage_errors(argv, flag, capsys, tmp_path):
   err = capsys.readouterr().err
   assert flag in err, err
   assert not os.listdir(tmp_path)  # nothing ran
+
+
+def test_mla_sweep_reads_one_cache_and_names_the_baselines_it_skips(tmp_path):
+  """`--mode decode --mla`: DeepSeek's 576 / 512 latent cache, one KV head;
+  bytes count the one cache (V is its first 512 columns, read in place),
+  tokens/s per step; the baselines that take two caches say why not."""
+  argv = [
+    "bench", "--mode", "decode", "--mla", "--batch", "2", "--cache-len",
+    "128", "--page-size", "64", "--gqa", "16", "--runs", "1", "--warmup",
+    "0", "--input-sets", "1", "--no-progress", "--no-plots", "--impl",
+    "blockwise", "reference", "xla", "triton-paged", "--out", str(tmp_path),
+  ]  # fmt: skip
+  assert cli.main(argv) == 0
+  rows = json.loads((tmp_path / "results.json").read_text())["records"]
+  by_impl = {r["impl"]: r for r in rows}
+  ours = by_impl["blockwise"]
+  assert ours["status"] == "ok" and ours["head_dim"] == 576
+  assert ours["kv_bytes"] == 2 * 128 * 576 * 2  # batch x L x d x bf16
+  assert ours["tokens_per_s"] == pytest.approx(
+    2 / (ours["time_median_ms"] / 1e3)
+  )
+  assert ours["max_abs_err"] < 0.02
+  for name in ("xla", "triton-paged"):
+    assert by_impl[name]["status"] == "skipped"
+    assert "MLA's one 576-column cache" in by_impl[name]["reason"]
+  assert "decode-mla-" in ours["spec"]

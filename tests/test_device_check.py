@@ -63,6 +63,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_fwd",
     "bench_bwd",
     "decode",
+    "decode_mla",
     "fp8_speed",
     "grid",
     "headline",

@@ -240,27 +240,35 @@ def _bad_calls():
   )
   for impl in ("interpret", "mosaic"):
     yield (
-      f"{impl}-mla-576-512",
+      f"{impl}-576-512-with-a-v-cache",
       lambda impl=impl: call(
-        q, kc, None, cache_seqlens=n, head_dim_v=DV, implementation=impl
+        q, kc, kc[..., :DV], cache_seqlens=n, implementation=impl
       ),
       NotImplementedError,
       r"head_dim 576 / head_dim_v 512 .* 256 registers per thread",
     )
-  q192 = jnp.zeros((1, 1, 8, 192), jnp.bfloat16)
-  kc192 = jnp.zeros((1, 256, 1, 192), jnp.bfloat16)
+    yield (
+      f"{impl}-e4m3-mla-cache",
+      lambda impl=impl: call(
+        q, k8, None, cache_seqlens=n, head_dim_v=DV, implementation=impl
+      ),
+      NotImplementedError,
+      "an e4m3 cache with v_cache=None",
+    )
+  q256 = jnp.zeros((1, 1, 8, 256), jnp.bfloat16)
+  kc256 = jnp.zeros((1, 256, 1, 256), jnp.bfloat16)
   yield (
-    "interpret-v-cache-none",
+    "interpret-mla-head-dim-v-192",
     lambda: call(
-      q192,
-      kc192,
+      q256,
+      kc256,
       None,
       cache_seqlens=n,
-      head_dim_v=128,
+      head_dim_v=192,
       implementation="interpret",
     ),  # fmt: skip
     NotImplementedError,
-    r"v_cache=None .* not implemented by the decode kernel",
+    r"head_dim_v 192: the MLA kernel splits V's columns",
   )
 
 
@@ -272,13 +280,16 @@ def test_bad_calls_are_errors_naming_the_argument(name, fn, error, match):
     fn()
 
 
-def test_the_automatic_choice_serves_mla_with_blockwise():
-  """The kernel refuses the MLA shape with its reason (what the automatic
-  choice reports on a GPU); the automatic choice runs blockwise."""
+def test_the_mla_kernel_serves_576_512_and_names_what_it_does_not():
+  """The Hopper kernels serve the MLA shape (the MLA kernel: the
+  automatic choice on a Hopper GPU); an e4m3 MLA cache is refused with
+  its reason and runs blockwise."""
   q = jnp.zeros((1, 1, HQ, D), jnp.bfloat16)
   kc = jnp.zeros((1, 64, 1, D), jnp.bfloat16)
   spec = make_decode_spec(q, kc, None, cache_seqlens=3, head_dim_v=DV)
-  with pytest.raises(NotImplementedError, match="smallest config"):
-    resolve(spec, "mosaic", None)
-  backend, _ = resolve(spec, None, None)
-  assert backend.name == "blockwise"
+  backend, config = resolve(spec, "mosaic", None)
+  assert backend.name == "mosaic" and config.block_kv == 64
+  k8 = kc.astype(jnp.float8_e4m3fn)
+  spec8 = make_decode_spec(q, k8, None, cache_seqlens=3, head_dim_v=DV)
+  with pytest.raises(NotImplementedError, match="e4m3 cache with v_cache"):
+    resolve(spec8, "mosaic", None)

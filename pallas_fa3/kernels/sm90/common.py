@@ -404,6 +404,7 @@ def build_kernel(
   in_place: bool = False,
   approx_math: bool = True,
   cluster: bool = True,
+  reduction_scratch_bytes: int | None = None,
 ) -> Callable[..., Any]:
   """`plgpu.kernel` with the settings every sm90 kernel here shares, its
   refs by name.
@@ -414,7 +415,9 @@ def build_kernel(
   keys, and None for every name of `optional` and every scratch entry that
   is None (absent operands and scratch). `warpgroups` threads named "wg"
   (consumers first, the producer last), a one-CTA cluster (`cluster`),
-  approximate math for exp2 and the reciprocal (`approx_math`), and
+  approximate math for exp2 and the reciprocal (`approx_math`), Mosaic's
+  cross-warp reduction reserve (`reduction_scratch_bytes`; None: its
+  default), and
   `interpret` (None, or interpret-mode parameters: a race then raises,
   `compat.fail_on_race`). `in_place` (compiled only) builds it on
   `pl.kernel`, whose operands may be `jax.new_ref`s the kernel updates in
@@ -453,7 +456,9 @@ def build_kernel(
       kernel_body,
       out_type=out_types,
       mesh=mesh,
-      compiler_params=compat.compiler_params(approx_math=approx_math),
+      compiler_params=compat.compiler_params(
+        approx_math=approx_math, reduction_scratch_bytes=reduction_scratch_bytes
+      ),
       name=body.__name__,
     )
   kernel = plgpu.kernel(
@@ -465,7 +470,9 @@ def build_kernel(
     num_threads=warpgroups,
     thread_name="wg",
     **(dict(cluster=(1,), cluster_names=(CLUSTER,)) if cluster else {}),
-    compiler_params=compat.compiler_params(approx_math=approx_math),
+    compiler_params=compat.compiler_params(
+      approx_math=approx_math, reduction_scratch_bytes=reduction_scratch_bytes
+    ),
     interpret=interpret,
   )
   return compat.fail_on_race(kernel, interpret)

@@ -18,11 +18,19 @@ from jax.experimental.mosaic import gpu as _mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def compiler_params(*, approx_math: bool) -> Any:
-  """CompilerParams with the lowering semantics pinned (the default moved)."""
+def compiler_params(
+  *, approx_math: bool, reduction_scratch_bytes: int | None = None
+) -> Any:
+  """CompilerParams with the lowering semantics pinned (the default moved);
+  `reduction_scratch_bytes` None keeps Mosaic's reserve for cross-warp
+  reductions."""
+  extra = {}
+  if reduction_scratch_bytes is not None:
+    extra["reduction_scratch_bytes"] = reduction_scratch_bytes
   return plgpu.CompilerParams(
     approx_math=approx_math,
     lowering_semantics=_mgpu.LoweringSemantics.Lane,
+    **extra,
   )
 
 

@@ -105,9 +105,9 @@ def _acc_regs(block_kv: int, head_dim_v: int) -> int:
 
 
 def mla_reason(spec: DecodeSpec) -> str | None:
-  """Why head dims past the kernel's largest (DeepSeek MLA's 576 / 512)
-  cannot be served, in numbers: the smallest config's registers and
-  shared memory; None for smaller head dims."""
+  """Why head dims past the one-consumer kernel's largest cannot be served
+  with a V cache of their own, in numbers (the MLA kernel serves them with
+  `v_cache=None`); None for smaller head dims."""
   largest = max(KERNEL_HEAD_DIMS)
   d, dv = spec.head_dim, spec.head_dim_v
   if max(d, dv) <= largest:
@@ -121,38 +121,103 @@ def mla_reason(spec: DecodeSpec) -> str | None:
     f" (a thread has at most {hardware.MAX_THREAD_REGISTERS}; S and O:"
     f" {_acc_regs(small.block_kv, dv)}, budget {_ACC_REGS}), and"
     f" the smallest config {small} needs {decode_smem_bytes(spec, small)}"
-    f" bytes of shared memory (limit {MAX_SMEM_BYTES}). FlashMLA's kernel"
-    " splits O over two consumer warpgroups and reads V from the K tile;"
-    " this one does not (the blockwise backend serves the call)"
+    f" bytes of shared memory (limit {MAX_SMEM_BYTES}). The MLA kernel"
+    " (two consumers, V read from the K tile) serves v_cache=None with"
+    " head_dim_v; a separate v_cache at these dims goes to blockwise"
   )
 
 
-def decode_unsupported(
+# The MLA kernel (`decode_mla.py`): two consumers, each owning half of
+# O's columns; 64-key tiles (P's tile, V zeroed in 64-row chunks).
+MLA_CONSUMERS = 2
+MLA_BLOCK_KV = 64
+# The TMA box's largest extent (elements): a K chunk's columns.
+_TMA_BOX = 256
+
+
+def mla_chunks(spec: DecodeSpec) -> tuple[tuple[int, int], ...]:
+  """(first column, columns) of the K tile's shared-memory chunks: V's two
+  halves (one per consumer), then the RoPE columns past head_dim_v."""
+  half = spec.head_dim_v // MLA_CONSUMERS
+  rope = spec.head_dim - spec.head_dim_v
+  return ((0, half), (half, half)) + (
+    ((spec.head_dim_v, rope),) if rope else ()
+  )
+
+
+def mla_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
+  """Shared memory of the MLA kernel as Mosaic places it: Q's chunks in
+  one region with the output staging (a union), the K ring's chunks, P,
+  the row rescale, the barriers (no cross-warp reduction reserve)."""
+  item = spec.dtype.itemsize
+  widths = [w for _, w in mla_chunks(spec)]
+  q = sum(align_smem(DECODE_ROWS * w * item) for w in widths)
+  out = MLA_CONSUMERS * align_smem(DECODE_ROWS * 64 * 4) + 2 * align_smem(
+    DECODE_ROWS * 4
+  )
+  ring = sum(
+    align_smem(config.num_stages * config.block_kv * w * item) for w in widths
+  )
+  p = align_smem(DECODE_ROWS * config.block_kv * item)
+  barriers = 1 + 2 * config.num_stages + 3
+  return (
+    max(q, out)
+    + ring
+    + p
+    + align_smem(DECODE_ROWS * 4)
+    + barriers * BARRIER_BYTES
+  )
+
+
+def is_mla(spec: DecodeSpec) -> bool:
+  """A call for the MLA kernel: `v_cache=None` (V in the K cache)."""
+  return spec.v_in_k
+
+
+def mla_unsupported(
   spec: DecodeSpec, config: Sm90DecodeConfig | None = None
 ) -> str | None:
-  """Why the decode kernel cannot serve `spec` with `config`, or None."""
-  if spec.flex is not None:
+  """Why the MLA kernel cannot serve `spec` (v_cache=None) with `config`,
+  or None."""
+  d, dv = spec.head_dim, spec.head_dim_v
+  if spec.fp8_cache:
     return (
-      f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
-      " decode kernel yet (blockwise and reference serve them; docs/flex.md)"
+      "an e4m3 cache with v_cache=None: the MLA kernel reads 16-bit caches"
+      " (the blockwise backend serves it)"
     )
-  if str(spec.dtype) not in ("bfloat16", "float16"):
-    return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
-  reason = mla_reason(spec)
-  if reason:
-    return reason
-  for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
-    if d not in KERNEL_HEAD_DIMS:
-      return f"{name} {d} is not one of the kernel's {KERNEL_HEAD_DIMS}"
-  if spec.v_in_k:
+  if dv % (64 * MLA_CONSUMERS) or dv // MLA_CONSUMERS > _TMA_BOX:
     return (
-      "v_cache=None (V read as the K cache's first head_dim_v columns) is"
-      " not implemented by the decode kernel: its producer streams V by TMA"
-      " from a cache of its own, and slicing k_cache into one would copy"
-      " the whole cache every step; the blockwise backend reads V from the"
-      " K tiles in place"
+      f"head_dim_v {dv}: the MLA kernel splits V's columns over"
+      f" {MLA_CONSUMERS} consumers in whole 64-column tiles of at most"
+      f" {_TMA_BOX}: head_dim_v must be a multiple of 128 up to 512"
+    )
+  rope = d - dv
+  if rope % 64 or rope > _TMA_BOX:
+    return (
+      f"head_dim {d} - head_dim_v {dv} = {rope} RoPE columns: the MLA"
+      f" kernel takes them as one chunk of whole 64-column tiles, at most"
+      f" {_TMA_BOX}"
     )
   config = config or default_decode_config(spec)
+  if config.block_kv != MLA_BLOCK_KV:
+    return (
+      f"{config}: the MLA kernel takes block_kv={MLA_BLOCK_KV} (P's tile"
+      " and V's zeroing are one 64-row wgmma tile)"
+    )
+  layout = _layout_problem(spec, config)
+  if layout:
+    return layout
+  need = mla_smem_bytes(spec, config)
+  if need > MAX_SMEM_BYTES:
+    return (
+      f"{config} needs {need} bytes of shared memory in the MLA kernel,"
+      f" over {MAX_SMEM_BYTES}"
+    )
+  return None
+
+
+def _layout_problem(spec: DecodeSpec, config: Sm90DecodeConfig) -> str | None:
+  """A page size or cache length the kernels' TMA boxes cannot tile."""
   if spec.paged:
     ps = spec.page_size
     if ps % _PAGE_ROWS:
@@ -170,6 +235,32 @@ def decode_unsupported(
       f"cache_len {spec.capacity} must be a multiple of {_TMA_ROWS} and at"
       f" least block_kv {config.block_kv} (TMA boxes of the cache)"
     )
+  return None
+
+
+def decode_unsupported(
+  spec: DecodeSpec, config: Sm90DecodeConfig | None = None
+) -> str | None:
+  """Why the decode kernel cannot serve `spec` with `config`, or None."""
+  if spec.flex is not None:
+    return (
+      f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
+      " decode kernel yet (blockwise and reference serve them; docs/flex.md)"
+    )
+  if str(spec.dtype) not in ("bfloat16", "float16"):
+    return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
+  if is_mla(spec):
+    return mla_unsupported(spec, config)
+  reason = mla_reason(spec)
+  if reason:
+    return reason
+  for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+    if d not in KERNEL_HEAD_DIMS:
+      return f"{name} {d} is not one of the kernel's {KERNEL_HEAD_DIMS}"
+  config = config or default_decode_config(spec)
+  layout = _layout_problem(spec, config)
+  if layout:
+    return layout
   regs = _acc_regs(config.block_kv, spec.head_dim_v)
   if regs > _ACC_REGS:
     return (
@@ -190,6 +281,13 @@ def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   (decoding is bound by HBM latency). An e4m3 cache takes 64-key tiles
   where 128-key ones would leave fewer than 4 stages (its float16 tiles
   take shared memory too)."""
+  if is_mla(spec):  # the deepest ring of 64-key tiles that fits
+    best = Sm90DecodeConfig(MLA_BLOCK_KV, 2)
+    for stages in STAGE_CHOICES:
+      config = Sm90DecodeConfig(MLA_BLOCK_KV, stages)
+      if mla_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
+        best = config
+    return best
   block = 128  # a larger page holds several tiles; a 64-key page: two
   if spec.head_dim_v > 128:
     block = 64  # S and O registers

@@ -302,6 +302,23 @@ def split_tiles(
   return lo, jnp.clip(t1 - lo, 0, per)
 
 
+def cta_walk(plan: DecodePlan, refs: dict[str, Any]) -> tuple:
+  """This CTA's (batch, KV head, split, query tile or None with one tile,
+  length, cache_leftpad start or None, first K/V tile, tiles): the grid
+  is (batch, heads, query tiles x splits)."""
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  split, qtile = lax.axis_index("split"), None
+  if plan.query_tiles > 1:  # the grid's last axis walks query tiles x splits
+    qtile = lax.div(split, jnp.int32(plan.splits))
+    split = lax.rem(split, jnp.int32(plan.splits))
+  length = refs["lengths"][batch]
+  start = refs["starts"][batch] if plan.spec.leftpad else None
+  first, count = split_tiles(
+    plan, length, split, 0 if start is None else start, qtile
+  )
+  return batch, head, split, qtile, length, start, first, count
+
+
 def _producer(refs: dict[str, Any], plan: DecodePlan, scalars: tuple) -> None:
   """Streams the split's K/V tiles into the ring, then waits until the
   consumer has released the last ones (no TMA in flight at exit)."""
@@ -346,7 +363,7 @@ def _producer(refs: dict[str, Any], plan: DecodePlan, scalars: tuple) -> None:
 _ZERO_CHUNK = 64
 
 
-def _zero_rows_from(
+def zero_rows_from(
   ops: KernelOps, tile_ref: Any, valid: Any, lo: Any = None
 ) -> None:
   """Zeroes rows `valid..` (and with `lo` the rows before it) of a
@@ -365,6 +382,36 @@ def _zero_rows_from(
       keep = lax.broadcast_in_dim(keep_rows, values.shape, [0])
       chunk[...] = jnp.where(keep, values, jnp.zeros_like(values))
   plgpu.commit_smem()  # generic stores -> the async proxy of the wgmma
+
+
+def query_rows(plan: DecodePlan, ops: KernelOps, length: Any, row0: Any):
+  """Per accumulator row of a query tile starting at packed row `row0`:
+  the position of its query (packed row r is query r // g, at position
+  length - seq_q + r // g)."""
+  rows = ops.row_index(DECODE_ROWS) + row0
+  g = jnp.int32(plan.spec.group_size)
+  return length - plan.spec.seq_q + lax.div(rows, g)
+
+
+def tile_mask(
+  plan: DecodePlan, ops: KernelOps, pos: Any, length: Any, start: Any,
+  tile: Any,
+) -> jax.Array:  # fmt: skip
+  """`[64, block_kv]`: which keys of K tile `tile` the rows at positions
+  `pos` see (the length, cache_leftpad `start` or None, the causal rule
+  and window)."""
+  spec, bkv = plan.spec, plan.block_kv
+  keys = tile * bkv + ops.col_index(bkv)
+  ok = lambda a, b: lax.broadcast_in_dim(a, (DECODE_ROWS, bkv), [b])
+  mask = ok(keys < length, 1)
+  if start is not None:  # cache_leftpad
+    mask = mask & ok(keys >= start, 1)
+  rpos = lambda off: ok(pos + off, 0)
+  if spec.window_right is not None:
+    mask = mask & (ok(keys, 1) <= rpos(spec.window_right))
+  if spec.window_left is not None:
+    mask = mask & (ok(keys, 1) >= rpos(-spec.window_left))
+  return mask
 
 
 def _consumer(
@@ -389,22 +436,9 @@ def _consumer(
   plgpu.copy_gmem_to_smem(q_src, q_smem, q_bar.at[0])
   plgpu.barrier_wait(q_bar.at[0])
 
-  # Packed row r is query r // g: at position length - seq_q + r // g.
-  rows = ops.row_index(DECODE_ROWS) + row0
-  pos = length - spec.seq_q + lax.div(rows, jnp.int32(spec.group_size))
+  pos = query_rows(plan, ops, length, row0)
 
-  def mask_for(tile):
-    keys = tile * bkv + ops.col_index(bkv)
-    ok = lambda a, b: lax.broadcast_in_dim(a, (DECODE_ROWS, bkv), [b])
-    mask = ok(keys < length, 1)
-    if start is not None:  # cache_leftpad
-      mask = mask & ok(keys >= start, 1)
-    rpos = lambda off: ok(pos + off, 0)
-    if spec.window_right is not None:
-      mask = mask & (ok(keys, 1) <= rpos(spec.window_right))
-    if spec.window_left is not None:
-      mask = mask & (ok(keys, 1) >= rpos(-spec.window_left))
-    return mask
+  mask_for = lambda tile: tile_mask(plan, ops, pos, length, start, tile)
 
   def step(j, carry):
     o, m, l = carry
@@ -419,7 +453,7 @@ def _consumer(
         lo = start - tile * bkv
         partial = partial | (lo > 0)
       pl.when(partial)(
-        lambda: _zero_rows_from(ops, v_smem.at[slot], length - tile * bkv, lo)
+        lambda: zero_rows_from(ops, v_smem.at[slot], length - tile * bkv, lo)
       )
     plgpu.barrier_wait(k_full.at[slot])
     s = ops.scores(q_smem, k_smem.at[slot])
@@ -479,15 +513,8 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
   qtiles = plan.query_tiles
 
   def fa3_decode(refs: dict[str, Any]) -> None:
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    split, qtile = lax.axis_index("split"), None
-    if qtiles > 1:  # the grid's last axis walks query tiles x splits
-      qtile = lax.div(split, jnp.int32(splits))
-      split = lax.rem(split, jnp.int32(splits))
-    length = refs["lengths"][batch]
-    start = refs["starts"][batch] if spec.leftpad else None
-    first, count = split_tiles(
-      plan, length, split, 0 if start is None else start, qtile
+    batch, head, split, qtile, length, start, first, count = cta_walk(
+      plan, refs
     )
     descale = ()
     if plan.fp8:  # `[b, hk]` each
@@ -629,6 +656,15 @@ def sm90_decode(
     *extra,
     *(() if starts is None else (starts.astype(jnp.int32),)),
   )
+  return merged_output(spec, o_parts, lse_parts, sinks)
+
+
+def merged_output(
+  spec: DecodeSpec, o_parts: jax.Array, lse_parts: jax.Array, sinks: Any
+) -> tuple[jax.Array, jax.Array]:
+  """The splits' float32 partials `[splits, b, hk, rows, dv]` (and lse)
+  merged by log-sum-exp with the sinks (float32 `[b, hq]` or None) and
+  unpacked: (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]`)."""
   sink = None
   if sinks is not None:  # per packed row: head kv_head * g + r % g
     g = spec.group_size

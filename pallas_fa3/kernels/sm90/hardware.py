@@ -55,9 +55,12 @@ def split_need(
   `consumer` (None: the launch count), `producers` warpgroups at
   `producer`."""
   producers = producers if producer is not None else 0
-  need = (warpgroups - producers) * _allocated(
-    launch if consumer is None else consumer
-  )
+  consumers = warpgroups - producers
+  if isinstance(consumer, tuple):  # one value per consumer warpgroup
+    own = [_allocated(c) for c in consumer[:consumers]]
+    need = sum(own) + (consumers - len(own)) * _allocated(launch)
+  else:
+    need = consumers * _allocated(launch if consumer is None else consumer)
   return need + producers * _allocated(producer or 0)
 
 
@@ -76,7 +79,12 @@ def split_problems(
   launch = launch_registers(warpgroups) if launch is None else launch
   problems = []
   low, high = SETMAXNREG_RANGE
-  for role, value in (("consumer", consumer), ("producer", producer)):
+  values = [("producer", producer)]
+  if isinstance(consumer, tuple):
+    values += [("consumer", c) for c in consumer]
+  else:
+    values += [("consumer", consumer)]
+  for role, value in values:
     if value is not None and (value % 8 or not low <= value <= high):
       problems.append(
         f"{role} setmaxnreg {value} is not a multiple of 8 in [{low}, {high}]"
@@ -86,9 +94,14 @@ def split_problems(
   need = split_need(warpgroups, consumer, producer, producers, launch)
   pool = register_pool(warpgroups, launch)
   if need > pool:
+    asked = (
+      " + ".join(map(str, consumer))
+      if isinstance(consumer, tuple)
+      else f"{consumers} x {consumer or launch}"
+    )
     problems.append(
       f"setmaxnreg asks for {need} registers per thread slot"
-      f" ({consumers} x {consumer or launch} + {producers} x {producer}) and"
+      f" ({asked} + {producers} x {producer}) and"
       f" the CTA owns {pool} ({warpgroups} warpgroups x {launch}): the"
       " increase never completes"
     )

@@ -1,7 +1,7 @@
 """The deviceless sm_90a compile of the decode kernel: one call's compile
 (`compile_decode`) and the sweep of `pallas-fa3 aot --decode` (head dims,
 contiguous and paged caches, GQA groups and seq_q, window and softcap,
-cache_leftpad; bf16 and e4m3 caches): docs/kernels.md#verification-without-a-gpu.
+cache_leftpad; bf16 and e4m3 caches; the MLA kernel): docs/kernels.md#verification-without-a-gpu.
 """
 
 from __future__ import annotations
@@ -113,6 +113,27 @@ def compile_decode(
     f" q{spec.seq_q}{aot.modifier_label(spec)}{' leftpad' * spec.leftpad}"
     f" {config.block_kv}x{config.num_stages} s{splits}"
   )
+  if spec.v_in_k:  # the MLA kernel: V in the K cache (no v_cache)
+    from pallas_fa3.kernels.sm90 import decode_mla
+
+    del shapes[2]
+    return aot.compile_report(
+      f"decode mla {label} {config}",
+      lambda q, kc, lens, rows_, pt_, *rest: decode_mla.sm90_mla_decode(
+        spec,
+        config,
+        splits,
+        q,
+        kc,
+        lens,
+        rows_,
+        pt_ if spec.paged else None,
+        None,
+        rest[-1] if spec.leftpad else None,
+      ),  # fmt: skip
+      shapes,
+      f"mla {label}",
+    )
   return aot.compile_report(
     f"decode {label} {config}",
     lambda q, kc, vc, lens, rows_, pt_, *rest: decode_kernel.sm90_decode(
@@ -150,6 +171,9 @@ def decode_defaults(
       yield compile_decode, spec, config_decode.default_decode_config(spec)
   if keep(128):
     spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
+  if head_dims is None:  # DeepSeek MLA: the MLA kernel, 16 query heads
+    spec = decode_spec(576, 512, 16, 1, 64, v_in_k=True)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
 
 
@@ -202,6 +226,16 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
   # at GQA 6): a CTA per query tile.
   for d, ps, seq_q in ((128, 64, 128), (64, None, 512)):
     spec = decode_spec(d, d, 6, seq_q, ps)
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # The MLA kernel (v_cache=None): 576 / 512 at 16, 64 and 128 query heads
+  # (one and two query tiles), seq_q 1 and 2, contiguous and paged, window
+  # and softcap, cache_leftpad; the 320 / 256 split.
+  for group, seq_q, ps in ((16, 1, 64), (64, 2, None), (128, 1, 64)):
+    for options in ({}, dict(window_size=(1024, None), softcap=30.0)):
+      spec = decode_spec(576, 512, group, seq_q, ps, v_in_k=True, **options)
+      yield compile_decode, spec, config_decode.default_decode_config(spec)
+  for d, dv, options in ((576, 512, dict(leftpad=True)), (320, 256, {})):
+    spec = decode_spec(d, dv, 16, 1, 64, v_in_k=True, **options)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
   # cache_leftpad (its mask, and V zeroed before it), bf16 and e4m3.
   for options in (dict(causal=True), e4m3):

@@ -98,7 +98,8 @@ class KernelProfile:
 
 def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
   """(consumer, producer, producers) of a profile's setmaxnreg sites: the
-  largest increase for every consumer, the largest decrease for the one
+  largest increase for every consumer (a tuple, one per consumer, when
+  each consumer has its own uneven site), the largest decrease for the one
   producer warpgroup that decreases (None: that role keeps the launch
   count)."""
   values = {"inc": [], "dec": []}
@@ -107,7 +108,11 @@ def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
     values[action].append(int(n))
   consumer = max(values["inc"], default=None)
   producer = max(values["dec"], default=None)
-  return consumer, producer, int(producer is not None)
+  producers = int(producer is not None)
+  consumers = max(p.threads // hardware.WARPGROUP_THREADS, 1) - producers
+  if len(set(values["inc"])) > 1 and len(values["inc"]) == consumers:
+    consumer = tuple(values["inc"])  # one site per consumer, uneven
+  return consumer, producer, producers
 
 
 def register_budget(p: KernelProfile) -> tuple[int, int]:

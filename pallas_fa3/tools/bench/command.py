@@ -53,6 +53,7 @@ _NOT_DECODE = {
 }
 # Decode flags, by dest.
 _DECODE_ONLY = {
+  "mla": "--mla",
   "batch": "--batch",
   "cache_len": "--cache-len",
   "page_size": "--page-size",
@@ -60,7 +61,7 @@ _DECODE_ONLY = {
   "ragged": "--ragged",
 }
 # What an unset flag holds (store_true flags: False; the others: None).
-_UNSET = {"sinks": False, "ragged": False}
+_UNSET = {"sinks": False, "ragged": False, "mla": False}
 
 
 def out_dir(args: argparse.Namespace) -> str:
@@ -333,6 +334,15 @@ def add_parser(
     " on a GPU; auto and 4 at batch 1 on a CPU)",
   )
   p.add_argument(
+    "--mla",
+    action="store_true",
+    help="decode only: DeepSeek MLA's one latent cache (head_dim 576, V its"
+    " first 512 columns, one KV head; --gqa: its query heads): the MLA"
+    " kernel beside the blockwise twin and reference (XLA); unset grid:"
+    " batch 64 x 8k, 128 heads, page 64 (+ batch 32 x 4k, 16 heads) on a"
+    " GPU, batch 2 x 1k, 16 heads on a CPU",
+  )
+  p.add_argument(
     "--ragged",
     action="store_true",
     help="decode only: ragged cache lengths, from --cache-len down to about"
@@ -395,6 +405,14 @@ def grid_axes(args, platform: str) -> tuple:
   )
   if is_decode(args):
     groups = specs.DECODE_GPU_GRID if gpu else specs.DECODE_CPU_GRID
+    if args.mla:
+      groups = specs.MLA_GPU_GRID if gpu else specs.MLA_CPU_GRID
+      for flag, value in (("--head-dim", args.head_dim), ("--hidden", args.hidden)):  # fmt: skip
+        if value is not None:
+          raise ValueError(
+            f"{flag} does not apply to --mla (its head dims are 576 / 512;"
+            " --gqa sets the query heads)"
+          )
     given.update(
       batches=args.batch,
       cache_lens=args.cache_len,

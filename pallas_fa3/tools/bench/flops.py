@@ -136,12 +136,14 @@ def decode_kv_bytes(spec) -> int:
   """K/V bytes one decode step must read (`spec`: a `DecodeBenchSpec`).
 
   Every sequence's keys and values once: `sum_b L_b * heads_kv * (d + dv)
-  * itemsize`. The figure of merit of a memory-bound decoder is these
+  * itemsize` (MLA's one cache: `d` columns, V among them). The figure of merit of a memory-bound decoder is these
   bytes per second against the HBM peak; what an implementation reads
   beyond them (a gathered copy of a paged cache, materialized scores,
   partials of a split) is its overhead, not counted.
   """
   per_token = spec.heads_kv * (spec.head_dim + spec.head_dim_v)
+  if getattr(spec, "mla", False):  # one cache: V is K's columns, read once
+    per_token = spec.heads_kv * spec.head_dim
   return sum(spec.lengths) * per_token * spec.cache_itemsize
 
 

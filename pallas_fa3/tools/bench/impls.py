@@ -134,14 +134,16 @@ def decode_spec(spec):
   cache = jax.ShapeDtypeStruct(
     (*rows, spec.heads_kv, spec.head_dim), cache_dtype
   )
+  mla = getattr(spec, "mla", False)
   return make_decode_spec(
     shape(spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
     cache,
-    cache,
+    None if mla else cache,
     cache_seqlens=spec.cache_len,
     page_table=table,
     causal=spec.causal,
     num_splits=spec.num_splits,
+    head_dim_v=spec.head_dim_v if mla else None,
   )
 
 
@@ -187,6 +189,7 @@ def _ours_build(name, deterministic=False):
           implementation=name,
           k_descale=descale[0] if descale else None,
           v_descale=descale[1] if descale else None,
+          head_dim_v=spec.head_dim_v if getattr(spec, "mla", False) else None,
         )
       )
     sinks = options.sinks_for(spec.heads_q) if spec.sinks else None
@@ -231,11 +234,23 @@ def _no_fp8_cache(spec) -> str | None:
   return None
 
 
+def _no_mla(spec, who: str) -> str | None:
+  if getattr(spec, "mla", False):
+    return (
+      f"{who} takes a K and a V cache of one head dim, not MLA's one"
+      " 576-column cache with V its first 512 (reference is the XLA"
+      " figure here)"
+    )
+  return None
+
+
 def _dpa_unsupported(implementation):
   def check(spec, platform):
     decode = spec.mode == specs.DECODE
     if decode and _no_fp8_cache(spec):
       return _no_fp8_cache(spec)
+    if decode and _no_mla(spec, "jax.nn.dot_product_attention"):
+      return _no_mla(spec, "jax.nn.dot_product_attention")
     if implementation == "cudnn":
       if platform != "gpu":
         return f"cuDNN attention needs a GPU (default backend: {platform})"
@@ -430,6 +445,8 @@ def _triton_unsupported(module, paged):
   def check(spec, platform):
     if _no_fp8_cache(spec):
       return _no_fp8_cache(spec)
+    if _no_mla(spec, name):
+      return _no_mla(spec, name)
     if platform != "gpu":
       return f"{name} is a Triton GPU kernel (default backend: {platform})"
     if spec.paged != paged:

@@ -131,6 +131,8 @@ def _cell(r: dict, show_peak: bool, scale: float) -> str:
   if r["mode"] == specs.DECODE:
     rate, pct, n = r["gbps"], r["pct_hbm"], r["splits"]
     more = "" if n is None else f", {n} split{'s' if n != 1 else ''}"
+    if r.get("tokens_per_s"):
+      more += f", {r['tokens_per_s']:.3g} tok/s"
   else:
     rate, pct = r["tflops"] * scale, show_peak and r["pct_peak"]
     more = (  # fp8: the attention alone and the quantization alone

@@ -127,7 +127,7 @@ def _base_record(impl, spec) -> dict:
       ragged=spec.ragged,
     )
     work = dict(kv_bytes=spec.kv_bytes)
-    rates = dict(gbps=None, pct_hbm=None, tflops=None)
+    rates = dict(gbps=None, pct_hbm=None, tokens_per_s=None, tflops=None)
     fp8_parts = {}
   else:
     shape = dict(
@@ -271,7 +271,10 @@ def run_case(
   if decode:
     bytes_s = spec.kv_bytes / result.median_s
     rec.update(
-      gbps=bytes_s / 1e9, pct_hbm=None if not peak else 100 * bytes_s / peak
+      gbps=bytes_s / 1e9,
+      pct_hbm=None if not peak else 100 * bytes_s / peak,
+      # new tokens generated per second: the step's batch x seq_q
+      tokens_per_s=spec.batch * spec.seq_q / result.median_s,
     )
   else:
     rec["pct_peak"] = None if not peak else 100 * tflops / peak

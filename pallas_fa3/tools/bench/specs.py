@@ -41,6 +41,8 @@ DTYPES: dict[str, str] = {
 
 # Head dims are at most 256: the library's limit, on every backend.
 MAX_HEAD_DIM = 256
+# DeepSeek MLA's latent cache (`--mla`): 512 value columns + 64 RoPE ones.
+MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
 # FA3 paper benchmark grid (section 4.1 / NUMERICS.md "Performance anchors").
 PAPER_TOKENS = 16 * 1024
@@ -192,6 +194,8 @@ class DecodeBenchSpec:
     ragged: sequence b holds `cache_len - (cache_len // 2) * b // batch`
       tokens (cache_len down to about half of it); else all `cache_len`.
     tags: free labels for selection (`--tags`) and reports.
+    mla: DeepSeek MLA's one latent cache (`v_cache=None`): head_dim 576,
+      V its first `MLA_HEAD_DIM_V` columns, read in place.
   """
 
   name: str
@@ -205,6 +209,7 @@ class DecodeBenchSpec:
   num_splits: int | None = None
   ragged: bool = False
   tags: tuple[str, ...] = ()
+  mla: bool = False
   # One new token per sequence, at the end of its cache: seeing all of it.
   seq_q: int = dataclasses.field(default=1, init=False)
   causal: bool = dataclasses.field(default=True, init=False)
@@ -227,7 +232,11 @@ class DecodeBenchSpec:
         f"{where}heads_q ({self.heads_q}) must be a multiple of heads_kv"
         f" ({self.heads_kv})"
       )
-    if self.head_dim > MAX_HEAD_DIM:
+    if self.mla and self.head_dim != MLA_HEAD_DIM:
+      raise ValueError(
+        f"{where}an MLA case has head_dim {MLA_HEAD_DIM}; got {self.head_dim}"
+      )
+    if self.head_dim > MAX_HEAD_DIM and not self.mla:
       raise ValueError(
         f"{where}head_dim {self.head_dim} is over {MAX_HEAD_DIM}"
       )
@@ -241,7 +250,7 @@ class DecodeBenchSpec:
 
   @property
   def head_dim_v(self) -> int:
-    return self.head_dim
+    return MLA_HEAD_DIM_V if self.mla else self.head_dim
 
   @property
   def jax_dtype(self) -> str:
@@ -496,10 +505,14 @@ class DecodeAxes:
   dtypes: tuple[str, ...] = ("bf16",)
   ragged: bool = False
   tags: tuple[str, ...] = ()
+  mla: bool = False  # MLA cases: one KV head, `gqa` query heads, d 576
 
   def expand(self) -> list[DecodeBenchSpec]:
     """Every combination, in a stable order (dtype, d, gqa, batch, cache
-    length, page size, split count)."""
+    length, page size, split count). MLA: head_dims and hidden unused;
+    `gqa` is the query heads of the one KV head."""
+    if self.mla:
+      return self._expand_mla()
     check_head_dims(self.head_dims, self.hidden)
     specs = []
     for dtype, d, gqa, b, n, ps, splits in itertools.product(
@@ -538,6 +551,31 @@ class DecodeAxes:
           **fields,
         )
       )
+    return specs
+
+  def _expand_mla(self) -> list[DecodeBenchSpec]:
+    specs = []
+    for dtype, hq, b, n, ps, splits in itertools.product(
+      self.dtypes,
+      self.gqa,
+      self.batches,
+      self.cache_lens,
+      self.page_sizes,
+      self.num_splits,
+    ):
+      fields = dict(
+        dtype=dtype, batch=b, cache_len=n, heads_q=hq, heads_kv=1,
+        head_dim=MLA_HEAD_DIM, page_size=ps, num_splits=splits,
+        ragged=self.ragged,
+      )  # fmt: skip
+      tags = self.tags + (
+        DECODE, "mla", dtype, f"h{hq}",
+        "contiguous" if ps is None else "paged",
+        "split-auto" if splits is None else "split-fixed",
+      ) + (("ragged",) if self.ragged else ())  # fmt: skip
+      name = spec_name(DECODE, head_dim_v=MLA_HEAD_DIM_V, **fields)
+      name = name.replace(f"{DECODE}-", f"{DECODE}-mla-", 1)
+      specs.append(DecodeBenchSpec(name, tags=tags, mla=True, **fields))
     return specs
 
 
@@ -580,6 +618,27 @@ DECODE_CPU_GRID: tuple[DecodeAxes, ...] = (
   DecodeAxes((4,), (1024, 4096, 16384), page_sizes=(None, 64), **_CPU),
   DecodeAxes((1,), (16384,), num_splits=(None, 4), **_CPU),
 )
+
+
+# `--mla` (issue 45): DeepSeek's latent cache, 576 / 512, one KV head. GPU:
+# the target's point, batch 64 x 8k, 128 query heads, page 64 (and 16
+# heads, batch 32 x 4k); CPU: a few seconds of blockwise and reference.
+MLA_GPU_GRID: tuple[DecodeAxes, ...] = (
+  DecodeAxes(
+    (64,), (8192,), hidden=0, head_dims=(), gqa=(128,), page_sizes=(64,),
+    mla=True, tags=(HEADLINE_TAG,),
+  ),
+  DecodeAxes(
+    (32,), (4096,), hidden=0, head_dims=(), gqa=(16,), page_sizes=(64, None),
+    mla=True,
+  ),
+)  # fmt: skip
+MLA_CPU_GRID: tuple[DecodeAxes, ...] = (
+  DecodeAxes(
+    (2,), (1024,), hidden=0, head_dims=(), gqa=(16,), page_sizes=(64, None),
+    mla=True,
+  ),
+)  # fmt: skip
 
 
 def make_grid(

@@ -56,7 +56,8 @@ def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
 
   The attention modes: `(q, k, v, dout)`; v and dout have
   `spec.head_dim_v` columns where the spec has one (not None). Decode:
-  `(q, k_cache, v_cache, lengths, page_table)`, and for fp8 `k_descale,
+  `(q, k_cache, v_cache, lengths, page_table)` (MLA: v_cache None), and
+  for fp8 `k_descale,
   v_descale` after them: the whole cache random, also past a ragged length
   (fp8: quantized by `quantize_kv_cache`); lengths int32 `[batch]`;
   page_table int32 `[batch, pages_per_seq]`, a random permutation of the
@@ -70,7 +71,10 @@ def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
     rows = (
       (pages, spec.page_size) if spec.paged else (spec.batch, spec.cache_len)
     )
-    shapes = (q_shape,) + ((*rows, spec.heads_kv, spec.head_dim),) * 2
+    mla = getattr(spec, "mla", False)  # one cache: no v_cache
+    shapes = (q_shape,) + ((*rows, spec.heads_kv, spec.head_dim),) * (
+      1 if mla else 2
+    )
     lengths = jnp.asarray(spec.lengths, jnp.int32)
   else:
     dv = getattr(spec, "head_dim_v", None) or spec.head_dim
@@ -86,7 +90,7 @@ def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
     if not decode:
       sets.append(arrays)
       continue
-    q, k, v = arrays
+    q, k, v = arrays if len(arrays) == 3 else arrays + (None,)
     table = None
     if spec.paged:
       order = np.random.default_rng([seed, i]).permutation(pages)

@@ -1,0 +1,372 @@
+"""The Hopper MLA decode kernel: DeepSeek's latent cache (`v_cache=None`:
+V is the K cache's first `head_dim_v` columns, 576 / 512), FlashMLA's
+layout in Pallas Mosaic GPU. One CTA per (sequence, KV head, 64-row query
+tile, split), the query heads of the KV head packed into the tile's rows
+as in `decode.py`. A producer warpgroup streams 64-key K tiles by TMA (a
+paged cache: one page per tile) in three column chunks (V's two halves,
+the RoPE columns); consumer 0 computes S = Q K^T over all 576 columns and
+the online softmax, hands P and the row rescale to consumer 1 through
+shared memory, and each consumer accumulates its 256 columns of O from
+the same K tile (V read in place, never copied). XLA merges the splits.
+docs/design_notes.md#mla-decode-kernel
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa3.kernels.sm90 import compat, hardware
+from pallas_fa3.kernels.sm90.common import (
+  PRODUCER_REGS,
+  build_kernel,
+  consumer_release,
+  scaled_once,
+  smem_transforms,
+  softcapped,
+)
+from pallas_fa3.kernels.sm90.config_decode import (
+  DECODE_ROWS,
+  MLA_CONSUMERS,
+  Sm90DecodeConfig,
+  mla_chunks,
+)
+from pallas_fa3.kernels.sm90.decode import (
+  DecodePlan,
+  cta_walk,
+  merged_output,
+  pack_queries,
+  query_rows,
+  tile_mask,
+  zero_rows_from,
+)
+from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
+from pallas_fa3.kvcache import DecodeSpec
+from pallas_fa3.lse import natural_from_log2
+from pallas_fa3.spec import LOG2E
+
+_F32 = jnp.float32
+# setmaxnreg: consumer 0 holds S, P and its half of O (64 x 256 float32:
+# 128 registers a thread), consumer 1 its half of O alone; 256 + 224 + 24
+# is the 384-thread CTA's pool (3 x 168).
+SOFTMAX_REGS, VALUE_REGS = 256, 224
+_SPLIT = hardware.split_problems(3, (SOFTMAX_REGS, VALUE_REGS), PRODUCER_REGS)
+if _SPLIT:
+  raise ValueError("; ".join(_SPLIT))
+# Columns of O each consumer writes per TMA store (a float32 staging tile).
+_OUT_COLS = 64
+
+
+def _producer(refs: dict[str, Any], plan: DecodePlan) -> None:
+  """Streams the split's K tiles, each as `mla_chunks` column boxes into
+  one ring slot, then waits for both consumers' release of the last
+  ones (no TMA in flight at exit)."""
+  k_ref, pt_ref, k_full, k_empty = (
+    refs[n] for n in ("k", "pages", "k_full", "k_empty")
+  )
+  ring = refs["k_smem"]
+  plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+  batch, head, _, _, _, _, first, count = cta_walk(plan, refs)
+  row = refs["rows"][batch]
+  stages, chunks = plan.ring_stages, mla_chunks(plan.spec)
+
+  @pl.loop(0, count)
+  def _load(j):
+    slot = lax.rem(j, stages)
+
+    @pl.when(j >= stages)
+    def _():  # both consumers have read the slot's previous tile
+      plgpu.barrier_wait(k_empty.at[slot])
+
+    box = plan.tile_source(k_ref, row, pt_ref, batch, head, first + j, 0)
+    for c, (c0, width) in enumerate(chunks):
+      plgpu.copy_gmem_to_smem(
+        box.at[:, pl.ds(c0, width)],
+        ring[c].at[slot],
+        k_full.at[slot],
+        oob_mode=compat.ZERO_FILL,
+      )
+
+  @pl.loop(jnp.maximum(count - stages, 0), count)
+  def _drain(j):
+    plgpu.barrier_wait(k_empty.at[lax.rem(j, stages)])
+
+
+def _store_half(refs, plan, o, w):
+  """Consumer `w`'s float32 columns `[w * dv/2, (w+1) * dv/2)` of O to
+  the CTA's partial (`_piece`), through its staging tile, `_OUT_COLS` at a
+  time."""
+  stage = refs["o_stage"][w]
+  o_ref = refs["o"].at[_piece()]
+  half = plan.spec.head_dim_v // MLA_CONSUMERS
+  for c in range(0, half, _OUT_COLS):
+    if c:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = o[:, c : c + _OUT_COLS]
+    plgpu.commit_smem()
+    cols = pl.ds(w * half + c, _OUT_COLS)
+    plgpu.copy_smem_to_gmem(stage, o_ref.at[:, cols])
+
+
+def _piece() -> tuple:
+  """This CTA's partial in the kernel's outputs `[query tiles x splits, b,
+  hk, 64, ...]`: indexed by grid coordinates alone (read again where
+  needed, never kept live through the loop)."""
+  return (
+    lax.axis_index("split"),
+    lax.axis_index("batch"),
+    lax.axis_index("heads"),
+  )
+
+
+def _softmax_consumer(refs, plan, ops) -> None:
+  """Consumer 0: S = Q K^T, the masked online softmax, P and the rescale
+  handed to consumer 1, its own half of O, and the epilogue's 1 / l and
+  lse (handed over too)."""
+  spec, cfg = plan.spec, plan.config
+  bkv, stages, half = cfg.block_kv, plan.ring_stages, spec.head_dim_v // 2
+  ring, k_full, k_empty = refs["k_smem"], refs["k_full"], refs["k_empty"]
+  q_smem, q_bar = refs["q_smem"], refs["q_bar"]
+  p_smem, alpha_smem = refs["p_smem"], refs["alpha_smem"]
+  p_full, p_empty = refs["p_full"], refs["p_empty"]
+  plgpu.set_max_registers(SOFTMAX_REGS, action="increase")
+  batch, head, split, qtile, length, start, first, count = cta_walk(plan, refs)
+  row0 = None if qtile is None else qtile * DECODE_ROWS
+  q_src = refs["q"].at[batch, head]
+  if row0 is not None:
+    q_src = q_src.at[pl.ds(row0, DECODE_ROWS)]
+  for c, (c0, width) in enumerate(mla_chunks(spec)):
+    plgpu.copy_gmem_to_smem(
+      q_src.at[:, pl.ds(c0, width)], q_smem[c], q_bar.at[0]
+    )
+  plgpu.barrier_wait(q_bar.at[0])
+  pos = query_rows(plan, ops, length, 0 if row0 is None else row0)
+
+  def step(j, carry):
+    o, m, l = carry
+    slot, tile = lax.rem(j, stages), first + j
+    plgpu.barrier_wait(k_full.at[slot])
+    # The tiles holding the first or last key: V's rows outside them -> 0
+    # in both halves before any wgmma reads the tile (0 x NaN is NaN).
+    partial = (tile + 1) * bkv > length
+    lo = None
+    if start is not None:
+      lo = start - tile * bkv
+      partial = partial | (lo > 0)
+
+    @pl.when(partial)
+    def _():
+      for w in range(MLA_CONSUMERS):
+        zero_rows_from(ops, ring[w].at[slot], length - tile * bkv, lo)
+
+    chunks = [ring[c].at[slot] for c in range(len(ring))]
+    s = ops.scores(list(q_smem), chunks)
+    t, scale_log2 = softcapped(spec, s)
+    x = jnp.where(
+      tile_mask(plan, ops, pos, length, start, tile),
+      scaled_once(t, scale_log2),
+      -jnp.inf,
+    )
+    m_new = jnp.maximum(m, x.max(axis=1))
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_ref)
+    p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, x.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    p16 = p.astype(spec.dtype)
+
+    @pl.when(j > 0)
+    def _():  # consumer 1 has finished with the previous P
+      plgpu.barrier_wait(p_empty.at[0])
+
+    p_smem[...] = p16
+    alpha_smem[...] = alpha
+    plgpu.commit_smem()  # generic stores -> consumer 1's wgmma, its loads
+    plgpu.barrier_arrive(p_full.at[0])
+    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+    o = ops.accumulate_pv(o, p16, ring[0].at[slot])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    return o, m_new, l
+
+  o0 = ops.tile(jnp.zeros((DECODE_ROWS, half), _F32))
+  m0 = ops.rows(jnp.full((DECODE_ROWS,), -jnp.inf, _F32))
+  l0 = ops.rows(jnp.zeros((DECODE_ROWS,), _F32))
+  o, m, l = lax.fori_loop(0, count, step, (o0, m0, l0))
+
+  @pl.when(count > 0)
+  def _():  # consumer 1's last P (its wgmma done) before the epilogue
+    plgpu.barrier_wait(p_empty.at[0])
+
+  empty = l == 0.0
+  inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+  log2_l = jnp.log(jnp.where(empty, 1.0, l)) * _F32(LOG2E)
+  lse_smem = refs["lse_smem"]
+  lse_smem[...] = jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
+  refs["inv_l_smem"][...] = inv_l
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(refs["done"].at[0])
+  o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
+  _store_half(refs, plan, o, 0)
+  plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[_piece()])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _value_consumer(refs, plan, ops) -> None:
+  """Consumer 1: its half of O from consumer 0's P (shared memory) and
+  the same K tile's other V columns."""
+  spec = plan.spec
+  stages, half = plan.ring_stages, spec.head_dim_v // 2
+  ring, k_full, k_empty = refs["k_smem"], refs["k_full"], refs["k_empty"]
+  p_smem, alpha_smem = refs["p_smem"], refs["alpha_smem"]
+  p_full, p_empty = refs["p_full"], refs["p_empty"]
+  plgpu.set_max_registers(VALUE_REGS, action="increase")
+  *_, count = cta_walk(plan, refs)
+
+  def step(j, o):
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(k_full.at[slot])
+    plgpu.barrier_wait(p_full.at[0])
+    alpha = ops.load_rows(alpha_smem)
+    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+    o = ops.accumulate_ss(o, p_smem, ring[1].at[slot])
+    plgpu.barrier_arrive(p_empty.at[0])
+    plgpu.barrier_arrive(k_empty.at[slot])
+    return o
+
+  o = lax.fori_loop(
+    0, count, step, ops.tile(jnp.zeros((DECODE_ROWS, half), _F32))
+  )
+  plgpu.barrier_wait(refs["done"].at[0])
+  inv_l = ops.load_rows(refs["inv_l_smem"])
+  o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
+  _store_half(refs, plan, o, 1)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def build_mla_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
+  """The kernel: `(q rows, k_cache, lengths, rows, page_table[, starts])
+  -> (o partials, lse partials)`."""
+  spec, cfg = plan.spec, plan.config
+  b, hk, splits = spec.batch, spec.heads_kv, plan.splits
+  stages, bkv, dtype = plan.ring_stages, cfg.block_kv, spec.dtype
+  chunks = mla_chunks(spec)
+
+  def fa3_mla_decode(refs: dict[str, Any]) -> None:
+    # Each warpgroup computes its CTA's walk after its setmaxnreg: nothing
+    # stays live across the split (the producer keeps 24 registers).
+    wg = lax.axis_index("wg")
+    pl.when(wg == 0)(lambda: _softmax_consumer(refs, plan, ops))
+    pl.when(wg == 1)(lambda: _value_consumer(refs, plan, ops))
+    pl.when(wg == MLA_CONSUMERS)(lambda: _producer(refs, plan))
+
+  smem = lambda shape, dt, cols: plgpu.SMEM(
+    shape, dt, transforms=smem_transforms(dt, cols)
+  )
+  # Q lives through the loop, the output staging after it: one region.
+  q_and_out = plgpu.RefUnion(
+    tuple(smem((DECODE_ROWS, w), dtype, w) for _, w in chunks),
+    (
+      tuple(
+        smem((DECODE_ROWS, _OUT_COLS), _F32, _OUT_COLS)
+        for _ in range(MLA_CONSUMERS)
+      ),
+      plgpu.SMEM((DECODE_ROWS,), _F32),
+      plgpu.SMEM((DECODE_ROWS,), _F32),
+    ),
+  )
+  scratch = dict(
+    q_and_out=q_and_out,
+    k_smem=tuple(smem((stages, bkv, w), dtype, w) for _, w in chunks),
+    p_smem=smem((DECODE_ROWS, bkv), dtype, bkv),
+    alpha_smem=plgpu.SMEM((DECODE_ROWS,), _F32),
+    q_bar=plgpu.Barrier(num_arrivals=len(chunks), num_barriers=1),
+    k_full=plgpu.Barrier(num_arrivals=len(chunks), num_barriers=stages),
+    k_empty=consumer_release(stages, MLA_CONSUMERS),
+    p_full=consumer_release(1, 1),
+    p_empty=consumer_release(1, 1),
+    done=consumer_release(1, 1),
+  )
+  pieces = plan.query_tiles * splits  # (query tile, split) pairs
+  out_type = dict(
+    o=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS, spec.head_dim_v), _F32),
+    lse=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS), _F32),
+  )
+  inputs = ["q", "k", "lengths", "rows", "pages"] + ["starts"] * spec.leftpad
+  kernel = build_kernel(
+    _unpack_union(fa3_mla_decode),
+    inputs=inputs,
+    out_type=out_type,
+    scratch=scratch,
+    grid=(b, hk, plan.query_tiles * splits),
+    grid_names=("batch", "heads", "split"),
+    warpgroups=MLA_CONSUMERS + 1,
+    interpret=interpret,
+    # Row reductions of the wgmma layout stay within a warp: no cross-warp
+    # scratch (its 2 KiB would not fit beside Q and two 576-column stages).
+    reduction_scratch_bytes=0,
+  )
+  return kernel
+
+
+def _unpack_union(body: Any) -> Any:
+  """`body(refs)` with the Q / output union split into its named parts."""
+
+  def unpacked(refs: dict[str, Any]) -> None:
+    q_chunks, (stage, lse_smem, inv_l_smem) = refs.pop("q_and_out")
+    body(
+      {
+        **refs,
+        "q_smem": tuple(q_chunks),
+        "o_stage": tuple(stage),
+        "lse_smem": lse_smem,
+        "inv_l_smem": inv_l_smem,
+      }
+    )
+
+  unpacked.__name__ = unpacked.__qualname__ = body.__name__
+  return unpacked
+
+
+def sm90_mla_decode(
+  spec: DecodeSpec,
+  config: Sm90DecodeConfig,
+  splits: int,
+  q: jax.Array,
+  k_cache: jax.Array,
+  lengths: jax.Array,
+  rows: jax.Array,
+  page_table: jax.Array | None,
+  sinks: jax.Array | None,
+  starts: jax.Array | None = None,
+  *,
+  interpret: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Runs the MLA decode kernel and merges its splits: (out `[b, sq, hq,
+  dv]` in q's dtype, lse `[b, hq, sq]` float32). Arguments as
+  `decode.sm90_decode`'s (no v_cache: V is k_cache's first head_dim_v
+  columns; a 16-bit cache)."""
+  plan = DecodePlan(spec, config, splits)
+  ops = COMPILED if interpret is None else INTERPRETED
+  pages = (
+    jnp.zeros((spec.batch, 1), jnp.int32) if page_table is None else page_table
+  )
+  pieces = build_mla_decode(plan, ops, interpret)(
+    pack_queries(spec, q),
+    k_cache,
+    lengths.astype(jnp.int32),
+    rows.astype(jnp.int32),
+    pages.astype(jnp.int32),
+    *(() if starts is None else (starts.astype(jnp.int32),)),
+  )
+  # [query tiles x splits, b, hk, 64, ...] -> [splits, b, hk, tiles x 64, ...]
+  o_parts, lse_parts = (
+    jnp.moveaxis(
+      x.reshape((plan.query_tiles, splits) + x.shape[1:]), 0, 3
+    ).reshape((splits,) + x.shape[1:3] + (-1,) + x.shape[4:])
+    for x in pieces
+  )
+  return merged_output(spec, o_parts, lse_parts, sinks)

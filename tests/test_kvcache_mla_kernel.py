@@ -1,0 +1,145 @@
+"""The Hopper MLA decode kernel (`kernels/sm90/decode_mla.py`) on a CPU:
+interpret mode with race detection against the float64 golden (576 / 512,
+contiguous and paged caches, seq_q 1 and 2, 16 / 64 / 128 query heads
+packed into one or two query tiles, split-KV, appended tokens,
+cache_leftpad, causal / window / softcap / sinks, NaN and Inf past every
+length), the 320 / 256 split, and the CUDA lowering (one Mosaic kernel,
+the MLA one, no fallback). The deviceless sm_90a compile is `pallas-fa3
+aot --decode`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pallas_fa3
+from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.testing import (
+  assert_within_tolerance,
+  decode_case,
+  decode_golden_and_naive,
+  lowered_kernel_count,
+)
+
+_TIMEOUT_S = 300
+
+# (d, dv, heads_q, seq_q, capacity, lengths, page_size, seq_new, splits,
+#  options)
+CASES = [
+  pytest.param(
+    576, 512, 16, 1, 256, [0, 100, 256], None, 0, (1, 3), dict(causal=True),
+    id="contiguous-h16-q1-lengths-0-to-full",
+  ),
+  pytest.param(
+    576, 512, 64, 2, 256, [37, 190], 64, 1, (2,), dict(causal=True),
+    id="paged64-h64-q2-two-query-tiles-append",
+  ),
+  pytest.param(
+    576, 512, 128, 1, 256, [150, 9], 128, 0, (1,),
+    dict(window_size=(60, 0), softcap=8.0, sinks=True),
+    id="paged128-h128-two-tiles-a-page-window-softcap-sinks",
+  ),
+  pytest.param(
+    320, 256, 16, 2, 256, [70, 200], None, 2, (1,), dict(causal=True),
+    id="d320-dv256-contiguous-append",
+  ),
+]  # fmt: skip
+
+
+def _run(case, options, splits, sinks=None, **extra):
+  args, kwargs = case.call_args()
+  try:
+    with compat.capture_race_report() as report:
+      result = pallas_fa3.flash_attention_with_kvcache(
+        *args, **kwargs, **options, **extra, sinks=sinks, return_lse=True,
+        num_splits=splits, implementation="interpret",
+      )  # fmt: skip
+      jax.block_until_ready(result)
+  except Exception:
+    compat.reset_interpret_state()
+    raise
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  return result
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize("d,dv,hq,sq,cap,lengths,ps,new,splits,options", CASES)
+def test_interpret_mla_against_float64_golden(
+  d, dv, hq, sq, cap, lengths, ps, new, splits, options, rng
+):
+  options = dict(options)
+  sinks = None
+  if options.pop("sinks", False):
+    sinks = jnp.asarray(rng.normal(size=hq), jnp.float32)
+  case = decode_case(
+    rng, batch=len(lengths), seq_q=sq, heads_q=hq, heads_kv=1, head_dim=d,
+    head_dim_v=dv, capacity=cap,
+    lengths=[max(n - new, 0) for n in lengths], page_size=ps, seq_new=new,
+    v_in_k=True,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, **options, sinks=sinks is not None)
+  for n in splits:
+    result = _run(case, options, n, sinks)
+    out, lse = result[:2]
+    cache = result[2] if new else case.k_cache
+    golden, naive = decode_golden_and_naive(spec, case, cache, None, sinks)
+    for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+      assert_within_tolerance(f"{name} splits={n}", got, nv, g)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+def test_interpret_mla_with_cache_leftpad(rng):
+  """A left-padded MLA cache (NaN keys in the padding, V their columns):
+  the padding's V rows are zeroed in the K tile, both halves."""
+  lengths, pads = [120, 250], [65, 3]
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=16, heads_kv=1, head_dim=576,
+    head_dim_v=512, capacity=256, lengths=lengths, page_size=64, v_in_k=True,
+  )  # fmt: skip
+  kc = np.array(case.k_cache, np.float32)
+  for b, pad in enumerate(pads):
+    for t in range(pad):
+      kc[int(case.page_table[b, t // 64]), t % 64] = np.nan
+  case.k_cache = jnp.asarray(kc, jnp.bfloat16)
+  out, lse = _run(
+    case, dict(causal=True), 2, cache_leftpad=jnp.asarray(pads, jnp.int32)
+  )
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, causal=True)
+  golden, naive = decode_golden_and_naive(
+    spec, case, case.k_cache, None, starts=pads
+  )
+  for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+    assert_within_tolerance(name, got, nv, g)
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+def test_mosaic_lowers_mla_to_the_mla_kernel(paged):
+  """576 / 512 with 128 query heads lowers for CUDA to one Mosaic kernel,
+  the MLA one: no fallback to the blockwise twin."""
+  S = jax.ShapeDtypeStruct
+  b, hq, cap = 4, 128, 4096
+  q = S((b, 1, hq, 576), jnp.bfloat16)
+  if paged:
+    kc, pt = S((b * cap // 64, 64, 1, 576), jnp.bfloat16), S((b, cap // 64), jnp.int32)  # fmt: skip
+  else:
+    kc, pt = S((b, cap, 1, 576), jnp.bfloat16), None
+
+  def step(q, kc, n, pt):
+    return pallas_fa3.flash_attention_with_kvcache(
+      q, kc, None, cache_seqlens=n, page_table=pt, head_dim_v=512,
+      causal=True, implementation="mosaic",
+    )  # fmt: skip
+
+  text = export.export(jax.jit(step), platforms=["cuda"])(
+    q, kc, S((b,), jnp.int32), pt
+  ).mlir_module()
+  assert lowered_kernel_count(text) == 1
+  assert "fa3_mla_decode" in text
