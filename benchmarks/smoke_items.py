@@ -109,6 +109,12 @@ def _fp8_options_item():
   }
 
 
+def _max_diff(a, b) -> float:
+  return float(
+    np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
+  )
+
+
 def _decode_item(fp8_cache: bool):
   """One decode step, GQA 4, paged (64-token pages), two appended tokens,
   against the blockwise twin; with an e4m3 cache the converter warpgroup's
@@ -141,13 +147,12 @@ def _decode_item(fp8_cache: bool):
     )
   )(q, kc, vc, k)
   got, twin = f("mosaic"), f("blockwise")
-  diff = lambda a, b: float(
-    np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
-  )
   return {
-    "out_vs_twin_err": diff(got[0], twin[0]),
+    "out_vs_twin_err": _max_diff(got[0], twin[0]),
     "out_vs_twin_bound": 0.03,
-    "cache_vs_twin_err": max(diff(got[1], twin[1]), diff(got[2], twin[2])),
+    "cache_vs_twin_err": max(
+      _max_diff(got[1], twin[1]), _max_diff(got[2], twin[2])
+    ),
     "cache_vs_twin_bound": 0.0,
   }
 
@@ -171,13 +176,10 @@ def _mla_item():
     )
   )(q, kc, k)  # fmt: skip
   got, twin = f("mosaic"), f("blockwise")
-  diff = lambda a, b: float(
-    np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
-  )
   return {
-    "out_vs_twin_err": diff(got[0], twin[0]),
+    "out_vs_twin_err": _max_diff(got[0], twin[0]),
     "out_vs_twin_bound": 0.03,
-    "cache_vs_twin_err": diff(got[1], twin[1]),
+    "cache_vs_twin_err": _max_diff(got[1], twin[1]),
     "cache_vs_twin_bound": 0.0,
   }
 

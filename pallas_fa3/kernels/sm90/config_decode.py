@@ -104,6 +104,42 @@ def _acc_regs(block_kv: int, head_dim_v: int) -> int:
   return DECODE_ROWS * (block_kv + head_dim_v) // hardware.WARPGROUP_THREADS
 
 
+def flex_reason(spec: DecodeSpec, config: Sm90DecodeConfig) -> str | None:
+  """Why the decode kernel cannot compile `spec.flex` (a score_mod and
+  mask_mod traced into its tile loop, one query head per CTA), or None."""
+  from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+  fs, names = spec.flex, ", ".join(spec.flex.names())
+  if spec.v_in_k:
+    return f"{names} in the MLA decode kernel (blockwise serves them)"
+  if spec.fp8_cache:
+    return f"{names} with an e4m3 cache in the decode kernel"
+  if fs.block is not None:
+    if fs.dense or fs.mask_mod is None:
+      return (
+        "block_mask from a dense mask: the decode kernel masks partial"
+        " tiles with a mask_mod"
+      )
+    if spec.seq_q > 1:
+      return (
+        f"block_mask with seq_q={spec.seq_q}: a tile's queries sit at"
+        " traced positions that may straddle two block-mask rows (the"
+        " decode kernel takes one query per sequence with a block mask)"
+      )
+    if fs.block[3] % config.block_kv:
+      return (
+        f"block_mask's {fs.block[3]}-key tiles are not multiples of the"
+        f" decode kernel's block_kv {config.block_kv}"
+      )
+  for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
+    if fn is not None:
+      try:
+        flex_tile.plan(fn, score, spec.capacity, spec.capacity)
+      except flex_tile.Refused as e:
+        return str(e)
+  return None
+
+
 def mla_reason(spec: DecodeSpec) -> str | None:
   """Why head dims past the one-consumer kernel's largest cannot be served
   with a V cache of their own, in numbers (the MLA kernel serves them with
@@ -243,10 +279,9 @@ def decode_unsupported(
 ) -> str | None:
   """Why the decode kernel cannot serve `spec` with `config`, or None."""
   if spec.flex is not None:
-    return (
-      f"{', '.join(spec.flex.names())}: not compiled into the Hopper"
-      " decode kernel yet (blockwise and reference serve them; docs/flex.md)"
-    )
+    reason = flex_reason(spec, config or default_decode_config(spec))
+    if reason:
+      return reason
   if str(spec.dtype) not in ("bfloat16", "float16"):
     return f"the decode kernel takes bfloat16 or float16; got {spec.dtype}"
   if is_mla(spec):
@@ -281,26 +316,26 @@ def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   (decoding is bound by HBM latency). An e4m3 cache takes 64-key tiles
   where 128-key ones would leave fewer than 4 stages (its float16 tiles
   take shared memory too)."""
-  if is_mla(spec):  # the deepest ring of 64-key tiles that fits
-    best = Sm90DecodeConfig(MLA_BLOCK_KV, 2)
-    for stages in STAGE_CHOICES:
-      config = Sm90DecodeConfig(MLA_BLOCK_KV, stages)
-      if mla_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
-        best = config
-    return best
-  block = 128  # a larger page holds several tiles; a 64-key page: two
-  if spec.head_dim_v > 128:
-    block = 64  # S and O registers
-  if not spec.paged and spec.capacity < block:
-    block = 64
+  smem = mla_smem_bytes if is_mla(spec) else decode_smem_bytes
 
   def deepest(block: int) -> Sm90DecodeConfig:
     best = Sm90DecodeConfig(block, 2)
     for stages in STAGE_CHOICES:
       config = Sm90DecodeConfig(block, stages)
-      if decode_smem_bytes(spec, config) <= MAX_SMEM_BYTES:
+      if smem(spec, config) <= MAX_SMEM_BYTES:
         best = config
     return best
+
+  if is_mla(spec):  # the deepest ring of 64-key tiles that fits
+    return deepest(MLA_BLOCK_KV)
+  block = 128  # a larger page holds several tiles; a 64-key page: two
+  if spec.head_dim_v > 128:
+    block = 64  # S and O registers
+  if not spec.paged and spec.capacity < block:
+    block = 64
+  fs = spec.flex
+  if fs is not None and fs.block is not None and fs.block[3] % block:
+    block = 64  # whole tiles of the block mask's (64: its smallest)
 
   best = deepest(block)
   if spec.fp8_cache and block == 128 and best.num_stages < 4:
@@ -308,17 +343,28 @@ def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   return best
 
 
+def packed_heads(spec: DecodeSpec) -> int:
+  """Query heads packed into one CTA's rows: the KV head's group, or one
+  with flex options (a score_mod / mask_mod sees one head per tile)."""
+  return 1 if spec.flex is not None else spec.group_size
+
+
+def grid_heads(spec: DecodeSpec) -> int:
+  """The grid's head axis: KV heads, or query heads with flex options."""
+  return spec.heads_q if spec.flex is not None else spec.heads_kv
+
+
 def query_tiles(spec: DecodeSpec) -> int:
-  """64-row query tiles per (sequence, KV head): the group's heads times
-  seq_q packed rows (a prefill chunk takes several; a CTA each)."""
-  return cdiv(spec.group_size * spec.seq_q, DECODE_ROWS)
+  """64-row query tiles per (sequence, grid head): its packed heads times
+  seq_q rows (a prefill chunk takes several; a CTA each)."""
+  return cdiv(packed_heads(spec) * spec.seq_q, DECODE_ROWS)
 
 
 def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
-  batch x heads_kv x query tiles do not, each range at least 4 tiles
+  batch x grid heads x query tiles do not, each range at least 4 tiles
   long."""
-  ctas = spec.batch * spec.heads_kv * query_tiles(spec)
+  ctas = spec.batch * grid_heads(spec) * query_tiles(spec)
   tiles = cdiv(spec.capacity, config.block_kv)
   if ctas >= HOPPER_SMS:
     return 1

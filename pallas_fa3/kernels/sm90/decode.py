@@ -13,6 +13,7 @@ XLA merges the splits (`lse.combine_splits`) and unpacks the rows
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from pallas_fa3.kernels.sm90.config_decode import (
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.kvcache import DecodeSpec, key_range
 from pallas_fa3.lse import combine_splits, natural_from_log2
-from pallas_fa3.spec import LOG2E
+from pallas_fa3.spec import LOG2E, cdiv
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 COMPUTE_DTYPE = jnp.dtype(jnp.float16)
@@ -237,8 +238,19 @@ class DecodePlan:
 
   @property
   def query_tiles(self) -> int:
-    """64-row query tiles per (sequence, KV head): a CTA each."""
+    """64-row query tiles per (sequence, grid head): a CTA each."""
     return config_decode.query_tiles(self.spec)
+
+  @property
+  def packed(self) -> int:
+    """Query heads packed into a tile's rows (1 with flex options)."""
+    return config_decode.packed_heads(self.spec)
+
+  def kv_head(self, head: Any) -> Any:
+    """The KV head of grid head `head` (a query head with flex options)."""
+    if self.spec.flex is None:
+      return head
+    return lax.div(head, jnp.int32(self.spec.group_size))
 
   @property
   def fp8(self) -> bool:
@@ -288,7 +300,7 @@ def split_tiles(
   bkv = plan.block_kv
   queries = None
   if qtile is not None:  # its first and last query
-    g = jnp.int32(plan.spec.group_size)
+    g = jnp.int32(plan.packed)
     q0 = lax.div(qtile * DECODE_ROWS, g)
     q1 = jnp.minimum(
       lax.div(qtile * DECODE_ROWS + DECODE_ROWS - 1, g), plan.spec.seq_q - 1
@@ -389,7 +401,7 @@ def query_rows(plan: DecodePlan, ops: KernelOps, length: Any, row0: Any):
   the position of its query (packed row r is query r // g, at position
   length - seq_q + r // g)."""
   rows = ops.row_index(DECODE_ROWS) + row0
-  g = jnp.int32(plan.spec.group_size)
+  g = jnp.int32(plan.packed)
   return length - plan.spec.seq_q + lax.div(rows, g)
 
 
@@ -412,6 +424,33 @@ def tile_mask(
   if spec.window_left is not None:
     mask = mask & (ok(keys, 1) >= rpos(-spec.window_left))
   return mask
+
+
+def flex_view(spec: DecodeSpec) -> Any:
+  """What `flex_tile` reads of a call, for a decode one: its flex options
+  over positions `0 .. capacity` (queries and keys alike)."""
+  return types.SimpleNamespace(
+    flex=spec.flex, seq_q=spec.capacity, seq_kv=spec.capacity,
+    batch=spec.batch, heads_q=spec.heads_q,
+    softmax_scale=spec.softmax_scale, softcap=spec.softcap,
+  )  # fmt: skip
+
+
+def _flex_scores(plan, refs, ops, t, scale_log2, q0, kv0, batch, head):
+  """The tile's (scores, their base-2 scale, the flex mask or None): a
+  score_mod on natural units (then scaled by log2 e), a mask_mod and a
+  block mask's state, at query positions `q0 + row` and keys `kv0 +
+  col` of query head `head`."""
+  from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+  spec = plan.spec
+  if spec.flex.score_mod is not None:
+    t = flex_tile.natural_units(spec, t)
+    scale_log2 = jnp.float32(LOG2E)
+  t, mask = flex_tile.kernel_scores(
+    flex_view(spec), refs, ops, t, q0=q0, kv0=kv0, batch=batch, head=head
+  )
+  return t, scale_log2, mask
 
 
 def _consumer(
@@ -460,7 +499,14 @@ def _consumer(
     plgpu.barrier_arrive(k_empty.at[slot])
     # (a DecodeSpec serves as well as an AttentionSpec)
     t, scale_log2 = descaled(spec, s, k_descale)
-    x = jnp.where(mask_for(tile), scaled_once(t, scale_log2), -jnp.inf)
+    mask = mask_for(tile)
+    if spec.flex is not None:  # one query head per tile, rows its queries
+      t, scale_log2, fmask = _flex_scores(
+        plan, refs, ops, t, scale_log2, length - spec.seq_q + row0,
+        tile * bkv, batch, head,
+      )  # fmt: skip
+      mask = mask if fmask is None else mask & fmask
+    x = jnp.where(mask, scaled_once(t, scale_log2), -jnp.inf)
     m_new = jnp.maximum(m, x.max(axis=1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
@@ -504,11 +550,14 @@ def _consumer(
   plgpu.wait_smem_to_gmem(0)
 
 
-def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
+def build_decode(
+  plan: DecodePlan, ops: KernelOps, interpret: Any, flex_names: tuple = ()
+) -> Any:
   """The kernel: `(q rows, k_cache, v_cache, lengths, rows, page_table[,
-  k_descale, v_descale]) -> (o partials, lse partials)`."""
+  k_descale, v_descale][, starts], *flex operands) -> (o partials, lse
+  partials)`; `flex_names`: `flex_tile.kernel_operands`' names."""
   spec, cfg = plan.spec, plan.config
-  b, hk, splits = spec.batch, spec.heads_kv, plan.splits
+  b, hk, splits = spec.batch, config_decode.grid_heads(spec), plan.splits
   stages, bkv = plan.ring_stages, cfg.block_kv
   qtiles = plan.query_tiles
 
@@ -518,7 +567,9 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     )
     descale = ()
     if plan.fp8:  # `[b, hk]` each
-      descale = tuple(refs[n][batch, head] for n in ("k_descale", "v_descale"))
+      descale = tuple(
+        refs[n][batch, plan.kv_head(head)] for n in ("k_descale", "v_descale")
+      )
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
@@ -533,12 +584,13 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     @pl.when(wg == 1)
     def _():
       row = refs["rows"][batch]
+      kv_head = plan.kv_head(head)
       if plan.fp8:
         e4m3_converter(
-          refs, plan, ops, (batch, head, row, first, count, length, start)
+          refs, plan, ops, (batch, kv_head, row, first, count, length, start)
         )
       else:
-        _producer(refs, plan, (batch, head, row, first, count))
+        _producer(refs, plan, (batch, kv_head, row, first, count))
 
   d, dv, dtype = spec.head_dim, spec.head_dim_v, plan.compute_dtype
   ring_of = lambda cols: plgpu.SMEM(
@@ -576,6 +628,7 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
   )
   inputs = ["q", "k", "v", "lengths", "rows", "pages"]
   inputs += ["k_descale", "v_descale"] * plan.fp8 + ["starts"] * spec.leftpad
+  inputs += list(flex_names)
   return build_kernel(
     fa3_decode,
     inputs=inputs,
@@ -589,19 +642,22 @@ def build_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
 
 
 def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
-  """`[b, sq, hq, d]` -> `[b, hk, 64 x query tiles, d]`: row `i * g + h`
-  is query i of head `kv_head * g + h`; padded rows are zeros."""
-  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
-  rows = q.reshape(b, sq, hk, g, spec.head_dim).transpose(0, 2, 1, 3, 4)
+  """`[b, sq, hq, d]` -> `[b, grid heads, 64 x query tiles, d]`: row
+  `i * g + h` is query i of head `kv_head * g + h` (with flex options, one
+  head per grid head: row i is its query i); padded rows are zeros."""
+  b, sq, d = spec.batch, spec.seq_q, spec.head_dim
+  g, heads = config_decode.packed_heads(spec), config_decode.grid_heads(spec)
+  rows = q.reshape(b, sq, heads, g, d).transpose(0, 2, 1, 3, 4)
   padded = config_decode.query_tiles(spec) * DECODE_ROWS
-  return pad_axis(rows.reshape(b, hk, sq * g, spec.head_dim), 2, padded)
+  return pad_axis(rows.reshape(b, heads, sq * g, d), 2, padded)
 
 
 def unpack_rows(spec: DecodeSpec, x: jax.Array) -> jax.Array:
-  """`[b, hk, 64 x query tiles, ...]` -> `[b, sq, hq, ...]` (the inverse of
-  `pack_queries` on the first `sq * g` rows)."""
-  b, sq, hk, g = spec.batch, spec.seq_q, spec.heads_kv, spec.group_size
-  x = x[:, :, : sq * g].reshape((b, hk, sq, g) + x.shape[3:])
+  """`[b, grid heads, 64 x query tiles, ...]` -> `[b, sq, hq, ...]` (the
+  inverse of `pack_queries` on the first `sq * g` rows)."""
+  b, sq = spec.batch, spec.seq_q
+  g, heads = config_decode.packed_heads(spec), config_decode.grid_heads(spec)
+  x = x[:, :, : sq * g].reshape((b, heads, sq, g) + x.shape[3:])
   return jnp.moveaxis(x, 2, 1).reshape((b, sq, spec.heads_q) + x.shape[4:])
 
 
@@ -635,8 +691,6 @@ def sm90_decode(
   Returns:
     (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]` float32).
   """
-  if flex_ops is not None:
-    raise NotImplementedError("the sm90 decode kernel serves no flex call")
   plan = DecodePlan(spec, config, splits)
   ops = COMPILED if interpret is None else INTERPRETED
   pages = (
@@ -646,7 +700,16 @@ def sm90_decode(
   if plan.fp8:  # Q in float16; its scale folds into k_descale
     q_rows, q_scale = converted_q(q_rows)
     extra = (descale[0] * q_scale, descale[1])
-  o_parts, lse_parts = build_decode(plan, ops, interpret)(
+  flex = {}
+  if spec.flex is not None:  # positions to the capacity, tiles past it
+    from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+    flex = flex_tile.kernel_operands(
+      flex_view(spec), flex_ops,
+      q_pad=spec.capacity + DECODE_ROWS,
+      kv_pad=cdiv(spec.capacity, config.block_kv) * config.block_kv,
+    )  # fmt: skip
+  o_parts, lse_parts = build_decode(plan, ops, interpret, tuple(flex))(
     q_rows,
     k_cache,
     v_cache,
@@ -655,6 +718,7 @@ def sm90_decode(
     pages.astype(jnp.int32),
     *extra,
     *(() if starts is None else (starts.astype(jnp.int32),)),
+    *flex.values(),
   )
   return merged_output(spec, o_parts, lse_parts, sinks)
 
@@ -667,11 +731,11 @@ def merged_output(
   unpacked: (out `[b, sq, hq, dv]` in q's dtype, lse `[b, hq, sq]`)."""
   sink = None
   if sinks is not None:  # per packed row: head kv_head * g + r % g
-    g = spec.group_size
-    per_head = sinks.reshape(spec.batch, spec.heads_kv, 1, g)
+    g, heads = config_decode.packed_heads(spec), config_decode.grid_heads(spec)
+    per_head = sinks.reshape(spec.batch, heads, 1, g)
     sink = jnp.broadcast_to(
-      per_head, (spec.batch, spec.heads_kv, spec.seq_q, g)
-    ).reshape(spec.batch, spec.heads_kv, spec.seq_q * g)
+      per_head, (spec.batch, heads, spec.seq_q, g)
+    ).reshape(spec.batch, heads, spec.seq_q * g)
     sink = pad_axis(sink, 2, config_decode.query_tiles(spec) * DECODE_ROWS)
   out, lse = combine_splits(o_parts, lse_parts, sink)
   out = unpack_rows(spec, out).astype(spec.dtype)

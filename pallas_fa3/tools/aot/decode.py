@@ -6,6 +6,7 @@ cache_leftpad; bf16 and e4m3 caches; the MLA kernel): docs/kernels.md#verificati
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,10 +74,15 @@ def decode_spec(
 
 
 def compile_decode(
-  spec: DecodeSpec, config: Any, mesh: Mesh | None = None
+  spec: DecodeSpec,
+  config: Any,
+  mesh: Mesh | None = None,
+  flex: Any = None,
+  label: str = "",
 ) -> aot.CompileReport:
   """Compiles the decode kernel (with its split merge) for sm_90a at the
-  default number of splits for `spec`."""
+  default number of splits for `spec`; `flex`: `spec.flex`'s operands
+  (`flex.prepare`'s), `label` appended to the kernel's."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
@@ -111,7 +117,7 @@ def compile_decode(
   label = (
     f"d{spec.head_dim}/{spec.head_dim_v} {layout} g{spec.group_size}"
     f" q{spec.seq_q}{aot.modifier_label(spec)}{' leftpad' * spec.leftpad}"
-    f" {config.block_kv}x{config.num_stages} s{splits}"
+    f"{label} {config.block_kv}x{config.num_stages} s{splits}"
   )
   if spec.v_in_k:  # the MLA kernel: V in the K cache (no v_cache)
     from pallas_fa3.kernels.sm90 import decode_mla
@@ -148,7 +154,7 @@ def compile_decode(
       pt_ if spec.paged else None,
       None,
       tuple(rest[:2]) if spec.fp8_cache else None,
-      None,
+      flex,
       rest[-1] if spec.leftpad else None,
     ),
     shapes,
@@ -237,7 +243,46 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
   for d, dv, options in ((576, 512, dict(leftpad=True)), (320, 256, {})):
     spec = decode_spec(d, dv, 16, 1, 64, v_in_k=True, **options)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
+  yield from decode_flex_sweep()
   # cache_leftpad (its mask, and V zeroed before it), bf16 and e4m3.
   for options in (dict(causal=True), e4m3):
     spec = decode_spec(128, 128, 4, 1, 64, leftpad=True, **options)
     yield compile_decode, spec, config_decode.default_decode_config(spec)
+
+
+def decode_flex_sweep() -> Iterator[aot.SweepItem]:
+  """The decode kernel with flex options (one query head per CTA): ALiBi
+  as a score_mod with a document mask_mod, and softcap as a score_mod, at
+  d128 GQA 4, one query and a 4-query chunk, paged (64-token pages)."""
+  import functools
+
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_fa3 import flex, mods
+  from pallas_fa3.kernels.sm90 import config_decode
+
+  hq = DECODE_HEADS_KV * 4
+  ids = jnp.asarray(np.arange(DECODE_CAPACITY)[None] // 512, jnp.int32)
+  cases = {
+    "alibi+document": dict(
+      score_mod=mods.alibi(mods.alibi_slopes(hq)),
+      mask_mod=mods.document_mask(ids),
+    ),
+    "softcap": dict(score_mod=mods.softcap(30.0)),
+  }
+  for seq_q in (1, 4):
+    for name, kw in cases.items():
+      fspec, ops = flex.prepare(
+        score_mod=kw.get("score_mod"), mask_mod=kw.get("mask_mod"),
+        block_mask=None, bias=None, batch=DECODE_BATCH, heads=hq,
+        seq_q=DECODE_CAPACITY, seq_kv=DECODE_CAPACITY,
+      )  # fmt: skip
+      spec = dataclasses.replace(
+        decode_spec(128, 128, 4, seq_q, 64), flex=fspec
+      )
+      yield (
+        functools.partial(compile_decode, flex=ops, label=f" flex={name}"),
+        spec,
+        config_decode.default_decode_config(spec),
+      )
