@@ -293,22 +293,15 @@ class Sm90Backend(Backend):
     return spec.num_splits or config_decode.default_splits(spec, config)
 
   def decode(self, spec, config, splits, *operands):
-    from pallas_fa3.kernels.sm90 import decode as kernel  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import decode, decode_mla  # pylint: disable=g-import-not-at-top
 
-    if config_decode.is_mla(spec):  # V in the K cache: the MLA kernel
-      from pallas_fa3.kernels.sm90 import decode_mla  # pylint: disable=g-import-not-at-top
-
-      q, k_cache, _, lengths, rows, pages, sinks, descale, flex, *rest = (
-        operands + (None,) * (10 - len(operands))
-      )
-      assert descale is None and flex is None, "refused by mla_unsupported"
-      return decode_mla.sm90_mla_decode(
-        spec, config, splits, q, k_cache, lengths, rows, pages, sinks,
-        rest[0] if rest else None, interpret=self._params(),
-      )  # fmt: skip
-    return kernel.sm90_decode(
-      spec, config, splits, *operands, interpret=self._params()
+    # V in the K cache (v_cache=None): the MLA kernel, the same operands
+    run = (
+      decode_mla.sm90_mla_decode
+      if config_decode.is_mla(spec)
+      else decode.sm90_decode
     )
+    return run(spec, config, splits, *operands, interpret=self._params())
 
 
 MOSAIC = Sm90Backend(interpret=False)

@@ -337,18 +337,26 @@ def sm90_mla_decode(
   splits: int,
   q: jax.Array,
   k_cache: jax.Array,
+  v_cache: None,
   lengths: jax.Array,
   rows: jax.Array,
   page_table: jax.Array | None,
   sinks: jax.Array | None,
+  descale: None = None,
+  flex_ops: None = None,
   starts: jax.Array | None = None,
   *,
   interpret: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the MLA decode kernel and merges its splits: (out `[b, sq, hq,
   dv]` in q's dtype, lse `[b, hq, sq]` float32). Arguments as
-  `decode.sm90_decode`'s (no v_cache: V is k_cache's first head_dim_v
-  columns; a 16-bit cache)."""
+  `decode.sm90_decode`'s; v_cache, descale and flex_ops must be None
+  (V is k_cache's first head_dim_v columns, a 16-bit cache, no flex:
+  `config_decode.mla_unsupported` refuses the rest)."""
+  if v_cache is not None or descale is not None or flex_ops is not None:
+    raise NotImplementedError(
+      "the MLA kernel takes v_cache=None, a 16-bit cache and no flex options"
+    )
   plan = DecodePlan(spec, config, splits)
   ops = COMPILED if interpret is None else INTERPRETED
   pages = (

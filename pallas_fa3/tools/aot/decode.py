@@ -131,11 +131,12 @@ def compile_decode(
         splits,
         q,
         kc,
+        None,
         lens,
         rows_,
         pt_ if spec.paged else None,
         None,
-        rest[-1] if spec.leftpad else None,
+        starts=rest[-1] if spec.leftpad else None,
       ),  # fmt: skip
       shapes,
       f"mla {label}",
