@@ -327,3 +327,49 @@ def test_readme_is_short():
     f"README.md has {lines} lines (at most {_README_MAX_LINES}): move"
     " reference material to a page under docs/ and link it"
   )
+
+
+def _tile_choice_rows() -> list[tuple[str, int, str]]:
+  text = (_ROOT / "docs" / "kernels.md").read_text()
+  section = text[text.index("### Tile choices") :]
+  section = section[: section.index("\n## ")]
+  rows = re.findall(r"^\| ([a-z0-9 ]+) \| (\d+) \| ([^|]+) \|", section, re.M)
+  return [(p, int(d), tiles.strip()) for p, d, tiles in rows]
+
+
+def test_tile_choice_table_matches_the_defaults():
+  """docs/kernels.md#tile-choices names every default tiling the code picks,
+  in `short_label`'s words, for every head dim and pass."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import config, config_backward, config_fp8
+  from pallas_fa3.spec import AttentionSpec
+  from pallas_fa3.tools.aot.compiler import short_label
+
+  rows = _tile_choice_rows()
+  documented = {(p, d): tiles for p, d, tiles in rows}
+  assert len(documented) == len(rows), "a (pass, d) row is repeated"
+  expected = {}
+  for d in config.KERNEL_HEAD_DIMS:
+    for causal in (True, False):
+      spec = AttentionSpec(
+        4, 4096, 4096, 8, 8, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
+      )
+      det = dataclasses.replace(spec, deterministic=True)
+      picks = {
+        "forward": (spec, config.default_forward_config(spec)),
+        "backward": (spec, config_backward.default_backward_config(spec)),
+        "deterministic backward": (
+          det,
+          config_backward.default_backward_config(det),
+        ),
+      }
+      if d in config_fp8.FP8_HEAD_DIMS:
+        picks["fp8 forward"] = (spec, config_fp8.default_fp8_forward_config(d))
+      for name, (s, cfg) in picks.items():
+        label = short_label(s, cfg)  # "d128 causal 64x128x2 ..."
+        tiles = label.split(" ", 2)[2]
+        assert expected.setdefault((name, d), tiles) == tiles, (name, d)
+  assert documented == expected
