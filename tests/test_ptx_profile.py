@@ -281,3 +281,37 @@ def test_in_flight_reads_the_loop_cyclically():
   assert ptx_profile.ex2_under_wgmma(events) == (2, 2)
   assert ptx_profile.ex2_under_wgmma(["ex2", "ex2"]) == (0, 2)
   assert ptx_profile.ex2_under_wgmma(["mma", "ex2", "wait"]) == (1, 1)
+
+
+_PRODUCER = """
+\tmov.b32 \t%r1, 128;
+\tmbarrier.arrive.expect_tx.shared.b64 %rd9, [%rd1], %r1;
+$L__BB1_2:
+\tmov.b32 \t%r2, 256;
+\tmbarrier.arrive.expect_tx.shared.b64 %rd2, [%rd3+16], %r2;
+\t@%p1 cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%r4], [%rd5, {%r6} ], [%r7];
+\tmbarrier.arrive.expect_tx.shared.b64 %rd4, [%rd3+32], %r2;
+\t@%p2 mbarrier.arrive.expect_tx.shared.b64 %rd6, [%rd3+32], 512;
+\t@%p1 bra \t$L__BB1_2;
+\tret;
+"""
+
+
+def test_tma_bytes_per_producer_step():
+  # Uniform arrivals carry 1/128 of a copy's bytes per lane (256 -> 32 KiB),
+  # a predicated one all of them; the load before the loop (a Q tile) is
+  # not a step's.
+  assert ptx_profile.tma_loop_bytes(_PRODUCER) == (66048, (32768, 33280))
+  p = ptx_profile.profile_ptx(
+    "k",
+    _PRODUCER,
+    registers=1,
+    spill_store_bytes=0,
+    spill_load_bytes=0,
+    smem_bytes=None,
+  )
+  assert "| 66048 (32768+33280) |" in ptx_profile.table([p])
+  assert ptx_profile.tma_loop_bytes("ret;") is None
+  # An operand the profile cannot resolve gives no figure, not a wrong one.
+  unknown = _PRODUCER.replace("mov.b32 \t%r2, 256;", "add.s32 %r2, %r8, 1;")
+  assert ptx_profile.tma_loop_bytes(unknown) is None

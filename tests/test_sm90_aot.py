@@ -185,6 +185,16 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
         # Pallas's TMA barriers count 128 threads.
         assert 2 in k["mbarrier_arrival_counts"], k["name"]
         assert k["max_mbarrier_arrivals"] <= 128, k["name"]
+        # The producer's step loads one K and one V tile (a loop unrolled
+        # over the ring shows its stages' steps).
+        tiles = re.match(
+          r"fa3_fwd d(\d+)(?:/(\d+))? .*?\d+x(\d+)x(\d+)", k["name"]
+        )
+        if tiles:
+          d, bkv, stages = int(tiles[1]), int(tiles[3]), int(tiles[4])
+          step = bkv * (d + int(tiles[2] or d)) * 2
+          total = k["tma_loop_bytes"][0]
+          assert total % step == 0 and total <= stages * step, k["name"]
       splits = re.search(r" kv\d/(\d)", k["name"])
       if splits and k["name"].startswith("fa3_bwd_dkdv"):
         # S^T (or S) waited alone while dP^T computes: the wait leaves

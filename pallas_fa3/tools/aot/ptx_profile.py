@@ -29,6 +29,16 @@ _MOV_IMM = re.compile(r"mov\.[bsu]32\s+(%r\d+),\s*(\d+);")
 _MBAR_INIT = re.compile(
   r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);"
 )
+# `[@%p] mbarrier.arrive.expect_tx... state, [barrier], tx`: the bytes a
+# barrier phase waits for from the TMA.
+_EXPECT_TX = re.compile(
+  r"^(@!?%p\w+\s+)?mbarrier\.arrive\.expect_tx[\w.:]*\s+[^,]+,\s*"
+  r"\[([^\]]+)\],\s*(%r\d+|\d+)$"
+)
+# Mosaic's warpgroup lowering arrives uniformly from every lane of the
+# warpgroup with 1/128 of a copy's bytes each (a predicated arrival carries
+# them all).
+_UNIFORM_LANES = 128
 _THREADS = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+),\s*(\d+),\s*(\d+)")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);")
 # A named barrier with immediate operands: `bar.sync 8, 256;` (the id and
@@ -94,6 +104,11 @@ class KernelProfile:
   # made of it (None: no SASS was dumped, nvdisasm missing).
   ex2_in_flight: tuple[int, int] = (0, 0)
   sass_ex2_in_flight: tuple[int, int] | None = None
+  # Bytes the TMA loads per iteration of the producer's steady-state loop
+  # (the innermost loop expecting the most), and each barrier's share of
+  # them: a forward step's K and V tiles, a backward step's Q, dO, lse and
+  # delta (unrolled stages are separate barriers). None: no loop loads.
+  tma_loop_bytes: tuple[int, tuple[int, ...]] | None = None
 
 
 def register_split(p: KernelProfile) -> tuple[int | None, int | None, int]:
@@ -356,6 +371,39 @@ def sass_ex2_in_flight(sass: str) -> tuple[int, int]:
   return found, total
 
 
+def _constants(ptx: str) -> dict[str, int]:
+  return {m.group(1): int(m.group(2)) for m in _MOV_IMM.finditer(ptx)}
+
+
+def tma_loop_bytes(ptx: str) -> tuple[int, tuple[int, ...]] | None:
+  """(bytes, per-barrier bytes) the TMA loads per iteration of the innermost
+  loop whose `mbarrier.arrive.expect_tx` expect the most: the producer's
+  steady state. An unpredicated arrival counts its operand once per lane
+  of the warpgroup (`_UNIFORM_LANES`); a predicated one once. None if no
+  loop expects TMA bytes or an operand is not a constant."""
+  lines = ptx.splitlines()
+  consts = _constants(ptx)
+  stmts = list(_statements(lines))
+  best = None
+  for first, last in _innermost(_loops(lines)):
+    per_barrier: dict[str, int] = collections.Counter()
+    for i, op, stmt in stmts:
+      if not (
+        first <= i <= last and op.startswith("mbarrier.arrive.expect_tx")
+      ):
+        continue
+      m = _EXPECT_TX.match(stmt)
+      tx = None if m is None else m.group(3)
+      count = int(tx) if tx and tx.isdigit() else consts.get(tx or "")
+      if count is None:
+        return None
+      per_barrier[m.group(2)] += count * (1 if m.group(1) else _UNIFORM_LANES)
+    total = sum(per_barrier.values())
+    if total and (best is None or total > best[0]):
+      best = (total, tuple(sorted(per_barrier.values())))
+  return best
+
+
 def _arrival_counts(ptx: str) -> tuple[int, ...]:
   consts: dict[str, int] = {}
   counts = []
@@ -431,6 +479,7 @@ def profile_ptx(
     setmaxnreg_ignored=tuple(setmaxnreg_ignored),
     ex2_in_flight=ptx_ex2_in_flight(ptx),
     sass_ex2_in_flight=None if sass is None else sass_ex2_in_flight(sass),
+    tma_loop_bytes=tma_loop_bytes(ptx),
   )
 
 
@@ -441,7 +490,7 @@ def table(profiles: Iterable[KernelProfile]) -> str:
     "| kernel | threads | regs | setmaxnreg | reg pool need/have |"
     " spill st/ld B | smem KiB | wgmma |"
     " wait_group depth:sites | max arrivals | named bar | TMA ld/st/red |"
-    " ex2 under wgmma PTX SASS |"
+    " ex2 under wgmma PTX SASS | TMA B per loop step |"
     " loop " + " ".join(loop_cols) + " |"
   )
   rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -460,7 +509,7 @@ def table(profiles: Iterable[KernelProfile]) -> str:
       f"{' (serialized)' if p.wgmma_serialized else ''} | {waits} |"
       f" {p.max_mbarrier_arrivals} | {sum(p.named_barrier_ops.values())} |"
       f" {p.tma['load']}/{p.tma['store']}/{p.tma['reduce']} |"
-      f" {_overlap_cell(p)} | {loop} |"
+      f" {_overlap_cell(p)} | {_tma_cell(p)} | {loop} |"
     )
   return "\n".join(rows)
 
@@ -473,3 +522,10 @@ def _overlap_cell(p: KernelProfile) -> str:
     else "{}/{}".format(*p.sass_ex2_in_flight)
   )
   return f"{ptx} {sass}"
+
+
+def _tma_cell(p: KernelProfile) -> str:
+  if p.tma_loop_bytes is None:
+    return "-"
+  total, parts = p.tma_loop_bytes
+  return f"{total} ({'+'.join(map(str, parts))})"
