@@ -301,9 +301,10 @@ _SEGMENTED_DEFAULTS = {
 
 def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
   """The heuristic forward config for `spec` (checked against the estimate):
-  the tuned default of its head dim (causal d64 its own); with `head_dim_v != head_dim` that of
-  the wider one if it fits both, else the space's largest K/V tile and
-  deepest ring at 64 query rows (None if nothing fits)."""
+  the tuned default of its head dim (causal d64 has its own); with
+  `head_dim_v != head_dim` that of the wider one if it fits both, else the
+  space's largest K/V tile and deepest ring at 64 query rows (None if
+  nothing fits)."""
   d, dv = spec.head_dim, spec.head_dim_v
   config = _DEFAULTS.get(max(d, dv), Sm90ForwardConfig())
   if spec.causal:

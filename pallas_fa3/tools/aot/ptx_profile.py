@@ -372,6 +372,7 @@ def sass_ex2_in_flight(sass: str) -> tuple[int, int]:
 
 
 def _constants(ptx: str) -> dict[str, int]:
+  """Registers set from an immediate (`mov.b32 %r1, 128;`): their value."""
   return {m.group(1): int(m.group(2)) for m in _MOV_IMM.finditer(ptx)}
 
 
@@ -405,16 +406,11 @@ def tma_loop_bytes(ptx: str) -> tuple[int, tuple[int, ...]] | None:
 
 
 def _arrival_counts(ptx: str) -> tuple[int, ...]:
-  consts: dict[str, int] = {}
-  counts = []
-  for line in ptx.splitlines():
-    mov = _MOV_IMM.search(line)
-    if mov:
-      consts[mov.group(1)] = int(mov.group(2))
-    init = _MBAR_INIT.search(line)
-    if init:
-      arg = init.group(1)
-      counts.append(int(arg) if arg.isdigit() else consts.get(arg, -1))
+  consts = _constants(ptx)
+  counts = [
+    int(arg) if arg.isdigit() else consts.get(arg, -1)
+    for arg in _MBAR_INIT.findall(ptx)
+  ]
   return tuple(sorted(set(counts)))
 
 
