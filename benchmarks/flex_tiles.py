@@ -10,7 +10,9 @@ against the tiles the built-in option computing the same function walks
 range; prefix-LM has no built-in: plain causal beside it), and the K/V
 tiles the Hopper forward kernel's producer loads (per 128-row CTA tile,
 128-key tiles: `flex_tile.kernel_operands`' spans against the segment-id
-kernel's `id_operands` spans and the window kernel's range). Then the
+kernel's `id_operands` spans and the window kernel's range), and the
+64-row query tiles the dK/dV kernel's producer loads per 128-key CTA
+(`bm_qspans` against `dkdv_operands`' spans and the causal/window range). Then the
 blockwise forward on this CPU at `--time-seq` tokens (d64, 4 heads,
 float32): the block mask, the mask_mod alone (every tile visited) and the
 built-in option.
@@ -31,7 +33,8 @@ import numpy as np
 import pallas_fa3
 from pallas_fa3 import flex, masking, mods, segments
 from pallas_fa3.kernels.sm90 import common, flex_tile
-from pallas_fa3.kernels.sm90.config import Sm90ForwardConfig
+from pallas_fa3.kernels.sm90.backward_dkdv import DkdvPlan
+from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig, Sm90ForwardConfig
 from pallas_fa3.spec import make_spec
 
 T = 128  # tiles (blockwise and block mask), CTA rows and kernel K/V tiles
@@ -120,6 +123,51 @@ def kernel_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
   return ours, theirs
 
 
+def dkdv_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
+  """Query tiles (Q, dO, lse, delta; 64 rows) the dK/dV kernel's producer
+  loads per 128-key CTA (two consumers of 64 keys): (with the block mask,
+  with the built-in option), as `backward_dkdv.q_tile_range` walks them."""
+  q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
+  cfg = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  bm = pallas_fa3.create_block_mask(mask_mod, 1, None, s, s)
+  fspec, ops = flex.prepare(
+    score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=1,
+    heads=1, seq_q=s, seq_kv=s,
+  )  # fmt: skip
+  spec = dataclasses.replace(make_spec(q, q, q), flex=fspec)
+  plan = DkdvPlan(spec, cfg, s, s)
+  rows, nq = plan.kv_rows_per_cta, plan.num_q_blocks
+  spans = flex_tile.kernel_operands(
+    spec, ops, q_pad=s, kv_pad=s, kv_rows_per_cta=rows, block_q=cfg.block_q
+  )["bm_qspans"][:, 0, 0]
+
+  def walked(spec, span):
+    total = 0
+    for c in range(s // rows):
+      first, end = masking.q_block_range(
+        spec, c * rows, (c + 1) * rows, cfg.block_q, nq
+      )
+      if span is not None:
+        first, end = (
+          max(int(first), int(span[0, c])),
+          min(int(end), int(span[1, c])),
+        )
+      total += max(int(end) - int(first), 0)
+    return total
+
+  ours = walked(spec, spans)
+  if kw is None:
+    return ours, None
+  bspec = make_spec(q, q, q, causal=True, window_size=kw.get("window_size"))
+  span = None
+  if "segment_ids" in kw:
+    ids = kw["segment_ids"]
+    bspec = dataclasses.replace(bspec, segmented=True)
+    bounds, _ = segments.kernel_bounds(bspec, (ids, ids))
+    span = common.dkdv_operands(DkdvPlan(bspec, cfg, s, s), bounds)[2][:, 0]
+  return ours, walked(bspec, span)
+
+
 def timed(fn, *args, runs: int = 5) -> float:
   jitted = jax.jit(fn)
   jax.block_until_ready(jitted(*args))
@@ -142,11 +190,13 @@ def main() -> None:
   print(
     "| case | tiles of 128x128 | block mask visits | built-in walks |"
     " kernel loads, block mask | kernel loads, built-in |"
+    " dK/dV loads, block mask | dK/dV loads, built-in |"
   )
-  print("| --- | --- | --- | --- | --- | --- |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
   for name, (mask, kw) in cases(s).items():
     bm = pallas_fa3.create_block_mask(mask, 1, None, s, s)
     ours_k, theirs_k = kernel_loads(s, mask, kw)
+    ours_b, theirs_b = dkdv_loads(s, mask, kw)
     row = dict(
       case=name,
       tiles=(s // T) ** 2,
@@ -154,11 +204,13 @@ def main() -> None:
       builtin=builtin_tiles(s, kw),
       kernel_block_mask=ours_k,
       kernel_builtin=theirs_k,
+      dkdv_block_mask=ours_b,
+      dkdv_builtin=theirs_b,
     )
     rows.append(row)
     print(
       f"| {name} | {row['tiles']} | {row['block_mask']} | {row['builtin']} |"
-      f" {ours_k} | {theirs_k} |"
+      f" {ours_k} | {theirs_k} | {ours_b} | {theirs_b} |"
     )
   # CPU time of the blockwise forward.
   s = args.time_seq

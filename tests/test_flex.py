@@ -179,15 +179,24 @@ def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
 
 
 @pytest.mark.parametrize(
-  "state_edit", [pytest.param("as_built", marks=pytest.mark.slow), "odd_states"]
+  "state_edit",
+  [pytest.param("as_built", marks=pytest.mark.slow), "odd_states", "per_head"],
 )
 def test_interpret_backward_with_block_masks(state_edit):
-  """Gradients through the dK/dV and dQ kernels with a block mask (the dQ
-  kernel walking only its spans), hand-edited states included."""
+  """Gradients through the dK/dV and dQ kernels with a block mask (both
+  walking only their spans; the dK/dV kernel the union of its KV head's
+  query heads'), hand-edited states included."""
   q, k, v, do = _inputs(d=64)
   mask = mods.and_masks(_DOC, mods.causal_bottom_right(SQ, SKV))
+  heads = None
+  if state_edit == "per_head":  # a window per head: 0, 0, 1 and 2 tiles
+    widths = jnp.array([8, 40, 64, 150])
+    mask = lambda b, h, qi, ki: (
+      (ki <= qi + SKV - SQ) & (qi + SKV - SQ - ki <= widths[h])
+    )
+    heads = HQ
   bm = pallas_fa3.create_block_mask(
-    mask, B, None, SQ, SKV, block_q=64, block_kv=64
+    mask, B, heads, SQ, SKV, block_q=64, block_kv=64
   )
   if state_edit == "odd_states":
     state = bm.state.at[:, :, 1, 1].set(flex.EMPTY)
@@ -273,6 +282,57 @@ def test_kernel_producer_visits_the_segment_id_tiles():
   seg = common.id_operands(plan, lo, hi)[2]
   np.testing.assert_array_equal(np.asarray(spans), np.asarray(seg))
   assert int((spans[1] - spans[0]).sum()) == 16  # one tile per CTA tile
+
+
+def test_dkdv_producer_visits_the_segment_id_query_tiles():
+  """The dK/dV producer's query tile span per K/V CTA from a 16-document
+  block mask equals the segment-id kernel's (`dkdv_operands`), and per KV
+  head it is the union of its group's query heads' spans."""
+  from pallas_fa3.kernels.sm90 import common, flex_tile
+  from pallas_fa3.kernels.sm90.backward_dkdv import DkdvPlan
+  from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+
+  s = 2048
+  ids = jnp.asarray(np.arange(s)[None] // (s // 16), jnp.int32)
+  q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
+  spec = pallas_fa3.spec.make_spec(q, q, q)
+  cfg = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  plan = DkdvPlan(spec, cfg, s, s)
+
+  def qspans(spec, bm, heads):
+    fspec, ops = flex.prepare(
+      score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=1,
+      heads=heads, seq_q=s, seq_kv=s,
+    )  # fmt: skip
+    spec = dataclasses.replace(spec, flex=fspec)
+    return flex_tile.kernel_operands(
+      spec, ops, q_pad=s, kv_pad=s, kv_rows_per_cta=plan.kv_rows_per_cta,
+      block_q=cfg.block_q,
+    )["bm_qspans"]  # fmt: skip
+
+  bm = pallas_fa3.create_block_mask(mods.document_mask(ids), 1, None, s, s)
+  spans = qspans(spec, bm, 1)[:, :, 0]
+  seg_spec = dataclasses.replace(spec, segmented=True)
+  bounds, _ = pallas_fa3.segments.kernel_bounds(seg_spec, (ids, ids))
+  seg = common.dkdv_operands(plan, bounds)[2]
+  np.testing.assert_array_equal(np.asarray(spans), np.asarray(seg))
+  assert int((spans[1] - spans[0]).sum()) == 16 * 2  # 128 keys a CTA
+  # Four query heads on two KV heads, a window per head: the union.
+  q4 = jax.ShapeDtypeStruct((1, s, 4, 64), jnp.bfloat16)
+  k2 = jax.ShapeDtypeStruct((1, s, 2, 64), jnp.bfloat16)
+  spec4 = pallas_fa3.spec.make_spec(q4, k2, k2)
+  widths = jnp.array([0, 256, 512, 1024])
+  win = lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= widths[h])
+  bm4 = pallas_fa3.create_block_mask(win, 1, 4, s, s)
+  got = np.asarray(qspans(spec4, bm4, 4))
+  each = np.asarray(qspans(pallas_fa3.spec.make_spec(q4, q4, q4), bm4, 4))
+  np.testing.assert_array_equal(
+    got[0], np.minimum(each[0, :, ::2], each[0, :, 1::2])
+  )
+  np.testing.assert_array_equal(
+    got[1], np.maximum(each[1, :, ::2], each[1, :, 1::2])
+  )
+  assert (got[1] - got[0] < s // 64).all()  # the windows skip tiles
 
 
 def test_flex_lowers_to_the_mosaic_gpu_kernel_for_cuda():

@@ -140,6 +140,41 @@ def test_interpret_flex_decode_with_a_block_mask():
   assert_within_tolerance("block mask", got, naive, golden)
 
 
+def test_decode_producer_skips_a_block_masks_empty_tiles():
+  """The decode kernel's K/V tile span per (sequence, head) is the span of
+  the non-empty tiles in its query's block-mask row (brute force over the
+  mask, its 64-key tiles in the kernel's 32), so its producer loads none
+  outside it."""
+  import types
+
+  from pallas_fa3 import flex
+  from pallas_fa3.kernels.sm90 import flex_tile
+
+  bm = pallas_fa3.create_block_mask(_doc_mask, B, None, CAP, CAP, block_q=64, block_kv=64)  # fmt: skip
+  fspec, ops = flex.prepare(
+    score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=B,
+    heads=HQ, seq_q=CAP, seq_kv=CAP,
+  )  # fmt: skip
+  view = types.SimpleNamespace(
+    flex=fspec, seq_q=CAP, seq_kv=CAP, batch=B, heads_q=HQ
+  )
+  pos = jnp.asarray(LENS, jnp.int32) - 1
+  spans = np.asarray(
+    flex_tile.kernel_operands(
+      view, ops, q_pad=CAP + 64, kv_pad=CAP, block_kv=32, positions=pos
+    )["bm_dspans"]
+  )
+  assert spans.shape == (2, B, HQ)
+  docs = np.asarray(_DOCS)
+  for b, p in enumerate(LENS):
+    rows = slice((p - 1) // 64 * 64, (p - 1) // 64 * 64 + 64)
+    seen = (docs[b, rows, None] == docs[b, None, :]).any(0)
+    tiles = np.flatnonzero(seen.reshape(-1, 64).any(1))  # the mask's tiles
+    np.testing.assert_array_equal(spans[0, b], 2 * tiles[0])  # in 32 keys
+    np.testing.assert_array_equal(spans[1, b], 2 * tiles[-1] + 2)
+  assert spans[0, 1, 0] > 0  # the longer sequence skips its first tiles
+
+
 def test_what_the_kernel_refuses_names_the_reason_and_falls_back():
   q, _, caches, kw = _inputs(2, False)
   idx = jnp.asarray(np.arange(CAP)[::-1].copy(), jnp.int32)

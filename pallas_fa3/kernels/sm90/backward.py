@@ -134,10 +134,13 @@ def _kernels(
   kp, vp = tma_extent(k, 1, config.block_kv), tma_extent(v, 1, config.block_kv)
   dkdv_plan = DkdvPlan(spec, config, sq_pad, skv_pad, fused=fused)
   fx = {}
-  if spec.flex is not None:  # mask_mod's arrays, the block mask's states
-    fx = flex_tile.kernel_operands(
-      spec, flex, q_pad=sq_pad, kv_pad=skv_pad, grad=True
-    )
+  if spec.flex is not None:  # mask_mod's arrays, a block mask's states
+    by_spans = dkdv_plan.walks_block_mask_spans
+    fx = flex_tile.kernel_operands(  # and query tile spans
+      spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
+      kv_rows_per_cta=dkdv_plan.kv_rows_per_cta if by_spans else None,
+      block_q=config.block_q, grad=True,
+    )  # fmt: skip
   kernel = functools.partial(
     dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1], tuple(fx)),
     segment_ids=bounds or None,

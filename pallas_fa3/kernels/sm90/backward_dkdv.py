@@ -42,11 +42,18 @@ from pallas_fa3.kernels.sm90.common import (
   softcapped,
   swizzle64,
   tile_index,
+  tile_span,
 )
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
 from pallas_fa3.spec import LOG2E, AttentionSpec
+
+# From this head dim on, the dK/dV kernel walks every query tile of a block
+# mask's keys (masked): the span's two loaded scalars stay live through the
+# loop (a computed range is rematerialized) and spill 40/24 B at d256 (the
+# sm_90a compile; 0 at d64-d192).
+SPANLESS_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,12 @@ class DkdvPlan:
     """Two consumers share one K/V tile, each owning half of dK/dV's head
     dim; else each consumer owns its K/V tile (and a split is across CTAs)."""
     return self.config.dkdv_consumers == 2 and self.splits == 2
+
+  @property
+  def walks_block_mask_spans(self) -> bool:
+    """Whether the walk skips a block mask's empty query tiles: not from
+    `SPANLESS_HEAD_DIM` on (`flex_tile.kernel_operands`' `bm_qspans`)."""
+    return max(self.spec.head_dim, self.spec.head_dim_v) < SPANLESS_HEAD_DIM
 
   @property
   def kv_rows_per_cta(self) -> int:
@@ -202,20 +215,24 @@ def store_dkdv(
 
 
 def q_tile_range(
-  plan: DkdvPlan, kv0: Any, seg: Any = None
+  plan: DkdvPlan, kv0: Any, seg: Any = None, bm_spans: Any = None
 ) -> tuple[jax.Array, jax.Array]:
   """(first query tile, query tiles per head) that see any of the CTA's
   keys `[kv0, kv0 + kv_rows_per_cta)`; the others (causal diagonal, window,
-  and with segment ids `seg` other documents) are skipped. The count may
-  be 0: no row sees these keys."""
+  with segment ids `seg` other documents, and outside a block mask's span
+  `bm_spans`, `flex_tile.kernel_operands`' `bm_qspans`) are skipped. The
+  count may be 0: no row sees these keys."""
   spec, bq, nq = plan.spec, plan.config.block_q, plan.num_q_blocks
+  batch, cta = lax.axis_index("batch"), tile_index(kv0, plan.kv_rows_per_cta)
   if seg is not None:  # spans of bounds with the positions folded in
-    batch = lax.axis_index("batch")
-    first, end = cta_span(seg, batch, tile_index(kv0, plan.kv_rows_per_cta))
+    first, end = cta_span(seg, batch, cta)
   else:
     first, end = masking.q_block_range(
       spec, kv0, kv0 + plan.kv_rows_per_cta, bq, nq
     )
+  if bm_spans is not None:  # the group's non-empty tiles of a block mask
+    span = tile_span(bm_spans, batch, cta, lax.axis_index("heads"))
+    first, end = jnp.maximum(first, span[0]), jnp.minimum(end, span[1])
   first = jnp.asarray(first, jnp.int32)
   return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
 
@@ -234,7 +251,7 @@ def dkdv_producer(
   plgpu.set_max_registers(producer_regs(cfg.dkdv_consumers), action="decrease")
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   cta_kv0, _ = cta_position(plan)
-  first, per_head = q_tile_range(plan, cta_kv0, seg)
+  first, per_head = q_tile_range(plan, cta_kv0, seg, refs.get("bm_qspans"))
   steps = spec.group_size * per_head
   stages = cfg.num_stages
 
@@ -287,7 +304,7 @@ def dkdv_consumer(
       seg, ops, lax.axis_index("batch"), kv0, cfg.block_kv, as_rows=True
     )
 
-  first, per_head = q_tile_range(plan, cta_kv0, seg)
+  first, per_head = q_tile_range(plan, cta_kv0, seg, refs.get("bm_qspans"))
   # CTA-split head dims take each query tile in halves of `block_q / 2`
   # rows (64-byte swizzle: a half is a whole wgmma K step).
   halves = plan.q_halves
@@ -457,7 +474,7 @@ def dkdv_shared_consumer(
       return None
     return (*load_bounds(seg, ops, batch, q0, cfg.block_q, as_rows=True), 0)
 
-  first, per_head = q_tile_range(plan, kv0, seg)
+  first, per_head = q_tile_range(plan, kv0, seg, refs.get("bm_qspans"))
   shape = (cfg.block_q, half)
 
   def step(qi, carry, *, h):
@@ -653,7 +670,7 @@ def fused_consumer(
     bounds = load_bounds(seg, ops, batch, kv0, cfg.block_kv, as_rows=True)
     bounds = (*bounds, 0)
 
-  first, per_head = q_tile_range(plan, cta_kv0, seg)
+  first, per_head = q_tile_range(plan, cta_kv0, seg, refs.get("bm_qspans"))
   shape = (cfg.block_kv, cfg.block_q)
   cols = pl.ds(w * plan.dq_cols, plan.dq_cols)
   # dQ = dS K: over both consumers' keys for my columns, or over mine.
@@ -884,7 +901,7 @@ def dkdv_kernel(
     for n, d in (("dk", spec.head_dim), ("dv", spec.head_dim_v))
   }
   inputs = list(_INPUTS) + ["lo", "hi", "spans"] * spec.segmented
-  inputs += list(flex_names)  # flex_tile.kernel_operands' (no spans)
+  inputs += list(flex_names)  # flex_tile.kernel_operands'
   out_type = dkdv_out
   if plan.fused and interpret is None:  # the accumulator, updated in place
     inputs.append("dq")
@@ -892,7 +909,8 @@ def dkdv_kernel(
     slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
     slab += (spec.heads_q, spec.head_dim)
     out_type = {"dq": jax.ShapeDtypeStruct(slab, jnp.float32), **dkdv_out}
-  optional = [n for n in ("lo", "hi", "spans", "dq") if n not in inputs]
+  optional = ("lo", "hi", "spans", "dq", "bm_qspans")
+  optional = [n for n in optional if n not in inputs]
   optional = [n for n in optional if n not in out_type]
   kernel = build_kernel(
     fa3_bwd_dkdv,

@@ -290,13 +290,19 @@ class DecodePlan:
 
 
 def split_tiles(
-  plan: DecodePlan, length: Any, split: Any, start: Any = 0, qtile: Any = None
+  plan: DecodePlan,
+  length: Any,
+  split: Any,
+  start: Any = 0,
+  qtile: Any = None,
+  span: tuple[Any, Any] | None = None,
 ) -> tuple[Any, Any]:
   """(first tile, tiles) of split `split` of a sequence of `length` keys
   from `start` (its cache_leftpad): its visible keys' tiles (`key_range`;
   with `qtile`, those query tile `qtile`'s queries see: causal tiles past
-  them skipped) cut into `plan.splits` equal ranges, as the blockwise twin
-  cuts them (`backends/blockwise/decode.split_ranges`)."""
+  them skipped; with a block mask's `span`, only its non-empty tiles' span)
+  cut into `plan.splits` equal ranges, as the blockwise twin cuts them
+  (`backends/blockwise/decode.split_ranges`)."""
   bkv = plan.block_kv
   queries = None
   if qtile is not None:  # its first and last query
@@ -308,7 +314,10 @@ def split_tiles(
     queries = (q0, q1)
   first, end = key_range(plan.spec, length, start, queries)
   t0 = jnp.asarray(first, jnp.int32) // bkv
-  t1 = jnp.maximum(lax.div(end + bkv - 1, jnp.int32(bkv)), t0)
+  t1 = lax.div(end + bkv - 1, jnp.int32(bkv))
+  if span is not None:  # a block mask's empty tiles are never loaded
+    t0, t1 = jnp.maximum(t0, span[0]), jnp.minimum(t1, span[1])
+  t1 = jnp.maximum(t1, t0)
   per = lax.div(t1 - t0 + plan.splits - 1, jnp.int32(plan.splits))
   lo = t0 + split * per
   return lo, jnp.clip(t1 - lo, 0, per)
@@ -325,8 +334,11 @@ def cta_walk(plan: DecodePlan, refs: dict[str, Any]) -> tuple:
     split = lax.rem(split, jnp.int32(plan.splits))
   length = refs["lengths"][batch]
   start = refs["starts"][batch] if plan.spec.leftpad else None
+  span = None
+  if refs.get("bm_dspans") is not None:  # `[2, b, heads_q]`, seq_q 1
+    span = refs["bm_dspans"][0, batch, head], refs["bm_dspans"][1, batch, head]
   first, count = split_tiles(
-    plan, length, split, 0 if start is None else start, qtile
+    plan, length, split, 0 if start is None else start, qtile, span
   )
   return batch, head, split, qtile, length, start, first, count
 
@@ -704,10 +716,14 @@ def sm90_decode(
   if spec.flex is not None:  # positions to the capacity, tiles past it
     from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
 
+    positions = None
+    if flex_ops.block_mask is not None:  # one query, at its last position
+      positions = lengths.astype(jnp.int32) - 1
     flex = flex_tile.kernel_operands(
       flex_view(spec), flex_ops,
       q_pad=spec.capacity + DECODE_ROWS,
       kv_pad=cdiv(spec.capacity, config.block_kv) * config.block_kv,
+      block_kv=config.block_kv, positions=positions,
     )  # fmt: skip
   o_parts, lse_parts = build_decode(plan, ops, interpret, tuple(flex))(
     q_rows,

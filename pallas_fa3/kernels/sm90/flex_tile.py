@@ -546,6 +546,9 @@ def kernel_operands(
   kv_pad: int,
   rows_per_cta: int | None = None,
   block_kv: int | None = None,
+  kv_rows_per_cta: int | None = None,
+  block_q: int | None = None,
+  positions: jax.Array | None = None,
   grad: bool = False,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
@@ -553,7 +556,12 @@ def kernel_operands(
   (`bm_state`, int32, padded with empty tiles to the padded sequences) and
   per CTA tile of `rows_per_cta` rows the span of non-empty `block_kv`-key
   tiles (`bm_spans`, `[2, batch, heads_q, q_tiles]`, what the producer
-  streams; not without `rows_per_cta`: the dK/dV kernel walks no spans);
+  streams), and per K/V CTA of `kv_rows_per_cta` keys the span of
+  non-empty `block_q`-row query tiles of any query head of its KV head's
+  group (`bm_qspans`, `[2, batch, heads_kv, kv_ctas]`: the dK/dV kernel's),
+  and for one query per sequence at int32 `positions` `[batch]` the span
+  of non-empty `block_kv`-key tiles of its block-mask row (`bm_dspans`,
+  `[2, batch, heads_q]`: the decode kernel's);
   with a bias, `bias` padded to the padded sequences. `grad`: the
   backward's score_mod operands (its jvp's arrays)."""
   out = {}
@@ -581,29 +589,65 @@ def kernel_operands(
       constant_values=flex.EMPTY,
     )
     out["bm_state"] = state
-    if rows_per_cta is None:
-      return out
-    tiles = q_pad // rows_per_cta
-    member = np.zeros((tiles, nq), bool)  # CTA tile t's block-mask rows
-    for t in range(tiles):
-      lo = t * rows_per_cta // bm.block_q
-      hi = ((t + 1) * rows_per_cta - 1) // bm.block_q
-      member[t, lo : hi + 1] = True
     seen = state != flex.EMPTY  # [b|1, h|1, nq, nkv]
-    seen = (seen[:, :, None] & member[None, None, :, :, None]).any(axis=3)
-    n = kv_pad // block_kv
-    kmap = np.minimum(
-      np.arange(n) * block_kv // bm.block_kv, seen.shape[-1] - 1
-    )
-    seen = seen[..., kmap]  # [b|1, h|1, tiles, n]
-    anyk = seen.any(-1)
-    first = jnp.where(anyk, jnp.argmax(seen, -1), 0)
-    end = jnp.where(anyk, n - jnp.argmax(seen[..., ::-1], -1), 0)
-    full = (2, spec.batch, spec.heads_q, tiles)
-    out["bm_spans"] = jnp.broadcast_to(
-      jnp.stack([first, end]).astype(jnp.int32), full
-    )
+    if rows_per_cta is not None:  # per query tile: its K/V tiles' span
+      first, end = _cta_spans(
+        seen, rows_per_cta, bm.block_q, q_pad, block_kv, bm.block_kv, kv_pad
+      )
+      full = (2, spec.batch, spec.heads_q, q_pad // rows_per_cta)
+      out["bm_spans"] = jnp.broadcast_to(jnp.stack([first, end]), full)
+    if kv_rows_per_cta is not None:  # per K/V CTA: its query tiles' span
+      first, end = _cta_spans(
+        jnp.swapaxes(seen, 2, 3), kv_rows_per_cta, bm.block_kv, kv_pad,
+        block_q, bm.block_q, q_pad,
+      )  # fmt: skip
+      if first.shape[1] > 1:  # one walk for the group's query heads: union
+        g = spec.heads_q // spec.heads_kv
+        grouped = lambda x: x.reshape(x.shape[0], -1, g, *x.shape[2:])
+        nonempty = grouped(end > first)
+        first = jnp.where(nonempty, grouped(first), q_pad).min(2)
+        end = jnp.where(nonempty, grouped(end), 0).max(2)
+        first = jnp.minimum(first, end)  # none: an empty span
+      full = (2, spec.batch, spec.heads_kv, kv_pad // kv_rows_per_cta)
+      out["bm_qspans"] = jnp.broadcast_to(jnp.stack([first, end]), full)
+    if positions is not None:  # decoding: the query's own block-mask row
+      rows = lax.div(positions.astype(jnp.int32), jnp.int32(bm.block_q))
+      by_batch = jnp.broadcast_to(seen, (spec.batch,) + seen.shape[1:])
+      row_seen = jnp.take_along_axis(by_batch, rows[:, None, None, None], 2)
+      n = kv_pad // block_kv
+      cmap = np.minimum(np.arange(n) * block_kv // bm.block_kv, nkv - 1)
+      row_seen = row_seen[:, :, 0, cmap]  # [b, h|1, n]
+      anyk = row_seen.any(-1)
+      first = jnp.where(anyk, jnp.argmax(row_seen, -1), 0)
+      end = jnp.where(anyk, n - jnp.argmax(row_seen[..., ::-1], -1), 0)
+      full = (2, spec.batch, spec.heads_q)
+      out["bm_dspans"] = jnp.broadcast_to(
+        jnp.stack([first, end]).astype(jnp.int32), full
+      )
   return out
+
+
+def _cta_spans(
+  seen: jax.Array, cta_rows: int, bm_rows: int, rows_pad: int, tile: int,
+  bm_cols: int, cols_pad: int,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+  """(first, end) int32 `[b|1, h|1, ctas]`: per CTA of `cta_rows` rows (of
+  `rows_pad`), the span of `tile`-wide column tiles (of `cols_pad`) that
+  hold a non-empty block-mask tile in any of its rows. `seen`: `[b|1,
+  h|1, rows, cols]` in block-mask tiles of `bm_rows` x `bm_cols`."""
+  ctas = rows_pad // cta_rows
+  member = np.zeros((ctas, seen.shape[2]), bool)  # CTA c's block-mask rows
+  for c in range(ctas):
+    lo, hi = c * cta_rows // bm_rows, ((c + 1) * cta_rows - 1) // bm_rows
+    member[c, lo : hi + 1] = True
+  seen = (seen[:, :, None] & member[None, None, :, :, None]).any(axis=3)
+  n = cols_pad // tile
+  cmap = np.minimum(np.arange(n) * tile // bm_cols, seen.shape[-1] - 1)
+  seen = seen[..., cmap]  # [b|1, h|1, ctas, n]
+  anyk = seen.any(-1)
+  first = jnp.where(anyk, jnp.argmax(seen, -1), 0).astype(jnp.int32)
+  end = jnp.where(anyk, n - jnp.argmax(seen[..., ::-1], -1), 0)
+  return first, end.astype(jnp.int32)
 
 
 def kernel_scores(

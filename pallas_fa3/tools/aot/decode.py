@@ -253,31 +253,42 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
 
 def decode_flex_sweep() -> Iterator[aot.SweepItem]:
   """The decode kernel with flex options (one query head per CTA): ALiBi
-  as a score_mod with a document mask_mod, and softcap as a score_mod, at
-  d128 GQA 4, one query and a 4-query chunk, paged (64-token pages)."""
+  as a score_mod with a document mask_mod, softcap as a score_mod, and (one
+  query) a document block mask, at d128 GQA 4, one query and a 4-query
+  chunk, paged (64-token pages)."""
   import functools
 
   import jax.numpy as jnp
   import numpy as np
 
+  import pallas_fa3
   from pallas_fa3 import flex, mods
   from pallas_fa3.kernels.sm90 import config_decode
 
   hq = DECODE_HEADS_KV * 4
-  ids = jnp.asarray(np.arange(DECODE_CAPACITY)[None] // 512, jnp.int32)
+  cap = DECODE_CAPACITY
+  ids = jnp.asarray(np.arange(cap)[None] // 512, jnp.int32)
   cases = {
     "alibi+document": dict(
       score_mod=mods.alibi(mods.alibi_slopes(hq)),
       mask_mod=mods.document_mask(ids),
     ),
     "softcap": dict(score_mod=mods.softcap(30.0)),
+    # one query per sequence: the producer walks the block mask's span
+    "document block_mask": dict(
+      block_mask=pallas_fa3.create_block_mask(
+        mods.document_mask(ids), DECODE_BATCH, None, cap, cap
+      ),
+    ),
   }
   for seq_q in (1, 4):
     for name, kw in cases.items():
+      if "block_mask" in kw and seq_q > 1:
+        continue
       fspec, ops = flex.prepare(
         score_mod=kw.get("score_mod"), mask_mod=kw.get("mask_mod"),
-        block_mask=None, bias=None, batch=DECODE_BATCH, heads=hq,
-        seq_q=DECODE_CAPACITY, seq_kv=DECODE_CAPACITY,
+        block_mask=kw.get("block_mask"), bias=None, batch=DECODE_BATCH,
+        heads=hq, seq_q=cap, seq_kv=cap,
       )  # fmt: skip
       spec = dataclasses.replace(
         decode_spec(128, 128, 4, seq_q, 64), flex=fspec
