@@ -74,6 +74,11 @@ CASES = {
     0.5 * jax.random.normal(jax.random.key(9), (B, 1, SQ, SKV)),
     lambda p: dict(bias=p, mask_mod=mods.causal_top_left),
   ),
+  # The kernels skip tiles past the diagonal: dbias 0 there.
+  "bias_causal": (
+    0.5 * jax.random.normal(jax.random.key(10), (1, 1, SQ, SKV)),
+    lambda p: dict(bias=p, causal=True),
+  ),
   # A user closure: learnable per-head slope and per-head offset table
   # (on every third key: a row-wide offset would have a zero gradient),
   # a document mask and a key-length cut, with the built-in softcap.
@@ -144,7 +149,14 @@ def test_float32_against_golden(case):
 # kernel's residuals (said by a warning).
 # The default run keeps one of each kind (vector reads, a score_mod's
 # derivative in the kernels, a closure, a bias); the rest are `slow`.
-_KERNEL_QUICK = {"document", "softcap", "user_closure", "alibi", "bias_batch"}
+_KERNEL_QUICK = {
+  "document",
+  "softcap",
+  "user_closure",
+  "alibi",
+  "bias_batch",
+  "bias_causal",
+}
 KERNEL_CASES = [
   c if c in _KERNEL_QUICK else pytest.param(c, marks=pytest.mark.slow)
   for c in sorted(set(CASES) - {"relative_bias"})
@@ -168,6 +180,14 @@ def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
   with warnings.catch_warnings():  # the backward kernels: no warning
     warnings.simplefilter("error")
     grad(score_mod=mods.alibi(mods.alibi_slopes(HQ)), mask_mod=_DOC)
+    jax.vjp(  # dbias from the dQ kernel
+      lambda b: pallas_fa3.flash_attention(
+        q, k, v, bias=b, implementation="interpret"
+      ),
+      jnp.zeros((1, HQ, SQ, SKV)),
+    )[1](do)
+  with pytest.warns(UserWarning, match="bias with softcap"):
+    grad(bias=jnp.zeros((1, 1, SQ, SKV)), softcap=5.0)
   slopes = mods.alibi_slopes(HQ)  # learnable: its gradient needs blockwise
   with pytest.warns(UserWarning, match="floating captured arrays"):
     jax.vjp(

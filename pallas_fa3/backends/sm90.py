@@ -212,10 +212,12 @@ class Sm90Backend(Backend):
     return jax.lax.cond(keys_exact & queries_exact, run, twin, operands)
 
   def _flex_backward(self, spec, tiling, residuals, segment_ids, flex):
-    """A mask_mod / block mask: the deterministic dK/dV and dQ kernels
-    mask with them (the dQ kernel skips empty tiles). A score_mod or a
-    bias (their jvp, dbias), or tiles a block mask does not divide: the
-    blockwise backward on the kernel's residuals, said by a warning."""
+    """A mask_mod / block mask, a score_mod, a bias: the deterministic
+    dK/dV and dQ kernels recompute P with them (both skip a block mask's
+    empty tiles; the dQ kernel writes dbias). A score_mod's floating
+    arrays (their gradients), what `flex_tile.backward_unsupported` names,
+    or tiles a block mask does not divide: the blockwise backward on the
+    kernel's residuals, said by a warning."""
     from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
 
     det = dataclasses.replace(spec, deterministic=True)
@@ -224,15 +226,17 @@ class Sm90Backend(Backend):
     if segment_ids is not None:
       reason = "segment_ids together with flex options"
     if reason is None:
+      shared = flex_tile.shared_tile_layout(tiling)
       for cfg in (tiling, tiling.dq_config):
         reason = reason or flex_tile.backward_unsupported(
-          det, cfg.block_q, cfg.block_kv
+          det, cfg.block_q, cfg.block_kv, shared
         )
-    if reason is None:  # no bias, no score_mod array to differentiate
-      dq, dk, dv = kernel.sm90_backward(
+    if reason is None:  # no score_mod array to differentiate
+      grads = kernel.sm90_backward(
         det, tiling, *residuals, interpret=self._params(), flex=flex
       )
-      return dq, dk, dv, (None, (None,) * len(flex.score_consts))
+      dbias = grads[3] if len(grads) > 3 else None  # the dQ kernel's dS
+      return *grads[:3], (dbias, (None,) * len(flex.score_consts))
     warnings.warn(
       f"the sm90 backward kernels cannot differentiate this call"
       f" ({reason}); its gradients use the blockwise backward (the same"

@@ -71,13 +71,14 @@ def sm90_backward(
       row's key bounds (`segments.key_bounds`) and each key's query bounds
       (`segments.query_bounds`), exact for contiguous ids. Every kernel
       walks only the tiles that can meet and masks by the bounds.
-    flex: `spec.flex`'s operands (a mask_mod and block mask only:
-      `flex_tile.backward_unsupported`), with `spec.deterministic`: both
-      kernels mask with them, the dQ kernel skips a block mask's empty
-      tiles.
+    flex: `spec.flex`'s operands (what `flex_tile.backward_unsupported`
+      allows), with `spec.deterministic`: both kernels recompute P with
+      them and skip a block mask's empty tiles; the dQ kernel writes dS
+      (dbias).
 
   Returns:
-    (dq, dk, dv), shaped like q, k, v, in `spec.dtype`.
+    (dq, dk, dv), shaped like q, k, v, in `spec.dtype`; with a bias
+    (`spec.flex.bias`) also dbias, shaped like it and in its dtype.
   """
   args = (q, k, v, out, lse, dout, dlse)
   args += () if segment_ids is None else tuple(segment_ids)
@@ -141,6 +142,13 @@ def _kernels(
       kv_rows_per_cta=dkdv_plan.kv_rows_per_cta if by_spans else None,
       block_q=config.block_q, grad=True,
     )  # fmt: skip
+    if "bias" in fx:  # keys as the tiles' rows: the bias transposed
+      fx = {
+        ("bias_t" if n == "bias" else n): (
+          jnp.swapaxes(x, 2, 3) if n == "bias" else x
+        )
+        for n, x in fx.items()
+      }
   kernel = functools.partial(
     dkdv_kernel(dkdv_plan, ops, interpret, kp.shape[1], tuple(fx)),
     segment_ids=bounds or None,
@@ -191,7 +199,19 @@ def _kernels(
     segment_ids=rows_ids,
     flex=tuple(dq_fx.values()),
   )
-  return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+  grads = ()
+  if spec.flex is not None and spec.flex.bias is not None:
+    dq, ds = dq  # dS per query head, float32: summed to the bias's shape
+    ds = ds[:, :, : spec.seq_q, : spec.seq_kv]
+    nb, nh = spec.flex.bias
+    axes = tuple(a for a, n in ((0, nb), (1, nh)) if n == 1)
+    grads = (ds.sum(axes, keepdims=True).astype(flex.bias.dtype),)
+  return (
+    dq[:, : spec.seq_q],
+    dk[:, : spec.seq_kv],
+    dv[:, : spec.seq_kv],
+    *grads,
+  )
 
 
 def _after(done: Any, rest: Any) -> tuple[Any, Any]:

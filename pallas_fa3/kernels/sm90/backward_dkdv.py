@@ -47,7 +47,7 @@ from pallas_fa3.kernels.sm90.common import (
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import fused_dq_cols
 from pallas_fa3.kernels.sm90.ops import KernelOps, SmemA
-from pallas_fa3.spec import LOG2E, AttentionSpec
+from pallas_fa3.spec import AttentionSpec
 
 # From this head dim on, the dK/dV kernel walks every query tile of a block
 # mask's keys (masked): the span's two loaded scalars stay live through the
@@ -320,15 +320,12 @@ def dkdv_consumer(
     t_t, scale_log2 = softcapped(spec, ops.scores(k_chunks, q_parts))
     q0 = qi * cfg.block_q + h * sub
     head = lax.axis_index("heads") * spec.group_size + group_head
-    grad_t = None  # a score_mod's derivative (flex)
-    if spec.flex is None or spec.flex.score_mod is None:
-      x_t = scaled_once(t_t, scale_log2)
-    else:
-      y_t, grad_t = flex_tile.kernel_score_grad(
-        spec, refs, ops, flex_tile.natural_units(spec, t_t), q0=q0, kv0=kv0,
-        batch=lax.axis_index("batch"), head=head, q_axis=1,
-      )  # fmt: skip
-      x_t = scaled_once(y_t, jnp.float32(LOG2E))
+    # A bias, then a score_mod (flex; grad_t its derivative).
+    y_t, scale_log2, grad_t = flex_tile.backward_scores(
+      spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
+      batch=lax.axis_index("batch"), head=head, q_axis=1,
+    )  # fmt: skip
+    x_t = scaled_once(y_t, scale_log2)
     s_t = x_t - lax.broadcast_in_dim(
       ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
     )
@@ -823,6 +820,10 @@ def dkdv_kernel(
   keys' query bounds (`segments.key_bounds`, `segments.query_bounds`): a
   CTA walks only the query tiles that reach its keys and masks by them."""
   spec, cfg = plan.spec, plan.config
+  if spec.flex is not None and spec.flex.bias is not None and plan.shared:
+    raise NotImplementedError(
+      "bias in the shared-tile dK/dV kernel (dkdv_head_splits=2): dbias"
+    )
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   # The 64-byte swizzle where tiles are cut in halves (one for every
   # operand of a GEMM); else each tile's own width.

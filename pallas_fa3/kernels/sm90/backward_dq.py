@@ -123,6 +123,13 @@ def _dq_consumer(
   sub = cfg.block_kv // halves
   shape = (cfg.block_q, sub)
 
+  # With a bias, dS (float32) leaves per part through two staging tiles
+  # by turns: one is rewritten once its store two parts ago has read it.
+  ds_out = refs.get("dbias")
+  if ds_out is not None:
+    ds_stage = refs["ds_stage"].at[wg]
+    ds_rows = (batch, head, pl.ds(row0, cfg.block_q))
+
   def part(j, h, slot, dq, masked):
     keys = pl.ds(h * sub, sub)
     k_tile, v_tile = k_smem.at[slot].at[keys], v_smem.at[slot].at[keys]
@@ -136,6 +143,12 @@ def _dq_consumer(
       )  # fmt: skip
       p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
       ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
+        buf = ds_stage.at[lax.rem(j * halves + h, 2)]
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        buf[...] = ds
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, ds_out.at[ds_rows + (pl.ds(kv0, sub),)])
       return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
 
     return ops.with_scores(my_do, v_tile, accumulate)
@@ -160,6 +173,20 @@ def _dq_consumer(
     plgpu.barrier_wait(v_full.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
+
+  if ds_out is not None:  # dS = 0 on every tile my walk skipped
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    zeros = ds_stage.at[0]
+    zeros[...] = ops.tile(jnp.zeros(shape, jnp.float32))
+    plgpu.commit_smem()
+
+    @pl.loop(0, plan.num_kv_blocks)
+    def _zero(i):
+      @pl.when((i < walk.first) | (i >= walk.first + walk.steps))
+      def _():
+        for h in range(halves):
+          keys = pl.ds(i * cfg.block_kv + h * sub, sub)
+          plgpu.copy_smem_to_gmem(zeros, ds_out.at[ds_rows + (keys,)])
 
   my_q[...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
   plgpu.commit_smem()
@@ -288,7 +315,9 @@ def dq_kernel(
   q_rows: int,
   flex_names: tuple[str, ...] = (),
 ) -> Callable[..., jax.Array]:
-  """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) -> dq`;
+  """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) -> dq`
+  (with a bias `(dq, ds)`, float32 dS `[b, hq, seq_q_pad, kv tiles x
+  block_kv]`: 0 on the tiles it skips);
   q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
   writes past them). With `spec.segmented`, `segment_ids` are the query
   rows' key bounds `(lo, hi)` (`segments.key_bounds`): the CTA walks only
@@ -378,6 +407,25 @@ def dq_kernel(
     )
   if spec.segmented:  # the rows' key bounds
     scratch["bounds_smem"] = bounds_scratch(cfg.block_q, blocks)[0]
+  out_type = dict(
+    dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
+  )
+  scratch["ds_stage"] = None
+  if spec.flex is not None and spec.flex.bias is not None:  # dS: dbias
+    if shared:
+      raise NotImplementedError(
+        "bias in the shared-tile dQ kernel (dq_head_splits=2): dbias"
+      )
+    sub = cfg.block_kv // (2 if consumers == 1 else 1)  # as `_dq_consumer`
+    scratch["ds_stage"] = plgpu.SMEM(
+      (blocks, 2, cfg.block_q, sub),
+      jnp.float32,
+      transforms=common.smem_transforms(jnp.float32, sub),
+    )
+    out_type["dbias"] = jax.ShapeDtypeStruct(
+      (spec.batch, spec.heads_q, seq_q_pad, plan.num_kv_blocks * cfg.block_kv),
+      jnp.float32,
+    )
   inputs = ["q", "k", "v", "do", "lse", "dl"] + ["lo", "hi", "spans"] * (
     spec.segmented
   )
@@ -385,10 +433,12 @@ def dq_kernel(
   kernel = common.build_kernel(
     fa3_bwd_dq,
     inputs=inputs,
-    optional=[n for n in ("lo", "hi", "spans", "bm_spans") if n not in inputs],
-    out_type=dict(
-      dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
-    ),
+    optional=[
+      n
+      for n in ("lo", "hi", "spans", "bm_spans", "dbias")
+      if n not in inputs and n not in out_type
+    ],
+    out_type=out_type,
     scratch=scratch,
     grid=(spec.heads_q, plan.num_q_tiles, spec.batch),
     grid_names=("heads", "q_tiles", "batch"),
@@ -400,7 +450,7 @@ def dq_kernel(
     *args: jax.Array, segment_ids: Any = None, flex: tuple = ()
   ) -> jax.Array:
     extra = () if segment_ids is None else id_operands(plan, *segment_ids)
-    (dq,) = kernel(*args, *extra, *flex)
-    return dq
+    out = kernel(*args, *extra, *flex)
+    return out if "dbias" in out_type else out[0]
 
   return run

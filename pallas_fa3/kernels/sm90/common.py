@@ -287,12 +287,12 @@ def row_probabilities(
   t, scale_log2 = softcapped(spec, s)
   fx = flex_at is not None and spec.flex is not None
   grad = None
-  if fx and spec.flex.score_mod is not None:
-    x, grad = flex_tile.kernel_score_grad(
-      spec, flex_at[0], ops, flex_tile.natural_units(spec, t), q0=q0, kv0=kv0,
+  if fx:  # a bias, then a score_mod (with its derivative)
+    x, scale_log2, grad = flex_tile.backward_scores(
+      spec, flex_at[0], ops, t, scale_log2, q0=q0, kv0=kv0,
       batch=flex_at[1], head=flex_at[2], q_axis=q_axis,
     )  # fmt: skip
-    arg = scaled_once(x, jnp.float32(LOG2E))
+    arg = scaled_once(x, scale_log2)
   else:
     arg = scaled_once(t, scale_log2)
   arg = arg - lax.broadcast_in_dim(lse2, shape, [q_axis])

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
-from pallas_fa3.spec import cdiv
+from pallas_fa3.spec import LOG2E, cdiv
 
 # What a value varies with (ordered: joining two takes the larger, except
 # that a query vector and a key vector join to a tile).
@@ -650,6 +650,50 @@ def _cta_spans(
   return first, end.astype(jnp.int32)
 
 
+def kernel_bias(
+  spec: Any, refs: dict, ops: Any, shape: tuple, q0: Any, kv0: Any,
+  batch: Any, head: Any, q_axis: int = 0,
+) -> jax.Array | None:  # fmt: skip
+  """The dense bias's float32 tile of queries from `q0` and keys from
+  `kv0` (None without a bias): one tile a step by plain loads
+  (L2-resident), from `bias` `[b|1, h|1, sq, skv]`, or with `q_axis=1`
+  (keys as rows) from its transpose `bias_t` `[b|1, h|1, skv, sq]`."""
+  if spec.flex.bias is None:
+    return None
+  nb, nh = spec.flex.bias
+  at = (batch if nb > 1 else 0, head if nh > 1 else 0)
+  if q_axis == 0:
+    ref = refs["bias"].at[at + (pl.ds(q0, shape[0]), pl.ds(kv0, shape[1]))]
+  else:
+    ref = refs["bias_t"].at[at + (pl.ds(kv0, shape[0]), pl.ds(q0, shape[1]))]
+  return ops.load_global_tile(ref).astype(jnp.float32)
+
+
+def backward_scores(
+  spec: Any, refs: dict, ops: Any, t: jax.Array, scale_log2: Any, *,
+  q0: Any, kv0: Any, batch: Any, head: Any, q_axis: int = 0,
+) -> tuple[jax.Array, Any, Any]:  # fmt: skip
+  """The backward kernels' scores of a tile of raw (or softcapped) scores
+  `t` with `common.softcapped`'s `scale_log2`, through the bias and
+  score_mod (their forward's order: bias, then score_mod): (scores, the
+  factor to base 2 for `common.scaled_once`, the score_mod's derivative or
+  None)."""
+  fs = spec.flex
+  if fs is None or (fs.score_mod is None and fs.bias is None):
+    return t, scale_log2, None
+  y = natural_units(spec, t)
+  bias = kernel_bias(spec, refs, ops, t.shape, q0, kv0, batch, head, q_axis)
+  if bias is not None:
+    y = y + bias
+  grad = None
+  if fs.score_mod is not None:
+    y, grad = kernel_score_grad(
+      spec, refs, ops, y, q0=q0, kv0=kv0, batch=batch, head=head,
+      q_axis=q_axis,
+    )  # fmt: skip
+  return y, jnp.float32(LOG2E), grad
+
+
 def kernel_scores(
   spec: Any,
   refs: dict,
@@ -665,18 +709,10 @@ def kernel_scores(
   softcapped) float32 scores in natural units, queries as rows from `q0`,
   keys as columns from `kv0`; returns the new scores and the mask (None:
   all visible)."""
-
-  fs = spec.flex
   mask = None
-  if fs.bias is not None:  # one tile a step, plain loads (L2-resident)
-    nb, nh = fs.bias
-    ref = refs["bias"].at[
-      batch if nb > 1 else 0,
-      head if nh > 1 else 0,
-      pl.ds(q0, s.shape[0]),
-      pl.ds(kv0, s.shape[1]),
-    ]
-    s = s + ops.load_global_tile(ref).astype(jnp.float32)
+  bias = kernel_bias(spec, refs, ops, s.shape, q0, kv0, batch, head)
+  if bias is not None:
+    s = s + bias
   for prefix, fn, score in _functions(spec):
     tile = _tile(
       refs, prefix, fn, score, False, ops, s.shape, 0, q0, kv0, batch, head
@@ -714,14 +750,20 @@ def kernel_mask(
   return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
 
 
-def backward_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
+def backward_unsupported(
+  spec: Any, block_q: int, block_kv: int, shared: bool = False
+) -> str | None:
   """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
-  with these tiles, or None: they take mask_mod, block masks and a
-  score_mod (its derivative traced in) whose captured arrays need no
-  gradient."""
+  with these tiles, or None: they take mask_mod, block masks, a score_mod
+  (its derivative traced in) whose captured arrays need no gradient, and
+  a bias (the dQ kernel writes dbias) except with softcap or in a
+  `shared`-tile layout (two consumers splitting a tile's head dim:
+  `shared_tile_layout`)."""
   fs = spec.flex
-  if fs.bias is not None:
-    return "bias in the backward kernels (dbias)"
+  if fs.bias is not None and spec.softcap is not None:
+    return "bias with softcap in the backward kernels (dbias is not dS there)"
+  if fs.bias is not None and shared:
+    return "bias in the shared-tile backward layout (its dS is split: dbias)"
   fn = fs.score_mod
   if fn is not None:
     if any(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in fn.consts):
@@ -734,6 +776,14 @@ def backward_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
     except Refused as e:
       return f"{e} (its derivative, in the backward kernels)"
   return kernel_unsupported(spec, block_q, block_kv)
+
+
+def shared_tile_layout(config: Any) -> bool:
+  """Whether a backward tiling (`Sm90BackwardConfig`) has either kernel's
+  two consumers share one tile, each owning half its head dim."""
+  return config.dq_head_splits == 2 or (
+    config.dkdv_consumers == 2 and config.dkdv_head_splits == 2
+  )
 
 
 def kernel_score_grad(

@@ -281,8 +281,8 @@ def flex_cases(seq: int, heads: int) -> dict:
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
-  mask-only cases (a score_mod or a bias differentiates by the blockwise
-  backward: `flex_tile.backward_unsupported`)."""
+  cases they differentiate (`flex_tile.backward_unsupported`: not a
+  score_mod's floating arrays, nor a bias in the shared-tile layouts)."""
   import functools
 
   import jax
@@ -317,7 +317,9 @@ def flex_sweep() -> Iterator[SweepItem]:
       det = dataclasses.replace(spec, deterministic=True)
       tiling = sm90_bwd_config.default_backward_config(det)
       if tiling is not None and not any(
-        flex_tile.backward_unsupported(det, c.block_q, c.block_kv)
+        flex_tile.backward_unsupported(
+          det, c.block_q, c.block_kv, flex_tile.shared_tile_layout(tiling)
+        )
         for c in (tiling, tiling.dq_config)
       ):
         yield (
