@@ -128,16 +128,47 @@ def test_interpret_flex_decode_against_float64_golden(name, sq, paged, splits):
 
 
 @pytest.mark.timeout(300)
-def test_interpret_flex_decode_with_a_block_mask():
-  """A block mask over sequence positions (one query per sequence): the
-  tiles' states in the kernel, mask_mod on the partial ones."""
-  q, (kc, vc), caches, kw = _inputs(1, True, seed=1)
+@pytest.mark.parametrize(
+  "sq,paged,splits",
+  [(1, True, 1), (4, True, 2), (70, False, 1)],
+  ids=["q1-paged64", "q4-paged64-2-splits", "q70-two-query-tiles"],
+)
+def test_interpret_flex_decode_with_a_block_mask(sq, paged, splits):
+  """A block mask over sequence positions: the tiles' states in the
+  kernel (a tile's queries, at any position, reading two block-mask rows
+  where they cross one), mask_mod on the partial ones, the producer
+  walking the span of the queries' rows."""
+  q, (kc, vc), caches, kw = _inputs(sq, paged, seed=1)
   bm = pallas_fa3.create_block_mask(_doc_mask, B, None, CAP, CAP, block_q=64, block_kv=64)  # fmt: skip
   got = _interpret(
-    q, *caches, **kw, causal=True, block_mask=bm, mask_mod=_doc_mask
-  )
-  golden, naive = _golden_and_naive(q, kc, vc, 1, dict(mask_mod=_doc_mask))
+    q, *caches, **kw, causal=True, block_mask=bm, num_splits=splits,
+    config=pallas_fa3.Sm90DecodeConfig(block_kv=64, num_stages=2),
+  )  # fmt: skip
+  golden, naive = _golden_and_naive(q, kc, vc, sq, dict(mask_mod=_doc_mask))
   assert_within_tolerance("block mask", got, naive, golden)
+
+
+@pytest.mark.timeout(300)
+def test_interpret_flex_decode_reads_both_block_mask_rows_of_a_tile():
+  """A prefill chunk whose 64-row tiles cross a block-mask row: each row
+  takes its own row's state. Hand-edited states (row 1's first key tile
+  full, row 3's second empty) decide against the mask_mod, so a tile read
+  with one row's states differs from blockwise (which honours them)."""
+  from pallas_fa3 import flex
+
+  q, _, caches, kw = _inputs(70, False, seed=2)
+  bm = pallas_fa3.create_block_mask(_doc_mask, B, None, CAP, CAP, block_q=64, block_kv=64)  # fmt: skip
+  state = bm.state.at[:, :, 1, 0].set(flex.FULL).at[:, :, 3, 2].set(flex.EMPTY)
+  odd = flex.BlockMask(state, None, CAP, CAP, 64, 64, _doc_mask)
+  call = lambda impl, bm: pallas_fa3.flash_attention_with_kvcache(
+    q, *caches, **kw, causal=True, block_mask=bm, implementation=impl,
+  )  # fmt: skip
+  got = _interpret(q, *caches, **kw, causal=True, block_mask=odd)
+  want = call("blockwise", odd)
+  assert float(jnp.abs(want - call("blockwise", bm)).max()) > 0.1
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2
+  )
 
 
 def test_decode_producer_skips_a_block_masks_empty_tiles():
@@ -161,7 +192,7 @@ def test_decode_producer_skips_a_block_masks_empty_tiles():
   pos = jnp.asarray(LENS, jnp.int32) - 1
   spans = np.asarray(
     flex_tile.kernel_operands(
-      view, ops, q_pad=CAP + 64, kv_pad=CAP, block_kv=32, positions=pos
+      view, ops, q_pad=CAP + 64, kv_pad=CAP, block_kv=32, positions=(pos, pos)
     )["bm_dspans"]
   )
   assert spans.shape == (2, B, HQ)
@@ -183,8 +214,10 @@ def test_what_the_kernel_refuses_names_the_reason_and_falls_back():
     pallas_fa3.flash_attention_with_kvcache(
       q, *caches, **kw, mask_mod=gather, implementation="interpret"
     )
-  bm = pallas_fa3.create_block_mask(_doc_mask, B, None, CAP, CAP)
-  with pytest.raises(NotImplementedError, match="block_mask with seq_q=2"):
+  bm = pallas_fa3.create_block_mask(
+    _doc_mask, B, None, CAP, CAP, block_q=32, block_kv=64
+  )
+  with pytest.raises(NotImplementedError, match="32-query tiles with seq_q=2"):
     pallas_fa3.flash_attention_with_kvcache(
       q, *caches, **kw, block_mask=bm, mask_mod=_doc_mask,
       implementation="interpret",

@@ -120,11 +120,12 @@ def flex_reason(spec: DecodeSpec, config: Sm90DecodeConfig) -> str | None:
         "block_mask from a dense mask: the decode kernel masks partial"
         " tiles with a mask_mod"
       )
-    if spec.seq_q > 1:
+    if spec.seq_q > 1 and fs.block[2] < DECODE_ROWS:
       return (
-        f"block_mask with seq_q={spec.seq_q}: a tile's queries sit at"
-        " traced positions that may straddle two block-mask rows (the"
-        " decode kernel takes one query per sequence with a block mask)"
+        f"block_mask's {fs.block[2]}-query tiles with seq_q={spec.seq_q}:"
+        f" a {DECODE_ROWS}-row tile's queries, at traced positions, may"
+        " reach into more than two block-mask rows (the decode kernel"
+        f" reads two; create_block_mask(block_q=>={DECODE_ROWS}))"
       )
     if fs.block[3] % config.block_kv:
       return (

@@ -445,6 +445,7 @@ def flex_view(spec: DecodeSpec) -> Any:
     flex=spec.flex, seq_q=spec.capacity, seq_kv=spec.capacity,
     batch=spec.batch, heads_q=spec.heads_q,
     softmax_scale=spec.softmax_scale, softcap=spec.softcap,
+    unaligned_rows=True,  # a tile's rows start at any position
   )  # fmt: skip
 
 
@@ -717,8 +718,9 @@ def sm90_decode(
     from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
 
     positions = None
-    if flex_ops.block_mask is not None:  # one query, at its last position
-      positions = lengths.astype(jnp.int32) - 1
+    if flex_ops.block_mask is not None:  # the queries' first and last
+      last = lengths.astype(jnp.int32) - 1
+      positions = (last - (spec.seq_q - 1), last)
     flex = flex_tile.kernel_operands(
       flex_view(spec), flex_ops,
       q_pad=spec.capacity + DECODE_ROWS,

@@ -548,7 +548,7 @@ def kernel_operands(
   block_kv: int | None = None,
   kv_rows_per_cta: int | None = None,
   block_q: int | None = None,
-  positions: jax.Array | None = None,
+  positions: tuple[jax.Array, jax.Array] | None = None,
   grad: bool = False,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
@@ -559,9 +559,10 @@ def kernel_operands(
   streams), and per K/V CTA of `kv_rows_per_cta` keys the span of
   non-empty `block_q`-row query tiles of any query head of its KV head's
   group (`bm_qspans`, `[2, batch, heads_kv, kv_ctas]`: the dK/dV kernel's),
-  and for one query per sequence at int32 `positions` `[batch]` the span
-  of non-empty `block_kv`-key tiles of its block-mask row (`bm_dspans`,
-  `[2, batch, heads_q]`: the decode kernel's);
+  and for queries at positions `positions = (first, last)` (int32
+  `[batch]` each) the span of non-empty `block_kv`-key tiles of their
+  block-mask rows (`bm_dspans`, `[2, batch, heads_q]`: the decode
+  kernel's);
   with a bias, `bias` padded to the padded sequences. `grad`: the
   backward's score_mod operands (its jvp's arrays)."""
   out = {}
@@ -610,13 +611,16 @@ def kernel_operands(
         first = jnp.minimum(first, end)  # none: an empty span
       full = (2, spec.batch, spec.heads_kv, kv_pad // kv_rows_per_cta)
       out["bm_qspans"] = jnp.broadcast_to(jnp.stack([first, end]), full)
-    if positions is not None:  # decoding: the query's own block-mask row
-      rows = lax.div(positions.astype(jnp.int32), jnp.int32(bm.block_q))
-      by_batch = jnp.broadcast_to(seen, (spec.batch,) + seen.shape[1:])
-      row_seen = jnp.take_along_axis(by_batch, rows[:, None, None, None], 2)
+    if positions is not None:  # decoding: the queries' block-mask rows
+      first_row, last_row = (
+        lax.div(p.astype(jnp.int32), jnp.int32(bm.block_q)) for p in positions
+      )
+      r = jnp.arange(nq, dtype=jnp.int32)
+      mine = (r >= first_row[:, None]) & (r <= last_row[:, None])  # [b, nq]
+      row_seen = (seen & mine[:, None, :, None]).any(2)  # [b, h|1, nkv]
       n = kv_pad // block_kv
       cmap = np.minimum(np.arange(n) * block_kv // bm.block_kv, nkv - 1)
-      row_seen = row_seen[:, :, 0, cmap]  # [b, h|1, n]
+      row_seen = row_seen[..., cmap]  # [b, h|1, n]
       anyk = row_seen.any(-1)
       first = jnp.where(anyk, jnp.argmax(row_seen, -1), 0)
       end = jnp.where(anyk, n - jnp.argmax(row_seen[..., ::-1], -1), 0)
@@ -826,7 +830,23 @@ def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
     ]
     # One int per row (not a splat tile): 0 hides, 1 asks mask_mod, 2 shows.
     n_q = s_shape[q_axis]
-    rows = _vector(ops, lax.broadcast_in_dim(state, (n_q,), ()), q_axis)
+    per_row = lambda x: _vector(
+      ops, lax.broadcast_in_dim(x, (n_q,), ()), q_axis
+    )
+    rows = per_row(state)
+    if getattr(spec, "unaligned_rows", False):  # decode: rows from any
+      # position, so the tile's rows may reach into the next block-mask
+      # row (one at most: `block_q` >= the tile's rows)
+      r0 = lax.div(q0, jnp.int32(bq))
+      nxt = st_ref[
+        batch if nb > 1 else 0,
+        head if nh > 1 else 0,
+        jnp.minimum(r0 + 1, st_ref.shape[2] - 1),
+        lax.div(kv0, jnp.int32(bkv)),
+      ]
+      local = ops.row_index(n_q) if q_axis == 0 else ops.col_index(n_q)
+      switch = per_row((r0 + 1) * jnp.int32(bq) - q0)
+      rows = jnp.where(local < switch, rows, per_row(nxt))
     rows = lax.broadcast_in_dim(rows, s_shape, [q_axis])
     if mask is None:
       mask = rows > flex.EMPTY
