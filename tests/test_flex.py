@@ -188,13 +188,24 @@ def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
     )[1](do)
   with pytest.warns(UserWarning, match="bias with softcap"):
     grad(bias=jnp.zeros((1, 1, SQ, SKV)), softcap=5.0)
-  slopes = mods.alibi_slopes(HQ)  # learnable: its gradient needs blockwise
-  with pytest.warns(UserWarning, match="floating captured arrays"):
+    # learnable per-head slopes: the dQ kernel sums their gradients
     jax.vjp(
       lambda s: pallas_fa3.flash_attention(
         q, k, v, score_mod=mods.alibi(s), implementation="interpret"
       ),
-      slopes,
+      mods.alibi_slopes(HQ),
+    )[1](do)
+  table = jnp.zeros((SKV,))  # learnable, read per key: blockwise
+  with pytest.warns(UserWarning, match="floating captured array 0"):
+    jax.vjp(
+      lambda t: pallas_fa3.flash_attention(
+        q,
+        k,
+        v,
+        score_mod=lambda s, b, h, qi, ki: s + t[ki],
+        implementation="interpret",
+      ),
+      table,
     )[1](do)
 
 

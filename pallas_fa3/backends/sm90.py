@@ -235,8 +235,7 @@ class Sm90Backend(Backend):
       grads = kernel.sm90_backward(
         det, tiling, *residuals, interpret=self._params(), flex=flex
       )
-      dbias = grads[3] if len(grads) > 3 else None  # the dQ kernel's dS
-      return *grads[:3], (dbias, (None,) * len(flex.score_consts))
+      return grads  # dq, dk, dv, (dbias, the score_mod arrays' gradients)
     warnings.warn(
       f"the sm90 backward kernels cannot differentiate this call"
       f" ({reason}); its gradients use the blockwise backward (the same"

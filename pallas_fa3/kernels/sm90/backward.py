@@ -25,7 +25,11 @@ from pallas_fa3.kernels.sm90.backward_dkdv import (
   dkdv_kernel,
   sum_slab,
 )
-from pallas_fa3.kernels.sm90.backward_dq import dq_kernel, dq_query_plan
+from pallas_fa3.kernels.sm90.backward_dq import (
+  dq_kernel,
+  dq_query_plan,
+  param_count,
+)
 from pallas_fa3.kernels.sm90.common import (
   pad_axis,
   query_tile_spans,
@@ -185,7 +189,7 @@ def _kernels(
     dq_fx = flex_tile.kernel_operands(
       spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
       rows_per_cta=dq_plan.rows_per_cta, block_kv=dq_plan.config.block_kv,
-      grad=True,
+      grad="params" if param_count(spec) else True,
     )  # fmt: skip
   dq = dq_kernel(
     spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1], tuple(dq_fx)
@@ -199,19 +203,57 @@ def _kernels(
     segment_ids=rows_ids,
     flex=tuple(dq_fx.values()),
   )
-  grads = ()
-  if spec.flex is not None and spec.flex.bias is not None:
-    dq, ds = dq  # dS per query head, float32: summed to the bias's shape
-    ds = ds[:, :, : spec.seq_q, : spec.seq_kv]
+  dq, *rest = dq if isinstance(dq, (tuple, list)) else (dq,)
+  grads = (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+  if spec.flex is None:
+    return grads
+  dbias = None
+  if spec.flex.bias is not None:  # dS per query head, float32: summed to
+    ds = rest.pop(0)[:, :, : spec.seq_q, : spec.seq_kv]  # the bias's shape
     nb, nh = spec.flex.bias
     axes = tuple(a for a, n in ((0, nb), (1, nh)) if n == 1)
-    grads = (ds.sum(axes, keepdims=True).astype(flex.bias.dtype),)
-  return (
-    dq[:, : spec.seq_q],
-    dk[:, : spec.seq_kv],
-    dv[:, : spec.seq_kv],
-    *grads,
+    dbias = ds.sum(axes, keepdims=True).astype(flex.bias.dtype)
+  dscore = [None] * len(flex.score_consts)
+  if rest:  # per row sums of each floating array's derivative
+    fn = spec.flex.score_mod
+    sums = rest[0][..., : spec.seq_q].sum(-1)  # [n, b, hq]
+    axes = flex_tile.param_grad_axes(fn, spec.seq_q, spec.seq_kv)
+    for j, (i, ax) in enumerate(zip(flex_tile.float_positions(fn), axes)):
+      dscore[i] = _attributed(sums[j], ax, flex.score_consts[i])
+  return grads + ((dbias, tuple(dscore)),)
+
+
+def _attributed(sums: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
+  """`array`'s gradient from per (batch, query head) sums `[b, hq]` of the
+  derivative in the one element read there, at `array[axes]` ("b", "h";
+  indices clipped to the array, as the kernels read them)."""
+  if not axes:
+    return sums.sum().astype(array.dtype)
+  index = {
+    n: jnp.clip(jnp.arange(sums.shape[k]), 0, array.shape[axes.index(n)] - 1)
+    for k, n in enumerate("bh")
+    if n in axes
+  }
+  if axes == ("b",):
+    return (
+      jnp.zeros(array.shape, jnp.float32)
+      .at[index["b"]]
+      .add(sums.sum(1))
+      .astype(array.dtype)
+    )
+  if axes == ("h",):
+    return (
+      jnp.zeros(array.shape, jnp.float32)
+      .at[index["h"]]
+      .add(sums.sum(0))
+      .astype(array.dtype)
+    )
+  vals = sums if axes == ("b", "h") else sums.T
+  i0, i1 = (index[n] for n in axes)
+  out = (
+    jnp.zeros(array.shape, jnp.float32).at[i0[:, None], i1[None, :]].add(vals)
   )
+  return out.astype(array.dtype)
 
 
 def _after(done: Any, rest: Any) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat
+from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
@@ -130,41 +130,60 @@ def _dq_consumer(
     ds_stage = refs["ds_stage"].at[wg]
     ds_rows = (batch, head, pl.ds(row0, cfg.block_q))
 
-  def part(j, h, slot, dq, masked):
+  # A score_mod's floating arrays: per row, the sum over keys of dL/d(its
+  # output) times its derivative in each (`flex_tile.param_grad_axes`).
+  n_params = param_count(spec)
+
+  def part(j, h, slot, carry, masked):
+    dq, sums = carry
     keys = pl.ds(h * sub, sub)
     k_tile, v_tile = k_smem.at[slot].at[keys], v_smem.at[slot].at[keys]
     s = ops.scores(my_q, k_tile)
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
       kv0 = (walk.first + j) * cfg.block_kv + h * sub
-      p, t = common.row_probabilities(
+      p, t, *d_params = common.row_probabilities(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head),
+        flex_at=(refs, batch, head), params=n_params > 0,
       )  # fmt: skip
-      p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
-      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      new_sums = sums
+      if n_params:  # dS = P (dP - delta) (1 - t^2) g, the sums before g
+        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+        new_sums = tuple(
+          a + (ds * d).sum(axis=1) for a, d in zip(sums, d_params[0])
+        )
+        ds = common.softcap_grad(ds, t)
+      else:
+        p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
+        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
         buf = ds_stage.at[lax.rem(j * halves + h, 2)]
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         buf[...] = ds
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, ds_out.at[ds_rows + (pl.ds(kv0, sub),)])
-      return ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
+      dq_new = ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
+      return dq_new, new_sums
 
     return ops.with_scores(my_do, v_tile, accumulate)
 
-  def step(j, dq, *, masked):
+  def step(j, carry, *, masked):
     slot = lax.rem(j, cfg.num_stages)
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
     for h in range(halves):
-      dq = part(j, h, slot, dq, masked)
+      carry = part(j, h, slot, carry, masked)
     plgpu.barrier_arrive(k_empty.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
-    return dq
+    return carry
 
   dq = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim), jnp.float32))
-  dq = common.walk_steps(walk, step, dq, masked=plan.needs_mask)
+  sums = tuple(
+    ops.rows(jnp.zeros((cfg.block_q,), jnp.float32)) for _ in range(n_params)
+  )
+  dq, sums = common.walk_steps(walk, step, (dq, sums), masked=plan.needs_mask)
+  for i, row_sums in enumerate(sums):  # out through shared memory
+    refs["dp_stage"].at[wg, i][...] = row_sums
 
   @pl.loop(walk.steps, walk.cta_steps)
   def _drain(j):  # tiles loaded for the other consumer's rows (causal)
@@ -191,7 +210,19 @@ def _dq_consumer(
   my_q[...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(my_q, dq_ref.at[tile])
+  for i in range(n_params):
+    plgpu.copy_smem_to_gmem(
+      refs["dp_stage"].at[wg, i],
+      refs["dparams"].at[i, batch, head, pl.ds(row0, cfg.block_q)],
+    )
   plgpu.wait_smem_to_gmem(0)
+
+
+def param_count(spec: AttentionSpec) -> int:
+  """The score_mod's floating arrays whose gradients the dQ kernel sums
+  (`flex_tile.param_grad_axes`), 0 without."""
+  fn = None if spec.flex is None else spec.flex.score_mod
+  return 0 if fn is None else len(flex_tile.float_positions(fn))
 
 
 def _dq_shared_consumer(
@@ -411,6 +442,20 @@ def dq_kernel(
     dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
   )
   scratch["ds_stage"] = None
+  n_params = param_count(spec)
+  scratch["dp_stage"] = None
+  if n_params:  # per row, each floating array's sum (`_dq_consumer`)
+    if shared:
+      raise NotImplementedError(
+        "score_mod's floating arrays in the shared-tile dQ kernel"
+        " (dq_head_splits=2): their gradients"
+      )
+    scratch["dp_stage"] = plgpu.SMEM(
+      (blocks, n_params, cfg.block_q), jnp.float32
+    )
+    out_type["dparams"] = jax.ShapeDtypeStruct(
+      (n_params, spec.batch, spec.heads_q, seq_q_pad), jnp.float32
+    )
   if spec.flex is not None and spec.flex.bias is not None:  # dS: dbias
     if shared:
       raise NotImplementedError(
@@ -435,7 +480,7 @@ def dq_kernel(
     inputs=inputs,
     optional=[
       n
-      for n in ("lo", "hi", "spans", "bm_spans", "dbias")
+      for n in ("lo", "hi", "spans", "bm_spans", "dbias", "dparams")
       if n not in inputs and n not in out_type
     ],
     out_type=out_type,
@@ -451,6 +496,6 @@ def dq_kernel(
   ) -> jax.Array:
     extra = () if segment_ids is None else id_operands(plan, *segment_ids)
     out = kernel(*args, *extra, *flex)
-    return out if "dbias" in out_type else out[0]
+    return out if len(out_type) > 1 else out[0]
 
   return run

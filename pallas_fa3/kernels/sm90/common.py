@@ -264,7 +264,8 @@ def row_probabilities(
   q_axis: int = 0,
   bounds: tuple | None = None,
   flex_at: tuple | None = None,
-) -> tuple[jax.Array, Any]:
+  params: bool = False,
+) -> tuple[jax.Array, ...]:
   """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
   rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
   entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
@@ -282,7 +283,8 @@ def row_probabilities(
   (`segments.kernel_bounds`) and replace it. `flex_at = (refs, batch,
   query head)` with `spec.flex`: the score_mod's scores (the second result
   is then `(tanh or None, its derivative)`, for `softcap_grad`) and the
-  flex mask on every tile (`flex_tile`)."""
+  flex mask on every tile (`flex_tile`). `params` (with a score_mod):
+  a third result, its derivatives in its floating arrays (tiles)."""
   shape = s.shape
   t, scale_log2 = softcapped(spec, s)
   fx = flex_at is not None and spec.flex is not None
@@ -290,8 +292,10 @@ def row_probabilities(
   if fx:  # a bias, then a score_mod (with its derivative)
     x, scale_log2, grad = flex_tile.backward_scores(
       spec, flex_at[0], ops, t, scale_log2, q0=q0, kv0=kv0,
-      batch=flex_at[1], head=flex_at[2], q_axis=q_axis,
+      batch=flex_at[1], head=flex_at[2], q_axis=q_axis, params=params,
     )  # fmt: skip
+    if params:
+      grad, d_params = grad
     arg = scaled_once(x, scale_log2)
   else:
     arg = scaled_once(t, scale_log2)
@@ -326,7 +330,8 @@ def row_probabilities(
     )
     p = jnp.where(mask, p, 0.0)
   t = None if spec.softcap is None else t
-  return p, (t if grad is None else (t, grad))
+  ctx = t if grad is None else (t, grad)
+  return (p, ctx, d_params) if params else (p, ctx)
 
 
 def softcap_grad(ds: jax.Array, t: Any) -> jax.Array:

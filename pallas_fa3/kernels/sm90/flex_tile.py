@@ -31,6 +31,8 @@ from pallas_fa3.spec import LOG2E, cdiv
 # What a value varies with (ordered: joining two takes the larger, except
 # that a query vector and a key vector join to a tile).
 LIT, SCALAR, QVEC, KVEC, TILE, CONST = range(6)
+# A `Read`'s scalar axes: any scalar, the batch index, the head index.
+SCALAR_AXES = ("s", "b", "h")
 
 _ELEMENTWISE = frozenset(
   """add sub mul div rem max min neg abs sign floor ceil round exp exp2 log
@@ -64,12 +66,14 @@ class Kind:
   base: str | None = None
   offset: int = 0
   const: int = -1  # CONST: which captured array
+  scalar_of: str | None = None  # a SCALAR that is `b` or `h` exactly
 
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-  """One read of captured array `const`: per axis "s" (a scalar index) or
-  `("q" | "kv", offset)`."""
+  """One read of captured array `const`: per axis "s" (a scalar index;
+  "b" / "h" where it is the batch / head index itself) or `("q" | "kv",
+  offset)`."""
 
   const: int
   axes: tuple
@@ -237,6 +241,9 @@ class _Walk:
     if name == "lt" and ins[1].kind.kind == LIT and ins[0].kind.base:
       if ins[0].kind.offset >= 0 and int(ins[1].value) <= 0:
         return self.literal(False, jnp.bool_)
+    if name == "lt" and ins[1].kind.kind == LIT and ins[0].kind.scalar_of:
+      if int(ins[1].value) <= 0:  # batch and head are not negative
+        return self.literal(False, jnp.bool_)
     if name == "select_n" and ins[0].kind.kind == LIT:
       return ins[1 + int(ins[0].value)]
     return None
@@ -298,7 +305,9 @@ class _Walk:
     """The Kind of `index + c` kept exact (None: not such an index)."""
     if not jnp.issubdtype(dtype, jnp.integer):
       return None
-    if name == "convert_element_type" and ins[0].kind.base:
+    if name == "convert_element_type" and (
+      ins[0].kind.base or ins[0].kind.scalar_of
+    ):
       return ins[0].kind
     if name in ("add", "sub") and len(ins) == 2:
       a, b = ins
@@ -316,7 +325,7 @@ class _Walk:
     for axis, i in enumerate(index):
       k = i.kind
       if k.kind in (LIT, SCALAR):
-        axes.append("s")
+        axes.append(k.scalar_of or "s")
         continue
       if k.base is None or k.kind not in (QVEC, KVEC) or vector is not None:
         self.refuse(
@@ -340,7 +349,7 @@ class _Walk:
     ref = t.refs[array.kind.const]
     at = []
     for axis, (i, how) in enumerate(zip(index, axes)):
-      if how == "s":
+      if how in SCALAR_AXES:
         j = jnp.asarray(i.value).astype(jnp.int32)
         at.append(jnp.clip(j, 0, aval.shape[axis] - 1))
       else:
@@ -364,53 +373,116 @@ def _vector(ops: Any, x: jax.Array, axis: int) -> jax.Array:
   return ops.rows(x) if axis == 0 else ops.cols(x)
 
 
-def captured(fn: Any, score: bool, grad: bool = False) -> tuple[Any, tuple]:
+def captured(fn: Any, score: bool, grad: Any = False) -> tuple[Any, tuple]:
   """(jaxpr, arrays): `fn`'s jaxpr on scalars and the concrete arrays
   `jax.closure_convert` left in it (constants it did not lift into
   `fn.consts`). The kernel's operands are the call's `fn.consts`, then
   these. `grad` (a score_mod): the jaxpr gives the new score and its
-  derivative in the score (`jax.jvp` with tangent 1), for the backward.
+  derivative in the score (`jax.jvp` with tangent 1), for the backward;
+  `grad="params"`: also, per floating array of `fn.consts`, its derivative
+  along a tangent array passed after `fn.consts` (ones like it: where a
+  CTA reads one element, a batch/head scalar read, the derivative in that
+  element).
   Cached: every kernel step and check walks the same jaxpr."""
   avals = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in fn.consts)
   return _captured(fn.converted, avals, score, grad)
 
 
+def float_positions(fn: Any) -> tuple[int, ...]:
+  """Which of `fn.consts` are floating (carry a gradient)."""
+  return tuple(
+    i
+    for i, c in enumerate(fn.consts)
+    if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+  )
+
+
 @functools.lru_cache(maxsize=128)
-def _captured(converted: Any, avals: tuple, score: bool, grad: bool) -> tuple:
+def _captured(converted: Any, avals: tuple, score: bool, grad: Any) -> tuple:
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
   args = flex.scalar_args(4, jnp.float32 if score else None)
   f = converted
-  if grad:
+  extra = ()
+  if grad == "params":
+    n = len(avals)
+    floats = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]  # fmt: skip
+    extra = tuple(avals[i] for i in floats)
+
+    def f(s, b, h, q, k, *rest):
+      consts, tans = rest[:n], rest[n:]
+      g = lambda x: converted(x, b, h, q, k, *consts)
+      out, d_s = jax.jvp(g, (s,), (jnp.ones_like(s),))
+      d_c = []
+      for i, t in zip(floats, tans):
+        gc = lambda c, i=i: converted(
+          s, b, h, q, k, *consts[:i], c, *consts[i + 1 :]
+        )
+        d_c.append(jax.jvp(gc, (consts[i],), (t,))[1])
+      return (out, d_s, *d_c)
+
+  elif grad:
 
     def f(s, *rest):
       return jax.jvp(lambda x: converted(x, *rest), (s,), (jnp.ones_like(s),))
 
-  closed = jax.make_jaxpr(f)(*args, *avals)
+  closed = jax.make_jaxpr(f)(*args, *avals, *extra)
   return closed.jaxpr, tuple(closed.consts)
+
+
+def _n_tangents(fn: Any, grad: Any) -> int:
+  """The tangent arrays between `fn.consts` and the jaxpr's constants."""
+  return len(float_positions(fn)) if grad == "params" else 0
 
 
 def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None, grad=False):
   jaxpr, left = captured(fn, score, grad)
-  arrays = tuple(fn.consts) + left
+  tans = tuple(fn.consts[i] for i in float_positions(fn))[
+    : _n_tangents(fn, grad)
+  ]
+  arrays = tuple(fn.consts) + tans + left  # (the tangents' shapes)
   consts = tuple(
     jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in arrays
   )
   walk = _Walk(fn.name, consts, tile, seqs)
-  n_args = len(jaxpr.invars) - len(fn.consts)
+  n_in = len(fn.consts) + _n_tangents(fn, grad)
+  n_args = len(jaxpr.invars) - n_in
   vals = _inputs(walk, len(consts), score, tile, s)
-  args = vals[:n_args] + vals[n_args : n_args + len(fn.consts)]
-  outs = walk.run(jaxpr, args, vals[n_args + len(fn.consts) :])
+  args = vals[: n_args + n_in]
+  outs = walk.run(jaxpr, args, vals[n_args + n_in :])
   return walk, outs
 
 
 def plan(
-  fn: Any, score: bool, seq_q: int, seq_kv: int, grad: bool = False
+  fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any = False
 ) -> tuple[Read, ...]:
   """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
   tile; raises `Refused` naming what cannot be compiled."""
   walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
   return tuple(walk.reads)
+
+
+def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
+  """Per floating array of a score_mod's `fn.consts`: the batch/head axes
+  its one element per (batch, head) is read at (`Read.axes` of "b" and
+  "h" only: e.g. ALiBi's `slopes[h]`), which the dQ kernel's per-row sums
+  of its derivative attribute the gradient by. Raises `Refused` naming a
+  read it cannot attribute (by a position, a computed or literal index)."""
+  reads = plan(fn, True, seq_q, seq_kv, grad="params")
+  out = []
+  for i in float_positions(fn):
+    axes = {r.axes for r in reads if r.const == i}
+    ok = len(axes) == 1 and all(a in ("b", "h") for a in next(iter(axes)))
+    ax = next(iter(axes)) if axes else ()
+    if not ok or len(set(ax)) != len(ax):
+      raise Refused(
+        f"score_mod reads floating captured array {i} (shape"
+        f" {tuple(jnp.shape(fn.consts[i]))}) other than at the batch and"
+        " head indices themselves (`array[h]`, `array[b, h]`): its gradient"
+        " in the backward kernels"
+      )
+    out.append(ax)
+  return tuple(out)
 
 
 def _inputs(walk: _Walk, n_consts: int, score: bool, tile: Tile | None,
@@ -424,8 +496,8 @@ def _inputs(walk: _Walk, n_consts: int, score: bool, tile: Tile | None,
     kv_iota = ops.col_index(n_kv) if tile.q_axis == 0 else ops.row_index(n_kv)
     q, k, b, h = tile.q0 + q_iota, tile.kv0 + kv_iota, tile.batch, tile.head
   idx = [
-    _Val(Kind(SCALAR), b, i32),
-    _Val(Kind(SCALAR), h, i32),
+    _Val(Kind(SCALAR, scalar_of="b"), b, i32),
+    _Val(Kind(SCALAR, scalar_of="h"), h, i32),
     _Val(Kind(QVEC, "q"), q, i32),
     _Val(Kind(KVEC, "kv"), k, i32),
   ]
@@ -442,10 +514,16 @@ def evaluate(fn: Any, tile: Tile, s: Any = None) -> jax.Array:
   return walk.lift(out, TILE)
 
 
-def evaluate_with_grad(fn: Any, tile: Tile, s: Any) -> tuple[Any, Any]:
-  """A score_mod on the kernel tile and its derivative in the score."""
-  walk, (out, d) = _walk(fn, True, tile, (1, 1), s, grad=True)
-  return walk.lift(out, TILE), walk.lift(d, TILE)
+def evaluate_with_grad(
+  fn: Any, tile: Tile, s: Any, params: bool = False
+) -> tuple[Any, ...]:
+  """A score_mod on the kernel tile and its derivative in the score; with
+  `params`, also the list of its derivatives in its floating arrays."""
+  walk, outs = _walk(
+    fn, True, tile, (1, 1), s, grad="params" if params else True
+  )
+  lifted = [walk.lift(o, TILE) for o in outs]
+  return tuple(lifted[:2]) + ((lifted[2:],) if params else ())
 
 
 def pad_consts(consts: tuple, reads: tuple[Read, ...], q_pad: int,
@@ -467,7 +545,7 @@ def pad_consts(consts: tuple, reads: tuple[Read, ...], q_pad: int,
       if r.const != i:
         continue
       for axis, how in enumerate(r.axes):
-        if how == "s":
+        if how in SCALAR_AXES:
           continue
         base, offset = how
         need = (q_pad if base == "q" else kv_pad) + offset
@@ -526,7 +604,7 @@ def _tile(
 ) -> Tile:  # fmt: skip
   """The `Tile` of a function whose arrays are the operands `prefix0`,
   ... (`kernel_operands`: the call's lifted consts, then the captured)."""
-  n = len(fn.consts) + len(captured(fn, score, grad)[1])
+  n = len(fn.consts) + _n_tangents(fn, grad) + len(captured(fn, score, grad)[1])
   arrays = tuple(refs[f"{prefix}{i}"] for i in range(n))
   return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays)
 
@@ -573,9 +651,11 @@ def kernel_operands(
     )
   for prefix, fn, score in _functions(spec):
     consts = ops.score_consts if score else ops.mask_consts
-    g = grad and score  # the backward's: the jvp's arrays
+    g = grad if score else False  # the backward's: the jvp's arrays
     reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g)
-    arrays = tuple(consts) + captured(fn, score, g)[1]
+    tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
+    tans = tans[: _n_tangents(fn, g)]
+    arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
   bm = ops.block_mask
@@ -676,12 +756,14 @@ def kernel_bias(
 def backward_scores(
   spec: Any, refs: dict, ops: Any, t: jax.Array, scale_log2: Any, *,
   q0: Any, kv0: Any, batch: Any, head: Any, q_axis: int = 0,
+  params: bool = False,
 ) -> tuple[jax.Array, Any, Any]:  # fmt: skip
   """The backward kernels' scores of a tile of raw (or softcapped) scores
   `t` with `common.softcapped`'s `scale_log2`, through the bias and
   score_mod (their forward's order: bias, then score_mod): (scores, the
   factor to base 2 for `common.scaled_once`, the score_mod's derivative or
-  None)."""
+  None; with `params`, `(derivative, derivatives in its floating
+  arrays)`)."""
   fs = spec.flex
   if fs is None or (fs.score_mod is None and fs.bias is None):
     return t, scale_log2, None
@@ -691,10 +773,11 @@ def backward_scores(
     y = y + bias
   grad = None
   if fs.score_mod is not None:
-    y, grad = kernel_score_grad(
+    y, *grad = kernel_score_grad(
       spec, refs, ops, y, q0=q0, kv0=kv0, batch=batch, head=head,
-      q_axis=q_axis,
+      q_axis=q_axis, params=params,
     )  # fmt: skip
+    grad = tuple(grad) if params else grad[0]
   return y, jnp.float32(LOG2E), grad
 
 
@@ -759,10 +842,11 @@ def backward_unsupported(
 ) -> str | None:
   """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
   with these tiles, or None: they take mask_mod, block masks, a score_mod
-  (its derivative traced in) whose captured arrays need no gradient, and
-  a bias (the dQ kernel writes dbias) except with softcap or in a
-  `shared`-tile layout (two consumers splitting a tile's head dim:
-  `shared_tile_layout`)."""
+  (its derivative traced in) whose floating captured arrays are read at
+  the batch/head indices (`param_grad_axes`: the dQ kernel sums their
+  gradients), and a bias (the dQ kernel writes dbias), neither with a
+  bias under softcap nor in a `shared`-tile layout (two consumers
+  splitting a tile's head dim: `shared_tile_layout`)."""
   fs = spec.flex
   if fs.bias is not None and spec.softcap is not None:
     return "bias with softcap in the backward kernels (dbias is not dS there)"
@@ -770,15 +854,20 @@ def backward_unsupported(
     return "bias in the shared-tile backward layout (its dS is split: dbias)"
   fn = fs.score_mod
   if fn is not None:
-    if any(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in fn.consts):
-      return (
-        "score_mod's floating captured arrays (their gradients) in the"
-        " backward kernels"
-      )
     try:
       plan(fn, True, spec.seq_q, spec.seq_kv, grad=True)
     except Refused as e:
       return f"{e} (its derivative, in the backward kernels)"
+    if float_positions(fn):  # their gradients: the dQ kernel's row sums
+      if shared:
+        return (
+          "score_mod's floating captured arrays in the shared-tile"
+          " backward layout (their gradients)"
+        )
+      try:
+        param_grad_axes(fn, spec.seq_q, spec.seq_kv)
+      except Refused as e:
+        return str(e)
   return kernel_unsupported(spec, block_q, block_kv)
 
 
@@ -801,15 +890,18 @@ def kernel_score_grad(
   batch: Any,
   head: Any,
   q_axis: int = 0,
-) -> tuple[jax.Array, jax.Array]:
+  params: bool = False,
+) -> tuple[jax.Array, ...]:
   """The backward kernels' score_mod: (new scores, their derivative in `s`)
   on a tile of natural-unit scores `s` (operands `score{i}` from
-  `kernel_operands(..., grad=True)`)."""
+  `kernel_operands(..., grad=True)`); with `params` (operands from
+  `grad="params"`) also its derivatives in its floating arrays."""
   fn = spec.flex.score_mod
+  g = "params" if params else True
   tile = _tile(
-    refs, "score", fn, True, True, ops, s.shape, q_axis, q0, kv0, batch, head
+    refs, "score", fn, True, g, ops, s.shape, q_axis, q0, kv0, batch, head
   )
-  return evaluate_with_grad(fn, tile, s)
+  return evaluate_with_grad(fn, tile, s, params)
 
 
 def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
