@@ -82,17 +82,33 @@ def builtin_tiles(s: int, kw: dict) -> int:
   return total
 
 
-def kernel_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
-  """K/V tiles the forward kernel's producer loads: (with the block mask,
-  with the built-in option)."""
+def block_mask_spec(s: int, mask_mod) -> tuple:
+  """(the spec of a call with `mask_mod`'s block mask, its operands)."""
   q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
-  cfg = Sm90ForwardConfig(64, T, 2)
   bm = pallas_fa3.create_block_mask(mask_mod, 1, None, s, s)
   fspec, ops = flex.prepare(
     score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=1,
     heads=1, seq_q=s, seq_kv=s,
   )  # fmt: skip
-  spec = dataclasses.replace(make_spec(q, q, q), flex=fspec)
+  return dataclasses.replace(make_spec(q, q, q), flex=fspec), ops
+
+
+def builtin_spec(s: int, kw: dict) -> tuple:
+  """(the built-in option's spec, its segment ids' kernel bounds or None)."""
+  q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
+  bspec = make_spec(q, q, q, causal=True, window_size=kw.get("window_size"))
+  if "segment_ids" not in kw:
+    return bspec, None
+  ids = kw["segment_ids"]
+  bspec = dataclasses.replace(bspec, segmented=True)
+  return bspec, segments.kernel_bounds(bspec, (ids, ids))[0]
+
+
+def kernel_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
+  """K/V tiles the forward kernel's producer loads: (with the block mask,
+  with the built-in option)."""
+  cfg = Sm90ForwardConfig(64, T, 2)
+  spec, ops = block_mask_spec(s, mask_mod)
   plan = common.QueryPlan(spec, cfg, seq_q_pad=s, seq_kv_pad=s)
   spans = flex_tile.kernel_operands(
     spec, ops, q_pad=s, kv_pad=s, rows_per_cta=T, block_kv=T
@@ -103,12 +119,10 @@ def kernel_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
   )
   if kw is None:
     return ours, None
-  bspec = make_spec(q, q, q, causal=True, window_size=kw.get("window_size"))
+  bspec, bounds = builtin_spec(s, kw)
   span = None
-  if "segment_ids" in kw:
-    ids = kw["segment_ids"]
-    bspec = dataclasses.replace(bspec, segmented=True)
-    (lo, hi, _, _), _ = segments.kernel_bounds(bspec, (ids, ids))
+  if bounds is not None:
+    lo, hi, _, _ = bounds
     bplan = common.QueryPlan(bspec, cfg, seq_q_pad=s, seq_kv_pad=s)
     span = common.id_operands(bplan, lo, hi)[2][:, 0]
   bplan = common.QueryPlan(bspec, cfg, seq_q_pad=s, seq_kv_pad=s)
@@ -127,14 +141,8 @@ def dkdv_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
   """Query tiles (Q, dO, lse, delta; 64 rows) the dK/dV kernel's producer
   loads per 128-key CTA (two consumers of 64 keys): (with the block mask,
   with the built-in option), as `backward_dkdv.q_tile_range` walks them."""
-  q = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16)
   cfg = Sm90BackwardConfig(64, 64, 2, 2, 1)
-  bm = pallas_fa3.create_block_mask(mask_mod, 1, None, s, s)
-  fspec, ops = flex.prepare(
-    score_mod=None, mask_mod=None, block_mask=bm, bias=None, batch=1,
-    heads=1, seq_q=s, seq_kv=s,
-  )  # fmt: skip
-  spec = dataclasses.replace(make_spec(q, q, q), flex=fspec)
+  spec, ops = block_mask_spec(s, mask_mod)
   plan = DkdvPlan(spec, cfg, s, s)
   rows, nq = plan.kv_rows_per_cta, plan.num_q_blocks
   spans = flex_tile.kernel_operands(
@@ -158,12 +166,9 @@ def dkdv_loads(s: int, mask_mod, kw: dict | None) -> tuple[int, int]:
   ours = walked(spec, spans)
   if kw is None:
     return ours, None
-  bspec = make_spec(q, q, q, causal=True, window_size=kw.get("window_size"))
+  bspec, bounds = builtin_spec(s, kw)
   span = None
-  if "segment_ids" in kw:
-    ids = kw["segment_ids"]
-    bspec = dataclasses.replace(bspec, segmented=True)
-    bounds, _ = segments.kernel_bounds(bspec, (ids, ids))
+  if bounds is not None:
     span = common.dkdv_operands(DkdvPlan(bspec, cfg, s, s), bounds)[2][:, 0]
   return ours, walked(bspec, span)
 

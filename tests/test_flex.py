@@ -74,6 +74,15 @@ CASES = {
     0.5 * jax.random.normal(jax.random.key(9), (B, 1, SQ, SKV)),
     lambda p: dict(bias=p, mask_mod=mods.causal_top_left),
   ),
+  # A learnable offset per (batch, head), the dQ kernel's 2-D attribution
+  # (on every other key: a row-wide offset would have a zero gradient).
+  "batch_head_offset": (
+    0.5 * jax.random.normal(jax.random.key(11), (B, HQ)),
+    lambda p: dict(
+      score_mod=lambda s, b, h, qi, ki: s + p[b, h] * (ki % 2 == 0),
+      causal=True,
+    ),
+  ),
   # The kernels skip tiles past the diagonal: dbias 0 there.
   "bias_causal": (
     0.5 * jax.random.normal(jax.random.key(10), (1, 1, SQ, SKV)),

@@ -234,25 +234,13 @@ def _attributed(sums: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
     for k, n in enumerate("bh")
     if n in axes
   }
-  if axes == ("b",):
-    return (
-      jnp.zeros(array.shape, jnp.float32)
-      .at[index["b"]]
-      .add(sums.sum(1))
-      .astype(array.dtype)
-    )
-  if axes == ("h",):
-    return (
-      jnp.zeros(array.shape, jnp.float32)
-      .at[index["h"]]
-      .add(sums.sum(0))
-      .astype(array.dtype)
-    )
-  vals = sums if axes == ("b", "h") else sums.T
-  i0, i1 = (index[n] for n in axes)
-  out = (
-    jnp.zeros(array.shape, jnp.float32).at[i0[:, None], i1[None, :]].add(vals)
-  )
+  zeros = jnp.zeros(array.shape, jnp.float32)
+  if len(axes) == 1:  # summed over the other index
+    out = zeros.at[index[axes[0]]].add(sums.sum(1 if axes == ("b",) else 0))
+  else:
+    i0, i1 = (index[n] for n in axes)
+    vals = sums if axes == ("b", "h") else sums.T
+    out = zeros.at[i0[:, None], i1[None, :]].add(vals)
   return out.astype(array.dtype)
 
 
