@@ -165,6 +165,7 @@ _KERNEL_QUICK = {
   "alibi",
   "bias_batch",
   "bias_causal",
+  "batch_head_offset",
 }
 KERNEL_CASES = [
   c if c in _KERNEL_QUICK else pytest.param(c, marks=pytest.mark.slow)
