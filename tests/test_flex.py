@@ -179,6 +179,16 @@ def test_interpret_kernel_against_golden(case):
   _check("interpret", case, d=64)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["alibi", "user_closure", "batch_head_offset"])
+def test_interpret_learnable_arrays_at_d128(case):
+  """d128: the shared-tile dK/dV kernel beside the dQ kernel's sums of the
+  learnable arrays' gradients, no fallback."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    _check("interpret", case, d=128)
+
+
 def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
   q, k, v, do = _inputs(d=64)
   grad = lambda **kw: jax.vjp(

@@ -226,10 +226,9 @@ class Sm90Backend(Backend):
     if segment_ids is not None:
       reason = "segment_ids together with flex options"
     if reason is None:
-      shared = flex_tile.shared_tile_layout(tiling)
       for cfg in (tiling, tiling.dq_config):
         reason = reason or flex_tile.backward_unsupported(
-          det, cfg.block_q, cfg.block_kv, shared
+          det, cfg.block_q, cfg.block_kv, tiling
         )
     if reason is None:  # no score_mod array to differentiate
       grads = kernel.sm90_backward(

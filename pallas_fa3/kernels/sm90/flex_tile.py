@@ -838,19 +838,20 @@ def kernel_mask(
 
 
 def backward_unsupported(
-  spec: Any, block_q: int, block_kv: int, shared: bool = False
+  spec: Any, block_q: int, block_kv: int, tiling: Any = None
 ) -> str | None:
   """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
   with these tiles, or None: they take mask_mod, block masks, a score_mod
   (its derivative traced in) whose floating captured arrays are read at
   the batch/head indices (`param_grad_axes`: the dQ kernel sums their
-  gradients), and a bias (the dQ kernel writes dbias), neither with a
-  bias under softcap nor in a `shared`-tile layout (two consumers
-  splitting a tile's head dim: `shared_tile_layout`)."""
+  gradients; not in a shared-tile dQ kernel), and a bias (the dQ kernel
+  writes dbias; not with softcap, nor where `tiling`, the
+  `Sm90BackwardConfig`, has either kernel's consumers share a tile:
+  `shared_tile_layout`)."""
   fs = spec.flex
   if fs.bias is not None and spec.softcap is not None:
     return "bias with softcap in the backward kernels (dbias is not dS there)"
-  if fs.bias is not None and shared:
+  if fs.bias is not None and tiling is not None and shared_tile_layout(tiling):
     return "bias in the shared-tile backward layout (its dS is split: dbias)"
   fn = fs.score_mod
   if fn is not None:
@@ -859,10 +860,10 @@ def backward_unsupported(
     except Refused as e:
       return f"{e} (its derivative, in the backward kernels)"
     if float_positions(fn):  # their gradients: the dQ kernel's row sums
-      if shared:
+      if tiling is not None and tiling.dq_head_splits == 2:
         return (
-          "score_mod's floating captured arrays in the shared-tile"
-          " backward layout (their gradients)"
+          "score_mod's floating captured arrays in the shared-tile dQ"
+          " kernel (dq_head_splits=2: their gradients)"
         )
       try:
         param_grad_axes(fn, spec.seq_q, spec.seq_kv)

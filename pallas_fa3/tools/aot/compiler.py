@@ -312,24 +312,52 @@ def compile_backward(
   mesh: Mesh | None = None,
   flex: Any = None,
   label: str = "",
+  learnable: tuple | None = None,
 ) -> CompileReport:
   """Compiles the backward for sm_90a (the fused kernel, or with
   `spec.deterministic` the dK/dV and dQ kernels); ptxas's report. `flex`:
-  `spec.flex`'s operands (`label` names them)."""
+  `spec.flex`'s operands (`label` names them). `learnable = (make_score_mod,
+  arrays)`: the score_mod `make_score_mod(*arrays)` over arrays that are
+  operands of the compiled call (traced, so they carry gradients: the dQ
+  kernel's sums), in place of `flex`."""
+  import dataclasses
+
+  import jax
+
+  from pallas_fa3 import flex as flex_lib
   from pallas_fa3.kernels.sm90 import backward as sm90_bwd
 
   mesh = h200_mesh() if mesh is None else mesh
+  shapes = bf16_operands(spec, mesh, backward=True)
+  arrays = () if learnable is None else tuple(learnable[1])
+
+  def run(*a):
+    call_spec, ops = spec, flex
+    if learnable is not None:  # the arrays first
+      fs, ops = flex_lib.prepare(
+        score_mod=learnable[0](*a[: len(arrays)]), mask_mod=None,
+        block_mask=None, bias=None, batch=spec.batch, heads=spec.heads_q,
+        seq_q=spec.seq_q, seq_kv=spec.seq_kv,
+      )  # fmt: skip
+      call_spec, a = dataclasses.replace(spec, flex=fs), a[len(arrays) :]
+    return sm90_bwd.sm90_backward(
+      call_spec,
+      config,
+      *a,
+      segment_ids=packed_bounds(spec) if spec.segmented else None,
+      flex=ops,
+    )
+
+  if arrays:
+    sharding = shapes[0].sharding
+    shapes = [
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in arrays
+    ] + shapes
   return compile_report(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}{_dv_label(spec)}"
     f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}{label}"
     f" q{spec.seq_q}/kv{spec.seq_kv} h{spec.heads_q}/{spec.heads_kv} {config}",
-    lambda *a: sm90_bwd.sm90_backward(
-      spec,
-      config,
-      *a,
-      segment_ids=packed_bounds(spec) if spec.segmented else None,
-      flex=flex,
-    ),
-    bf16_operands(spec, mesh, backward=True),
+    run,
+    shapes,
     short_label(spec, config),
   )

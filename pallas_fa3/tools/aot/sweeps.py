@@ -281,13 +281,14 @@ def flex_cases(seq: int, heads: int) -> dict:
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
-  cases they differentiate (`flex_tile.backward_unsupported`: not a
-  score_mod's floating arrays, nor a bias in the shared-tile layouts)."""
+  cases they differentiate (`flex_tile.backward_unsupported`: not a bias
+  in the shared-tile layouts), and ALiBi with learnable slopes (their
+  gradient summed by the dQ kernel) where the dQ kernel is not shared-tile."""
   import functools
 
   import jax
 
-  from pallas_fa3 import flex
+  from pallas_fa3 import flex, mods
   from pallas_fa3.kernels.sm90 import (
     config as sm90_config,
     config_backward as sm90_bwd_config,
@@ -317,13 +318,23 @@ def flex_sweep() -> Iterator[SweepItem]:
       det = dataclasses.replace(spec, deterministic=True)
       tiling = sm90_bwd_config.default_backward_config(det)
       if tiling is not None and not any(
-        flex_tile.backward_unsupported(
-          det, c.block_q, c.block_kv, flex_tile.shared_tile_layout(tiling)
-        )
+        flex_tile.backward_unsupported(det, c.block_q, c.block_kv, tiling)
         for c in (tiling, tiling.dq_config)
       ):
         yield (
           functools.partial(compile_backward, flex=ops, label=label),
+          det,
+          tiling,
+        )
+      if name == "alibi" and tiling.dq_head_splits != 2:
+        # learnable slopes: traced, so the dQ kernel sums their gradient
+        slopes = mods.alibi_slopes(hq)
+        yield (
+          functools.partial(
+            compile_backward,
+            label=" flex=alibi learnable",
+            learnable=(mods.alibi, (slopes,)),
+          ),  # fmt: skip
           det,
           tiling,
         )
