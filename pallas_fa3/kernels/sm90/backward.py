@@ -81,8 +81,9 @@ def sm90_backward(
       (dbias).
 
   Returns:
-    (dq, dk, dv), shaped like q, k, v, in `spec.dtype`; with a bias
-    (`spec.flex.bias`) also dbias, shaped like it and in its dtype.
+    (dq, dk, dv), shaped like q, k, v, in `spec.dtype`; with flex options
+    also `(dbias or None, per score_mod array its gradient or None)`,
+    each shaped like its operand and in its dtype.
   """
   args = (q, k, v, out, lse, dout, dlse)
   args += () if segment_ids is None else tuple(segment_ids)
@@ -203,7 +204,7 @@ def _kernels(
     segment_ids=rows_ids,
     flex=tuple(dq_fx.values()),
   )
-  dq, *rest = dq if isinstance(dq, (tuple, list)) else (dq,)
+  dq, *rest = dq  # (dq, [dS], [the floating arrays' row sums])
   grads = (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
   if spec.flex is None:
     return grads

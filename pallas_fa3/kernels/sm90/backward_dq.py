@@ -345,10 +345,11 @@ def dq_kernel(
   interpret: Any,
   q_rows: int,
   flex_names: tuple[str, ...] = (),
-) -> Callable[..., jax.Array]:
-  """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) -> dq`
-  (with a bias `(dq, ds)`, float32 dS `[b, hq, seq_q_pad, kv tiles x
-  block_kv]`: 0 on the tiles it skips);
+) -> Callable[..., tuple]:
+  """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) ->
+  (dq,)`, then with a bias float32 dS `[b, hq, seq_q_pad, kv tiles x
+  block_kv]` (0 on the tiles it skips), then with a score_mod's floating
+  arrays their per-row sums `[n, b, hq, seq_q_pad]` (`_dq_consumer`);
   q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
   writes past them). With `spec.segmented`, `segment_ids` are the query
   rows' key bounds `(lo, hi)` (`segments.key_bounds`): the CTA walks only
@@ -491,11 +492,8 @@ def dq_kernel(
     interpret=interpret,
   )
 
-  def run(
-    *args: jax.Array, segment_ids: Any = None, flex: tuple = ()
-  ) -> jax.Array:
+  def run(*args: jax.Array, segment_ids: Any = None, flex: tuple = ()) -> tuple:
     extra = () if segment_ids is None else id_operands(plan, *segment_ids)
-    out = kernel(*args, *extra, *flex)
-    return out if len(out_type) > 1 else out[0]
+    return tuple(kernel(*args, *extra, *flex))
 
   return run

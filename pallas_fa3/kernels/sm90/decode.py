@@ -335,7 +335,7 @@ def cta_walk(plan: DecodePlan, refs: dict[str, Any]) -> tuple:
   length = refs["lengths"][batch]
   start = refs["starts"][batch] if plan.spec.leftpad else None
   span = None
-  if refs.get("bm_dspans") is not None:  # `[2, b, heads_q]`, seq_q 1
+  if refs.get("bm_dspans") is not None:  # `[2, b, heads_q]`
     span = refs["bm_dspans"][0, batch, head], refs["bm_dspans"][1, batch, head]
   first, count = split_tiles(
     plan, length, split, 0 if start is None else start, qtile, span

@@ -437,10 +437,10 @@ def _n_tangents(fn: Any, grad: Any) -> int:
 
 def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None, grad=False):
   jaxpr, left = captured(fn, score, grad)
-  tans = tuple(fn.consts[i] for i in float_positions(fn))[
-    : _n_tangents(fn, grad)
-  ]
-  arrays = tuple(fn.consts) + tans + left  # (the tangents' shapes)
+  tans = ()  # (only their shapes matter here)
+  if grad == "params":
+    tans = tuple(fn.consts[i] for i in float_positions(fn))
+  arrays = tuple(fn.consts) + tans + left
   consts = tuple(
     jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in arrays
   )
@@ -653,8 +653,9 @@ def kernel_operands(
     consts = ops.score_consts if score else ops.mask_consts
     g = grad if score else False  # the backward's: the jvp's arrays
     reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g)
-    tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
-    tans = tans[: _n_tangents(fn, g)]
+    tans = ()  # the params jaxpr's tangents: ones
+    if g == "params":
+      tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
     arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
@@ -698,16 +699,9 @@ def kernel_operands(
       r = jnp.arange(nq, dtype=jnp.int32)
       mine = (r >= first_row[:, None]) & (r <= last_row[:, None])  # [b, nq]
       row_seen = (seen & mine[:, None, :, None]).any(2)  # [b, h|1, nkv]
-      n = kv_pad // block_kv
-      cmap = np.minimum(np.arange(n) * block_kv // bm.block_kv, nkv - 1)
-      row_seen = row_seen[..., cmap]  # [b, h|1, n]
-      anyk = row_seen.any(-1)
-      first = jnp.where(anyk, jnp.argmax(row_seen, -1), 0)
-      end = jnp.where(anyk, n - jnp.argmax(row_seen[..., ::-1], -1), 0)
+      first, end = _tile_span(row_seen, block_kv, bm.block_kv, kv_pad)
       full = (2, spec.batch, spec.heads_q)
-      out["bm_dspans"] = jnp.broadcast_to(
-        jnp.stack([first, end]).astype(jnp.int32), full
-      )
+      out["bm_dspans"] = jnp.broadcast_to(jnp.stack([first, end]), full)
   return out
 
 
@@ -725,9 +719,18 @@ def _cta_spans(
     lo, hi = c * cta_rows // bm_rows, ((c + 1) * cta_rows - 1) // bm_rows
     member[c, lo : hi + 1] = True
   seen = (seen[:, :, None] & member[None, None, :, :, None]).any(axis=3)
+  return _tile_span(seen, tile, bm_cols, cols_pad)
+
+
+def _tile_span(
+  seen: jax.Array, tile: int, bm_cols: int, cols_pad: int
+) -> tuple[jax.Array, jax.Array]:
+  """(first, end) int32 over the last axis: the span of `tile`-wide
+  column tiles (of `cols_pad`) over `seen`'s block-mask column tiles of
+  `bm_cols` (`end = first = 0` where none is seen)."""
   n = cols_pad // tile
   cmap = np.minimum(np.arange(n) * tile // bm_cols, seen.shape[-1] - 1)
-  seen = seen[..., cmap]  # [b|1, h|1, ctas, n]
+  seen = seen[..., cmap]
   anyk = seen.any(-1)
   first = jnp.where(anyk, jnp.argmax(seen, -1), 0).astype(jnp.int32)
   end = jnp.where(anyk, n - jnp.argmax(seen[..., ::-1], -1), 0)
