@@ -151,7 +151,8 @@ def _part_id(value) -> str:
       f"h{c.dkdv_head_splits}q{c.dq_consumers}h{c.dq_head_splits}"
     )
   if isinstance(value, pallas_fa3.Sm90ForwardConfig):
-    return f"{value.block_q}x{value.block_kv}x{value.num_stages}"
+    tiles = f"{value.block_q}x{value.block_kv}x{value.num_stages}"
+    return tiles + ("" if value.overlap else "-serial")
   if isinstance(value, bool):
     return "causal" if value else "full"
   if isinstance(value, int):

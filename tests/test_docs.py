@@ -340,15 +340,20 @@ def _tile_choice_rows() -> list[tuple[str, int, str]]:
 def test_tile_choice_table_matches_the_defaults():
   """docs/kernels.md#tile-choices names every default tiling the code picks,
   in `short_label`'s words, for every head dim and pass (a `causal` row
-  where the causal default differs)."""
+  where the causal default differs; flex: a mask_mod's forward)."""
   import dataclasses
 
   import jax.numpy as jnp
 
+  from pallas_fa3 import flex, mods
   from pallas_fa3.kernels.sm90 import config, config_backward, config_fp8
   from pallas_fa3.spec import AttentionSpec
   from pallas_fa3.tools.aot.compiler import short_label
 
+  flex_spec, _ = flex.prepare(
+    score_mod=None, mask_mod=mods.causal_top_left, block_mask=None,
+    bias=None, batch=4, heads=8, seq_q=4096, seq_kv=4096,
+  )  # fmt: skip
   rows = _tile_choice_rows()
   documented = {(p, d): tiles for p, d, tiles in rows}
   assert len(documented) == len(rows), "a (pass, d) row is repeated"
@@ -369,6 +374,11 @@ def test_tile_choice_table_matches_the_defaults():
       }
       if d in config_fp8.FP8_HEAD_DIMS:
         picks["fp8 forward"] = (spec, config_fp8.default_fp8_forward_config(d))
+      with_flex = dataclasses.replace(spec, flex=flex_spec)
+      picks["flex forward"] = (
+        with_flex,
+        config.default_forward_config(with_flex),
+      )
       for name, (s, cfg) in picks.items():
         label = short_label(s, cfg)  # "d128 causal 64x128x2 ..."
         tiles = label.split(" ", 2)[2]

@@ -189,6 +189,29 @@ def test_interpret_learnable_arrays_at_d128(case):
     _check("interpret", case, d=128)
 
 
+@pytest.mark.parametrize("case", ["alibi", "user_closure"])
+def test_interpret_d256_forward_without_overlap(case):
+  """d256's flex default runs each step's S, softmax and P V in turn
+  (`overlap=False`: the P tile's registers free for the user's function)."""
+  from pallas_fa3.kernels.sm90 import config as sm90_config
+  from pallas_fa3.spec import make_spec
+
+  params, options = CASES[case]
+  q, k, v, do = _inputs(d=256)
+  golden, naive = flex_golden_and_naive(q, k, v, do, params, options)
+  kw = options(params)
+  fspec, _ = flex.prepare(
+    **{n: kw.get(n) for n in ("score_mod", "mask_mod", "block_mask", "bias")},
+    batch=B, heads=HQ, seq_q=SQ, seq_kv=SKV,
+  )  # fmt: skip
+  spec = dataclasses.replace(make_spec(q, k, v), flex=fspec)
+  assert not sm90_config.default_forward_config(spec).overlap
+  out = pallas_fa3.flash_attention(
+    q, k, v, implementation="interpret", **options(params)
+  )
+  assert_within_tolerance(f"{case} out", out, naive[0], golden[0])
+
+
 def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
   q, k, v, do = _inputs(d=64)
   grad = lambda **kw: jax.vjp(

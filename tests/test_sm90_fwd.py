@@ -120,6 +120,14 @@ _CASES = [
     True,
     Sm90ForwardConfig(64, 64, 2, persistent=False),
   ),
+  # Without the intra-warpgroup overlap (d256 flex's form), causal with
+  # sq < skv, the persistent ring wrapping across tiles.
+  (
+    Shape(1, 200, 330, 2, 1, 64),
+    jnp.bfloat16,
+    True,
+    Sm90ForwardConfig(64, 64, 3, overlap=False),
+  ),
 ]
 
 
@@ -310,6 +318,7 @@ def test_mosaic_through_flash_attention_exports_with_grad():
     ("block_q", 64.0, TypeError),
     ("num_stages", True, TypeError),
     ("persistent", 1, TypeError),
+    ("overlap", "no", TypeError),
   ],
 )
 def test_config_validation_names_the_field(field, value, error):
@@ -322,6 +331,21 @@ def test_config_is_hashable_static_data():
   assert a == b and hash(a) == hash(b)
   with pytest.raises(AttributeError):
     a.block_q = 128
+
+
+def test_serial_order_frees_p_and_is_the_bf16_kernels_only():
+  """overlap=False counts S or P, not both, beside O: 64x192x2 at d96
+  fits its room where FA3's order does not; the FP8 kernel refuses it."""
+  from pallas_fa3.kernels.sm90 import config_fp8
+
+  fa3 = Sm90ForwardConfig(64, 192, 2)
+  serial = Sm90ForwardConfig(64, 192, 2, overlap=False)
+  assert "tile registers" in sm90_config.forward_config_unsupported(fa3, 96, 2)
+  assert sm90_config.forward_config_unsupported(serial, 96, 2) is None
+  reason = config_fp8.fp8_forward_config_unsupported(
+    Sm90ForwardConfig(64, 128, 2, overlap=False), 128
+  )
+  assert "overlap=False" in reason
 
 
 def test_persistent_walk_is_refused_where_it_spills():

@@ -51,12 +51,17 @@ class Sm90ForwardConfig:
     persistent: one CTA per SM walking its query tiles (causal tiles
       longest first), or one CTA per query tile (the same order of CTAs):
       the walk keeps a few more registers live, which spills at d = 256.
+    overlap: FA3's intra-warpgroup overlap (the softmax of S_{j+1} runs
+      while P_j V_j is in flight, P_j held across it), or each step's S,
+      softmax and P V in turn, which frees P's registers (d256 with flex;
+      the bf16 kernel only).
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   persistent: bool = True
+  overlap: bool = True
 
   def __post_init__(self) -> None:
     check_int_fields(
@@ -66,6 +71,7 @@ class Sm90ForwardConfig:
       num_stages=dict(choices=STAGE_CHOICES),
     )
     check_bool("Sm90ForwardConfig.persistent", self.persistent)
+    check_bool("Sm90ForwardConfig.overlap", self.overlap)
 
   @property
   def rows_per_cta(self) -> int:
@@ -210,8 +216,10 @@ def forward_config_unsupported(
     )
   # Register budget of a consumer (128 threads) in FA3's order: the float32
   # O accumulator (block_q x dv) and S tile (block_q x block_kv), and the
-  # previous tile's P in 16 bits, read by the P V wgmma still in flight.
-  regs = config.block_q * (2 * dv + 3 * config.block_kv) // 256
+  # previous tile's P in 16 bits, read by the P V wgmma still in flight
+  # (with `overlap=False` P replaces S instead).
+  s_and_p = 3 if config.overlap else 2
+  regs = config.block_q * (2 * dv + s_and_p * config.block_kv) // 256
   if regs > _CONSUMER_ACC_REGS:
     return (
       f"{config} keeps {regs} tile registers per thread"
@@ -262,12 +270,18 @@ def forward_unsupported(
 # loop, `flex_tile`): the largest tiling with 0 spills for every case of
 # `pallas-fa3 aot --flex` (the plain defaults spill 4-36 B at d64/96/128:
 # the user function's vectors and the bias tile share the S tile's
-# registers). d256 keeps its one tiling (ALiBi and a block mask spill 8-16
-# B there). benchmarks/RESULTS.md, issue 44.
+# registers). d256 keeps its one tiling without the intra-warpgroup
+# overlap: with it ALiBi and a block mask spill 8-16 B, without it no case
+# does and the P tile's 16 registers are free for a user's function (the
+# SASS kept 24-34 of 34 exp2 under the in-flight P V in the other cases,
+# 0 in ALiBi's). benchmarks/RESULTS.md, issue 44.
 _FLEX_DEFAULTS = {
   64: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=3),
   96: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
   128: Sm90ForwardConfig(block_q=64, block_kv=64, num_stages=3),
+  256: Sm90ForwardConfig(
+    block_q=64, block_kv=64, num_stages=2, persistent=False, overlap=False
+  ),
 }
 
 # The heuristic default per head dim (bf16/fp16 alike): the largest K/V
@@ -326,11 +340,12 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
       for c in forward_config_space(d, spec.dtype.itemsize, dv)
       if block[2] % c.block_q == 0 and block[3] % c.block_kv == 0
     ]
-    return max(
+    best = max(
       space,
       key=lambda c: (c.block_q == 64, c.block_kv, c.num_stages),
       default=config,
     )
+    return dataclasses.replace(best, overlap=config.overlap)
   if forward_config_unsupported(config, d, spec.dtype.itemsize, dv) is None:
     return config
   assert d != dv, config  # the tuned defaults fit their own head dim

@@ -74,6 +74,11 @@ def fp8_forward_config_unsupported(
   """Why this config cannot run the FP8 kernel at this head_dim, or None."""
   if head_dim not in FP8_HEAD_DIMS:
     return f"head_dim {head_dim} is not one of the FP8 kernel's {FP8_HEAD_DIMS}"
+  if not config.overlap:
+    return (
+      f"{config}: overlap=False is the bf16/fp16 kernel's; the FP8 kernel"
+      " runs FA3's overlapped order only"
+    )
   if q_terms == 2 and head_dim > 128:
     return (
       f"q_residual is served up to head_dim 128 (the second QK^T product"

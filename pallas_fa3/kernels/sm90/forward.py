@@ -5,7 +5,8 @@ first) of query tiles of `2 * block_q` rows of one (batch, head): a producer
 warpgroup streams K/V tiles by TMA into a `num_stages` ring that runs on
 across tiles; two consumer warpgroups compute S = Q K^T, an exp2 online
 softmax and O += P V with wgmma, in pingpong (`pipeline.Turns`), in FA3's
-order: the softmax of S_{j+1} runs while P_j V_j is in flight. Fully masked
+order: the softmax of S_{j+1} runs while P_j V_j is in flight (or, with
+`overlap=False`, each step's S, softmax and P V in turn). Fully masked
 K/V tiles are skipped, fully visible ones are not masked; GQA heads share
 their K/V head; ragged sequences are padded to whole tiles. The leaf
 operations that differ in interpret mode are `ops.KernelOps`.
@@ -106,7 +107,8 @@ def _query_tile(
 ) -> None:
   """One query tile in FA3's order: in its pingpong turn the consumer issues
   S_{j+1} = Q K_{j+1}^T and O += P_j V_j, then runs the softmax of S_{j+1}
-  while P_j V_j is still in flight. K/V step j sits in ring slot
+  while P_j V_j is still in flight (`config.overlap`; else `serial_step`).
+  K/V step j sits in ring slot
   `(base + j) % num_stages`. `qo`: this consumer's Q and O tiles
   (`config.forward_qo_layout`)."""
   q_ref, sinks_ref, k_smem, v_smem = (
@@ -186,14 +188,14 @@ def _query_tile(
       mask = builtin if mask is None else mask & builtin
     return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
 
-  # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
-  first = slot_of(0)
-  turns.wait()
-  plgpu.barrier_wait(k_full.at[first])
-  s0 = ops.with_scores(
-    q_smem, k_smem.at[first], lambda read: (turns.pass_on(), read())[1]
-  )
-  plgpu.barrier_arrive(k_empty.at[first])
+  def scores(slot):  # S = Q K^T in this consumer's turn, K released
+    plgpu.barrier_wait(k_full.at[slot])
+    s = ops.with_scores(
+      q_smem, k_smem.at[slot], lambda read: (turns.pass_on(), read())[1]
+    )
+    plgpu.barrier_arrive(k_empty.at[slot])
+    return s
+
   if sinks_ref is None:
     m0 = ops.rows(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32))
     l0 = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
@@ -201,8 +203,43 @@ def _query_tile(
     sink2 = sinks_ref[batch, head] * jnp.float32(LOG2E)
     m0 = ops.rows(jnp.broadcast_to(sink2, (cfg.block_q,)))
     l0 = ops.rows(jnp.ones((cfg.block_q,), jnp.float32))
-  p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
   o0 = ops.tile(jnp.zeros((cfg.block_q, spec.head_dim_v), jnp.float32))
+  split = (
+    max(spec.head_dim, spec.head_dim_v) < MASK_EVERY_STEP_HEAD_DIM
+    # (a flex mask applies at every step: one loop, not three copies)
+    and spec.flex is None
+  )
+
+  def finish(o, m, l):  # the other consumer's K/V tiles, then O and lse
+    release_rest(turns, ring, stages, base, walk.steps, walk.cta_steps)
+    lse_smem = refs["lse_smem"].at[wg]
+    _epilogue(
+      plan, o, m, l, o_smem, lse_smem, refs["o"], refs["lse"], batch, head, row0
+    )
+
+  def serial_step(j, carry, *, masked: bool):
+    # `overlap=False`: S_j, its softmax, then P_j V_j waited for; no P
+    # lives across the next S (one turn per step, as `release_rest` takes).
+    o, m, l = carry
+    slot = slot_of(j)
+    turns.wait()
+    p, alpha, m, l = softmax(scores(slot), j, m, l, masked=masked)
+    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+    plgpu.barrier_wait(v_full.at[slot])
+    o = ops.accumulate_pv(o, p.astype(spec.dtype), v_smem.at[slot])
+    plgpu.barrier_arrive(v_empty.at[slot])
+    return o, m, l
+
+  if not cfg.overlap:
+    o, m, l = walk_steps(
+      walk, serial_step, (o0, m0, l0), masked=plan.needs_mask, split=split
+    )
+    return finish(o, m, l)
+
+  # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
+  turns.wait()
+  s0 = scores(slot_of(0))
+  p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
   # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
   like = (ops.tile(jnp.zeros(s0.shape, jnp.float32)), m0, m0, l0)
 
@@ -235,14 +272,7 @@ def _query_tile(
   # Step j softmaxes tile j + 1.
   carry = (o0, p0.astype(spec.dtype), m0, l0)
   carry = walk_steps(
-    walk,
-    step,
-    carry,
-    masked=plan.needs_mask,
-    ahead=1,
-    # (a flex mask applies at every step: one loop, not three copies)
-    split=max(spec.head_dim, spec.head_dim_v) < MASK_EVERY_STEP_HEAD_DIM
-    and spec.flex is None,
+    walk, step, carry, masked=plan.needs_mask, ahead=1, split=split
   )
   o, p, m, l = carry
   last = slot_of(walk.steps - 1)
@@ -250,21 +280,7 @@ def _query_tile(
   plgpu.barrier_wait(v_full.at[last])
   o = ops.accumulate_pv(o, p, v_smem.at[last], issued=turns.pass_on)
   plgpu.barrier_arrive(v_empty.at[last])
-
-  release_rest(turns, ring, stages, base, walk.steps, walk.cta_steps)
-  _epilogue(
-    plan,
-    o,
-    m,
-    l,
-    o_smem,
-    refs["lse_smem"].at[wg],
-    refs["o"],
-    refs["lse"],
-    batch,
-    head,
-    row0,
-  )
+  finish(o, m, l)
 
 
 def _epilogue(

@@ -166,7 +166,8 @@ def kernel_profiles(dump: pathlib.Path, label: str) -> list[KernelProfile]:
 def short_label(
   spec: AttentionSpec, config: sm90.Sm90ForwardConfig | sm90.Sm90BackwardConfig
 ) -> str:
-  """`d128 causal 64x128x2` (block_q x block_kv x stages; the backward adds
+  """`d128 causal 64x128x2` (block_q x block_kv x stages; the forward may
+  add "per-tile grid" and "no overlap" (`Sm90ForwardConfig`); the backward adds
   dK/dV consumers/head splits, then "fused" or the dQ kernel's): the
   profile table's row label."""
   from pallas_fa3.kernels.sm90.config_backward import fused_backward
@@ -174,6 +175,8 @@ def short_label(
   tiles = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
   if not getattr(config, "persistent", True):
     tiles += " per-tile grid"
+  if not getattr(config, "overlap", True):
+    tiles += " no overlap"
   if hasattr(config, "dkdv_consumers"):
     tiles += f" kv{config.dkdv_consumers}/{config.dkdv_head_splits}"
     if fused_backward(spec, config):
