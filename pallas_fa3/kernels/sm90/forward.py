@@ -65,6 +65,9 @@ from pallas_fa3.kernels.sm90.pipeline import (
 from pallas_fa3.lse import natural_from_log2
 from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
+# The widest dv at which O's rescale moves between the GEMM issues (`step`).
+EARLY_RESCALE_MAX_DV = 64
+
 # The K/V ring's barriers, in `pipeline.kv_producer`'s order.
 _RING = ("k_full", "v_full", "k_empty", "v_empty")
 
@@ -243,9 +246,16 @@ def _query_tile(
   # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
   like = (ops.tile(jnp.zeros(s0.shape, jnp.float32)), m0, m0, l0)
 
+  # Where the softmax, not the tensor core, bounds a step (dv <= 64 at up
+  # to 128 keys), O's rescale by tile j's alpha runs between the issues of
+  # S_{j+1} and P_j V_j, while S computes, instead of after the step's last
+  # wait (the carry's `a`): perfcmp's model B per block, d64 causal 1243 ->
+  # 1210 cycles; at 192 keys 1151 -> 1165, so not there (RESULTS, issue 43).
+  early = spec.head_dim_v <= EARLY_RESCALE_MAX_DV and cfg.block_kv <= 128
+
   def step(j, carry, *, masked: bool):
     # Tile j + 1's scores and softmax with tile j's P V in flight.
-    o, p, m, l = carry
+    o, p, m, l, *a = carry
     slot, nslot = slot_of(j), slot_of(j + 1)
     turns.wait()
     plgpu.barrier_wait(k_full.at[nslot])
@@ -264,17 +274,23 @@ def _query_tile(
       like,
       issued=turns.pass_on,
       with_s=with_s,
+      o_scale=a[0] if early else None,
     )
     plgpu.barrier_arrive(v_empty.at[slot])
+    if early:
+      return o, p.astype(spec.dtype), m, l, alpha
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
     return o, p.astype(spec.dtype), m, l
 
   # Step j softmaxes tile j + 1.
   carry = (o0, p0.astype(spec.dtype), m0, l0)
+  carry += (ops.rows(jnp.ones_like(l0)),) * early  # (O holds zeros)
   carry = walk_steps(
     walk, step, carry, masked=plan.needs_mask, ahead=1, split=split
   )
-  o, p, m, l = carry
+  o, p, m, l, *a = carry
+  if early:
+    o = o * lax.broadcast_in_dim(a[0], o.shape, [0])
   last = slot_of(walk.steps - 1)
   turns.wait()
   plgpu.barrier_wait(v_full.at[last])

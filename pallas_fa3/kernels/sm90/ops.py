@@ -161,40 +161,47 @@ class KernelOps:
     *,
     issued: Callable[[], None],
     with_s: Callable[[jax.Array], tuple],
+    o_scale: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple]:
     """FA3's intra-warpgroup order: issues S = Q K^T (chunks as in
     `with_scores`), then O + P V (`p` in registers; the FP8 ops take it in
     shared memory), calls `issued()`, waits for S alone (`wait_group 1`: P V,
-    one `plgpu.wgmma` and so one group, stays in flight) and runs `with_s(s)`, which returns arrays shaped as
-    `like`. Returns (O + P V, what `with_s` returned) once both wgmma are
-    done. `with_s` must not write registers that the P V wgmma reads:
-    convert its P for the next step only after this returns."""
+    one `plgpu.wgmma` and so one group, stays in flight) and runs
+    `with_s(s)`, which returns arrays shaped as `like`. Returns (O + P V,
+    what `with_s` returned) once both wgmma are done. `o_scale` (rows):
+    O is first multiplied by it, between the two issues, so the rescale
+    runs while S computes instead of after the last wait. `with_s` must not
+    write registers that the P V wgmma reads: convert its P for the next
+    step only after this returns."""
     q_chunks, k_chunks = _chunks(q_smem), _chunks(k_smem)
+    scaled = lambda o: (
+      o if o_scale is None else o * lax.broadcast_in_dim(o_scale, o.shape, [0])
+    )
     if self.interpreted:
       s = async_proxy_read(
         sum(self._dot_qk(q, k) for q, k in zip(q_chunks, k_chunks))
       )
-      o_new = async_proxy_read(o + self._dot_pv(p, v_smem))
+      o_new = async_proxy_read(scaled(o) + self._dot_pv(p, v_smem))
       issued()
       return o_new, with_s(s)
 
     shape = (q_chunks[0].shape[0], k_chunks[0].shape[0])
 
-    def body(refs):
-      o_acc, out_refs = refs
+    def scoped(s_acc):
+      for q, k in zip(q_chunks, k_chunks):
+        plgpu.wgmma(s_acc, q, k.transpose((1, 0)))
 
-      def scoped(s_acc):
-        for q, k in zip(q_chunks, k_chunks):
-          plgpu.wgmma(s_acc, q, k.transpose((1, 0)))
+      def body(refs):  # O's accumulator from the (rescaled) registers
+        o_acc, out_refs = refs
         self._wgmma_pv(o_acc, p, v_smem)
         issued()
         s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
         for ref, value in zip(out_refs, with_s(s)):
           ref[...] = value
 
-      pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
+      return pl.run_state(body)((plgpu.ACC.init(scaled(o)), tuple(like)))
 
-    return pl.run_state(body)((plgpu.ACC.init(o), tuple(like)))
+    return pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
 
   # The products `scores_then_pv` and `accumulate_pv` take, in interpret
   # mode and as wgmma; the FP8 ops override them (e4m3 operands, V
