@@ -223,6 +223,31 @@ def q_block_range(
   return first, end
 
 
+def q_blocks_unmasked(
+  spec: AttentionSpec,
+  kv_start: Any,
+  kv_end: Any,
+  block_q: int,
+  num_q_blocks: int,
+) -> tuple[Any, Any]:
+  """(lo, hi): query blocks `lo <= i < hi` (of `num_q_blocks`, padding
+  included) see every key of `[kv_start, kv_end)` (the transpose of
+  `kv_blocks_unmasked`), so a backward step over them skips the
+  causal/window mask; empty when `hi <= lo`. Padded keys and query rows
+  need no mask in the backward (their rows of dK, dV are sliced off;
+  padded rows carry zero dO and delta), so they do not bound the range:
+  without a left window `hi` is `num_q_blocks`."""
+  lo, hi = 0, num_q_blocks
+  off = spec.causal_offset
+  if spec.window_right is not None:
+    row = kv_end - 1 - off - spec.window_right  # first row seeing the last key
+    lo = cdiv(jnp.maximum(row, 0), block_q)
+  if spec.window_left is not None:
+    row = kv_start - off + spec.window_left  # last row seeing the first key
+    hi = jnp.clip((row + 1) // block_q, 0, hi)
+  return lo, hi
+
+
 def visible_keys_end(spec: AttentionSpec, q_pos: jax.Array) -> jax.Array:
   """One past the last key query `q_pos` sees: `visible(q, j)` iff `j < end`.
 

@@ -45,6 +45,22 @@ _CASES = [
     True,
     Sm90BackwardConfig(64, 64, 2, 2, 1),
   ),
+  # The causal split (offsets a whole number of tiles): the query tiles that
+  # see all of a consumer's keys in an unmasked loop; 130 rows padded to
+  # 256, so the loops must end at the plan's padded tile count (issue 43).
+  (
+    Shape(1, 130, 130, 4, 2, 128),
+    jnp.bfloat16,
+    True,
+    Sm90BackwardConfig(64, 64, 2, 2, 1),
+  ),
+  # ... d 64, sq < skv by one tile, MQA.
+  (
+    Shape(1, 136, 200, 2, 1, 64),
+    jnp.bfloat16,
+    True,
+    Sm90BackwardConfig(64, 64, 2, 2, 1),
+  ),
   # d 64: each consumer adds its own keys' dQ over the whole head dim;
   # non-causal, ragged kv (masked padded keys), MQA, 3 stages.
   (
