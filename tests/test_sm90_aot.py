@@ -47,7 +47,15 @@ print("as built:", aot.budget_problems(aot.compile_forward(spec, cfg)))
 forward.PRODUCER_REGS = 32
 print("240/32:", aot.budget_problems(aot.compile_forward(spec, cfg)))
 """
-  run = subprocess.run(  # a fresh process, as `_run_aot`
+  run = _run_python(code)
+  built, bad = run.stdout.strip().splitlines()[-2:]
+  assert built == "as built: []", run.stdout
+  assert "512 registers" in bad and "owns 504" in bad, run.stdout
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+  """`python -c code` in a fresh process (as `_run_aot`), asserted to exit 0."""
+  run = subprocess.run(
     [sys.executable, "-c", code],
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
     capture_output=True,
@@ -55,9 +63,7 @@ print("240/32:", aot.budget_problems(aot.compile_forward(spec, cfg)))
     timeout=600,
   )
   assert run.returncode == 0, run.stderr[-4000:]
-  built, bad = run.stdout.strip().splitlines()[-2:]
-  assert built == "as built: []", run.stdout
-  assert "512 registers" in bad and "owns 504" in bad, run.stdout
+  return run
 
 
 def _run_aot(
@@ -277,14 +283,7 @@ for fn, spec, cfg in sweeps.flex_sweep():
       r = fn(spec, cfg)
       print(label.strip(), cfg.overlap, r.spill_store_bytes, r.spill_load_bytes)
 """
-  run = subprocess.run(  # a fresh process, as `_run_aot`
-    [sys.executable, "-c", code],
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert run.returncode == 0, run.stderr[-4000:]
+  run = _run_python(code)
   rows = [line.split() for line in run.stdout.strip().splitlines()[-2:]]
   assert rows == [
     ["flex=alibi", "False", "0", "0"],
@@ -302,14 +301,7 @@ def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
     "from pallas_fa3.tools.aot import fp8 as aot_fp8;"
     f" print(*aot_fp8.fp8_call_memory({head_dim}))"
   )
-  run = subprocess.run(  # a fresh process, as `_run_aot`
-    [sys.executable, "-c", code],
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert run.returncode == 0, run.stderr[-4000:]
+  run = _run_python(code)
   args, temp = map(int, run.stdout.split()[-2:])
   assert temp <= 0.6 * args, (temp, args)
 
