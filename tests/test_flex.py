@@ -83,6 +83,23 @@ CASES = {
       causal=True,
     ),
   ),
+  # Learnable per-(head, key) bias: the dK/dV kernel's per-key sums.
+  "per_key_bias": (
+    0.5 * jax.random.normal(jax.random.key(12), (HQ, SKV)),
+    lambda p: dict(score_mod=lambda s, b, h, qi, ki: s + p[h, ki], causal=True),
+  ),
+  # Arrays read by key and by query position (offset) in one closure: the
+  # dK/dV kernel sums one's gradient, the dQ kernel the other's.
+  "positional_closure": (
+    (
+      0.3 * jax.random.normal(jax.random.key(13), (SKV,)),
+      0.3 * jax.random.normal(jax.random.key(14), (B, SQ + 3)),
+    ),
+    lambda p: dict(
+      score_mod=lambda s, b, h, qi, ki: s * (1 + p[1][b, qi + 3]) + p[0][ki],
+      mask_mod=mods.causal_bottom_right(SQ, SKV),
+    ),
+  ),
   # The kernels skip tiles past the diagonal: dbias 0 there.
   "bias_causal": (
     0.5 * jax.random.normal(jax.random.key(10), (1, 1, SQ, SKV)),
@@ -153,9 +170,10 @@ def test_float32_against_golden(case):
 
 # The Hopper kernels in interpret mode (race detection on): the functions
 # traced into the forward's tile loop, and into the deterministic dK/dV
-# and dQ kernels (score_mod with its derivative); the gradients of a bias
-# or of a score_mod's float arrays are the blockwise backward's on the
-# kernel's residuals (said by a warning).
+# and dQ kernels (score_mod with its derivative; dbias and the score_mod's
+# float arrays' gradients summed by the kernels where they can: by query in
+# the dQ kernel, by key in the dK/dV kernel); the rest are the blockwise
+# backward's on the kernel's residuals (said by a warning).
 # The default run keeps one of each kind (vector reads, a score_mod's
 # derivative in the kernels, a closure, a bias); the rest are `slow`.
 _KERNEL_QUICK = {
@@ -166,6 +184,7 @@ _KERNEL_QUICK = {
   "bias_batch",
   "bias_causal",
   "batch_head_offset",
+  "positional_closure",
 }
 KERNEL_CASES = [
   c if c in _KERNEL_QUICK else pytest.param(c, marks=pytest.mark.slow)
@@ -180,10 +199,20 @@ def test_interpret_kernel_against_golden(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["alibi", "user_closure", "batch_head_offset"])
+@pytest.mark.parametrize(
+  "case",
+  [
+    "alibi",
+    "user_closure",
+    "batch_head_offset",
+    "per_key_bias",
+    "positional_closure",
+  ],
+)
 def test_interpret_learnable_arrays_at_d128(case):
   """d128: the shared-tile dK/dV kernel beside the dQ kernel's sums of the
-  learnable arrays' gradients, no fallback."""
+  learnable arrays' gradients, or with arrays read by key the lone
+  consumer's per-key sums (the head dim split across CTAs), no fallback."""
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)
     _check("interpret", case, d=128)
@@ -238,14 +267,14 @@ def test_kernel_backward_masks_in_kernels_and_says_when_it_cannot():
       ),
       mods.alibi_slopes(HQ),
     )[1](do)
-  table = jnp.zeros((SKV,))  # learnable, read per key: blockwise
+  table = jnp.zeros((HQ // 2,))  # learnable, read at a computed index
   with pytest.warns(UserWarning, match="floating captured array 0"):
     jax.vjp(
       lambda t: pallas_fa3.flash_attention(
         q,
         k,
         v,
-        score_mod=lambda s, b, h, qi, ki: s + t[ki],
+        score_mod=lambda s, b, h, qi, ki: s + t[h // 2],
         implementation="interpret",
       ),
       table,

@@ -292,6 +292,22 @@ for fn, spec, cfg in sweeps.flex_sweep():
 
 
 @_needs_packages
+def test_per_key_gradients_compile_without_spills():
+  """A learnable per-key bias: its gradient summed by the dK/dV kernel
+  (at d128 a lone consumer, the head dim split across CTAs), 0 spills."""
+  code = """
+from pallas_fa3.tools.aot import sweeps
+for fn, spec, cfg in sweeps.flex_sweep():
+  if "per-key" in fn.keywords["label"] and spec.head_dim in (64, 128):
+    r = fn(spec, cfg)
+    print(spec.head_dim, cfg.dkdv_consumers, r.spill_store_bytes, r.spill_load_bytes)
+"""
+  run = _run_python(code)
+  rows = [line.split() for line in run.stdout.strip().splitlines()[-2:]]
+  assert rows == [["64", "2", "0", "0"], ["128", "1", "0", "0"]], run.stdout
+
+
+@_needs_packages
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fp8_call_temporaries_stay_below_its_arguments(head_dim):
   """The quantization kernel writes e4m3 and scales only: the fp8=True call

@@ -145,7 +145,8 @@ def _kernels(
     fx = flex_tile.kernel_operands(  # and query tile spans
       spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
       kv_rows_per_cta=dkdv_plan.kv_rows_per_cta if by_spans else None,
-      block_q=config.block_q, grad=True,
+      block_q=config.block_q,
+      grad="params" if flex_tile.kernel_params(spec, "dkdv") else True,
     )  # fmt: skip
     if "bias" in fx:  # keys as the tiles' rows: the bias transposed
       fx = {
@@ -176,7 +177,7 @@ def _kernels(
     dq = dq.astype(spec.dtype)
     return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
 
-  dk, dv = kernel(qp, kp, vp, dop, lse2, delta)
+  dk, dv, *dkdv_sums = kernel(qp, kp, vp, dop, lse2, delta)
   if interpret is not None:
     # Interpret mode: the dQ kernel, and its operands' preparation, wait
     # for the dK/dV kernel (`_after`;
@@ -215,33 +216,40 @@ def _kernels(
     axes = tuple(a for a, n in ((0, nb), (1, nh)) if n == 1)
     dbias = ds.sum(axes, keepdims=True).astype(flex.bias.dtype)
   dscore = [None] * len(flex.score_consts)
-  if rest:  # per row sums of each floating array's derivative
-    fn = spec.flex.score_mod
-    sums = rest[0][..., : spec.seq_q].sum(-1)  # [n, b, hq]
+  fn = spec.flex.score_mod
+  if rest or dkdv_sums:  # per row sums of each floating array's derivative
     axes = flex_tile.param_grad_axes(fn, spec.seq_q, spec.seq_kv)
-    for j, (i, ax) in enumerate(zip(flex_tile.float_positions(fn), axes)):
-      dscore[i] = _attributed(sums[j], ax, flex.score_consts[i])
+    floats = flex_tile.float_positions(fn)
+    for kernel_name, out, n in (
+      ("dq", rest, spec.seq_q),
+      ("dkdv", dkdv_sums, spec.seq_kv),
+    ):
+      for r, j in enumerate(flex_tile.kernel_params(spec, kernel_name)):
+        i = floats[j]
+        rows = out[0][r, ..., :n]  # [b, hq, rows]
+        dscore[i] = _attributed(rows, axes[j], flex.score_consts[i])
   return grads + ((dbias, tuple(dscore)),)
 
 
-def _attributed(sums: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
-  """`array`'s gradient from per (batch, query head) sums `[b, hq]` of the
-  derivative in the one element read there, at `array[axes]` ("b", "h";
-  indices clipped to the array, as the kernels read them)."""
+def _attributed(rows: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
+  """`array`'s gradient from per (batch, query head, kernel row) sums
+  `[b, hq, n]` of the derivative in the one element that row reads, at
+  `array[axes]` (`flex_tile.param_grad_axes`: "b", "h" clipped to the
+  array as the kernels read them, or the row's position plus an offset;
+  without a position the rows are summed first)."""
+  if not any(a not in ("b", "h") for a in axes):
+    rows = rows.sum(-1, keepdims=True)
   if not axes:
-    return sums.sum().astype(array.dtype)
-  index = {
-    n: jnp.clip(jnp.arange(sums.shape[k]), 0, array.shape[axes.index(n)] - 1)
-    for k, n in enumerate("bh")
-    if n in axes
-  }
-  zeros = jnp.zeros(array.shape, jnp.float32)
-  if len(axes) == 1:  # summed over the other index
-    out = zeros.at[index[axes[0]]].add(sums.sum(1 if axes == ("b",) else 0))
-  else:
-    i0, i1 = (index[n] for n in axes)
-    vals = sums if axes == ("b", "h") else sums.T
-    out = zeros.at[i0[:, None], i1[None, :]].add(vals)
+    return rows.sum().astype(array.dtype)
+  grid = lambda k: lax.broadcasted_iota(jnp.int32, rows.shape, k)
+  index = []
+  for dim, a in enumerate(axes):
+    if a in ("b", "h"):
+      k = "bh".index(a)
+      index.append(jnp.clip(grid(k), 0, array.shape[dim] - 1))
+    else:  # (q | kv, offset): inside the array (`flex_tile.plan`)
+      index.append(grid(2) + a[1])
+  out = jnp.zeros(array.shape, jnp.float32).at[tuple(index)].add(rows)
   return out.astype(array.dtype)
 
 

@@ -310,9 +310,13 @@ def dkdv_consumer(
   halves = plan.q_halves
   sub = cfg.block_q // halves
   shape = (cfg.block_kv, sub)
+  # A score_mod's floating arrays read by key position: per key (my rows),
+  # the sum over queries of dL/d(its output) times its derivative in each
+  # (`flex_tile.param_grad_axes`), per query head.
+  mine = () if plan.fused else flex_tile.kernel_params(spec, "dkdv")
 
   def part(qi, h, slot, carry, masked, group_head):
-    dk, dv = carry
+    dk, dv, sums = carry
     rows_h = pl.ds(h * sub, sub)
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
@@ -324,7 +328,10 @@ def dkdv_consumer(
     y_t, scale_log2, grad_t = flex_tile.backward_scores(
       spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
       batch=lax.axis_index("batch"), head=head, q_axis=1,
+      params=bool(mine),
     )  # fmt: skip
+    if mine:
+      grad_t, d_params = grad_t
     x_t = scaled_once(y_t, scale_log2)
     s_t = x_t - lax.broadcast_in_dim(
       ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
@@ -367,13 +374,17 @@ def dkdv_consumer(
     dp_t = ops.scores(v_chunks, do_parts)
     # Loaded only now: the dK, dV accumulators leave few registers.
     delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
-    ds_t = pg_t.astype(jnp.float32) * (
-      dp_t - lax.broadcast_in_dim(delta, shape, [1])
-    )
+    dp_t = dp_t - lax.broadcast_in_dim(delta, shape, [1])
+    ds_t = pg_t.astype(jnp.float32) * dp_t
     dk = ops.accumulate_pv(
       dk, ds_t.astype(spec.dtype), q_smem.at[slot, chunk].at[rows_h]
     )
-    return dk, dv
+    if mine:  # dS before the score_mod's own derivative, times each's
+      pre = p_t.astype(jnp.float32) * dp_t
+      sums = tuple(
+        a + (pre * d_params[j]).sum(axis=1) for a, j in zip(sums, mine)
+      )
+    return dk, dv, sums
 
   def step(qi, carry, *, base, masked, group_head):
     slot = lax.rem(base + qi - first, cfg.num_stages)
@@ -391,12 +402,32 @@ def dkdv_consumer(
     # Causal/window: every step masks (exact on visible tiles too); a
     # separate masked loop spilled (docs/design_notes.md#backward-kernels).
     base = h * per_head
-    return lax.fori_loop(
+    zero_rows = lambda: ops.rows(jnp.zeros((cfg.block_kv,), jnp.float32))
+    dk, dv, sums = lax.fori_loop(
       first,
       first + per_head,
       functools.partial(step, base=base, masked=spec.masked, group_head=h),
-      carry,
+      carry + (tuple(zero_rows() for _ in mine),),
     )
+    if mine:  # this head's sums, out through shared memory
+      stage = refs["dp_stage"].at[wg]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last head's
+      for i, row_sums in enumerate(sums):
+        stage.at[i][...] = row_sums
+      plgpu.commit_smem()
+      head = lax.axis_index("heads") * spec.group_size + h
+
+      @pl.when(chunk == 0)  # (CTA-split head dims: every chunk has them)
+      def _():
+        for i in range(len(mine)):
+          plgpu.copy_smem_to_gmem(
+            stage.at[i],
+            refs["dparams"].at[
+              i, lax.axis_index("batch"), head, pl.ds(kv0, cfg.block_kv)
+            ],
+          )
+
+    return dk, dv
 
   zeros = lambda w: ops.tile(jnp.zeros((cfg.block_kv, w), jnp.float32))
   dk, dv = lax.fori_loop(
@@ -928,13 +959,30 @@ def dkdv_kernel(
   inputs = list(_INPUTS) + ["lo", "hi", "spans"] * spec.segmented
   inputs += list(flex_names)  # flex_tile.kernel_operands'
   out_type = dkdv_out
+  n_params = 0 if plan.fused else len(flex_tile.kernel_params(spec, "dkdv"))
+  scratch["dp_stage"] = None
+  if n_params:  # per key, each floating array's sum (`dkdv_consumer`)
+    if plan.shared:
+      raise NotImplementedError(
+        "score_mod's floating arrays read by key position in the shared-tile"
+        " dK/dV kernel (dkdv_head_splits=2): their gradients"
+      )
+    scratch["dp_stage"] = plgpu.SMEM(
+      (consumers, n_params, cfg.block_kv), jnp.float32
+    )
+    out_type = dict(
+      dkdv_out,
+      dparams=jax.ShapeDtypeStruct(
+        (n_params, spec.batch, spec.heads_q, plan.seq_kv_pad), jnp.float32
+      ),
+    )
   if plan.fused and interpret is None:  # the accumulator, updated in place
     inputs.append("dq")
   elif plan.fused:  # the slab its tiles are stored to
     slab = (plan.kv_ctas * plan.dq_parts, spec.batch, plan.seq_q_pad)
     slab += (spec.heads_q, spec.head_dim)
     out_type = {"dq": jax.ShapeDtypeStruct(slab, jnp.float32), **dkdv_out}
-  optional = ("lo", "hi", "spans", "dq", "bm_qspans")
+  optional = ("lo", "hi", "spans", "dq", "bm_qspans", "dparams")
   optional = [n for n in optional if n not in inputs]
   optional = [n for n in optional if n not in out_type]
   kernel = build_kernel(

@@ -132,7 +132,8 @@ def _dq_consumer(
 
   # A score_mod's floating arrays: per row, the sum over keys of dL/d(its
   # output) times its derivative in each (`flex_tile.param_grad_axes`).
-  n_params = param_count(spec)
+  mine = flex_tile.kernel_params(spec, "dq")
+  n_params = len(mine)
 
   def part(j, h, slot, carry, masked):
     dq, sums = carry
@@ -149,9 +150,8 @@ def _dq_consumer(
       new_sums = sums
       if n_params:  # dS = P (dP - delta) (1 - t^2) g, the sums before g
         ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
-        new_sums = tuple(
-          a + (ds * d).sum(axis=1) for a, d in zip(sums, d_params[0])
-        )
+        d_mine = [d_params[0][j] for j in mine]
+        new_sums = tuple(a + (ds * d).sum(axis=1) for a, d in zip(sums, d_mine))
         ds = common.softcap_grad(ds, t)
       else:
         p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
@@ -220,9 +220,8 @@ def _dq_consumer(
 
 def param_count(spec: AttentionSpec) -> int:
   """The score_mod's floating arrays whose gradients the dQ kernel sums
-  (`flex_tile.param_grad_axes`), 0 without."""
-  fn = None if spec.flex is None else spec.flex.score_mod
-  return 0 if fn is None else len(flex_tile.float_positions(fn))
+  (`flex_tile.kernel_params`: read by batch, head or query), 0 without."""
+  return len(flex_tile.kernel_params(spec, "dq"))
 
 
 def _dq_shared_consumer(

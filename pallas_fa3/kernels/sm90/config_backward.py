@@ -5,6 +5,7 @@ More: docs/kernels.md#the-backward-kernels.
 
 from __future__ import annotations
 
+from pallas_fa3.kernels.sm90 import flex_tile
 from pallas_fa3.kernels.sm90.config import (
   BARRIER_BYTES,
   MAX_SMEM_BYTES,
@@ -450,6 +451,17 @@ _FLEX_SCORE_DEFAULTS = {
     dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1,
   ),
 }  # fmt: skip
+# ... and with floating arrays read by key position, whose gradients only
+# the own-tile dK/dV consumer sums (its rows are keys): a lone consumer,
+# the head dim split across two CTAs. 0 spills at d128 for a per-key bias
+# and for one beside a per-query scale, where two own-tile consumers spill
+# 124 B with the pair (benchmarks/RESULTS.md).
+_FLEX_KEY_PARAM_DEFAULTS = {
+  128: Sm90BackwardConfig(
+    block_q=64, block_kv=64, num_stages=2, dkdv_consumers=1,
+    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1,
+  ),
+}  # fmt: skip
 
 
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
@@ -464,9 +476,14 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
   flex = getattr(spec, "flex", None)
   if flex is not None and flex.score_mod is not None and spec.deterministic:
-    shared = _FLEX_SCORE_DEFAULTS.get(max(d, dv))
-    if shared is not None and shared in _space(d, size, dv, **small):
-      return shared
+    by_key = flex_tile.kernel_params(spec, "dkdv")
+    table = _FLEX_KEY_PARAM_DEFAULTS if by_key else _FLEX_SCORE_DEFAULTS
+    preset = table.get(max(d, dv))
+    if (
+      preset is not None
+      and backward_config_unsupported(preset, d, size, True, dv) is None
+    ):
+      return preset
   space = () if spec.deterministic else _fused_space(d, size, dv, **small)
   space = space or _space(d, size, dv, **small)
   if not space:

@@ -463,26 +463,54 @@ def plan(
 
 
 def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
-  """Per floating array of a score_mod's `fn.consts`: the batch/head axes
-  its one element per (batch, head) is read at (`Read.axes` of "b" and
-  "h" only: e.g. ALiBi's `slopes[h]`), which the dQ kernel's per-row sums
-  of its derivative attribute the gradient by. Raises `Refused` naming a
-  read it cannot attribute (by a position, a computed or literal index)."""
+  """Per floating array of a score_mod's `fn.consts`: the axes of its one
+  element per tile pair (`Read.axes`: "b", "h", or one `("q", c)` /
+  `("kv", c)`: e.g. ALiBi's `slopes[h]`, a per-key bias `t[h, kv_idx]`),
+  by which the backward kernels' per-row sums of its derivative are
+  attributed (`param_kernel`: the dQ kernel's rows are queries, the dK/dV
+  kernel's keys). Raises `Refused` naming a read it cannot attribute (a
+  computed or literal index, two different reads of one array)."""
   reads = plan(fn, True, seq_q, seq_kv, grad="params")
   out = []
   for i in float_positions(fn):
     axes = {r.axes for r in reads if r.const == i}
-    ok = len(axes) == 1 and all(a in ("b", "h") for a in next(iter(axes)))
     ax = next(iter(axes)) if axes else ()
-    if not ok or len(set(ax)) != len(ax):
+    ok = len(axes) <= 1 and all(a != "s" for a in ax)
+    if not ok or len({a for a in ax if a in ("b", "h")}) != sum(
+      a in ("b", "h") for a in ax
+    ):
       raise Refused(
         f"score_mod reads floating captured array {i} (shape"
-        f" {tuple(jnp.shape(fn.consts[i]))}) other than at the batch and"
-        " head indices themselves (`array[h]`, `array[b, h]`): its gradient"
-        " in the backward kernels"
+        f" {tuple(jnp.shape(fn.consts[i]))}) other than at one index per"
+        " axis among batch, head and q_idx + c or kv_idx + c (`array[h]`,"
+        " `array[b, h]`, `array[h, kv_idx]`): its gradient in the backward"
+        " kernels"
       )
     out.append(ax)
   return tuple(out)
+
+
+def param_kernel(axes: tuple) -> str:
+  """Which backward kernel sums the gradient of an array read at `axes`
+  (`param_grad_axes`): "dkdv" where it is read by key position (its
+  rows), else "dq" (read by batch, head or query position)."""
+  return (
+    "dkdv" if any(a[0] == "kv" for a in axes if a not in SCALAR_AXES) else "dq"
+  )
+
+
+def kernel_params(spec: Any, kernel: str) -> tuple[int, ...]:
+  """The indices (into `float_positions` of the score_mod) of the floating
+  arrays whose gradients backward kernel `kernel` ("dq", "dkdv") sums;
+  () without a score_mod or where `param_grad_axes` refuses."""
+  fn = None if spec.flex is None else spec.flex.score_mod
+  if fn is None or not float_positions(fn):
+    return ()
+  try:
+    axes = param_grad_axes(fn, spec.seq_q, spec.seq_kv)
+  except Refused:
+    return ()
+  return tuple(j for j, a in enumerate(axes) if param_kernel(a) == kernel)
 
 
 def _inputs(walk: _Walk, n_consts: int, score: bool, tile: Tile | None,
@@ -846,8 +874,10 @@ def backward_unsupported(
   """Why the backward kernels (dK/dV and dQ) cannot compile `spec.flex`
   with these tiles, or None: they take mask_mod, block masks, a score_mod
   (its derivative traced in) whose floating captured arrays are read at
-  the batch/head indices (`param_grad_axes`: the dQ kernel sums their
-  gradients; not in a shared-tile dQ kernel), and a bias (the dQ kernel
+  batch/head and at most one position (`param_grad_axes`: the dQ kernel
+  sums the gradients of those read by batch, head or query, not where its
+  consumers share a tile; the own-tile dK/dV kernel those read by key),
+  and a bias (the dQ kernel
   writes dbias; not with softcap, nor where `tiling`, the
   `Sm90BackwardConfig`, has either kernel's consumers share a tile:
   `shared_tile_layout`)."""
@@ -862,16 +892,27 @@ def backward_unsupported(
       plan(fn, True, spec.seq_q, spec.seq_kv, grad=True)
     except Refused as e:
       return f"{e} (its derivative, in the backward kernels)"
-    if float_positions(fn):  # their gradients: the dQ kernel's row sums
-      if tiling is not None and tiling.dq_head_splits == 2:
+    if float_positions(fn):  # their gradients: the kernels' row sums
+      try:
+        axes = param_grad_axes(fn, spec.seq_q, spec.seq_kv)
+      except Refused as e:
+        return str(e)
+      where = {param_kernel(a) for a in axes}
+      if tiling is not None and "dq" in where and tiling.dq_head_splits == 2:
         return (
           "score_mod's floating captured arrays in the shared-tile dQ"
           " kernel (dq_head_splits=2: their gradients)"
         )
-      try:
-        param_grad_axes(fn, spec.seq_q, spec.seq_kv)
-      except Refused as e:
-        return str(e)
+      if (
+        tiling is not None
+        and "dkdv" in where
+        and (tiling.dkdv_consumers == 2 and tiling.dkdv_head_splits == 2)
+      ):
+        return (
+          "score_mod's floating captured arrays read by key position in the"
+          " shared-tile dK/dV kernel (two consumers, dkdv_head_splits=2:"
+          " their gradients)"
+        )
   return kernel_unsupported(spec, block_q, block_kv)
 
 

@@ -282,8 +282,10 @@ def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
   cases they differentiate (`flex_tile.backward_unsupported`: not a bias
-  in the shared-tile layouts), and ALiBi with learnable slopes (their
-  gradient summed by the dQ kernel) where the dQ kernel is not shared-tile."""
+  in the shared-tile layouts), ALiBi with learnable slopes (their
+  gradient summed by the dQ kernel) where the dQ kernel is not shared-tile,
+  and a learnable per-key bias (summed by the dK/dV kernel) where its
+  default tiling takes one."""
   import functools
 
   import jax
@@ -338,3 +340,51 @@ def flex_sweep() -> Iterator[SweepItem]:
           det,
           tiling,
         )
+      if name == "alibi":  # a learnable per-(head, key) bias: per-key sums
+        learnable = (_per_key_bias, (jax.numpy.zeros((hq, s), "float32"),))
+        key_tiling, reason = _learnable_tiling(det, *learnable)
+        if reason is None:
+          yield (
+            functools.partial(
+              compile_backward,
+              label=" flex=per-key bias learnable",
+              learnable=learnable,
+            ),  # fmt: skip
+            det,
+            key_tiling,
+          )
+
+
+def _per_key_bias(table):
+  """A learnable bias per (head, key): its gradient is the dK/dV kernel's."""
+  return lambda s, b, h, qi, ki: s + table[h, ki]
+
+
+def _learnable_tiling(spec, make_score_mod, arrays):
+  """(default deterministic backward tiling, the kernels' refusal or None)
+  of `spec` with the score_mod `make_score_mod(*arrays)` over traced
+  arrays (so that they carry gradients, as in `compile_backward`)."""
+  import jax
+
+  from pallas_fa3 import flex
+  from pallas_fa3.kernels.sm90 import config_backward, flex_tile
+
+  found = []
+
+  def trace(*a):
+    fs, _ = flex.prepare(
+      score_mod=make_score_mod(*a), mask_mod=None, block_mask=None,
+      bias=None, batch=spec.batch, heads=spec.heads_q, seq_q=spec.seq_q,
+      seq_kv=spec.seq_kv,
+    )  # fmt: skip
+    with_fn = dataclasses.replace(spec, flex=fs)
+    tiling = config_backward.default_backward_config(with_fn)
+    reasons = [
+      flex_tile.backward_unsupported(with_fn, c.block_q, c.block_kv, tiling)
+      for c in (tiling, tiling.dq_config)
+    ]
+    found.append((tiling, next((r for r in reasons if r), None)))
+    return a
+
+  jax.make_jaxpr(trace)(*arrays)
+  return found[0]
