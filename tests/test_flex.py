@@ -100,6 +100,14 @@ CASES = {
       mask_mod=mods.causal_bottom_right(SQ, SKV),
     ),
   ),
+  # A bias beside learnable slopes: dbias and the slopes' sums together.
+  "bias_alibi": (
+    (
+      0.5 * jax.random.normal(jax.random.key(15), (1, HQ, SQ, SKV)),
+      mods.alibi_slopes(HQ),
+    ),
+    lambda p: dict(bias=p[0], score_mod=mods.alibi(p[1]), causal=True),
+  ),
   # The kernels skip tiles past the diagonal: dbias 0 there.
   "bias_causal": (
     0.5 * jax.random.normal(jax.random.key(10), (1, 1, SQ, SKV)),
@@ -216,6 +224,35 @@ def test_interpret_learnable_arrays_at_d128(case):
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)
     _check("interpret", case, d=128)
+
+
+_SHARED_TILES = pallas_fa3.Sm90Config(
+  backward=pallas_fa3.Sm90BackwardConfig(
+    block_q=64, block_kv=64, num_stages=2, dkdv_consumers=2,
+    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=2,
+  )
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "case, d",
+  [
+    ("bias_alibi", 128),  # d128 made shared-tile (cheaper than d192)
+    pytest.param("bias_causal", 192, marks=pytest.mark.slow),
+    pytest.param("batch_head_offset", 192, marks=pytest.mark.slow),
+    pytest.param("bias_batch", 256, marks=pytest.mark.slow),
+    pytest.param("user_closure", 256, marks=pytest.mark.slow),
+  ],
+)
+def test_interpret_shared_tile_gradients(case, d):
+  """Both backward kernels' consumers sharing tiles (the d192/d256
+  defaults): dbias comes from the shared dQ kernel's halves of dS (one
+  staging tile each at d256), the shared dK/dV kernel reads the bias
+  untransposed, and the learnable arrays' row sums are added over the two
+  dQ consumers; no fallback."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    _check("interpret", case, d=d, config=_SHARED_TILES if d == 128 else None)
 
 
 @pytest.mark.parametrize("case", ["alibi", "user_closure"])

@@ -148,7 +148,8 @@ def _kernels(
       block_q=config.block_q,
       grad="params" if flex_tile.kernel_params(spec, "dkdv") else True,
     )  # fmt: skip
-    if "bias" in fx:  # keys as the tiles' rows: the bias transposed
+    if "bias" in fx and not dkdv_plan.shared:  # keys as the tiles' rows:
+      # the bias transposed (the shared-tile consumers' rows are queries)
       fx = {
         ("bias_t" if n == "bias" else n): (
           jnp.swapaxes(x, 2, 3) if n == "bias" else x
@@ -226,7 +227,8 @@ def _kernels(
     ):
       for r, j in enumerate(flex_tile.kernel_params(spec, kernel_name)):
         i = floats[j]
-        rows = out[0][r, ..., :n]  # [b, hq, rows]
+        sums = out[0] if kernel_name == "dkdv" else out[0].sum(0)  # (parts)
+        rows = sums[r, ..., :n]  # [b, hq, rows]
         dscore[i] = _attributed(rows, axes[j], flex.score_consts[i])
   return grads + ((dbias, tuple(dscore)),)
 

@@ -875,10 +875,6 @@ def dkdv_kernel(
   keys' query bounds (`segments.key_bounds`, `segments.query_bounds`): a
   CTA walks only the query tiles that reach its keys and masks by them."""
   spec, cfg = plan.spec, plan.config
-  if spec.flex is not None and spec.flex.bias is not None and plan.shared:
-    raise NotImplementedError(
-      "bias in the shared-tile dK/dV kernel (dkdv_head_splits=2): dbias"
-    )
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   # The 64-byte swizzle where tiles are cut in halves (one for every
   # operand of a GEMM); else each tile's own width.

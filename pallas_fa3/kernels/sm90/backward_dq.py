@@ -25,7 +25,8 @@ from pallas_fa3.kernels.sm90.common import (
   id_operands,
   tile_span,
 )
-from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config import MAX_SMEM_BYTES, Sm90BackwardConfig
+from pallas_fa3.kernels.sm90.config_backward import backward_kernel_smem_bytes
 from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.kernels.sm90.pipeline import TileWalk, kv_producer
 from pallas_fa3.spec import AttentionSpec
@@ -157,8 +158,9 @@ def _dq_consumer(
         p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
         ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
-        buf = ds_stage.at[lax.rem(j * halves + h, 2)]
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        n_ds = ds_stage.shape[0]
+        buf = ds_stage.at[lax.rem(j * halves + h, n_ds)]
+        plgpu.wait_smem_to_gmem(n_ds - 1, wait_read_only=True)
         buf[...] = ds
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, ds_out.at[ds_rows + (pl.ds(kv0, sub),)])
@@ -213,7 +215,7 @@ def _dq_consumer(
   for i in range(n_params):
     plgpu.copy_smem_to_gmem(
       refs["dp_stage"].at[wg, i],
-      refs["dparams"].at[i, batch, head, pl.ds(row0, cfg.block_q)],
+      refs["dparams"].at[0, i, batch, head, pl.ds(row0, cfg.block_q)],
     )
   plgpu.wait_smem_to_gmem(0)
 
@@ -268,37 +270,77 @@ def _dq_shared_consumer(
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
   shape = (cfg.block_q, half)
+  # With a bias, my half of each dS (float32) leaves through two staging
+  # tiles by turns, as in `_dq_consumer`; a score_mod's floating arrays
+  # get per-row sums over my key halves (the XLA side adds the two
+  # consumers' sums).
+  ds_out = refs.get("dbias")
+  if ds_out is not None:
+    ds_stage = refs["ds_stage"].at[w]
+    ds_rows = (batch, head, pl.ds(row0, cfg.block_q))
+  params = flex_tile.kernel_params(spec, "dq")
 
-  def step(j, dq, *, masked):
+  def step(j, carry, *, masked):
+    dq, sums = carry
     slot, buf = lax.rem(j, cfg.num_stages), lax.rem(j, 2)
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
     k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
     s = ops.scores(my_q, k_tile.at[mine])
+    kv0 = (walk.first + j) * cfg.block_kv + w * half
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      kv0 = (walk.first + j) * cfg.block_kv + w * half
-      p, t = common.row_probabilities(
+      p, t, *d_params = common.row_probabilities(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head),
+        flex_at=(refs, batch, head), params=bool(params),
       )  # fmt: skip
-      p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
-      ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
-      return ds.astype(spec.dtype)
+      new_sums = sums
+      if params:  # the sums before the score_mod's own derivative
+        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+        new_sums = tuple(
+          a + (ds * d_params[0][i]).sum(axis=1) for a, i in zip(sums, params)
+        )
+        ds = common.softcap_grad(ds, t)
+      else:
+        p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
+        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
+        n_ds = ds_stage.shape[0]
+        stage = ds_stage.at[lax.rem(j, n_ds)]
+        plgpu.wait_smem_to_gmem(n_ds - 1, wait_read_only=True)
+        stage[...] = ds
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, ds_out.at[ds_rows + (pl.ds(kv0, half),)])
+      return ds.astype(spec.dtype), new_sums
 
-    ds_smem.at[buf].at[:, mine][...] = ops.with_scores(
-      my_do, v_tile.at[mine], gradient
-    )
+    ds, sums = ops.with_scores(my_do, v_tile.at[mine], gradient)
+    ds_smem.at[buf].at[:, mine][...] = ds
     plgpu.commit_smem()  # my half of dS visible to both consumers' wgmmas
     plgpu.barrier_arrive(xchg)
     plgpu.barrier_wait(xchg)
     dq = ops.accumulate_ss(dq, ds_smem.at[buf], k_tile.at[:, cols])
     plgpu.barrier_arrive(k_empty.at[slot])
     plgpu.barrier_arrive(v_empty.at[slot])
-    return dq
+    return dq, sums
 
   dq = ops.tile(jnp.zeros((cfg.block_q, dc), jnp.float32))
-  dq = common.walk_steps(walk, step, dq, masked=plan.needs_mask)
+  sums = tuple(ops.rows(jnp.zeros((cfg.block_q,), jnp.float32)) for _ in params)
+  dq, sums = common.walk_steps(walk, step, (dq, sums), masked=plan.needs_mask)
+  for i, row_sums in enumerate(sums):  # out through shared memory
+    refs["dp_stage"].at[w, i][...] = row_sums
+  if ds_out is not None:  # dS = 0 on my halves of the tiles not walked
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    zeros = ds_stage.at[0]
+    zeros[...] = ops.tile(jnp.zeros(shape, jnp.float32))
+    plgpu.commit_smem()
+
+    @pl.loop(0, plan.num_kv_blocks)
+    def _zero(i):
+      @pl.when((i < walk.first) | (i >= walk.first + walk.steps))
+      def _():
+        keys = pl.ds(i * cfg.block_kv + w * half, half)
+        plgpu.copy_smem_to_gmem(zeros, ds_out.at[ds_rows + (keys,)])
+
   # Both consumers passed the last rendezvous after their last read of Q:
   # each writes its half of dQ into the Q tile, and consumer 0 stores it.
   my_q.at[:, cols][...] = (dq * jnp.float32(spec.softmax_scale)).astype(
@@ -309,7 +351,12 @@ def _dq_shared_consumer(
   plgpu.barrier_wait(xchg)
   if w == 0:
     plgpu.copy_smem_to_gmem(my_q, dq_ref.at[tile])
-    plgpu.wait_smem_to_gmem(0)
+  for i in range(len(params)):
+    plgpu.copy_smem_to_gmem(
+      refs["dp_stage"].at[w, i],
+      refs["dparams"].at[w, i, batch, head, pl.ds(row0, cfg.block_q)],
+    )
+  plgpu.wait_smem_to_gmem(0)
 
 
 # Tile loads per query-row block (Q, dO, lse, delta), one barrier each;
@@ -348,7 +395,8 @@ def dq_kernel(
   """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) ->
   (dq,)`, then with a bias float32 dS `[b, hq, seq_q_pad, kv tiles x
   block_kv]` (0 on the tiles it skips), then with a score_mod's floating
-  arrays their per-row sums `[n, b, hq, seq_q_pad]` (`_dq_consumer`);
+  arrays their per-row sums `[parts, n, b, hq, seq_q_pad]` (`_dq_consumer`;
+  shared-tile, each consumer's over its key halves: 2 parts);
   q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
   writes past them). With `spec.segmented`, `segment_ids` are the query
   rows' key bounds `(lo, hi)` (`segments.key_bounds`): the CTA walks only
@@ -441,35 +489,38 @@ def dq_kernel(
   out_type = dict(
     dq=jax.ShapeDtypeStruct((spec.batch, q_rows, spec.heads_q, d), spec.dtype)
   )
-  scratch["ds_stage"] = None
+  scratch["ds_stage"] = scratch["dp_stage"] = None
   n_params = param_count(spec)
-  scratch["dp_stage"] = None
-  if n_params:  # per row, each floating array's sum (`_dq_consumer`)
-    if shared:
-      raise NotImplementedError(
-        "score_mod's floating arrays in the shared-tile dQ kernel"
-        " (dq_head_splits=2): their gradients"
-      )
-    scratch["dp_stage"] = plgpu.SMEM(
-      (blocks, n_params, cfg.block_q), jnp.float32
-    )
-    out_type["dparams"] = jax.ShapeDtypeStruct(
-      (n_params, spec.batch, spec.heads_q, seq_q_pad), jnp.float32
-    )
+  parts = 2 if shared else 1  # consumers summing over one row's keys
   if spec.flex is not None and spec.flex.bias is not None:  # dS: dbias
-    if shared:
+    # as `_dq_consumer` (a lone consumer's halves) or each shared one's
+    sub = cfg.block_kv // (2 if consumers == 1 or shared else 1)
+    # Two staging tiles each where they fit beside the kernel's (d192),
+    # else one, stored before it is rewritten (shared-tile d256)
+    tile_bytes = blocks * parts * cfg.block_q * sub * 4
+    base = backward_kernel_smem_bytes(config, d, spec.dtype.itemsize, dv)["dq"]
+    base += blocks * parts * n_params * cfg.block_q * 4  # (`dp_stage`)
+    n_ds = 2 if base + 2 * tile_bytes <= MAX_SMEM_BYTES else 1
+    if base + tile_bytes > MAX_SMEM_BYTES:
       raise NotImplementedError(
-        "bias in the shared-tile dQ kernel (dq_head_splits=2): dbias"
+        f"bias with {config} at d={d}: its dS staging tile ({tile_bytes} B)"
+        f" does not fit beside the dQ kernel's {base} B of shared memory"
       )
-    sub = cfg.block_kv // (2 if consumers == 1 else 1)  # as `_dq_consumer`
     scratch["ds_stage"] = plgpu.SMEM(
-      (blocks, 2, cfg.block_q, sub),
+      (blocks * parts, n_ds, cfg.block_q, sub),
       jnp.float32,
       transforms=common.smem_transforms(jnp.float32, sub),
     )
     out_type["dbias"] = jax.ShapeDtypeStruct(
       (spec.batch, spec.heads_q, seq_q_pad, plan.num_kv_blocks * cfg.block_kv),
       jnp.float32,
+    )
+  if n_params:  # per row, each floating array's sum (`_dq_consumer`)
+    scratch["dp_stage"] = plgpu.SMEM(
+      (blocks * parts, n_params, cfg.block_q), jnp.float32
+    )
+    out_type["dparams"] = jax.ShapeDtypeStruct(
+      (parts, n_params, spec.batch, spec.heads_q, seq_q_pad), jnp.float32
     )
   inputs = ["q", "k", "v", "do", "lse", "dl"] + ["lo", "hi", "spans"] * (
     spec.segmented

@@ -875,17 +875,13 @@ def backward_unsupported(
   with these tiles, or None: they take mask_mod, block masks, a score_mod
   (its derivative traced in) whose floating captured arrays are read at
   batch/head and at most one position (`param_grad_axes`: the dQ kernel
-  sums the gradients of those read by batch, head or query, not where its
-  consumers share a tile; the own-tile dK/dV kernel those read by key),
-  and a bias (the dQ kernel
-  writes dbias; not with softcap, nor where `tiling`, the
-  `Sm90BackwardConfig`, has either kernel's consumers share a tile:
-  `shared_tile_layout`)."""
+  sums the gradients of those read by batch, head or query; the dK/dV
+  kernel those read by key, unless `tiling`, the `Sm90BackwardConfig`,
+  has its consumers share a tile), and a bias (the dQ kernel writes
+  dbias; not with softcap)."""
   fs = spec.flex
   if fs.bias is not None and spec.softcap is not None:
     return "bias with softcap in the backward kernels (dbias is not dS there)"
-  if fs.bias is not None and tiling is not None and shared_tile_layout(tiling):
-    return "bias in the shared-tile backward layout (its dS is split: dbias)"
   fn = fs.score_mod
   if fn is not None:
     try:
@@ -898,11 +894,6 @@ def backward_unsupported(
       except Refused as e:
         return str(e)
       where = {param_kernel(a) for a in axes}
-      if tiling is not None and "dq" in where and tiling.dq_head_splits == 2:
-        return (
-          "score_mod's floating captured arrays in the shared-tile dQ"
-          " kernel (dq_head_splits=2: their gradients)"
-        )
       if (
         tiling is not None
         and "dkdv" in where
@@ -914,14 +905,6 @@ def backward_unsupported(
           " their gradients)"
         )
   return kernel_unsupported(spec, block_q, block_kv)
-
-
-def shared_tile_layout(config: Any) -> bool:
-  """Whether a backward tiling (`Sm90BackwardConfig`) has either kernel's
-  two consumers share one tile, each owning half its head dim."""
-  return config.dq_head_splits == 2 or (
-    config.dkdv_consumers == 2 and config.dkdv_head_splits == 2
-  )
 
 
 def kernel_score_grad(

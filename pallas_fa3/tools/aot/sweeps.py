@@ -281,10 +281,9 @@ def flex_cases(seq: int, heads: int) -> dict:
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
-  cases they differentiate (`flex_tile.backward_unsupported`: not a bias
-  in the shared-tile layouts), ALiBi with learnable slopes (their
-  gradient summed by the dQ kernel) where the dQ kernel is not shared-tile,
-  and a learnable per-key bias (summed by the dK/dV kernel) where its
+  cases they differentiate (`flex_tile.backward_unsupported`), ALiBi
+  with learnable slopes (their gradient summed by the dQ kernel), and a
+  learnable per-key bias (summed by the dK/dV kernel) where its
   default tiling takes one."""
   import functools
 
@@ -328,7 +327,7 @@ def flex_sweep() -> Iterator[SweepItem]:
           det,
           tiling,
         )
-      if name == "alibi" and tiling.dq_head_splits != 2:
+      if name == "alibi":
         # learnable slopes: traced, so the dQ kernel sums their gradient
         slopes = mods.alibi_slopes(hq)
         yield (
