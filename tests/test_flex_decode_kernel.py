@@ -108,13 +108,31 @@ OPTIONS = {
 }
 
 
+_LAYOUTS = {
+  "q1-contiguous": (1, False, 1),
+  "q4-paged64-2-splits": (4, True, 2),
+  "q70-two-query-tiles": (70, False, 1),
+}
+# The default run: both functions in every layout, each alone in one.
+_DECODE_QUICK = {"alibi-and-documents"}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-  "sq,paged,splits",
-  [(1, False, 1), (4, True, 2), (70, False, 1)],
-  ids=["q1-contiguous", "q4-paged64-2-splits", "q70-two-query-tiles"],
+  "name,sq,paged,splits",
+  [
+    pytest.param(
+      name,
+      *layout,
+      id=f"{name}-{lid}",
+      marks=()
+      if name in _DECODE_QUICK or lid == "q4-paged64-2-splits"
+      else pytest.mark.slow,
+    )
+    for name in OPTIONS
+    for lid, layout in _LAYOUTS.items()
+  ],
 )
-@pytest.mark.parametrize("name", list(OPTIONS))
 def test_interpret_flex_decode_against_float64_golden(name, sq, paged, splits):
   options = OPTIONS[name]
   q, (kc, vc), caches, kw = _inputs(sq, paged)

@@ -453,14 +453,16 @@ _FLEX_SCORE_DEFAULTS = {
 }  # fmt: skip
 # ... and with floating arrays read by key position, whose gradients only
 # the own-tile dK/dV consumer sums (its rows are keys): a lone consumer,
-# the head dim split across two CTAs. 0 spills at d128 for a per-key bias
-# and for one beside a per-query scale, where two own-tile consumers spill
-# 124 B with the pair (benchmarks/RESULTS.md).
+# the head dim split across two CTAs (d128-d256, where the defaults share
+# a tile). 0 spills for a per-key bias and for one beside a per-query
+# scale, where two own-tile consumers spill 124 B with the pair at d128
+# (benchmarks/RESULTS.md).
 _FLEX_KEY_PARAM_DEFAULTS = {
-  128: Sm90BackwardConfig(
+  d: Sm90BackwardConfig(
     block_q=64, block_kv=64, num_stages=2, dkdv_consumers=1,
-    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1,
-  ),
+    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1 if d == 128 else 2,
+  )
+  for d in (128, 192, 256)
 }  # fmt: skip
 
 
