@@ -122,7 +122,6 @@ def _dq_consumer(
   # (64-byte swizzle: a half is a whole wgmma K step).
   halves = 2 if plan.row_blocks == 1 else 1
   sub = cfg.block_kv // halves
-  shape = (cfg.block_q, sub)
 
   # With a bias, dS (float32) leaves per part through two staging tiles
   # by turns: one is rewritten once its store two parts ago has read it.
@@ -148,22 +147,12 @@ def _dq_consumer(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
         flex_at=(refs, batch, head), params=n_params > 0,
       )  # fmt: skip
-      new_sums = sums
-      if n_params:  # dS = P (dP - delta) (1 - t^2) g, the sums before g
-        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
-        d_mine = [d_params[0][j] for j in mine]
-        new_sums = tuple(a + (ds * d).sum(axis=1) for a, d in zip(sums, d_mine))
-        ds = common.softcap_grad(ds, t)
-      else:
-        p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
-        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      d_mine = [d_params[0][j] for j in mine] if n_params else []
+      ds, new_sums = _ds_and_sums(p, t, read_dp, delta, sums, d_mine)
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
-        n_ds = ds_stage.shape[0]
-        buf = ds_stage.at[lax.rem(j * halves + h, n_ds)]
-        plgpu.wait_smem_to_gmem(n_ds - 1, wait_read_only=True)
-        buf[...] = ds
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(buf, ds_out.at[ds_rows + (pl.ds(kv0, sub),)])
+        _store_ds(
+          ds_stage, j * halves + h, ds, ds_out.at[ds_rows + (pl.ds(kv0, sub),)]
+        )
       dq_new = ops.accumulate_pv(dq, ds.astype(spec.dtype), k_tile)
       return dq_new, new_sums
 
@@ -196,18 +185,10 @@ def _dq_consumer(
     plgpu.barrier_arrive(v_empty.at[slot])
 
   if ds_out is not None:  # dS = 0 on every tile my walk skipped
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    zeros = ds_stage.at[0]
-    zeros[...] = ops.tile(jnp.zeros(shape, jnp.float32))
-    plgpu.commit_smem()
-
-    @pl.loop(0, plan.num_kv_blocks)
-    def _zero(i):
-      @pl.when((i < walk.first) | (i >= walk.first + walk.steps))
-      def _():
-        for h in range(halves):
-          keys = pl.ds(i * cfg.block_kv + h * sub, sub)
-          plgpu.copy_smem_to_gmem(zeros, ds_out.at[ds_rows + (keys,)])
+    _zero_skipped(
+      ops, plan, walk, ds_stage.at[0], ds_out.at[ds_rows],
+      [(h * sub, sub) for h in range(halves)],
+    )  # fmt: skip
 
   my_q[...] = (dq * jnp.float32(spec.softmax_scale)).astype(spec.dtype)
   plgpu.commit_smem()
@@ -218,6 +199,54 @@ def _dq_consumer(
       refs["dparams"].at[0, i, batch, head, pl.ds(row0, cfg.block_q)],
     )
   plgpu.wait_smem_to_gmem(0)
+
+
+def _ds_and_sums(
+  p: Any, t: Any, read_dp: Any, delta: Any, sums: tuple, derivatives: list
+) -> tuple[Any, tuple]:
+  """dS = P (dP - delta) (1 - t^2) g (`common.softcap_grad`; `t` the
+  softcap's tanh and the score_mod's derivative g), and `sums` plus each
+  row's sum of dS before g times each of `derivatives` (a score_mod's
+  derivatives in its floating arrays). Without them P (1 - t^2) g is
+  formed before `read_dp()` waits for dP (the wgmma still in flight)."""
+  minus_delta = lambda dp: dp - lax.broadcast_in_dim(delta, p.shape, [0])
+  if not derivatives:
+    return common.softcap_grad(p, t) * minus_delta(read_dp()), sums
+  ds = p * minus_delta(read_dp())
+  sums = tuple(a + (ds * d).sum(axis=1) for a, d in zip(sums, derivatives))
+  return common.softcap_grad(ds, t), sums
+
+
+def _store_ds(ds_stage: Any, step: Any, ds: Any, dst: Any) -> None:
+  """dbias: float32 dS to `dst` by TMA through the staging tiles
+  `ds_stage` by turns (`step`'s), each rewritten once its last store has
+  read it."""
+  n = ds_stage.shape[0]
+  stage = ds_stage.at[lax.rem(step, n)]
+  plgpu.wait_smem_to_gmem(n - 1, wait_read_only=True)
+  stage[...] = ds
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(stage, dst)
+
+
+def _zero_skipped(
+  ops: KernelOps, plan: common.QueryPlan, walk: Any, stage: Any,
+  ds_out: Any, cols: list[tuple[int, int]],
+) -> None:  # fmt: skip
+  """dbias: zeros from the staging tile `stage` (after every store has
+  read it) into the key columns `cols` (offset, width) of each K/V tile
+  outside the walk, in `ds_out` (this tile's rows of dS)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  stage[...] = ops.tile(jnp.zeros(stage.shape, jnp.float32))
+  plgpu.commit_smem()
+
+  @pl.loop(0, plan.num_kv_blocks)
+  def _zero(i):
+    @pl.when((i < walk.first) | (i >= walk.first + walk.steps))
+    def _():
+      for offset, width in cols:
+        keys = pl.ds(i * plan.config.block_kv + offset, width)
+        plgpu.copy_smem_to_gmem(stage, ds_out.at[:, keys])
 
 
 def param_count(spec: AttentionSpec) -> int:
@@ -269,7 +298,6 @@ def _dq_shared_consumer(
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
-  shape = (cfg.block_q, half)
   # With a bias, my half of each dS (float32) leaves through two staging
   # tiles by turns, as in `_dq_consumer`; a score_mod's floating arrays
   # get per-row sums over my key halves (the XLA side adds the two
@@ -294,23 +322,10 @@ def _dq_shared_consumer(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
         flex_at=(refs, batch, head), params=bool(params),
       )  # fmt: skip
-      new_sums = sums
-      if params:  # the sums before the score_mod's own derivative
-        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
-        new_sums = tuple(
-          a + (ds * d_params[0][i]).sum(axis=1) for a, i in zip(sums, params)
-        )
-        ds = common.softcap_grad(ds, t)
-      else:
-        p = common.softcap_grad(p, t)  # dS = P (1 - t^2) (dP - delta)
-        ds = p * (read_dp() - lax.broadcast_in_dim(delta, shape, [0]))
+      d_mine = [d_params[0][i] for i in params] if params else []
+      ds, new_sums = _ds_and_sums(p, t, read_dp, delta, sums, d_mine)
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
-        n_ds = ds_stage.shape[0]
-        stage = ds_stage.at[lax.rem(j, n_ds)]
-        plgpu.wait_smem_to_gmem(n_ds - 1, wait_read_only=True)
-        stage[...] = ds
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, ds_out.at[ds_rows + (pl.ds(kv0, half),)])
+        _store_ds(ds_stage, j, ds, ds_out.at[ds_rows + (pl.ds(kv0, half),)])
       return ds.astype(spec.dtype), new_sums
 
     ds, sums = ops.with_scores(my_do, v_tile.at[mine], gradient)
@@ -329,17 +344,9 @@ def _dq_shared_consumer(
   for i, row_sums in enumerate(sums):  # out through shared memory
     refs["dp_stage"].at[w, i][...] = row_sums
   if ds_out is not None:  # dS = 0 on my halves of the tiles not walked
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    zeros = ds_stage.at[0]
-    zeros[...] = ops.tile(jnp.zeros(shape, jnp.float32))
-    plgpu.commit_smem()
-
-    @pl.loop(0, plan.num_kv_blocks)
-    def _zero(i):
-      @pl.when((i < walk.first) | (i >= walk.first + walk.steps))
-      def _():
-        keys = pl.ds(i * cfg.block_kv + w * half, half)
-        plgpu.copy_smem_to_gmem(zeros, ds_out.at[ds_rows + (keys,)])
+    _zero_skipped(
+      ops, plan, walk, ds_stage.at[0], ds_out.at[ds_rows], [(w * half, half)]
+    )
 
   # Both consumers passed the last rendezvous after their last read of Q:
   # each writes its half of dQ into the Q tile, and consumer 0 stores it.
