@@ -227,8 +227,7 @@ def _kernels(
     ):
       for r, j in enumerate(flex_tile.kernel_params(spec, kernel_name)):
         i = floats[j]
-        sums = out[0] if kernel_name == "dkdv" else out[0].sum(0)  # (parts)
-        rows = sums[r, ..., :n]  # [b, hq, rows]
+        rows = out[0].sum(0)[r, ..., :n]  # over the parts: [b, hq, rows]
         dscore[i] = _attributed(rows, axes[j], flex.score_consts[i])
   return grads + ((dbias, tuple(dscore)),)
 

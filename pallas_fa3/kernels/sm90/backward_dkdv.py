@@ -423,7 +423,7 @@ def dkdv_consumer(
           plgpu.copy_smem_to_gmem(
             stage.at[i],
             refs["dparams"].at[
-              i, lax.axis_index("batch"), head, pl.ds(kv0, cfg.block_kv)
+              0, i, lax.axis_index("batch"), head, pl.ds(kv0, cfg.block_kv)
             ],
           )
 
@@ -873,7 +873,10 @@ def dkdv_kernel(
   reads past them zeros, drops writes). With `spec.segmented` it takes
   `segment_ids=(lo, hi, q_lo, q_hi)`, the query rows' key bounds and the
   keys' query bounds (`segments.key_bounds`, `segments.query_bounds`): a
-  CTA walks only the query tiles that reach its keys and masks by them."""
+  CTA walks only the query tiles that reach its keys and masks by them.
+  With a score_mod's floating arrays read by key position
+  (`flex_tile.kernel_params`), it also returns their per-key sums
+  `[1, n, b, hq, seq_kv_pad]` (the dQ kernel's layout, one part)."""
   spec, cfg = plan.spec, plan.config
   st, consumers, splits = cfg.num_stages, cfg.dkdv_consumers, plan.splits
   # The 64-byte swizzle where tiles are cut in halves (one for every
@@ -969,7 +972,7 @@ def dkdv_kernel(
     out_type = dict(
       dkdv_out,
       dparams=jax.ShapeDtypeStruct(
-        (n_params, spec.batch, spec.heads_q, plan.seq_kv_pad), jnp.float32
+        (1, n_params, spec.batch, spec.heads_q, plan.seq_kv_pad), jnp.float32
       ),
     )
   if plan.fused and interpret is None:  # the accumulator, updated in place

@@ -147,7 +147,7 @@ def _dq_consumer(
         ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
         flex_at=(refs, batch, head), params=n_params > 0,
       )  # fmt: skip
-      d_mine = [d_params[0][j] for j in mine] if n_params else []
+      d_mine = [d_params[0][i] for i in mine] if n_params else []
       ds, new_sums = _ds_and_sums(p, t, read_dp, delta, sums, d_mine)
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
         _store_ds(

@@ -475,10 +475,8 @@ def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
   for i in float_positions(fn):
     axes = {r.axes for r in reads if r.const == i}
     ax = next(iter(axes)) if axes else ()
-    ok = len(axes) <= 1 and all(a != "s" for a in ax)
-    if not ok or len({a for a in ax if a in ("b", "h")}) != sum(
-      a in ("b", "h") for a in ax
-    ):
+    named = [a for a in ax if a in ("b", "h")]
+    if len(axes) > 1 or "s" in ax or len(set(named)) != len(named):
       raise Refused(
         f"score_mod reads floating captured array {i} (shape"
         f" {tuple(jnp.shape(fn.consts[i]))}) other than at one index per"
