@@ -247,14 +247,6 @@ def _bad_calls():
       NotImplementedError,
       r"head_dim 576 / head_dim_v 512 .* 256 registers per thread",
     )
-    yield (
-      f"{impl}-e4m3-mla-cache",
-      lambda impl=impl: call(
-        q, k8, None, cache_seqlens=n, head_dim_v=DV, implementation=impl
-      ),
-      NotImplementedError,
-      "an e4m3 cache with v_cache=None",
-    )
   q256 = jnp.zeros((1, 1, 8, 256), jnp.bfloat16)
   kc256 = jnp.zeros((1, 256, 1, 256), jnp.bfloat16)
   yield (
@@ -282,8 +274,7 @@ def test_bad_calls_are_errors_naming_the_argument(name, fn, error, match):
 
 def test_the_mla_kernel_serves_576_512_and_names_what_it_does_not():
   """The Hopper kernels serve the MLA shape (the MLA kernel: the
-  automatic choice on a Hopper GPU); an e4m3 MLA cache is refused with
-  its reason and runs blockwise."""
+  automatic choice on a Hopper GPU), from a bf16 or an e4m3 cache."""
   q = jnp.zeros((1, 1, HQ, D), jnp.bfloat16)
   kc = jnp.zeros((1, 64, 1, D), jnp.bfloat16)
   spec = make_decode_spec(q, kc, None, cache_seqlens=3, head_dim_v=DV)
@@ -291,5 +282,5 @@ def test_the_mla_kernel_serves_576_512_and_names_what_it_does_not():
   assert backend.name == "mosaic" and config.block_kv == 64
   k8 = kc.astype(jnp.float8_e4m3fn)
   spec8 = make_decode_spec(q, k8, None, cache_seqlens=3, head_dim_v=DV)
-  with pytest.raises(NotImplementedError, match="e4m3 cache with v_cache"):
-    resolve(spec8, "mosaic", None)
+  backend, config = resolve(spec8, "mosaic", None)
+  assert backend.name == "mosaic" and config.block_kv == 64

@@ -18,6 +18,7 @@ from jax import export
 import pallas_fa3
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.reference import golden_decode
 from pallas_fa3.testing import (
   assert_within_tolerance,
   decode_case,
@@ -119,27 +120,95 @@ def test_interpret_mla_with_cache_leftpad(rng):
     assert_within_tolerance(name, got, nv, g)
 
 
+# (heads_q, seq_q, lengths, page_size, seq_new, splits, options)
+E4M3_CASES = [
+  pytest.param(
+    16, 1, [0, 100, 256], None, 0, 3, dict(causal=True),
+    id="contiguous-h16-q1-lengths-0-to-full-3-splits",
+  ),
+  pytest.param(
+    64, 2, [37, 190], 64, 1, 1, dict(window_size=(80, 0), softcap=8.0),
+    id="paged64-h64-q2-append-window-softcap",
+  ),
+]  # fmt: skip
+
+
+def _relative_rmse(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize("hq,sq,lengths,ps,new,splits,options", E4M3_CASES)
+def test_interpret_mla_e4m3_cache_against_the_dequantized_golden(
+  hq, sq, lengths, ps, new, splits, options, rng
+):
+  """An e4m3 MLA cache (`quantize_kv_cache(k_cache, None)`, NaN and Inf
+  past the lengths) in the kernel: the producer converts each tile to
+  float16 and zeroes V's rows past the length; against the float64 golden
+  on the dequantized cache (tests/test_kvcache_fp8.py's bound) and the
+  blockwise twin."""
+  case = decode_case(
+    rng, batch=len(lengths), seq_q=sq, heads_q=hq, heads_kv=1,
+    head_dim=576, head_dim_v=512, capacity=256,
+    lengths=[max(n - new, 0) for n in lengths], page_size=ps, seq_new=new,
+    v_in_k=True,
+  )  # fmt: skip
+  x = pallas_fa3.quantize_kv_cache(
+    case.k_cache, None, page_table=case.page_table,
+    cache_seqlens=case.cache_seqlens,
+  )  # fmt: skip
+  case.k_cache = x.k_cache
+  out, lse, *cache = _run(case, options, splits, k_descale=x.k_descale)
+  k8 = cache[0] if new else x.k_cache
+  assert k8.dtype == jnp.float8_e4m3fn
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, **options)
+  n = np.asarray(case.cache_seqlens) + new
+  g_out, g_lse = golden_decode(
+    spec, case.q, k8, None, n, None, case.page_table,
+    descale=(x.k_descale, x.k_descale),
+  )  # fmt: skip
+  assert _relative_rmse(out, g_out) <= 1e-2
+  empty = np.isinf(g_lse)
+  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), empty)
+  np.testing.assert_allclose(np.asarray(lse)[~empty], g_lse[~empty], atol=1e-2)
+  twin = pallas_fa3.flash_attention_with_kvcache(
+    *args, **kwargs, **options, k_descale=x.k_descale,
+    num_splits=splits, return_lse=True, implementation="blockwise",
+  )[0]  # fmt: skip
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), np.asarray(twin, np.float32), atol=2e-2
+  )
+
+
 @pytest.mark.newest
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
-def test_mosaic_lowers_mla_to_the_mla_kernel(paged):
+@pytest.mark.parametrize(
+  "paged,cache",
+  [(False, jnp.bfloat16), (True, jnp.bfloat16), (True, jnp.float8_e4m3fn)],
+  ids=["contiguous", "paged64", "paged64-e4m3"],
+)
+def test_mosaic_lowers_mla_to_the_mla_kernel(paged, cache):
   """576 / 512 with 128 query heads lowers for CUDA to one Mosaic kernel,
-  the MLA one: no fallback to the blockwise twin."""
+  the MLA one, from a bf16 or an e4m3 cache: no fallback to the blockwise
+  twin."""
   S = jax.ShapeDtypeStruct
   b, hq, cap = 4, 128, 4096
   q = S((b, 1, hq, 576), jnp.bfloat16)
   if paged:
-    kc, pt = S((b * cap // 64, 64, 1, 576), jnp.bfloat16), S((b, cap // 64), jnp.int32)  # fmt: skip
+    kc, pt = S((b * cap // 64, 64, 1, 576), cache), S((b, cap // 64), jnp.int32)  # fmt: skip
   else:
-    kc, pt = S((b, cap, 1, 576), jnp.bfloat16), None
+    kc, pt = S((b, cap, 1, 576), cache), None
+  fp8 = cache == jnp.float8_e4m3fn
 
-  def step(q, kc, n, pt):
+  def step(q, kc, n, pt, kd):
     return pallas_fa3.flash_attention_with_kvcache(
       q, kc, None, cache_seqlens=n, page_table=pt, head_dim_v=512,
-      causal=True, implementation="mosaic",
+      causal=True, k_descale=kd if fp8 else None, implementation="mosaic",
     )  # fmt: skip
 
   text = export.export(jax.jit(step), platforms=["cuda"])(
-    q, kc, S((b,), jnp.int32), pt
+    q, kc, S((b,), jnp.int32), pt, S((b, 1), jnp.float32)
   ).mlir_module()
   assert lowered_kernel_count(text) == 1
   assert "fa3_mla_decode" in text

@@ -185,18 +185,25 @@ def mla_chunks(spec: DecodeSpec) -> tuple[tuple[int, int], ...]:
 def mla_smem_bytes(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   """Shared memory of the MLA kernel as Mosaic places it: Q's chunks in
   one region with the output staging (a union), the K ring's chunks, P,
-  the row rescale, the barriers (no cross-warp reduction reserve)."""
-  item = spec.dtype.itemsize
+  the row rescale, the barriers (no cross-warp reduction reserve). An
+  e4m3 cache: `num_stages` e4m3 tiles and one float16 tile (the products
+  are 16-bit either way)."""
+  item = 2  # Q, P and the tiles the wgmma reads: bf16/fp16 (float16: e4m3)
   widths = [w for _, w in mla_chunks(spec)]
   q = sum(align_smem(DECODE_ROWS * w * item) for w in widths)
   out = MLA_CONSUMERS * align_smem(DECODE_ROWS * 64 * 4) + 2 * align_smem(
     DECODE_ROWS * 4
   )
-  ring = sum(
-    align_smem(config.num_stages * config.block_kv * w * item) for w in widths
+  tile = lambda stages, size: sum(
+    align_smem(stages * config.block_kv * w * size) for w in widths
   )
+  if spec.fp8_cache:  # the e4m3 ring, its TMA barriers, the float16 slot
+    ring = tile(config.num_stages, 1) + tile(converted_stages(spec), item)
+    barriers = 1 + config.num_stages + 2 * converted_stages(spec) + 3
+  else:
+    ring = tile(config.num_stages, item)
+    barriers = 1 + 2 * config.num_stages + 3
   p = align_smem(DECODE_ROWS * config.block_kv * item)
-  barriers = 1 + 2 * config.num_stages + 3
   return (
     max(q, out)
     + ring
@@ -217,11 +224,6 @@ def mla_unsupported(
   """Why the MLA kernel cannot serve `spec` (v_cache=None) with `config`,
   or None."""
   d, dv = spec.head_dim, spec.head_dim_v
-  if spec.fp8_cache:
-    return (
-      "an e4m3 cache with v_cache=None: the MLA kernel reads 16-bit caches"
-      " (the blockwise backend serves it)"
-    )
   if dv % (64 * MLA_CONSUMERS) or dv // MLA_CONSUMERS > _TMA_BOX:
     return (
       f"head_dim_v {dv}: the MLA kernel splits V's columns over"

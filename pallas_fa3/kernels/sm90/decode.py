@@ -77,14 +77,22 @@ def descaled(spec: Any, s: jax.Array, k_descale: Any) -> tuple[Any, Any]:
 
 
 def convert_tile(
-  ops: KernelOps, src: Any, dst: Any, valid: Any = None, lo: Any = None
+  ops: KernelOps,
+  src: Any,
+  dst: Any,
+  valid: Any = None,
+  lo: Any = None,
+  swizzle_cols: int | None = None,
 ):
   """`dst[...] = src[...]` converted to float16 in 64-row chunks, the
   e4m3 tile's swizzle width at a time (128 columns, or 64 at d192 and 32
-  at d96, whose rows are not whole 128-byte spans); rows `valid..` and
+  at d96, whose rows are not whole 128-byte spans; `swizzle_cols` when the
+  tile was laid out narrower than its width allows); rows `valid..` and
   (with `lo`) rows before `lo` -> 0."""
   rows, cols = src.shape
-  step = plgpu.find_swizzle(cols * 8 * src.dtype.itemsize) // src.dtype.itemsize
+  step = swizzle_cols or (
+    plgpu.find_swizzle(cols * 8 * src.dtype.itemsize) // src.dtype.itemsize
+  )
   for r in range(0, rows, _CHUNK_ROWS):
     keep = None
     if valid is not None:

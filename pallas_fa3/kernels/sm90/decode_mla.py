@@ -7,7 +7,9 @@ paged cache: one page per tile) in three column chunks (V's two halves,
 the RoPE columns); consumer 0 computes S = Q K^T over all 576 columns and
 the online softmax, hands P and the row rescale to consumer 1 through
 shared memory, and each consumer accumulates its 256 columns of O from
-the same K tile (V read in place, never copied). XLA merges the splits.
+the same K tile (V read in place, never copied). With an e4m3 cache the
+producer also converts each e4m3 tile into a float16 one, zeroing V's rows
+outside the sequence. XLA merges the splits.
 docs/design_notes.md#mla-decode-kernel
 """
 
@@ -28,7 +30,6 @@ from pallas_fa3.kernels.sm90.common import (
   consumer_release,
   scaled_once,
   smem_transforms,
-  softcapped,
 )
 from pallas_fa3.kernels.sm90.config_decode import (
   DECODE_ROWS,
@@ -37,8 +38,12 @@ from pallas_fa3.kernels.sm90.config_decode import (
   mla_chunks,
 )
 from pallas_fa3.kernels.sm90.decode import (
+  FP8_DTYPE,
   DecodePlan,
+  convert_tile,
+  converted_q,
   cta_walk,
+  descaled,
   merged_output,
   pack_queries,
   query_rows,
@@ -55,9 +60,20 @@ _F32 = jnp.float32
 # 128 registers a thread), consumer 1 its half of O alone; 256 + 224 + 24
 # is the 384-thread CTA's pool (3 x 168).
 SOFTMAX_REGS, VALUE_REGS = 256, 224
-_SPLIT = hardware.split_problems(3, (SOFTMAX_REGS, VALUE_REGS), PRODUCER_REGS)
-if _SPLIT:
-  raise ValueError("; ".join(_SPLIT))
+# With an e4m3 cache the producer converts 64 x 64 chunks too (32 values
+# a thread, with their addresses and row masks): consumer 1 gives it
+# registers (0 spills at 176 + 72).
+FP8_VALUE_REGS, CONVERTER_REGS = 176, 72
+for _split in (
+  hardware.split_problems(3, (SOFTMAX_REGS, VALUE_REGS), PRODUCER_REGS),
+  hardware.split_problems(3, (SOFTMAX_REGS, FP8_VALUE_REGS), CONVERTER_REGS),
+):
+  if _split:
+    raise ValueError("; ".join(_split))
+# The e4m3 tiles' layout: 64-byte swizzle, whose 64-column tiling divides
+# the cache's 576 columns (a TMA box's tiling must divide the global
+# row; 128-byte swizzle would tile by 128).
+_RAW_SWIZZLE_COLS = 64
 # Columns of O each consumer writes per TMA store (a float32 staging tile).
 _OUT_COLS = 64
 
@@ -95,6 +111,90 @@ def _producer(refs: dict[str, Any], plan: DecodePlan) -> None:
   @pl.loop(jnp.maximum(count - stages, 0), count)
   def _drain(j):
     plgpu.barrier_wait(k_empty.at[lax.rem(j, stages)])
+
+
+def _converter(refs: dict[str, Any], plan: DecodePlan, ops: KernelOps) -> None:
+  """The producer with an e4m3 cache: TMA of the split's tiles into the
+  e4m3 ring (`num_stages` ahead), each converted into the one float16
+  slot once both consumers have released its previous tile, V's rows
+  outside `[start, length)` zeroed on the way (0 x NaN is NaN).
+
+  An e4m3 slot is refilled only after the whole warpgroup has read it
+  (`commit_smem`'s warpgroup barrier); every TMA issued is waited for, and
+  the last float16 tile's release is observed before exit."""
+  k_ref, pt_ref, raw, raw_full = (
+    refs[n] for n in ("k", "pages", "raw_k", "raw_k_full")
+  )
+  ring, k_full, k_empty = refs["k_smem"], refs["k_full"], refs["k_empty"]
+  plgpu.set_max_registers(CONVERTER_REGS, action="decrease")
+  batch, head, _, _, length, start, first, count = cta_walk(plan, refs)
+  row = refs["rows"][batch]
+  stages, bkv = plan.config.num_stages, plan.block_kv
+  chunks = mla_chunks(plan.spec)
+
+  def issue(j):
+    slot = lax.rem(j, stages)
+    box = plan.tile_source(k_ref, row, pt_ref, batch, head, first + j, 0)
+    for c, (c0, width) in enumerate(chunks):
+      plgpu.copy_gmem_to_smem(
+        box.at[:, pl.ds(c0, width)],
+        raw[c].at[slot],
+        raw_full.at[slot],
+        oob_mode=compat.ZERO_FILL,
+      )
+
+  pl.loop(0, jnp.minimum(count, stages))(issue)
+
+  @pl.loop(0, count)
+  def _convert(j):
+    slot, tile = lax.rem(j, stages), first + j
+    plgpu.barrier_wait(raw_full.at[slot])
+
+    @pl.when(j > 0)
+    def _():  # both consumers have read the float16 slot's previous tile
+      plgpu.barrier_wait(k_empty.at[0])
+
+    valid = length - tile * bkv
+    lo = None if start is None else start - tile * bkv
+    partial, whole = valid < bkv, valid >= bkv
+    if lo is not None:
+      partial, whole = partial | (lo > 0), whole & (lo <= 0)
+    for c in range(len(chunks)):
+      src, dst = raw[c].at[slot], ring[c].at[0]
+      if c < MLA_CONSUMERS:  # V's halves
+        pl.when(partial)(
+          lambda src=src, dst=dst: convert_tile(
+            ops, src, dst, valid, lo, _RAW_SWIZZLE_COLS
+          )
+        )
+        pl.when(whole)(
+          lambda src=src, dst=dst: convert_tile(
+            ops, src, dst, swizzle_cols=_RAW_SWIZZLE_COLS
+          )
+        )
+      else:
+        convert_tile(ops, src, dst, swizzle_cols=_RAW_SWIZZLE_COLS)
+    plgpu.commit_smem()  # stores -> the wgmma's proxy; e4m3 reads finished
+    plgpu.barrier_arrive(k_full.at[0])
+
+    @pl.when(j + stages < count)
+    def _():
+      issue(j + stages)
+
+  @pl.when(count > 0)
+  def _():  # the consumers have read the last tile
+    plgpu.barrier_wait(k_empty.at[0])
+
+
+def _ring_slot(j: Any, stages: int) -> Any:
+  """The consumers' ring slot of tile `j`. With one slot (an e4m3 cache's
+  float16 tile) 0, through a value the compiler cannot fold (`j >= 0`): a
+  constant index lets LLVM hoist S = Q K^T's 36 K descriptors out of the
+  tile loop beside Q's, 72 more live registers in consumer 0 (292 B of
+  spills); computed per tile they cost 36 adds, as with two slots."""
+  if stages > 1:
+    return lax.rem(j, stages)
+  return jnp.minimum(lax.optimization_barrier(j), 0)
 
 
 def _store_half(refs, plan, o, w):
@@ -136,6 +236,9 @@ def _softmax_consumer(refs, plan, ops) -> None:
   p_full, p_empty = refs["p_full"], refs["p_empty"]
   plgpu.set_max_registers(SOFTMAX_REGS, action="increase")
   batch, head, split, qtile, length, start, first, count = cta_walk(plan, refs)
+  # An e4m3 cache: k_descale (times Q's scale) in the scores' scale,
+  # v_descale on O once.
+  k_descale = refs["k_descale"][batch, head] if plan.fp8 else None
   row0 = None if qtile is None else qtile * DECODE_ROWS
   q_src = refs["q"].at[batch, head]
   if row0 is not None:
@@ -149,7 +252,7 @@ def _softmax_consumer(refs, plan, ops) -> None:
 
   def step(j, carry):
     o, m, l = carry
-    slot, tile = lax.rem(j, stages), first + j
+    slot, tile = _ring_slot(j, stages), first + j
     plgpu.barrier_wait(k_full.at[slot])
     # The tiles holding the first or last key: V's rows outside them -> 0
     # in both halves before any wgmma reads the tile (0 x NaN is NaN).
@@ -159,14 +262,16 @@ def _softmax_consumer(refs, plan, ops) -> None:
       lo = start - tile * bkv
       partial = partial | (lo > 0)
 
-    @pl.when(partial)
-    def _():
-      for w in range(MLA_CONSUMERS):
-        zero_rows_from(ops, ring[w].at[slot], length - tile * bkv, lo)
+    if not plan.fp8:  # (the converter zeroes them in the float16 tile)
+
+      @pl.when(partial)
+      def _():
+        for w in range(MLA_CONSUMERS):
+          zero_rows_from(ops, ring[w].at[slot], length - tile * bkv, lo)
 
     chunks = [ring[c].at[slot] for c in range(len(ring))]
     s = ops.scores(list(q_smem), chunks)
-    t, scale_log2 = softcapped(spec, s)
+    t, scale_log2 = descaled(spec, s, k_descale)
     x = jnp.where(
       tile_mask(plan, ops, pos, length, start, tile),
       scaled_once(t, scale_log2),
@@ -177,7 +282,7 @@ def _softmax_consumer(refs, plan, ops) -> None:
     alpha = jnp.exp2(m - m_ref)
     p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, x.shape, [0]))
     l = l * alpha + p.sum(axis=1)
-    p16 = p.astype(spec.dtype)
+    p16 = p.astype(plan.compute_dtype)
 
     @pl.when(j > 0)
     def _():  # consumer 1 has finished with the previous P
@@ -206,6 +311,8 @@ def _softmax_consumer(refs, plan, ops) -> None:
   log2_l = jnp.log(jnp.where(empty, 1.0, l)) * _F32(LOG2E)
   lse_smem = refs["lse_smem"]
   lse_smem[...] = jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
+  if plan.fp8:
+    inv_l = inv_l * refs["v_descale"][batch, head]
   refs["inv_l_smem"][...] = inv_l
   plgpu.commit_smem()
   plgpu.barrier_arrive(refs["done"].at[0])
@@ -223,11 +330,13 @@ def _value_consumer(refs, plan, ops) -> None:
   ring, k_full, k_empty = refs["k_smem"], refs["k_full"], refs["k_empty"]
   p_smem, alpha_smem = refs["p_smem"], refs["alpha_smem"]
   p_full, p_empty = refs["p_full"], refs["p_empty"]
-  plgpu.set_max_registers(VALUE_REGS, action="increase")
+  plgpu.set_max_registers(
+    FP8_VALUE_REGS if plan.fp8 else VALUE_REGS, action="increase"
+  )
   *_, count = cta_walk(plan, refs)
 
   def step(j, o):
-    slot = lax.rem(j, stages)
+    slot = _ring_slot(j, stages)
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(p_full.at[0])
     alpha = ops.load_rows(alpha_smem)
@@ -248,11 +357,12 @@ def _value_consumer(refs, plan, ops) -> None:
 
 
 def build_mla_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
-  """The kernel: `(q rows, k_cache, lengths, rows, page_table[, starts])
-  -> (o partials, lse partials)`."""
+  """The kernel: `(q rows, k_cache, lengths, rows, page_table[,
+  k_descale, v_descale][, starts]) -> (o partials, lse partials)`; with an
+  e4m3 cache Q is float16 and k_descale carries Q's scale."""
   spec, cfg = plan.spec, plan.config
   b, hk, splits = spec.batch, spec.heads_kv, plan.splits
-  stages, bkv, dtype = plan.ring_stages, cfg.block_kv, spec.dtype
+  stages, bkv, dtype = plan.ring_stages, cfg.block_kv, plan.compute_dtype
   chunks = mla_chunks(spec)
 
   def fa3_mla_decode(refs: dict[str, Any]) -> None:
@@ -261,7 +371,12 @@ def build_mla_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     wg = lax.axis_index("wg")
     pl.when(wg == 0)(lambda: _softmax_consumer(refs, plan, ops))
     pl.when(wg == 1)(lambda: _value_consumer(refs, plan, ops))
-    pl.when(wg == MLA_CONSUMERS)(lambda: _producer(refs, plan))
+    producer = (
+      (lambda: _converter(refs, plan, ops))
+      if plan.fp8
+      else (lambda: _producer(refs, plan))
+    )
+    pl.when(wg == MLA_CONSUMERS)(producer)
 
   smem = lambda shape, dt, cols: plgpu.SMEM(
     shape, dt, transforms=smem_transforms(dt, cols)
@@ -295,7 +410,20 @@ def build_mla_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     o=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS, spec.head_dim_v), _F32),
     lse=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS), _F32),
   )
-  inputs = ["q", "k", "lengths", "rows", "pages"] + ["starts"] * spec.leftpad
+  if plan.fp8:  # TMA -> the e4m3 ring -> the converter -> one float16 slot
+    raw_stages = cfg.num_stages
+    scratch.update(
+      raw_k=tuple(
+        smem((raw_stages, bkv, w), FP8_DTYPE, _RAW_SWIZZLE_COLS)
+        for _, w in chunks
+      ),
+      raw_k_full=plgpu.Barrier(
+        num_arrivals=len(chunks), num_barriers=raw_stages
+      ),
+      k_full=consumer_release(stages, 1),
+    )
+  inputs = ["q", "k", "lengths", "rows", "pages"]
+  inputs += ["k_descale", "v_descale"] * plan.fp8 + ["starts"] * spec.leftpad
   kernel = build_kernel(
     _unpack_union(fa3_mla_decode),
     inputs=inputs,
@@ -342,7 +470,7 @@ def sm90_mla_decode(
   rows: jax.Array,
   page_table: jax.Array | None,
   sinks: jax.Array | None,
-  descale: None = None,
+  descale: tuple[jax.Array, jax.Array] | None = None,
   flex_ops: None = None,
   starts: jax.Array | None = None,
   *,
@@ -350,24 +478,35 @@ def sm90_mla_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the MLA decode kernel and merges its splits: (out `[b, sq, hq,
   dv]` in q's dtype, lse `[b, hq, sq]` float32). Arguments as
-  `decode.sm90_decode`'s; v_cache, descale and flex_ops must be None
-  (V is k_cache's first head_dim_v columns, a 16-bit cache, no flex:
-  `config_decode.mla_unsupported` refuses the rest)."""
-  if v_cache is not None or descale is not None or flex_ops is not None:
+  `decode.sm90_decode`'s (descale: an e4m3 cache's `(k_descale,
+  v_descale)`, float32 `[b, hk]`, both k_descale with v_cache=None);
+  v_cache and flex_ops must be None (V is k_cache's first head_dim_v
+  columns, no flex: `config_decode.mla_unsupported` refuses the rest)."""
+  if v_cache is not None or flex_ops is not None:
     raise NotImplementedError(
-      "the MLA kernel takes v_cache=None, a 16-bit cache and no flex options"
+      "the MLA kernel takes v_cache=None and no flex options"
+    )
+  if (descale is None) == spec.fp8_cache:
+    raise ValueError(
+      f"descale must be given exactly for an e4m3 cache; got {descale!r}"
+      f" with a {spec.cache_dtype} cache"
     )
   plan = DecodePlan(spec, config, splits)
   ops = COMPILED if interpret is None else INTERPRETED
   pages = (
     jnp.zeros((spec.batch, 1), jnp.int32) if page_table is None else page_table
   )
+  q_rows, extra = pack_queries(spec, q), ()
+  if plan.fp8:  # Q in float16; its scale folds into k_descale
+    q_rows, q_scale = converted_q(q_rows)
+    extra = (descale[0] * q_scale, descale[1])
   pieces = build_mla_decode(plan, ops, interpret)(
-    pack_queries(spec, q),
+    q_rows,
     k_cache,
     lengths.astype(jnp.int32),
     rows.astype(jnp.int32),
     pages.astype(jnp.int32),
+    *extra,
     *(() if starts is None else (starts.astype(jnp.int32),)),
   )
   # [query tiles x splits, b, hk, 64, ...] -> [splits, b, hk, tiles x 64, ...]

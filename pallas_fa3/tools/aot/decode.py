@@ -136,6 +136,7 @@ def compile_decode(
         rows_,
         pt_ if spec.paged else None,
         None,
+        tuple(rest[:2]) if spec.fp8_cache else None,
         starts=rest[-1] if spec.leftpad else None,
       ),  # fmt: skip
       shapes,
@@ -179,9 +180,10 @@ def decode_defaults(
   if keep(128):
     spec = decode_spec(128, 128, 4, 1, 64, cache_dtype="float8_e4m3fn")
     yield compile_decode, spec, config_decode.default_decode_config(spec)
-  if head_dims is None:  # DeepSeek MLA: the MLA kernel, 16 query heads
-    spec = decode_spec(576, 512, 16, 1, 64, v_in_k=True)
-    yield compile_decode, spec, config_decode.default_decode_config(spec)
+  if head_dims is None:  # DeepSeek MLA: the MLA kernel, 16 query heads,
+    for cache in ({}, dict(cache_dtype="float8_e4m3fn")):  # bf16 and e4m3
+      spec = decode_spec(576, 512, 16, 1, 64, v_in_k=True, **cache)
+      yield compile_decode, spec, config_decode.default_decode_config(spec)
 
 
 # (head_dim, head_dim_v) of the e4m3-cache decode sweep.
@@ -243,6 +245,17 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
       yield compile_decode, spec, config_decode.default_decode_config(spec)
   for d, dv, options in ((576, 512, dict(leftpad=True)), (320, 256, {})):
     spec = decode_spec(d, dv, 16, 1, 64, v_in_k=True, **options)
+    yield compile_decode, spec, config_decode.default_decode_config(spec)
+  # An e4m3 MLA cache (the producer converts): 16 and 128 heads, paged and
+  # contiguous, window and softcap, cache_leftpad.
+  for group, seq_q, ps, options in (
+    (16, 1, 64, {}),
+    (128, 1, 64, dict(window_size=(1024, None), softcap=30.0)),
+    (64, 2, None, dict(leftpad=True)),
+  ):
+    spec = decode_spec(
+      576, 512, group, seq_q, ps, v_in_k=True, **options, **e4m3
+    )
     yield compile_decode, spec, config_decode.default_decode_config(spec)
   yield from decode_flex_sweep()
   # cache_leftpad (its mask, and V zeroed before it), bf16 and e4m3.
