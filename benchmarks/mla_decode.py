@@ -13,9 +13,14 @@ of head dim 576, one KV head, V its first 512 columns.
   `v_cache=k_cache[..., :512]` (a copy of the cache every step), median of
   `--runs` after a warm-up;
 - the one-consumer kernel's reason (`config_decode.mla_reason`) with its
-  numbers.
+  numbers;
+- `--e4m3`: an e4m3 cache (`quantize_kv_cache(k_cache, None)`) through
+  blockwise and the MLA kernel in interpret mode, as relative RMSE against
+  the float64 golden on the dequantized cache (what the decode adds) and
+  on the bf16 cache (the e4m3 rounding included), at page 64 and
+  contiguous, 16 and 128 query heads.
 
-  JAX_PLATFORMS=cpu python benchmarks/mla_decode.py
+  JAX_PLATFORMS=cpu PJRT_NPROC=6 python benchmarks/mla_decode.py [--e4m3]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 import pallas_fa3
 from pallas_fa3.kernels.sm90.config_decode import mla_reason
 from pallas_fa3.kvcache import make_decode_spec
+from pallas_fa3.reference import golden_decode
 from pallas_fa3.testing import (
   decode_case,
   decode_golden_and_naive,
@@ -67,6 +73,52 @@ def errors(rng: np.random.Generator) -> None:
       )
 
 
+def _relative_rmse(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+def e4m3_errors(rng: np.random.Generator) -> None:
+  print("| heads_q | cache | backend | vs golden, dequantized cache"
+        " | vs golden, bf16 cache | bf16 cache, same backend |")  # fmt: skip
+  print("|---|---|---|---|---|---|")
+  for hq, page in ((16, 64), (128, None)):
+    case = decode_case(
+      rng, batch=2, seq_q=1, heads_q=hq, heads_kv=1, head_dim=D,
+      head_dim_v=DV, capacity=512, lengths=[300, 511], page_size=page,
+      seq_new=1, v_in_k=True,
+    )  # fmt: skip
+    args, kwargs = case.call_args()
+    spec = make_decode_spec(*args, **kwargs, causal=True)
+    _, kc16 = pallas_fa3.flash_attention_with_kvcache(
+      *args, **kwargs, causal=True, implementation="reference"
+    )
+    (g16, _), _ = decode_golden_and_naive(spec, case, kc16, None)
+    x = pallas_fa3.quantize_kv_cache(
+      case.k_cache, None, page_table=case.page_table,
+      cache_seqlens=case.cache_seqlens,
+    )  # fmt: skip
+    args8 = (args[0], x.k_cache) + args[2:]
+    lengths = np.asarray(case.cache_seqlens) + 1
+    for impl in ("blockwise", "interpret"):
+      out, kc8 = pallas_fa3.flash_attention_with_kvcache(
+        *args8, **kwargs, causal=True, k_descale=x.k_descale,
+        implementation=impl,
+      )  # fmt: skip
+      g8, _ = golden_decode(
+        spec, case.q, kc8, None, lengths, None, case.page_table,
+        descale=(x.k_descale, x.k_descale),
+      )  # fmt: skip
+      out16 = pallas_fa3.flash_attention_with_kvcache(
+        *args, **kwargs, causal=True, implementation=impl
+      )[0]
+      print(
+        f"| {hq} | {'page ' + str(page) if page else 'contiguous'} |"
+        f" {impl} | {_relative_rmse(out, g8):.2e} |"
+        f" {_relative_rmse(out, g16):.2e} | {_relative_rmse(out16, g16):.2e} |"
+      )
+
+
 def timing(cache_len: int, runs: int) -> None:
   b, hq = 2, 16
   kc = jax.random.normal(jax.random.key(0), (b, cache_len, 1, D), jnp.bfloat16)
@@ -97,7 +149,11 @@ def main() -> None:
   parser.add_argument("--cache-len", type=int, default=8192)
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--e4m3", action="store_true")
   args = parser.parse_args()
+  if args.e4m3:
+    e4m3_errors(np.random.default_rng(args.seed))
+    return
   errors(np.random.default_rng(args.seed))
   timing(args.cache_len, args.runs)
   q = jnp.zeros((1, 1, 16, D), jnp.bfloat16)
