@@ -15,7 +15,8 @@ of head dim 576, one KV head, V its first 512 columns.
 - the one-consumer kernel's reason (`config_decode.mla_reason`) with its
   numbers;
 - `--e4m3`: an e4m3 cache (`quantize_kv_cache(k_cache, None)`) through
-  blockwise and the MLA kernel in interpret mode, as relative RMSE against
+  blockwise and the MLA kernel in interpret mode, descales per sequence
+  and per 128-column group (`column_groups=True`), as relative RMSE against
   the float64 golden on the dequantized cache (what the decode adds) and
   on the bf16 cache (the e4m3 rounding included), at page 64 and
   contiguous, 16 and 128 query heads.
@@ -26,6 +27,7 @@ of head dim 576, one KV head, V its first 512 columns.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import jax
@@ -78,10 +80,10 @@ def _relative_rmse(got, want) -> float:
   return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
-def e4m3_errors(rng: np.random.Generator) -> None:
-  print("| heads_q | cache | backend | vs golden, dequantized cache"
-        " | vs golden, bf16 cache | bf16 cache, same backend |")  # fmt: skip
-  print("|---|---|---|---|---|---|")
+def e4m3_errors(rng: np.random.Generator, impls=("blockwise", "interpret")):
+  print("| heads_q | cache | descale per | backend | vs golden, dequantized"
+        " cache | vs golden, bf16 cache | bf16 cache, same backend |")  # fmt: skip
+  print("|---|---|---|---|---|---|---|")
   for hq, page in ((16, 64), (128, None)):
     case = decode_case(
       rng, batch=2, seq_q=1, heads_q=hq, heads_kv=1, head_dim=D,
@@ -94,13 +96,13 @@ def e4m3_errors(rng: np.random.Generator) -> None:
       *args, **kwargs, causal=True, implementation="reference"
     )
     (g16, _), _ = decode_golden_and_naive(spec, case, kc16, None)
-    x = pallas_fa3.quantize_kv_cache(
-      case.k_cache, None, page_table=case.page_table,
-      cache_seqlens=case.cache_seqlens,
-    )  # fmt: skip
-    args8 = (args[0], x.k_cache) + args[2:]
     lengths = np.asarray(case.cache_seqlens) + 1
-    for impl in ("blockwise", "interpret"):
+    for groups, impl in itertools.product((False, True), impls):
+      x = pallas_fa3.quantize_kv_cache(
+        case.k_cache, None, page_table=case.page_table,
+        cache_seqlens=case.cache_seqlens, column_groups=groups,
+      )  # fmt: skip
+      args8 = (args[0], x.k_cache) + args[2:]
       out, kc8 = pallas_fa3.flash_attention_with_kvcache(
         *args8, **kwargs, causal=True, k_descale=x.k_descale,
         implementation=impl,
@@ -114,6 +116,7 @@ def e4m3_errors(rng: np.random.Generator) -> None:
       )[0]
       print(
         f"| {hq} | {'page ' + str(page) if page else 'contiguous'} |"
+        f" {'128-column group' if groups else 'sequence'} |"
         f" {impl} | {_relative_rmse(out, g8):.2e} |"
         f" {_relative_rmse(out, g16):.2e} | {_relative_rmse(out16, g16):.2e} |"
       )

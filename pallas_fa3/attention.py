@@ -255,10 +255,15 @@ def _decode(
   lengths = seqlens + spec.seq_new
   if sinks is not None:
     sinks = modifiers.batch_sinks(sinks, spec.batch)
+  out_cols = None
+  if descale is not None:
+    q, descale, out_cols = _folded_column_descales(spec, q, descale)
   operands = Decode(
     q, k_cache, v_cache, lengths, rows, pages, sinks, descale, flex_ops, starts
   )
   out, lse = vjp.call(call, sharding_checks.vary_alike(operands))
+  if out_cols is not None:
+    out = (out.astype(jnp.float32) * out_cols).astype(out.dtype)
   # A traced length past the cache (or negative), or a traced page or row
   # index that is not the cache's, cannot raise: its sequence's rows are
   # NaN, never a silently wrong result.
@@ -284,11 +289,37 @@ def _descales(spec: DecodeSpec, k_descale: Any, v_descale: Any) -> Any:
     )
   names = ("k_descale", "v_descale")
   pair = (k_descale, k_descale if spec.v_in_k else v_descale)
+  dims = (spec.head_dim, spec.head_dim if spec.v_in_k else spec.head_dim_v)
   descale = tuple(
-    kvcache.check_descale(name, x, spec.fp8_cache, spec.batch, spec.heads_kv)
-    for name, x in zip(names, pair)
+    kvcache.check_descale(name, x, spec.fp8_cache, spec.batch, spec.heads_kv, d)
+    for name, x, d in zip(names, pair, dims)
   )
   return descale if spec.fp8_cache else None
+
+
+def _folded_column_descales(
+  spec: DecodeSpec, q: jax.Array, descale: tuple
+) -> tuple[jax.Array, tuple, jax.Array | None]:
+  """Grouped (per 128-column) descales folded out of the backends: K's
+  into q's columns (`q (k8 s)^T = (q s) k8^T`), V's returned per column
+  for the output (`P (v8 s) = (P v8) s`), ones left in their place; per
+  (sequence, KV head) descales pass through. Returns (q, descale, V's
+  column descales `[b, 1, hq, dv]` or None)."""
+  k_d, v_d = descale
+  group = spec.heads_q // spec.heads_kv
+  per_head = lambda cols: jnp.repeat(cols, group, axis=1)[:, None]
+  ones = jnp.ones((spec.batch, spec.heads_kv), jnp.float32)
+  out_cols = None
+  if k_d.ndim == 3:
+    k_cols = kvcache.column_descales(k_d, spec.head_dim)
+    q = (q.astype(jnp.float32) * per_head(k_cols)).astype(q.dtype)
+    if spec.v_in_k:  # V: the first head_dim_v columns, k_descale's
+      out_cols, v_d = per_head(k_cols[..., : spec.head_dim_v]), ones
+    k_d = ones
+  if v_d.ndim == 3:
+    out_cols = per_head(kvcache.column_descales(v_d, spec.head_dim_v))
+    v_d = ones
+  return q, (k_d, v_d), out_cols
 
 
 def flash_attention_with_kvcache(
@@ -363,8 +394,12 @@ def flash_attention_with_kvcache(
       descales `[batch, heads_kv]` (or scalars; default 1): attention runs
       over `k_cache * k_descale`, `v_cache * v_descale`, and appended k/v
       are divided by them, saturated at 448 and rounded into the cache
-      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them). With
-      `v_cache=None`, V is dequantized by `k_descale` (v_descale None).
+      (FA3's convention; `pallas_fa3.quantize_kv_cache` makes them). Or
+      one per 128-column group, `[batch, heads_kv, ceil(head_dim(_v) /
+      128)]` (`quantize_kv_cache(column_groups=True)`): K's are folded
+      into q's columns and V's applied to the output's, in float32 before
+      each is rounded to q's dtype. With `v_cache=None`, V is
+      dequantized by `k_descale` (v_descale None).
     cache_rotation: None, or the `rotation=` the cache was quantized with
       (`quantize_kv_cache`): q and appended k are rotated to match (not
       with `v_cache=None`: V would be rotated too).

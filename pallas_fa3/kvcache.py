@@ -587,13 +587,33 @@ def gather(
   return cache[rows]
 
 
+# Columns per descale of an e4m3 cache quantized by column groups
+# (`quantize_kv_cache(column_groups=True)`; FlashMLA's 128).
+DESCALE_GROUP_COLUMNS = 128
+
+
 class FP8KVCache(NamedTuple):
   """`quantize_kv_cache`'s result: the e4m3 caches and their descales."""
 
   k_cache: jax.Array  # float8_e4m3fn, the input's layout (K rotated if asked)
   v_cache: jax.Array | None  # float8_e4m3fn (None: MLA's one cache)
-  k_descale: jax.Array  # float32 [batch, heads_kv]
-  v_descale: jax.Array | None  # float32 [batch, heads_kv]
+  k_descale: jax.Array  # float32 [batch, heads_kv(, column groups)]
+  v_descale: jax.Array | None  # float32 [batch, heads_kv(, column groups)]
+
+
+def descale_groups(head_dim: int) -> int:
+  """Column groups of a `head_dim`-wide cache's grouped descales (the last
+  group holds the remaining columns)."""
+  return cdiv(head_dim, DESCALE_GROUP_COLUMNS)
+
+
+def column_descales(descale: jax.Array, head_dim: int) -> jax.Array:
+  """float32 `[batch, heads_kv, head_dim]`: each column's descale, from
+  `[batch, heads_kv]` or grouped `[batch, heads_kv, groups]` descales."""
+  if descale.ndim == 2:
+    return jnp.broadcast_to(descale[..., None], descale.shape + (head_dim,))
+  cols = jnp.repeat(descale, DESCALE_GROUP_COLUMNS, axis=-1)
+  return cols[..., :head_dim]
 
 
 def is_fp8(dtype: Any) -> bool:
@@ -619,15 +639,17 @@ def rotate(x: jax.Array, signs: jax.Array | None) -> jax.Array:
 
 
 def check_descale(
-  name: str, x: Any, fp8: bool, batch: int, heads_kv: int
+  name: str, x: Any, fp8: bool, batch: int, heads_kv: int, head_dim: int
 ) -> jax.Array | None:
-  """A descale as float32 `[batch, heads_kv]` (ones when an e4m3 cache has
-  none; None for a 16-bit cache, which takes none).
+  """A descale as float32 `[batch, heads_kv]`, or grouped `[batch,
+  heads_kv, descale_groups(head_dim)]` as given (ones when an e4m3 cache
+  has none; None for a 16-bit cache, which takes none).
 
   Raises:
     ValueError / TypeError naming the argument: a descale for a 16-bit
-    cache, a shape other than a scalar or `[batch, heads_kv]`, a non-float
-    dtype, or a concrete value that is not positive and finite.
+    cache, a shape other than a scalar, `[batch, heads_kv]` or `[batch,
+    heads_kv, ceil(head_dim / 128)]`, a non-float dtype, or a concrete
+    value that is not positive and finite.
   """
   if x is None:
     return jnp.ones((batch, heads_kv), jnp.float32) if fp8 else None
@@ -637,10 +659,13 @@ def check_descale(
       " is 16-bit: pass None"
     )
   shape = tuple(getattr(x, "shape", ()))
-  if shape not in ((), (batch, heads_kv)):
+  grouped = (batch, heads_kv, descale_groups(head_dim))
+  if shape not in ((), (batch, heads_kv), grouped):
     raise ValueError(
       f"{name} must be a scalar or float32 [batch, heads_kv] ="
-      f" ({batch}, {heads_kv}); got shape {shape}"
+      f" ({batch}, {heads_kv}), or one per {DESCALE_GROUP_COLUMNS}-column"
+      f" group [batch, heads_kv, ceil(head_dim / {DESCALE_GROUP_COLUMNS})]"
+      f" = {grouped}; got shape {shape}"
     )
   dtype = jnp.result_type(x)
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -649,26 +674,34 @@ def check_descale(
     value = np.asarray(x, np.float32)
     if not np.all(np.isfinite(value) & (value > 0)):
       raise ValueError(f"{name} must be positive and finite; got {value}")
-  return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (batch, heads_kv))
+  x = jnp.asarray(x, jnp.float32)
+  return x if x.ndim == 3 else jnp.broadcast_to(x, (batch, heads_kv))
 
 
 def quantize_tokens(x: jax.Array, descale: jax.Array) -> jax.Array:
   """`x / descale` in e4m3 (saturated at +-448, rounded to nearest):
-  x `[batch, n, heads_kv, d]`, descale float32 `[batch, heads_kv]`."""
-  y = x.astype(jnp.float32) / descale[:, None, :, None]
+  x `[batch, n, heads_kv, d]`, descale float32 `[batch, heads_kv]` or
+  grouped `[batch, heads_kv, groups]`."""
+  y = x.astype(jnp.float32) / column_descales(descale, x.shape[-1])[:, None]
   return jnp.clip(y, -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
 
 
 def dequantize(x8: jax.Array, descale: jax.Array) -> jax.Array:
-  """float32 `x8 * descale` for per-sequence `[batch, n, heads_kv, d]`."""
-  return x8.astype(jnp.float32) * descale[:, None, :, None]
+  """float32 `x8 * descale` for per-sequence `[batch, n, heads_kv, d]`
+  (descale `[batch, heads_kv]` or grouped)."""
+  cols = column_descales(descale, x8.shape[-1])
+  return x8.astype(jnp.float32) * cols[:, None]
 
 
 def _amax(
-  x: jax.Array, n: jax.Array | None, lo: jax.Array | None = None
+  x: jax.Array,
+  n: jax.Array | None,
+  lo: jax.Array | None = None,
+  groups: bool = False,
 ) -> jax.Array:
   """`[rows, heads]` amax of `[rows, tokens, heads, d]` over the tokens
-  `lo <= t < n`."""
+  `lo <= t < n` (`groups`: `[rows, heads, descale_groups(d)]`, one per
+  128-column group)."""
   x = jnp.abs(x.astype(jnp.float32))
   if n is not None or lo is not None:
     t = jnp.arange(x.shape[1])[None, :]
@@ -678,7 +711,11 @@ def _amax(
     if lo is not None:
       live &= t >= lo[:, None]
     x = jnp.where(live[:, :, None, None], x, 0.0)
-  return jnp.max(x, axis=(1, 3))
+  if not groups:
+    return jnp.max(x, axis=(1, 3))
+  d, g = x.shape[-1], descale_groups(x.shape[-1])
+  x = jnp.pad(x, [(0, 0)] * 3 + [(0, g * DESCALE_GROUP_COLUMNS - d)])
+  return jnp.max(x.reshape(x.shape[:3] + (g, -1)), axis=(1, 4))
 
 
 def quantize_kv_cache(
@@ -689,6 +726,7 @@ def quantize_kv_cache(
   cache_seqlens: Any = None,
   rotation: Any = None,
   cache_leftpad: Any = None,
+  column_groups: bool = False,
 ) -> FP8KVCache:
   """A bf16/fp16/fp32 KV cache in e4m3 with FA3's per-(sequence, KV head)
   descales: `amax / 448` of the sequence's tokens, so nothing saturates.
@@ -710,6 +748,11 @@ def quantize_kv_cache(
     rotation: None, True, an int seed or a PRNG key: store K rotated (see
       the module docstring); pass the same value as `cache_rotation=` to
       `flash_attention_with_kvcache`.
+    column_groups: True: one descale per 128-column group as well
+      (FlashMLA's column granularity; DeepSeek MLA's 576 columns are 5
+      groups, the RoPE columns the last): descales `[batch, heads_kv,
+      ceil(d / 128)]`, which `flash_attention_with_kvcache` takes as they
+      are.
 
   Returns:
     `FP8KVCache(k_cache, v_cache, k_descale, v_descale)` (v_cache and
@@ -738,6 +781,7 @@ def quantize_kv_cache(
       "rotation cannot be combined with v_cache=None: V is the K cache's"
       " columns, and a rotated K cache holds rotated values"
     )
+  column_groups = check_bool("column_groups", column_groups)
   signs = rotation_signs(rotation, k_cache.shape[3])
   caches = [rotate(k_cache, signs)] + ([] if v_cache is None else [v_cache])
   n = None if cache_seqlens is None else jnp.asarray(cache_seqlens, jnp.int32)
@@ -749,7 +793,7 @@ def quantize_kv_cache(
         f"{name} must have shape [batch] = ({batch},); got {x.shape}"
       )
   if page_table is None:
-    descales = [scale_of(_amax(c, n, lo)) for c in caches]
+    descales = [scale_of(_amax(c, n, lo, column_groups)) for c in caches]
     rows = jnp.arange(batch)
   else:
     pt = jnp.asarray(page_table, jnp.int32)
@@ -759,7 +803,9 @@ def quantize_kv_cache(
       )
     seq = lambda c: c[pt].reshape((pt.shape[0], -1) + c.shape[2:])
     per_head = lambda a: jnp.broadcast_to(a.max(0), a.shape)
-    descales = [scale_of(per_head(_amax(seq(c), n, lo))) for c in caches]
+    descales = [
+      scale_of(per_head(_amax(seq(c), n, lo, column_groups))) for c in caches
+    ]
     rows = jnp.zeros((caches[0].shape[0],), jnp.int32)  # every page: the head's
   for (name, _), d in zip(named, descales):
     if not isinstance(d, jax.core.Tracer) and not np.all(np.isfinite(d)):

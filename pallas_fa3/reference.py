@@ -32,6 +32,7 @@ from pallas_fa3 import flex, masking, modifiers, segments
 from pallas_fa3.kvcache import (
   DecodeSpec,
   cache_rows,
+  column_descales,
   gather,
   visible_in_cache,
 )
@@ -465,7 +466,8 @@ def golden_decode(
   bottom-right causal and windows, as in the decode semantics). A sequence of length 0 sees no key; `v_cache`
   None with `spec.v_in_k` (V: the K cache's columns). `rows`:
   `cache_batch_idx` (contiguous), `page_table` (paged); an e4m3 cache is
-  dequantized with `descale = (k_descale, v_descale)` first."""
+  dequantized with `descale = (k_descale, v_descale)` first (each
+  `[b, hk]` or grouped per 128 columns)."""
   rows = cache_rows(spec, rows)
   k = np.asarray(gather(spec, jnp.asarray(k_cache), rows, page_table))
   if spec.v_in_k:  # v_cache None: V is K's first head_dim_v columns
@@ -473,14 +475,11 @@ def golden_decode(
   else:
     v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
   if descale is not None:  # float32 inputs (the golden computes in float64)
-    k = (
-      k.astype(np.float32)
-      * np.asarray(descale[0], np.float32)[:, None, :, None]
-    )
-    v = (
-      v.astype(np.float32)
-      * np.asarray(descale[1], np.float32)[:, None, :, None]
-    )
+    cols = lambda d, x: np.asarray(
+      column_descales(jnp.asarray(d, jnp.float32), x.shape[-1])
+    )[:, None]  # [b, 1, hk, columns], from `[b, hk]` or grouped descales
+    k = k.astype(np.float32) * cols(descale[0], k)
+    v = v.astype(np.float32) * cols(descale[1], v)
     q = np.asarray(q, np.float32)
   outs, lses = [], []
   for i in range(spec.batch):

@@ -19,6 +19,7 @@ from pallas_fa3.reference import golden_decode
 from pallas_fa3.testing import decode_case, lowered_kernel_count
 
 _TIMEOUT_S = 300
+_TIMEOUT = pytest.mark.timeout(_TIMEOUT_S)
 F8 = jnp.float8_e4m3fn
 # Relative RMSE against the golden on the dequantized cache: the issue's
 # target is 3e-2; the products are 16-bit, so the output's own rounding
@@ -31,7 +32,7 @@ def _relative_rmse(got, want):
   return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
 
 
-def _fp8_case(rng, **kw):
+def _fp8_case(rng, column_groups=False, **kw):
   """A bf16 decode case (NaN/Inf past the lengths) and its e4m3 cache."""
   case = decode_case(rng, **kw)
   x = pallas_fa3.quantize_kv_cache(
@@ -41,6 +42,7 @@ def _fp8_case(rng, **kw):
     cache_seqlens=case.cache_seqlens
     if case.page_table is not None
     else _row_lengths(case),
+    column_groups=column_groups,
   )
   return case, x
 
@@ -148,6 +150,70 @@ def test_against_golden_on_the_dequantized_cache(impl, kw, options, rng):
   live = np.isfinite(g_lse)
   np.testing.assert_allclose(np.asarray(lse)[live], g_lse[live], atol=1e-2)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+# Cases with more than one 128-column group in K or V.
+GROUPED = [c for c in CASES if "d192" in c.id or "dv192" in c.id]
+
+
+@pytest.mark.parametrize(
+  "impl",
+  ["reference", "blockwise", pytest.param("interpret", marks=_TIMEOUT)],
+)
+@pytest.mark.parametrize("kw,options", GROUPED)
+def test_column_group_descales_against_golden(impl, kw, options, rng):
+  """`quantize_kv_cache(column_groups=True)`: one descale per 128-column
+  group, `[b, hk, ceil(d / 128)]`, each group's amax at 448; every backend
+  against the golden on the cache dequantized per group, and appended
+  tokens quantized per group."""
+  case, x = _fp8_case(rng, column_groups=True, **kw)
+  d, dv = case.k_cache.shape[-1], case.v_cache.shape[-1]
+  rows, hk = case.k_cache.shape[0], case.k_cache.shape[2]
+  if case.page_table is None:
+    assert x.k_descale.shape == (rows, hk, -(-d // 128))
+    assert x.v_descale.shape == (rows, hk, -(-dv // 128))
+  result, descale = _call(case, x, impl, **options)
+  out, lse = result[:2]
+  caches = result[2:] if case.k is not None else (x.k_cache, x.v_cache)
+  g_out, g_lse = _golden(case, caches, descale, **options)
+  assert _relative_rmse(out, g_out) <= _REL_RMSE
+  live = np.isfinite(g_lse)
+  np.testing.assert_allclose(np.asarray(lse)[live], g_lse[live], atol=1e-2)
+  if case.k is not None:  # contiguous here: the slots after each length
+    for b, n in enumerate(np.asarray(case.cache_seqlens)):
+      row = b if case.cache_batch_idx is None else case.cache_batch_idx[b]
+      want = kvcache.quantize_tokens(case.k[b : b + 1], descale[0][b : b + 1])
+      np.testing.assert_array_equal(
+        np.asarray(caches[0][row, n : n + case.k.shape[1]], np.float32),
+        np.asarray(want[0], np.float32),
+      )
+
+
+def test_column_group_descales_keep_a_small_group(rng):
+  """V's second 128-column group at 1e-5 of the first: one descale per
+  sequence puts it among e4m3's subnormals (its output columns lose
+  nearly everything), one per group keeps e4m3's relative error."""
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=4, heads_kv=2, head_dim=64,
+    head_dim_v=256, capacity=128, lengths=[60, 128],
+  )  # fmt: skip
+  v = np.asarray(case.v_cache, np.float32)
+  v[..., 128:] *= 1e-5
+  case.v_cache = jnp.asarray(v, jnp.bfloat16)
+  args, kwargs = case.call_args()
+  want = _golden(case, (case.k_cache, case.v_cache), None)[0][..., 128:]
+  errors = {}
+  for groups in (False, True):
+    x = pallas_fa3.quantize_kv_cache(
+      case.k_cache, case.v_cache, cache_seqlens=case.cache_seqlens,
+      column_groups=groups,
+    )  # fmt: skip
+    out = pallas_fa3.flash_attention_with_kvcache(
+      case.q, x.k_cache, x.v_cache, **kwargs, k_descale=x.k_descale,
+      v_descale=x.v_descale, implementation="blockwise",
+    )  # fmt: skip
+    errors[groups] = _relative_rmse(np.asarray(out)[..., 128:], want)
+  assert errors[False] > 0.3 and errors[True] < 0.05, errors
 
 
 @pytest.mark.timeout(_TIMEOUT_S)
@@ -342,12 +408,13 @@ def test_refusals_on_a_16_bit_cache(change, error, match):
   "change,error,match",
   [
     (dict(k_descale=jnp.ones((3, 2))), ValueError, r"k_descale must be a scalar or float32 \[batch, heads_kv\]"),
+    (dict(k_descale=jnp.ones((2, 2, 2))), ValueError, r"k_descale .* one per 128-column group \[batch, heads_kv, ceil\(head_dim / 128\)\] = \(2, 2, 1\); got shape \(2, 2, 2\)"),
     (dict(v_descale=jnp.asarray([[1.0, -1.0]] * 2)), ValueError, "v_descale must be positive"),
     (dict(k_descale=jnp.ones((2, 2), jnp.int32)), TypeError, "k_descale must be float32"),
     (dict(v_cache=jnp.zeros((2, 128, 2, 64), jnp.bfloat16)), TypeError, "same dtype"),
     (dict(q=jnp.zeros((2, 1, 4, 64), jnp.float32), implementation="interpret"), NotImplementedError, "bfloat16 or float16"),
   ],
-  ids=["descale-shape", "descale-negative", "descale-int", "mixed-caches", "f32-q-on-the-kernel"],
+  ids=["descale-shape", "descale-groups", "descale-negative", "descale-int", "mixed-caches", "f32-q-on-the-kernel"],
 )  # fmt: skip
 def test_refusals_on_an_e4m3_cache(change, error, match):
   kw = dict(

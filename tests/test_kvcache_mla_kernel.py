@@ -120,15 +120,20 @@ def test_interpret_mla_with_cache_leftpad(rng):
     assert_within_tolerance(name, got, nv, g)
 
 
-# (heads_q, seq_q, lengths, page_size, seq_new, splits, options)
+# (heads_q, seq_q, lengths, page_size, seq_new, splits, column groups,
+# options)
 E4M3_CASES = [
   pytest.param(
-    16, 1, [0, 100, 256], None, 0, 3, dict(causal=True),
+    16, 1, [0, 100, 256], None, 0, 3, False, dict(causal=True),
     id="contiguous-h16-q1-lengths-0-to-full-3-splits",
   ),
   pytest.param(
-    64, 2, [37, 190], 64, 1, 1, dict(window_size=(80, 0), softcap=8.0),
+    64, 2, [37, 190], 64, 1, 1, False, dict(window_size=(80, 0), softcap=8.0),
     id="paged64-h64-q2-append-window-softcap",
+  ),
+  pytest.param(
+    16, 1, [200, 255], 64, 1, 2, True, dict(causal=True),
+    id="paged64-h16-append-column-group-descales",
   ),
 ]  # fmt: skip
 
@@ -139,15 +144,18 @@ def _relative_rmse(got, want):
 
 
 @pytest.mark.timeout(_TIMEOUT_S)
-@pytest.mark.parametrize("hq,sq,lengths,ps,new,splits,options", E4M3_CASES)
+@pytest.mark.parametrize(
+  "hq,sq,lengths,ps,new,splits,groups,options", E4M3_CASES
+)
 def test_interpret_mla_e4m3_cache_against_the_dequantized_golden(
-  hq, sq, lengths, ps, new, splits, options, rng
+  hq, sq, lengths, ps, new, splits, groups, options, rng
 ):
   """An e4m3 MLA cache (`quantize_kv_cache(k_cache, None)`, NaN and Inf
-  past the lengths) in the kernel: the producer converts each tile to
-  float16 and zeroes V's rows past the length; against the float64 golden
-  on the dequantized cache (tests/test_kvcache_fp8.py's bound) and the
-  blockwise twin."""
+  past the lengths; per (sequence, KV head) or per 128-column group
+  descales, the RoPE columns the fifth group) in the kernel: the producer
+  converts each tile to float16 and zeroes V's rows past the length;
+  against the float64 golden on the dequantized cache
+  (tests/test_kvcache_fp8.py's bound) and the blockwise twin."""
   case = decode_case(
     rng, batch=len(lengths), seq_q=sq, heads_q=hq, heads_kv=1,
     head_dim=576, head_dim_v=512, capacity=256,
@@ -156,8 +164,9 @@ def test_interpret_mla_e4m3_cache_against_the_dequantized_golden(
   )  # fmt: skip
   x = pallas_fa3.quantize_kv_cache(
     case.k_cache, None, page_table=case.page_table,
-    cache_seqlens=case.cache_seqlens,
+    cache_seqlens=case.cache_seqlens, column_groups=groups,
   )  # fmt: skip
+  assert x.k_descale.shape == (len(lengths), 1) + ((5,) if groups else ())
   case.k_cache = x.k_cache
   out, lse, *cache = _run(case, options, splits, k_descale=x.k_descale)
   k8 = cache[0] if new else x.k_cache
