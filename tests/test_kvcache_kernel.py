@@ -7,6 +7,7 @@ the defaults)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3.kernels.sm90 import compat
+from pallas_fa3.kernels.sm90 import compat, config_decode
 from pallas_fa3.kvcache import make_decode_spec
 from pallas_fa3.testing import (
   assert_within_tolerance,
@@ -165,6 +166,107 @@ def test_interpret_fa3_kvcache_grid_seq_q_512_gqa6(ps, rng):
     assert_within_tolerance(name, got, nv, g)
 
 
+# FA3's `test_flash_attn_kvcache` grid (hopper/test_flash_attn.py): its
+# (seqlen_q, seqlen_k) pairs and page sizes; a paged point needs seqlen_k
+# a multiple of the page size, as there.
+FA3_SEQLENS = (
+  (1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799),
+  (64, 2048), (16, 20000), (1, 128 * 1024), (16, 128 * 1024), (128, 128),
+  (256, 512), (2048, 3577),
+)  # fmt: skip
+FA3_PAGE_SIZES = (None, 1, 4, 128)
+
+
+@pytest.mark.parametrize("heads_kv", [6, 3, 1], ids=["mha", "gqa", "mqa"])
+def test_the_kernel_serves_fa3s_kvcache_grid(heads_kv):
+  """Every point of FA3's grid (d128, 6 query heads, appended tokens where
+  FA3 appends them) is served by the decode kernel: pages of 1 and 4
+  tokens and lengths like 339 run on a gathered contiguous copy
+  (`config_decode.kernel_spec`), none is refused."""
+  S = jax.ShapeDtypeStruct
+  b, d = 5, 128
+  for (sq, sk), ps in itertools.product(FA3_SEQLENS, FA3_PAGE_SIZES):
+    if ps is not None and sk % ps:
+      continue
+    if ps is None:
+      kc, pt = S((b, sk, heads_kv, d), jnp.bfloat16), None
+    else:
+      pages = sk // ps * b * 3
+      kc = S((pages, ps, heads_kv, d), jnp.bfloat16)
+      pt = S((b, pages // b), jnp.int32)
+    new = S((b, sq, heads_kv, d), jnp.bfloat16) if sq <= sk else None
+    spec = make_decode_spec(
+      S((b, sq, 6, d), jnp.bfloat16), kc, kc, new, new, cache_seqlens=0,
+      page_table=pt, causal=True,
+    )  # fmt: skip
+    reason = pallas_fa3.backends.unsupported_reason("interpret", spec)
+    assert reason is None, (sq, sk, ps, reason)
+
+
+# (batch, seq_q, heads_q, heads_kv, d, capacity, lengths, page_size,
+#  seq_new, batch_idx, leftpad)
+FA3_LAYOUTS = [
+  pytest.param(
+    3, 1, 6, 3, 128, 339, [0, 200, 338], None, 1, True, False,
+    id="contiguous-339-batch-idx-append",
+  ),
+  pytest.param(
+    2, 3, 6, 1, 64, 128, [0, 100], 1, 3, False, True,
+    id="page1-mqa-q3-append-leftpad",
+  ),
+  pytest.param(
+    2, 64, 6, 3, 64, 256, [50, 192], 4, 64, False, False,
+    id="page4-gqa-q64-append",
+  ),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize(
+  "b,sq,hq,hk,d,cap,lengths,ps,new,idx,leftpad", FA3_LAYOUTS
+)
+def test_interpret_layouts_the_tma_boxes_cannot_tile(
+  b, sq, hq, hk, d, cap, lengths, ps, new, idx, leftpad, rng
+):
+  """FA3's pages of 1 and 4 tokens and a length of 339 (with
+  cache_batch_idx, appended tokens, cache_leftpad): the kernel runs on a
+  gathered contiguous copy (race detection on) against the float64
+  golden, and the caches come back with the new tokens in place."""
+  case = decode_case(
+    rng, batch=b, seq_q=sq, heads_q=hq, heads_kv=hk, head_dim=d,
+    capacity=cap, lengths=lengths, page_size=ps, seq_new=new, batch_idx=idx,
+  )  # fmt: skip
+  args, kwargs = case.call_args()
+  starts = None
+  if leftpad:  # up to half of each sequence's cached tokens
+    starts = jnp.asarray([n // 2 for n in lengths], jnp.int32)
+    kwargs["cache_leftpad"] = starts
+  spec = make_decode_spec(*args, **kwargs, causal=True)
+  assert config_decode.kernel_spec(spec) is not spec  # (gathered)
+  try:
+    with compat.capture_race_report() as report:
+      out, lse, kc, vc = pallas_fa3.flash_attention_with_kvcache(
+        *args, **kwargs, causal=True, return_lse=True,
+        implementation="interpret",
+      )  # fmt: skip
+      jax.block_until_ready(out)
+  except Exception:
+    compat.reset_interpret_state()
+    raise
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  twin = pallas_fa3.flash_attention_with_kvcache(
+    *args, **kwargs, causal=True, return_lse=True,
+    implementation="blockwise",
+  )  # fmt: skip
+  for got, want in zip((kc, vc), twin[2:]):  # the same appended caches
+    np.testing.assert_array_equal(
+      np.asarray(got, np.float32), np.asarray(want, np.float32)
+    )
+  golden, naive = decode_golden_and_naive(spec, case, kc, vc, starts=starts)
+  for name, got, nv, g in zip(("out", "lse"), (out, lse), naive, golden):
+    assert_within_tolerance(name, got, nv, g)
+
+
 def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
   S = jax.ShapeDtypeStruct
   b, hq, hk, d = 4, 16, 4, 128
@@ -196,8 +298,15 @@ def _lowered(cap=8192, sq=4, paged=False, **options) -> str:
     dict(paged=True, window_size=(1000, 0), softcap=30.0),
     dict(num_splits=8, causal=True),
     dict(sq=128, causal=True),
+    dict(cap=339, causal=True),
   ],
-  ids=["contiguous", "paged-window-softcap", "8-splits", "q128-8-query-tiles"],
+  ids=[
+    "contiguous",
+    "paged-window-softcap",
+    "8-splits",
+    "q128-8-query-tiles",
+    "contiguous-339-gathered",
+  ],
 )
 def test_mosaic_lowers_to_one_kernel_without_a_score_tensor(options):
   text = _lowered(**options)

@@ -284,7 +284,8 @@ class Sm90Backend(Backend):
   def make_decode_config(
     self, spec: DecodeSpec, config: Sm90DecodeConfig | None
   ) -> Sm90DecodeConfig:
-    return config or config_decode.default_decode_config(spec)
+    kernel = config_decode.kernel_spec(spec)
+    return config or config_decode.default_decode_config(kernel)
 
   def decode_unsupported(
     self, spec: DecodeSpec, config: Sm90DecodeConfig
@@ -292,11 +293,15 @@ class Sm90Backend(Backend):
     return config_decode.decode_unsupported(spec, config)
 
   def decode_splits(self, spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
-    return spec.num_splits or config_decode.default_splits(spec, config)
+    kernel = config_decode.kernel_spec(spec)
+    return spec.num_splits or config_decode.default_splits(kernel, config)
 
   def decode(self, spec, config, splits, *operands):
     from pallas_fa3.kernels.sm90 import decode, decode_mla  # pylint: disable=g-import-not-at-top
 
+    # A layout the TMA boxes cannot tile: the sequences' slots gathered
+    operands = decode.repacked_operands(spec, operands)
+    spec = config_decode.kernel_spec(spec)
     # V in the K cache (v_cache=None): the MLA kernel, the same operands
     run = (
       decode_mla.sm90_mla_decode

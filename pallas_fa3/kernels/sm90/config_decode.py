@@ -36,6 +36,8 @@ MAX_SPLITS = 128
 # page: whole 64-row groups of the swizzled tile (one TMA destination each).
 _TMA_ROWS = 8
 _PAGE_ROWS = 64
+# The shortest contiguous cache the kernels read (one 64-key tile).
+MIN_CAPACITY = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,10 +279,40 @@ def _layout_problem(spec: DecodeSpec, config: Sm90DecodeConfig) -> str | None:
   return None
 
 
+def kernel_spec(spec: DecodeSpec) -> DecodeSpec:
+  """The call the kernels run for `spec`: itself, or, for a cache whose
+  layout the TMA boxes cannot tile (pages not a multiple of 64 rows, FA3's
+  1 and 4; a contiguous length not a multiple of 8 or under 64), a
+  contiguous one of each sequence's slots, padded to a multiple of 8 rows
+  and at least 64 (`decode.repacked_operands` gathers it, one XLA copy of
+  the cache per call). With flex options the capacity (their positions'
+  range) must stay; a call that would change it keeps its layout."""
+  cap = spec.capacity
+  if spec.paged:
+    if spec.page_size % _PAGE_ROWS == 0:
+      return spec
+  elif cap % _TMA_ROWS == 0 and cap >= MIN_CAPACITY:
+    return spec
+  padded = max(cdiv(cap, _TMA_ROWS) * _TMA_ROWS, MIN_CAPACITY)
+  if spec.flex is not None and padded != cap:
+    return spec
+  return dataclasses.replace(
+    spec,
+    paged=False,
+    capacity=padded,
+    page_size=0,
+    pages_per_seq=0,
+    cache_rows=spec.batch,
+    batch_idx=False,
+  )
+
+
 def decode_unsupported(
   spec: DecodeSpec, config: Sm90DecodeConfig | None = None
 ) -> str | None:
-  """Why the decode kernel cannot serve `spec` with `config`, or None."""
+  """Why the decode kernel cannot serve `spec` (`kernel_spec(spec)`, the
+  call it runs) with `config`, or None."""
+  spec = kernel_spec(spec)
   if spec.flex is not None:
     reason = flex_reason(spec, config or default_decode_config(spec))
     if reason:

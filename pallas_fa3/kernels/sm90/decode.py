@@ -39,7 +39,7 @@ from pallas_fa3.kernels.sm90.config_decode import (
   out_cols,
 )
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kvcache import DecodeSpec, key_range
+from pallas_fa3.kvcache import DecodeSpec, gather, key_range
 from pallas_fa3.lse import combine_splits, natural_from_log2
 from pallas_fa3.spec import LOG2E, cdiv
 
@@ -660,6 +660,29 @@ def build_decode(
     warpgroups=2,
     interpret=interpret,
   )
+
+
+def repacked_operands(spec: DecodeSpec, operands: tuple) -> tuple:
+  """The decode operands `(q, k_cache, v_cache, lengths, rows, page_table,
+  ...)` for `config_decode.kernel_spec(spec)`: where that is a contiguous
+  call in place of `spec`'s layout, each sequence's slots gathered in
+  order (pages, or its `cache_batch_idx` row) and zero-padded to its
+  capacity, rows 0..b-1, no page table. The padding is never read: every
+  length is within the original capacity."""
+  q, k_cache, v_cache, lengths, rows, pages, *rest = operands
+  kernel = config_decode.kernel_spec(spec)
+  if kernel is spec:
+    return operands
+
+  def view(cache):
+    if cache is None:
+      return None
+    seqs = gather(spec, cache, rows, pages)
+    return pad_axis(seqs, 1, kernel.capacity)
+
+  k_cache, v_cache = view(k_cache), view(v_cache)
+  in_order = jnp.arange(spec.batch, dtype=jnp.int32)
+  return (q, k_cache, v_cache, lengths, in_order, None, *rest)
 
 
 def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
