@@ -177,11 +177,12 @@ def test_float32_against_golden(case):
 
 
 # The Hopper kernels in interpret mode (race detection on): the functions
-# traced into the forward's tile loop, and into the deterministic dK/dV
-# and dQ kernels (score_mod with its derivative; dbias and the score_mod's
-# float arrays' gradients summed by the kernels where they can: by query in
-# the dQ kernel, by key in the dK/dV kernel); the rest are the blockwise
-# backward's on the kernel's residuals (said by a warning).
+# traced into the forward's tile loop, into the fused backward kernel
+# (masks, a score_mod without floating arrays) and into the deterministic
+# dK/dV and dQ kernels (score_mod with its derivative; dbias and the
+# score_mod's float arrays' gradients summed by the kernels where they can:
+# by query in the dQ kernel, by key in the dK/dV kernel); the rest are the
+# blockwise backward's on the kernel's residuals (said by a warning).
 # The default run keeps one of each kind (vector reads, a score_mod's
 # derivative in the kernels, learnable arrays read by batch/head and by
 # position, a bias); the rest are `slow`. Each runs in the kernels: the
@@ -486,6 +487,95 @@ def test_flex_lowers_to_the_mosaic_gpu_kernel_for_cuda():
 
 def _DOC4(ids):
   return mods.document_mask(ids)
+
+
+def _backward_kernels(deterministic, d=64, **kw):
+  """The backward kernels `jax.grad` of a flex call lowers to for CUDA."""
+  from jax import export
+
+  q = jax.ShapeDtypeStruct((1, 256, 4, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
+  f = lambda q, k, v: (
+    pallas_fa3.flash_attention(
+      q, k, v, implementation="mosaic", deterministic=deterministic, **kw
+    )
+    .astype(jnp.float32)
+    .sum()
+  )
+  grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+  text = export.export(grad, platforms=["cuda"])(q, k, k).mlir_module()
+  return {n for n in ("fa3_bwd_dkdv", "fa3_bwd_dq") if n in text}
+
+
+def test_fused_backward_takes_masks_and_score_mods_without_arrays():
+  """A mask_mod, a block mask or a score_mod without floating arrays:
+  the fused kernel (no dQ kernel) unless deterministic, at d64/d96 and in
+  d192's shared-tile layout (d128's own-tile consumer spilled with flex:
+  the pair); a bias or a score_mod's learnable arrays: the dK/dV and dQ
+  kernels."""
+  ids = jnp.asarray(np.arange(256)[None] // 64, jnp.int32)
+  bm = pallas_fa3.create_block_mask(mods.document_mask(ids), 1, None, 256, 256)
+  fused = {"fa3_bwd_dkdv"}
+  pair = {"fa3_bwd_dkdv", "fa3_bwd_dq"}
+  for d, want in ((64, fused), (128, pair), (192, fused)):
+    assert _backward_kernels(False, d, mask_mod=_DOC4(ids)) == want, d
+  assert _backward_kernels(False, block_mask=bm, causal=True) == fused
+  assert _backward_kernels(False, score_mod=mods.softcap(5.0)) == fused
+  assert _backward_kernels(True, mask_mod=_DOC4(ids)) == pair
+  bias = jnp.zeros((1, 4, 256, 256), jnp.bfloat16)
+  assert _backward_kernels(False, bias=bias) == pair
+
+
+def test_vmapped_fused_flex_backward_lowers_to_the_fused_kernel():
+  """The compiled fused kernel reduce-adds dQ into an in-place ref, which
+  has no vmap rule: plain calls fold a vmapped axis into the batch, flex
+  calls (whose functions read the batch index) run the vmapped elements
+  one after another; both lower for CUDA to the fused kernel alone."""
+  from jax import export
+
+  ids = jnp.asarray(np.arange(256)[None] // 64, jnp.int32)
+  q = jax.ShapeDtypeStruct((3, 1, 256, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((3, 1, 256, 2, 64), jnp.bfloat16)
+  f = lambda q, k, v: (
+    pallas_fa3.flash_attention(
+      q, k, v, implementation="mosaic", mask_mod=_DOC4(ids)
+    )
+    .astype(jnp.float32)
+    .sum()
+  )
+  grad = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2))))
+  text = export.export(grad, platforms=["cuda"])(q, k, k).mlir_module()
+  assert "fa3_bwd_dkdv" in text and "fa3_bwd_dq" not in text
+
+
+@pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "det"])
+def test_interpret_fused_and_deterministic_flex_backward(deterministic):
+  """A document mask_mod with a score_mod (softcap) and a block mask that
+  skips tiles, through the fused kernel and through the dK/dV + dQ pair,
+  against the float64 golden; the fused kernel's dQ slots of query tiles
+  outside a CTA's block-mask span are never written (the interpreter's
+  slab sums only the spans)."""
+  q, k, v, do = _inputs(d=64)
+  bm = pallas_fa3.create_block_mask(
+    _DOC, B, None, SQ, SKV, block_q=64, block_kv=64
+  )
+  options = lambda p: dict(
+    block_mask=bm, score_mod=mods.softcap(3.0), deterministic=deterministic
+  )
+  golden, naive = flex_golden_and_naive(
+    q, k, v, do, (), lambda p: dict(block_mask=bm, score_mod=mods.softcap(3.0))
+  )
+  out, pull = jax.vjp(
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, implementation="interpret", **options(())
+    ),
+    q,
+    k,
+    v,
+  )
+  for name, g, n, ref in zip(NAMES, (out,) + pull(do), naive, golden):
+    assert_within_tolerance(f"{name} deterministic={deterministic}", g, n, ref)
 
 
 def test_score_mod_softcap_equals_builtin_softcap():

@@ -212,14 +212,29 @@ class Sm90Backend(Backend):
     return jax.lax.cond(keys_exact & queries_exact, run, twin, operands)
 
   def _flex_backward(self, spec, tiling, residuals, segment_ids, flex):
-    """A mask_mod / block mask, a score_mod, a bias: the deterministic
-    dK/dV and dQ kernels recompute P with them (both skip a block mask's
-    empty tiles; the dQ kernel writes dbias). A score_mod's floating
-    arrays (their gradients), what `flex_tile.backward_unsupported` names,
-    or tiles a block mask does not divide: the blockwise backward on the
-    kernel's residuals, said by a warning."""
+    """A mask_mod / block mask, or a score_mod without floating arrays:
+    the fused kernel recomputes P with them (skipping a block mask's empty
+    tiles), unless `deterministic`. A bias, a score_mod's floating arrays
+    (their gradients), a deterministic call: the dK/dV and dQ kernels (the
+    dQ kernel writes dbias, both sum the arrays' gradients). What
+    `flex_tile.backward_unsupported` names, or tiles a block mask does not
+    divide: the blockwise backward on the kernel's residuals, said by a
+    warning."""
     from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
 
+    if not spec.deterministic and segment_ids is None:
+      fused = tiling or sm90_bwd_config.default_backward_config(spec)
+      if (
+        sm90_bwd_config.fused_backward(spec, fused)
+        and sm90_bwd_config.fused_flex_unsupported(spec, fused) is None
+        and flex_tile.backward_unsupported(
+          spec, fused.block_q, fused.block_kv, fused
+        )
+        is None
+      ):
+        return kernel.sm90_backward(
+          spec, fused, *residuals, interpret=self._params(), flex=flex
+        )
     det = dataclasses.replace(spec, deterministic=True)
     tiling = tiling or sm90_bwd_config.default_backward_config(det)
     reason = sm90_bwd_config.backward_unsupported(det, tiling)

@@ -37,7 +37,10 @@ from pallas_fa3.kernels.sm90.common import (
   tma_extent,
 )
 from pallas_fa3.kernels.sm90.config import Sm90BackwardConfig
-from pallas_fa3.kernels.sm90.config_backward import fused_backward
+from pallas_fa3.kernels.sm90.config_backward import (
+  fused_backward,
+  fused_flex_unsupported,
+)
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED
 from pallas_fa3.lse import log2_of
 from pallas_fa3.spec import AttentionSpec
@@ -87,10 +90,15 @@ def sm90_backward(
   """
   args = (q, k, v, out, lse, dout, dlse)
   args += () if segment_ids is None else tuple(segment_ids)
+  fused = fused_backward(spec, config)
   if spec.flex is not None:
-    assert not fused_backward(spec, config), "flex: the two kernels"
+    if fused:  # mask_mod, block masks, a score_mod without floating arrays
+      reason = fused_flex_unsupported(spec, config)
+      assert reason is None, f"the fused kernel takes no {reason}"
+    if fused and interpret is None:
+      return _fused_compiled(spec, config, *args, flex=flex)
     return _kernels(spec, config, *args, interpret=interpret, flex=flex)
-  if fused_backward(spec, config) and interpret is None:
+  if fused and interpret is None:
     return _fused_compiled(spec, config, *args)
   return _kernels(spec, config, *args, interpret=interpret)
 
@@ -174,9 +182,14 @@ def _kernels(
       spans = None
       if bounds:  # the query tiles each CTA walked
         spans = jnp.stack(query_tile_spans(dkdv_plan, *bounds[2:]))
+      elif "bm_qspans" in fx:  # a block mask's, per KV head
+        spans = fx["bm_qspans"]
       dq = sum_slab(dkdv_plan, slab, spans) * scale
     dq = dq.astype(spec.dtype)
-    return (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+    grads = (dq[:, : spec.seq_q], dk[:, : spec.seq_kv], dv[:, : spec.seq_kv])
+    if spec.flex is None:
+      return grads
+    return grads + ((None, (None,) * len(flex.score_consts)),)
 
   dk, dv, *dkdv_sums = kernel(qp, kp, vp, dop, lse2, delta)
   if interpret is not None:
@@ -262,14 +275,20 @@ def _after(done: Any, rest: Any) -> tuple[Any, Any]:
   return lax.optimization_barrier((done, rest))
 
 
-def _fused_compiled(spec: AttentionSpec, config: Sm90BackwardConfig, *args):
+def _fused_compiled(
+  spec: AttentionSpec, config: Sm90BackwardConfig, *args, flex: Any = None
+):
   """The compiled fused backward with a vmap rule: its kernel updates a
   `jax.new_ref` in place, which has none, so a vmapped axis is folded into
-  the batch."""
+  the batch; with flex operands (whose functions see the batch index) the
+  vmapped calls run one after another instead."""
+  leaves, tree = jax.tree.flatten(flex)
+  n = len(args)
 
   @jax.custom_batching.custom_vmap
   def run(*args):
-    return _kernels(spec, config, *args, interpret=None)
+    flex = jax.tree.unflatten(tree, args[n:])
+    return _kernels(spec, config, *args[:n], interpret=None, flex=flex)
 
   @run.def_vmap
   def _rule(axis_size, in_batched, *args):
@@ -277,10 +296,13 @@ def _fused_compiled(spec: AttentionSpec, config: Sm90BackwardConfig, *args):
       a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
       for a, batched in zip(args, in_batched)
     ]
+    if flex is not None:  # one call per vmapped element
+      outs = lax.map(lambda xs: run(*xs), tuple(args))
+      return outs, jax.tree.map(lambda _: True, outs)
     flat = [a.reshape((axis_size * a.shape[1],) + a.shape[2:]) for a in args]
     wide = dataclasses.replace(spec, batch=axis_size * spec.batch)
     outs = _fused_compiled(wide, config, *flat)
     outs = [o.reshape((axis_size, spec.batch) + o.shape[1:]) for o in outs]
     return tuple(outs), (True, True, True)
 
-  return run(*args)
+  return run(*args, *leaves)

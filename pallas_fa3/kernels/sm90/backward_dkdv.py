@@ -713,6 +713,11 @@ def fused_consumer(
     q_tile, do_tile = q_smem.at[slot, 0], do_smem.at[slot, 0]
 
     def grads(read_s, read_dp):
+      # flex: a mask_mod, a block mask, a score_mod (its derivative in
+      # t_t); no bias or learnable arrays (`fused_flex_unsupported`).
+      flex_at = None
+      if spec.flex is not None:
+        flex_at = (refs, batch, kv_head * spec.group_size + h)
       p_t, t_t = row_probabilities(
         ops,
         spec,
@@ -724,9 +729,11 @@ def fused_consumer(
         check_seq_kv=False,
         q_axis=1,
         bounds=bounds,
+        flex_at=flex_at,
       )
       delta = ops.load_cols(dl_smem.at[slot])
-      pg_t = softcap_grad(p_t, t_t)  # P^T (1 - t^2) with softcap
+      # P^T (1 - t^2) with softcap, times a score_mod's derivative
+      pg_t = softcap_grad(p_t, t_t)
       ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
       return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
 
@@ -802,8 +809,8 @@ def sum_slab(
 ) -> jax.Array:
   """The interpreter's dQ slab summed over its slots (slots a CTA never
   wrote, query tiles that see none of its keys, are left out; `spans`:
-  with segment ids, the `[2, b, kv_ctas]` query tile spans the CTAs
-  walked)."""
+  the query tile spans the CTAs walked, `[2, b, kv_ctas]` with segment
+  ids, `[2, b, heads_kv, kv_ctas]` with a block mask)."""
   spec, bq = plan.spec, plan.config.block_q
   with jax.ensure_compile_time_eval():  # static: Python ints under jit
     ranges = [
@@ -819,16 +826,21 @@ def sum_slab(
       )
       for c in range(plan.kv_ctas)
     ]
-  starts = jnp.asarray([r[0] for r in ranges], jnp.int32)[:, None]  # [c, 1]
-  ends = jnp.asarray([r[1] for r in ranges], jnp.int32)[:, None]
-  if spans is not None:  # [c, b]
-    starts = jnp.maximum(starts, spans[0].T)
-    ends = jnp.minimum(ends, spans[1].T)
+  # [c, 1, 1]: per CTA, then per batch and query head (1: all)
+  starts = jnp.asarray([r[0] for r in ranges], jnp.int32)[:, None, None]
+  ends = jnp.asarray([r[1] for r in ranges], jnp.int32)[:, None, None]
+  if spans is not None:
+    if spans.ndim == 3:  # [2, b, c] -> [2, c, b, 1]
+      spans = jnp.moveaxis(spans, 2, 1)[..., None]
+    else:  # [2, b, hk, c] -> [2, c, b, hq]
+      spans = jnp.repeat(jnp.moveaxis(spans, 3, 1), spec.group_size, axis=3)
+    starts = jnp.maximum(starts, spans[0])
+    ends = jnp.minimum(ends, spans[1])
   starts = jnp.repeat(starts * bq, plan.dq_parts, axis=0)
   ends = jnp.repeat(ends * bq, plan.dq_parts, axis=0)
-  rows = jnp.arange(slab.shape[2], dtype=jnp.int32)[None, None, :]
-  written = (rows >= starts[..., None]) & (rows < ends[..., None])
-  return jnp.where(written[..., None, None], slab, 0.0).sum(0)
+  rows = jnp.arange(slab.shape[2], dtype=jnp.int32)[None, None, :, None]
+  written = (rows >= starts[:, :, None]) & (rows < ends[:, :, None])
+  return jnp.where(written[..., None], slab, 0.0).sum(0)
 
 
 def _consumers(

@@ -188,6 +188,37 @@ def fused_backward(spec: AttentionSpec, config: Sm90BackwardConfig) -> bool:
   return reason is None
 
 
+# The own-tile fused consumer with flex options: up to d96. At d128 its
+# 64 x 128 dK and dV beside the functions' reads and a score_mod's
+# derivative spilled 72-300 B (aot --flex, every ready-made case); the
+# shared-tile fused layout compiles there without spills but runs in
+# lockstep (1.13-1.15x tokamax's modeled cycles in issue 43's table,
+# against the deterministic pair's 1.00-1.02), so d128 keeps the pair.
+FUSED_FLEX_OWN_TILE_MAX_DIM = 96
+
+
+def fused_flex_unsupported(
+  spec: AttentionSpec, config: Sm90BackwardConfig
+) -> str | None:
+  """Why the fused kernel with `config` does not take `spec.flex` (it
+  takes mask_mod, block masks and a score_mod, with its derivative), or
+  None: a bias (dbias is dS, which the dQ kernel writes), a score_mod's
+  floating arrays (their gradients are the deterministic kernels' row
+  sums), or an own-tile layout past `FUSED_FLEX_OWN_TILE_MAX_DIM`."""
+  fs = spec.flex
+  if fs.bias is not None:
+    return "a bias (dbias: the dQ kernel's dS)"
+  if fs.score_mod is not None and flex_tile.float_positions(fs.score_mod):
+    return "a score_mod's floating arrays (their gradients)"
+  d = max(spec.head_dim, spec.head_dim_v)
+  if not _dkdv_shared(config) and d > FUSED_FLEX_OWN_TILE_MAX_DIM:
+    return (
+      f"flex options in the own-tile layout at head dim {d} (registers:"
+      f" up to {FUSED_FLEX_OWN_TILE_MAX_DIM})"
+    )
+  return None
+
+
 def backward_smem_bytes(
   config: Sm90BackwardConfig,
   head_dim: int,

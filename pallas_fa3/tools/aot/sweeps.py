@@ -280,8 +280,10 @@ def flex_cases(seq: int, heads: int) -> dict:
 
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
-  at `PROFILE_SHAPE`, and the deterministic dK/dV and dQ kernels of the
-  cases they differentiate (`flex_tile.backward_unsupported`), ALiBi
+  at `PROFILE_SHAPE`, the deterministic dK/dV and dQ kernels of the
+  cases they differentiate (`flex_tile.backward_unsupported`), the fused
+  kernel of those it takes (masks, a score_mod without floating arrays:
+  the default backward where the tiling fuses), ALiBi
   with learnable slopes (their gradient summed by the dQ kernel), and a
   learnable per-key bias (summed by the dK/dV kernel) where its
   default tiling takes one."""
@@ -326,6 +328,20 @@ def flex_sweep() -> Iterator[SweepItem]:
           functools.partial(compile_backward, flex=ops, label=label),
           det,
           tiling,
+        )
+      fused = sm90_bwd_config.default_backward_config(spec)
+      if (
+        sm90_bwd_config.fused_backward(spec, fused)
+        and sm90_bwd_config.fused_flex_unsupported(spec, fused) is None
+        and flex_tile.backward_unsupported(
+          spec, fused.block_q, fused.block_kv, fused
+        )
+        is None
+      ):  # the default (not deterministic) backward: the fused kernel
+        yield (
+          functools.partial(compile_backward, flex=ops, label=label),
+          spec,
+          fused,
         )
       if name == "alibi":
         # learnable slopes: traced, so the dQ kernel sums their gradient
