@@ -275,7 +275,8 @@ def test_flex_items_compile_without_spills():
   """ALiBi and a block mask, which spilled 8-16 B at d256 in FA3's order,
   compile with 0 spills in the default's (`overlap=False`); a learnable
   per-key bias, its gradient summed by the dK/dV kernel (at d128 a lone
-  consumer, the head dim split across CTAs), with 0. One process."""
+  consumer, the head dim split across CTAs), with 0; the fused backward
+  with a block mask at d64, with 0. One process."""
   code = """
 from pallas_fa3.tools.aot import sweeps
 for fn, spec, cfg in sweeps.flex_sweep():
@@ -287,15 +288,20 @@ for fn, spec, cfg in sweeps.flex_sweep():
   if "per-key" in label and d in (64, 128):
     r = fn(spec, cfg)
     print(d, cfg.dkdv_consumers, r.spill_store_bytes, r.spill_load_bytes)
+  fused = fn.func.__name__ == "compile_backward" and not spec.deterministic
+  if fused and d == 64 and label == "flex=block_mask":
+    r = fn(spec, cfg)
+    print("fused", d, r.spill_store_bytes, r.spill_load_bytes)
 """
   run = _run_python(code)
-  rows = [line.split() for line in run.stdout.strip().splitlines()[-4:]]
+  rows = [line.split() for line in run.stdout.strip().splitlines()[-5:]]
   assert sorted(rows) == sorted(
     [
       ["flex=alibi", "False", "0", "0"],
       ["flex=block_mask", "False", "0", "0"],
       ["64", "2", "0", "0"],
       ["128", "1", "0", "0"],
+      ["fused", "64", "0", "0"],
     ]
   ), run.stdout
 
