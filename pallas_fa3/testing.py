@@ -193,6 +193,22 @@ def gpu_tier() -> str:
   return tier
 
 
+def run_interpreted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+  """`fn(*args, **kwargs)` until ready, with the Pallas GPU interpreter's
+  race report captured: an AssertionError carrying the report if it found
+  a race (its state reset after any error)."""
+  from pallas_fa3.kernels.sm90 import compat  # (imports Mosaic GPU)
+
+  try:
+    with compat.capture_race_report() as report:
+      result = jax.block_until_ready(fn(*args, **kwargs))
+  except Exception:
+    compat.reset_interpret_state()
+    raise
+  assert not compat.races_found(), report.getvalue()[-3000:]
+  return result
+
+
 def lowered_kernel_count(module_text: str) -> int:
   """Pallas Mosaic GPU kernels (custom calls) in a lowered StableHLO module."""
   return len(

@@ -24,6 +24,7 @@ from pallas_fa3.testing import (
   decode_case,
   decode_golden_and_naive,
   lowered_kernel_count,
+  run_interpreted,
 )
 
 _TIMEOUT_S = 300
@@ -243,17 +244,10 @@ def test_interpret_layouts_the_tma_boxes_cannot_tile(
     kwargs["cache_leftpad"] = starts
   spec = make_decode_spec(*args, **kwargs, causal=True)
   assert config_decode.kernel_spec(spec) is not spec  # (gathered)
-  try:
-    with compat.capture_race_report() as report:
-      out, lse, kc, vc = pallas_fa3.flash_attention_with_kvcache(
-        *args, **kwargs, causal=True, return_lse=True,
-        implementation="interpret",
-      )  # fmt: skip
-      jax.block_until_ready(out)
-  except Exception:
-    compat.reset_interpret_state()
-    raise
-  assert not compat.races_found(), report.getvalue()[-3000:]
+  out, lse, kc, vc = run_interpreted(
+    pallas_fa3.flash_attention_with_kvcache, *args, **kwargs, causal=True,
+    return_lse=True, implementation="interpret",
+  )  # fmt: skip
   twin = pallas_fa3.flash_attention_with_kvcache(
     *args, **kwargs, causal=True, return_lse=True,
     implementation="blockwise",

@@ -222,19 +222,11 @@ class Sm90Backend(Backend):
     warning."""
     from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
 
-    if not spec.deterministic and segment_ids is None:
-      fused = tiling or sm90_bwd_config.default_backward_config(spec)
-      if (
-        sm90_bwd_config.fused_backward(spec, fused)
-        and sm90_bwd_config.fused_flex_unsupported(spec, fused) is None
-        and flex_tile.backward_unsupported(
-          spec, fused.block_q, fused.block_kv, fused
-        )
-        is None
-      ):
-        return kernel.sm90_backward(
-          spec, fused, *residuals, interpret=self._params(), flex=flex
-        )
+    fused = sm90_bwd_config.fused_flex_config(spec, tiling)
+    if fused is not None and segment_ids is None:
+      return kernel.sm90_backward(
+        spec, fused, *residuals, interpret=self._params(), flex=flex
+      )
     det = dataclasses.replace(spec, deterministic=True)
     tiling = tiling or sm90_bwd_config.default_backward_config(det)
     reason = sm90_bwd_config.backward_unsupported(det, tiling)

@@ -219,6 +219,28 @@ def fused_flex_unsupported(
   return None
 
 
+def fused_flex_config(
+  spec: AttentionSpec, tiling: Sm90BackwardConfig | None = None
+) -> Sm90BackwardConfig | None:
+  """The tiling the fused kernel runs `spec`'s flex options with (`tiling`,
+  or the default), or None where the dK/dV and dQ kernels take them:
+  `deterministic`, a tiling that does not fuse, `fused_flex_unsupported`,
+  or what `flex_tile.backward_unsupported` names."""
+  if spec.deterministic:
+    return None
+  fused = tiling or default_backward_config(spec)
+  if (
+    fused_backward(spec, fused)
+    and fused_flex_unsupported(spec, fused) is None
+    and flex_tile.backward_unsupported(
+      spec, fused.block_q, fused.block_kv, fused
+    )
+    is None
+  ):
+    return fused
+  return None
+
+
 def backward_smem_bytes(
   config: Sm90BackwardConfig,
   head_dim: int,

@@ -78,6 +78,18 @@ _RAW_SWIZZLE_COLS = 64
 _OUT_COLS = 64
 
 
+def _copy_chunks(box: Any, chunks: Any, dst: Any, slot: Any, bar: Any):
+  """TMA of a K tile's global box as its `mla_chunks` column boxes into
+  `dst[c].at[slot]`, each arriving on `bar` (rows past the cache: 0)."""
+  for c, (c0, width) in enumerate(chunks):
+    plgpu.copy_gmem_to_smem(
+      box.at[:, pl.ds(c0, width)],
+      dst[c].at[slot],
+      bar,
+      oob_mode=compat.ZERO_FILL,
+    )
+
+
 def _producer(refs: dict[str, Any], plan: DecodePlan) -> None:
   """Streams the split's K tiles, each as `mla_chunks` column boxes into
   one ring slot, then waits for both consumers' release of the last
@@ -100,13 +112,7 @@ def _producer(refs: dict[str, Any], plan: DecodePlan) -> None:
       plgpu.barrier_wait(k_empty.at[slot])
 
     box = plan.tile_source(k_ref, row, pt_ref, batch, head, first + j, 0)
-    for c, (c0, width) in enumerate(chunks):
-      plgpu.copy_gmem_to_smem(
-        box.at[:, pl.ds(c0, width)],
-        ring[c].at[slot],
-        k_full.at[slot],
-        oob_mode=compat.ZERO_FILL,
-      )
+    _copy_chunks(box, chunks, ring, slot, k_full.at[slot])
 
   @pl.loop(jnp.maximum(count - stages, 0), count)
   def _drain(j):
@@ -135,13 +141,7 @@ def _converter(refs: dict[str, Any], plan: DecodePlan, ops: KernelOps) -> None:
   def issue(j):
     slot = lax.rem(j, stages)
     box = plan.tile_source(k_ref, row, pt_ref, batch, head, first + j, 0)
-    for c, (c0, width) in enumerate(chunks):
-      plgpu.copy_gmem_to_smem(
-        box.at[:, pl.ds(c0, width)],
-        raw[c].at[slot],
-        raw_full.at[slot],
-        oob_mode=compat.ZERO_FILL,
-      )
+    _copy_chunks(box, chunks, raw, slot, raw_full.at[slot])
 
   pl.loop(0, jnp.minimum(count, stages))(issue)
 

@@ -329,15 +329,8 @@ def flex_sweep() -> Iterator[SweepItem]:
           det,
           tiling,
         )
-      fused = sm90_bwd_config.default_backward_config(spec)
-      if (
-        sm90_bwd_config.fused_backward(spec, fused)
-        and sm90_bwd_config.fused_flex_unsupported(spec, fused) is None
-        and flex_tile.backward_unsupported(
-          spec, fused.block_q, fused.block_kv, fused
-        )
-        is None
-      ):  # the default (not deterministic) backward: the fused kernel
+      fused = sm90_bwd_config.fused_flex_config(spec)
+      if fused is not None:  # the default backward: the fused kernel
         yield (
           functools.partial(compile_backward, flex=ops, label=label),
           spec,
