@@ -157,22 +157,28 @@ def _decode_item(fp8_cache: bool):
   }
 
 
-def _mla_item():
+def _mla_item(fp8_cache: bool = False):
   """One DeepSeek MLA step (576 / 512, 128 query heads: two query tiles),
   paged, left-padded, one appended token, against the blockwise twin: the
   MLA kernel's three warpgroups (setmaxnreg 256/224/24), its P hand-off
-  and its Q / output union."""
+  and its Q / output union; with an e4m3 cache its converter (256/176/72,
+  one float16 slot)."""
   b, hq, d, dv, cap, ps = 2, 128, 576, 512, 2048, 64
   keys = jax.random.split(jax.random.key(12), 4)
   q = jax.random.normal(keys[0], (b, 1, hq, d), jnp.bfloat16)
   kc = jax.random.normal(keys[1], (b * cap // ps, ps, 1, d), jnp.bfloat16)
   k = jax.random.normal(keys[2], (b, 1, 1, d), jnp.bfloat16)
   table = jax.random.permutation(keys[3], b * cap // ps).reshape(b, -1)
+  extra = {}
+  if fp8_cache:
+    x = pallas_fa3.quantize_kv_cache(kc, None, page_table=table)
+    kc, extra = x.k_cache, dict(k_descale=x.k_descale)
   f = lambda impl: jax.jit(
     lambda q, kc, k: pallas_fa3.flash_attention_with_kvcache(
       q, kc, None, k, cache_seqlens=jnp.asarray([2000, 130], jnp.int32),
       page_table=table.astype(jnp.int32), head_dim_v=dv, causal=True,
       cache_leftpad=jnp.asarray([70, 0], jnp.int32), implementation=impl,
+      **extra,
     )
   )(q, kc, k)  # fmt: skip
   got, twin = f("mosaic"), f("blockwise")
@@ -182,6 +188,31 @@ def _mla_item():
     "cache_vs_twin_err": _max_diff(got[1], twin[1]),
     "cache_vs_twin_bound": 0.0,
   }
+
+
+def _flex_item():
+  """A document mask_mod with a softcap score_mod, forward and gradients
+  (the fused backward kernel at d64), against the float64 golden."""
+  from pallas_fa3 import mods  # pylint: disable=g-import-not-at-top
+  from pallas_fa3.testing import flex_golden_and_naive  # pylint: disable=g-import-not-at-top
+
+  shape = Shape(2, 300, 300, 4, 2, 64)
+  q, k, v, dout = random_inputs(jax.random.key(5), shape, jnp.bfloat16)
+  ids = jnp.asarray(np.arange(300)[None].repeat(2, 0) // 70, jnp.int32)
+  options = lambda p: dict(
+    mask_mod=mods.document_mask(ids), score_mod=mods.softcap(5.0)
+  )
+  golden, naive = flex_golden_and_naive(q, k, v, dout, (), options)
+  f = lambda q, k, v: pallas_fa3.flash_attention(
+    q, k, v, implementation="mosaic", **options(())
+  )
+  out, pull = jax.vjp(jax.jit(f), q, k, v)
+  result = check("out", out, naive[0], golden[0])
+  for name, g, n, gold in zip(
+    ("dq", "dk", "dv"), pull(dout), naive[1:], golden[1:]
+  ):
+    result.update(check(name, g, n, gold))
+  return result
 
 
 def _quantize_item():
@@ -259,5 +290,13 @@ SMOKE_ITEMS = {
   "decode mla 576/512 paged leftpad": (
     "the MLA decode kernel (two consumers, P through shared memory)",
     _mla_item,
+  ),
+  "decode mla 576/512 e4m3 paged leftpad": (
+    "the MLA kernel's converter warpgroup (setmaxnreg 256/176/72)",
+    lambda: _mla_item(True),
+  ),
+  "fwd+bwd bf16 d64 flex fused": (
+    "the fused backward with a mask_mod and a score_mod's derivative",
+    _flex_item,
   ),
 }
