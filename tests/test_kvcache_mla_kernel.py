@@ -120,6 +120,40 @@ def test_interpret_mla_with_cache_leftpad(rng):
     assert_within_tolerance(name, got, nv, g)
 
 
+@pytest.mark.timeout(_TIMEOUT_S)
+def test_interpret_mla_e4m3_cache_with_cache_leftpad(rng):
+  """An e4m3 MLA cache with NaN in its left padding: the converter zeroes
+  V's rows before cache_leftpad as it converts (its `lo` path); against
+  the float64 golden on the dequantized cache's sequences."""
+  lengths, pads = [120, 250], [65, 3]
+  case = decode_case(
+    rng, batch=2, seq_q=1, heads_q=16, heads_kv=1, head_dim=576,
+    head_dim_v=512, capacity=256, lengths=lengths, page_size=64, v_in_k=True,
+  )  # fmt: skip
+  kc = np.array(case.k_cache, np.float32)
+  for b, pad in enumerate(pads):
+    for t in range(pad):
+      kc[int(case.page_table[b, t // 64]), t % 64] = np.nan
+  starts = jnp.asarray(pads, jnp.int32)
+  x = pallas_fa3.quantize_kv_cache(
+    jnp.asarray(kc, jnp.bfloat16), None, page_table=case.page_table,
+    cache_seqlens=case.cache_seqlens, cache_leftpad=starts,
+  )  # fmt: skip
+  case.k_cache = x.k_cache
+  out, lse = _run(
+    case, dict(causal=True), 2, cache_leftpad=starts, k_descale=x.k_descale
+  )
+  args, kwargs = case.call_args()
+  spec = make_decode_spec(*args, **kwargs, causal=True)
+  g_out, g_lse = golden_decode(
+    spec, case.q, x.k_cache, None, np.asarray(lengths), None,
+    case.page_table, descale=(x.k_descale, x.k_descale), starts=pads,
+  )  # fmt: skip
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  assert _relative_rmse(out, g_out) <= 1e-2
+  np.testing.assert_allclose(np.asarray(lse), g_lse, atol=1e-2)
+
+
 # (heads_q, seq_q, lengths, page_size, seq_new, splits, column groups,
 # options)
 E4M3_CASES = [
