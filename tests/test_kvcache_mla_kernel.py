@@ -94,13 +94,11 @@ def test_interpret_mla_against_float64_golden(
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
-@pytest.mark.timeout(_TIMEOUT_S)
-def test_interpret_mla_with_cache_leftpad(rng):
-  """A left-padded MLA cache (NaN keys in the padding, V their columns):
-  the padding's V rows are zeroed in the K tile, both halves."""
-  lengths, pads = [120, 250], [65, 3]
+def _left_padded_case(rng, lengths, pads):
+  """A paged (64-token pages) 576 / 512 MLA case, 16 heads, whose slots
+  before `pads[b]` hold NaN (cache_leftpad's padding)."""
   case = decode_case(
-    rng, batch=2, seq_q=1, heads_q=16, heads_kv=1, head_dim=576,
+    rng, batch=len(lengths), seq_q=1, heads_q=16, heads_kv=1, head_dim=576,
     head_dim_v=512, capacity=256, lengths=lengths, page_size=64, v_in_k=True,
   )  # fmt: skip
   kc = np.array(case.k_cache, np.float32)
@@ -108,6 +106,15 @@ def test_interpret_mla_with_cache_leftpad(rng):
     for t in range(pad):
       kc[int(case.page_table[b, t // 64]), t % 64] = np.nan
   case.k_cache = jnp.asarray(kc, jnp.bfloat16)
+  return case
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+def test_interpret_mla_with_cache_leftpad(rng):
+  """A left-padded MLA cache (NaN keys in the padding, V their columns):
+  the padding's V rows are zeroed in the K tile, both halves."""
+  lengths, pads = [120, 250], [65, 3]
+  case = _left_padded_case(rng, lengths, pads)
   out, lse = _run(
     case, dict(causal=True), 2, cache_leftpad=jnp.asarray(pads, jnp.int32)
   )
@@ -126,17 +133,10 @@ def test_interpret_mla_e4m3_cache_with_cache_leftpad(rng):
   V's rows before cache_leftpad as it converts (its `lo` path); against
   the float64 golden on the dequantized cache's sequences."""
   lengths, pads = [120, 250], [65, 3]
-  case = decode_case(
-    rng, batch=2, seq_q=1, heads_q=16, heads_kv=1, head_dim=576,
-    head_dim_v=512, capacity=256, lengths=lengths, page_size=64, v_in_k=True,
-  )  # fmt: skip
-  kc = np.array(case.k_cache, np.float32)
-  for b, pad in enumerate(pads):
-    for t in range(pad):
-      kc[int(case.page_table[b, t // 64]), t % 64] = np.nan
+  case = _left_padded_case(rng, lengths, pads)
   starts = jnp.asarray(pads, jnp.int32)
   x = pallas_fa3.quantize_kv_cache(
-    jnp.asarray(kc, jnp.bfloat16), None, page_table=case.page_table,
+    case.k_cache, None, page_table=case.page_table,
     cache_seqlens=case.cache_seqlens, cache_leftpad=starts,
   )  # fmt: skip
   case.k_cache = x.k_cache
