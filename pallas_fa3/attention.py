@@ -306,8 +306,7 @@ def _folded_column_descales(
   (sequence, KV head) descales pass through. Returns (q, descale, V's
   column descales `[b, 1, hq, dv]` or None)."""
   k_d, v_d = descale
-  group = spec.heads_q // spec.heads_kv
-  per_head = lambda cols: jnp.repeat(cols, group, axis=1)[:, None]
+  per_head = lambda cols: jnp.repeat(cols, spec.group_size, axis=1)[:, None]
   ones = jnp.ones((spec.batch, spec.heads_kv), jnp.float32)
   out_cols = None
   if k_d.ndim == 3:

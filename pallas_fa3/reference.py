@@ -32,7 +32,7 @@ from pallas_fa3 import flex, masking, modifiers, segments
 from pallas_fa3.kvcache import (
   DecodeSpec,
   cache_rows,
-  column_descales,
+  dequantize,
   gather,
   visible_in_cache,
 )
@@ -475,11 +475,10 @@ def golden_decode(
   else:
     v = np.asarray(gather(spec, jnp.asarray(v_cache), rows, page_table))
   if descale is not None:  # float32 inputs (the golden computes in float64)
-    cols = lambda d, x: np.asarray(
-      column_descales(jnp.asarray(d, jnp.float32), x.shape[-1])
-    )[:, None]  # [b, 1, hk, columns], from `[b, hk]` or grouped descales
-    k = k.astype(np.float32) * cols(descale[0], k)
-    v = v.astype(np.float32) * cols(descale[1], v)
+    k, v = (
+      np.asarray(dequantize(jnp.asarray(x), jnp.asarray(d, jnp.float32)))
+      for x, d in zip((k, v), descale)
+    )
     q = np.asarray(q, np.float32)
   outs, lses = [], []
   for i in range(spec.batch):

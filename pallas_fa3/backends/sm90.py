@@ -307,8 +307,7 @@ class Sm90Backend(Backend):
     from pallas_fa3.kernels.sm90 import decode, decode_mla  # pylint: disable=g-import-not-at-top
 
     # A layout the TMA boxes cannot tile: the sequences' slots gathered
-    operands = decode.repacked_operands(spec, operands)
-    spec = config_decode.kernel_spec(spec)
+    spec, operands = decode.repacked(spec, operands)
     # V in the K cache (v_cache=None): the MLA kernel, the same operands
     run = (
       decode_mla.sm90_mla_decode

@@ -284,7 +284,7 @@ def kernel_spec(spec: DecodeSpec) -> DecodeSpec:
   layout the TMA boxes cannot tile (pages not a multiple of 64 rows, FA3's
   1 and 4; a contiguous length not a multiple of 8 or under 64), a
   contiguous one of each sequence's slots, padded to a multiple of 8 rows
-  and at least 64 (`decode.repacked_operands` gathers it, one XLA copy of
+  and at least 64 (`decode.repacked` gathers it, one XLA copy of
   the cache per call). With flex options the capacity (their positions'
   range) must stay; a call that would change it keeps its layout."""
   cap = spec.capacity

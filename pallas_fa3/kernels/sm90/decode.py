@@ -662,17 +662,17 @@ def build_decode(
   )
 
 
-def repacked_operands(spec: DecodeSpec, operands: tuple) -> tuple:
-  """The decode operands `(q, k_cache, v_cache, lengths, rows, page_table,
-  ...)` for `config_decode.kernel_spec(spec)`: where that is a contiguous
-  call in place of `spec`'s layout, each sequence's slots gathered in
-  order (pages, or its `cache_batch_idx` row) and zero-padded to its
-  capacity, rows 0..b-1, no page table. The padding is never read: every
-  length is within the original capacity."""
+def repacked(spec: DecodeSpec, operands: tuple) -> tuple[DecodeSpec, tuple]:
+  """(`config_decode.kernel_spec(spec)`, the decode operands `(q, k_cache,
+  v_cache, lengths, rows, page_table, ...)` for it): where that is a
+  contiguous call in place of `spec`'s layout, each sequence's slots
+  gathered in order (pages, or its `cache_batch_idx` row) and zero-padded
+  to its capacity, rows 0..b-1, no page table. The padding is never read:
+  every length is within the original capacity."""
   q, k_cache, v_cache, lengths, rows, pages, *rest = operands
   kernel = config_decode.kernel_spec(spec)
   if kernel is spec:
-    return operands
+    return spec, operands
 
   def view(cache):
     if cache is None:
@@ -682,7 +682,7 @@ def repacked_operands(spec: DecodeSpec, operands: tuple) -> tuple:
 
   k_cache, v_cache = view(k_cache), view(v_cache)
   in_order = jnp.arange(spec.batch, dtype=jnp.int32)
-  return (q, k_cache, v_cache, lengths, in_order, None, *rest)
+  return kernel, (q, k_cache, v_cache, lengths, in_order, None, *rest)
 
 
 def pack_queries(spec: DecodeSpec, q: jax.Array) -> jax.Array:
