@@ -46,6 +46,9 @@ CASES = [
   (Shape(1, 300, 200, 2, 1, 64), True, None, None, True, True),
   # all three, sq > skv, fused
   (Shape(1, 384, 256, 2, 1, 64), True, (50, None), 5.0, True, False),
+  # all three at d128 with GQA: the fused kernel's shared-tile layout
+  # (FA3's own tiles spill there, issue 43)
+  (Shape(1, 200, 256, 4, 2, 128), True, (100, None), 5.0, True, False),
 ]
 
 

@@ -36,20 +36,22 @@ from pallas_fa3.testing import (
 _TIMEOUT_S = 300
 
 _CASES = [
-  # d 128, FA3's layout (selectable, outside the space: it spills with GQA
-  # and causal): two consumers with their own 64 keys exchange dS^T and
-  # each adds half of dQ's head dim; causal, ragged both, GQA.
+  # d 128, FA3's layout (the default): two consumers with their own 64 keys
+  # exchange dS^T and each adds half of dQ's head dim; causal, ragged both,
+  # GQA (one masked loop inside the group loop, K and V indexed by a zero
+  # the compiler cannot see).
   (
     Shape(1, 130, 200, 4, 2, 128),
     jnp.bfloat16,
     True,
     Sm90BackwardConfig(64, 64, 2, 2, 1),
   ),
-  # The causal split (offsets a whole number of tiles): the query tiles that
-  # see all of a consumer's keys in an unmasked loop; 130 rows padded to
-  # 256, so the loops must end at the plan's padded tile count (issue 43).
+  # The causal split (offsets a whole number of tiles, no GQA group): the
+  # query tiles that see all of a consumer's keys in an unmasked loop; 130
+  # rows padded to 256, so the loops must end at the plan's padded tile
+  # count (issue 43).
   (
-    Shape(1, 130, 130, 4, 2, 128),
+    Shape(1, 130, 130, 2, 2, 128),
     jnp.bfloat16,
     True,
     Sm90BackwardConfig(64, 64, 2, 2, 1),
@@ -187,6 +189,55 @@ def test_d128_fused_default_is_fa3s_layout():
     assert sm90_bwd_config.fused_backward(spec, config)
   space = sm90_bwd_config.backward_config_space(64, 2, False, 192)
   assert Sm90BackwardConfig(64, 64, 2, 2, 1) not in space
+
+
+def test_d128_gqa_with_modifiers_takes_the_shared_tile():
+  """With GQA and a window, softcap, sinks or segment ids, FA3's d128
+  layout spilled 4-184 B and the deterministic pair 16-84 B; the shared
+  tile compiles with 0 (issue 43), at dV 128 and 64. Without GQA, without
+  a modifier, or at 128/96 (no 32-column halves of V) the own tiles
+  stay."""
+  own = Sm90BackwardConfig(64, 64, 2, 2, 1)
+  shared = Sm90BackwardConfig(64, 64, 2, 2, 2)
+
+  def pick(hq, dv=128, **options):
+    q = jax.ShapeDtypeStruct((1, 1024, hq, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 1024, 2, dv), jnp.bfloat16)
+    return sm90_bwd_config.default_backward_config(
+      make_spec(q, k, v, causal=True, **options)
+    )
+
+  for options in (
+    dict(window_size=(256, None)),
+    dict(softcap=30.0),
+    dict(sinks=True),
+    dict(segmented=True),
+  ):
+    assert pick(8, **options) == shared, options
+    assert pick(8, dv=64, **options) == shared, options
+    assert pick(2, **options) == own, options  # no GQA group
+    assert pick(8, dv=96, **options) == own, options
+    det = pick(8, deterministic=True, **options)
+    assert not sm90_bwd_config.fused_backward(
+      make_spec(
+        jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
+        deterministic=True,
+      ),
+      det,
+    )
+  assert pick(8) == own  # GQA alone: FA3's layout
+  assert sm90_bwd_config.fused_backward(
+    make_spec(
+      jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
+      window_size=(256, None),
+    ),
+    shared,
+  )
 
 
 def test_fused_only_configs_are_validated_by_mode():

@@ -737,7 +737,16 @@ def fused_consumer(
       ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
       return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
 
-    p_t, ds_t = ops.score_pair((my_k, q_tile), (my_v, do_tile), grads)
+    # With a GQA group (a loop around the steps) K and V are indexed by a
+    # zero the compiler cannot prove (t >= 0): their 16 wgmma descriptors
+    # stay one add from a base per step instead of being hoisted out of
+    # both loops, where they spilled (d128 causal: 72-100 B; RESULTS,
+    # issue 43).
+    z = lax.shift_right_arithmetic(t, 31) if spec.group_size > 1 else 0
+    k_at = lambda c: k_smem.at[c + z, 0]
+    p_t, ds_t = ops.score_pair(
+      (k_at(w), q_tile), (v_smem.at[w + z, 0], do_tile), grads
+    )
 
     def exchange():  # my dS^T for the dQ wgmma (mine and the other's)
       ds_smem.at[buf, w][...] = ds_t
@@ -746,8 +755,7 @@ def fused_consumer(
         sink.rendezvous()
 
     dq_terms = [
-      (2, SmemA(ds_smem.at[buf, c], transposed=True), k_smem.at[c, 0])
-      for c in sources
+      (2, SmemA(ds_smem.at[buf, c], transposed=True), k_at(c)) for c in sources
     ]
     if plan.dq_by_cols:
       dq_terms = [(i, a, b.at[:, cols]) for i, a, b in dq_terms]
@@ -765,8 +773,9 @@ def fused_consumer(
   # Causal, with a whole number of tiles as its offset: the query tiles
   # that see all of my keys skip the mask in a loop of their own (FA3's
   # split), the diagonal's mask. Windows, other offsets (d128: 84-92 B at
-  # 100/300, 1000/1100; with windows up to 452 B), segment ids and flex
-  # spill or gain nothing: every step masks in one loop (RESULTS, issue 43).
+  # 100/300, 1000/1100; with windows up to 452 B), segment ids, flex and a
+  # GQA group (d128: 88-112 B) spill or gain nothing: every step masks in
+  # one loop (RESULTS, issue 43).
   tiles = (cfg.block_q, cfg.block_kv)
   split = (
     spec.causal
@@ -774,6 +783,7 @@ def fused_consumer(
     and all(spec.causal_offset % t == 0 for t in tiles)
     and seg is None
     and spec.flex is None
+    and spec.group_size == 1
   )
   end = first + per_head
   if split:

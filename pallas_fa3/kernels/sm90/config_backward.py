@@ -519,6 +519,31 @@ _FLEX_KEY_PARAM_DEFAULTS = {
 }  # fmt: skip
 
 
+# The fused kernel at d128 with GQA and a window, softcap, sinks or segment
+# ids: the own-tile consumers (FA3's layout) spilled 4-184 B (dV 128) and
+# up to 76 B (dV 64) at (2048, 16/4) and (1000/1100, 32/8) bf16 (`aot`,
+# benchmarks/RESULTS.md, issue 43), the deterministic pair 16-84 B; the
+# shared-tile fused layout compiles all of them with 0. (128/96 has no
+# 32-column halves of V: it keeps the own tiles, spilling in 5 of 22.)
+_FUSED_GQA_MODIFIER_DEFAULTS = {
+  (128, dv): Sm90BackwardConfig(
+    block_q=64, block_kv=64, num_stages=2, dkdv_consumers=2,
+    dkdv_head_splits=2, dq_consumers=2, dq_head_splits=1,
+  )
+  for dv in (128, 64)
+}  # fmt: skip
+
+
+def _modified(spec: AttentionSpec) -> bool:
+  """A window, softcap, sinks or segment ids."""
+  return (
+    spec.window_size is not None
+    or spec.softcap is not None
+    or spec.sinks
+    or spec.segmented
+  )
+
+
 def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   """The heuristic backward tiling for `spec`: 64 x 64 tiles, 2 stages, in
   the first form of `backward_config_space` (for `spec.deterministic`)
@@ -539,6 +564,14 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
       and backward_config_unsupported(preset, d, size, True, dv) is None
     ):
       return preset
+  if (
+    not spec.deterministic
+    and flex is None
+    and spec.group_size > 1
+    and _modified(spec)
+    and (d, dv) in _FUSED_GQA_MODIFIER_DEFAULTS
+  ):
+    return _FUSED_GQA_MODIFIER_DEFAULTS[d, dv]
   space = () if spec.deterministic else _fused_space(d, size, dv, **small)
   space = space or _space(d, size, dv, **small)
   if not space:

@@ -187,7 +187,10 @@ def short_label(
   dims = f"d{spec.head_dim}"
   if spec.head_dim_v != spec.head_dim:
     dims += f"/{spec.head_dim_v}"
-  return f"{dims} {mask}{modifier_label(spec)} {tiles}"
+  heads = ""
+  if spec.heads_q != spec.heads_kv:  # GQA: the group loop is compiled in
+    heads = f" h{spec.heads_q}/{spec.heads_kv}"
+  return f"{dims} {mask}{modifier_label(spec)}{heads} {tiles}"
 
 
 def compile_report(

@@ -60,14 +60,16 @@ def sweep() -> Iterator[SweepItem]:
 
 
 # (seq_q, seq_kv, heads_q, heads_kv): ragged GQA, aligned self, long, short
-# MQA with sq < skv, and sq > skv. Spills depend on the shape (the lengths
-# and the causal offset are compiled in).
+# MQA with sq < skv, sq > skv, and aligned GQA of 4 (Llama's 32/8). Spills
+# depend on the shape (the lengths, the causal offset and the GQA group
+# are compiled in).
 BACKWARD_SHAPES = (
   (1000, 1100, 4, 2),
   (1024, 1024, 2, 2),
   (4096, 4096, 1, 1),
   (100, 300, 2, 1),
   (2048, 1024, 2, 2),
+  (1024, 1024, 32, 8),
 )
 
 
@@ -131,6 +133,9 @@ HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128), (256, 128))
 
 # The review shape of the static-profile table: bf16, 4096 tokens, 8 heads.
 PROFILE_SHAPE = (1, 4096, 8, 8)  # batch, seq, heads_q, heads_kv
+# ... and of the fused backward with GQA (Llama's 32 query heads over 8):
+# the group loop around the steps changes what the compiler keeps live.
+GQA_SHAPE = (1, 4096, 32, 8)
 
 
 def defaults_sweep(
@@ -163,6 +168,11 @@ def defaults_sweep(
         bwd = dataclasses.replace(spec, deterministic=det)
         config = sm90_bwd_config.default_backward_config(bwd)
         yield compile_backward, bwd, config
+      gb, gs, ghq, ghk = GQA_SHAPE  # the fused backward with GQA
+      gqa = dataclasses.replace(
+        spec, batch=gb, seq_q=gs, seq_kv=gs, heads_q=ghq, heads_kv=ghk
+      )
+      yield compile_backward, gqa, sm90_bwd_config.default_backward_config(gqa)
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
         config = sm90_fp8_config.default_fp8_forward_config(d)
         yield compile_forward_fp8, spec, config
