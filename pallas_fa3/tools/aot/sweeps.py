@@ -168,11 +168,16 @@ def defaults_sweep(
         bwd = dataclasses.replace(spec, deterministic=det)
         config = sm90_bwd_config.default_backward_config(bwd)
         yield compile_backward, bwd, config
-      gb, gs, ghq, ghk = GQA_SHAPE  # the fused backward with GQA
+      # The fused backward with GQA where its consumers own K/V tiles (a
+      # group loop around their steps; d64-d128): the one whose spills
+      # depended on the group (issue 43).
+      gb, gs, ghq, ghk = GQA_SHAPE
       gqa = dataclasses.replace(
         spec, batch=gb, seq_q=gs, seq_kv=gs, heads_q=ghq, heads_kv=ghk
       )
-      yield compile_backward, gqa, sm90_bwd_config.default_backward_config(gqa)
+      config = sm90_bwd_config.default_backward_config(gqa)
+      if config.dkdv_head_splits == 1:
+        yield compile_backward, gqa, config
       if d in sm90_fp8_config.FP8_HEAD_DIMS:
         config = sm90_fp8_config.default_fp8_forward_config(d)
         yield compile_forward_fp8, spec, config
