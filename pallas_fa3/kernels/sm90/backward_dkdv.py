@@ -320,8 +320,14 @@ def dkdv_consumer(
     rows_h = pl.ds(h * sub, sub)
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
+    k_parts, v_parts = k_chunks, v_chunks
+    if spec.group_size > 1:  # K, V by an opaque zero, as `fused_consumer`:
+      # their descriptors per step, not hoisted out of both loops
+      z = lax.shift_right_arithmetic(qi, 31)
+      k_parts = [k_smem.at[wg + z, c] for c in range(plan.splits)]
+      v_parts = [v_smem.at[wg + z, c] for c in range(plan.splits)]
     # S^T = K Q^T, [block_kv, sub]
-    t_t, scale_log2 = softcapped(spec, ops.scores(k_chunks, q_parts))
+    t_t, scale_log2 = softcapped(spec, ops.scores(k_parts, q_parts))
     q0 = qi * cfg.block_q + h * sub
     head = lax.axis_index("heads") * spec.group_size + group_head
     # A bias, then a score_mod (flex; grad_t its derivative).
@@ -371,7 +377,7 @@ def dkdv_consumer(
     pg_t = p_t if pg_t is None else pg_t
     dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
     # dP^T = V dO^T
-    dp_t = ops.scores(v_chunks, do_parts)
+    dp_t = ops.scores(v_parts, do_parts)
     # Loaded only now: the dK, dV accumulators leave few registers.
     delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
     dp_t = dp_t - lax.broadcast_in_dim(delta, shape, [1])
