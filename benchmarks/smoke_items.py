@@ -109,6 +109,28 @@ def _fp8_options_item():
   }
 
 
+def _gqa_options_item(implementation: str = "mosaic"):
+  """d128 with GQA, a window and softcap: the fused backward's shared-tile
+  layout (FA3's own tiles spill there), gradients against the float64
+  golden."""
+  shape = Shape(1, 200, 256, 4, 2, 128)
+  q, k, v, dout = random_inputs(jax.random.key(43), shape, jnp.bfloat16)
+  opts = dict(causal=True, window_size=(100, None), softcap=5.0)
+  golden, naive = golden_and_naive(q, k, v, dout, **opts)
+  f = lambda q, k, v: pallas_fa3.flash_attention(
+    q, k, v, implementation=implementation, **opts
+  )
+  loss = lambda q, k, v: (
+    f(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32)
+  ).sum()
+  out = jax.jit(f)(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  result = check("out", out, naive[0], golden[0])
+  for name, g, n, gold in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
+    result.update(check(name, g, n, gold))
+  return result
+
+
 def _max_diff(a, b) -> float:
   return float(
     np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
@@ -237,8 +259,7 @@ def _quantize_item():
 
 
 # The split of the dQ columns between two consumers owning their keys (FA3's
-# d128 layout, outside the default space): the only user of the exchange
-# barrier.
+# d128 layout, the default since issue 43): the exchange barrier.
 _DQ_BY_COLS = pallas_fa3.Sm90Config(
   backward=pallas_fa3.Sm90BackwardConfig(64, 64, 2, 2, 1)
 )
@@ -261,6 +282,10 @@ SMOKE_ITEMS = {
   "fwd+bwd bf16 d128 deterministic": (
     "the dK/dV and dQ kernels",
     lambda: kernel_item(128, True, deterministic=True),
+  ),
+  "fwd+bwd bf16 d128 GQA window softcap": (
+    "the shared-tile fused layout at d128 (GQA with a modifier)",
+    _gqa_options_item,
   ),
   "fwd+bwd bf16 d192 fused": (
     "the shared-tile fused layout",
