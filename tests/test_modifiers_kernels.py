@@ -49,6 +49,8 @@ CASES = [
   # all three at d128 with GQA: the fused kernel's shared-tile layout
   # (FA3's own tiles spill there, issue 43)
   (Shape(1, 200, 256, 4, 2, 128), True, (100, None), 5.0, True, False),
+  # softcap at d128 with GQA, deterministic: the shared tile (issue 43)
+  (Shape(1, 200, 256, 4, 2, 128), True, None, 5.0, False, True),
 ]
 
 

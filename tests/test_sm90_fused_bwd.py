@@ -228,6 +228,12 @@ def test_d128_gqa_with_modifiers_takes_the_shared_tile():
       ),
       det,
     )
+  # deterministic with softcap and GQA: the shared tile (the derivative's
+  # tile spilled the own ones), as for a score_mod
+  det_shared = Sm90BackwardConfig(64, 64, 2, 2, 2, 2, 1)
+  assert pick(8, softcap=30.0, deterministic=True) == det_shared
+  assert pick(2, softcap=30.0, deterministic=True) == own
+  assert pick(8, dv=96, softcap=30.0, deterministic=True) == own
   assert pick(8) == own  # GQA alone: FA3's layout
   assert sm90_bwd_config.fused_backward(
     make_spec(

@@ -555,8 +555,14 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   small = dict(block_choices=(64,), stage_choices=(2,))
   d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
   flex = getattr(spec, "flex", None)
-  if flex is not None and flex.score_mod is not None and spec.deterministic:
-    by_key = flex_tile.kernel_params(spec, "dkdv")
+  # A score derivative beside P^T and dS^T: a score_mod's, or softcap's
+  # with a GQA group (the own tiles spilled 16-48 B in 2 of 11 d128 calls
+  # with softcap at (2048, 16/4); the shared tile 0 in all 4 softcap ones).
+  derivative = (flex is not None and flex.score_mod is not None) or (
+    spec.softcap is not None and spec.group_size > 1
+  )
+  if derivative and spec.deterministic:
+    by_key = flex is not None and flex_tile.kernel_params(spec, "dkdv")
     table = _FLEX_KEY_PARAM_DEFAULTS if by_key else _FLEX_SCORE_DEFAULTS
     preset = table.get(max(d, dv))
     if (
