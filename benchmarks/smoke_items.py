@@ -33,19 +33,24 @@ def kernel_item(
   shape=None,
   deterministic=False,
   config=None,
+  implementation="mosaic",
+  **options,
 ):
+  """One call through `implementation` against the float64 golden (with
+  `options`: window_size, softcap)."""
   shape = shape or Shape(1, 200, 330, 4, 2, head_dim)
   q, k, v, dout = random_inputs(jax.random.key(head_dim), shape, dtype)
-  golden, naive = golden_and_naive(q, k, v, dout, causal=causal)
+  golden, naive = golden_and_naive(q, k, v, dout, causal=causal, **options)
   f = lambda q, k, v: pallas_fa3.flash_attention(
     q,
     k,
     v,
     causal=causal,
     return_lse=True,
-    implementation="mosaic",
+    implementation=implementation,
     deterministic=deterministic,
     config=config,
+    **options,
   )
   out, lse = jax.jit(f)(q, k, v)
   result = {
@@ -107,28 +112,6 @@ def _fp8_options_item():
     "out_vs_twin_err": float(np.max(np.abs(got - twin))),
     "out_vs_twin_bound": 0.05,
   }
-
-
-def _gqa_options_item(implementation: str = "mosaic"):
-  """d128 with GQA, a window and softcap: the fused backward's shared-tile
-  layout (FA3's own tiles spill there), gradients against the float64
-  golden."""
-  shape = Shape(1, 200, 256, 4, 2, 128)
-  q, k, v, dout = random_inputs(jax.random.key(43), shape, jnp.bfloat16)
-  opts = dict(causal=True, window_size=(100, None), softcap=5.0)
-  golden, naive = golden_and_naive(q, k, v, dout, **opts)
-  f = lambda q, k, v: pallas_fa3.flash_attention(
-    q, k, v, implementation=implementation, **opts
-  )
-  loss = lambda q, k, v: (
-    f(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32)
-  ).sum()
-  out = jax.jit(f)(q, k, v)
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-  result = check("out", out, naive[0], golden[0])
-  for name, g, n, gold in zip(("dq", "dk", "dv"), grads, naive[2:], golden[2:]):
-    result.update(check(name, g, n, gold))
-  return result
 
 
 def _max_diff(a, b) -> float:
@@ -285,7 +268,13 @@ SMOKE_ITEMS = {
   ),
   "fwd+bwd bf16 d128 GQA window softcap": (
     "the shared-tile fused layout at d128 (GQA with a modifier)",
-    _gqa_options_item,
+    lambda: kernel_item(
+      128,
+      True,
+      shape=Shape(1, 200, 256, 4, 2, 128),
+      window_size=(100, None),
+      softcap=5.0,
+    ),  # fmt: skip
   ),
   "fwd+bwd bf16 d192 fused": (
     "the shared-tile fused layout",

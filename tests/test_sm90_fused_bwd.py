@@ -193,21 +193,24 @@ def test_d128_fused_default_is_fa3s_layout():
 
 def test_d128_gqa_with_modifiers_takes_the_shared_tile():
   """With GQA and a window, softcap, sinks or segment ids, FA3's d128
-  layout spilled 4-184 B and the deterministic pair 16-84 B; the shared
-  tile compiles with 0 (issue 43), at dV 128 and 64. Without GQA, without
-  a modifier, or at 128/96 (no 32-column halves of V) the own tiles
-  stay."""
+  layout spilled 4-184 B; the shared tile compiles with 0 (issue 43), at
+  dV 128 and 64, and fuses. Deterministic, softcap's derivative tile
+  spilled the own tiles: the shared preset of a score_mod. Without GQA,
+  without a modifier, or at 128/96 (no 32-column halves of V) the own
+  tiles stay."""
   own = Sm90BackwardConfig(64, 64, 2, 2, 1)
   shared = Sm90BackwardConfig(64, 64, 2, 2, 2)
+  det_shared = Sm90BackwardConfig(64, 64, 2, 2, 2, 2, 1)
 
-  def pick(hq, dv=128, **options):
+  def spec_of(hq, dv=128, **options):
     q = jax.ShapeDtypeStruct((1, 1024, hq, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 1024, 2, dv), jnp.bfloat16)
-    return sm90_bwd_config.default_backward_config(
-      make_spec(q, k, v, causal=True, **options)
-    )
+    return make_spec(q, k, v, causal=True, **options)
 
+  pick = lambda *a, **kw: sm90_bwd_config.default_backward_config(
+    spec_of(*a, **kw)
+  )
   for options in (
     dict(window_size=(256, None)),
     dict(softcap=30.0),
@@ -215,35 +218,15 @@ def test_d128_gqa_with_modifiers_takes_the_shared_tile():
     dict(segmented=True),
   ):
     assert pick(8, **options) == shared, options
+    assert sm90_bwd_config.fused_backward(spec_of(8, **options), shared)
     assert pick(8, dv=64, **options) == shared, options
     assert pick(2, **options) == own, options  # no GQA group
     assert pick(8, dv=96, **options) == own, options
-    det = pick(8, deterministic=True, **options)
-    assert not sm90_bwd_config.fused_backward(
-      make_spec(
-        jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
-        jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
-        deterministic=True,
-      ),
-      det,
-    )
-  # deterministic with softcap and GQA: the shared tile (the derivative's
-  # tile spilled the own ones), as for a score_mod
-  det_shared = Sm90BackwardConfig(64, 64, 2, 2, 2, 2, 1)
-  assert pick(8, softcap=30.0, deterministic=True) == det_shared
+    det = det_shared if "softcap" in options else own
+    assert pick(8, deterministic=True, **options) == det, options
   assert pick(2, softcap=30.0, deterministic=True) == own
   assert pick(8, dv=96, softcap=30.0, deterministic=True) == own
   assert pick(8) == own  # GQA alone: FA3's layout
-  assert sm90_bwd_config.fused_backward(
-    make_spec(
-      jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16),
-      jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
-      jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16),
-      window_size=(256, None),
-    ),
-    shared,
-  )
 
 
 def test_fused_only_configs_are_validated_by_mode():

@@ -56,6 +56,16 @@ from pallas_fa3.spec import AttentionSpec
 SPANLESS_HEAD_DIM = 256
 
 
+def group_zero(spec: AttentionSpec, step: Any) -> Any:
+  """0, as an index for the consumers' K and V tiles. With a GQA group (a
+  loop over its query heads around the steps) it is `step >> 31` (steps
+  count from 0), a zero the compiler cannot prove: the K/V wgmma
+  descriptors then stay one add from a base per step instead of being
+  hoisted out of both loops, where they spilled (d128: 72-100 B causal;
+  benchmarks/RESULTS.md, issue 43). Without a group, the Python 0."""
+  return lax.shift_right_arithmetic(step, 31) if spec.group_size > 1 else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class DkdvPlan:
   """Static facts of one dK/dV kernel instance (padded lengths included)."""
@@ -321,9 +331,8 @@ def dkdv_consumer(
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     do_parts = [do_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
     k_parts, v_parts = k_chunks, v_chunks
-    if spec.group_size > 1:  # K, V by an opaque zero, as `fused_consumer`:
-      # their descriptors per step, not hoisted out of both loops
-      z = lax.shift_right_arithmetic(qi, 31)
+    if spec.group_size > 1:  # K, V per step (`group_zero`)
+      z = group_zero(spec, qi)
       k_parts = [k_smem.at[wg + z, c] for c in range(plan.splits)]
       v_parts = [v_smem.at[wg + z, c] for c in range(plan.splits)]
     # S^T = K Q^T, [block_kv, sub]
@@ -743,12 +752,7 @@ def fused_consumer(
       ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
       return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
 
-    # With a GQA group (a loop around the steps) K and V are indexed by a
-    # zero the compiler cannot prove (t >= 0): their 16 wgmma descriptors
-    # stay one add from a base per step instead of being hoisted out of
-    # both loops, where they spilled (d128 causal: 72-100 B; RESULTS,
-    # issue 43).
-    z = lax.shift_right_arithmetic(t, 31) if spec.group_size > 1 else 0
+    z = group_zero(spec, t)  # K, V per step with a GQA group
     k_at = lambda c: k_smem.at[c + z, 0]
     p_t, ds_t = ops.score_pair(
       (k_at(w), q_tile), (v_smem.at[w + z, 0], do_tile), grads
