@@ -4,8 +4,8 @@ and boolean mask, top-left `is_causal`, sequence lengths, `local_window_size`,
 `return_residual`, and what it returns for a row with no visible key),
 computed by `flash_attention` without materializing the scores. The
 options map onto the built-in ones where the alignment agrees (causal and
-windows at seq_q == seq_kv, lengths as segment ids) and onto a mask_mod or
-block mask otherwise: docs/flex.md#migrating.
+windows at seq_q == seq_kv; lengths and padding masks as segment ids) and
+onto a mask_mod or block mask otherwise: docs/flex.md#migrating.
 """
 
 from __future__ import annotations
@@ -129,19 +129,35 @@ def dot_product_attention(
       if local_window_size is not None:
         left, right = (int(x) for x in local_window_size)
         mask_mods.append(mods.sliding_window(left, right))
-  if qlen is not None or kvlen is not None:  # lengths as segment ids
-    rows = lambda n, lengths, pad: (
-      jnp.zeros((B, n), jnp.int32)
-      if lengths is None
-      else jnp.where(jnp.arange(n)[None] < lengths[:, None], 0, pad)
+  # Which queries and keys are valid, per batch row: the lengths, and a
+  # mask that varies along the keys alone or the queries alone (a padding
+  # mask, `(B|1, 1, 1, S)` or `(B|1, 1, T, 1)`). Both become segment ids,
+  # which the Hopper kernels take (a dense mask runs blockwise).
+  valid = [
+    None if n is None else jnp.arange(size)[None] < n[:, None]
+    for n, size in ((qlen, T), (kvlen, S))
+  ]
+  if mask is not None:
+    _broadcastable(mask, full, "mask")
+    axis = _padding_axis(mask.shape)
+    if axis is not None:
+      along = jnp.broadcast_to(
+        mask[:, 0, :, 0] if axis == 0 else mask[:, 0, 0, :], (B, (T, S)[axis])
+      )
+      valid[axis] = along if valid[axis] is None else valid[axis] & along
+      mask = None
+  if any(x is not None for x in valid):
+    options["segment_ids"] = tuple(
+      jnp.zeros((B, size), jnp.int32)
+      if ok is None
+      else jnp.where(ok, 0, pad).astype(jnp.int32)
+      for ok, size, pad in zip(valid, (T, S), (-1, -2))
     )
-    options["segment_ids"] = (rows(T, qlen, -1), rows(S, kvlen, -2))
   if bias is not None:
     _broadcastable(bias, full, "bias")
     bshape = (bias.shape[0], bias.shape[1], T, S)
     options["bias"] = jnp.broadcast_to(bias, bshape)
   if mask is not None:
-    _broadcastable(mask, full, "mask")
     dense = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], T, S))
     if mask_mods:  # one function for every mask: the dense one gathered
       mask_mods.append(_dense_mask_mod(dense))
@@ -180,6 +196,15 @@ def dot_product_attention(
   return jnp.reshape(out, output_shape), jnp.reshape(
     residual, output_shape[:-1]
   )
+
+
+def _padding_axis(shape: tuple[int, ...]) -> int | None:
+  """0 for a 4-d mask shape that varies along the queries alone (per batch
+  row), 1 along the keys alone (or along neither), else None."""
+  _, heads, t, s = shape
+  if heads != 1 or (t != 1 and s != 1):
+    return None
+  return 0 if s == 1 and t != 1 else 1
 
 
 def _dense_mask_mod(dense: jax.Array) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_fa3
+from pallas_fa3.testing import assert_within_tolerance
 
 B, T, S, N, K, H = 2, 48, 80, 4, 2, 16
 
@@ -140,6 +141,112 @@ def test_rank3_operands():
   q3, k3, v3, do3 = q[0], k[0], v[0], do[0]
   bias = jax.random.normal(kb, (N, T, S), jnp.float32)
   _close(*_both(q3, k3, v3, do3, bias=bias, is_causal=True))
+
+
+def test_vmap_of_rank3_calls_matches_jax_nn():
+  """vmap over the batch of rank-3 GQA calls, a per-example bias and one
+  mask for all (`in_axes=(0, 0, 0, 0, None)`, as jax.nn's and tokamax's
+  own suites call it): outputs and gradients, dbias included."""
+  q, k, v, do, kb, km = _inputs()
+  bias = jax.random.normal(kb, (B, N, T, S), jnp.float32)
+  mask = jax.random.bernoulli(km, 0.8, (1, 1, S))
+
+  def run(fn, **extra):
+    one = lambda q, k, v, b, m: fn(q, k, v, b, m, is_causal=True, **extra)
+    out, pull = jax.vjp(jax.vmap(one, in_axes=(0, 0, 0, 0, None)), q, k, v,
+                        bias, mask)  # fmt: skip
+    return (out,) + pull(do)[:4]
+
+  ours = run(pallas_fa3.dot_product_attention, implementation="blockwise")
+  theirs = run(jax.nn.dot_product_attention, implementation="xla")
+  _close(ours, theirs)
+
+
+def _dense_attention(q, k, v, mask, is_causal):
+  """jax.nn's function with every intermediate in the inputs' dtype (a
+  hidden row's logits all one large negative number: the mean of V)."""
+  t, s = q.shape[1], k.shape[1]
+  if is_causal:
+    mask = mask & jnp.tril(jnp.ones((t, s), bool))
+  logits = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(q.shape[-1]).astype(
+    q.dtype
+  )
+  big = jnp.asarray(-0.7 * np.finfo(np.float32).max, q.dtype)
+  p = jax.nn.softmax(jnp.where(mask, logits, big), axis=-1)
+  return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+def _dense_grads(q, k, v, do, mask, is_causal):
+  out, pull = jax.vjp(
+    lambda q, k, v: _dense_attention(q, k, v, mask, is_causal), q, k, v
+  )
+  return (out,) + pull(do)
+
+
+_naive_bf16 = jax.jit(
+  _dense_grads,
+  static_argnames="is_causal",
+  compiler_options={"xla_allow_excess_precision": False},
+)
+
+
+@pytest.mark.parametrize(
+  "kind", ["keys", "queries", "rank3_all_keys", "keys_and_lengths_causal"]
+)
+def test_padding_masks_run_the_kernels(kind):
+  """A mask that varies along the keys alone or the queries alone (per
+  batch row) becomes segment ids, which the Hopper kernels take (a dense
+  mask would raise with `implementation="interpret"`): bf16 in the
+  kernels against the float32 golden, within the tolerance rule (the
+  naive is the same dense attention in bf16); the golden is jax.nn's."""
+  b, t, s, n, h = 2, 80, 130, 2, 64
+  ks = jax.random.split(jax.random.key(3), 4)
+  shapes = [(b, t, n, h), (b, s, n, h), (b, s, n, h), (b, t, n, h)]
+  q, k, v, do = (
+    jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    for key, shape in zip(ks, shapes)
+  )
+  keys = jnp.arange(s)[None] >= jnp.array([[20], [0]])  # left padding
+  queries = jnp.arange(t)[None] < jnp.array([[70], [t]])  # 70.. see none
+  kw, dense = {}, None
+  if kind == "keys":
+    kw["mask"] = keys[:, None, None, :]
+  elif kind == "queries":
+    kw["mask"] = queries[:, None, :, None]
+  elif kind == "rank3_all_keys":
+    kw["mask"] = jnp.ones((1, 1, s), bool)
+  else:
+    lengths = jnp.array([120, 130], jnp.int32)
+    kw = dict(
+      mask=keys[:, None, None, :], is_causal=True,
+      key_value_seq_lengths=lengths,
+    )  # fmt: skip
+    dense = kw["mask"] & (jnp.arange(s) < lengths[:, None])[:, None, None]
+  dense = jnp.broadcast_to(
+    kw["mask"] if dense is None else dense, (b, 1, t, s)
+  ).reshape(b, 1, t, s)
+  causal = kw.get("is_causal", False)
+
+  def grads(f, dtype):
+    cast = lambda x: x.astype(dtype)
+    out, pull = jax.vjp(f, cast(q), cast(k), cast(v))
+    return (out,) + pull(cast(do))
+
+  got = grads(
+    lambda q, k, v: pallas_fa3.dot_product_attention(
+      q, k, v, implementation="interpret", **kw
+    ),
+    jnp.bfloat16,
+  )
+  naive = _naive_bf16(q, k, v, do, dense, is_causal=causal)
+  f32 = (x.astype(jnp.float32) for x in (q, k, v, do))
+  golden = _dense_grads(*f32, dense, causal)
+  theirs = grads(
+    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw), jnp.float32
+  )
+  _close(golden, theirs, atol=1e-5)
+  for name, a, nv, g in zip(("out", "dq", "dk", "dv"), got, naive, golden):
+    assert_within_tolerance(f"{kind} {name}", a, nv, g)
 
 
 def test_reference_backend_and_default_choice():
