@@ -5,8 +5,10 @@ is an error, so a renamed case cannot slip back in or vanish silently.
 
 Most of the kernels' interpret cases cost seconds each in the interpreter's
 callbacks; the ones here repeat a config feature (stages, consumers, head
-splits, a dtype) another default case already runs. Every kernel path still
-runs in interpret mode in the default run. The CUDA lowering cases here
+splits, a dtype, a layout, an option) another default case already runs.
+Every kernel path still runs in interpret mode in the default run. The
+twins' and the reference's cases here repeat a dtype or a mask another
+default case of the same implementation runs. The CUDA lowering cases here
 lower kernels another default case lowers (or the aot tier compiles), and
 the 8-device cases repeat a feature of another 8-device case.
 """
@@ -21,8 +23,8 @@ SLOW_CASES = {
   "d128 c1h1q2h1, d192 float16 64x64x3",
   "tests/test_sm90_bwd.py::test_interpret_gradients_match_golden"
   "[b1_q200_kv260_h2/1_d128-float16-causal-64x64x3-c2h2q2h1]":
-  # head splits: the d256 and d192 c2h2 cases
-  "d256 c2h2q2h2, d192 c2h2q2h2",
+  # head splits: the d256 (bitwise) and d192 c2h2 cases
+  "test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent[256-config1] (d256 c2h2q2h2), d192 c2h2q2h2",
   "tests/test_sm90_fwd.py::test_interpret_matches_golden"
   "[b1_q200_kv330_h2/1_d64-bfloat16-full-64x64x2]":
   # not causal: test_interpret_is_the_blockwise_function, interpret paths
@@ -44,13 +46,57 @@ SLOW_CASES = {
   # softcap, causal, fused: the window + softcap + sinks case
   "b1_q384_kv256 (all three, fused)",
   "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
-  "[128-64-128-256-bfloat16-True]": "128-64-128-200 (no rotation), 128-128-64-190 (rotation, partial tile)",
+  "[128-64-128-256-bfloat16-True]": "128-64-128-200 (no rotation), test_q_residual_kernel_gives_the_twins_bits_and_the_residual_is_exact (d128, rotation, partial tiles)",
+  "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
+  "[128-128-64-190-float16-True]": "test_q_residual_kernel_gives_the_twins_bits_and_the_residual_is_exact (d128, rotation, 200 rows: partial 64- and 128-row tiles); float16: 64-64-256-100; 128-row tiles: 128-64-128-200",
+  "tests/test_fp8_quant_kernel.py::"
+  "test_interpret_attention_on_the_passs_output_equals_the_blockwise_twin": "test_q_residual_attention_kernel_matches_the_twin_and_cuts_the_error (the FP8 kernel at d128 on the pass's output, residual off and on); causal: test_fp8_kernel test_interpret_kernel_is_the_blockwise_twin [b1_q200_kv140...], test_interpret_paths",
   "tests/test_fp8_quant_kernel.py::test_interpret_kernel_gives_the_twins_bits"
   "[64-64-128-300-bfloat16-True]": "64-64-256-100 (d64, rotation)",
   "tests/test_head_dim_v.py::test_interpret_against_float64_golden"
-  "[256-128-full]": "64-128-causal-det (dK/dV + dQ with dv != d); test_sm90_bwd d256 c2h2q2h2 (the d256 head splits); the aot tier compiles 256/128",
+  "[256-128-full]": "64-128-causal-det (dK/dV + dQ with dv != d); test_sm90_bwd test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent[256-config1] (the d256 head splits); the aot tier compiles 256/128",
   "tests/test_large_logits.py::"
   "test_finite_scaled_scores_give_finite_correct_results[full-interpret]": "[causal-interpret] (the kernels at every scale), [full-blockwise] (not causal)",
+  "tests/test_sm90_bwd.py::test_interpret_gradients_match_golden"
+  "[b1_q100_kv130_h2/1_d256-bfloat16-causal-64x64x2-c2h2q2h2]":
+  # the same config, d256, causal, against the golden
+  "test_interpret_gradients_are_bitwise_deterministic_with_lse_cotangent[256-config1]; GQA in the shared tiles: test_flex bias_alibi-128",
+  "tests/test_sm90_fused_bwd.py::test_fused_interpret_gradients_match_golden"
+  "[b1_q136_kv200_h2/1_d64-bfloat16-causal-64x64x2-c2h1q2h1]":
+  # d64 causal: the sq > skv case; MQA: the non-causal d64 case; a GQA
+  # group in the causal loop: the d128 GQA case (the same function)
+  "b1_q200_kv70 (d64 causal), b1_q128_kv150 (d64 MQA), b1_q130_kv200_h4/2_d128",
+  "tests/test_head_dim_v.py::test_interpret_against_float64_golden"
+  "[192-128-causal-fused]": "test_interpret_with_every_modifier (192/128, causal, GQA, the same fused shared-tile config); test_sm90_fused_bwd d192 (causal, no modifier)",
+  "tests/test_head_dim_v.py::test_decode_kernel_with_head_dim_v": "test_kvcache_kernel test_interpret_value_head_dim_unlike_the_query [d192-dv128-contiguous] (192/128, 2 splits), [d64-dv128-paged64] (dv != d paged)",
+  "tests/test_modifiers_kernels.py::test_interpret_against_float64_golden"
+  "[b1_q300_kv200_h2/1_d64-causal-float64-float64-causal-causal]":
+  # the backward kernels never see sinks (folded into the lse)
+  "sinks: the all-three fused cases; dK/dV + dQ at d64: the left-window case; rows that see no key: test_sm90_bwd b1_q200_kv70",
+  "tests/test_modifiers_kernels.py::test_interpret_against_float64_golden"
+  "[b1_q200_kv256_h4/2_d128-causal-float64-5.0-full-causal]":
+  # the d128 GQA fused case stays (the shared tile, all three modifiers)
+  "test_flex bias_alibi-128 (the d128 shared dK/dV tile with GQA and a score's derivative); test_sm90_bwd d128 c1h1q2h1 (the dQ kernel's q2h1 at d128); test_property_golden mix310 (softcap in the deterministic shared tiles)",
+  "tests/test_kvcache_kernel.py::test_interpret_against_float64_golden"
+  "[query-tiles-12-gqa6-q128-prefill-chunk-append]": "test_interpret_layouts_the_tma_boxes_cannot_tile[page4-gqa-q64-append] (causal, two query tiles, appended), query-tiles-2 (splits over query tiles), query-tiles-5 (a partial last tile), page1-mqa-q3 (a group of 6)",
+  "tests/test_kvcache_kernel.py::test_interpret_against_float64_golden"
+  "[contiguous-g4-q1-lengths0-to-full]": "test_kvcache_leftpad test_interpret_leftpad_against_float64_golden[contiguous-pad-mid-tile] (the same contiguous g4 d64 cache, lengths 0, 100, 256, 1 and 3 splits, with a left pad); without one at seq_q 1: test_interpret_paths' decode kernel; its e4m3 twin: test_kvcache_fp8 [contiguous-g4]",
+  "tests/test_kvcache_kernel.py::test_interpret_against_float64_golden"
+  "[paged64-two-pages-per-tile-mqa-q4-append-window-softcap-sinks]": "test_kvcache_leftpad test_interpret_leftpad_against_float64_golden[paged64-two-pages-per-tile-window] (pages of 64 in 128-key tiles, window (60, 0), softcap 5, 2 splits); sinks: query-tiles-5",
+  "tests/test_kvcache_mla_kernel.py::test_interpret_mla_against_float64_golden"
+  "[contiguous-h16-q1-lengths-0-to-full]": "test_interpret_mla_e4m3_cache_against_the_dequantized_golden[contiguous-h16-q1-lengths-0-to-full-3-splits] (the layout, empty and full, 3 splits); 16-bit: d320-dv256-contiguous-append, paged64-h64-q2 (2 splits)",
+  # -- the twins and the reference -------------------------------------------
+  # float16 inputs change only their rounding: [float16-b2_q130_kv400...]
+  "tests/test_fp8_kernel.py::test_blockwise_fp8_matches_golden"
+  "[float16-b1_q200_kv330_h4/2_d64-False-(64, 64)]": "[bfloat16-...] of the shape; [float16-b2_q130_kv400_h2/1_d128-True-(64, 128)]",
+  "tests/test_fp8_kernel.py::test_blockwise_fp8_matches_golden"
+  "[float16-b1_q300_kv110_h2/2_d64-True-(64, 64)]": "[bfloat16-...] of the shape; [float16-b2_q130_kv400_h2/1_d128-True-(64, 128)]",
+  "tests/test_fp8_kernel.py::test_blockwise_fp8_matches_golden"
+  "[float16-b1_q96_kv160_h2/1_d256-False-(64, 64)]": "[bfloat16-...] of the shape; [float16-b2_q130_kv400_h2/1_d128-True-(64, 128)]",
+  "tests/test_fp8_kernel.py::test_blockwise_fp8_matches_golden"
+  "[float16-b1_q1_kv17_h2/1_d64-True-(64, 128)]": "[bfloat16-...] of the shape; [float16-b2_q130_kv400_h2/1_d128-True-(64, 128)]",
+  "tests/test_large_logits.py::"
+  "test_finite_scaled_scores_give_finite_correct_results[causal-reference]": "[full-reference] (the reference at every scale), [causal-blockwise], [causal-interpret] (causal)",
   # -- CUDA lowering and the deviceless compile -----------------------------
   "tests/test_head_dim_v.py::test_grad_through_mosaic_lowers_to_the_kernels"
   "[256-128-fused]": "[256-128-det] (d256 is never fused: the same three kernels)",

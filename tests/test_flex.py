@@ -183,13 +183,15 @@ def test_float32_against_golden(case):
 # score_mod's float arrays' gradients summed by the kernels where they can:
 # by query in the dQ kernel, by key in the dK/dV kernel); the rest are the
 # blockwise backward's on the kernel's residuals (said by a warning).
-# The default run keeps one of each kind (vector reads, a score_mod's
-# derivative in the kernels, learnable arrays read by batch/head and by
-# position, a bias); the rest are `slow`. Each runs in the kernels: the
-# fallback's warning is an error.
+# The default run keeps one of each kind the dK/dV + dQ kernels take
+# (learnable arrays read by batch/head beside a mask_mod's vector reads,
+# arrays read by key and by position, a bias); the rest are `slow`. The
+# fused kernel's kinds (`document`: a mask_mod's vector reads; `softcap`:
+# a score_mod's derivative) run in the block-mask tests below, with the
+# same document mask and a softcap score_mod (without a block mask: the
+# same tile functions, less the tile's state, `flex_tile._with_state`).
+# Each runs in the kernels: the fallback's warning is an error.
 _KERNEL_QUICK = {
-  "document",
-  "softcap",
   "user_closure",
   "bias_batch",
   "positional_closure",
@@ -259,7 +261,15 @@ def test_interpret_shared_tile_gradients(case, d):
     _check("interpret", case, d=d, config=_SHARED_TILES if d == 128 else None)
 
 
-@pytest.mark.parametrize("case", ["alibi", "user_closure"])
+@pytest.mark.parametrize(
+  "case",
+  [
+    # a score_mod's arrays read by head: user_closure's too; causal in the
+    # serial form: test_sm90_fwd's `serial` case
+    pytest.param("alibi", marks=pytest.mark.slow),
+    "user_closure",
+  ],
+)
 def test_interpret_d256_forward_without_overlap(case):
   """d256's flex default runs each step's S, softmax and P V in turn
   (`overlap=False`: the P tile's registers free for the user's function)."""

@@ -113,8 +113,12 @@ _LAYOUTS = {
   "q4-paged64-2-splits": (4, True, 2),
   "q70-two-query-tiles": (70, False, 1),
 }
-# The default run: both functions in every layout, each alone in one.
-_DECODE_QUICK = {"alibi-and-documents"}
+# The default run: each option set (both functions, each alone) in the
+# paged split layout; the rest under -m slow. The block-mask tests below
+# run the mask_mod at seq_q 1 and over two contiguous query tiles, and
+# score_mod and mask_mod take the same query positions (the tile's `q0`
+# in `decode._flex_scores`) in every layout.
+_DECODE_QUICK_LAYOUT = "q4-paged64-2-splits"
 
 
 @pytest.mark.timeout(300)
@@ -125,9 +129,7 @@ _DECODE_QUICK = {"alibi-and-documents"}
       name,
       *layout,
       id=f"{name}-{lid}",
-      marks=()
-      if name in _DECODE_QUICK or lid == "q4-paged64-2-splits"
-      else pytest.mark.slow,
+      marks=() if lid == _DECODE_QUICK_LAYOUT else pytest.mark.slow,
     )
     for name in OPTIONS
     for lid, layout in _LAYOUTS.items()

@@ -65,7 +65,13 @@ def test_twin_error_stays_within_plain_fp8s(name, key):
 
 @pytest.mark.timeout(_TIMEOUT_S)
 @pytest.mark.parametrize(
-  "name", ["window", "all", pytest.param("softcap", marks=pytest.mark.slow)]
+  "name",
+  [
+    # One at a time under -m slow: "all" runs the same code together.
+    pytest.param("window", marks=pytest.mark.slow),
+    "all",
+    pytest.param("softcap", marks=pytest.mark.slow),
+  ],
 )
 def test_interpret_kernel_is_the_twin(name, key):
   q, k, v = _inputs(key)
@@ -105,7 +111,9 @@ def test_mosaic_lowers_with_every_option(name):
   assert lowered_kernel_count(text) >= 4
 
 
-@pytest.mark.parametrize("name", ["window", "all"])
+@pytest.mark.parametrize(
+  "name", [pytest.param("window", marks=pytest.mark.slow), "all"]
+)  # "window" alone under -m slow: "all" passes it with the rest
 def test_prequantized_entry_takes_the_options(name, key):
   """flash_attention_fp8 on `quantize`'s operands computes what
   flash_attention(fp8=True) does with the same options."""
