@@ -79,6 +79,60 @@ def test_interpret_forward_against_float64_golden(
   assert not np.any(np.asarray(out[:, -7:], np.float32))
 
 
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["packed", "mixed"])
+def test_interpret_vmap_over_calls_with_segment_ids(contiguous, rng, key):
+  """vmap over two calls with segment ids, and with a dense bias (a flex
+  option, which runs whole): one device-side choice for the vmapped batch
+  (the kernel when every example's ids are contiguous, else the twin for
+  all), not vmap's both-then-select, which interpret mode's effects cannot
+  do. Each example against its float64 golden (with the bias: against the
+  same call unvmapped)."""
+  shape = Shape(1, 128, 192, 2, 1, 64)
+  ins = [random_inputs(k, shape, jnp.bfloat16) for k in jax.random.split(key)]
+  q, k, v, dout = (jnp.stack(x) for x in zip(*ins))
+  ids = [np.sort(rng.integers(0, 3, (2, 1, n)), axis=-1) for n in (128, 192)]
+  q_ids, kv_ids = (x.astype(np.int32) for x in ids)
+  if not contiguous:  # the second example's ids each in three runs
+    kv_ids[1] = np.arange(192) % 3
+  bias = jax.random.normal(key, (2, 1, 2, 128, 192), jnp.float32)
+
+  def attend(q, k, v, q_ids, kv_ids, bias=None):
+    return pallas_fa3.flash_attention(
+      q, k, v, segment_ids=(q_ids, kv_ids), bias=bias, causal=True,
+      implementation="interpret",
+    )  # fmt: skip
+
+  def with_grads(f, *args):
+    out, pull = jax.vjp(lambda q, k, v: f(q, k, v, *args), q, k, v)
+    return (out,) + pull(dout)
+
+  got = with_grads(jax.vmap(attend), q_ids, kv_ids)
+  for i in range(2):
+    golden, naive = golden_and_naive(
+      q[i], k[i], v[i], dout[i], causal=True,
+      segment_ids=(q_ids[i], kv_ids[i]),
+    )  # fmt: skip
+    pick = (0, 2, 3, 4)  # (out, lse, dq, dk, dv) without lse
+    for name, g, n, gold in zip(
+      ("out", "dq", "dk", "dv"),
+      (x[i] for x in got),
+      (naive[j] for j in pick),
+      (golden[j] for j in pick),
+    ):
+      assert_within_tolerance(f"example {i} {name}", g, n, gold)
+  with warnings.catch_warnings():  # the bias's backward: blockwise, said
+    warnings.simplefilter("ignore", UserWarning)
+    got = jax.vmap(attend)(q, k, v, q_ids, kv_ids, bias)
+    want = [attend(q[i], k[i], v[i], q_ids[i], kv_ids[i], bias[i])
+            for i in range(2)]  # fmt: skip
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32),
+    np.asarray(jnp.stack(want), np.float32),
+    atol=2e-2,
+  )
+
+
 # (shape, deterministic, options): the fused kernel (own and shared-tile
 # layouts), and dK/dV + dQ (own and shared-tile)
 _SLOW = pytest.mark.slow  # interpreted runs beyond one per kernel layout

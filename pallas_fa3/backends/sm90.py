@@ -33,6 +33,35 @@ from pallas_fa3.kernels.sm90.config_decode import Sm90DecodeConfig
 from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.spec import AttentionSpec
 
+
+def _on_device(exact: Any, run: Any, twin: Any, operands: Any) -> Any:
+  """`lax.cond(exact, run, twin, operands)`: the kernel where its segment
+  bounds are exact, else the blockwise twin (the same function). Under
+  vmap the kernel runs when every example's bounds are exact and the twin
+  otherwise, rather than vmap's both-then-select (which interpret mode's
+  effects cannot do at all)."""
+
+  @jax.custom_batching.custom_vmap
+  def choose(exact, operands):
+    return jax.lax.cond(exact, run, twin, operands)
+
+  @choose.def_vmap
+  def rule(axis_size, in_batched, exact, operands):
+    del axis_size
+    exact_batched, batched = in_batched
+    axes = (jax.tree.map(lambda b: 0 if b else None, batched),)
+    every = jax.numpy.all(exact) if exact_batched else exact
+    out = jax.lax.cond(
+      every,
+      jax.vmap(run, in_axes=axes),
+      jax.vmap(twin, in_axes=axes),
+      operands,
+    )
+    return out, jax.tree.map(lambda _: True, out)
+
+  return choose(exact, operands)
+
+
 # Race detection in interpret mode costs little at the small shapes the
 # interpreter is for, and a race is exactly what it exists to find.
 INTERPRET_DETECT_RACES = True
@@ -139,27 +168,28 @@ class Sm90Backend(Backend):
     from pallas_fa3.kernels.sm90 import forward as kernel  # pylint: disable=g-import-not-at-top
 
     def run(operands):
-      q, k, v, sinks, bounds, _ = operands
+      q, k, v, sinks, bounds, _, flex = operands
       return kernel.sm90_forward(
         spec, config.forward, q, k, v, interpret=self._params(),
         sinks=sinks, segment_ids=bounds, flex=flex,
       )  # fmt: skip
 
     def twin(operands):
-      q, k, v, sinks, _, ids = operands
+      q, k, v, sinks, _, ids, flex = operands
       return blockwise.blockwise_forward(
         spec, blockwise.BlockwiseConfig(), q, k, v, sinks=sinks,
         segment_ids=ids, flex=flex,
       )  # fmt: skip
 
     if segment_ids is None:
-      return run((q, k, v, sinks, None, None))
+      return run((q, k, v, sinks, None, None, flex))
     # The kernel masks by each row's key bounds: exact when every id's keys
     # are contiguous (packed documents). Otherwise the blockwise twin
-    # computes the call (same function), decided on the device.
+    # computes the call (same function), decided on the device. (flex's
+    # arrays are operands: a vmapped bias is no closure of the choice.)
     bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
-    operands = (q, k, v, sinks, bounds[:2], segment_ids)
-    return jax.lax.cond(keys_exact, run, twin, operands)
+    operands = (q, k, v, sinks, bounds[:2], segment_ids, flex)
+    return _on_device(keys_exact, run, twin, operands)
 
   def backward(
     self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
@@ -209,7 +239,7 @@ class Sm90Backend(Backend):
       spec, segment_ids
     )
     operands = (residuals, bounds, segment_ids)
-    return jax.lax.cond(keys_exact & queries_exact, run, twin, operands)
+    return _on_device(keys_exact & queries_exact, run, twin, operands)
 
   def _flex_backward(self, spec, tiling, residuals, segment_ids, flex):
     """A mask_mod / block mask, or a score_mod without floating arrays:
@@ -285,7 +315,7 @@ class Sm90Backend(Backend):
 
     bounds, (keys_exact, _) = segments.kernel_bounds(spec, segment_ids)
     operands = (x, sinks, bounds[:2], segment_ids)
-    return jax.lax.cond(keys_exact, run, twin, operands)
+    return _on_device(keys_exact, run, twin, operands)
 
   # -- flash_attention_with_kvcache ----------------------------------------
   def make_decode_config(
