@@ -122,15 +122,15 @@ SLOW_CASES = {
   "[128]": "[256]",
   # -- the 8-device suites (tests/test_scale_out.py) -----------------------
   "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
-  "[4-full]": "[2-full]; [4-causal] (ring 4, run twice: bit-identical)",
+  "[4-full]": "[2-full]; [8-causal] (run twice: bit-identical); test_zigzag_layout_skips_the_permutation (ring 4)",
   "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
   "[8-full]": "[2-full], [8-causal]",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
-  "[window-causal-4]": "all-causal-8 (causal + window), check_ring_attention [4-causal]",
+  "[window-causal-4]": "all-causal-8 (causal + window), check_ring_attention test_zigzag_layout_skips_the_permutation (ring 4, causal)",
   "tests/multidevice/check_ring_modifiers.py::test_ring_with_modifiers"
-  "[window-right-4]": "window-both-8 (a right window, not causal), test_window_with_unequal_lengths[cross-4] (ring 4)",
+  "[window-right-4]": "check_sequence_sharded [modifiers-seq8-explicit] and check_ring_window [both-zigzag] (right windows), test_window_with_unequal_lengths[cross-4] (ring 4)",
   "tests/multidevice/check_ring_attention.py::test_ring_matches_single_device"
-  "[2-causal]": "[2-full] (ring 2), [4-causal], [8-causal]",
+  "[2-causal]": "[2-full] (ring 2), [8-causal]",
   "tests/multidevice/check_ring_attention.py::test_ring_float32_mqa": "check_ring_segments::test_segment_skip_never_touches_a_shard_no_query_meets[causal] (float32, causal ring); check_sequence_sharded [seq8-causal-gqa] (kv heads shared)",
   "tests/multidevice/check_ring_segments.py::"
   "test_segment_skip_never_touches_a_shard_no_query_meets[full]": "[causal] (the skip); test_segment_skip_is_a_cond_around_every_step[full]",

@@ -43,6 +43,12 @@ CASES = [
   ("sinks-causal-8", 8, _SHAPE, _O(True, sinks=True)),
   ("all-causal-8", 8, _SHAPE, _O(True, (24, None), 4.0, True)),
 ]
+# Left to -m slow, beside the default cases that run the same code:
+# window-both-8's streams both ways: check_sequence_sharded's
+# [modifiers-seq8-explicit] (window (9, 14), 8 devices, not causal) and
+# check_ring_window's [both-zigzag] ((13, 6)); a window over 2 hops:
+# all-causal-8.
+_SLOW = ("window-both-8",)
 
 
 def ring_run(mesh, options: rh.Options, **kwargs):
@@ -68,7 +74,12 @@ def check_case(ring, shape, options, key, rng):
 
 @pytest.mark.parametrize(
   "ring,shape,options",
-  [pytest.param(*c[1:], id=c[0]) for c in CASES],
+  [
+    pytest.param(
+      *c[1:], id=c[0], marks=pytest.mark.slow if c[0] in _SLOW else ()
+    )
+    for c in CASES
+  ],
 )
 def test_ring_with_modifiers(ring, shape, options, key, rng):
   check_case(ring, shape, options, key, rng)

@@ -130,6 +130,10 @@ def test_sequence_sharded_flash_attention_runs_the_ring(
   rh.assert_matches_golden(got, plain, options)
 
 
+# Slow: [seq8-causal-gqa] runs the same ring (mesh (1, 8), causal, Auto
+# axes) under jit; the refusals' [eager] cases check concrete arrays'
+# shardings at trace time.
+@pytest.mark.slow
 def test_eager_call_on_sequence_sharded_arrays(key):
   """Concrete sharded arrays, no jit of the caller's: the same ring."""
   mesh = mh.mesh((1, 8), _AXES)

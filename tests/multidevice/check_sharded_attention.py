@@ -257,8 +257,30 @@ _SHARD_MAP_CASES = {
 }
 
 
-@pytest.mark.parametrize("devices", [1, 2, 8])
-@pytest.mark.parametrize("case", list(_SHARD_MAP_CASES))
+# The default run has every case on 8 devices and one on a size-1 mesh
+# axis; the rest, the same code on 2 devices (or 1), are slow (siblings:
+# the same case on 8, and [mqa-kv-replicated-q-heads-1]).
+_SHARD_MAP_DEFAULT = {
+  8: tuple(_SHARD_MAP_CASES),
+  1: ("mqa-kv-replicated-q-heads",),
+}
+
+
+@pytest.mark.parametrize(
+  "case,devices",
+  [
+    pytest.param(
+      case,
+      devices,
+      id=f"{case}-{devices}",
+      marks=()
+      if case in _SHARD_MAP_DEFAULT.get(devices, ())
+      else pytest.mark.slow,
+    )
+    for case in _SHARD_MAP_CASES
+    for devices in (1, 2, 8)
+  ],
+)
 def test_grad_inside_shard_map_with_replicated_operands(case, devices, key):
   (q_spec, k_spec, v_spec, s_spec), shape, opts = _SHARD_MAP_CASES[case]
   mesh = mh.mesh((devices,), ("x",))

@@ -32,9 +32,19 @@ def _put(mesh, x, *spec):
   return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
 
-@pytest.mark.parametrize("explicit", [False, True])
 @pytest.mark.parametrize(
-  "layout", ["contiguous", "paged", "batch_idx"], ids=str
+  "layout,explicit",
+  [
+    pytest.param(layout, explicit, id=f"{layout}-{explicit}", marks=marks)
+    for layout in ("contiguous", "paged", "batch_idx")
+    for explicit, marks in (
+      (False, ()),
+      # Explicit axes: paged and batch_idx are slow; [paged-False] and
+      # [batch_idx-False] plan and run the same local call, and
+      # [contiguous-True] the Explicit shard_map.
+      (True, () if layout == "contiguous" else pytest.mark.slow),
+    )
+  ],
 )
 def test_decode_shards_over_batch_and_heads(layout, explicit, rng):
   mesh = mh.mesh((2, 4), _AXES, explicit=explicit)
@@ -149,7 +159,15 @@ def test_mqa_decode_with_head_sharded_queries(rng):
   )
 
 
-@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize(
+  "explicit",
+  [
+    False,
+    # Slow: [False] plans and runs the same local call; the Explicit
+    # shard_map: test_decode_shards_over_batch_and_heads[contiguous-True].
+    pytest.param(True, marks=pytest.mark.slow),
+  ],
+)
 def test_prequantized_fp8_shards_over_batch_and_heads(explicit, rng):
   mesh = mh.mesh((2, 4), _AXES, explicit=explicit)
   shape = (4, 256, 8, 64)
