@@ -65,6 +65,21 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid in SLOW_CASES:
       item.add_marker(pytest.mark.slow)
+  # The modules of the longest tests (the 8-device subprocess, the aot
+  # tier's compile, the device-check rehearsal: 45-160 s each) run first,
+  # whole (their module fixtures once): with `--dist worksteal` the other
+  # worker then shares the short tests left at the end instead of waiting
+  # on a long one that started late.
+  first = [i for i in items if i.nodeid.split("::")[0] in _LONG_MODULES]
+  if first:
+    items[:] = first + [i for i in items if i not in first]
+
+
+_LONG_MODULES = (
+  "tests/test_scale_out.py",
+  "tests/test_sm90_aot.py",
+  "tests/test_device_check.py",
+)
 
 
 @pytest.fixture
