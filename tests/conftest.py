@@ -70,9 +70,7 @@ def pytest_collection_modifyitems(config, items):
   # whole (their module fixtures once): with `--dist worksteal` the other
   # worker then shares the short tests left at the end instead of waiting
   # on a long one that started late.
-  first = [i for i in items if i.nodeid.split("::")[0] in _LONG_MODULES]
-  if first:
-    items[:] = first + [i for i in items if i not in first]
+  items.sort(key=lambda i: i.nodeid.split("::")[0] not in _LONG_MODULES)
 
 
 _LONG_MODULES = (

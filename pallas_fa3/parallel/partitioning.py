@@ -461,27 +461,15 @@ def _dispatch(
   entries = spec_entries(sharding, 4) if sharding is not None else (None,) * 4
   if mesh_axes(entries[1]):  # sequence split over Explicit axes: the ring
     return op.shard_map(call, sharding, *args)
-  if _global_scales(call.spec):
+  if not call.backend.partitionable or _global_scales(call.spec):
     return op.run(call, *args)
-  if not call.backend.partitionable:
-    return _unpartitioned(op, call, *args)
   if any(mesh_axes(e) for e in entries):
     return op.shard_map(call, sharding, *args)
-  if jax.device_count() == 1:  # nothing to partition
-    return _unpartitioned(op, call, *args)
+  if jax.device_count() == 1:  # nothing to partition: the call itself
+    return op.run(call, *args)
   if not op.foldable:
     return tuple(partitioned(call, *args))
   return _with_vmap(partitioned, call, *args)
-
-
-def _unpartitioned(op: _Op, call: StaticCall, *args: jax.Array) -> tuple:
-  """The call itself. A vmapped axis still folds into batch where it can:
-  vmap would batch the backends' device-side choices (`lax.cond` between a
-  kernel and its blockwise twin) into running both, which interpret mode's
-  effects cannot."""
-  if not op.foldable:
-    return op.run(call, *args)
-  return _with_vmap(op.run, call, *args)
 
 
 def run(call: StaticCall, operands: Any) -> Any:
