@@ -196,7 +196,10 @@ def gpu_tier() -> str:
 def run_interpreted(fn: Any, *args: Any, **kwargs: Any) -> Any:
   """`fn(*args, **kwargs)` until ready, with the Pallas GPU interpreter's
   race report captured: an AssertionError carrying the report if it found
-  a race (its state reset after any error)."""
+  a race (its state reset after any error). Run interpreted calls through
+  it before dispatching anything else: an eager `jax.vjp`'s pullback can
+  return with its kernel still running, and work dispatched beside it on
+  XLA's CPU pool hung CI (docs/design_notes.md#the-interpreters-thread-pool)."""
   from pallas_fa3.kernels.sm90 import compat  # (imports Mosaic GPU)
 
   try:

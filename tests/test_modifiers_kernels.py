@@ -27,6 +27,7 @@ from pallas_fa3.testing import (
   assert_within_tolerance,
   golden_and_naive,
   random_inputs,
+  run_interpreted,
 )
 
 _TIMEOUT_S = 300
@@ -117,8 +118,12 @@ def test_interpret_never_loads_tiles_outside_the_window(deterministic, key):
     implementation="interpret",
     deterministic=deterministic,
   )
-  out, pullback = jax.vjp(f, q, k, poisoned)
-  dq, dk, dv = pullback(dout)
+
+  def fwd_bwd(q, k, v):
+    out, pullback = jax.vjp(f, q, k, v)
+    return (out, *pullback(dout))
+
+  out, dq, dk, dv = run_interpreted(fwd_bwd, q, k, poisoned)
   clean = pallas_fa3.flash_attention(
     q, k, v, causal=True, window_size=(60, None), implementation="blockwise"
   )
