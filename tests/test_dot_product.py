@@ -253,6 +253,31 @@ def test_padding_masks_run_the_kernels(kind):
     assert_within_tolerance(f"{kind} {name}", a, nv, g)
 
 
+@pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
+def test_bias_beside_a_padding_mask_differentiates_in_the_kernels():
+  """A learned bias over padded batches (T5's relative bias, ALiBi as a
+  bias): the padding mask becomes segment ids and the gradients, dbias
+  among them, lower for CUDA to the dK/dV and dQ kernels, with no
+  blockwise fallback (its warning is an error here)."""
+  from jax import export
+
+  b, t, n, h = 2, 256, 4, 64
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, n, t, t), jnp.float32)
+  keys = jnp.arange(t)[None] < jnp.array([[200], [t]])  # right padding
+
+  def loss(q, k, v, bias):
+    out = pallas_fa3.dot_product_attention(
+      q, k, v, bias=bias, mask=keys[:, None, None, :],
+      implementation="mosaic",
+    )  # fmt: skip
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  text = export.export(grad, platforms=["cuda"])(q, q, q, bias).mlir_module()
+  assert "fa3_bwd_dkdv" in text and "fa3_bwd_dq" in text
+
+
 def test_reference_backend_and_default_choice():
   q, k, v, do, _, _ = _inputs()
   for impl in ("reference", None):

@@ -16,13 +16,15 @@ import pytest
 from jax import export
 
 import pallas_fa3
-from pallas_fa3 import segments
+from pallas_fa3 import mods, segments
+from pallas_fa3.backends import sm90
 from pallas_fa3.kernels.sm90 import backward as kernel, compat, config_backward
 from pallas_fa3.spec import make_spec
 from pallas_fa3.testing import (
   Shape,
   assert_lowered_attention,
   assert_within_tolerance,
+  flex_golden_and_naive,
   golden_and_naive,
   random_inputs,
   run_interpreted,
@@ -132,6 +134,86 @@ def test_interpret_vmap_over_calls_with_segment_ids(contiguous, rng, key):
     np.asarray(jnp.stack(want), np.float32),
     atol=2e-2,
   )
+
+
+# name -> (deterministic, options(params), params(key)): flex options beside
+# segment ids in the backward kernels. The fused kernel: a mask_mod and a
+# score_mod without arrays; the dK/dV + dQ pair: a bias (dbias, the dQ
+# kernel's dS) with ALiBi (its slopes' gradients, the kernels' row sums).
+_FLEX_SEGMENT_CASES = {
+  "fused-mask-softcap": (
+    False,
+    lambda p: dict(
+      mask_mod=mods.sliding_window(48, 16, offset=64),
+      score_mod=mods.softcap(3.0),
+    ),
+    lambda key: (),
+  ),
+  "dkdv-dq-bias-alibi": (
+    True,
+    lambda p: dict(bias=p["bias"], score_mod=mods.alibi(p["slopes"])),
+    lambda key: dict(
+      bias=jax.random.normal(key, (2, 1, 128, 192), jnp.float32),
+      slopes=mods.alibi_slopes(2),
+    ),
+  ),
+}
+
+
+@pytest.mark.timeout(_TIMEOUT_S)
+@pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
+@pytest.mark.parametrize("case", list(_FLEX_SEGMENT_CASES))
+def test_interpret_flex_backward_with_segment_ids(case, monkeypatch, rng, key):
+  """Flex options and packed segment ids (padding included) together in the
+  backward kernels, every gradient (dbias and a score_mod's arrays among
+  them) against the float64 golden. `_on_device` is made to take the
+  kernel: with contiguous ids it would, and the twin computes the same
+  function, so the test would pass on a twin alone."""
+  monkeypatch.setattr(sm90, "_on_device", lambda ok, run, twin, x: run(x))
+  deterministic, options, make_params = _FLEX_SEGMENT_CASES[case]
+  shape = Shape(2, 128, 192, 2, 1, 64)
+  q, k, v, dout = random_inputs(key, shape, jnp.bfloat16)
+  params = make_params(jax.random.fold_in(key, 1))
+  q_ids = np.sort(rng.integers(0, 3, (2, 128)), axis=1).astype(np.int32)
+  kv_ids = np.sort(rng.integers(0, 3, (2, 192)), axis=1).astype(np.int32)
+  q_ids[:, -5:] = -1  # padded queries
+  kv_ids[:, -3:] = -2  # padded keys
+  ids = (q_ids, kv_ids)
+  with_ids = lambda p: dict(options(p), segment_ids=ids, causal=True)
+  golden, naive = flex_golden_and_naive(q, k, v, dout, params, with_ids)
+  f = lambda q, k, v, p: pallas_fa3.flash_attention(
+    q, k, v, implementation="interpret", deterministic=deterministic,
+    **with_ids(p),
+  )  # fmt: skip
+
+  def fwd_bwd(*args):
+    out, pull = jax.vjp(f, *args)
+    return (out,) + pull(dout)
+
+  got = run_interpreted(fwd_bwd, q, k, v, params)  # race report checked
+  names = ("out", "dq", "dk", "dv")
+  for name, g, n, gold in zip(names, got, naive, golden):
+    assert_within_tolerance(name, g, n, gold)
+  for name in params:
+    g, n, gold = (x[4][name] for x in (got, naive, golden))
+    assert_within_tolerance(f"d{name}", g, n, gold)
+  assert not np.any(np.asarray(got[1][:, -5:], np.float32))
+  for g in got[2:4]:  # padded keys are seen by no query
+    assert not np.any(np.asarray(g[:, -3:], np.float32))
+
+
+def test_flex_beside_segment_ids_at_d256_differentiates_blockwise_and_says_so():
+  """At d256 the backward kernels do not take flex options beside segment
+  ids (they spilled; with a bias, past shared memory): the blockwise
+  backward, with a warning naming why."""
+  q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+  ids = jnp.zeros((1, 128), jnp.int32)
+  loss = lambda q: pallas_fa3.flash_attention(
+    q, q, q, segment_ids=(ids, ids), score_mod=mods.softcap(3.0),
+    implementation="interpret",
+  ).astype(jnp.float32).sum()  # fmt: skip
+  with pytest.warns(UserWarning, match="beside segment_ids at head dim 256"):
+    jax.eval_shape(jax.grad(loss), q)
 
 
 # (shape, deterministic, options): the fused kernel (own and shared-tile

@@ -276,7 +276,8 @@ def test_flex_items_compile_without_spills():
   compile with 0 spills in the default's (`overlap=False`); a learnable
   per-key bias, its gradient summed by the dK/dV kernel (at d128 a lone
   consumer, the head dim split across CTAs), with 0; the fused backward
-  with a block mask at d64, with 0. One process."""
+  with a block mask at d64, with 0; the d128 dK/dV and dQ pair with a bias
+  beside segment ids, with 0. One process."""
   code = """
 from pallas_fa3.tools.aot import sweeps
 for fn, spec, cfg in sweeps.flex_sweep():
@@ -288,13 +289,16 @@ for fn, spec, cfg in sweeps.flex_sweep():
   if "per-key" in label and d in (64, 128):
     r = fn(spec, cfg)
     print(d, cfg.dkdv_consumers, r.spill_store_bytes, r.spill_load_bytes)
+  if d == 128 and label == "flex=bias segment_ids" and spec.deterministic:
+    r = fn(spec, cfg)
+    print("segmented", d, r.spill_store_bytes, r.spill_load_bytes)
   fused = fn.func.__name__ == "compile_backward" and not spec.deterministic
   if fused and d == 64 and label == "flex=block_mask":
     r = fn(spec, cfg)
     print("fused", d, r.spill_store_bytes, r.spill_load_bytes)
 """
   run = _run_python(code)
-  rows = [line.split() for line in run.stdout.strip().splitlines()[-5:]]
+  rows = [line.split() for line in run.stdout.strip().splitlines()[-6:]]
   assert sorted(rows) == sorted(
     [
       ["flex=alibi", "False", "0", "0"],
@@ -302,6 +306,7 @@ for fn, spec, cfg in sweeps.flex_sweep():
       ["64", "2", "0", "0"],
       ["128", "1", "0", "0"],
       ["fused", "64", "0", "0"],
+      ["segmented", "128", "0", "0"],
     ]
   ), run.stdout
 

@@ -246,42 +246,56 @@ class Sm90Backend(Backend):
     the fused kernel recomputes P with them (skipping a block mask's empty
     tiles), unless `deterministic`. A bias, a score_mod's floating arrays
     (their gradients), a deterministic call: the dK/dV and dQ kernels (the
-    dQ kernel writes dbias, both sum the arrays' gradients). What
+    dQ kernel writes dbias, both sum the arrays' gradients). Segment ids
+    mask beside them by their bounds where exact (else the blockwise twin,
+    decided on the device, as without flex). What
     `flex_tile.backward_unsupported` names, or tiles a block mask does not
     divide: the blockwise backward on the kernel's residuals, said by a
     warning."""
     from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
 
-    fused = sm90_bwd_config.fused_flex_config(spec, tiling)
-    if fused is not None and segment_ids is None:
-      return kernel.sm90_backward(
-        spec, fused, *residuals, interpret=self._params(), flex=flex
-      )
-    det = dataclasses.replace(spec, deterministic=True)
-    tiling = tiling or sm90_bwd_config.default_backward_config(det)
-    reason = sm90_bwd_config.backward_unsupported(det, tiling)
-    if segment_ids is not None:
-      reason = "segment_ids together with flex options"
-    if reason is None:
-      for cfg in (tiling, tiling.dq_config):
-        reason = reason or flex_tile.backward_unsupported(
-          det, cfg.block_q, cfg.block_kv, tiling
-        )
-    if reason is None:  # no score_mod array to differentiate
-      grads = kernel.sm90_backward(
-        det, tiling, *residuals, interpret=self._params(), flex=flex
-      )
-      return grads  # dq, dk, dv, (dbias, the score_mod arrays' gradients)
-    warnings.warn(
-      f"the sm90 backward kernels cannot differentiate this call"
-      f" ({reason}); its gradients use the blockwise backward (the same"
-      " function)",
-      stacklevel=3,
-    )
     twin_config = blockwise.BACKEND.make_config(spec, None)
-    return blockwise.blockwise_backward(
-      spec, twin_config, *residuals, segment_ids=segment_ids, flex=flex
+
+    def twin(operands):
+      residuals, _, ids, flex = operands
+      return blockwise.blockwise_backward(
+        spec, twin_config, *residuals, segment_ids=ids, flex=flex
+      )
+
+    run_spec = spec
+    run_tiling = sm90_bwd_config.fused_flex_config(spec, tiling)
+    if run_tiling is None:
+      run_spec = dataclasses.replace(spec, deterministic=True)
+      run_tiling = tiling or sm90_bwd_config.default_backward_config(run_spec)
+      reason = sm90_bwd_config.backward_unsupported(run_spec, run_tiling)
+      for cfg in (run_tiling, run_tiling.dq_config):
+        reason = reason or flex_tile.backward_unsupported(
+          run_spec, cfg.block_q, cfg.block_kv, run_tiling
+        )
+      if reason is not None:
+        warnings.warn(
+          f"the sm90 backward kernels cannot differentiate this call"
+          f" ({reason}); its gradients use the blockwise backward (the same"
+          " function)",
+          stacklevel=3,
+        )
+        return twin((residuals, None, segment_ids, flex))
+
+    def run(operands):
+      residuals, bounds, _, flex = operands
+      # dq, dk, dv, (dbias, the score_mod arrays' gradients)
+      return kernel.sm90_backward(
+        run_spec, run_tiling, *residuals, interpret=self._params(),
+        segment_ids=bounds, flex=flex,
+      )  # fmt: skip
+
+    if segment_ids is None:
+      return run((residuals, None, None, flex))
+    bounds, (keys_exact, queries_exact) = segments.kernel_bounds(
+      spec, segment_ids
     )
+    operands = (residuals, bounds, segment_ids, flex)
+    return _on_device(keys_exact & queries_exact, run, twin, operands)
 
   def fp8_tiles(self, config: Sm90Config) -> tuple[int, int]:
     return config.forward.block_q, config.forward.block_kv

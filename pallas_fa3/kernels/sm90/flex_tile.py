@@ -866,6 +866,13 @@ def kernel_mask(
   return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
 
 
+# Largest head dim whose backward kernels take flex options beside segment
+# ids: at d256 the dK/dV and dQ pair spilled 24-64 B with them (a window
+# mask_mod, softcap, ALiBi), and with a bias needed 232,568 B of shared
+# memory (benchmarks/RESULTS.md, "Flex options beside segment ids").
+SEGMENTED_FLEX_MAX_HEAD_DIM = 192
+
+
 def backward_unsupported(
   spec: Any, block_q: int, block_kv: int, tiling: Any = None
 ) -> str | None:
@@ -876,10 +883,18 @@ def backward_unsupported(
   sums the gradients of those read by batch, head or query; the dK/dV
   kernel those read by key, unless `tiling`, the `Sm90BackwardConfig`,
   has its consumers share a tile), and a bias (the dQ kernel writes
-  dbias; not with softcap)."""
+  dbias; not with softcap), beside segment ids up to
+  `SEGMENTED_FLEX_MAX_HEAD_DIM`."""
   fs = spec.flex
   if fs.bias is not None and spec.softcap is not None:
     return "bias with softcap in the backward kernels (dbias is not dS there)"
+  d = max(spec.head_dim, spec.head_dim_v)
+  if spec.segmented and d > SEGMENTED_FLEX_MAX_HEAD_DIM:
+    return (
+      f"flex options beside segment_ids at head dim {d} in the backward"
+      f" kernels (registers and shared memory: up to"
+      f" {SEGMENTED_FLEX_MAX_HEAD_DIM})"
+    )
   fn = fs.score_mod
   if fn is not None:
     try:

@@ -293,6 +293,12 @@ def flex_cases(seq: int, heads: int) -> dict:
   }
 
 
+# The flex cases the sweep also compiles with segment ids (a padding mask
+# beside a bias, ALiBi or softcap: `dot_product_attention`'s common calls),
+# forward and the backward the backend runs.
+SEGMENTED_FLEX_CASES = ("sliding_window", "softcap", "alibi", "bias")
+
+
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, the deterministic dK/dV and dQ kernels of the
@@ -301,7 +307,8 @@ def flex_sweep() -> Iterator[SweepItem]:
   the default backward where the tiling fuses), ALiBi
   with learnable slopes (their gradient summed by the dQ kernel), and a
   learnable per-key bias (summed by the dK/dV kernel) where its
-  default tiling takes one."""
+  default tiling takes one; `SEGMENTED_FLEX_CASES` again with segment ids
+  (forward and backward)."""
   import functools
 
   import jax
@@ -351,6 +358,26 @@ def flex_sweep() -> Iterator[SweepItem]:
           spec,
           fused,
         )
+      if name in SEGMENTED_FLEX_CASES:  # beside packed documents' ids
+        seg = dataclasses.replace(spec, segmented=True)
+        seg_label = label + " segment_ids"
+        yield (
+          functools.partial(compile_forward, flex=ops, label=seg_label),
+          seg,
+          sm90_config.default_forward_config(seg),
+        )
+        seg_tiling = sm90_bwd_config.fused_flex_config(seg)
+        if seg_tiling is None:  # the backend's choice: else the pair
+          seg = dataclasses.replace(seg, deterministic=True)
+          seg_tiling = sm90_bwd_config.default_backward_config(seg)
+        if not flex_tile.backward_unsupported(  # (else: blockwise, said)
+          seg, seg_tiling.block_q, seg_tiling.block_kv, seg_tiling
+        ):
+          yield (
+            functools.partial(compile_backward, flex=ops, label=seg_label),
+            seg,
+            seg_tiling,
+          )
       if name == "alibi":
         # learnable slopes: traced, so the dQ kernel sums their gradient
         slopes = mods.alibi_slopes(hq)
