@@ -124,8 +124,8 @@ def test_interpret_vmap_over_calls_with_segment_ids(contiguous, rng, key):
       (golden[j] for j in pick),
     ):
       assert_within_tolerance(f"example {i} {name}", g, n, gold)
-  with warnings.catch_warnings():  # the bias's backward: blockwise, said
-    warnings.simplefilter("ignore", UserWarning)
+  with warnings.catch_warnings():  # no fallback to blockwise, said
+    warnings.simplefilter("error", UserWarning)
     got = jax.vmap(attend)(q, k, v, q_ids, kv_ids, bias)
     want = [attend(q[i], k[i], v[i], q_ids[i], kv_ids[i], bias[i])
             for i in range(2)]  # fmt: skip
