@@ -188,9 +188,11 @@ def key_bounds(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(lo, hi, contiguous): int32 `[b, seq_q]` bounds such that query i sees
   exactly the keys `lo <= j < hi` of its segment, and a bool scalar that
-  says whether that is exact: every id's keys are one contiguous run in
-  every row (packed documents, padding included). The kernels mask with the
-  bounds (two compares per score, like a window) when it holds.
+  says whether that is exact: the keys of every id a query holds are one
+  contiguous run in every row (packed documents, padding included; the
+  keys of an id no query holds, such as the pad id of left padding beside
+  lengths, may lie in several). The kernels mask with the bounds (two
+  compares per score, like a window) when it holds.
   """
   q_ids, kv_ids = segment_ids
   lo, hi, ok = jax.vmap(_row_bounds)(q_ids, kv_ids)
@@ -235,14 +237,19 @@ def _row_bounds(q: jax.Array, kv: jax.Array):
   order = jnp.argsort(jnp.where(used, run_id, big), stable=True)
   sorted_ids = run_id[order]
   sorted_used = used[order]
-  # Contiguous: no id has two runs.
-  dup = (sorted_ids[1:] == sorted_ids[:-1]) & sorted_used[1:]
+  # Exact: no query's id has two runs (an id no query holds, such as the
+  # pad id of left padding beside lengths, may have several). `idx` is
+  # the first of an id's runs in sorted order; `again` says another follows.
+  again = jnp.append(
+    (sorted_ids[1:] == sorted_ids[:-1]) & sorted_used[1:], False
+  )
   idx = jnp.clip(jnp.searchsorted(sorted_ids, q), 0, n - 1)
   found = (sorted_ids[idx] == q) & sorted_used[idx]
   r = order[idx]
   lo = jnp.where(found, run_start[r], 0)
   hi = jnp.where(found, run_end[r], 0)
-  return lo.astype(jnp.int32), hi.astype(jnp.int32), ~jnp.any(dup)
+  exact = ~jnp.any(found & again[idx])
+  return lo.astype(jnp.int32), hi.astype(jnp.int32), exact
 
 
 def spans_from_bounds(

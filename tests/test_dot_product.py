@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_fa3
+from pallas_fa3.backends import sm90
 from pallas_fa3.testing import assert_within_tolerance, run_interpreted
 
 B, T, S, N, K, H = 2, 48, 80, 4, 2, 16
@@ -193,15 +194,44 @@ _naive_bf16 = jax.jit(
 )
 
 
+def _branches_taken(monkeypatch) -> list:
+  """Which side of every kernel-or-twin choice (`backends.sm90._on_device`)
+  executed ("kernel" or "twin"), recorded on the device as the calls run
+  (jit caches cleared: a cached trace would run without the spy)."""
+  taken, choose = [], sm90._on_device
+
+  def spy(exact, run, twin, operands):
+    def tell(name, branch):
+      def f(ops):
+        jax.debug.callback(lambda: taken.append(name))
+        return branch(ops)
+
+      return f
+
+    return choose(exact, tell("kernel", run), tell("twin", twin), operands)
+
+  monkeypatch.setattr(sm90, "_on_device", spy)
+  jax.clear_caches()  # calls traced before the spy would not tell it
+  return taken
+
+
 @pytest.mark.parametrize(
-  "kind", ["keys", "queries", "rank3_all_keys", "keys_and_lengths_causal"]
+  "kind",
+  [
+    "keys",
+    "queries",
+    "rank3_all_keys",
+    "keys_and_lengths_causal",
+  ],
 )
-def test_padding_masks_run_the_kernels(kind):
+def test_padding_masks_run_the_kernels(kind, monkeypatch):
   """A mask that varies along the keys alone or the queries alone (per
   batch row) becomes segment ids, which the Hopper kernels take (a dense
-  mask would raise with `implementation="interpret"`): bf16 in the
-  kernels against the float32 golden, within the tolerance rule (the
-  naive is the same dense attention in bf16); the golden is jax.nn's."""
+  mask would raise with `implementation="interpret"`), left padding beside
+  lengths included (the pad id in two runs): every kernel-or-twin choice
+  takes the kernel. bf16 in the kernels against the float32 golden,
+  within the tolerance rule (the naive is the same dense attention in
+  bf16); the golden is jax.nn's."""
   b, t, s, n, h = 2, 80, 130, 2, 64
   ks = jax.random.split(jax.random.key(3), 4)
   shapes = [(b, t, n, h), (b, s, n, h), (b, s, n, h), (b, t, n, h)]
@@ -235,6 +265,7 @@ def test_padding_masks_run_the_kernels(kind):
     out, pull = jax.vjp(f, cast(q), cast(k), cast(v))
     return (out,) + pull(cast(do))
 
+  taken = _branches_taken(monkeypatch)
   got = run_interpreted(  # done before anything else is dispatched
     grads,
     lambda q, k, v: pallas_fa3.dot_product_attention(
@@ -242,6 +273,7 @@ def test_padding_masks_run_the_kernels(kind):
     ),
     jnp.bfloat16,
   )
+  assert taken and "twin" not in taken, taken
   naive = _naive_bf16(q, k, v, do, dense, is_causal=causal)
   f32 = (x.astype(jnp.float32) for x in (q, k, v, do))
   golden = _golden_f32(*f32, dense, is_causal=causal)

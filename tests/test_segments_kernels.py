@@ -45,6 +45,12 @@ def test_key_bounds_are_each_rows_segment(rng):
   assert bool(contiguous)
   split = np.array([[0, 1, 0, 1, 1, 1, 1, 1]], np.int32)  # id 0 twice
   assert not bool(segments.key_bounds((q, split))[2])
+  # An id no query holds may lie in several runs (left padding beside
+  # lengths): the bounds stay exact.
+  padded = np.array([[-2, -2, 0, 0, 0, 1, 1, -2]], np.int32)
+  lo, hi, exact = segments.key_bounds((q, padded))
+  assert bool(exact) and (int(lo[0, 1]), int(hi[0, 1])) == (2, 5)
+  assert not bool(segments.key_bounds((np.full_like(q, -2), padded))[2])
 
 
 # (shape, causal, window, sinks, contiguous kv ids)
