@@ -4,19 +4,21 @@ and boolean mask, top-left `is_causal`, sequence lengths, `local_window_size`,
 `return_residual`, and what it returns for a row with no visible key),
 computed by `flash_attention` without materializing the scores. The
 options map onto the built-in ones where the alignment agrees (causal and
-windows at seq_q == seq_kv; lengths and padding masks as segment ids) and
-onto a mask_mod or block mask otherwise: docs/flex.md#migrating.
+windows at seq_q == seq_kv; lengths and padding masks as segment ids, a
+dense mask that is padding after all decided on the device) and onto a
+mask_mod or block mask otherwise: docs/flex.md#migrating.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import flex, mods
+from pallas_fa3 import flex, mods, segments
 from pallas_fa3.attention import flash_attention
 
 _JAX_NN = ("xla", "cudnn")
@@ -132,7 +134,7 @@ def dot_product_attention(
   # Which queries and keys are valid, per batch row: the lengths, and a
   # mask that varies along the keys alone or the queries alone (a padding
   # mask, `(B|1, 1, 1, S)` or `(B|1, 1, T, 1)`). Both become segment ids,
-  # which the Hopper kernels take (a dense mask runs blockwise).
+  # which the Hopper kernels take.
   valid = [
     None if n is None else jnp.arange(size)[None] < n[:, None]
     for n, size in ((qlen, T), (kvlen, S))
@@ -146,30 +148,71 @@ def dot_product_attention(
       )
       valid[axis] = along if valid[axis] is None else valid[axis] & along
       mask = None
-  if any(x is not None for x in valid):
-    options["segment_ids"] = tuple(
-      jnp.zeros((B, size), jnp.int32)
-      if ok is None
-      else jnp.where(ok, 0, pad).astype(jnp.int32)
-      for ok, size, pad in zip(valid, (T, S), (-1, -2))
-    )
   if bias is not None:
     _broadcastable(bias, full, "bias")
-    bshape = (bias.shape[0], bias.shape[1], T, S)
-    options["bias"] = jnp.broadcast_to(bias, bshape)
+    bias = jnp.broadcast_to(bias, (bias.shape[0], bias.shape[1], T, S))
+  dense = None
   if mask is not None:
     dense = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], T, S))
-    if mask_mods:  # one function for every mask: the dense one gathered
-      mask_mods.append(_dense_mask_mod(dense))
-    else:
-      options["block_mask"] = flex.BlockMask.from_dense(dense)
-  if mask_mods:
-    options["mask_mod"] = mods.and_masks(*mask_mods)
 
-  out, lse = flash_attention(
-    q, k, v, softmax_scale=float(scale), return_lse=True,
-    implementation=implementation, **options,
-  )  # fmt: skip
+  def attend(operands, dense_mask, impl):
+    """flash_attention with the static options, the valid queries and keys
+    as segment ids, the bias, and with `dense_mask` the dense mask (a
+    mask_mod reading it, or a block mask from it)."""
+    q, k, v, q_ok, kv_ok, bias, dense = operands
+    opts, fns = dict(options), list(mask_mods)
+    if q_ok is not None or kv_ok is not None:
+      opts["segment_ids"] = tuple(
+        jnp.zeros((B, n), jnp.int32)
+        if ok is None
+        else jnp.where(ok, 0, pad).astype(jnp.int32)
+        for ok, n, pad in ((q_ok, T, -1), (kv_ok, S, -2))
+      )
+    if bias is not None:
+      opts["bias"] = bias
+    if dense_mask:  # one block mask, with the static masks folded in
+      i, j = jnp.arange(T)[:, None], jnp.arange(S)[None]
+      for fn in fns:
+        dense = dense & fn(0, 0, i, j)
+      opts["block_mask"] = flex.BlockMask.from_dense(dense)
+      fns = []
+    if fns:
+      opts["mask_mod"] = mods.and_masks(*fns)
+    return flash_attention(
+      q, k, v, softmax_scale=float(scale), return_lse=True,
+      implementation=impl, **opts,
+    )  # fmt: skip
+
+  operands = (q, k, v, *valid, bias, dense)
+  if dense is None:
+    out, lse = attend(operands, False, implementation)
+  else:
+    # A dense mask that is a padding mask after all (`q_valid & kv_valid`,
+    # `& tril` beside is_causal: `nnx.make_attention_mask`'s): the same
+    # segment ids, decided on the device; any other: the dense mask, which
+    # blockwise and reference serve.
+    q_pad, kv_pad, exact = segments.padding_of_mask(
+      jnp.broadcast_to(dense, (B,) + dense.shape[1:]), bool(is_causal)
+    )
+    ids = tuple(
+      p if ok is None else ok & p for ok, p in zip(valid, (q_pad, kv_pad))
+    )
+    twin = implementation
+    if implementation not in (None, "blockwise", "reference"):
+      twin = "blockwise"
+      warnings.warn(
+        f"dot_product_attention(implementation={implementation!r}) with a"
+        f" mask of shape {tuple(mask.shape)}: the kernels run it where it is"
+        " a padding mask (checked on the device), any other mask in"
+        " 'blockwise' (the same function)",
+        stacklevel=2,
+      )
+    out, lse = jax.lax.cond(
+      segments.for_every_example(exact),
+      lambda ops: attend(ops[:3] + ops[5:], False, implementation),
+      lambda ops: attend(ops[:5] + ops[7:], True, twin),
+      operands[:5] + ids + operands[5:],
+    )
   # A row that sees no key: jax.nn's masked logits are all one large
   # negative number, so its softmax is uniform: the mean of every value
   # (a padded query row stays 0).
@@ -205,13 +248,3 @@ def _padding_axis(shape: tuple[int, ...]) -> int | None:
   if heads != 1 or (t != 1 and s != 1):
     return None
   return 0 if s == 1 and t != 1 else 1
-
-
-def _dense_mask_mod(dense: jax.Array) -> Any:
-  """A mask_mod reading a `[b|1, h|1, T, S]` boolean mask."""
-  nb, nh = dense.shape[:2]
-
-  def read(b, h, q_idx, kv_idx):
-    return dense[b if nb > 1 else 0, h if nh > 1 else 0, q_idx, kv_idx]
-
-  return read

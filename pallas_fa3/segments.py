@@ -177,6 +177,38 @@ def _spans(
   return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
+def padding_of_mask(
+  mask: jax.Array, causal: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(q_valid `[b, sq]`, kv_valid `[b, skv]`, exact): the queries and keys
+  a boolean mask `[b, heads, sq, skv]` lets see anything, and a bool
+  scalar: whether the mask is exactly `q_valid & kv_valid` for every head
+  (`& tril`, top-left, where `causal`: the rest is masked anyway), a
+  padding mask such as `nnx.make_attention_mask(q_valid, kv_valid)`.
+  Traced: one pass over the mask, decided on the device."""
+  visible = mask.astype(bool)
+  tril = jnp.tril(jnp.ones(visible.shape[-2:], bool)) if causal else True
+  visible = visible & tril
+  q_valid, kv_valid = visible[:, 0].any(-1), visible[:, 0].any(-2)
+  rebuilt = q_valid[:, None, :, None] & kv_valid[:, None, None, :] & tril
+  return q_valid, kv_valid, jnp.all(visible == rebuilt)
+
+
+@jax.custom_batching.custom_vmap
+def for_every_example(flag: jax.Array) -> jax.Array:
+  """`flag` (a bool scalar); under vmap one flag for the whole batch,
+  whether it holds for every example, so that a `lax.cond` on it stays a
+  cond (each branch vmapped) instead of vmap's both-then-select, which
+  runs both sides and which interpret mode's effects cannot do at all."""
+  return flag
+
+
+@for_every_example.def_vmap
+def _for_every_example_batched(axis_size, in_batched, flag):
+  del axis_size
+  return (jnp.all(flag) if in_batched[0] else flag), False
+
+
 def visible_ids(q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
   """`q_ids[..., :, None] == kv_ids[..., None, :]`: the id part of the
   mask, `[..., seq_q, seq_kv]`."""

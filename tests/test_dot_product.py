@@ -8,6 +8,7 @@ residuals and gradients, in float32; jax.nn's errors; the jax.nn names.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,13 @@ import numpy as np
 import pytest
 
 import pallas_fa3
+from pallas_fa3 import segments
 from pallas_fa3.backends import sm90
-from pallas_fa3.testing import assert_within_tolerance, run_interpreted
+from pallas_fa3.testing import (
+  assert_within_tolerance,
+  lowered_kernel_count,
+  run_interpreted,
+)
 
 B, T, S, N, K, H = 2, 48, 80, 4, 2, 16
 
@@ -222,14 +228,17 @@ def _branches_taken(monkeypatch) -> list:
     "queries",
     "rank3_all_keys",
     "keys_and_lengths_causal",
+    pytest.param("dense_padding", marks=pytest.mark.slow),
+    "dense_padding_causal",
   ],
 )
 def test_padding_masks_run_the_kernels(kind, monkeypatch):
   """A mask that varies along the keys alone or the queries alone (per
   batch row) becomes segment ids, which the Hopper kernels take (a dense
   mask would raise with `implementation="interpret"`), left padding beside
-  lengths included (the pad id in two runs): every kernel-or-twin choice
-  takes the kernel. bf16 in the kernels against the float32 golden,
+  lengths included (the pad id in two runs), and so does a dense
+  `(B, 1, T, S)` mask that is a padding mask after all (checked on the
+  device, said by a warning): every kernel-or-twin choice takes the kernel. bf16 in the kernels against the float32 golden,
   within the tolerance rule (the naive is the same dense attention in
   bf16); the golden is jax.nn's."""
   b, t, s, n, h = 2, 80, 130, 2, 64
@@ -248,6 +257,11 @@ def test_padding_masks_run_the_kernels(kind, monkeypatch):
     kw["mask"] = queries[:, None, :, None]
   elif kind == "rank3_all_keys":
     kw["mask"] = jnp.ones((1, 1, s), bool)
+  elif kind.startswith("dense_padding"):  # nnx.make_attention_mask's
+    kw["mask"] = queries[:, None, :, None] & keys[:, None, None, :]
+    if kind.endswith("causal"):  # beside Flax's causal mask
+      kw["mask"] &= jnp.tril(jnp.ones((t, s), bool))
+      kw["is_causal"] = True
   else:
     lengths = jnp.array([120, 130], jnp.int32)
     kw = dict(
@@ -266,13 +280,17 @@ def test_padding_masks_run_the_kernels(kind, monkeypatch):
     return (out,) + pull(cast(do))
 
   taken = _branches_taken(monkeypatch)
-  got = run_interpreted(  # done before anything else is dispatched
-    grads,
-    lambda q, k, v: pallas_fa3.dot_product_attention(
-      q, k, v, implementation="interpret", **kw
-    ),
-    jnp.bfloat16,
-  )
+  with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    got = run_interpreted(  # done before anything else is dispatched
+      grads,
+      lambda q, k, v: pallas_fa3.dot_product_attention(
+        q, k, v, implementation="interpret", **kw
+      ),
+      jnp.bfloat16,
+    )
+  on_device = [w for w in said if "checked on the device" in str(w.message)]
+  assert bool(on_device) == kind.startswith("dense"), [str(w) for w in said]
   assert taken and "twin" not in taken, taken
   naive = _naive_bf16(q, k, v, do, dense, is_causal=causal)
   f32 = (x.astype(jnp.float32) for x in (q, k, v, do))
@@ -308,6 +326,56 @@ def test_bias_beside_a_padding_mask_differentiates_in_the_kernels():
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
   text = export.export(grad, platforms=["cuda"])(q, q, q, bias).mlir_module()
   assert "fa3_bwd_dkdv" in text and "fa3_bwd_dq" in text
+
+
+def test_dense_padding_masks_lower_to_the_kernels_under_vmap_and_grad():
+  """A dense `(B, 1, T, S)` mask goes through a device-side choice: the
+  vmapped gradient lowers for CUDA with the kernels in it (the padding
+  branch) and says so; the choice itself is checked by the interpret
+  cases of test_padding_masks_run_the_kernels."""
+  from jax import export
+
+  b, t, n, h = 2, 256, 4, 64
+  x = jax.ShapeDtypeStruct((3, b, t, n, h), jnp.bfloat16)
+  m = jax.ShapeDtypeStruct((3, b, 1, t, t), jnp.bool_)
+
+  def loss(q, k, v, mask):
+    out = pallas_fa3.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True, implementation="mosaic"
+    )
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
+  with pytest.warns(UserWarning, match="checked on the device"):
+    text = export.export(grad, platforms=["cuda"])(x, x, x, m).mlir_module()
+  # the forward and the fused backward (the padding branch); the twin is
+  # blockwise, no kernel (vmapped, the forward kernel's name is not kept)
+  assert lowered_kernel_count(text) == 2, lowered_kernel_count(text)
+  assert "fa3_bwd_dkdv" in text
+
+
+def test_padding_of_mask_tells_padding_from_other_masks():
+  """`segments.padding_of_mask`: exact for `q_valid & kv_valid` (with the
+  causal tril where causal; the mask's upper triangle then does not
+  matter), not for other masks, per-head differences or a padding mask
+  missing the tril's lower part."""
+  t = 6
+  qv = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+  kv = jnp.array([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], bool)
+  pad = (qv[:, :, None] & kv[:, None, :])[:, None]
+  tril = jnp.tril(jnp.ones((t, t), bool))
+  q_ok, kv_ok, exact = segments.padding_of_mask(pad, causal=False)
+  assert bool(exact)
+  np.testing.assert_array_equal(q_ok, qv & kv.any(-1, keepdims=True))
+  np.testing.assert_array_equal(kv_ok, kv & qv.any(-1, keepdims=True))
+  assert bool(segments.padding_of_mask(pad & tril, causal=True)[2])
+  assert bool(segments.padding_of_mask(pad, causal=True)[2])
+  assert not bool(segments.padding_of_mask(pad & tril, causal=False)[2])
+  assert not bool(
+    segments.padding_of_mask(pad.at[0, 0, 1, 2].set(False), False)[2]
+  )
+  heads = jnp.concatenate([pad, pad.at[:, :, 0, 1].set(False)], axis=1)
+  assert not bool(segments.padding_of_mask(heads, causal=False)[2])
 
 
 def test_reference_backend_and_default_choice():

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.segments import SegmentIds
+from pallas_fa3.segments import SegmentIds, padding_of_mask
 from pallas_fa3.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 PAD_Q = -1  # id of a query that sees no key
@@ -104,24 +104,6 @@ def concrete_mask_ids(
     ):
       return SegmentIds(*(jnp.asarray(x) for x in found)), c
   return None
-
-
-def traced_padding_ids(
-  mask: jax.Array, causal: bool
-) -> tuple[SegmentIds, jax.Array]:
-  """Padding ids of a traced mask `[b, heads, sq, skv]` and a bool scalar:
-  whether the mask (`& tril` if causal) is exactly theirs (the same for
-  every head)."""
-  visible = mask.astype(bool)
-  tril = _tril(*visible.shape[-2:], causal, jnp)
-  if tril is not None:
-    visible = visible & tril
-  q_valid, kv_valid = visible.any(-1), visible.any(-2)  # [b, heads, seq]
-  q_ids = jnp.where(q_valid[:, 0], 0, PAD_Q).astype(jnp.int32)
-  kv_ids = jnp.where(kv_valid[:, 0], 0, PAD_KV).astype(jnp.int32)
-  rebuilt = _rebuilt(q_ids[:, None], kv_ids[:, None], tril, jnp)
-  ok = jnp.all(visible == rebuilt)
-  return SegmentIds(q_ids, kv_ids), ok
 
 
 def one_row_valid(
@@ -315,7 +297,12 @@ def plan_mask(
     return MaskPlan("flash", key_valid=valid)
   if kind == "traced":
     if padding_mask:
-      ids, ok = traced_padding_ids(_by_heads(mask, weights_shape, jnp), causal)
+      by_heads = _by_heads(mask, weights_shape, jnp)
+      q_valid, kv_valid, ok = padding_of_mask(by_heads, causal)
+      ids = SegmentIds(
+        jnp.where(q_valid, 0, PAD_Q).astype(jnp.int32),
+        jnp.where(kv_valid, 0, PAD_KV).astype(jnp.int32),
+      )
       return MaskPlan("flash", causal, ids, ok)
     if declared_causal:
       seq_q, seq_kv = weights_shape[-2:]
