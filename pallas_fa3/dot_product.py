@@ -157,8 +157,8 @@ def dot_product_attention(
 
   def attend(operands, dense_mask, impl):
     """flash_attention with the static options, the valid queries and keys
-    as segment ids, the bias, and with `dense_mask` the dense mask (a
-    mask_mod reading it, or a block mask from it)."""
+    as segment ids, the bias, and with `dense_mask` the dense mask as one
+    block mask (the causal and window mask_mods folded into it)."""
     q, k, v, q_ok, kv_ok, bias, dense = operands
     opts, fns = dict(options), list(mask_mods)
     if q_ok is not None or kv_ok is not None:
