@@ -85,6 +85,42 @@ def test_grid_matches_jax_nn(case):
   _close(*_both(q, kk, v, do, **kw))
 
 
+# Dense masks that are padding after all (the segment-id branch of the
+# device-side choice), beside the other options, at seq_q != seq_kv.
+DENSE_PADDING = {
+  "window_kv_lengths_bias": dict(
+    local_window_size=(10, 3),
+    key_value_seq_lengths=jnp.array([70, 33], jnp.int32),
+    _bias=True,
+  ),
+  "causal_tril_q_lengths": dict(
+    is_causal=True, query_seq_lengths=jnp.array([40, 48], jnp.int32), _tril=True
+  ),
+  "per_head_mqa": dict(_heads=True, _k=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_PADDING))
+def test_dense_padding_masks_match_jax_nn(case):
+  """jax.nn's results and gradients (float32) for a dense `(B|1, N|1, T,
+  S)` mask built as `q_valid & kv_valid`, which takes the segment-id
+  branch (`segments.padding_of_mask` says exact)."""
+  kw = dict(DENSE_PADDING[case])
+  q, k, v, do, kb, _ = _inputs(k=kw.pop("_k", K))
+  q_ok = jnp.arange(T)[None] < jnp.array([[40], [T]])
+  kv_ok = jnp.arange(S)[None] >= jnp.array([[5], [0]])
+  mask = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+  if kw.pop("_tril", False):
+    mask = mask & jnp.tril(jnp.ones((T, S), bool))
+  if kw.pop("_heads", False):
+    mask = jnp.broadcast_to(mask, (B, N, T, S))
+  if kw.pop("_bias", False):
+    kw["bias"] = jax.random.normal(kb, (1, N, T, S), jnp.float32)
+  causal = kw.get("is_causal", False)
+  assert bool(segments.padding_of_mask(mask, causal)[2])
+  _close(*_both(q, k, v, do, mask=mask, **kw))
+
+
 # Every broadcast shape of jax.nn's (B, N, T, S) bias and mask (four of
 # them `slow`: the default run keeps one per kind of broadcast).
 _slow = lambda s: pytest.param(s, marks=pytest.mark.slow)
