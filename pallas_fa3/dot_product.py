@@ -207,12 +207,25 @@ def dot_product_attention(
         " 'blockwise' (the same function)",
         stacklevel=2,
       )
-    out, lse = jax.lax.cond(
-      segments.for_every_example(exact),
-      lambda ops: attend(ops[:3] + ops[5:], False, implementation),
-      lambda ops: attend(ops[:5] + ops[7:], True, twin),
-      operands[:5] + ids + operands[5:],
-    )
+    try:
+      out, lse = jax.lax.cond(
+        segments.for_every_example(exact),
+        lambda ops: attend(ops[:3] + ops[5:], False, implementation),
+        lambda ops: attend(ops[:5] + ops[7:], True, twin),
+        operands[:5] + ids + operands[5:],
+      )
+    except NotImplementedError as e:
+      if "vmap-of-cond" not in str(e):
+        raise
+      raise NotImplementedError(
+        f"dot_product_attention(implementation={implementation!r}) with a"
+        f" dense mask of shape {tuple(mask.shape)} cannot run under"
+        " jax.vmap: the device-side choice between the kernels and"
+        " blockwise is a cond, and the Pallas interpreter's effects cannot"
+        " be vmapped inside one. Use implementation='mosaic' (a GPU),"
+        " 'blockwise' or None, or a padding mask of shape (B, 1, 1, S) /"
+        " (B, 1, T, 1), which needs no choice"
+      ) from e
   # A row that sees no key: jax.nn's masked logits are all one large
   # negative number, so its softmax is uniform: the mean of every value
   # (a padded query row stays 0).

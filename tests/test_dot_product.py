@@ -390,6 +390,21 @@ def test_dense_padding_masks_lower_to_the_kernels_under_vmap_and_grad():
   assert "fa3_bwd_dkdv" in text
 
 
+def test_interpret_under_vmap_with_a_dense_mask_says_why_it_cannot():
+  """`"interpret"` under jax.vmap with a dense mask: a NotImplementedError
+  naming the call and what serves it (the interpreter's effects in the
+  device-side cond), raised while tracing."""
+  x = jax.ShapeDtypeStruct((2, 1, 64, 2, 64), jnp.bfloat16)
+  valid = jnp.arange(64) < 50
+  mask = (valid[:, None] & valid[None])[None, None]
+  attend = lambda q: pallas_fa3.dot_product_attention(
+    q, q, q, mask=mask, implementation="interpret"
+  )
+  with pytest.warns(UserWarning, match="checked on the device"):
+    with pytest.raises(NotImplementedError, match="cannot run under jax.vmap"):
+      jax.eval_shape(jax.vmap(attend), x)
+
+
 def test_padding_of_mask_tells_padding_from_other_masks():
   """`segments.padding_of_mask`: exact for `q_valid & kv_valid` (with the
   causal tril where causal; the mask's upper triangle then does not
