@@ -162,11 +162,11 @@ def dot_product_attention(
     q, k, v, q_ok, kv_ok, bias, dense = operands
     opts, fns = dict(options), list(mask_mods)
     if q_ok is not None or kv_ok is not None:
-      opts["segment_ids"] = tuple(
-        jnp.zeros((B, n), jnp.int32)
-        if ok is None
-        else jnp.where(ok, 0, pad).astype(jnp.int32)
-        for ok, n, pad in ((q_ok, T, -1), (kv_ok, S, -2))
+      opts["segment_ids"] = segments.ids_of_padding(
+        *(
+          jnp.ones((B, n), bool) if ok is None else ok
+          for ok, n in ((q_ok, T), (kv_ok, S))
+        )
       )
     if bias is not None:
       opts["bias"] = bias

@@ -177,6 +177,19 @@ def _spans(
   return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
+PAD_Q = -1  # the id of a query that sees no key
+PAD_KV = -2  # the id of a key that no query sees
+
+
+def ids_of_padding(q_valid: Any, kv_valid: Any) -> SegmentIds:
+  """Padding as segment ids: valid queries and keys (bool `[b, seq_q]`,
+  `[b, seq_kv]`) in segment 0, the others `PAD_Q` / `PAD_KV`."""
+  return SegmentIds(
+    jnp.where(q_valid, 0, PAD_Q).astype(jnp.int32),
+    jnp.where(kv_valid, 0, PAD_KV).astype(jnp.int32),
+  )
+
+
 def padding_of_mask(
   mask: jax.Array, causal: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -9,7 +9,6 @@ the registry does not load Mosaic GPU. docs/kernels.md
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
@@ -252,7 +251,7 @@ class Sm90Backend(Backend):
     `flex_tile.backward_unsupported` names, or tiles a block mask does not
     divide: the blockwise backward on the kernel's residuals, said by a
     warning."""
-    from pallas_fa3.kernels.sm90 import backward as kernel, flex_tile  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
 
     twin_config = blockwise.BACKEND.make_config(spec, None)
 
@@ -262,24 +261,15 @@ class Sm90Backend(Backend):
         spec, twin_config, *residuals, segment_ids=ids, flex=flex
       )
 
-    run_spec = spec
-    run_tiling = sm90_bwd_config.fused_flex_config(spec, tiling)
-    if run_tiling is None:
-      run_spec = dataclasses.replace(spec, deterministic=True)
-      run_tiling = tiling or sm90_bwd_config.default_backward_config(run_spec)
-      reason = sm90_bwd_config.backward_unsupported(run_spec, run_tiling)
-      for cfg in (run_tiling, run_tiling.dq_config):
-        reason = reason or flex_tile.backward_unsupported(
-          run_spec, cfg.block_q, cfg.block_kv, run_tiling
-        )
-      if reason is not None:
-        warnings.warn(
-          f"the sm90 backward kernels cannot differentiate this call"
-          f" ({reason}); its gradients use the blockwise backward (the same"
-          " function)",
-          stacklevel=3,
-        )
-        return twin((residuals, None, segment_ids, flex))
+    run_spec, run_tiling, reason = sm90_bwd_config.flex_backward(spec, tiling)
+    if reason is not None:
+      warnings.warn(
+        f"the sm90 backward kernels cannot differentiate this call"
+        f" ({reason}); its gradients use the blockwise backward (the same"
+        " function)",
+        stacklevel=3,
+      )
+      return twin((residuals, None, segment_ids, flex))
 
     def run(operands):
       residuals, bounds, _, flex = operands

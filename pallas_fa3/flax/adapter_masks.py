@@ -15,11 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa3.attention import flash_attention
-from pallas_fa3.segments import SegmentIds, padding_of_mask
+from pallas_fa3.segments import (
+  PAD_KV,
+  PAD_Q,
+  SegmentIds,
+  ids_of_padding,
+  padding_of_mask,
+)
 from pallas_fa3.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-
-PAD_Q = -1  # id of a query that sees no key
-PAD_KV = -2  # id of a key that no query sees
 
 
 def _rebuilt(q_ids, kv_ids, tril, xp):
@@ -299,11 +302,7 @@ def plan_mask(
     if padding_mask:
       by_heads = _by_heads(mask, weights_shape, jnp)
       q_valid, kv_valid, ok = padding_of_mask(by_heads, causal)
-      ids = SegmentIds(
-        jnp.where(q_valid, 0, PAD_Q).astype(jnp.int32),
-        jnp.where(kv_valid, 0, PAD_KV).astype(jnp.int32),
-      )
-      return MaskPlan("flash", causal, ids, ok)
+      return MaskPlan("flash", causal, ids_of_padding(q_valid, kv_valid), ok)
     if declared_causal:
       seq_q, seq_kv = weights_shape[-2:]
       return MaskPlan("flash", True, None, causal_ok(mask, seq_q, seq_kv))

@@ -5,6 +5,8 @@ More: docs/kernels.md#the-backward-kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_fa3.kernels.sm90 import flex_tile
 from pallas_fa3.kernels.sm90.config import (
   BARRIER_BYTES,
@@ -239,6 +241,26 @@ def fused_flex_config(
   ):
     return fused
   return None
+
+
+def flex_backward(
+  spec: AttentionSpec, tiling: Sm90BackwardConfig | None = None
+) -> tuple[AttentionSpec, Sm90BackwardConfig | None, str | None]:
+  """(spec, tiling, reason): the backward the kernels run `spec`'s flex
+  options with: the fused kernel (`fused_flex_config`), else the dK/dV and
+  dQ pair (the spec made `deterministic`, `tiling` or its default), or
+  why neither takes them (`reason`: the blockwise backward runs)."""
+  fused = fused_flex_config(spec, tiling)
+  if fused is not None:
+    return spec, fused, None
+  det = dataclasses.replace(spec, deterministic=True)
+  tiling = tiling or default_backward_config(det)
+  reason = backward_unsupported(det, tiling)
+  for cfg in (tiling, tiling.dq_config) if reason is None else ():
+    reason = reason or flex_tile.backward_unsupported(
+      det, cfg.block_q, cfg.block_kv, tiling
+    )
+  return det, tiling, reason
 
 
 def backward_smem_bytes(

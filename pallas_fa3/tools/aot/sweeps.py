@@ -366,13 +366,8 @@ def flex_sweep() -> Iterator[SweepItem]:
           seg,
           sm90_config.default_forward_config(seg),
         )
-        seg_tiling = sm90_bwd_config.fused_flex_config(seg)
-        if seg_tiling is None:  # the backend's choice: else the pair
-          seg = dataclasses.replace(seg, deterministic=True)
-          seg_tiling = sm90_bwd_config.default_backward_config(seg)
-        if not flex_tile.backward_unsupported(  # (else: blockwise, said)
-          seg, seg_tiling.block_q, seg_tiling.block_kv, seg_tiling
-        ):
+        seg, seg_tiling, reason = sm90_bwd_config.flex_backward(seg)
+        if reason is None:  # (else: the blockwise backward, said)
           yield (
             functools.partial(compile_backward, flex=ops, label=seg_label),
             seg,
