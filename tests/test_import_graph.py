@@ -11,7 +11,10 @@ functions alike; package `__init__` modules (re-exports) are left out.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+
+import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = _ROOT / "pallas_fa3"
@@ -112,3 +115,34 @@ def test_the_library_imports_no_tool():
         names = [a.name for a in node.names]
       for n in names:
         assert not n.startswith(("models", "tests", _TOOLS)), (name, n)
+
+
+# `pallas_fa3/__init__.py` imports its public names on first use (so that
+# `import pallas_fa3` and `pallas-fa3 --help` do not import JAX): its
+# `_EXPORTS` table and its TYPE_CHECKING re-exports must name the same things.
+def test_lazy_exports_match_the_type_checking_reexports():
+  init = ast.parse((_PACKAGE / "__init__.py").read_text())
+  (block,) = [
+    n
+    for n in init.body
+    if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+  ]
+  reexports = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+    for alias in node.names:
+      assert alias.asname == alias.name, ast.unparse(node)  # `x as x`
+      reexports[alias.name] = node.module
+  import pallas_fa3  # pylint: disable=g-import-not-at-top
+
+  exports = dict(pallas_fa3._EXPORTS)  # pylint: disable=protected-access
+  assert reexports.pop("mods") == "pallas_fa3"  # a submodule, imported too
+  assert exports == reexports
+  for name, module in exports.items():
+    assert getattr(pallas_fa3, name) is getattr(
+      importlib.import_module(module), name
+    ), name
+  assert set(exports) | {"mods", "__version__"} <= set(dir(pallas_fa3))
+  assert pallas_fa3.mods is importlib.import_module("pallas_fa3.mods")
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    _ = pallas_fa3.nope
