@@ -286,3 +286,40 @@ def test_help_has_no_formatting_artifacts(command, capsys):
     assert "tied maxima per row (1: control) (default: 1 2 3 4 8)" in flat, out
   if command == ["numerics", "deviation"]:
     assert "e.g. 64x64 (default: 64x64)" in flat, out
+
+
+# Each help screen, then the heavy modules imported so far: `--help` and the
+# help of `info`, `train`, `generate` and `numerics` import no JAX, nor numpy
+# or matplotlib (`bench`'s and `aot`'s flags read registries that import JAX;
+# a numerics study's help shows its config's defaults, read off its module).
+# Failed while the package imported its whole API at once (2.3 s on an idle
+# 2-core machine, ~10 s on a loaded one, before a line of help).
+_HELP_IMPORTS = """
+import sys
+from pallas_fa3.tools import cli
+for command in {commands!r}:
+  try:
+    cli.main(command + ["--help"])
+  except SystemExit:
+    pass
+  heavy = sorted(m for m in ("jax", "numpy", "matplotlib") if m in sys.modules)
+  print(" ".join(command) or "-", ",".join(heavy) or "none", file=sys.stderr)
+"""
+
+
+def test_help_imports_no_jax():
+  commands = [[], ["info"], ["train"], ["generate"], ["numerics"]]
+  proc = subprocess.run(
+    [sys.executable, "-c", _HELP_IMPORTS.format(commands=commands)],
+    capture_output=True,
+    text=True,
+    env=_env(),
+    cwd=REPO_ROOT,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr
+  report = proc.stderr.splitlines()
+  assert len(report) == len(commands), proc.stderr
+  for line in report:
+    assert line.endswith(" none"), f"--help imported: {proc.stderr}"

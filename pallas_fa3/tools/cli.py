@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 
 from pallas_fa3.tools import example_models
 
@@ -187,10 +188,10 @@ def _no_models(name: str, reason: str) -> int:
   return 1
 
 
-def _add_bench_parser(sub) -> None:
+def _add_bench_parser(sub, summary: str) -> None:
   from pallas_fa3.tools.bench import command  # pylint: disable=g-import-not-at-top
 
-  p = command.add_parser(sub, HelpFormatter)  # flags live with the harness
+  p = command.add_parser(sub, HelpFormatter, summary)  # flags: the harness's
   p.set_defaults(func=_cmd_bench, parser=p)
 
 
@@ -206,14 +207,11 @@ def _add_numerics_parser(sub) -> None:
   cli_args.add_parser(sub)  # flags and the run live with the studies
 
 
-def _add_aot_parser(sub) -> None:
+def _add_aot_parser(sub, summary: str) -> None:
   from pallas_fa3.tools.aot import command as aot  # pylint: disable=g-import-not-at-top
 
   p = sub.add_parser(
-    "aot",
-    help="compile the sm90 kernels for sm_90a on a CPU: spills and"
-    " a static profile of the PTX",
-    description=aot.__doc__.split("\n\n")[0],
+    "aot", help=summary, description=aot.__doc__.split("\n\n")[0]
   )
   aot.add_arguments(p)
   p.set_defaults(func=_cmd_aot, parser=p)
@@ -231,7 +229,27 @@ def _cmd_aot(args) -> int:
   return aot.run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The subcommands whose flags import JAX to be built (bench's help reads its
+# registries of implementations and grids; aot's, its sweeps), by name: their
+# one-line help and what builds their flags. `main` builds only the one its
+# argv runs, so `pallas-fa3 --help` and the others' help import no JAX.
+_HEAVY = {
+  "bench": (
+    "performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
+    _add_bench_parser,
+  ),
+  "aot": (
+    "compile the sm90 kernels for sm_90a on a CPU: spills and"
+    " a static profile of the PTX",
+    _add_aot_parser,
+  ),
+}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+  """The `pallas-fa3` parser, every subcommand's flags included; with `argv`,
+  of `bench` and `aot` only the one that `argv` runs gets its flags (the
+  other is listed by its one-line help), as their flags import JAX."""
   parser = argparse.ArgumentParser(
     prog="pallas-fa3",
     description=(
@@ -244,14 +262,27 @@ def build_parser() -> argparse.ArgumentParser:
   sub.required = True
   _add_info_parser(sub)
   _add_model_parsers(sub)
-  _add_bench_parser(sub)
+  _add_heavy_parser(sub, "bench", argv)
   _add_numerics_parser(sub)
-  _add_aot_parser(sub)
+  _add_heavy_parser(sub, "aot", argv)
   return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = build_parser()
+def _add_heavy_parser(sub, name: str, argv: Sequence[str] | None) -> None:
+  """`name`'s parser with its flags where `argv` is None or runs `name`,
+  else one without (listed by its one-line help)."""
+  summary, add = _HEAVY[name]
+  # The top-level parser has no option that takes a value: the first word
+  # that is no option names the command.
+  if argv is None or name == next((a for a in argv if a[:1] != "-"), None):
+    add(sub, summary)
+  else:
+    sub.add_parser(name, help=summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser(argv)
   args, unknown = parser.parse_known_args(argv)
   if unknown and not getattr(args, "any_flags", False):
     parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -86,9 +86,11 @@ def _decode_unset(field: str) -> str:
 
 
 def add_parser(
-  sub: Any, formatter_class: type[argparse.HelpFormatter]
+  sub: Any, formatter_class: type[argparse.HelpFormatter], summary: str
 ) -> argparse.ArgumentParser:
-  """Adds the `bench` subcommand and its flags to `sub` (argparse subparsers).
+  """Adds the `bench` subcommand and its flags to `sub` (argparse subparsers),
+  with `summary` as its one-line help (the `pallas-fa3` listing's, which
+  does not import this module).
 
   Flags left unset (None) take the platform's default (`grid_axes`,
   `settings_from`); their help says which.
@@ -97,7 +99,7 @@ def add_parser(
   positive = flags.int_at_least(1)
   p = sub.add_parser(
     "bench",
-    help="performance harness: TFLOPs/s, memory, CSV/JSON/PNG",
+    help=summary,
     description=(
       "Time attention implementations over a grid of named shapes"
       " (compile excluded, warm-up, median/min/max of --runs calls,"
