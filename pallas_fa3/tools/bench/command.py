@@ -259,7 +259,8 @@ def add_parser(
     type=positive,
     help="timed calls per case ("
     + flags.unset(runner.DEFAULT_RUNS["gpu"], runner.DEFAULT_RUNS["cpu"])
-    + ")",
+    + f", or up to {timing.MORE_RUNS}x that while a case's calls add up to"
+    f" under {timing.CHEAP_S:g} s)",
   )
   p.add_argument(
     "--warmup",
@@ -465,6 +466,8 @@ def settings_from(args, platform: str) -> dict:
   settings = dict(
     platform=platform,
     runs=args.runs or runner.DEFAULT_RUNS[platform],
+    # Unset --runs: more calls where a case's calls are cheap.
+    cheap_s=0.0 if args.runs else timing.CHEAP_S,
     warmup=(
       args.warmup
       if args.warmup is not None

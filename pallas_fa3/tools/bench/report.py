@@ -22,6 +22,13 @@ CSV_ENVIRONMENT = ("device", "jax", "jaxlib", "git_commit", "date")
 JSON_FILE = "results.json"
 MARKDOWN_FILE = "summary.md"
 _FILE_WIDTH = 180  # columns of the table when stdout is not a terminal
+# A case whose median call took more than this many times its fastest one
+# was timed on a busy machine (or a clock still ramping up): its median is
+# not its speed, and the reports say so. Issue 64's busy 2-core machine
+# gave a forward 1.64 (min 92 ms, median 151 ms), slower than its
+# forward+backward.
+NOISY_SPREAD = 1.25
+_NOISY_SHOWN = 3  # the noisiest cases the warning names
 
 
 def head_dims_label(record: dict) -> str:
@@ -95,6 +102,50 @@ def rate_unit(records: list[dict]) -> tuple[str, float]:
   return ("TFLOP/s", 1.0) if fastest >= 1 else ("GFLOP/s", 1e3)
 
 
+def spread(r: dict) -> float | None:
+  """A timed record's median time over its fastest (None: not timed; a
+  correctness case or a record without min and median)."""
+  fastest, median = r.get("time_min_ms"), r.get("time_median_ms")
+  if r["status"] != "ok" or r["note"] or not fastest or median is None:
+    return None
+  return median / fastest
+
+
+def noisy(records: list[dict]) -> list[dict]:
+  """The timed records whose `spread` exceeds NOISY_SPREAD, widest first."""
+  wide = [r for r in records if (spread(r) or 0.0) > NOISY_SPREAD]
+  return sorted(wide, key=spread, reverse=True)
+
+
+def runs_label(records: list[dict], runs: int) -> str:
+  """The timed calls per case: "3", or "3-15" where cheap cases took more
+  (records without a count: `runs`, the setting)."""
+  counts = [
+    r.get("runs") or runs for r in records if spread(r) is not None
+  ] or [runs]
+  low, high = min(counts), max(counts)
+  return f"{low}" if low == high else f"{low}-{high}"
+
+
+def noise_warning(records: list[dict]) -> str | None:
+  """What to say of the `noisy` records (None: none is)."""
+  wide = noisy(records)
+  if not wide:
+    return None
+  timed = sum(spread(r) is not None for r in records)
+  shown = "; ".join(
+    f"{r['impl']} {r['spec']}: min {r['time_min_ms']:.3g} ms, median"
+    f" {r['time_median_ms']:.3g} ms"
+    for r in wide[:_NOISY_SHOWN]
+  )
+  return (
+    f"Noisy timings: in {len(wide)} of {timed} cases the median call took"
+    f" more than {NOISY_SPREAD:g}x the fastest (NOISY_SPREAD), e.g. {shown}:"
+    " the machine was likely busy, so those medians (and their ratios) are"
+    " not the cases' speed; rerun on an idle machine or with more --runs."
+  )
+
+
 def ratios(records: list[dict], ours: str) -> list[dict]:
   """Per spec and baseline: ours TFLOPs/s / baseline TFLOPs/s (> 1: ours faster).
 
@@ -122,8 +173,8 @@ def ratios(records: list[dict], ours: str) -> list[dict]:
 
 
 def _cell(r: dict, show_peak: bool, scale: float) -> str:
-  """ "<rate>[ <% of peak>] (<median> ms[<more>])"; the correctness case:
-  its error."""
+  """ "<rate>[ <% of peak>][ (noisy)] (<median> ms, min <min>[<more>])";
+  the correctness case: its error."""
   if r["status"] != "ok":
     return "skip" if r["status"] == "skipped" else "error"
   if r["note"]:
@@ -142,7 +193,12 @@ def _cell(r: dict, show_peak: bool, scale: float) -> str:
       else ""
     )
   pct = f" {pct:.0f}%" if pct else ""
-  return f"{rate:.3g}{pct} ({r['time_median_ms']:.3g} ms{more})"
+  fastest = r.get("time_min_ms")
+  times = f"{r['time_median_ms']:.3g} ms" + (
+    "" if fastest is None else f", min {fastest:.3g}"
+  )
+  mark = "" if (spread(r) or 0.0) <= NOISY_SPREAD else " (noisy)"
+  return f"{rate:.3g}{pct}{mark} ({times}{more})"
 
 
 def pivot(result: dict, ours: str) -> tuple[list[str], list[list[str]]]:
@@ -216,29 +272,33 @@ def markdown(result: dict, ours: str) -> str:
   env, records = result["environment"], result["records"]
   decode = is_decode(records)
   header, rows = pivot(result, ours)
-  runs = result["settings"]["runs"]
+  runs = runs_label(records, result["settings"]["runs"])
+  noisy_note = (
+    f"; (noisy): median over {NOISY_SPREAD:g}x the fastest call, not the"
+    " case's speed"
+  )
   if decode:
     about = [
       "- cells: GB/s of K/V read (sum of each sequence's length x heads_kv x"
       f" (d + dv) x itemsize, over the median of {runs} runs, compile"
-      " excluded), % of the HBM peak, median ms, split-KV ranges run;"
-      " ratios: ours GB/s / other GB/s",
+      " excluded), % of the HBM peak, median and fastest ms, split-KV"
+      f" ranges run{noisy_note}; ratios: ours GB/s / other GB/s",
       f"- HBM peak: {result['hbm_peak']}",
     ]
     holds = (
-      "- CSV/JSON also hold min/max times, compile seconds, bytes, FLOPs and"
-      " TFLOP/s, temp and peak MiB, each case's max |out - reference|"
+      "- CSV/JSON also hold max times, runs, compile seconds, bytes, FLOPs"
+      " and TFLOP/s, temp and peak MiB, each case's max |out - reference|"
     )
   else:
     unit, _ = rate_unit(records)
     about = [
-      f"- cells: {unit} (median ms of {runs} runs, compile excluded); ratios"
-      " = ours FLOP/s / baseline FLOP/s",
+      f"- cells: {unit} (median and fastest ms of {runs} runs, compile"
+      f" excluded){noisy_note}; ratios = ours FLOP/s / baseline FLOP/s",
       f"- matmul peak: {result['matmul_peak_tflops'] or 'not measured'}"
       + (" TFLOP/s" if result["matmul_peak_tflops"] else ""),
     ]
     holds = (
-      "- CSV/JSON also hold min/max times, compile seconds, FLOPs, % of"
+      "- CSV/JSON also hold max times, runs, compile seconds, FLOPs, % of"
       " the matmul peak (GPU) and peak_mib: the device's"
       " peak_bytes_in_use after the case (the process's high-water mark"
       " so far; GPU only)"
@@ -257,6 +317,9 @@ def markdown(result: dict, ours: str) -> str:
     "|" + "|".join("---" for _ in header) + "|",
   ]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
+  warning = noise_warning(records)
+  if warning:
+    lines += ["", f"**{warning}**"]
   if decode:
     lines += [
       "",

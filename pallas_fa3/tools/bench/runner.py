@@ -163,6 +163,7 @@ def _base_record(impl, spec) -> dict:
     time_median_ms=None,
     time_min_ms=None,
     time_max_ms=None,
+    runs=None,
     compile_s=None,
     **rates,
     temp_mib=None,
@@ -209,7 +210,7 @@ def run_case(
   Args:
     impl, spec: the case.
     inputs: the spec's input sets (`timing.make_inputs`).
-    settings: platform, runs, warmup (`run_sweep`'s).
+    settings: platform, runs, warmup, cheap_s (`run_sweep`'s).
     peak: what the % column is of: the bf16 matmul's TFLOP/s (the
       attention modes), the HBM bytes/s (decode); None: no % column.
     reference: `() -> our reference's output on inputs[0]` (float32 numpy)
@@ -223,8 +224,10 @@ def run_case(
     return rec
   decode = spec.mode == specs.DECODE
   # A correctness case is not a speed figure: one call is enough.
-  warmup, runs = (
-    (0, 1) if spec.correctness_only else (settings["warmup"], settings["runs"])
+  warmup, runs, cheap_s = (
+    (0, 1, 0.0)
+    if spec.correctness_only
+    else (settings["warmup"], settings["runs"], settings.get("cheap_s", 0.0))
   )
   parts = None
   try:
@@ -235,7 +238,7 @@ def run_case(
     else:
       arg_sets = [impl.prepare(spec, *s) for s in inputs]
       jitted, args = timing.mode_function(impl.build(spec), spec.mode, arg_sets)
-      result, compiled = timing.measure(jitted, args, warmup, runs)
+      result, compiled = timing.measure(jitted, args, warmup, runs, cheap_s)
       # The output on the first inputs: the timed call's where it is the
       # forward, else the forward's.
       forward = lambda: (
@@ -263,6 +266,7 @@ def run_case(
     time_median_ms=result.median_s * 1e3,
     time_min_ms=result.min_s * 1e3,
     time_max_ms=result.max_s * 1e3,
+    runs=result.runs,
     compile_s=result.compile_s,
     tflops=tflops,
     temp_mib=None if result.temp_bytes is None else result.temp_bytes / _MIB,
@@ -318,7 +322,8 @@ def run_sweep(
   Args:
     cases: `(Impl, spec)` pairs.
     settings: platform, runs, warmup, input_sets, seed, time_budget_s
-      (None: no limit); the attention modes' matmul_n (None: do not measure
+      (None: no limit), cheap_s (`timing.time_calls`'s; absent: 0, no
+      more calls than runs); the attention modes' matmul_n (None: do not measure
       the matmul peak), decode's hbm_peak_bytes_s (None: no % of peak).
     progress: show a rich progress bar.
   """

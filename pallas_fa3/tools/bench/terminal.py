@@ -1,7 +1,8 @@
 """The terminal summary, every mode's, every line at most 80 columns: a
 table per (mode, dtype, options), decode's per (dtype, cache layout), a
-column per implementation that ran and ours over the fastest other, then
-the correctness cases, decode's errors and the skip reasons as lines:
+column per implementation that ran and ours over the fastest other (a
+noisy median marked), then the noisy timings, the correctness cases,
+decode's errors and the skip reasons as lines:
 docs/benchmarks.md#the-code.
 """
 
@@ -14,6 +15,8 @@ from typing import Any
 from pallas_fa3.tools.bench import options, report
 
 WIDTH = 80
+# After a cell whose median is over report.NOISY_SPREAD x its fastest call.
+_NOISY_MARK = "*"
 _KEY_COLUMNS = ("d", "causal", "seq")
 # Decode's column names (the legend under its tables says so).
 _SHORT = {
@@ -50,6 +53,7 @@ def tables(
   timed = [r for r in result["records"] if not r["note"]]
   decode = report.is_decode(timed)
   runs = result["settings"]["runs"]
+  noisy = {id(r) for r in report.noisy(timed)}
   if decode:
     percent = bool(result["settings"].get("hbm_peak_bytes_s"))
     unit = "% of the HBM peak" if percent else "GB/s of K/V read"
@@ -69,12 +73,14 @@ def tables(
       return ""
     if r["status"] != "ok":
       return "-" if r["status"] == "skipped" else "error"
+    mark = _NOISY_MARK if id(r) in noisy else ""
     if decode:
-      return _rate(r["pct_hbm"] if percent else r["gbps"], whole=percent)
+      rate = r["pct_hbm"] if percent else r["gbps"]
+      return _rate(rate, whole=percent) + mark
     text = _rate(r["tflops"] * scale)
     if r.get("kernel_tflops"):  # fp8: total / the attention alone
       text += "/" + _rate(r["kernel_tflops"] * scale)
-    return text
+    return text + mark
 
   out = []
   for (mode, dtype, group), by_spec in groups.items():
@@ -119,7 +125,8 @@ def tables(
         + ([_speedup(cases, ours, rate)] if speedup else [])
       )
     title = f"{mode} {dtype}{', ' + group if group else ''}: {unit}, median"
-    title += f" of {runs} runs"
+    table = [r for cases in by_spec.values() for r in cases.values()]
+    title += f" of {report.runs_label(table, runs)} runs"
     if dtype == "fp8" and not decode:
       title += "; cells: total/kernel"
     out.append((title, header + (["speedup"] if speedup else []), rows))
@@ -174,6 +181,11 @@ def text(result: dict, ours: str, width: int = WIDTH) -> str:
       f"speedup: {ours} / the fastest other implementation (> 1: {ours}"
       " faster). Times, min/max, batch x heads, memory: results.csv.",
       width,
+    )
+  warning = report.noise_warning(records)
+  if warning:
+    lines += [""] + textwrap.wrap(
+      f"{_NOISY_MARK} {warning}", width, subsequent_indent="  "
     )
   errs = report.errors(records) if decode else []
   if errs:

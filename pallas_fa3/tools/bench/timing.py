@@ -1,9 +1,9 @@
 """Timing and memory of one compiled case, its inputs, and the device's
 peaks (the measured matmul rate, the HBM bandwidth by device kind):
 compilation excluded (`jit(...).lower(...).compile()`), then warm-up calls,
-then timed calls each ending in `block_until_ready`, cycling through
-several independent random input sets (never zeros); median, min and max:
-docs/benchmarks.md#the-code.
+then timed calls each ending in `block_until_ready` (more of them where
+calls are cheap), cycling through several independent random input sets
+(never zeros); median, min and max: docs/benchmarks.md#the-code.
 """
 
 from __future__ import annotations
@@ -37,17 +37,25 @@ HBM_PEAK_BYTES_S: tuple[tuple[str, float], ...] = (
   ("H100 PCIe", 2.0e12),
 )
 NO_PEAK_CPU = "no HBM peak on a CPU: the % column is empty"
+# More calls are cheap while a case's timed calls add up to less than this:
+# `time_calls(..., cheap_s=CHEAP_S)` keeps calling, up to MORE_RUNS x its
+# runs (bench does so where --runs is unset), so that a fast case's median
+# rests on more than the CPU default's 3 calls.
+CHEAP_S = 0.25
+MORE_RUNS = 5
 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  """Seconds per call and the compiled function's memory."""
+  """Seconds per call (of `runs` timed calls) and the compiled function's
+  memory."""
 
   median_s: float
   min_s: float
   max_s: float
   compile_s: float
   temp_bytes: int | None
+  runs: int
 
 
 def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
@@ -159,14 +167,22 @@ def temp_bytes(compiled) -> int | None:
 
 
 def time_calls(
-  compiled, arg_sets: Sequence[tuple], warmup: int, runs: int
+  compiled,
+  arg_sets: Sequence[tuple],
+  warmup: int,
+  runs: int,
+  cheap_s: float = 0.0,
 ) -> list[float]:
-  """Seconds of `runs` calls after `warmup` ones, rotating the inputs."""
+  """Seconds of `runs` calls after `warmup` ones, rotating the inputs; then
+  more calls, up to `MORE_RUNS x runs` in all, while the timed calls add up
+  to less than `cheap_s` seconds."""
   for i in range(warmup):
     jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
   times = []
-  for i in range(runs):
-    args = arg_sets[i % len(arg_sets)]
+  while len(times) < runs or (
+    sum(times) < cheap_s and len(times) < MORE_RUNS * runs
+  ):
+    args = arg_sets[len(times) % len(arg_sets)]
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - start)
@@ -174,17 +190,23 @@ def time_calls(
 
 
 def measure(
-  jitted: Callable, arg_sets: Sequence[tuple], warmup: int, runs: int
+  jitted: Callable,
+  arg_sets: Sequence[tuple],
+  warmup: int,
+  runs: int,
+  cheap_s: float = 0.0,
 ) -> tuple[Timing, Any]:
-  """Compiles, warms up and times one case; returns (Timing, compiled)."""
+  """Compiles, warms up and times one case (`time_calls`); returns (Timing,
+  compiled)."""
   compiled, compile_s = compile_only(jitted, arg_sets[0])
-  times = time_calls(compiled, arg_sets, warmup, runs)
+  times = time_calls(compiled, arg_sets, warmup, runs, cheap_s)
   return Timing(
-    statistics.median(times),
-    min(times),
-    max(times),
-    compile_s,
-    temp_bytes(compiled),
+    median_s=statistics.median(times),
+    min_s=min(times),
+    max_s=max(times),
+    compile_s=compile_s,
+    temp_bytes=temp_bytes(compiled),
+    runs=len(times),
   ), compiled
 
 
