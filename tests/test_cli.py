@@ -326,3 +326,16 @@ def test_help_imports_no_jax():
   assert len(report) == len(commands), proc.stderr
   for line in report:
     assert line.endswith(" none"), f"--help imported: {proc.stderr}"
+
+
+def test_train_help_gives_the_measured_time_range(capsys):
+  # It said "about 3 minutes on an idle 2-core CPU": one CPU model's time
+  # (an idle 2-core AMD EPYC takes 7.5-8.5 min). Both are docs/training.md's.
+  with pytest.raises(SystemExit):
+    cli.main(["train", "--help"])
+  flat = " ".join(capsys.readouterr().out.split())
+  assert "3 minutes on an idle 2-core Intel Xeon with AMX" in flat, flat
+  assert "7.5-8.5 on an idle 2-core AMD EPYC" in flat, flat
+  docs = " ".join((REPO_ROOT / "docs" / "training.md").read_text().split())
+  assert "(3 min 08 s) on an idle Intel Xeon with AMX" in docs
+  assert "(7.5-8.5 min) on an idle AMD EPYC" in docs
