@@ -153,6 +153,14 @@ def test_training_dependencies_are_the_train_extra(wheel):
   assert train == ["optax", "orbax-checkpoint"]
 
 
+def test_export_serialization_is_a_base_dependency(wheel):
+  # The README calls flash_attention export friendly; Exported.serialize()
+  # imports flatbuffers, which jax does not require and only the test extra
+  # installed.
+  requires = _metadata(wheel).get_all("Requires-Dist")
+  assert "flatbuffers" in [r for r in requires if "extra ==" not in r]
+
+
 def _forget_models(monkeypatch):
   """Drops `models` and its submodules from sys.modules (restored after)."""
   for name in [
