@@ -62,6 +62,9 @@ _EXPORTS = {
   "StableMax": "pallas_fa3.stable_max",
 }
 
+# `from pallas_fa3 import *`: the public names (imported by `__getattr__`).
+__all__ = sorted([*_EXPORTS, "mods"])
+
 if TYPE_CHECKING:
   from pallas_fa3 import mods as mods
   from pallas_fa3.attention import (

@@ -143,6 +143,10 @@ def test_lazy_exports_match_the_type_checking_reexports():
       importlib.import_module(module), name
     ), name
   assert set(exports) | {"mods", "__version__"} <= set(dir(pallas_fa3))
+  assert sorted(pallas_fa3.__all__) == sorted([*exports, "mods"])
+  namespace = {}
+  exec("from pallas_fa3 import *", namespace)  # pylint: disable=exec-used
+  assert set(namespace) - {"__builtins__"} == set(pallas_fa3.__all__)
   assert pallas_fa3.mods is importlib.import_module("pallas_fa3.mods")
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     _ = pallas_fa3.nope
