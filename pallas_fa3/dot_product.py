@@ -11,7 +11,6 @@ mask_mod or block mask otherwise: docs/flex.md#migrating.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -191,41 +190,30 @@ def dot_product_attention(
     # `& tril` beside is_causal: `nnx.make_attention_mask`'s): the same
     # segment ids, decided on the device; any other: the dense mask, which
     # blockwise and reference serve.
-    q_pad, kv_pad, exact = segments.padding_of_mask(
-      jnp.broadcast_to(dense, (B,) + dense.shape[1:]), bool(is_causal)
-    )
-    ids = tuple(
-      p if ok is None else ok & p for ok, p in zip(valid, (q_pad, kv_pad))
-    )
-    twin = implementation
-    if implementation not in (None, "blockwise", "reference"):
-      twin = "blockwise"
-      warnings.warn(
-        f"dot_product_attention(implementation={implementation!r}) with a"
-        f" mask of shape {tuple(mask.shape)}: the kernels run it where it is"
-        " a padding mask (checked on the device), any other mask in"
-        " 'blockwise' (the same function)",
-        stacklevel=2,
+    def padded(operands, q_pad, kv_pad):
+      q, k, v, q_ok, kv_ok, bias, _ = operands
+      ids = tuple(
+        p if ok is None else ok & p
+        for ok, p in zip((q_ok, kv_ok), (q_pad, kv_pad))
       )
-    try:
-      out, lse = jax.lax.cond(
-        segments.for_every_example(exact),
-        lambda ops: attend(ops[:3] + ops[5:], False, implementation),
-        lambda ops: attend(ops[:5] + ops[7:], True, twin),
-        operands[:5] + ids + operands[5:],
-      )
-    except NotImplementedError as e:
-      if "vmap-of-cond" not in str(e):
-        raise
-      raise NotImplementedError(
+      return attend((q, k, v, *ids, bias, None), False, implementation)
+
+    out, lse = segments.padding_or_dense(
+      jnp.broadcast_to(dense, (B,) + dense.shape[1:]),
+      operands,
+      causal=bool(is_causal),
+      implementation=implementation,
+      padded=padded,
+      dense=lambda operands, twin: attend(operands, True, twin),
+      call=(
         f"dot_product_attention(implementation={implementation!r}) with a"
-        f" dense mask of shape {tuple(mask.shape)} cannot run under"
-        " jax.vmap: the device-side choice between the kernels and"
-        " blockwise is a cond, and the Pallas interpreter's effects cannot"
-        " be vmapped inside one. Use implementation='mosaic' (a GPU),"
-        " 'blockwise' or None, or a padding mask of shape (B, 1, 1, S) /"
-        " (B, 1, T, 1), which needs no choice"
-      ) from e
+        f" mask of shape {tuple(mask.shape)}"
+      ),
+      vmap_hint=(
+        "a padding mask of shape (B, 1, 1, S) / (B, 1, T, 1), which needs no"
+        " choice"
+      ),
+    )
   # A row that sees no key: jax.nn's masked logits are all one large
   # negative number, so its softmax is uniform: the mean of every value
   # (a padded query row stays 0).

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -220,6 +222,76 @@ def for_every_example(flag: jax.Array) -> jax.Array:
 def _for_every_example_batched(axis_size, in_batched, flag):
   del axis_size
   return (jnp.all(flag) if in_batched[0] else flag), False
+
+
+# The backends that take a dense mask (a `BlockMask.from_dense`); the
+# kernels take a padding mask as segment ids only.
+_DENSE_MASK_BACKENDS = (None, "blockwise", "reference")
+
+
+def dense_mask_backend(implementation: str | None) -> str | None:
+  """The backend that runs a dense mask for a call asking for
+  `implementation`: that one where it takes dense masks, else the kernels'
+  blockwise twin (the same function)."""
+  if implementation in _DENSE_MASK_BACKENDS:
+    return implementation
+  return "blockwise"
+
+
+def padding_or_dense(
+  mask: jax.Array,
+  operands: Any,
+  *,
+  causal: bool,
+  implementation: str | None,
+  padded: Callable[[Any, jax.Array, jax.Array], Any],
+  dense: Callable[[Any, str | None], Any],
+  call: str,
+  vmap_hint: str,
+) -> Any:
+  """A call with a dense boolean mask `[b, heads|1, seq_q, seq_kv]`,
+  decided on the device: `padded(operands, q_valid, kv_valid)` (padding as
+  segment ids, which the kernels take, in `implementation`) where the mask
+  is a padding mask for every example (`padding_of_mask`, `& tril` top-left
+  where `causal`), else `dense(operands, backend)` with
+  `dense_mask_backend(implementation)`. `dot_product_attention` and the
+  Flax adapter share it.
+
+  Args:
+    call: the call as the messages name it (e.g. `"f(...) with a mask of
+      shape (2, 1, 8, 8)"`): a warning when a kernel backend was asked for
+      (other masks run in blockwise), and the error under vmap.
+    vmap_hint: what serves the call under vmap in interpret mode besides
+      another backend (the end of that error's sentence).
+
+  Raises:
+    NotImplementedError: interpret mode under jax.vmap (the interpreter's
+      effects cannot be vmapped inside a cond), naming the call.
+  """
+  q_valid, kv_valid, exact = padding_of_mask(mask, causal)
+  twin = dense_mask_backend(implementation)
+  if twin != implementation:
+    warnings.warn(
+      f"{call}: the kernels run it where it is a padding mask (checked on"
+      f" the device), any other mask in {twin!r} (the same function)",
+      stacklevel=3,
+    )
+  try:
+    return jax.lax.cond(
+      for_every_example(exact),
+      lambda args: padded(*args),
+      lambda args: dense(args[0], twin),
+      (operands, q_valid, kv_valid),
+    )
+  except NotImplementedError as e:
+    if "vmap-of-cond" not in str(e):
+      raise
+    raise NotImplementedError(
+      f"{call} cannot run under jax.vmap: the device-side choice between"
+      " the kernels and blockwise is a cond, and the Pallas interpreter's"
+      " effects cannot be vmapped inside one. Use implementation='mosaic'"
+      f" (a GPU), 'blockwise' or None, or {vmap_hint}"
+    ) from e
 
 
 def visible_ids(q_ids: jax.Array, kv_ids: jax.Array) -> jax.Array:
