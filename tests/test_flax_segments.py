@@ -10,12 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from flax_checks import normal
+from flax import linen, nnx
+from flax_checks import (
+  BIAS_INIT,
+  assert_layer_within_tolerance,
+  flat,
+  linen_forward_and_grads,
+  normal,
+  random_layer_inputs,
+)
 
 import pallas_fa3
+from pallas_fa3 import segments
 from pallas_fa3.flax import (
-  FlashAttentionFallbackWarning,
   FlashMultiHeadAttention,
   FlashMultiHeadDotProductAttention,
   adapter_masks as mask_segments,
@@ -243,24 +250,37 @@ def test_mask_ids_rebuild_the_mask():
   assert [x.tolist() for x in padding] == [[[0, 0, -1]], [[0, -2, -2]]]
 
 
-@pytest.mark.parametrize(
-  "mask",
-  [
-    # Every row sees keys, but no ids give it (one connected component).
-    (np.arange(_SEQ)[:, None] + np.arange(_SEQ)[None, :]) % 3 != 0,
-    # A padding mask that differs between heads: ids are per batch entry.
-    np.stack([np.ones((_SEQ, _SEQ), bool), np.tri(_SEQ, dtype=bool)] * 2)[None],
-  ],
-  ids=["arbitrary", "per-head"],
-)
-def test_other_masks_raise_or_fall_back(rng, mask):
+_OTHER_MASKS = {
+  # Every row sees keys, but no ids give it (one connected component).
+  "arbitrary": (np.arange(_SEQ)[:, None] + np.arange(_SEQ)[None, :]) % 3 != 0,
+  # A padding mask that differs between heads: ids are per batch entry.
+  "per-head": np.stack(
+    [np.ones((_SEQ, _SEQ), bool), np.tri(_SEQ, dtype=bool)] * 2
+  )[None],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_MASKS))
+def test_other_masks_run_as_dense_masks(rng, name):
+  """A concrete mask no segment ids give runs as a dense mask (blockwise,
+  the kernels' twin), with Flax's numbers: no fallback, nothing raised."""
   q, k, v = _qkv(rng)
-  with pytest.raises(NotImplementedError, match="padding or segment mask"):
-    make_attention_fn()(q, k, v, mask=mask)
-  with pytest.warns(FlashAttentionFallbackWarning, match="mask"):
-    got = make_attention_fn(on_unsupported="fallback")(q, k, v, mask=mask)
+  mask = _OTHER_MASKS[name]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = make_attention_fn()(q, k, v, mask=mask)
   np.testing.assert_allclose(
-    got, nnx.dot_product_attention(q, k, v, mask=mask), rtol=1e-6, atol=1e-6
+    got, nnx.dot_product_attention(q, k, v, mask=mask), rtol=1e-5, atol=1e-5
+  )
+
+
+def test_other_mask_asked_of_the_kernels_says_where_it_runs(rng):
+  q, k, v = _qkv(rng)
+  mask = _OTHER_MASKS["arbitrary"]
+  with pytest.warns(UserWarning, match="runs in 'blockwise'"):
+    got = make_attention_fn("interpret")(q, k, v, mask=mask)
+  np.testing.assert_allclose(
+    got, nnx.dot_product_attention(q, k, v, mask=mask), rtol=1e-5, atol=1e-5
   )
 
 
@@ -317,17 +337,220 @@ def test_flax_layer_with_a_traced_padding_mask(rng):
   _assert_like_flax(got, want, valid)
 
 
-def test_traced_mask_without_a_declaration_is_unsupported(rng):
-  q, k, v = _qkv(rng)
-  valid = _valid([5, 11], _SEQ)
-  mask = nnx.make_attention_mask(valid, valid)
-  with pytest.raises(NotImplementedError, match="padding_mask=True"):
-    jax.jit(lambda m: make_attention_fn()(q, k, v, mask=m))(mask)
-
-
 def test_padding_mask_option_is_checked():
   with pytest.raises(TypeError, match="padding_mask"):
     make_attention_fn(padding_mask=1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     make_attention_fn(padding_mask=False)
+
+
+# ---------------------------------------------------------------------------
+# Traced masks with nothing declared: padding (segment ids, the kernels) or
+# not (the dense mask, blockwise), decided on the device as
+# pallas_fa3.dot_product_attention decides (`segments.padding_or_dense`).
+
+
+def _branches_taken(monkeypatch) -> list:
+  """Which side of the adapter's device-side choice ran ("padding" or
+  "dense"), recorded on the device as the calls run."""
+  taken, choose = [], segments.padding_or_dense
+
+  def spy(mask, operands, *, padded, dense, **kw):
+    def tell(name, branch):
+      def f(*args):
+        jax.debug.callback(lambda: taken.append(name))
+        return branch(*args)
+
+      return f
+
+    return choose(
+      mask,
+      operands,
+      padded=tell("padding", padded),
+      dense=tell("dense", dense),
+      **kw,
+    )
+
+  monkeypatch.setattr(segments, "padding_or_dense", spy)
+  return taken
+
+
+def _nnx_forward_and_grads(layer, x, cotangent, mask):
+  """`flax_checks.nnx_forward_and_grads` with the mask an argument of the
+  jitted function (a tracer, as in a training step)."""
+
+  @nnx.jit
+  def run(layer, x, cotangent, mask):
+    def loss(m):
+      y = m(x, mask=mask)
+      return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+    return y, grads
+
+  y, grads = run(layer, x, cotangent, mask)
+  return y, flat(grads)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_flax_default_call_with_a_traced_padding_mask(rng, api, monkeypatch):
+  """Flax's layer with `attention_fn=make_attention_fn()` (nothing
+  declared) and a padding mask from `make_attention_mask`, under jit:
+  output and parameter gradients within the tolerance rule of Flax's own
+  layer (float32: at the rule's floor), through the segment-id side of
+  the choice."""
+  dtype = jnp.float32
+  x, x32, ct = random_layer_inputs(rng, (_BATCH, _SEQ), _FEATURES, dtype)
+  valid = _valid([7, _SEQ], _SEQ)
+  seed = int(rng.integers(2**30))
+  taken = _branches_taken(monkeypatch)
+  if api == "nnx":
+    mask = nnx.make_attention_mask(valid, valid)
+
+    def run(dtype, x, **kw):
+      layer = nnx.MultiHeadAttention(
+        _HEADS,
+        _FEATURES,
+        dtype=dtype,
+        decode=False,
+        bias_init=BIAS_INIT,
+        rngs=nnx.Rngs(seed),
+        **kw,
+      )
+      return _nnx_forward_and_grads(layer, x, ct, mask)
+
+  else:
+    mask = linen.make_attention_mask(valid, valid)
+    module = lambda dtype, **kw: linen.MultiHeadDotProductAttention(
+      num_heads=_HEADS, dtype=dtype, bias_init=BIAS_INIT, **kw
+    )
+    params = module(None).init(jax.random.key(seed), x32)
+
+    def run(dtype, x, **kw):
+      return linen_forward_and_grads(
+        module(dtype, **kw), params, x, ct, {"mask": mask}
+      )
+
+  got = run(dtype, x, attention_fn=make_attention_fn())
+  assert taken == ["padding"], taken
+  golden = run(None, x32)
+  assert_layer_within_tolerance(got, golden, golden, dtype)
+  # The padded queries are there, and give Flax's mean of the values.
+  assert not np.asarray(valid).all()
+
+
+_TRACED = {
+  # name: (the mask, is_causal, seq_kv)
+  "padding": (lambda: nnx.make_attention_mask(*_lengths_valid(8)), False, 8),
+  "padding-causal": (
+    lambda: nnx.make_attention_mask(*_lengths_valid(_SEQ)),
+    True,
+    _SEQ,
+  ),
+  "segments": (
+    lambda: nnx.make_attention_mask(_DOCS, _DOCS, jnp.equal),
+    False,
+    _SEQ,
+  ),
+  "segments-causal": (
+    lambda: nnx.make_attention_mask(_DOCS, _DOCS, jnp.equal),
+    True,
+    _SEQ,
+  ),
+  "arbitrary": (lambda: _OTHER_MASKS["arbitrary"], False, _SEQ),
+  "per-head": (lambda: _OTHER_MASKS["per-head"], False, _SEQ),
+}
+
+
+def _lengths_valid(seq_kv):
+  return _valid([9, _SEQ], _SEQ), _valid([6, seq_kv], seq_kv)
+
+
+@pytest.mark.parametrize("name", sorted(_TRACED))
+def test_traced_mask_is_decided_on_the_device(rng, name, monkeypatch):
+  """Any traced mask, nothing declared: Flax's numbers (float32, rows that
+  see no key included), by the segment ids where it is a padding mask and
+  by the dense mask otherwise."""
+  make, is_causal, seq_kv = _TRACED[name]
+  q, k, v = _qkv(rng, seq_kv)
+  mask = make()
+  taken = _branches_taken(monkeypatch)
+  fn = make_attention_fn()
+  got = jax.jit(lambda m: fn(q, k, v, mask=m, is_causal=is_causal))(mask)
+  assert taken == ["padding" if name.startswith("padding") else "dense"]
+  want = nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_traced_mask_gradients_on_both_sides(rng):
+  """Gradients of q, k, v through the choice, both sides, vs Flax's."""
+  q, k, v = _qkv(rng)
+  valid = _valid([7, 10], _SEQ)
+  masks = (
+    nnx.make_attention_mask(valid, valid),
+    nnx.make_attention_mask(_DOCS, _DOCS, jnp.equal),
+  )
+  for mask in masks:
+    grads = [
+      jax.jit(
+        jax.grad(
+          lambda q, k, v, m: jnp.sum(fn(q, k, v, mask=m) ** 2),
+          argnums=(0, 1, 2),
+        )
+      )(q, k, v, mask)
+      for fn in (make_attention_fn(), nnx.dot_product_attention)
+    ]
+    for got, want in zip(*grads):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_traced_mask_asked_of_the_kernels_says_so(rng):
+  """A kernel backend named: the warning says that other masks run in
+  blockwise (the program holds both sides; traced only here)."""
+  q = normal(rng, (_BATCH, _SEQ, _HEADS, 64), jnp.bfloat16)
+  k, v = (
+    normal(rng, (_BATCH, _SEQ, _KV_HEADS, 64), jnp.bfloat16) for _ in "kv"
+  )
+  valid = _valid([5, 11], _SEQ)
+  mask = nnx.make_attention_mask(valid, valid)
+  fn = make_attention_fn("interpret")
+  with pytest.warns(UserWarning, match="checked on the device"):
+    out = jax.eval_shape(lambda m: fn(q, k, v, mask=m), mask)
+  assert out.shape == q.shape
+
+
+def test_declared_padding_mask_makes_no_choice(rng, monkeypatch):
+  """`padding_mask=True` keeps its promise semantics: only the segment-id
+  route is in the program (no choice on the device)."""
+  q, k, v = _qkv(rng)
+  valid = _valid([5, 11], _SEQ)
+  mask = nnx.make_attention_mask(valid, valid)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("padding_mask=True made a choice on the device")
+
+  monkeypatch.setattr(segments, "padding_or_dense", refuse)
+  fn = make_attention_fn(padding_mask=True)
+  got = jax.jit(lambda m: fn(q, k, v, mask=m))(mask)
+  _assert_like_flax(got, nnx.dot_product_attention(q, k, v, mask=mask), valid)
+
+
+def test_interpret_under_vmap_says_why_and_what_serves_it(rng):
+  """`"interpret"` under jax.vmap with a traced mask: the choice is a cond,
+  which cannot vmap the interpreter's effects; the error names the call
+  and padding_mask=True, which makes no choice and runs (traced only)."""
+  x = jax.ShapeDtypeStruct((3, _BATCH, 64, 2, 64), jnp.bfloat16)
+  valid = _valid([50, 64], 64)
+  mask = nnx.make_attention_mask(valid, valid)
+
+  def shape_of(fn):
+    attend = lambda q, m: fn(q, q, q, mask=m)
+    return jax.eval_shape(jax.vmap(attend, in_axes=(0, None)), x, mask)
+
+  with pytest.warns(UserWarning, match="checked on the device"):
+    with pytest.raises(NotImplementedError, match="padding_mask=True"):
+      shape_of(make_attention_fn("interpret"))
+  assert shape_of(make_attention_fn("interpret", padding_mask=True)).shape == (
+    x.shape
+  )

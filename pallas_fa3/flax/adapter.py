@@ -6,7 +6,9 @@ cannot serve (`on_unsupported`: raise, or Flax's own
 `dot_product_attention`, bound when this module is imported, with a
 `FlashAttentionFallbackWarning`); also Flax's top-left alignment on the
 core's bottom-right masks (`flash_top_left`, exact when seq_q != seq_kv).
-The masks it recognises live in `adapter_masks`:
+Every mask runs: the masks it recognises as segment ids live in
+`adapter_masks`, the others run as a dense mask (`flash_dense`), and a
+traced one is decided on the device (`flash_planned`):
 docs/flax.md#inside-flaxs-own-layers.
 
 Example:
@@ -33,11 +35,12 @@ import jax.numpy as jnp
 from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from pallas_fa3 import modifiers
+from pallas_fa3 import modifiers, segments
 from pallas_fa3.attention import flash_attention
 from pallas_fa3.backends import check_implementation
 from pallas_fa3.flax import attend
 from pallas_fa3.flax.adapter_masks import (
+  MaskPlan,
   fill_empty_rows,
   flash_key_mask,
   plan_mask,
@@ -46,6 +49,7 @@ from pallas_fa3.flax.adapter_masks import (
   unsupported_feature,
 )
 from pallas_fa3.flax.attend import Window
+from pallas_fa3.flex import BlockMask
 from pallas_fa3.segments import SegmentIds
 from pallas_fa3.spec import (
   check_bool,
@@ -258,6 +262,116 @@ def _window_top_left(
   return _concat_rows((out, lse), (empty, no_key))
 
 
+def flash_dense(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  *,
+  causal: bool,
+  window: Window | None,
+  options: dict[str, Any],
+  implementation: str | None,
+) -> tuple[jax.Array, jax.Array]:
+  """flash_attention with a dense mask (a block mask read by partial
+  tiles), Flax's top-left causal mask and window folded into it.
+
+  Args:
+    q, k, v: `[batch, seq, heads, head_dim]`.
+    mask: bool `[batch, 1 | heads_q, seq_q, seq_kv]`.
+    causal, window, options: as `flash_top_left`'s.
+    implementation: a backend that takes dense masks
+      (`segments.dense_mask_backend`).
+
+  Returns:
+    `(out, lse)` as `flash_top_left`'s.
+  """
+  i = jnp.arange(q.shape[1])[:, None]
+  j = jnp.arange(k.shape[1])[None, :]
+  left, right = (None, None) if window is None else window
+  if causal:
+    mask = mask & (j <= i)
+  if left is not None:
+    mask = mask & (j >= i - left)
+  if right is not None:
+    mask = mask & (j <= i + right)
+  return flash_attention(
+    q,
+    k,
+    v,
+    block_mask=BlockMask.from_dense(mask),
+    implementation=implementation,
+    return_lse=True,
+    **options,
+  )
+
+
+def flash_planned(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  plan: MaskPlan,
+  *,
+  window: Window | None,
+  options: dict[str, Any],
+  implementation: str | None,
+  mask_shape: tuple[int, ...] | None,
+) -> tuple[jax.Array, jax.Array]:
+  """`(out, lse)` of a call whose mask is planned (`plan_mask`), on
+  `[batch, seq, heads, head_dim]` operands: Flax's top-left masks as the
+  core's options and segment ids (the kernels take them), a mask no ids give
+  as a dense mask (`flash_dense`, in a backend that takes it), and a traced
+  mask as whichever of the two it is, decided on the device
+  (`segments.padding_or_dense`, as `dot_product_attention` decides)."""
+  kw = dict(causal=plan.causal, window=window, options=options)
+  if plan.dense is None:
+    return flash_top_left(
+      q,
+      k,
+      v,
+      **kw,
+      implementation=implementation,
+      segment_ids=plan.segment_ids,
+    )
+  call = (
+    f"make_attention_fn(implementation={implementation!r}) with a mask of"
+    f" shape {mask_shape}"
+  )
+  if not plan.on_device:
+    twin = segments.dense_mask_backend(implementation)
+    if twin != implementation:
+      warnings.warn(
+        f"{call}: the kernels take padding and segment masks (as segment"
+        f" ids), not this mask; it runs in {twin!r} (the same function)",
+        stacklevel=3,
+      )
+    return flash_dense(q, k, v, plan.dense, **kw, implementation=twin)
+
+  def padded(operands, q_valid, kv_valid):
+    q, k, v, _ = operands
+    ids = segments.ids_of_padding(q_valid, kv_valid)
+    return flash_top_left(
+      q, k, v, **kw, implementation=implementation, segment_ids=ids
+    )
+
+  def dense(operands, twin):
+    return flash_dense(*operands, **kw, implementation=twin)
+
+  return segments.padding_or_dense(
+    plan.dense,
+    (q, k, v, plan.dense),
+    causal=plan.causal,
+    implementation=implementation,
+    padded=padded,
+    dense=dense,
+    call=call,
+    vmap_hint=(
+      "make_attention_fn(padding_mask=True) for padding masks, which needs"
+      " no choice"
+    ),
+  )
+
+
 OnUnsupported = Literal["raise", "fallback"]
 ON_UNSUPPORTED: tuple[str, ...] = ("raise", "fallback")
 # Options forwarded to flash_attention. `causal`, `return_lse` and
@@ -324,13 +438,15 @@ def make_attention_fn(
   Args:
     implementation: `flash_attention` backend (None: automatic).
     causal: declare every call causal (Flax's top-left `tril` mask); a mask
-      handed to the function is then promised to be that causal mask, which
-      is what lets a traced mask (under `jit`) use flash attention.
+      handed to the function is then promised to be that causal mask (a
+      traced one is checked on the device, not inspected).
     padding_mask: declare every mask a padding mask, `q_valid[..., i] &
       kv_valid[..., j]` (e.g. `nnx.make_attention_mask(q_valid, kv_valid)`),
-      intersected with the causal mask on causal calls: what lets a traced
-      padding mask use flash attention (concrete ones are recognised
-      anyway).
+      intersected with the causal mask on causal calls. Not needed for any
+      result (an undeclared traced mask is decided on the device, padding
+      ids or the dense mask): a traced mask then runs as padding ids with
+      no choice (NaN if it is not one), and beside `causal=True` concrete
+      masks may have entries above the diagonal.
     on_unsupported: `"raise"` (default) raises `NotImplementedError` naming
       the feature flash attention cannot compute; `"fallback"` runs Flax's
       `dot_product_attention` with a one-time `FlashAttentionFallbackWarning`
@@ -426,13 +542,7 @@ def make_attention_fn(
       if name != "force_fp32_for_softmax" and fn is not None
     ]
     unsupported = unsupported_feature(
-      query,
-      bias,
-      dropout_rate,
-      deterministic,
-      module,
-      custom_einsums,
-      plan.kind,
+      query, bias, dropout_rate, deterministic, module, custom_einsums
     )
     if unsupported is not None:
       if modified:
@@ -468,15 +578,15 @@ def make_attention_fn(
         implementation=implementation,
       )
     else:
-      out, lse = flash_top_left(
+      out, lse = flash_planned(
         q,
         k,
         v,
-        causal=plan.causal,
+        plan,
         window=window,
         options=options,
         implementation=implementation,
-        segment_ids=plan.segment_ids,
+        mask_shape=tuple(mask.shape) if mask is not None else None,
       )
     if plan.may_leave_rows_empty or window is not None:
       out = fill_empty_rows(out, lse, v)

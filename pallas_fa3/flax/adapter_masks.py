@@ -1,6 +1,7 @@
 """The Flax adapter's masks: which dense masks `make_attention_fn` recognises
 (none, Flax's top-left causal mask, padding and segment masks, traced ones
-whose kind `make_attention_fn` declares), exact decompositions of masks into
+whose kind `make_attention_fn` declares; the others run as dense masks, a
+traced one after a choice on the device), exact decompositions of masks into
 segment ids, one-row key masks (decode steps: any mask is a key mask), the
 on-device checks of declared masks, and the first feature a call asks for
 that flash attention cannot compute: docs/flax.md#inside-flaxs-own-layers.
@@ -236,9 +237,6 @@ class MaskPlan(NamedTuple):
   """How a call's mask is computed.
 
   Attributes:
-    kind: "flash" (computable), or why not: "other" (a concrete mask that
-      is not recognised) or "traced" (a traced mask nothing was declared
-      for).
     causal: the flash call is causal (Flax's top-left mask).
     segment_ids: None, or int32 ids `[prod(batch...), seq]` giving the mask.
     ok: None, or a traced bool scalar: whether a traced mask keeps the
@@ -246,18 +244,29 @@ class MaskPlan(NamedTuple):
     key_valid: None, or bool `[prod(batch...), 1 | heads, seq_kv]`: a call
       with one query row and a mask (`adapter_masks.flash_key_mask`), whose
       mask is exactly these keys.
+    dense: None, or the mask as bool `[prod(batch...), 1 | heads, seq_q,
+      seq_kv]`, run as a dense mask by the blockwise twin
+      (`adapter.flash_dense`): a concrete mask no segment ids give, or with
+      `on_device` a traced mask, which runs as padding ids where it is a
+      padding mask (`segments.padding_or_dense`, decided on the device).
+    on_device: see `dense`.
   """
 
-  kind: str
   causal: bool = False
   segment_ids: SegmentIds | None = None
   ok: jax.Array | None = None
   key_valid: jax.Array | None = None
+  dense: jax.Array | None = None
+  on_device: bool = False
 
   @property
   def may_leave_rows_empty(self) -> bool:
     """Whether a query row may see no key (never with no mask or causal)."""
-    return self.segment_ids is not None or self.key_valid is not None
+    return (
+      self.segment_ids is not None
+      or self.key_valid is not None
+      or self.dense is not None
+    )
 
 
 def _by_heads(mask: Any, weights_shape: tuple[int, ...], xp) -> Any:
@@ -284,7 +293,11 @@ def plan_mask(
   (`adapter_masks.flash_key_mask`); `causal=True` and `padding_mask=True`
   declare the masks of whole sequences and do not apply to it (a top-left
   causal mask would keep key 0 only, as Flax's layers, which drop
-  `is_causal` in decode, know).
+  `is_causal` in decode, know). A concrete mask is decomposed into segment
+  ids on the host where it can be, else run as a dense mask; a traced one
+  is decided on the device (padding ids or the dense mask) unless it was
+  declared (`padding_mask=True`, `causal=True`): then it is taken as
+  declared and checked on the device.
 
   Raises:
     ValueError: the mask does not broadcast to `weights_shape`, or a
@@ -294,19 +307,19 @@ def plan_mask(
   causal = declared_causal or is_causal
   kind = mask_kind(mask, weights_shape)
   if kind == "none" and mask is None:
-    return MaskPlan("flash", causal)
+    return MaskPlan(causal)
   if weights_shape[-2] == 1:
     valid = one_row_valid(mask, weights_shape, is_causal)
-    return MaskPlan("flash", key_valid=valid)
+    return MaskPlan(key_valid=valid)
   if kind == "traced":
+    by_heads = _by_heads(mask, weights_shape, jnp)
     if padding_mask:
-      by_heads = _by_heads(mask, weights_shape, jnp)
       q_valid, kv_valid, ok = padding_of_mask(by_heads, causal)
-      return MaskPlan("flash", causal, ids_of_padding(q_valid, kv_valid), ok)
+      return MaskPlan(causal, ids_of_padding(q_valid, kv_valid), ok)
     if declared_causal:
       seq_q, seq_kv = weights_shape[-2:]
-      return MaskPlan("flash", True, None, causal_ok(mask, seq_q, seq_kv))
-    return MaskPlan("traced")
+      return MaskPlan(True, ok=causal_ok(mask, seq_q, seq_kv))
+    return MaskPlan(causal, dense=by_heads.astype(bool), on_device=True)
   visible = np.asarray(mask).astype(bool)
   tril = top_left_causal_mask(*weights_shape[-2:])
   if declared_causal and not padding_mask and (visible & ~tril).any():
@@ -317,16 +330,15 @@ def plan_mask(
       " padding_mask=True as well to intersect padding masks with it)"
     )
   if kind == "causal" or (causal and kind == "none"):
-    return MaskPlan("flash", True)
+    return MaskPlan(True)
   if kind == "none":
-    return MaskPlan("flash", False)
-  found = concrete_mask_ids(
-    _by_heads(visible, weights_shape, np), True if causal else None
-  )
+    return MaskPlan(False)
+  by_heads = _by_heads(visible, weights_shape, np)
+  found = concrete_mask_ids(by_heads, True if causal else None)
   if found is None:
-    return MaskPlan("other")
+    return MaskPlan(causal, dense=jnp.asarray(by_heads))
   ids, ids_causal = found
-  return MaskPlan("flash", causal or ids_causal, ids)
+  return MaskPlan(causal or ids_causal, ids)
 
 
 def causal_ok(mask: jax.Array, seq_q: int, seq_kv: int) -> jax.Array:
@@ -370,7 +382,6 @@ def unsupported_feature(
   deterministic,
   module,
   custom_einsums,
-  kind: str,
 ) -> tuple[str, str] | None:
   """(feature key, description) of the first unsupported feature, else None."""
   if bias is not None:
@@ -396,19 +407,5 @@ def unsupported_feature(
     return "head_dim", (
       f"head_dim {query.shape[-1]} (flash attention takes at"
       f" most {MAX_HEAD_DIM})"
-    )
-  if kind == "other":
-    return "mask", (
-      "a dense attention mask that is neither all True, the causal mask"
-      " tril(ones(seq_q, seq_kv)), nor a padding or segment mask"
-      " (q_ids[i] == kv_ids[j], the same for every head, optionally"
-      " intersected with the causal mask)"
-    )
-  if kind == "traced":
-    return "traced_mask", (
-      "an attention mask under a JAX transformation (a traced mask cannot be"
-      " inspected; for the causal mask pass is_causal=True and no mask, or"
-      " declare make_attention_fn(causal=True); for padding masks declare"
-      " make_attention_fn(padding_mask=True))"
     )
   return None
