@@ -67,14 +67,15 @@ def dot_product_attention(
   """`jax.nn.dot_product_attention`, computed by `flash_attention`.
 
   Same arguments, shapes, broadcasting and results as jax.nn's: query
-  `(B, T, N, H)` or `(T, N, H)`, key and value `(B, S, K, H)` with N a
-  multiple of K; `bias` and boolean `mask` broadcastable to `(B, N, T, S)`;
-  `is_causal` top-left (query i sees keys j <= i); `query_seq_lengths` /
-  `key_value_seq_lengths` int32 `(B,)` (padded query rows give 0);
-  `local_window_size` `(left, right)` or one int for both, top-left; a row
-  that sees no key gives the mean of all values, as jax.nn's large-negative
-  masking does. `return_residual`: also the logsumexp `(B, T, N)` in the
-  input dtype.
+  `(B, T, N, H)` or `(T, N, H)`, key `(B, S, K, H)` and value `(B, S, K,
+  Hv)` with N a multiple of K (Hv may differ from H, which jax.nn refuses;
+  the output is `(B, T, N, Hv)`); `bias` and boolean `mask` broadcastable
+  to `(B, N, T, S)`; `is_causal` top-left (query i sees keys j <= i);
+  `query_seq_lengths` / `key_value_seq_lengths` int32 `(B,)` (padded query
+  rows give 0); `local_window_size` `(left, right)` or one int for both,
+  top-left; a row that sees no key gives the mean of all values, as
+  jax.nn's large-negative masking does. `return_residual`: also the
+  logsumexp `(B, T, N)` in the input dtype.
 
   Args:
     implementation: None (the automatic choice of `flash_attention`), one
@@ -92,7 +93,7 @@ def dot_product_attention(
       local_window_size=local_window_size, implementation=implementation,
       return_residual=return_residual,
     )  # fmt: skip
-  output_shape = jnp.shape(query)
+  output_shape = jnp.shape(query)[:-1] + jnp.shape(value)[-1:]
   q, k, v = (_ensure_4d(x) for x in (query, key, value))
   bias = None if bias is None else _ensure_4d(bias)
   mask = None if mask is None else _ensure_4d(mask)
@@ -102,7 +103,9 @@ def dot_product_attention(
   if isinstance(local_window_size, int):
     local_window_size = (local_window_size, local_window_size)
   B, S, K, H = k.shape
-  _check(v, [B, S, K, H], k.dtype, "value")
+  # The value head dim may differ from the query's (jax.nn's may not):
+  # flash_attention serves it, and the output has the value's.
+  _check(v, [B, S, K, -1], k.dtype, "value")
   _check(q, [B, -1, -1, H], k.dtype, "query")
   _check(mask, [-1] * 4, np.dtype(bool), "mask")
   _check(bias, [-1] * 4, None, "bias")
@@ -225,7 +228,7 @@ def dot_product_attention(
     jnp.full((S,), uniform),
     preferred_element_type=jnp.float32,
   ).astype(v.dtype)
-  mean_v = jnp.repeat(mean_v, N // K, axis=1)[:, None]  # [B, 1, N, H]
+  mean_v = jnp.repeat(mean_v, N // K, axis=1)[:, None]  # [B, 1, N, Hv]
   fill = (
     empty
     if qlen is None

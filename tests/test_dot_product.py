@@ -19,8 +19,11 @@ import pallas_fa3
 from pallas_fa3 import segments
 from pallas_fa3.backends import sm90
 from pallas_fa3.testing import (
+  Shape,
   assert_within_tolerance,
+  golden_and_naive,
   lowered_kernel_count,
+  random_inputs,
   run_interpreted,
 )
 
@@ -464,6 +467,57 @@ def test_signature_is_jax_nns():
   assert list(ours) == list(theirs)
   for name, p in theirs.items():
     assert ours[name].kind == p.kind, name
+
+
+@pytest.mark.parametrize(
+  "dtype, seq_kv, dv, impl",
+  [
+    (jnp.float32, 48, 24, "blockwise"),  # causal (T == S)
+    (jnp.bfloat16, 80, 32, "blockwise"),  # key lengths (T != S)
+    (jnp.float32, 80, 8, "reference"),
+  ],
+)
+def test_value_head_dim_unlike_the_querys(dtype, seq_kv, dv, impl):
+  """Value heads of another width than the query's (jax.nn refuses them,
+  flash_attention serves them): output `[..., Hv]` and gradients within
+  the tolerance rule of the float64 golden and the naive attention."""
+  shape = Shape(B, T, seq_kv, N, K, H, dv)
+  q, k, v, do = random_inputs(jax.random.key(seq_kv + dv), shape, dtype)
+  kw, ids, causal = {}, None, seq_kv == T
+  if causal:
+    kw["is_causal"] = True
+  else:
+    lengths = jnp.array([seq_kv, 33], jnp.int32)
+    kw["key_value_seq_lengths"] = lengths
+    ids = segments.ids_of_padding(
+      jnp.ones((B, T), bool), jnp.arange(seq_kv)[None] < lengths[:, None]
+    )
+  out, pull = jax.vjp(
+    lambda q, k, v: pallas_fa3.dot_product_attention(
+      q, k, v, implementation=impl, **kw
+    ),
+    q,
+    k,
+    v,
+  )
+  assert out.shape == (B, T, N, dv) and out.dtype == dtype
+  got = (out,) + pull(do)
+  golden, naive = golden_and_naive(q, k, v, do, causal=causal, segment_ids=ids)
+  names = ("out", "dq", "dk", "dv")
+  picked = lambda x: (x[0],) + tuple(x[2:5])  # lse left out
+  for name, a, n, g in zip(names, got, picked(naive), picked(golden)):
+    assert_within_tolerance(name, a, n, g)
+
+
+def test_value_head_dim_with_a_residual_and_rank3():
+  q, k, v, _, _, _ = _inputs()
+  v = jnp.concatenate([v, v[..., :4]], axis=-1)  # Hv = H + 4
+  out, res = pallas_fa3.dot_product_attention(
+    q[0], k[0], v[0], is_causal=True, return_residual=True
+  )
+  assert out.shape == (T, N, H + 4) and res.shape == (T, N)
+  want = pallas_fa3.dot_product_attention(q, k, v, is_causal=True)[0]
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
 def test_errors_match_jax_nn():
