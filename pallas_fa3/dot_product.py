@@ -11,6 +11,7 @@ mask_mod or block mask otherwise: docs/flex.md#migrating.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 
 from pallas_fa3 import flex, mods, segments
 from pallas_fa3.attention import flash_attention
+from pallas_fa3.spec import check_int
 
 _JAX_NN = ("xla", "cudnn")
 
@@ -72,10 +74,10 @@ def dot_product_attention(
   the output is `(B, T, N, Hv)`); `bias` and boolean `mask` broadcastable
   to `(B, N, T, S)`; `is_causal` top-left (query i sees keys j <= i);
   `query_seq_lengths` / `key_value_seq_lengths` int32 `(B,)` (padded query
-  rows give 0); `local_window_size` `(left, right)` or one int for both,
-  top-left; a row that sees no key gives the mean of all values, as
-  jax.nn's large-negative masking does. `return_residual`: also the
-  logsumexp `(B, T, N)` in the input dtype.
+  rows give 0); `local_window_size` `(left, right)` or one int for both
+  (ints >= 0), top-left; a row that sees no key gives the mean of all
+  values, as jax.nn's large-negative masking does. `return_residual`: also
+  the logsumexp `(B, T, N)` in the input dtype.
 
   Args:
     implementation: None (the automatic choice of `flash_attention`), one
@@ -84,6 +86,8 @@ def dot_product_attention(
 
   Raises:
     ValueError: jax.nn's checks (ranks, dtypes, shapes, head counts).
+    TypeError / ValueError: a `local_window_size` that is not an int >= 0
+      or a pair of them, named.
   """
   if implementation in _JAX_NN:
     return jax.nn.dot_product_attention(
@@ -100,8 +104,7 @@ def dot_product_attention(
   qlen = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths)
   kvlen = key_value_seq_lengths
   kvlen = None if kvlen is None else jnp.asarray(kvlen)
-  if isinstance(local_window_size, int):
-    local_window_size = (local_window_size, local_window_size)
+  local_window_size = _local_window(local_window_size)
   B, S, K, H = k.shape
   # The value head dim may differ from the query's (jax.nn's may not):
   # flash_attention serves it, and the output has the value's.
@@ -126,13 +129,12 @@ def dot_product_attention(
     if T == S:  # top-left is bottom-right: the built-in options
       options["causal"] = bool(is_causal)
       if local_window_size is not None:
-        options["window_size"] = tuple(int(x) for x in local_window_size)
+        options["window_size"] = local_window_size
     else:
       if is_causal:
         mask_mods.append(mods.causal_top_left)
       if local_window_size is not None:
-        left, right = (int(x) for x in local_window_size)
-        mask_mods.append(mods.sliding_window(left, right))
+        mask_mods.append(mods.sliding_window(*local_window_size))
   # Which queries and keys are valid, per batch row: the lengths, and a
   # mask that varies along the keys alone or the queries alone (a padding
   # mask, `(B|1, 1, 1, S)` or `(B|1, 1, T, 1)`). Both become segment ids,
@@ -242,6 +244,31 @@ def dot_product_attention(
   residual = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2)).astype(k.dtype)
   return jnp.reshape(out, output_shape), jnp.reshape(
     residual, output_shape[:-1]
+  )
+
+
+def _local_window(size: Any) -> tuple[int, int] | None:
+  """jax.nn's `local_window_size` (one int for both sides, or `(left,
+  right)`) as a pair of ints >= 0; errors name `local_window_size`."""
+  if size is None:
+    return None
+  if isinstance(size, numbers.Integral) and not isinstance(
+    size, (bool, np.bool_)
+  ):
+    size = (size, size)
+  if isinstance(size, (str, bytes)) or not isinstance(size, (tuple, list)):
+    raise TypeError(
+      "local_window_size must be None, an int >= 0 or a pair (left, right)"
+      f" of ints >= 0; got {size!r} of type {type(size).__name__}"
+    )
+  if len(size) != 2:
+    raise ValueError(
+      "local_window_size must be None, an int >= 0 or a pair (left, right)"
+      f" of ints >= 0; got {tuple(size)!r} ({len(size)} entries)"
+    )
+  return tuple(
+    check_int(f"local_window_size {side}", n, minimum=0)
+    for side, n in zip(("left", "right"), size)
   )
 
 

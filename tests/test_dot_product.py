@@ -520,6 +520,28 @@ def test_value_head_dim_with_a_residual_and_rank3():
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+  "size, error, match",
+  [
+    ((-2, 3), ValueError, "local_window_size left must be >= 0"),
+    ((3, -1), ValueError, "local_window_size right must be >= 0"),
+    ((2.5, 1), TypeError, "local_window_size left must be an int"),
+    ((None, 2), TypeError, "local_window_size left must be an int"),
+    ((1, 2, 3), ValueError, "local_window_size must be .* a pair"),
+    ("a", TypeError, "local_window_size must be None, an int"),
+    (-1, ValueError, "local_window_size left must be >= 0"),
+  ],
+  ids=str,
+)
+@pytest.mark.parametrize("t", [T, S], ids=["T!=S", "T==S"])
+def test_local_window_size_errors_name_it(size, error, match, t):
+  """Errors name `local_window_size` (not flash_attention's window_size),
+  at T == S (the built-in window) and T != S (a mask_mod) alike."""
+  q, k, v, _, _, _ = _inputs(t=t)
+  with pytest.raises(error, match=match):
+    pallas_fa3.dot_product_attention(q, k, v, local_window_size=size)
+
+
 def test_errors_match_jax_nn():
   q, k, v, _, _, _ = _inputs()
   f = pallas_fa3.dot_product_attention
