@@ -13,6 +13,7 @@ slots `[cache_leftpad[b], L_b)` (FA3's convention). docs/decoding.md
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -362,9 +363,19 @@ def make_decode_spec(
   if kc_shape[3] != d:
     raise ValueError(f"k_cache's head_dim must equal q's; got {shapes}")
   if hq % hk:
+    # A cache with heads and length swapped (PyTorch's [batch, heads,
+    # seq, head_dim]) shows its length where the heads belong.
+    names = layout[1:-1].split(", ")
+    swapped = ", ".join([names[0], names[2], names[1], names[3]])
+    hint = ""
+    if hq % kc_shape[1] == 0 and kc_shape[1] < hk:
+      hint = (
+        f"; the cache's layout is {layout}, and this one looks like"
+        f" [{swapped}] (swap axes 1 and 2)"
+      )
     raise ValueError(
       f"q heads ({hq}) must be a multiple of the cache's kv heads ({hk});"
-      f" got {shapes}"
+      f" got {shapes}{hint}"
     )
   if paged and cache_batch_idx is not None:
     raise ValueError(
@@ -418,6 +429,14 @@ def make_decode_spec(
     concrete = not isinstance(cache_seqlens, jax.core.Tracer)
     lengths = jax.device_get(cache_seqlens) if concrete else None
   else:
+    if isinstance(cache_seqlens, (bool, np.bool_)) or not isinstance(
+      cache_seqlens, numbers.Integral
+    ):
+      raise TypeError(
+        "cache_seqlens must be a Python int or an int32 array of shape"
+        f" [batch] = ({b},); got {cache_seqlens!r} of type"
+        f" {type(cache_seqlens).__name__}"
+      )
     lengths = [check_int("cache_seqlens", cache_seqlens, minimum=0)] * b
   if lengths is not None:
     longest = int(max(lengths)) + seq_new

@@ -389,6 +389,32 @@ def _bad_calls():
     TypeError,
     "cache_seqlens must be int32",
   )
+  for name, bad in (("list", [1, 2]), ("float", 1.0)):
+    yield (
+      f"seqlens-{name}",
+      lambda bad=bad: call(q, kc, kc, cache_seqlens=bad),
+      TypeError,
+      r"cache_seqlens must be a Python int or an int32 array of shape"
+      r" \[batch\] = \(2,\)",
+    )
+  # A cache in [batch, heads_kv, cache_len, head_dim]: the message says
+  # which layout is expected.
+  yield (
+    "cache-layout",
+    lambda: call(q, kc.swapaxes(1, 2), kc.swapaxes(1, 2), cache_seqlens=n),
+    ValueError,
+    r"kv heads \(64\).*layout is \[batch_cache, cache_len, heads_kv,"
+    r" head_dim\], and this one looks like \[batch_cache, heads_kv,"
+    r" cache_len, head_dim\]",
+  )
+  yield (
+    "paged-layout",
+    lambda: call(
+      q, pk.swapaxes(1, 2), pk.swapaxes(1, 2), cache_seqlens=n, page_table=pt
+    ),
+    ValueError,
+    r"looks like \[num_pages, heads_kv, page_size, head_dim\]",
+  )
   yield (
     "seqlens-overflow",
     lambda: call(q, kc, kc, cache_seqlens=64, k=kc[:, :1], v=kc[:, :1]),
