@@ -72,6 +72,11 @@ def blockwise_backward(
     "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
   )
   delta = stat(delta - dlse.astype(jnp.float32))
+  # Kept out of the dP dot's fusion: XLA's CPU YNNPACK fusion of (a dot with
+  # a constant operand - a reduction), which jax.grad's cotangent of `sum`
+  # makes, computed garbage on jaxlib 0.11.2 (docs/design_notes.md, "A
+  # miscompiled fusion").
+  delta = jax.lax.optimization_barrier(delta)
   # P = exp2(S_log2 - lse_log2). Rows that saw no key (lse = -inf) and padded
   # rows get +inf so that their P is exactly 0 (finite gradients).
   lse2 = stat(jnp.where(lse == -jnp.inf, jnp.inf, log2_of(lse)))
