@@ -66,7 +66,12 @@ class QueryPlan:
 
   @property
   def num_kv_blocks(self) -> int:
-    return self.seq_kv_pad // self.config.block_kv
+    """K/V tiles that hold a key. Not `seq_kv_pad // block_kv`: the dQ
+    kernel's keys are padded to the dK/dV kernel's CTAs, and a tile wholly
+    past seq_kv, walked unmasked, put P = exp2(-lse) times zero V into dS
+    (dQ stayed right, K's rows being zero; the score_mod arrays' row sums
+    of dS did not) for nothing."""
+    return cdiv(self.spec.seq_kv, self.config.block_kv)
 
   @property
   def num_q_tiles(self) -> int:
