@@ -49,9 +49,11 @@ class UserFunction:
   def __init__(self, name: str, original: Callable, score_dtype: Any = None):
     self.name = name
     self.original = original
+    self.score_dtype = score_dtype
+    self._reads = None
     args = scalar_args(4, score_dtype)
     try:
-      self.converted, consts = jax.closure_convert(original, *args)
+      self.converted, consts = _closure_convert(original, args)
     except TypeError as e:
       signature = _SCORE_ARGS if score_dtype is not None else _MASK_ARGS
       raise TypeError(
@@ -65,6 +67,25 @@ class UserFunction:
   def __call__(self, consts: tuple, *args: Any) -> Any:
     return self.converted(*args, *consts)
 
+  def reads(self, name: str) -> bool:
+    """Whether its result depends on index argument `name` ("batch",
+    "head", "q_idx" or "kv_idx"), from its jaxpr with dead code removed."""
+    if self._reads is None:
+      args = scalar_args(4, self.score_dtype)
+      jaxpr = jax.make_jaxpr(self.converted)(*args, *self.consts).jaxpr
+      try:
+        from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+
+        used = pe.dce_jaxpr(jaxpr, [True])[1]
+      except (ImportError, AttributeError):  # every argument some op takes
+        seen = {id(v) for e in jaxpr.eqns for v in e.invars}
+        seen |= {id(v) for v in jaxpr.outvars}
+        used = [id(v) in seen for v in jaxpr.invars]
+      names = ("batch", "head", "q_idx", "kv_idx")
+      first = len(args) - 4  # (a score_mod's score comes first)
+      self._reads = {n: bool(used[first + i]) for i, n in enumerate(names)}
+    return self._reads[name]
+
   def __hash__(self) -> int:
     return hash(self.converted)
 
@@ -76,6 +97,55 @@ class UserFunction:
   def __repr__(self) -> str:
     name = getattr(self.original, "__name__", type(self.original).__name__)
     return f"<{self.name} {name}>"
+
+
+# Closure conversions that had to lift integer tracers, by (function, its
+# arguments' types, the arrays left in it): one converted function (one
+# hash, one compilation) per function reused within a trace.
+_LIFTED: dict = {}
+_LIFTED_MAX = 256
+
+
+def _closure_convert(original: Callable, args: tuple) -> tuple:
+  """`jax.closure_convert`, lifting every tracer the function closes over.
+
+  JAX lifts only the tracers that may carry a tangent (floating ones): an
+  integer array traced by an enclosing `jax.jit` (document ids passed to
+  a jitted step) stays a constant of the converted function and leaks
+  into every trace it is later called in (the backward's, a kernel's):
+  "No constant handler for type: DynamicJaxprTracer". Those are lifted
+  into the consts too (after JAX's), as call operands."""
+  converted, consts = jax.closure_convert(original, *args)
+  closed = jax.make_jaxpr(converted)(*args, *consts)
+  leaked = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+  if not any(leaked):
+    return converted, consts
+  kept = tuple(c for c, t in zip(closed.consts, leaked) if not t)
+  lifted = [c for c, t in zip(closed.consts, leaked) if t]
+  key = (
+    original,
+    tuple(jax.typeof(a) for a in args + tuple(consts)),
+    tuple(leaked),
+    tuple(id(c) for c in kept),
+  )
+  fn = _LIFTED.get(key)
+  if fn is None:
+    n_in = len(args) + len(consts)
+    jaxpr = closed.jaxpr
+
+    def fn(*ins):
+      given, extra = iter(ins[n_in:]), iter(kept)
+      merged = [next(given) if t else next(extra) for t in leaked]
+      run = jax.extend.core.jaxpr_as_fun(
+        jax.extend.core.ClosedJaxpr(jaxpr, merged)
+      )
+      (out,) = run(*ins[:n_in])
+      return out
+
+    if len(_LIFTED) >= _LIFTED_MAX:
+      _LIFTED.pop(next(iter(_LIFTED)))
+    _LIFTED[key] = fn
+  return fn, list(consts) + lifted
 
 
 def _check_output(name: str, out: Any, score_dtype: Any) -> None:
@@ -173,15 +243,15 @@ class BlockMask:
   def to_dense(self) -> jax.Array:
     """The boolean `[b|1, h|1, seq_q, seq_kv]` mask it stands for."""
     b, h, _, _ = self.state.shape
-    q = jnp.arange(self.seq_q)
-    kv = jnp.arange(self.seq_kv)
+    q = jnp.arange(self.seq_q, dtype=jnp.int32)
+    kv = jnp.arange(self.seq_kv, dtype=jnp.int32)
     fn = check_function("mask_mod", self.mask_mod)
     return visible(
       self,
       fn,
       () if fn is None else fn.consts,
-      jnp.arange(b)[:, None, None, None],
-      jnp.arange(h)[None, :, None, None],
+      jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+      jnp.arange(h, dtype=jnp.int32)[None, :, None, None],
       q[None, None, :, None],
       kv[None, None, None, :],
       (b, h, self.seq_q, self.seq_kv),
@@ -256,6 +326,16 @@ def create_block_mask(
   fn = check_function("mask_mod", mask_mod)
   if fn is None:
     raise TypeError("create_block_mask: mask_mod must be a callable")
+  for arg, value, index, size in (
+    ("batch", batch, "batch", "batch size"),
+    ("heads", heads, "head", "number of query heads"),
+  ):
+    if value is None and fn.reads(index):
+      raise ValueError(
+        f"create_block_mask: {arg}=None builds one mask shared by every"
+        f" {index}, but mask_mod reads its {index} index (every {index}"
+        f" would get {index} 0's tiles); pass {arg}= the {size}"
+      )
   b = 1 if batch is None else check_int("batch", batch, minimum=1)
   h = 1 if heads is None else check_int("heads", heads, minimum=1)
   sq = check_int("seq_q", seq_q, minimum=1)
@@ -265,15 +345,17 @@ def create_block_mask(
   per_tile = b * h * bq * bkv
   chunk = max(1, min(nkv, _CHUNK_ELEMENTS // per_tile))
   n_chunks = cdiv(nkv, chunk)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(h)[None, :, None, None]
+  bi = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
+  hi = jnp.arange(h, dtype=jnp.int32)[None, :, None, None]
   consts = fn.consts
 
   def q_tile(i):
-    q = i * bq + jnp.arange(bq)
+    q = i * bq + jnp.arange(bq, dtype=jnp.int32)
 
     def kv_chunk(c):
-      kv = (c * chunk + jnp.arange(chunk))[:, None] * bkv + jnp.arange(bkv)
+      kv = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[
+        :, None
+      ] * bkv + jnp.arange(bkv, dtype=jnp.int32)
       in_range = (q < sq)[:, None, None] & (kv < skv)[None]
       vis = _grid(lambda *a: fn(consts, *a))(
         bi[..., None],
@@ -286,15 +368,15 @@ def create_block_mask(
       all_ = (vis | ~in_range).all(axis=(2, 4))
       return any_, all_
 
-    any_, all_ = jax.lax.map(kv_chunk, jnp.arange(n_chunks))
+    any_, all_ = jax.lax.map(kv_chunk, jnp.arange(n_chunks, dtype=jnp.int32))
     # [n_chunks, b, h, chunk] -> [b, h, nkv]
     flat = lambda x: jnp.moveaxis(x, 0, 2).reshape(b, h, -1)[..., :nkv]
     return flat(any_), flat(all_)
 
   if n_chunks == 1 and nq * per_tile * chunk <= _CHUNK_ELEMENTS:
-    any_, all_ = jax.vmap(q_tile)(jnp.arange(nq))
+    any_, all_ = jax.vmap(q_tile)(jnp.arange(nq, dtype=jnp.int32))
   else:
-    any_, all_ = jax.lax.map(q_tile, jnp.arange(nq))
+    any_, all_ = jax.lax.map(q_tile, jnp.arange(nq, dtype=jnp.int32))
   any_, all_ = (jnp.moveaxis(x, 0, 2) for x in (any_, all_))
   return BlockMask(_state(any_, all_), None, sq, skv, bq, bkv, mask_mod)
 
@@ -367,6 +449,11 @@ class FlexOperands(NamedTuple):
   block_mask: Any = None
 
 
+def _or_one(n: int) -> str:
+  """A broadcastable leading dim's allowed sizes: `n or 1` (`1` if n is)."""
+  return "1" if n == 1 else f"{n} or 1"
+
+
 def check_bias(
   bias: Any, batch: int, heads: int, seq_q: int, seq_kv: int
 ) -> jax.Array | None:
@@ -387,7 +474,7 @@ def check_bias(
   )
   if not ok:
     raise ValueError(
-      f"bias must have shape [{batch} or 1, {heads} or 1, {seq_q},"
+      f"bias must have shape [{_or_one(batch)}, {_or_one(heads)}, {seq_q},"
       f" {seq_kv}] ([batch|1, heads_q|1, seq_q, seq_kv]); got shape"
       f" {tuple(bias.shape)}"
     )
@@ -416,7 +503,8 @@ def check_block_mask(
   ):
     raise ValueError(
       f"block_mask was built for [batch, heads, seq_q, seq_kv] = {list((b, h, block_mask.seq_q, block_mask.seq_kv))};"
-      f" this call needs [{batch} or 1, {heads} or 1, {seq_q}, {seq_kv}]"
+      f" this call needs [{_or_one(batch)}, {_or_one(heads)}, {seq_q},"
+      f" {seq_kv}]"
     )
   return block_mask
 
@@ -501,15 +589,19 @@ def visible(
   kv: jax.Array,
   shape: tuple[int, int, int, int],
   dense_tile: jax.Array | None = None,
+  block_index: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array | None:
   """Which pairs of a `[B, H, Q, K]` tile the flex options let through
   (None: all): a full tile of the block mask all, an empty one none, a
-  partial one those mask_mod (or the dense mask) accepts. Indices must be
-  in range (the caller masks padding)."""
+  partial one those mask_mod (or the dense mask) accepts. mask_mod sees
+  `q`, `kv` as they are; the block mask is read at `block_index` (the
+  positions clipped into it; default `q`, `kv`, which must be in range)."""
   vis = None
   if mask_mod is not None:
     vis = _grid(lambda *a: mask_mod(mask_consts, *a))(b, h, q, kv)
   if block_mask is not None:
+    if block_index is not None:
+      q, kv = block_index
     if dense_tile is None and block_mask.dense is not None:
       d = block_mask.dense
       dense_tile = d[
@@ -605,7 +697,9 @@ def spread_float_grads(ops: FlexOperands, grads: tuple) -> tuple:
 
 def head_index(heads_kv: int, group: int) -> jax.Array:
   """Query head indices in the `[hk, g]` grouped layout."""
-  return jnp.arange(heads_kv)[:, None] * group + jnp.arange(group)
+  return jnp.arange(heads_kv, dtype=jnp.int32)[:, None] * group + jnp.arange(
+    group, dtype=jnp.int32
+  )
 
 
 def grouped(x: jax.Array | None, heads_kv: int, group: int) -> Any:
@@ -632,14 +726,17 @@ def decode_scores(
   fs = spec.flex
   bi = batch[:, None, None, None, None]
   h = head_index(spec.heads_kv, spec.group_size)[None, :, :, None, None]
-  qpos = query_positions(spec, lengths[:, None], jnp.arange(spec.seq_q))
+  qpos = query_positions(
+    spec, lengths[:, None], jnp.arange(spec.seq_q, dtype=jnp.int32)
+  )
   qi = qpos[:, None, None, :, None]
   ki = kv_pos[None, None, None, None, :]
   if fs.score_mod is not None:
     s = modify_scores(fs, ops.score_consts, None, s, bi, h, qi, ki)
-  # Positions outside [0, capacity) (a query of a sequence shorter than
-  # seq_q; a clamped tile) read the block mask in range; the length mask
-  # hides them anyway.
+  # mask_mod sees the true positions, negative ones included (a query of
+  # a sequence shorter than seq_q), as score_mod and the decode kernel do;
+  # only the block mask's reads are clipped into it (the kernel reads row
+  # 0's state there too; keys past the capacity are hidden by length).
   top = spec.capacity - 1
   vis = visible(
     ops.block_mask,
@@ -647,8 +744,9 @@ def decode_scores(
     ops.mask_consts,
     bi,
     h,
-    jnp.clip(qi, 0, top),
-    jnp.clip(ki, 0, top),
+    qi,
+    ki,
     s.shape,
+    block_index=(jnp.clip(qi, 0, top), jnp.clip(ki, 0, top)),
   )
   return s, vis

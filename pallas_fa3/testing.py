@@ -409,7 +409,8 @@ def flex_golden_and_naive(
   arrays (slopes, a bias, a table). The golden is `reference_attention`
   with float64 intermediates under `jax.enable_x64` (the user's functions
   called on float64 scores; outputs rounded once to float32); the naive
-  one keeps every intermediate in the inputs' dtype.
+  one keeps every intermediate in the inputs' dtype. Integer params
+  (ids, tables) keep their dtype; their cotangents are float0.
   """
 
   def run(dtype, q, k, v, params):
@@ -419,13 +420,24 @@ def flex_golden_and_naive(
 
   with jax.enable_x64(True):
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+    # floating params in float64; integer ones (ids, tables) as they are
+    p64 = jax.tree.map(
+      lambda x: (
+        jnp.asarray(x, jnp.float64)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        else x
+      ),
+      params,
+    )
     out, pull = jax.vjp(
       lambda *a: run(jnp.float64, *a), f32(q), f32(k), f32(v), p64
     )
     grads = pull(f32(dout))
     golden = jax.tree.map(
-      lambda x: np.asarray(x, np.float64), (out,) + tuple(grads)
+      lambda x: (
+        x if x.dtype == jax.dtypes.float0 else np.asarray(x, np.float64)
+      ),
+      (out,) + tuple(grads),
     )
   out, pull = jax.vjp(lambda *a: run(q.dtype, *a), q, k, v, params)
   return golden, (out,) + tuple(pull(dout))
