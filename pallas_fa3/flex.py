@@ -51,6 +51,10 @@ class UserFunction:
     self.original = original
     self.score_dtype = score_dtype
     self._reads = None
+    self.base = None  # `shifted`'s, `rebound`'s: the function it wraps
+    # `shifted`'s (batch, head): which of its last two consts (the shard's
+    # first batch and head index) it adds to its indices; None otherwise.
+    self.shift = None
     args = scalar_args(4, score_dtype)
     try:
       self.converted, consts = _closure_convert(original, args)
@@ -67,12 +71,82 @@ class UserFunction:
   def __call__(self, consts: tuple, *args: Any) -> Any:
     return self.converted(*args, *consts)
 
+  def shifted(self, batch: bool, head: bool) -> UserFunction:
+    """The function of one shard of a call split over batch (`batch`) and
+    / or heads (`head`): it takes the shard's first batch and head index
+    as two more int32 0-d consts (after its own) and calls this one with
+    the global indices (`local + first`), so a shard computes what the
+    whole call computes for its rows. Cached: one per (function, split)."""
+    shapes = tuple((jnp.shape(c), jnp.result_type(c)) for c in self.consts)
+    key = (self.converted, shapes, batch, head)
+    fn = _SHIFTED.get(key)
+    if fn is None:
+      base, n = self.converted, len(scalar_args(4, self.score_dtype)) - 4
+
+      def converted(*args):
+        *ins, b0, h0 = args
+        ins[n] = ins[n] + b0 if batch else ins[n]
+        ins[n + 1] = ins[n + 1] + h0 if head else ins[n + 1]
+        return base(*ins)
+
+      fn = object.__new__(UserFunction)
+      fn.name, fn.original = self.name, self.original
+      fn.score_dtype, fn.converted, fn._reads = (
+        self.score_dtype,
+        converted,
+        None,
+      )
+      # (placeholders: only the consts' shapes and dtypes are read here;
+      # the call's own arrays travel in its FlexOperands)
+      fn.consts = tuple(
+        np.broadcast_to(np.zeros((), dt), shape) for shape, dt in shapes
+      ) + (np.int32(0), np.int32(0))
+      fn.base, fn.shift = self, (batch, head)
+      if len(_SHIFTED) >= _LIFTED_MAX:
+        _SHIFTED.pop(next(iter(_SHIFTED)))
+      _SHIFTED[key] = fn
+    return fn
+
+  def constants(self) -> tuple:
+    """The arrays `converted` itself closes over (concrete ones JAX left
+    in it), in the order `rebound` takes them."""
+    return tuple(self._closed().consts)
+
+  def rebound(self, constants: tuple) -> UserFunction:
+    """This function with `constants` in place of `constants()` (the
+    values a traced computation passes in: `jax.custom_partitioning`
+    traces a body with no constants of its own)."""
+    if not constants:
+      return self
+    jaxpr = self._closed().jaxpr
+    n = len(scalar_args(4, self.score_dtype)) + len(self.consts)
+
+    def converted(*ins):
+      run = jax.extend.core.jaxpr_as_fun(
+        jax.extend.core.ClosedJaxpr(jaxpr, list(constants))
+      )
+      (out,) = run(*ins[:n])
+      return out
+
+    fn = object.__new__(UserFunction)
+    fn.__dict__.update(self.__dict__)
+    fn.converted, fn.base = converted, self
+    return fn
+
+  def _closed(self) -> Any:
+    args = scalar_args(4, self.score_dtype)
+    consts = [
+      jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c))
+      for c in self.consts
+    ]
+    return jax.make_jaxpr(self.converted)(*args, *consts)
+
   def reads(self, name: str) -> bool:
     """Whether its result depends on index argument `name` ("batch",
     "head", "q_idx" or "kv_idx"), from its jaxpr with dead code removed."""
     if self._reads is None:
       args = scalar_args(4, self.score_dtype)
-      jaxpr = jax.make_jaxpr(self.converted)(*args, *self.consts).jaxpr
+      jaxpr = self._closed().jaxpr
       try:
         from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
 
@@ -98,6 +172,9 @@ class UserFunction:
     name = getattr(self.original, "__name__", type(self.original).__name__)
     return f"<{self.name} {name}>"
 
+
+# `UserFunction.shifted`'s, by (converted function, batch, head).
+_SHIFTED: dict = {}
 
 # Closure conversions that had to lift integer tracers, by (function, its
 # arguments' types, the arrays left in it): one converted function (one
@@ -447,6 +524,53 @@ class FlexOperands(NamedTuple):
   score_consts: tuple = ()
   mask_consts: tuple = ()
   block_mask: Any = None
+
+
+def shard_local(
+  fspec: FlexSpec,
+  ops: FlexOperands,
+  *,
+  batch: int,
+  heads: int,
+  first: tuple[jax.Array, jax.Array],
+  split: tuple[bool, bool],
+) -> tuple[FlexSpec, FlexOperands]:
+  """One shard's flex options, for a call split over batch and / or query
+  heads (`split`) whose shard holds `batch` rows and `heads` query heads
+  from global indices `first` (int32 scalars). `ops` holds the shard's
+  part of the bias and the block mask (split where not broadcast) and the
+  functions' arrays whole; a function that reads a split index is
+  `shifted` (it sees global indices, its arrays read as in the whole
+  call), so the shard computes the whole call's rows."""
+
+  def dims(d):
+    if d is None:
+      return None
+    nb, nh = d[:2]
+    return (batch if nb > 1 else 1, heads if nh > 1 else 1) + tuple(d[2:])
+
+  def local(fn, consts):
+    reads = fn is not None and any(
+      s and fn.reads(i) for s, i in zip(split, ("batch", "head"))
+    )
+    if not reads:
+      return fn, consts
+    return fn.shifted(*split), tuple(consts) + tuple(
+      jnp.asarray(f, jnp.int32) for f in first
+    )
+
+  score, score_consts = local(fspec.score_mod, ops.score_consts)
+  mask, mask_consts = local(fspec.mask_mod, ops.mask_consts)
+  return (
+    dataclasses.replace(
+      fspec,
+      score_mod=score,
+      mask_mod=mask,
+      bias=dims(fspec.bias),
+      block=dims(fspec.block),
+    ),
+    FlexOperands(ops.bias, score_consts, mask_consts, ops.block_mask),
+  )
 
 
 def _or_one(n: int) -> str:

@@ -72,6 +72,15 @@ def check_ring(
         f" blocks by their lse, which {option} does not compute the same"
         " way; replicate the sequence or call without it"
       )
+  if spec.flex is not None:
+    names = ", ".join(spec.flex.names())
+    raise NotImplementedError(
+      f"{names} with q sharded along its sequence axis: the ring's blocks"
+      " would need each function's positions shifted per step (and a bias"
+      " or block mask cut per block), which is not implemented; shard the"
+      " batch or the heads (both run these shard-locally), or replicate"
+      " the sequence"
+    )
   if not backend.backward_uses_lse:
     raise NotImplementedError(
       f"implementation={backend.name!r} cannot run with q sharded along its"

@@ -19,8 +19,9 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_fa3 import segments
+from pallas_fa3 import flex, segments
 from pallas_fa3.backends.base import Decode, Op, StaticCall
+from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.parallel import context
 from pallas_fa3.parallel.ring import local as ring_local
 from pallas_fa3.parallel.sharding_checks import (
@@ -129,7 +130,10 @@ class _Op:
     """The Shardy rule of this call (its query-head factor), with sizes."""
     del mesh, operand_types, result_types
     heads, sizes = _heads_factor(call.spec)
-    return self.rule.format(h=heads), sizes
+    rule = self.rule
+    if call.spec.flex is not None and not rule:  # (`_FlexOp`: per call)
+      rule = _flex_rule(self.arg_names, self.result_names, call.spec)
+    return rule.format(h=heads), sizes
 
   def plan(
     self, call: StaticCall, mesh: Any, arg_specs: Sequence[tuple]
@@ -255,11 +259,17 @@ class _DecodeOp(_Op):
       k_cache=P(rows, None, hk, None), v_cache=P(rows, None, hk, None),
       lengths=P(b), rows=P(b), pages=P(b, None), sinks=P(b, h),
       k_descale=P(b, hk), v_descale=P(b, hk), starts=P(b),
+      batch_index=P(b), head_index=P(h),
     )  # fmt: skip
+    if spec.flex is not None and spec.flex.block is not None:
+      nb, nh = spec.flex.block[:2]
+      state = P(b if nb > 1 else None, h if nh > 1 else None, None, None)
+      by_name.update(bm_state=state, bm_dense=state)
+    get = lambda n: by_name.get(n, P())  # (the functions' arrays: whole)
     return (
       (batch_axes, head_axes, ()),
-      tuple(by_name[n] for n in self.arg_names),
-      tuple(by_name[n] for n in self.result_names),
+      tuple(get(n) for n in self.arg_names),
+      tuple(get(n) for n in self.result_names),
     )
 
   def local(self, call, mesh, axes):
@@ -274,12 +284,13 @@ class _DecodeOp(_Op):
       )
       local = dataclasses.replace(local, spec=local_spec)
     rows_at = self.arg_names.index("rows")
+    split = (bool(batch_axes), bool(head_axes))
 
     def run(*a):
       if follows:  # a batch shard's cache rows are its own sequences
         a = list(a)
         a[rows_at] = jax.numpy.arange(local.spec.batch, dtype=jax.numpy.int32)
-      return self.run(local, *a)
+      return _run_decode_shard(local, split, *a)
 
     return run
 
@@ -396,35 +407,53 @@ def _decode_names(spec: Any) -> tuple[str, ...]:
   names = ("q", "k_cache") + ("v_cache",) * (not spec.v_in_k)
   names += ("lengths", "rows") + ("pages",) * spec.paged
   names += ("sinks",) * spec.sinks + ("k_descale", "v_descale") * spec.fp8_cache
-  return names + ("starts",) * spec.leftpad
+  names += ("starts",) * spec.leftpad
+  return names + (() if spec.flex is None else _flex_operand_names(spec.flex))
 
 
 def _run_decode(call: StaticCall, *arrays: jax.Array) -> tuple:
   """The backend's decode on `_decode_names`' operands."""
+  return _run_decode_shard(call, (False, False), *arrays)
+
+
+def _run_decode_shard(
+  call: StaticCall, split: tuple[bool, bool], *arrays: jax.Array
+) -> tuple:
+  """`_run_decode` of a shard (`split`: whether batch / heads are split;
+  its flex functions see global batch and head indices)."""
   named = dict(zip(_decode_names(call.spec), arrays))
   descale = None
   if "k_descale" in named:
     descale = (named["k_descale"], named["v_descale"])
+  spec, ops = call.spec, None
+  if spec.flex is not None:
+    spec, ops = _local_flex(spec, named, split)
   return tuple(
     call.backend.decode(
-      call.spec, call.config, call.splits, named["q"], named["k_cache"],
+      spec, call.config, call.splits, named["q"], named["k_cache"],
       named.get("v_cache"), named["lengths"], named["rows"],
-      named.get("pages"), named.get("sinks"), descale, None,
+      named.get("pages"), named.get("sinks"), descale, ops,
       named.get("starts"),
     )
   )  # fmt: skip
 
 
 @functools.cache
-def _decode_ops(names: tuple[str, ...], follows: bool) -> tuple[_Op, Any]:
+def _decode_ops(
+  names: tuple[str, ...], follows: bool, spec: Any
+) -> tuple[_Op, Any]:
   """(op, its custom_partitioning function) of a decode call with these
-  operands; `follows`: its cache shards with the batch."""
+  operands; `follows`: its cache shards with the batch; `spec`: the
+  call's (its flex options' rule)."""
   r = "b" if follows else "c"  # the cache's rows: the sequences, or its own
   factors = dict(
     q=_Q, k_cache=f"{r} t k d", v_cache=f"{r} t k e", lengths="b", rows="b",
     pages="b p", sinks=_S, k_descale="b k", v_descale="b k", starts="b",
   )  # fmt: skip
-  rule = ", ".join(factors[n] for n in names) + f" -> {_O}, {_L}"
+  if spec.flex is None:
+    rule = ", ".join(factors[n] for n in names) + f" -> {_O}, {_L}"
+  else:
+    rule = _flex_rule(names, ("out", "lse"), spec, factors)
   op = _DecodeOp(names, ("out", "lse"), _run_decode, rule, False, False)
   return op, _partitioned(op)
 
@@ -505,11 +534,6 @@ def run(call: StaticCall, operands: Any) -> Any:
     names += ("q_ids", "kv_ids") * (ids is not None)
     op, fn = _fp8_ops(names)
     return _dispatch(op, fn, call, *arrays, *_operands(sinks, ids))
-  if call.op == "decode" and call.spec.flex is not None:
-    # score_mod / mask_mod operands have no shard-local rule: run whole
-    return tuple(
-      call.backend.decode(call.spec, call.config, call.splits, *operands)
-    )
   if call.op == "decode":
     names = _decode_names(call.spec)
     present = dict(zip(Decode._fields, operands))
@@ -518,8 +542,10 @@ def run(call: StaticCall, operands: Any) -> Any:
     arrays += [present["sinks"]]
     arrays += list(present["descale"] or ())
     arrays += [present["starts"]]
-    arrays = tuple(a for a in arrays if a is not None)
-    op, fn = _decode_ops(names, _cache_follows_batch(call.spec))
+    arrays = [a for a in arrays if a is not None]
+    if call.spec.flex is not None:
+      arrays += _flex_arrays(call.spec, present["flex"])
+    op, fn = _decode_ops(names, _cache_follows_batch(call.spec), call.spec)
     return _dispatch(op, fn, call, *arrays)
   raise ValueError(
     f"StaticCall.op must be one of {get_args(Op)}; got {call.op!r}"
@@ -527,26 +553,320 @@ def run(call: StaticCall, operands: Any) -> Any:
 
 
 def _run_flex(call: StaticCall, operands: Any) -> Any:
-  """A call with score_mod / mask_mod / bias / block_mask runs whole (XLA
-  partitions the backend's pure-JAX computation itself): their operands
-  have no shard-local rule yet."""
+  """A forward or backward with score_mod / mask_mod / bias / block_mask,
+  shard-local over batch and heads like every other call (`_FlexOp`): the
+  bias and the block mask split where they are not broadcast, the
+  functions' arrays whole, their batch and head indices global. A
+  sequence split is refused (`context.check_ring`)."""
   if call.ring is not None:
     raise NotImplementedError(
-      "ring_attention does not implement score_mod, mask_mod, bias or"
-      " block_mask; flash_attention has them"
+      f"ring_attention does not implement {', '.join(call.spec.flex.names())}"
+      " (its blocks would need each function's positions shifted per"
+      " step); flash_attention runs them shard-locally over batch and"
+      " heads"
     )
-  spec, backend, config = call.spec, call.backend, call.config
-  if call.op == "forward":
-    q, k, v, sinks, ids, flex = operands
-    extras = dict(sinks=sinks, segment_ids=ids, flex=flex)
-    return tuple(backend.run_forward(spec, config, q, k, v, **extras))
-  (q, k, v, sinks, ids, flex), out, lse, dout, dlse = operands
-  return tuple(
-    backend.run_backward(
-      spec, config, q, k, v, out, lse, dout, dlse, sinks=sinks,
-      segment_ids=ids, flex=flex,
+  backward = call.op == "backward"
+  forward_ops = operands.forward if backward else operands
+  arrays = list(forward_ops[:3])
+  if backward:
+    arrays += [operands.out, operands.lse, operands.dout, operands.dlse]
+  arrays += _operands(forward_ops.sinks, forward_ops.segment_ids)
+  ops = forward_ops.flex
+  spec = call.spec
+  arrays += _flex_arrays(spec, ops)
+  op, fn = _flex_ops(*_flex_names(spec, backward), backward)
+  outs = _flex_dispatch(op, fn, call, *arrays)
+  if not backward:
+    return outs
+  dq, dk, dv, *rest = outs
+  dbias = rest.pop(0) if spec.flex.bias is not None else None
+  floats = tuple(rest)
+  return dq, dk, dv, (dbias, flex.spread_float_grads(ops, floats))
+
+
+def _flex_operand_names(fs: flex.FlexSpec) -> tuple[str, ...]:
+  """The names of a call's flex arrays (`_flex_arrays`' order): the bias,
+  the block mask's states and dense mask, each function's arrays and the
+  constants it holds, and the batch and head iotas."""
+  names = ("bias",) * (fs.bias is not None)
+  names += ("bm_state",) * (fs.block is not None) + ("bm_dense",) * fs.dense
+  score = () if fs.score_mod is None else fs.score_mod.consts
+  mask = () if fs.mask_mod is None else fs.mask_mod.consts
+  names += tuple(f"score{i}" for i in range(len(score)))
+  names += tuple(f"mask{i}" for i in range(len(mask)))
+  for prefix, fn in (("scorek", fs.score_mod), ("maskk", fs.mask_mod)):
+    n = 0 if fn is None else len(fn.constants())
+    names += tuple(f"{prefix}{i}" for i in range(n))
+  return names + ("batch_index", "head_index")
+
+
+def _flex_arrays(spec: Any, ops: flex.FlexOperands) -> list[jax.Array]:
+  """The arrays `_flex_operand_names` names."""
+  bm = ops.block_mask
+  arrays = [] if ops.bias is None else [ops.bias]
+  arrays += [] if bm is None else [bm.state]
+  arrays += [] if bm is None or bm.dense is None else [bm.dense]
+  arrays += [jax.numpy.asarray(c) for c in ops.score_consts + ops.mask_consts]
+  for fn in (spec.flex.score_mod, spec.flex.mask_mod):  # and what the
+    arrays += [] if fn is None else list(fn.constants())  # functions hold
+  return arrays + [
+    jax.numpy.arange(spec.batch, dtype=jax.numpy.int32),
+    jax.numpy.arange(spec.heads_q, dtype=jax.numpy.int32),
+  ]
+
+
+def _local_flex(
+  spec: Any, named: dict[str, jax.Array], split: tuple[bool, bool]
+) -> tuple[Any, flex.FlexOperands]:
+  """(spec, flex operands) of one shard (`spec` the shard's) from its
+  named arrays: the functions rebound to this trace's constants and
+  shifted to global indices where `split` (`flex.shard_local`)."""
+  fs = spec.flex
+  bm = None
+  if fs.block is not None:
+    if isinstance(spec, DecodeSpec):  # built over the cache's positions
+      seqs = (spec.capacity, spec.capacity)
+    else:
+      seqs = (spec.seq_q, spec.seq_kv)
+    bm = flex.BlockMask(
+      named["bm_state"], named.get("bm_dense"), *seqs, *fs.block[2:]
     )
-  )  # fmt: skip
+  pick = lambda prefix: tuple(
+    named[n]
+    for n in named
+    if n.startswith(prefix) and n[len(prefix) :].isdigit()
+  )
+  fs = dataclasses.replace(  # the functions' constants: this trace's values
+    fs,
+    score_mod=fs.score_mod and fs.score_mod.rebound(pick("scorek")),
+    mask_mod=fs.mask_mod and fs.mask_mod.rebound(pick("maskk")),
+  )
+  local_fs, ops = flex.shard_local(
+    fs,
+    flex.FlexOperands(named.get("bias"), pick("score"), pick("mask"), bm),
+    batch=spec.batch,
+    heads=spec.heads_q,
+    first=(named["batch_index"][0], named["head_index"][0]),
+    split=split,
+  )
+  return dataclasses.replace(spec, flex=local_fs), ops
+
+
+def _flex_names(
+  spec: AttentionSpec, backward: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(operand names, result names) of a flex call (`_run_flex`'s order)."""
+  fs = spec.flex
+  names = _BWD_NAMES if backward else _FWD_NAMES
+  names += ("sinks",) * spec.sinks + ("q_ids", "kv_ids") * spec.segmented
+  names += _flex_operand_names(fs)
+  score = () if fs.score_mod is None else fs.score_mod.consts
+  if not backward:
+    return names, ("out", "lse")
+  results = ("q", "k", "v") + ("dbias",) * (fs.bias is not None)
+  floats = flex.differentiable(score)
+  results += tuple(f"dscore{i}" for i, d in enumerate(floats) if d)
+  return names, results
+
+
+def _flex_compute(
+  call: StaticCall,
+  names: tuple[str, ...],
+  split: tuple[bool, bool],
+  *arrays: jax.Array,
+) -> tuple[jax.Array, ...]:
+  """The backend on one shard's (or the whole call's) named arrays:
+  `call.spec` the shard's, `split` whether batch / heads are split."""
+  named = dict(zip(names, arrays))
+  spec, ops = _local_flex(call.spec, named, split)
+  extras = dict(flex=ops, sinks=named.get("sinks"))
+  if "q_ids" in named:
+    extras["segment_ids"] = segments.SegmentIds(named["q_ids"], named["kv_ids"])
+  backend, config = call.backend, call.config
+  if "dout" not in named:
+    return tuple(
+      backend.run_forward(
+        spec, config, named["q"], named["k"], named["v"], **extras
+      )
+    )
+  residuals = [named[n] for n in _BWD_NAMES]
+  dq, dk, dv, (dbias, dscore) = backend.run_backward(
+    spec, config, *residuals, **extras
+  )
+  n = sum(1 for x in named if x[:5] == "score" and x[5:].isdigit())
+  floats = [d for d in dscore[:n] if d is not None]  # (offsets after)
+  return (dq, dk, dv) + ((dbias,) if dbias is not None else ()) + tuple(floats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlexOp(_Op):
+  """A forward or backward with flex operands, shard-local over batch and
+  heads: the bias, the block mask's states and dense mask split along
+  their batch / head dims where those are not 1, the functions' arrays
+  whole (replicated), and per shard its first global batch and head index
+  (`batch_index`, `head_index`: iotas split like q) so that the functions
+  see global indices. Partial gradients of what is whole (a broadcast
+  bias's dims, the score_mod's arrays) are summed over the shards."""
+
+  def plan(self, call, mesh, arg_specs):
+    axes, _, _ = _Op.plan(self, call, mesh, arg_specs)
+    kv_whole = kv_replicated_over_heads(call.spec, axes[1])
+    b, h, s = (axes_entry(a) for a in axes)
+    fs = call.spec.flex
+    dims = lambda d: (b if d[0] > 1 else None, h if d[1] > 1 else None)
+    by_name = dict(batch_index=P(b), head_index=P(h))
+    if fs.bias is not None:
+      by_name["bias"] = by_name["dbias"] = P(*dims(fs.bias), None, None)
+    if fs.block is not None:
+      by_name["bm_state"] = by_name["bm_dense"] = P(*dims(fs.block), None, None)
+
+    def layout(names):
+      base = _layout_specs(names, axes, kv_whole)
+      return tuple(
+        by_name.get(n, P() if n[:4] in ("scor", "mask", "dsco") else spec)
+        for n, spec in zip(names, base)
+      )
+
+    return axes, layout(self.arg_names), layout(self.result_names)
+
+  def local(self, call, mesh, axes):
+    batch_axes, head_axes, seq_axes = axes
+    if seq_axes:  # (refused earlier by context.check_ring)
+      raise NotImplementedError(
+        f"{', '.join(call.spec.flex.names())} with a sequence split"
+      )
+    local = _local_call(
+      call, mesh_ways(mesh, batch_axes), mesh_ways(mesh, head_axes)
+    )
+    split = (bool(batch_axes), bool(head_axes))
+    fs = call.spec.flex
+    mqa = self.backward and kv_replicated_over_heads(call.spec, head_axes)
+
+    def run(*a):
+      outs = list(_flex_compute(local, self.arg_names, split, *a))
+      if not self.backward:
+        return tuple(outs)
+      if mqa:  # each device's dK, dV: its query heads' share
+        outs[1:3] = jax.lax.psum(tuple(outs[1:3]), head_axes)
+      for i, name in enumerate(self.result_names):
+        whole = ()  # mesh axes over which this result is a partial sum
+        if name == "dbias":
+          whole = (batch_axes if fs.bias[0] == 1 else ()) + (
+            head_axes if fs.bias[1] == 1 else ()
+          )
+        elif name.startswith("dscore"):
+          whole = batch_axes + head_axes
+        if whole:
+          outs[i] = jax.lax.psum(outs[i], whole)
+      return tuple(outs)
+
+    return run
+
+
+def _flex_rule(
+  names: tuple[str, ...],
+  results: tuple[str, ...],
+  spec: Any,
+  base: dict[str, str] | None = None,
+) -> str:
+  """The Shardy rule of a flex call: q, k, v's factors (`base`: a decode
+  call's); the bias and block mask's batch / head dims on `b` / the head
+  factor where they are not 1; every other dim a factor of its own."""
+  fs = spec.flex
+  fresh = (f"zz{i}" for i in range(1000))
+  base = dict(
+    base
+    or dict(
+      q=_Q,
+      k=_KV,
+      v=_V,
+      out=_O,
+      lse=_L,
+      dout=_O,
+      dlse=_L,
+      sinks=_S,
+      q_ids="b s",
+      kv_ids="b t",
+    ),  # fmt: skip
+    batch_index="b",
+    head_index="{h}",
+  )
+  consts = {}
+  for prefix, fn in (("score", fs.score_mod), ("mask", fs.mask_mod)):
+    for i, c in enumerate(() if fn is None else fn.consts):
+      consts[f"{prefix}{i}"] = jax.numpy.ndim(c)
+      if prefix == "score":
+        consts[f"dscore{i}"] = jax.numpy.ndim(c)
+    for i, c in enumerate(() if fn is None else fn.constants()):
+      consts[f"{prefix}k{i}"] = jax.numpy.ndim(c)
+
+  def lead(d):
+    return (
+      ("b" if d[0] > 1 else next(fresh))
+      + " "
+      + ("{h}" if d[1] > 1 else next(fresh))
+    )
+
+  def factors(name):
+    if name in base:
+      return base[name]
+    if name in ("bias", "dbias"):
+      return f"{lead(fs.bias)} s t"
+    if name == "bm_dense":
+      return f"{lead(fs.block)} {next(fresh)} {next(fresh)}"
+    if name == "bm_state":
+      return f"{lead(fs.block)} {next(fresh)} {next(fresh)}"
+    rank = consts[name]
+    return " ".join(next(fresh) for _ in range(rank)) if rank else ""
+
+  res = {"q": _Q, "k": _KV, "v": _V, "out": _O, "lse": _L}
+  args = ", ".join(factors(n) for n in names)
+  outs = ", ".join(res[n] if n in res else factors(n) for n in results)
+  return f"{args} -> {outs}"
+
+
+@functools.cache
+def _flex_ops(
+  names: tuple[str, ...], results: tuple[str, ...], backward: bool
+) -> tuple[_FlexOp, Any]:
+  """(op, its custom_partitioning function) of a flex call with these
+  operands and results; its rule comes from the call (`_flex_rule`)."""
+
+  def run(call, *arrays):  # the whole call (one device, or unpartitioned)
+    return _flex_compute(call, names, (False, False), *arrays)
+
+  op = _FlexOp(names, results, run, "", backward, foldable=False)
+  return op, _partitioned(op)
+
+
+def _flex_dispatch(
+  op: _FlexOp, partitioned: Any, call: StaticCall, *args: jax.Array
+) -> tuple[jax.Array, ...]:
+  """`_dispatch` for a flex call. Under `jax.vmap` the call runs whole,
+  vmapped (a vmapped axis is not folded into the batch: the functions see
+  the batch index)."""
+  sharding = explicit_sharding(args[0])
+  entries = spec_entries(sharding, 4) if sharding is not None else (None,) * 4
+  if mesh_axes(entries[1]):  # a sequence split: refused by the plan
+    return op.shard_map(call, sharding, *args)
+  if not call.backend.partitionable:
+    return tuple(op.run(call, *args))
+  if any(mesh_axes(e) for e in entries):
+    return op.shard_map(call, sharding, *args)
+  if jax.device_count() == 1:  # nothing to partition: the call itself
+    return tuple(op.run(call, *args))
+
+  @jax.custom_batching.custom_vmap
+  def apply(*args):
+    return tuple(partitioned(call, *args))
+
+  @apply.def_vmap
+  def rule(axis_size, in_batched, *args):
+    axes = [0 if b else None for b in in_batched]
+    outs = jax.vmap(lambda *a: tuple(op.run(call, *a)), in_axes=axes)(*args)
+    return outs, (True,) * len(outs)
+
+  return apply(*args)
 
 
 def _global_scales(spec: AttentionSpec) -> bool:

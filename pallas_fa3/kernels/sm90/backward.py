@@ -238,19 +238,27 @@ def _kernels(
       ("dq", rest, spec.seq_q),
       ("dkdv", dkdv_sums, spec.seq_kv),
     ):
+      first = (0, 0)  # a shard's first batch and head (`shifted`)
+      if fn.shift is not None:
+        first = tuple(
+          c if on else 0 for c, on in zip(flex.score_consts[-2:], fn.shift)
+        )
       for r, j in enumerate(flex_tile.kernel_params(spec, kernel_name)):
         i = floats[j]
         rows = out[0].sum(0)[r, ..., :n]  # over the parts: [b, hq, rows]
-        dscore[i] = _attributed(rows, axes[j], flex.score_consts[i])
+        dscore[i] = _attributed(rows, axes[j], flex.score_consts[i], first)
   return grads + ((dbias, tuple(dscore)),)
 
 
-def _attributed(rows: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
+def _attributed(
+  rows: jax.Array, axes: tuple, array: jax.Array, first: tuple = (0, 0)
+) -> jax.Array:
   """`array`'s gradient from per (batch, query head, kernel row) sums
   `[b, hq, n]` of the derivative in the one element that row reads, at
   `array[axes]` (`flex_tile.param_grad_axes`: "b", "h" clipped to the
   array as the kernels read them, or the row's position plus an offset;
-  without a position the rows are summed first)."""
+  without a position the rows are summed first). `first`: a shard's
+  first batch and head index (its functions read global ones)."""
   if not any(a not in ("b", "h") for a in axes):
     rows = rows.sum(-1, keepdims=True)
   if not axes:
@@ -260,7 +268,8 @@ def _attributed(rows: jax.Array, axes: tuple, array: jax.Array) -> jax.Array:
   for dim, a in enumerate(axes):
     if a in ("b", "h"):
       k = "bh".index(a)
-      index.append(jnp.clip(grid(k), 0, array.shape[dim] - 1))
+      at = grid(k) + jnp.asarray(first[k], jnp.int32)
+      index.append(jnp.clip(at, 0, array.shape[dim] - 1))
     else:  # (q | kv, offset): inside the array (`flex_tile.plan`)
       index.append(grid(2) + a[1])
   out = jnp.zeros(array.shape, jnp.float32).at[tuple(index)].add(rows)

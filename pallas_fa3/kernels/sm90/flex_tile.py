@@ -67,6 +67,9 @@ class Kind:
   offset: int = 0
   const: int = -1  # CONST: which captured array
   scalar_of: str | None = None  # a SCALAR that is `b` or `h` exactly
+  # A SCALAR that is a shard's first batch ("b") or head ("h") index (a
+  # `flex.UserFunction.shifted`'s offsets): `b + it` is the global `b`.
+  offset_of: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +116,16 @@ class _Walk:
   """One walk of a function's jaxpr: static (`tile` None: kinds and reads
   only) or in the kernel (values too)."""
 
-  def __init__(self, name: str, consts: tuple, tile: Tile | None, seqs):
+  def __init__(
+    self, name: str, consts: tuple, tile: Tile | None, seqs, offsets=None
+  ):
     self.name = name
     self.consts = consts  # avals of the captured arrays
     self.tile = tile
     self.seq_q, self.seq_kv = seqs
     self.reads: list[Read] = []
+    # const index -> "b" / "h": a shifted function's shard offsets
+    self.offsets = offsets or {}
 
   def refuse(self, why: str) -> None:
     raise Refused(f"{self.name} {why}")
@@ -309,6 +316,11 @@ class _Walk:
       ins[0].kind.base or ins[0].kind.scalar_of
     ):
       return ins[0].kind
+    if name == "add" and len(ins) == 2:  # a shard's global batch / head
+      a, b = ins
+      for x, y in ((a, b), (b, a)):
+        if x.kind.scalar_of and x.kind.scalar_of == y.kind.offset_of:
+          return Kind(SCALAR, scalar_of=x.kind.scalar_of)
     if name in ("add", "sub") and len(ins) == 2:
       a, b = ins
       if a.kind.base and b.kind.kind == LIT:
@@ -341,8 +353,12 @@ class _Walk:
         )
       axes.append((k.base, k.offset))
       vector = (axis, k)
-    self.reads.append(Read(array.kind.const, tuple(axes)))
-    kind = Kind(SCALAR) if vector is None else Kind(vector[1].kind)
+    offset = self.offsets.get(array.kind.const)
+    if offset is None:
+      self.reads.append(Read(array.kind.const, tuple(axes)))
+    kind = Kind(SCALAR, offset_of=offset)
+    if vector is not None:
+      kind = Kind(vector[1].kind)
     if self.tile is None:
       return _Val(kind, None, dtype)
     t = self.tile
@@ -444,7 +460,11 @@ def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None, grad=False):
   consts = tuple(
     jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in arrays
   )
-  walk = _Walk(fn.name, consts, tile, seqs)
+  offsets = {}
+  if fn.shift is not None:  # its last two consts: the shard's offsets
+    n = len(fn.consts)
+    offsets = {n - 2 + i: a for i, a in enumerate("bh") if fn.shift[i]}
+  walk = _Walk(fn.name, consts, tile, seqs, offsets)
   n_in = len(fn.consts) + _n_tangents(fn, grad)
   n_args = len(jaxpr.invars) - n_in
   vals = _inputs(walk, len(consts), score, tile, s)
