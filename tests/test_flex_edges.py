@@ -370,3 +370,62 @@ def test_bias_shape_message_says_one_where_the_call_has_one():
   bm = pallas_fa3.create_block_mask(mods.causal_top_left, 2, None, 64, 64)
   with pytest.raises(ValueError, match=r"this call needs \[1, 4 or 1, 64"):
     pallas_fa3.flash_attention(q, q, q, block_mask=bm)
+
+
+# ---------------------------------------------------------------------------
+# A shard of a call split over batch and heads, in the kernels.
+
+
+@pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
+def test_a_shards_kernels_compute_its_rows_of_the_whole_call():
+  """What each device of a batch- and head-sharded call runs
+  (`flex.shard_local`: functions that read batch / head see global
+  indices), in the kernels (interpret): batches 2-3 and query heads 2-3 of
+  a 4 x 4 call, learnable ALiBi slopes (their gradient summed in the dQ
+  kernel at the global heads) and a document mask per batch row, against
+  the float64 golden of the whole call's rows."""
+  import dataclasses
+
+  from pallas_fa3 import backends, flex
+  from pallas_fa3.spec import make_spec
+
+  b, s, hq, hk, d = 4, 64, 4, 2, 64
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, do = (jax.random.normal(x, (b, s, hq, d), jnp.bfloat16) for x in ks[:2])
+  k, v = (jax.random.normal(x, (b, s, hk, d), jnp.bfloat16) for x in ks[2:])
+  ids = jnp.asarray(
+    np.arange(s)[None] // (16 + 8 * np.arange(b)[:, None]), jnp.int32
+  )
+  slopes = jnp.asarray(mods.alibi_slopes(hq))
+  options = lambda p: dict(
+    score_mod=mods.alibi(p[0]), mask_mod=mods.document_mask(ids)
+  )
+  rows = (slice(2, 4), slice(None), slice(2, 4))  # batch 2-3, heads 2-3
+  # the golden of the shard's rows: the whole call, cotangent on them only
+  do_rows = jnp.zeros_like(do).at[rows].set(do[rows])
+  golden, naive = flex_golden_and_naive(q, k, v, do_rows, (slopes,), options)
+  backend = backends.get("interpret")
+  ql, dol = q[rows], do[rows]
+  kl, vl = k[2:, :, 1:], v[2:, :, 1:]
+
+  def shard(ql, kl, vl, slopes):
+    fs, ops = flex.prepare(
+      **options((slopes,)), block_mask=None, bias=None, batch=b, heads=hq,
+      seq_q=s, seq_kv=s,
+    )  # fmt: skip
+    fs, ops = flex.shard_local(
+      fs, ops, batch=2, heads=2, first=(jnp.int32(2), jnp.int32(2)),
+      split=(True, True),
+    )  # fmt: skip
+    spec = dataclasses.replace(make_spec(ql, kl, vl), flex=fs)
+    config = backend.make_config(spec, None)
+    out, lse = backend.run_forward(spec, config, ql, kl, vl, flex=ops)
+    dq, dk, dv, (_, dscore) = backend.run_backward(
+      spec, config, ql, kl, vl, out, lse, dol, jnp.zeros_like(lse), flex=ops
+    )
+    return out, dq, dscore[0]
+
+  out, dq, dslopes = run_interpreted(jax.jit(shard), ql, kl, vl, slopes)
+  assert_within_tolerance("out", out, naive[0][rows], golden[0][rows])
+  assert_within_tolerance("dq", dq, naive[1][rows], golden[1][rows])
+  assert_within_tolerance("dslopes", dslopes, naive[4][0], golden[4][0])
