@@ -120,7 +120,12 @@ def flash_attention(
     segment_ids: packed sequences: a `pallas_fa3.SegmentIds(q, kv)`, a
       `(q_ids, kv_ids)` tuple of int32 `[batch, seq]` arrays, or for
       self-attention one int32 `[batch, seq]` array; query i sees key j
-      only where their ids are equal (see `pallas_fa3.segments`).
+      only where their ids are equal (see `pallas_fa3.segments`). `causal`
+      and `window_size` stay aligned over the whole row (`j <= i + seq_kv -
+      seq_q`), not per segment: where a segment's queries and keys sit at
+      different places (FA3 varlen's cu_seqlens_q != cu_seqlens_k as ids)
+      that is not FA3's per-sequence causal, which a `mask_mod` gives
+      (docs/api.md#causal-across-packed-documents).
     score_mod: `score_mod(score, batch, head, q_idx, kv_idx) -> score` on
       scalars: score the float32 scaled logit (after softmax_scale and
       softcap, with the bias added), indices int32 absolute positions and
