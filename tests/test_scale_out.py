@@ -39,6 +39,7 @@ SUITE_DIR = REPO_ROOT / "tests" / "multidevice"
 SUITES = (
   "check_sharded_attention.py",
   "check_sharded_decode.py",
+  "check_sharded_flex.py",
   "check_ring_attention.py",
   "check_ring_segments.py",
   "check_ring_modifiers.py",
