@@ -3,6 +3,7 @@ API at a glance (everything else is private or lives in a submodule); its
 arguments and conventions are in docs/api.md.
 
   flash_attention               attention, any backend, one custom_vjp
+  explain                       what a flash_attention call would run, and why
   flash_attention_with_kvcache  attention over a KV cache (docs/decoding.md)
   reference_attention           materialized baseline attention (the oracle)
   dot_product_attention         jax.nn.dot_product_attention, flash-computed
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 # and readers; tests/test_import_graph.py checks that the two agree.
 _EXPORTS = {
   "flash_attention": "pallas_fa3.attention",
+  "explain": "pallas_fa3.attention",
   "flash_attention_with_kvcache": "pallas_fa3.attention",
   "IMPLEMENTATIONS": "pallas_fa3.backends",
   "Implementation": "pallas_fa3.backends",
@@ -68,6 +70,7 @@ __all__ = sorted([*_EXPORTS, "mods"])
 if TYPE_CHECKING:
   from pallas_fa3 import mods as mods
   from pallas_fa3.attention import (
+    explain as explain,
     flash_attention as flash_attention,
     flash_attention_with_kvcache as flash_attention_with_kvcache,
   )

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, flex, kvcache, modifiers, rotary, segments, vjp
+from pallas_fa3.backends import Implementation
 from pallas_fa3.backends.base import Backend, Decode, Prefill, StaticCall
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.kvcache import DecodeSpec, make_decode_spec
-from pallas_fa3.parallel import context, sharding_checks
+from pallas_fa3.parallel import context, partitioning, sharding_checks
 from pallas_fa3.spec import check_arrays, check_bool, make_spec
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
@@ -55,7 +56,7 @@ def flash_attention(
   causal: bool = False,
   softmax_scale: float | None = None,
   return_lse: bool = False,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   deterministic: bool = False,
   stable_max: bool | StableMax | None = None,
@@ -163,6 +164,123 @@ def flash_attention(
     >>> out.shape, lse.shape
     ((2, 128, 8, 64), (2, 8, 128))
   """
+  call, _, operands = _prepare(
+    q,
+    k,
+    v,
+    causal=causal,
+    softmax_scale=softmax_scale,
+    implementation=implementation,
+    config=config,
+    deterministic=deterministic,
+    stable_max=stable_max,
+    fp8=fp8,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks,
+    segment_ids=segment_ids,
+    score_mod=score_mod,
+    mask_mod=mask_mod,
+    block_mask=block_mask,
+    bias=bias,
+  )
+  return_lse = check_bool("return_lse", return_lse)
+  context.check_array_shardings(call, q=q, k=k, v=v)
+  _check_device_for_eager_call(call.backend, q, k, v)
+  out, lse = _attention_jit(call, *operands)
+  return (out, lse) if return_lse else out
+
+
+_EXPLAINED = (
+  "causal", "softmax_scale", "return_lse", "implementation", "config",
+  "deterministic", "stable_max", "fp8", "window_size", "softcap", "sinks",
+  "segment_ids", "score_mod", "mask_mod", "block_mask", "bias",
+)  # fmt: skip
+_ARRAY_ARGS = ("sinks", "segment_ids", "block_mask", "bias")
+
+
+def explain(q: Any, k: Any, v: Any, **kwargs: Any) -> str:
+  """What `flash_attention(q, k, v, **kwargs)` would run, forward and
+  backward, and why, without running it: the backend (and for the
+  automatic choice the faster ones skipped, with their reasons), the
+  kernels and their tiles, how the gradients run (the fused kernel, the
+  dK/dV and dQ pair, or the blockwise twin, and why), how each flex
+  function compiles and which captured arrays become operands, and with
+  sharded inputs how the call splits over the devices.
+
+  Args:
+    q, k, v: arrays or `jax.ShapeDtypeStruct`s (a `sharding=` on them, a
+      `NamedSharding` over a real or `jax.sharding.AbstractMesh`, says
+      how they are sharded).
+    **kwargs: exactly `flash_attention`'s keywords; `sinks`,
+      `segment_ids`, `bias` and `block_mask` may hold ShapeDtypeStructs.
+
+  Returns:
+    The plan in lines of text (docs/api.md#explain-a-call).
+
+  Raises:
+    What `flash_attention` would raise for these arguments (TypeError /
+    ValueError naming the argument, NotImplementedError with the reason).
+  """
+  unknown = sorted(set(kwargs) - set(_EXPLAINED))
+  if unknown:
+    raise TypeError(
+      f"explain takes flash_attention's arguments; got unknown {unknown}"
+    )
+  options = {n: kwargs.get(n) for n in _EXPLAINED if n != "return_lse"}
+  for name, default in (("causal", False), ("deterministic", False)):
+    options[name] = kwargs.get(name, default)
+  options["fp8"] = kwargs.get("fp8", False)
+  check_bool("return_lse", kwargs.get("return_lse", False))
+  arrays = {n: options.pop(n) for n in _ARRAY_ARGS}
+  shardings, sizes = {}, {}
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      shardings[name] = sharding_checks.spec_entries(sharding)
+      sizes.update(dict(sharding.mesh.shape))
+  abstract = lambda x: (
+    jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) if hasattr(x, "dtype") else x
+  )
+  held = {}
+
+  def trace(q, k, v, arrays):
+    held["call"], held["plan"], _ = _prepare(q, k, v, **options, **arrays)
+    return jnp.zeros(())
+
+  jax.eval_shape(
+    trace, *(abstract(x) for x in (q, k, v)), jax.tree.map(abstract, arrays)
+  )
+  lines = held["plan"].explain().splitlines()
+  if shardings:
+    lines += partitioning.describe(held["call"], sizes, shardings)
+  return "\n".join(lines)
+
+
+def _prepare(
+  q: Any,
+  k: Any,
+  v: Any,
+  *,
+  causal: Any,
+  softmax_scale: Any,
+  implementation: Any,
+  config: Any,
+  deterministic: Any,
+  stable_max: Any,
+  fp8: Any,
+  window_size: Any,
+  softcap: Any,
+  sinks: Any,
+  segment_ids: Any,
+  score_mod: Any,
+  mask_mod: Any,
+  block_mask: Any,
+  bias: Any,
+) -> tuple[StaticCall, backends.Plan, tuple]:
+  """flash_attention's arguments checked once into its call: the static
+  call (spec, backend, config, the backward's plan), the plan, and the
+  operands `_attention` takes. Raises naming the argument."""
   check_arrays(q=q, k=k, v=v)
   spec = make_spec(
     q,
@@ -199,15 +317,13 @@ def flash_attention(
       f"fp8 needs v's head_dim equal to q's; got q.shape="
       f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
     )
-  return_lse = check_bool("return_lse", return_lse)
-  backend, config = backends.resolve(spec, implementation, config)
+  plan = backends.plan(spec, implementation, config)
   # A sequence split runs the ring (context parallelism); see
   # pallas_fa3.parallel.context.
-  call = StaticCall(spec, backend, config)
-  context.check_array_shardings(call, q=q, k=k, v=v)
-  _check_device_for_eager_call(backend, q, k, v)
-  out, lse = _attention_jit(
-    call,
+  call = StaticCall(
+    spec, plan.backend, plan.config, backward_plan=plan.backward
+  )
+  operands = (
     jnp.asarray(q),
     jnp.asarray(k),
     jnp.asarray(v),
@@ -215,7 +331,7 @@ def flash_attention(
     segment_ids,
     flex_ops,
   )
-  return (out, lse) if return_lse else out
+  return call, plan, operands
 
 
 def _check_device_for_eager_call(backend: Backend, *arrays: Any) -> None:
@@ -343,7 +459,7 @@ def flash_attention_with_kvcache(
   sinks: jax.Array | None = None,
   num_splits: int | None = None,
   return_lse: bool = False,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   k_descale: Any = None,
   v_descale: Any = None,

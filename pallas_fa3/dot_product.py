@@ -20,6 +20,7 @@ import numpy as np
 
 from pallas_fa3 import flex, mods, segments
 from pallas_fa3.attention import flash_attention
+from pallas_fa3.backends import Implementation
 from pallas_fa3.spec import check_int
 
 _JAX_NN = ("xla", "cudnn")
@@ -63,7 +64,7 @@ def dot_product_attention(
   query_seq_lengths: Any = None,
   key_value_seq_lengths: Any = None,
   local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   return_residual: bool = False,
 ) -> Any:
   """`jax.nn.dot_product_attention`, computed by `flash_attention`.

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa3 import backends, modifiers, segments, vjp
+from pallas_fa3.backends import Implementation
 from pallas_fa3.backends.base import Quantized, StaticCall
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.quant import e4m3, hadamard
@@ -56,7 +57,7 @@ def quantize(
   block_kv: int,
   config: FP8Config | None = None,
   key: jax.Array | None = None,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
 ) -> FP8Inputs:
   """The quantization pass: bf16/fp16/fp32 Q, K, V -> `FP8Inputs` (jitted).
 
@@ -168,7 +169,7 @@ def flash_attention_fp8(
   causal: bool = False,
   softmax_scale: float | None = None,
   return_lse: bool = False,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   out_dtype: Any = jnp.bfloat16,
   window_size: tuple[int | None, int | None] | None = None,

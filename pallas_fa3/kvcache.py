@@ -99,6 +99,34 @@ class DecodeSpec:
       return 0
     return None if self.window_size is None else self.window_size[1]
 
+  def describe(self) -> str:
+    """One line: the decode call's shapes, cache and options."""
+    cache = (
+      f"paged cache ({self.pages_per_seq} pages of {self.page_size})"
+      if self.paged
+      else f"contiguous cache of {self.capacity}"
+    )
+    opts = [
+      name if value is True else f"{name}={value}"
+      for name, value in (
+        ("causal", self.causal),
+        ("window_size", self.window_size),
+        ("softcap", self.softcap),
+        ("sinks", self.sinks),
+        ("seq_new", self.seq_new or None),
+      )
+      if value not in (None, False)
+    ]
+    if self.flex is not None:
+      opts += list(self.flex.names())
+    return (
+      f"decode: batch {self.batch}, seq_q {self.seq_q}, heads"
+      f" {self.heads_q}/{self.heads_kv} (q/kv), head_dim {self.head_dim},"
+      f" {jnp.dtype(self.dtype).name}, {cache}"
+      f" ({jnp.dtype(self.cache_dtype).name})"
+      + (f"; {', '.join(opts)}" if opts else "")
+    )
+
   @property
   def out_shape(self) -> tuple[int, int, int, int]:
     return (self.batch, self.seq_q, self.heads_q, self.head_dim_v)

@@ -94,6 +94,32 @@ class AttentionSpec:
     """Query heads per key/value head (1: MHA, hq: MQA, else GQA)."""
     return self.heads_q // self.heads_kv
 
+  def describe(self) -> str:
+    """One line: the shapes and the options that are on."""
+    opts = [
+      name if value is True else f"{name}={value}"
+      for name, value in (
+        ("causal", self.causal),
+        ("window_size", self.window_size),
+        ("softcap", self.softcap),
+        ("sinks", self.sinks),
+        ("segment_ids", self.segmented),
+        ("deterministic", self.deterministic),
+        ("fp8", self.fp8 is not None),
+        ("stable_max", self.stable_max is not None),
+      )
+      if value not in (None, False)
+    ]
+    if self.flex is not None:
+      opts += list(self.flex.names())
+    dv = f", dv {self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
+    return (
+      f"batch {self.batch}, seq_q {self.seq_q}, seq_kv {self.seq_kv}, heads"
+      f" {self.heads_q}/{self.heads_kv} (q/kv), head_dim {self.head_dim}{dv},"
+      f" {jnp.dtype(self.dtype).name}"
+      + (f"; {', '.join(opts)}" if opts else "")
+    )
+
   @property
   def causal_offset(self) -> int:
     """Bottom-right causal alignment: query i sees keys j <= i + offset."""

@@ -65,10 +65,10 @@ def _bwd(static: StaticCall, residuals: tuple, cotangents: Any) -> tuple:
   dout, dlse = cotangents
   backward = dataclasses.replace(static, op="backward")
   grads = call(backward, Backward(operands, out, lse, dout, dlse))
-  dq, dk, dv = grads[:3]
+  dq, dk, dv = grads.dq, grads.dk, grads.dv
   dflex = None
   if operands.flex is not None:  # (dbias, d score_mod's arrays)
-    dflex = flex.cotangents(operands.flex, *grads[3])
+    dflex = flex.cotangents(operands.flex, *grads.dflex)
   dsinks = None
   if operands.sinks is not None:
     dsinks = modifiers.sinks_gradient(operands.sinks, out, lse, dout, dlse)

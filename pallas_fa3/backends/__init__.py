@@ -10,11 +10,13 @@ docs/api.md#backends
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from typing import Any, Literal, get_args
 
 from pallas_fa3.backends import blockwise, sm90
 from pallas_fa3.backends.base import Backend, Spec
 from pallas_fa3.backends.reference import REFERENCE
+from pallas_fa3.kvcache import DecodeSpec
 
 hopper_reason = sm90.hopper_reason  # re-exported: None on an sm90 GPU
 
@@ -27,8 +29,11 @@ BACKENDS: tuple[Backend, ...] = (
   REFERENCE,
 )
 _BY_NAME = {b.name: b for b in BACKENDS}
+# The names of `implementation=` (spelled out for type checkers; the
+# registry is the authority, checked below).
+Implementation = Literal["mosaic", "interpret", "blockwise", "reference"]
 IMPLEMENTATIONS: tuple[str, ...] = tuple(_BY_NAME)
-Implementation = Literal[IMPLEMENTATIONS]  # "mosaic", "interpret", ...
+assert get_args(Implementation) == IMPLEMENTATIONS, IMPLEMENTATIONS
 AUTO_ORDER: tuple[str, ...] = tuple(b.name for b in BACKENDS if b.automatic)
 
 
@@ -90,7 +95,7 @@ def explain_choice(
 
 
 def resolve(
-  spec: Spec, implementation: str | None, config: Any
+  spec: Spec, implementation: Implementation | None, config: Any
 ) -> tuple[Backend, Any]:
   """The backend for a call (either mode) and its config with defaults
   filled in.
@@ -123,6 +128,70 @@ def resolve(
         f"implementation={implementation!r} cannot run this call: {reason}"
       )
   return backend, backend.config_for(spec, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a call runs, decided once (`plan`): its backend and config
+  (defaults filled in), how its gradients run (`Backend.plan_backward`,
+  carried to the backward as `StaticCall.backward_plan`), and for the
+  automatic choice the candidates skipped and why. `explain()` says it
+  in words (`pallas_fa3.explain`)."""
+
+  spec: Spec
+  backend: Backend
+  config: Any
+  backward: Any = None
+  requested: str | None = None
+  skipped: tuple[tuple[str, str], ...] = ()
+
+  def explain(self) -> str:
+    """The plan as lines of text: the call, the backend and why, what runs
+    forward and backward, how each flex function compiles."""
+    spec, backend = self.spec, self.backend
+    why = (
+      f"requested: implementation={self.requested!r}"
+      if self.requested
+      else "the automatic choice"
+    )
+    lines = [f"call: {spec.describe()}", f"backend: {backend.name} ({why})"]
+    lines += [f"  skipped {n}: {r}" for n, r in self.skipped]
+    forward, backward = backend.describe(spec, self.config)
+    mode = "decode" if isinstance(spec, DecodeSpec) else "forward"
+    lines.append(f"{mode}: {forward}")
+    lines.append(f"backward: {backward}")
+    lines += backend.describe_flex(spec, self.config)
+    if (
+      getattr(spec, "segmented", False)
+      and (spec.causal or spec.window_size is not None)
+      and spec.seq_q != spec.seq_kv
+    ):
+      lines.append(
+        "note: causal / window_size beside segment_ids align over the whole"
+        f" row (key j <= query i + {spec.seq_kv - spec.seq_q}), not per"
+        " document: where a document's queries and keys sit at different"
+        " places (FA3 varlen's cu_seqlens_q != cu_seqlens_k as ids) that is"
+        " not per-sequence causal (docs/api.md#causal-across-packed-documents)"
+      )
+    return "\n".join(lines)
+
+
+def plan(
+  spec: Spec, implementation: Implementation | None, config: Any
+) -> Plan:
+  """`resolve`, and the rest of what the call runs decided with it (its
+  backward's form, for the Hopper kernels): the one place a call's
+  kernels are chosen. Raises as `resolve` does."""
+  backend, filled = resolve(spec, implementation, config)
+  skipped = ()
+  if implementation is None:
+    first = AUTO_ORDER.index(backend.name)
+    skipped = tuple(explain_choice(spec, config)[:first])
+  config = filled
+  backward = None
+  if not isinstance(spec, DecodeSpec):
+    backward = backend.plan_backward(spec, config)
+  return Plan(spec, backend, config, backward, implementation, skipped)
 
 
 def require_runnable_here(backend: Backend) -> None:

@@ -115,6 +115,33 @@ class Backend:
     `backward_uses_lse=False` (elsewhere they are in the lse)."""
     raise NotImplementedError(f"implementation={self.name!r} has no backward")
 
+  def plan_backward(self, spec: AttentionSpec, config: Any) -> Any:
+    """How `spec`'s gradients run here, decided once at resolve time and
+    carried to the backward (`StaticCall.backward_plan`, handed to
+    `backward` as `plan=`); None where there is one way. Its `describe()`
+    is `pallas_fa3.explain`'s line."""
+    return None
+
+  def describe(self, spec: Spec, config: Any) -> tuple[str, str]:
+    """(what runs the forward or decode, what runs the gradients) of
+    `spec` with `config` (defaults filled in), for `pallas_fa3.explain`."""
+    return f"{self.name}: {self.summary}", f"{self.name}'s backward"
+
+  def describe_flex(self, spec: Spec, config: Any) -> list[str]:
+    """Lines on how `spec`'s flex options run here (none without)."""
+    fs = getattr(spec, "flex", None)
+    if fs is None:
+      return []
+    lines = []
+    for name, fn in (("score_mod", fs.score_mod), ("mask_mod", fs.mask_mod)):
+      if fn is not None:
+        lines.append(
+          f"  {name} {fn!r}: traced as JAX on each tile's [batch, heads,"
+          f" q, kv] grid; {describe_arrays(fn, name == 'score_mod')}"
+        )
+    lines += describe_operands(fs)
+    return ["flex:"] + lines
+
   def fp8_tiles(self, config: Any) -> tuple[int, int]:
     """(block_q, block_kv): the quantization tiles of an FP8 call."""
     raise NotImplementedError(f"implementation={self.name!r} has no FP8 path")
@@ -148,27 +175,11 @@ class Backend:
     return spec.num_splits or 1
 
   def decode(
-    self,
-    spec: DecodeSpec,
-    config: Any,
-    splits: int,
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array | None,
-    lengths: jax.Array,
-    rows: jax.Array,
-    page_table: jax.Array | None,
-    sinks: jax.Array | None,
-    descale: tuple[jax.Array, jax.Array] | None,
-    flex: Any = None,
-    starts: jax.Array | None = None,
+    self, spec: DecodeSpec, config: Any, splits: int, operands: Decode
   ) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) over each sequence's keys `[starts[b], lengths[b])`
-    (the appended tokens already written; `starts` None: from 0): `rows`
-    the contiguous cache rows, `v_cache` None with `spec.v_in_k` (V:
-    k_cache's first head_dim_v columns), `sinks` float32 `[b, hq]`,
-    `descale` an e4m3 cache's `(k_descale, v_descale)`, each `[b, hk]`,
-    `flex` the operands of `spec.flex`."""
+    """(out, lse) over each sequence's keys `[starts[b], lengths[b])` (the
+    appended tokens already written): `operands` a `Decode` (its fields
+    say what each is)."""
     raise NotImplementedError(f"implementation={self.name!r} has no decode")
 
   # -- one mode or the other: what the registry asks ------------------------
@@ -238,10 +249,13 @@ class Backend:
     sinks: jax.Array | None = None,
     segment_ids: Any = None,
     flex: Any = None,
-  ) -> tuple[jax.Array, ...]:
+    plan: Any = None,
+  ) -> Grads:
     """`backward` on `(q, k, v, out, lse, dout, dlse)`; the sinks only where
     the lse does not carry them. With `flex` (`spec.flex`'s operands) the
-    backend returns `(dq, dk, dv, dflex)`, dflex the operands' cotangents.
+    backend's `backward` returns `(dq, dk, dv, (dbias, dscore))`, here
+    `Grads.dflex`.
+    `plan`: `plan_backward`'s decision for the call (None: decided here).
 
     Raises:
       NotImplementedError: an FP8 call (FP8 has no backward).
@@ -251,9 +265,57 @@ class Backend:
     extras = {} if segment_ids is None else {"segment_ids": segment_ids}
     if flex is not None:
       extras["flex"] = flex
+    if plan is not None:
+      extras["plan"] = plan
     if sinks is not None and not self.backward_uses_lse:
       extras["sinks"] = sinks
-    return self.backward(spec, config, *residuals_and_cts, **extras)
+    dq, dk, dv, *dflex = self.backward(
+      spec, config, *residuals_and_cts, **extras
+    )
+    return Grads(dq, dk, dv, FlexGrads(*dflex[0]) if dflex else None)
+
+
+def describe_arrays(fn: Any, score: bool) -> str:
+  """A user function's arrays in words, numbered as the kernels' reads
+  are: those lifted into the call's operands (traced ones: a floating one
+  of a score_mod gets a gradient), then the concrete ones it holds."""
+  consts = fn.consts[:-2] if fn.shift is not None else fn.consts
+  held = fn.constants()
+  if not consts and not held:
+    return "it captures no array"
+  parts = []
+  for i, c in enumerate(tuple(consts) + tuple(held)):
+    dtype = jax.numpy.result_type(c)
+    learnable = (
+      i < len(consts)
+      and score
+      and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+    )
+    kind = "traced" if i < len(consts) else "constant"
+    parts.append(
+      f"#{i} {list(jax.numpy.shape(c))} {jax.numpy.dtype(dtype).name}"
+      f" ({kind}{', learnable: gets a gradient' if learnable else ''})"
+    )
+  return "its arrays, operands of the call: " + ", ".join(parts)
+
+
+def describe_operands(fs: Any) -> list[str]:
+  """The bias's and block mask's lines."""
+  lines = []
+  if fs.bias is not None:
+    b, h = fs.bias
+    lines.append(
+      f"  bias [{b}, {h}, seq_q, seq_kv]: added to each tile's scores;"
+      " dbias is dS (summed over its broadcast dims)"
+    )
+  if fs.block is not None:
+    b, h, bq, bkv = fs.block
+    kind = "a dense mask" if fs.dense else "the mask_mod"
+    lines.append(
+      f"  block_mask [{b}, {h}] of {bq}x{bkv} tiles: empty tiles skipped,"
+      f" full ones unmasked, partial ones masked by {kind}"
+    )
+  return lines
 
 
 # What a call computes (`StaticCall.op`): flash_attention's forward (FP8
@@ -275,6 +337,7 @@ class StaticCall:
     splits: a decode call's split-KV ranges.
     ring: with a sequence split named by `ring_attention`, its
       `parallel.ring_plan.RingPlan` (the partitioner runs the ring).
+    backward_plan: how its gradients run (`Backend.plan_backward`).
   """
 
   spec: Spec
@@ -283,6 +346,29 @@ class StaticCall:
   op: Op = "forward"
   splits: int = 1
   ring: Any = None
+  # `Backend.plan_backward`'s decision, made with the call's plan
+  # (`backends.plan`) and read by the backward: None where the backend
+  # has one way, or for a call planned elsewhere (a ring step).
+  backward_plan: Any = None
+
+
+class FlexGrads(NamedTuple):
+  """The cotangents of a call's flex operands a backend computes: dbias
+  (None without a bias), and per score_mod array its gradient (None for
+  an integer one). `flex.cotangents` makes the operands' tree of them."""
+
+  dbias: jax.Array | None
+  dscore: tuple
+
+
+class Grads(NamedTuple):
+  """What `Backend.run_backward` returns: dq, dk, dv shaped like q, k, v,
+  and with flex operands their `FlexGrads` (else None)."""
+
+  dq: jax.Array
+  dk: jax.Array
+  dv: jax.Array
+  dflex: FlexGrads | None = None
 
 
 class Prefill(NamedTuple):

@@ -24,6 +24,12 @@ class ReferenceBackend(Backend):
   )
   backward_uses_lse = False
 
+  def describe(self, spec, config) -> tuple[str, str]:
+    what = "materialized attention in float32 (the oracle)"
+    if isinstance(spec, DecodeSpec):
+      return f"the reference's {what} over each sequence", "none (decoding)"
+    return f"the reference's {what}", "JAX autodiff of the materialized forward"
+
   def unsupported(self, spec: AttentionSpec, config: Any) -> str | None:
     if spec.fp8 is not None:
       return (
@@ -71,7 +77,7 @@ class ReferenceBackend(Backend):
   def decode_splits(self, spec: DecodeSpec, config: Any) -> int:
     return 1  # one materialized pass
 
-  def decode(self, spec, config, splits, *operands):
+  def decode(self, spec, config, splits, operands):
     return oracle.reference_decode(spec, *operands)
 
 

@@ -9,6 +9,7 @@ the registry does not load Mosaic GPU. docs/kernels.md
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -24,7 +25,6 @@ from pallas_fa3.kernels.sm90 import (
   config_fp8 as sm90_fp8_config,
 )
 from pallas_fa3.kernels.sm90.config import (
-  Sm90BackwardConfig,
   Sm90Config,
   Sm90ForwardConfig,
 )
@@ -85,6 +85,17 @@ def interpret_params() -> Any:
 
   interpret_pool.check()  # a pool too small for the interpreter: raise, not hang
   return compat.interpret_params(detect_races=INTERPRET_DETECT_RACES)
+
+
+def _describe_read(read: Any) -> str:
+  """`#i[b, kv_idx + 0]`: one captured-array read of a kernel tile."""
+  axes = []
+  for a in read.axes:
+    if isinstance(a, tuple):
+      axes.append(f"{a[0]}_idx{a[1]:+d}" if a[1] else f"{a[0]}_idx")
+    else:
+      axes.append({"s": "scalar", "b": "batch", "h": "head"}[a])
+  return f"#{read.const}[{', '.join(axes)}]"
 
 
 class Sm90Backend(Backend):
@@ -190,70 +201,92 @@ class Sm90Backend(Backend):
     operands = (q, k, v, sinks, bounds[:2], segment_ids, flex)
     return _on_device(keys_exact, run, twin, operands)
 
+  def plan_backward(self, spec: AttentionSpec, config: Sm90Config) -> Any:
+    if spec.fp8 is not None:
+      return None  # (no gradient)
+    return sm90_bwd_config.backward_plan(spec, config.backward)
+
+  def describe(self, spec, config) -> tuple[str, str]:
+    if isinstance(spec, DecodeSpec):
+      return self._describe_decode(spec, config), "none (decoding)"
+    f = config.forward
+    kernel = (
+      "the sm90 FP8 forward kernel" if spec.fp8 else "the sm90 forward kernel"
+    )
+    forward = (
+      f"{kernel} ({self.name}), tiles {f.block_q}x{f.block_kv},"
+      f" {f.num_stages} stages"
+    )
+    if spec.fp8 is not None:
+      return forward, "none (fp8 has no gradient)"
+    return forward, self.plan_backward(spec, config).describe()
+
+  def describe_flex(self, spec, config) -> list[str]:
+    fs = spec.flex
+    if fs is None:
+      return []
+    from pallas_fa3.backends.base import describe_arrays, describe_operands  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+    seqs = (spec.seq_q, spec.seq_kv)
+    if isinstance(spec, DecodeSpec):
+      seqs = (spec.capacity, spec.capacity)
+    lines = ["flex (compiled into the kernels' tile loops):"]
+    for name, fn in (("score_mod", fs.score_mod), ("mask_mod", fs.mask_mod)):
+      if fn is None:
+        continue
+      score = name == "score_mod"
+      try:
+        reads = flex_tile.plan(fn, score, *seqs)
+        where = "; ".join(_describe_read(r) for r in reads) or "no array"
+        how = f"elementwise on the tile's registers, reads {where}"
+      except flex_tile.Refused as e:
+        how = f"not in the kernels ({e})"
+      lines.append(f"  {name} {fn!r}: {how}; {describe_arrays(fn, score)}")
+      if (
+        score
+        and flex_tile.float_positions(fn)
+        and not isinstance(spec, DecodeSpec)
+      ):
+        kernels = {
+          "dq": "the dQ kernel (by batch, head or query)",
+          "dkdv": "the dK/dV kernel (by key)",
+        }
+        sums = [
+          f"#{flex_tile.float_positions(fn)[j]} in {kernels[k]}"
+          for k in ("dq", "dkdv")
+          for j in flex_tile.kernel_params(spec, k)
+        ]
+        if sums:
+          lines.append(
+            f"    learnable arrays' gradients summed: {', '.join(sums)}"
+          )
+    return lines + describe_operands(fs)
+
+  def _describe_decode(self, spec: DecodeSpec, config: Any) -> str:
+    splits = self.decode_splits(spec, config)
+    return (
+      f"the sm90 decode kernel ({self.name}), {config}, {splits} split-KV"
+      f" range(s) per sequence"
+    )
+
   def backward(
     self, spec, config, q, k, v, out, lse, dout, dlse, *, sinks=None,
-    segment_ids=None, flex=None,
+    segment_ids=None, flex=None, plan=None,
   ):  # fmt: skip
+    """The gradients as `plan` (`plan_backward`'s, decided with the call)
+    says: the fused kernel, the dK/dV and dQ pair, or the blockwise twin on
+    the kernels' residuals (said once per trace by a warning, never
+    silently). Segment ids mask beside them by their bounds where exact,
+    else the blockwise twin, decided on the device."""
     del sinks  # in the lse
-    tiling: Sm90BackwardConfig | None = config.backward
+    plan = plan or self.plan_backward(spec, config)
     residuals = (q, k, v, out, lse, dout, dlse)
-    if spec.flex is not None:
-      return self._flex_backward(spec, tiling, residuals, segment_ids, flex)
-
-    def twin(operands):
-      residuals, _, ids = operands
-      return blockwise.blockwise_backward(
-        spec, blockwise.BlockwiseConfig(), *residuals, segment_ids=ids
-      )
-
-    if tiling is None:
-      reason = sm90_bwd_config.backward_unsupported(spec)
-      if reason:
-        # The same gradients from the same residuals, by the blockwise twin;
-        # said once per trace, never silently.
-        warnings.warn(
-          f"the sm90 backward kernels cannot differentiate this call"
-          f" ({reason}); its gradients use the blockwise recomputation"
-          " (the same function)",
-          stacklevel=2,
-        )
-        return twin((residuals, None, segment_ids))
-      tiling = sm90_bwd_config.default_backward_config(spec)
-    from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
-
-    def run(operands):
-      residuals, bounds, _ = operands
-      return kernel.sm90_backward(
-        spec, tiling, *residuals, interpret=self._params(),
-        segment_ids=bounds,
-      )  # fmt: skip
-
-    if segment_ids is None:
-      return run((residuals, None, None))
-    # The dQ kernel masks by each query row's key bounds, the dK/dV kernels
-    # by each key's query bounds: exact when every id's keys and queries are
-    # contiguous (packed documents); otherwise the blockwise twin, decided
-    # on the device as in the forward.
-    bounds, (keys_exact, queries_exact) = segments.kernel_bounds(
-      spec, segment_ids
+    twin_config = (
+      blockwise.BACKEND.make_config(spec, None)
+      if spec.flex is not None
+      else blockwise.BlockwiseConfig()
     )
-    operands = (residuals, bounds, segment_ids)
-    return _on_device(keys_exact & queries_exact, run, twin, operands)
-
-  def _flex_backward(self, spec, tiling, residuals, segment_ids, flex):
-    """A mask_mod / block mask, or a score_mod without floating arrays:
-    the fused kernel recomputes P with them (skipping a block mask's empty
-    tiles), unless `deterministic`. A bias, a score_mod's floating arrays
-    (their gradients), a deterministic call: the dK/dV and dQ kernels (the
-    dQ kernel writes dbias, both sum the arrays' gradients). Segment ids
-    mask beside them by their bounds where exact (else the blockwise twin,
-    decided on the device, as without flex). What
-    `flex_tile.backward_unsupported` names, or tiles a block mask does not
-    divide: the blockwise backward on the kernel's residuals, said by a
-    warning."""
-    from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
-
-    twin_config = blockwise.BACKEND.make_config(spec, None)
 
     def twin(operands):
       residuals, _, ids, flex = operands
@@ -261,26 +294,33 @@ class Sm90Backend(Backend):
         spec, twin_config, *residuals, segment_ids=ids, flex=flex
       )
 
-    run_spec, run_tiling, reason = sm90_bwd_config.flex_backward(spec, tiling)
-    if reason is not None:
+    if plan.form == "blockwise":
       warnings.warn(
         f"the sm90 backward kernels cannot differentiate this call"
-        f" ({reason}); its gradients use the blockwise backward (the same"
-        " function)",
+        f" ({plan.why}); its gradients use the blockwise recomputation (the"
+        " same function; pallas_fa3.explain says so before a call)",
         stacklevel=3,
       )
       return twin((residuals, None, segment_ids, flex))
+    from pallas_fa3.kernels.sm90 import backward as kernel  # pylint: disable=g-import-not-at-top
+
+    run_spec = spec
+    if plan.form == "pair" and not spec.deterministic:
+      run_spec = dataclasses.replace(spec, deterministic=True)
 
     def run(operands):
       residuals, bounds, _, flex = operands
-      # dq, dk, dv, (dbias, the score_mod arrays' gradients)
       return kernel.sm90_backward(
-        run_spec, run_tiling, *residuals, interpret=self._params(),
-        segment_ids=bounds, flex=flex,
+        run_spec, plan.tiling, *residuals, interpret=self._params(),
+        segment_ids=bounds, flex=flex, fused=plan.form == "fused",
       )  # fmt: skip
 
     if segment_ids is None:
       return run((residuals, None, None, flex))
+    # The dQ kernel masks by each query row's key bounds, the dK/dV kernels
+    # by each key's query bounds: exact when every id's keys and queries are
+    # contiguous (packed documents); otherwise the blockwise twin, decided
+    # on the device as in the forward.
     bounds, (keys_exact, queries_exact) = segments.kernel_bounds(
       spec, segment_ids
     )
@@ -337,7 +377,7 @@ class Sm90Backend(Backend):
     kernel = config_decode.kernel_spec(spec)
     return spec.num_splits or config_decode.default_splits(kernel, config)
 
-  def decode(self, spec, config, splits, *operands):
+  def decode(self, spec, config, splits, operands):
     from pallas_fa3.kernels.sm90 import decode, decode_mla  # pylint: disable=g-import-not-at-top
 
     # A layout the TMA boxes cannot tile: the sequences' slots gathered

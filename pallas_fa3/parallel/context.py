@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from pallas_fa3 import backends
+from pallas_fa3.backends import Implementation
 from pallas_fa3.backends.base import StaticCall
 from pallas_fa3.parallel.ring import (
   checks as ring_checks,
@@ -183,7 +184,7 @@ def explain(
   k: Any,
   v: Any,
   *,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   **options: Any,
 ) -> str:

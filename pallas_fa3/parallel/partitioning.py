@@ -20,7 +20,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import flex, segments
-from pallas_fa3.backends.base import Decode, Op, StaticCall
+from pallas_fa3.backends.base import (
+  Decode,
+  FlexGrads,
+  Grads,
+  Op,
+  StaticCall,
+)
 from pallas_fa3.kvcache import DecodeSpec
 from pallas_fa3.parallel import context
 from pallas_fa3.parallel.ring import local as ring_local
@@ -381,11 +387,14 @@ def _run_forward(
 def _run_backward(
   call: StaticCall, *args: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  return tuple(
-    call.backend.run_backward(
-      call.spec, call.config, *args[:7], **_extras(call, args[7:])
-    )
+  grads = call.backend.run_backward(
+    call.spec,
+    call.config,
+    *args[:7],
+    plan=call.backward_plan,
+    **_extras(call, args[7:]),
   )
+  return grads.dq, grads.dk, grads.dv
 
 
 @functools.cache
@@ -428,14 +437,12 @@ def _run_decode_shard(
   spec, ops = call.spec, None
   if spec.flex is not None:
     spec, ops = _local_flex(spec, named, split)
-  return tuple(
-    call.backend.decode(
-      spec, call.config, call.splits, named["q"], named["k_cache"],
-      named.get("v_cache"), named["lengths"], named["rows"],
-      named.get("pages"), named.get("sinks"), descale, ops,
-      named.get("starts"),
-    )
+  operands = Decode(
+    named["q"], named["k_cache"], named.get("v_cache"), named["lengths"],
+    named["rows"], named.get("pages"), named.get("sinks"), descale, ops,
+    named.get("starts"),
   )  # fmt: skip
+  return tuple(call.backend.decode(spec, call.config, call.splits, operands))
 
 
 @functools.cache
@@ -501,6 +508,71 @@ def _dispatch(
   return _with_vmap(partitioned, call, *args)
 
 
+def describe(
+  call: StaticCall, axis_sizes: dict[str, int], shardings: dict[str, tuple]
+) -> list[str]:
+  """How a call with these q/k/v shardings (PartitionSpec entries by name)
+  runs over the devices, in lines (`pallas_fa3.explain`); a layout it
+  refuses gives the reason."""
+  try:
+    batch, heads, seq = context.check(call, axis_sizes, shardings)
+  except (ValueError, NotImplementedError) as e:
+    return [f"sharding: refused: {e}"]
+  ways = lambda axes: math.prod(axis_sizes[a] for a in axes)
+  spec = call.spec
+  if not (batch or heads or seq):
+    return ["sharding: none (q, k, v whole on every device)"]
+  parts = []
+  if batch:
+    parts.append(f"batch {ways(batch)} ways over {batch}")
+  if heads:
+    parts.append(f"heads {ways(heads)} ways over {heads}")
+  if seq:
+    parts.append(f"sequence {ways(seq)} ways over {seq}")
+  lines = [f"sharding: {', '.join(parts)}"]
+  if seq:
+    lines.append(
+      f"  the ring (context parallelism): K/V blocks passed around"
+      f" {ways(seq)} devices, each block by {call.backend.name}"
+    )
+    return lines
+  local = _local_call(call, ways(batch), ways(heads)).spec
+  lines.append(
+    f"  shard-local, no collective for q, k, v: each device runs batch"
+    f" {local.batch}, heads {local.heads_q}/{local.heads_kv} (q/kv)"
+  )
+  if kv_replicated_over_heads(spec, heads):
+    lines.append("  MQA: the one kv head on every device, dK/dV summed")
+  fs = spec.flex
+  if fs is not None:
+    whole = []
+    for name, dims in (("bias", fs.bias), ("block_mask", fs.block)):
+      if dims is not None:
+        split = [
+          n
+          for n, d, axes in (
+            ("batch", dims[0], batch),
+            ("heads", dims[1], heads),
+          )
+          if d > 1 and axes
+        ]
+        where = f"split along its {' and '.join(split)}" if split else "whole"
+        lines.append(f"  {name}: {where} on each device")
+        if dims[0] == 1 and batch or dims[1] == 1 and heads:
+          whole.append(name)
+    if fs.score_mod is not None or fs.mask_mod is not None:
+      lines.append(
+        "  the functions' arrays whole on every device; they see global"
+        " batch and head indices"
+      )
+    if whole or (fs.score_mod is not None and call.op != "decode"):
+      lines.append(
+        "  gradients of what is whole (a broadcast bias dim, learnable"
+        " arrays) summed over the devices"
+      )
+  return lines
+
+
 def run(call: StaticCall, operands: Any) -> Any:
   """`call` (`pallas_fa3.vjp.call`'s) on its operands: a forward or
   backward shard-locally under SPMD sharding (or the ring of a
@@ -518,11 +590,20 @@ def run(call: StaticCall, operands: Any) -> Any:
   if call.op == "backward":
     (q, k, v, sinks, ids, _), out, lse, dout, dlse = operands
     if call.ring is not None:
-      return ring_local.ring_backward_global(
-        call.ring, q, k, v, out, lse, dout, dlse,
-        () if ids is None else tuple(ids),
-      )  # fmt: skip
-    return backward(call, q, k, v, out, lse, dout, dlse, sinks, ids)
+      return Grads(
+        *ring_local.ring_backward_global(
+          call.ring,
+          q,
+          k,
+          v,
+          out,
+          lse,
+          dout,
+          dlse,
+          () if ids is None else tuple(ids),
+        )  # fmt: skip
+      )
+    return Grads(*backward(call, q, k, v, out, lse, dout, dlse, sinks, ids))
   if call.op == "fp8":
     x, sinks, ids = operands
     arrays = tuple(x[:6]) + (
@@ -580,8 +661,8 @@ def _run_flex(call: StaticCall, operands: Any) -> Any:
     return outs
   dq, dk, dv, *rest = outs
   dbias = rest.pop(0) if spec.flex.bias is not None else None
-  floats = tuple(rest)
-  return dq, dk, dv, (dbias, flex.spread_float_grads(ops, floats))
+  dscore = flex.spread_float_grads(ops, tuple(rest))
+  return Grads(dq, dk, dv, FlexGrads(dbias, dscore))
 
 
 def _flex_operand_names(fs: flex.FlexSpec) -> tuple[str, ...]:
@@ -690,9 +771,11 @@ def _flex_compute(
       )
     )
   residuals = [named[n] for n in _BWD_NAMES]
-  dq, dk, dv, (dbias, dscore) = backend.run_backward(
-    spec, config, *residuals, **extras
+  grads = backend.run_backward(
+    spec, config, *residuals, plan=call.backward_plan, **extras
   )
+  dq, dk, dv = grads[:3]
+  dbias, dscore = grads.dflex
   n = sum(1 for x in named if x[:5] == "score" and x[5:].isdigit())
   floats = [d for d in dscore[:n] if d is not None]  # (offsets after)
   return (dq, dk, dv) + ((dbias,) if dbias is not None else ()) + tuple(floats)

@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_fa3 import segments
 from pallas_fa3.attention import flash_attention
+from pallas_fa3.backends import Implementation
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.parallel.ring import checks as ring_checks
 from pallas_fa3.spec import AttentionSpec
@@ -221,7 +222,7 @@ def ulysses_attention(
   sinks: jax.Array | None = None,
   segment_ids: segments.SegmentIds | tuple | None = None,
   return_lse: bool = False,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   batch_axes: str | tuple[str, ...] | None = None,
   head_axes: str | tuple[str, ...] | None = None,

@@ -78,7 +78,122 @@ def _add_info_parser(sub) -> None:
     action="store_true",
     help="only report the choice; do not run the sample call",
   )
+  g = p.add_argument_group(
+    "explain a call",
+    "--explain prints pallas_fa3.explain for the described call (shapes"
+    " above) with these options, without running anything",
+  )
+  g.add_argument("--explain", action="store_true", help="explain the call")
+  g.add_argument(
+    "--implementation",
+    choices=("mosaic", "interpret", "blockwise", "reference"),
+    help="as flash_attention's (default: the automatic choice)",
+  )
+  g.add_argument("--head-dim-v", type=int, help="v's head dim (default d)")
+  g.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"))
+  g.add_argument("--softcap", type=float)
+  g.add_argument("--deterministic", action="store_true")
+  g.add_argument(
+    "--segment-ids",
+    action="store_true",
+    help="packed documents as segment ids (documents of seq/4 tokens)",
+  )
+  g.add_argument("--alibi", action="store_true", help="an ALiBi score_mod")
+  g.add_argument(
+    "--learnable",
+    action="store_true",
+    help="with --alibi: the slopes learnable (traced, with a gradient)",
+  )
+  g.add_argument(
+    "--document-mask",
+    type=int,
+    metavar="TOKENS",
+    help="a document mask_mod, documents of TOKENS tokens",
+  )
+  g.add_argument(
+    "--bias",
+    choices=("head", "batch-head"),
+    help="a float32 bias [1|b, hq, sq, skv]",
+  )
+  g.add_argument(
+    "--shard-batch", type=int, help="q, k, v batch split over N devices"
+  )
+  g.add_argument(
+    "--shard-heads", type=int, help="q, k, v heads split over N devices"
+  )
   p.set_defaults(func=_cmd_info, parser=p)
+
+
+def _explain(args) -> str:
+  """pallas_fa3.explain of the call `info --explain` describes."""
+  import jax
+  import numpy as np
+  from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+  import pallas_fa3
+  from pallas_fa3 import mods
+
+  b, hq, hk, d = args.batch, args.heads_q, args.heads_kv, args.head_dim
+  dv = args.head_dim_v or d
+  mesh_axes, sizes = [], []
+  for name, n in (("batch", args.shard_batch), ("heads", args.shard_heads)):
+    if n:
+      mesh_axes.append(name)
+      sizes.append(n)
+  sharding = None
+  if mesh_axes:
+    mesh = AbstractMesh(
+      tuple(sizes), tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(sizes)
+    )
+    entry = lambda a: a if a in mesh_axes else None
+    sharding = NamedSharding(
+      mesh, PartitionSpec(entry("batch"), None, entry("heads"))
+    )
+  sds = lambda shape, dtype=args.dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=sharding
+  )
+  q = sds((b, args.seq_q, hq, d))
+  k = sds((b, args.seq_kv, hk, d))
+  v = sds((b, args.seq_kv, hk, dv))
+  kw = dict(causal=args.causal, implementation=args.implementation)
+  if args.window:
+    kw["window_size"] = tuple(args.window)
+  if args.softcap:
+    kw["softcap"] = args.softcap
+  if args.deterministic:
+    kw["deterministic"] = True
+  if args.segment_ids:
+    ids = lambda n: jax.ShapeDtypeStruct((b, n), np.int32)
+    kw["segment_ids"] = (ids(args.seq_q), ids(args.seq_kv))
+  if args.bias:
+    nb = b if args.bias == "batch-head" else 1
+    kw["bias"] = jax.ShapeDtypeStruct(
+      (nb, hq, args.seq_q, args.seq_kv), np.float32
+    )
+
+  if args.document_mask:
+    n = max(args.seq_q, args.seq_kv)
+    ids = np.arange(n, dtype=np.int32)[None].repeat(b, 0) // args.document_mask
+    kw["mask_mod"] = mods.document_mask(
+      ids[:, n - args.seq_q :], ids[:, n - args.seq_kv :]
+    )
+
+  def explain(slopes):
+    if args.alibi:
+      kw["score_mod"] = mods.alibi(slopes)
+    return pallas_fa3.explain(q, k, v, **kw)
+
+  slopes = np.asarray(mods.alibi_slopes(hq), np.float32)
+  if args.learnable:  # traced: a gradient in the backward
+    out = {}
+
+    def traced(s):
+      out["text"] = explain(s)
+      return s
+
+    jax.eval_shape(traced, slopes)
+    return out["text"]
+  return explain(slopes)
 
 
 def _cmd_info(args) -> int:
@@ -115,6 +230,13 @@ def _cmd_info(args) -> int:
       f"--heads-q ({args.heads_q}) must be a multiple of"
       f" --heads-kv ({args.heads_kv})"
     )
+  if args.explain:
+    try:
+      text = _explain(args)
+    except (TypeError, ValueError, NotImplementedError) as e:
+      args.parser.error(f"the call cannot run: {e}")
+    print("\n" + text)
+    return 0
   shape_q = (args.batch, args.seq_q, args.heads_q, args.head_dim)
   shape_kv = (args.batch, args.seq_kv, args.heads_kv, args.head_dim)
   keys = jax.random.split(jax.random.key(0), 3)

@@ -44,6 +44,21 @@ class BlockwiseBackend(Backend):
     # The FP8 kernel's tiles: the twin quantizes and rounds P as it would.
     return BlockwiseConfig(*default_tiles(spec.head_dim))
 
+  def describe(self, spec, config) -> tuple[str, str]:
+    tiles = f"tiles {config.block_q}x{config.block_kv}"
+    if isinstance(spec, DecodeSpec):
+      splits = self.decode_splits(spec, config)
+      return (
+        f"the blockwise twin of the decode kernel, {tiles}, {splits}"
+        " split-KV range(s)",
+        "none (decoding)",
+      )
+    what = "the FP8 kernel's twin" if spec.fp8 else "online softmax"
+    forward = f"the blockwise twin (pure JAX, {what}), {tiles}"
+    if spec.fp8 is not None:
+      return forward, "none (fp8 has no gradient)"
+    return forward, f"the blockwise recomputation (FlashAttention-2), {tiles}"
+
   def unsupported(self, spec: AttentionSpec, config: Any) -> str | None:
     if spec.fp8 is not None and spec.flex is not None:
       names = ", ".join(spec.flex.names())
@@ -88,7 +103,7 @@ class BlockwiseBackend(Backend):
   ) -> BlockwiseConfig:
     return BlockwiseConfig() if config is None else config
 
-  def decode(self, spec, config, splits, *operands):
+  def decode(self, spec, config, splits, operands):
     return blockwise_decode(spec, config.block_kv, splits, *operands)
 
 

@@ -60,9 +60,11 @@ def sm90_backward(
   interpret: Any = None,
   segment_ids: Any = None,
   flex: Any = None,
+  fused: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Runs the fused kernel, or with `spec.deterministic` the dK/dV and dQ
-  kernels (`config_backward.fused_backward` says which).
+  kernels (`fused`: the call's `config_backward.BackwardPlan` says which;
+  None: `config_backward.fused_backward` here).
 
   Args:
     spec: the call (as the forward's).
@@ -90,17 +92,20 @@ def sm90_backward(
   """
   args = (q, k, v, out, lse, dout, dlse)
   args += () if segment_ids is None else tuple(segment_ids)
-  fused = fused_backward(spec, config)
+  if fused is None:
+    fused = fused_backward(spec, config)
   if spec.flex is not None:
     if fused:  # mask_mod, block masks, a score_mod without floating arrays
       reason = fused_flex_unsupported(spec, config)
       assert reason is None, f"the fused kernel takes no {reason}"
     if fused and interpret is None:
       return _fused_compiled(spec, config, *args, flex=flex)
-    return _kernels(spec, config, *args, interpret=interpret, flex=flex)
+    return _kernels(
+      spec, config, *args, interpret=interpret, flex=flex, fused=fused
+    )
   if fused and interpret is None:
     return _fused_compiled(spec, config, *args)
-  return _kernels(spec, config, *args, interpret=interpret)
+  return _kernels(spec, config, *args, interpret=interpret, fused=fused)
 
 
 def _kernels(
@@ -116,9 +121,12 @@ def _kernels(
   *bounds: jax.Array,
   interpret: Any,
   flex: Any = None,
+  fused: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The kernels; `bounds`: with segment ids, (lo, hi, q_lo, q_hi)."""
-  fused = fused_backward(spec, config)
+  """The kernels (`fused`: the fused one or the pair, as `sm90_backward`
+  was told); `bounds`: with segment ids, (lo, hi, q_lo, q_hi)."""
+  if fused is None:
+    fused = fused_backward(spec, config)
   if interpret is not None:  # the bounds are ready before any kernel starts
     (q, k, v, out, lse, dout, dlse), bounds = _after(
       bounds, (q, k, v, out, lse, dout, dlse)
@@ -297,7 +305,9 @@ def _fused_compiled(
   @jax.custom_batching.custom_vmap
   def run(*args):
     flex = jax.tree.unflatten(tree, args[n:])
-    return _kernels(spec, config, *args[:n], interpret=None, flex=flex)
+    return _kernels(
+      spec, config, *args[:n], interpret=None, flex=flex, fused=True
+    )
 
   @run.def_vmap
   def _rule(axis_size, in_batched, *args):

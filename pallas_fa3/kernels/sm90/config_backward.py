@@ -6,6 +6,7 @@ More: docs/kernels.md#the-backward-kernels.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from pallas_fa3.kernels.sm90 import flex_tile
 from pallas_fa3.kernels.sm90.config import (
@@ -261,6 +262,95 @@ def flex_backward(
       det, cfg.block_q, cfg.block_kv, tiling
     )
   return det, tiling, reason
+
+
+# How a call's gradients run in the sm90 backends (`BackwardPlan.form`):
+# the fused kernel (dQ by reduce-add), the dK/dV and dQ pair (fixed-order
+# dQ: deterministic, and the form that sums a bias's and a score_mod's
+# arrays' gradients), or the blockwise twin's recomputation on the
+# kernels' residuals (what the kernels cannot differentiate).
+BackwardForm = Literal["fused", "pair", "blockwise"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+  """How an sm90 call's gradients run, decided once (`backward_plan`) and
+  carried to the backward trace: its form, the spec and tiling the
+  kernels run (the pair's spec is made `deterministic`), and why this form
+  and not a faster one (empty when the fused kernel runs by default)."""
+
+  form: BackwardForm
+  spec: AttentionSpec
+  tiling: Sm90BackwardConfig | None
+  why: str = ""
+
+  def describe(self) -> str:
+    """One line for `pallas_fa3.explain`."""
+    t = self.tiling
+    tiles = ""
+    if t is not None:
+      tiles = (
+        f", tiles {t.block_q}x{t.block_kv}, {t.num_stages} stages,"
+        f" dK/dV consumers {t.dkdv_consumers} (head splits"
+        f" {t.dkdv_head_splits}), dQ consumers {t.dq_consumers} (head"
+        f" splits {t.dq_head_splits})"
+      )
+    name = {
+      "fused": "the fused backward kernel (dQ by reduce-add)",
+      "pair": "the dK/dV and dQ kernels (dQ summed in a fixed order)",
+      "blockwise": "the blockwise twin's recomputation (pure JAX) on the"
+      " kernels' residuals",
+    }[self.form]
+    why = f"; why: {self.why}" if self.why else ""
+    return f"{name}{tiles}{why}"
+
+
+def backward_plan(
+  spec: AttentionSpec, tiling: Sm90BackwardConfig | None = None
+) -> BackwardPlan:
+  """The one decision of how `spec`'s gradients run in the sm90 kernels
+  (`tiling`: the user's, or None for the default): the fused kernel unless
+  `deterministic`, a tiling or a flex option it does not take says the
+  pair, or the kernels cannot differentiate the call (the blockwise twin,
+  with the reason)."""
+  if spec.flex is not None:
+    run_spec, run_tiling, reason = flex_backward(spec, tiling)
+    if reason is not None:
+      return BackwardPlan("blockwise", spec, None, reason)
+    if not run_spec.deterministic:
+      return BackwardPlan("fused", run_spec, run_tiling)
+    why = "deterministic=True"
+    if not spec.deterministic:
+      fused = tiling or default_backward_config(spec)
+      why = (
+        fused_flex_unsupported(spec, fused)
+        or fused_unsupported(
+          fused, spec.head_dim, spec.dtype.itemsize, spec.head_dim_v
+        )
+        or flex_tile.backward_unsupported(
+          spec, fused.block_q, fused.block_kv, fused
+        )
+        or "the fused kernel does not take these flex options"
+      )
+    return BackwardPlan("pair", run_spec, run_tiling, why)
+  if tiling is None:
+    reason = backward_unsupported(spec)
+    if reason:
+      return BackwardPlan("blockwise", spec, None, reason)
+    tiling = default_backward_config(spec)
+  if fused_backward(spec, tiling):
+    return BackwardPlan("fused", spec, tiling)
+  why = (
+    "deterministic=True"
+    if spec.deterministic
+    else (
+      fused_unsupported(
+        tiling, spec.head_dim, spec.dtype.itemsize, spec.head_dim_v
+      )
+      or "the tiling does not fuse"
+    )
+  )
+  return BackwardPlan("pair", spec, tiling, why)
 
 
 def backward_smem_bytes(

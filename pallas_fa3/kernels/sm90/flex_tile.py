@@ -477,9 +477,21 @@ def plan(
   fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any = False
 ) -> tuple[Read, ...]:
   """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
-  tile; raises `Refused` naming what cannot be compiled."""
-  walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
-  return tuple(walk.reads)
+  tile; raises `Refused` naming what cannot be compiled. Walked once per
+  function and sizes (every check and kernel of a call asks again)."""
+  reads, refused = _plan(fn, score, seq_q, seq_kv, grad)
+  if refused is not None:
+    raise Refused(refused)
+  return reads
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any) -> tuple:
+  try:
+    walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
+  except Refused as e:
+    return (), str(e)
+  return tuple(walk.reads), None
 
 
 def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:

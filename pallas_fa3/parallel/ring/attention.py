@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from pallas_fa3 import modifiers, segments, vjp
+from pallas_fa3.backends import Implementation
 from pallas_fa3.backends.base import Prefill
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.parallel.ring import checks as ring_checks, plan as ring_plan
@@ -44,7 +45,7 @@ def ring_attention(
   causal: bool = False,
   softmax_scale: float | None = None,
   return_lse: bool = False,
-  implementation: str | None = None,
+  implementation: Implementation | None = None,
   config: Any = None,
   layout: Layout = "natural",
   batch_axes: str | tuple[str, ...] | None = None,

@@ -46,11 +46,10 @@ def step_backward(
   segment_ids: SegmentIds | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One block's `(dq, dk, dv)` from `(q, k, v, out, lse, dout, dlse)`."""
-  return tuple(
-    call.backend.run_backward(
-      call.spec, call.config, *residuals_and_cts, segment_ids=segment_ids
-    )
+  grads = call.backend.run_backward(
+    call.spec, call.config, *residuals_and_cts, segment_ids=segment_ids
   )
+  return grads.dq, grads.dk, grads.dv
 
 
 # ---------------------------------------------------------------------------

@@ -351,12 +351,12 @@ def flex_sweep() -> Iterator[SweepItem]:
           det,
           tiling,
         )
-      fused = sm90_bwd_config.fused_flex_config(spec)
-      if fused is not None:  # the default backward: the fused kernel
+      plan = sm90_bwd_config.backward_plan(spec)  # the call's own backward
+      if plan.form == "fused":
         yield (
           functools.partial(compile_backward, flex=ops, label=label),
-          spec,
-          fused,
+          plan.spec,
+          plan.tiling,
         )
       if name in SEGMENTED_FLEX_CASES:  # beside packed documents' ids
         seg = dataclasses.replace(spec, segmented=True)
@@ -366,12 +366,12 @@ def flex_sweep() -> Iterator[SweepItem]:
           seg,
           sm90_config.default_forward_config(seg),
         )
-        seg, seg_tiling, reason = sm90_bwd_config.flex_backward(seg)
-        if reason is None:  # (else: the blockwise backward, said)
+        plan = sm90_bwd_config.backward_plan(seg)
+        if plan.form != "blockwise":  # (else: the twin, said by the plan)
           yield (
             functools.partial(compile_backward, flex=ops, label=seg_label),
-            seg,
-            seg_tiling,
+            plan.spec,
+            plan.tiling,
           )
       if name == "alibi":
         # learnable slopes: traced, so the dQ kernel sums their gradient
