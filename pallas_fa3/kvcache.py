@@ -31,6 +31,7 @@ from pallas_fa3.spec import (
   check_bool,
   check_int,
   check_softmax_scale,
+  options_on,
 )
 
 _Q = "[batch, seq_q, heads_q, head_dim]"
@@ -106,19 +107,14 @@ class DecodeSpec:
       if self.paged
       else f"contiguous cache of {self.capacity}"
     )
-    opts = [
-      name if value is True else f"{name}={value}"
-      for name, value in (
-        ("causal", self.causal),
-        ("window_size", self.window_size),
-        ("softcap", self.softcap),
-        ("sinks", self.sinks),
-        ("seq_new", self.seq_new or None),
-      )
-      if value not in (None, False)
-    ]
-    if self.flex is not None:
-      opts += list(self.flex.names())
+    opts = options_on(
+      self.flex,
+      causal=self.causal,
+      window_size=self.window_size,
+      softcap=self.softcap,
+      sinks=self.sinks,
+      seq_new=self.seq_new,
+    )
     return (
       f"decode: batch {self.batch}, seq_q {self.seq_q}, heads"
       f" {self.heads_q}/{self.heads_kv} (q/kv), head_dim {self.head_dim},"

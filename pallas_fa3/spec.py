@@ -47,6 +47,17 @@ def cdiv(a: Any, b: Any) -> Any:
   return -(-a // b)
 
 
+def options_on(flex: Any, **options: Any) -> list[str]:
+  """The options that are on, as `describe` lines say them (`name` for
+  True, `name=value` otherwise), then the flex options' names."""
+  on = [
+    name if value is True else f"{name}={value}"
+    for name, value in options.items()
+    if value not in (None, False, 0)
+  ]
+  return on + ([] if flex is None else list(flex.names()))
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
   """Canonical, hashable description of one attention call.
@@ -96,22 +107,17 @@ class AttentionSpec:
 
   def describe(self) -> str:
     """One line: the shapes and the options that are on."""
-    opts = [
-      name if value is True else f"{name}={value}"
-      for name, value in (
-        ("causal", self.causal),
-        ("window_size", self.window_size),
-        ("softcap", self.softcap),
-        ("sinks", self.sinks),
-        ("segment_ids", self.segmented),
-        ("deterministic", self.deterministic),
-        ("fp8", self.fp8 is not None),
-        ("stable_max", self.stable_max is not None),
-      )
-      if value not in (None, False)
-    ]
-    if self.flex is not None:
-      opts += list(self.flex.names())
+    opts = options_on(
+      self.flex,
+      causal=self.causal,
+      window_size=self.window_size,
+      softcap=self.softcap,
+      sinks=self.sinks,
+      segment_ids=self.segmented,
+      deterministic=self.deterministic,
+      fp8=self.fp8 is not None,
+      stable_max=self.stable_max is not None,
+    )
     dv = f", dv {self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
     return (
       f"batch {self.batch}, seq_q {self.seq_q}, seq_kv {self.seq_kv}, heads"
