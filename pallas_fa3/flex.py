@@ -130,10 +130,18 @@ class UserFunction:
 
     fn = object.__new__(UserFunction)
     fn.__dict__.update(self.__dict__)
+    fn.__dict__.pop("_closed_jaxpr", None)  # (its constants are `constants`)
     fn.converted, fn.base = converted, self
     return fn
 
   def _closed(self) -> Any:
+    """Its jaxpr on scalars (its consts abstract), traced once."""
+    closed = self.__dict__.get("_closed_jaxpr")
+    if closed is None:
+      closed = self.__dict__["_closed_jaxpr"] = self._trace()
+    return closed
+
+  def _trace(self) -> Any:
     args = scalar_args(4, self.score_dtype)
     consts = [
       jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c))

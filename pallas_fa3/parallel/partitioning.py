@@ -717,10 +717,16 @@ def _local_flex(
     for n in named
     if n.startswith(prefix) and n[len(prefix) :].isdigit()
   )
-  fs = dataclasses.replace(  # the functions' constants: this trace's values
+
+  def rebound(fn, given):  # the functions' constants: this trace's values
+    if fn is None or all(a is b for a, b in zip(given, fn.constants())):
+      return fn  # (called directly: the function's own)
+    return fn.rebound(given)
+
+  fs = dataclasses.replace(
     fs,
-    score_mod=fs.score_mod and fs.score_mod.rebound(pick("scorek")),
-    mask_mod=fs.mask_mod and fs.mask_mod.rebound(pick("maskk")),
+    score_mod=rebound(fs.score_mod, pick("scorek")),
+    mask_mod=rebound(fs.mask_mod, pick("maskk")),
   )
   local_fs, ops = flex.shard_local(
     fs,

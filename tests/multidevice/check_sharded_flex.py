@@ -43,7 +43,7 @@ def _spy():
 
   def wrap(name, fn):
     def spied(self, spec, config, *args, **kw):
-      q = args[1] if name == "decode" else args[0]
+      q = args[1].q if name == "decode" else args[0]
       seen.append((name, tuple(q.shape)))
       return fn(self, spec, config, *args, **kw)
 
