@@ -1,7 +1,8 @@
 """The entry points: `flash_attention` and `flash_attention_with_kvcache`.
-Each validates its arguments into one spec (`spec.make_spec`,
-`kvcache.make_decode_spec`), resolves a backend (`backends.resolve`: one
-registry, either mode) and runs through the one custom_vjp
+Each validates its arguments into one spec (`prepare.prepare`,
+`kvcache.make_decode_spec`), plans it once (`backends.plan`: the backend
+from one registry, either mode, and how its gradients run; `explain`
+prints the plan) and runs through the one custom_vjp
 (`pallas_fa3.vjp`). docs/api.md, docs/decoding.md
 """
 
@@ -14,13 +15,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa3 import backends, flex, kvcache, modifiers, rotary, segments, vjp
+from pallas_fa3 import (
+  backends,
+  flex,
+  kvcache,
+  modifiers,
+  prepare,
+  rotary,
+  segments,
+  vjp,
+)
 from pallas_fa3.backends import Implementation
 from pallas_fa3.backends.base import Backend, Decode, Prefill, StaticCall
 from pallas_fa3.fp8 import FP8Config, check_fp8
 from pallas_fa3.kvcache import DecodeSpec, make_decode_spec
 from pallas_fa3.parallel import context, partitioning, sharding_checks
-from pallas_fa3.spec import check_arrays, check_bool, make_spec
+from pallas_fa3.spec import check_bool
 from pallas_fa3.stable_max import StableMax, check_stable_max
 
 
@@ -278,11 +288,10 @@ def _prepare(
   block_mask: Any,
   bias: Any,
 ) -> tuple[StaticCall, backends.Plan, tuple]:
-  """flash_attention's arguments checked once into its call: the static
-  call (spec, backend, config, the backward's plan), the plan, and the
-  operands `_attention` takes. Raises naming the argument."""
-  check_arrays(q=q, k=k, v=v)
-  spec = make_spec(
+  """flash_attention's arguments checked once (`prepare.prepare`) into its
+  call: the static call (spec, backend, config, the backward's plan), the
+  plan, and the operands `_attention` takes. Raises naming the argument."""
+  spec, sinks, segment_ids, flex_ops = prepare.prepare(
     q,
     k,
     v,
@@ -293,30 +302,13 @@ def _prepare(
     deterministic=deterministic,
     window_size=window_size,
     softcap=softcap,
-    sinks=sinks is not None,
-    segmented=segment_ids is not None,
-  )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  segment_ids = segments.check_segment_ids(
-    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
-  )
-  flex_spec, flex_ops = flex.prepare(
+    sinks=sinks,
+    segment_ids=segment_ids,
     score_mod=score_mod,
     mask_mod=mask_mod,
     block_mask=block_mask,
     bias=bias,
-    batch=spec.batch,
-    heads=spec.heads_q,
-    seq_q=spec.seq_q,
-    seq_kv=spec.seq_kv,
   )
-  if flex_spec is not None:
-    spec = dataclasses.replace(spec, flex=flex_spec)
-  if spec.fp8 is not None and spec.head_dim != spec.head_dim_v:
-    raise ValueError(
-      f"fp8 needs v's head_dim equal to q's; got q.shape="
-      f"{tuple(q.shape)}, v.shape={tuple(v.shape)}"
-    )
   plan = backends.plan(spec, implementation, config)
   # A sequence split runs the ring (context parallelism); see
   # pallas_fa3.parallel.context.

@@ -14,10 +14,11 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
 
-from pallas_fa3 import backends, modifiers, segments
+from pallas_fa3 import backends
 from pallas_fa3.parallel import sharding_checks
 from pallas_fa3.parallel.ring.plan import RingPlan
-from pallas_fa3.spec import AttentionSpec, check_arrays, check_bool, make_spec
+from pallas_fa3.prepare import prepare
+from pallas_fa3.spec import AttentionSpec, check_bool
 
 LAYOUTS: tuple[str, ...] = ("natural", "zigzag")
 
@@ -39,10 +40,10 @@ def check_call(
   return_lse: bool,
 ) -> tuple[AttentionSpec, Any, Any, str | None, bool, int]:
   """The checks a sequence-parallel call shares: (spec, sinks, segment_ids,
-  implementation, return_lse, the size of `seq_axis`), each argument
-  validated as `flash_attention` validates it, then the mesh."""
-  check_arrays(q=q, k=k, v=v)
-  spec = make_spec(
+  implementation, return_lse, the size of `seq_axis`), the arguments
+  checked by `flash_attention`'s one check (`prepare.prepare`), then the
+  mesh."""
+  spec, sinks, segment_ids, _ = prepare(
     q,
     k,
     v,
@@ -50,12 +51,8 @@ def check_call(
     softmax_scale=softmax_scale,
     window_size=window_size,
     softcap=softcap,
-    sinks=sinks is not None,
-    segmented=segment_ids is not None,
-  )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  segment_ids = segments.check_segment_ids(
-    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
+    sinks=sinks,
+    segment_ids=segment_ids,
   )
   implementation = backends.check_implementation(implementation)
   return_lse = check_bool("return_lse", return_lse)
