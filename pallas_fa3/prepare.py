@@ -2,8 +2,8 @@
 `flash_attention` takes validated into its `AttentionSpec` and canonical
 operands (the sinks, segment ids and flex options), each error naming the
 argument. `flash_attention` (and so `dot_product_attention`, the Flax
-adapter and Ulysses, which call it), `pallas_fa3.explain` and
-`ring_attention` call it; decoding's own arguments are
+adapter and Ulysses, which call it), `pallas_fa3.explain`,
+`ring_attention` and the oracle `reference_attention` call it; decoding's own arguments are
 `kvcache.make_decode_spec`'s. docs/api.md#conventions
 """
 
@@ -12,8 +12,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 from pallas_fa3 import flex, modifiers, segments
-from pallas_fa3.spec import AttentionSpec, check_arrays, make_spec
+from pallas_fa3.spec import (
+  MAX_HEAD_DIM,
+  AttentionSpec,
+  check_arrays,
+  make_spec,
+)
 
 
 class Prepared(NamedTuple):
@@ -44,9 +51,13 @@ def prepare(
   mask_mod: Any = None,
   block_mask: Any = None,
   bias: Any = None,
+  max_head_dim: int | None = MAX_HEAD_DIM,
+  score_dtype: Any = jnp.float32,
 ) -> Prepared:
   """`Prepared` of these arguments (`fp8` and `stable_max` already
   checked: `fp8.check_fp8`, `stable_max.check_stable_max`).
+  `max_head_dim`: None for the oracle (`reference_attention`, past the
+  kernels' head dims); `score_dtype`: the scores score_mod must keep.
 
   Raises:
     TypeError / ValueError naming the argument and its value or shape.
@@ -65,6 +76,7 @@ def prepare(
     softcap=softcap,
     sinks=sinks is not None,
     segmented=segment_ids is not None,
+    max_head_dim=max_head_dim,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
   segment_ids = segments.check_segment_ids(
@@ -79,6 +91,7 @@ def prepare(
     heads=spec.heads_q,
     seq_q=spec.seq_q,
     seq_kv=spec.seq_kv,
+    score_dtype=score_dtype,
   )
   if flex_spec is not None:
     spec = dataclasses.replace(spec, flex=flex_spec)

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -36,6 +35,7 @@ from pallas_fa3.kvcache import (
   gather,
   visible_in_cache,
 )
+from pallas_fa3.prepare import prepare
 from pallas_fa3.spec import HIGHEST, AttentionSpec, group_heads, make_spec
 
 
@@ -196,7 +196,7 @@ def reference_attention(
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype, and the lse
     if `return_lse`.
   """
-  spec = make_spec(
+  spec, sinks, segment_ids, flex_ops = prepare(
     q,
     k,
     v,
@@ -204,33 +204,22 @@ def reference_attention(
     softmax_scale=softmax_scale,
     window_size=window_size,
     softcap=softcap,
-    sinks=sinks is not None,
-    segmented=segment_ids is not None,
-    max_head_dim=None,  # the oracle: decoding goes past MAX_HEAD_DIM (MLA)
-  )
-  sinks = modifiers.check_sinks(sinks, spec.heads_q)
-  if sinks is not None:
-    sinks = modifiers.batch_sinks(sinks, spec.batch)
-  segment_ids = segments.check_segment_ids(
-    segment_ids, spec.batch, spec.seq_q, spec.seq_kv
-  )
-  flex_spec, flex_ops = flex.prepare(
+    sinks=sinks,
+    segment_ids=segment_ids,
     score_mod=score_mod,
     mask_mod=mask_mod,
     block_mask=block_mask,
     bias=bias,
-    batch=spec.batch,
-    heads=spec.heads_q,
-    seq_q=spec.seq_q,
-    seq_kv=spec.seq_kv,
+    max_head_dim=None,  # the oracle: decoding goes past MAX_HEAD_DIM (MLA)
     score_dtype=_score_mod_dtype(intermediate_dtype),
   )
+  if sinks is not None:
+    sinks = modifiers.batch_sinks(sinks, spec.batch)
   fns = None
-  if flex_spec is not None:
-    spec = dataclasses.replace(spec, flex=flex_spec)
+  if spec.flex is not None:
     fns = tuple(
       None if f is None else f.original
-      for f in (flex_spec.score_mod, flex_spec.mask_mod)
+      for f in (spec.flex.score_mod, spec.flex.mask_mod)
     )
   out, lse = reference_forward(
     spec, q, k, v, intermediate_dtype, sinks, segment_ids, flex_ops, fns
