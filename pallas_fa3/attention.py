@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -201,11 +202,12 @@ def flash_attention(
   return (out, lse) if return_lse else out
 
 
-_EXPLAINED = (
-  "causal", "softmax_scale", "return_lse", "implementation", "config",
-  "deterministic", "stable_max", "fp8", "window_size", "softcap", "sinks",
-  "segment_ids", "score_mod", "mask_mod", "block_mask", "bias",
-)  # fmt: skip
+# flash_attention's keywords and their defaults: what `explain` takes.
+_KEYWORDS = {
+  name: p.default
+  for name, p in inspect.signature(flash_attention).parameters.items()
+  if p.kind is p.KEYWORD_ONLY
+}
 _ARRAY_ARGS = ("sinks", "segment_ids", "block_mask", "bias")
 
 
@@ -232,16 +234,13 @@ def explain(q: Any, k: Any, v: Any, **kwargs: Any) -> str:
     What `flash_attention` would raise for these arguments (TypeError /
     ValueError naming the argument, NotImplementedError with the reason).
   """
-  unknown = sorted(set(kwargs) - set(_EXPLAINED))
+  unknown = sorted(set(kwargs) - set(_KEYWORDS))
   if unknown:
     raise TypeError(
       f"explain takes flash_attention's arguments; got unknown {unknown}"
     )
-  options = {n: kwargs.get(n) for n in _EXPLAINED if n != "return_lse"}
-  for name, default in (("causal", False), ("deterministic", False)):
-    options[name] = kwargs.get(name, default)
-  options["fp8"] = kwargs.get("fp8", False)
-  check_bool("return_lse", kwargs.get("return_lse", False))
+  options = {n: kwargs.get(n, default) for n, default in _KEYWORDS.items()}
+  check_bool("return_lse", options.pop("return_lse"))
   arrays = {n: options.pop(n) for n in _ARRAY_ARGS}
   shardings, sizes = {}, {}
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -272,42 +271,23 @@ def _prepare(
   k: Any,
   v: Any,
   *,
-  causal: Any,
-  softmax_scale: Any,
   implementation: Any,
   config: Any,
-  deterministic: Any,
-  stable_max: Any,
   fp8: Any,
-  window_size: Any,
-  softcap: Any,
-  sinks: Any,
-  segment_ids: Any,
-  score_mod: Any,
-  mask_mod: Any,
-  block_mask: Any,
-  bias: Any,
+  stable_max: Any,
+  **options: Any,
 ) -> tuple[StaticCall, backends.Plan, tuple]:
-  """flash_attention's arguments checked once (`prepare.prepare`) into its
-  call: the static call (spec, backend, config, the backward's plan), the
-  plan, and the operands `_attention` takes. Raises naming the argument."""
+  """flash_attention's arguments checked once (`prepare.prepare`, with
+  `options` its other keywords) into its call: the static call (spec,
+  backend, config, the backward's plan), the plan, and the operands
+  `_attention` takes. Raises naming the argument."""
   spec, sinks, segment_ids, flex_ops = prepare.prepare(
     q,
     k,
     v,
-    causal=causal,
-    softmax_scale=softmax_scale,
     fp8=check_fp8(fp8),
     stable_max=check_stable_max(stable_max),
-    deterministic=deterministic,
-    window_size=window_size,
-    softcap=softcap,
-    sinks=sinks,
-    segment_ids=segment_ids,
-    score_mod=score_mod,
-    mask_mod=mask_mod,
-    block_mask=block_mask,
-    bias=bias,
+    **options,
   )
   plan = backends.plan(spec, implementation, config)
   # A sequence split runs the ring (context parallelism); see

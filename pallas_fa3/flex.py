@@ -89,19 +89,12 @@ class UserFunction:
         ins[n + 1] = ins[n + 1] + h0 if head else ins[n + 1]
         return base(*ins)
 
-      fn = object.__new__(UserFunction)
-      fn.name, fn.original = self.name, self.original
-      fn.score_dtype, fn.converted, fn._reads = (
-        self.score_dtype,
-        converted,
-        None,
-      )
-      # (placeholders: only the consts' shapes and dtypes are read here;
+      # (placeholder consts: only their shapes and dtypes are read here;
       # the call's own arrays travel in its FlexOperands)
-      fn.consts = tuple(
+      consts = tuple(
         np.broadcast_to(np.zeros((), dt), shape) for shape, dt in shapes
       ) + (np.int32(0), np.int32(0))
-      fn.base, fn.shift = self, (batch, head)
+      fn = self._variant(converted, consts=consts, shift=(batch, head))
       if len(_SHIFTED) >= _LIFTED_MAX:
         _SHIFTED.pop(next(iter(_SHIFTED)))
       _SHIFTED[key] = fn
@@ -118,20 +111,23 @@ class UserFunction:
     traces a body with no constants of its own)."""
     if not constants:
       return self
-    jaxpr = self._closed().jaxpr
     n = len(scalar_args(4, self.score_dtype)) + len(self.consts)
+    run = _evaluator(self._closed().jaxpr, n, lambda ins: list(constants))
+    return self._variant(run, _reads=self._reads)
 
-    def converted(*ins):
-      run = jax.extend.core.jaxpr_as_fun(
-        jax.extend.core.ClosedJaxpr(jaxpr, list(constants))
-      )
-      (out,) = run(*ins[:n])
-      return out
-
+  def _variant(self, converted: Callable, **fields: Any) -> UserFunction:
+    """A function derived from this one (`shifted`, `rebound`): its name
+    and original, `converted` in place of this one's, `base` this one,
+    and `fields` (consts, shift, ...) where they differ."""
     fn = object.__new__(UserFunction)
-    fn.__dict__.update(self.__dict__)
-    fn.__dict__.pop("_closed_jaxpr", None)  # (its constants are `constants`)
+    fn.name, fn.original, fn.score_dtype = (
+      self.name,
+      self.original,
+      self.score_dtype,
+    )
+    fn.consts, fn.shift, fn._reads = self.consts, None, None
     fn.converted, fn.base = converted, self
+    fn.__dict__.update(fields)
     return fn
 
   def _closed(self) -> Any:
@@ -181,7 +177,8 @@ class UserFunction:
     return f"<{self.name} {name}>"
 
 
-# `UserFunction.shifted`'s, by (converted function, batch, head).
+# `UserFunction.shifted`'s, by (converted function, its consts' shapes,
+# batch, head).
 _SHIFTED: dict = {}
 
 # Closure conversions that had to lift integer tracers, by (function, its
@@ -216,21 +213,28 @@ def _closure_convert(original: Callable, args: tuple) -> tuple:
   fn = _LIFTED.get(key)
   if fn is None:
     n_in = len(args) + len(consts)
-    jaxpr = closed.jaxpr
 
-    def fn(*ins):
+    def merged(ins):  # the lifted tracers from the inputs, the rest kept
       given, extra = iter(ins[n_in:]), iter(kept)
-      merged = [next(given) if t else next(extra) for t in leaked]
-      run = jax.extend.core.jaxpr_as_fun(
-        jax.extend.core.ClosedJaxpr(jaxpr, merged)
-      )
-      (out,) = run(*ins[:n_in])
-      return out
+      return [next(given) if t else next(extra) for t in leaked]
 
+    fn = _evaluator(closed.jaxpr, n_in, merged)
     if len(_LIFTED) >= _LIFTED_MAX:
       _LIFTED.pop(next(iter(_LIFTED)))
     _LIFTED[key] = fn
   return fn, list(consts) + lifted
+
+
+def _evaluator(jaxpr: Any, n_in: int, constants: Callable) -> Callable:
+  """A function evaluating `jaxpr` (one result) on its first `n_in`
+  inputs, with `constants(inputs)` as its constants."""
+
+  def run(*ins):
+    closed = jax.extend.core.ClosedJaxpr(jaxpr, constants(ins))
+    (out,) = jax.extend.core.jaxpr_as_fun(closed)(*ins[:n_in])
+    return out
+
+  return run
 
 
 def _check_output(name: str, out: Any, score_dtype: Any) -> None:

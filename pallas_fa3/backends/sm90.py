@@ -282,11 +282,7 @@ class Sm90Backend(Backend):
     del sinks  # in the lse
     plan = plan or self.plan_backward(spec, config)
     residuals = (q, k, v, out, lse, dout, dlse)
-    twin_config = (
-      blockwise.BACKEND.make_config(spec, None)
-      if spec.flex is not None
-      else blockwise.BlockwiseConfig()
-    )
+    twin_config = blockwise.BACKEND.make_config(spec, None)
 
     def twin(operands):
       residuals, _, ids, flex = operands

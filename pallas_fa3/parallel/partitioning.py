@@ -503,6 +503,8 @@ def _dispatch(
     return op.shard_map(call, sharding, *args)
   if jax.device_count() == 1:  # nothing to partition: the call itself
     return op.run(call, *args)
+  if call.spec.flex is not None:
+    return _whole_under_vmap(op, partitioned, call, *args)
   if not op.foldable:
     return tuple(partitioned(call, *args))
   return _with_vmap(partitioned, call, *args)
@@ -656,7 +658,7 @@ def _run_flex(call: StaticCall, operands: Any) -> Any:
   spec = call.spec
   arrays += _flex_arrays(spec, ops)
   op, fn = _flex_ops(*_flex_names(spec, backward), backward)
-  outs = _flex_dispatch(op, fn, call, *arrays)
+  outs = _dispatch(op, fn, call, *arrays)
   if not backward:
     return outs
   dq, dk, dv, *rest = outs
@@ -782,7 +784,7 @@ def _flex_compute(
   )
   dq, dk, dv = grads[:3]
   dbias, dscore = grads.dflex
-  n = sum(1 for x in named if x[:5] == "score" and x[5:].isdigit())
+  n = len(call.spec.flex.score_mod.consts) if call.spec.flex.score_mod else 0
   floats = [d for d in dscore[:n] if d is not None]  # (offsets after)
   return (dq, dk, dv) + ((dbias,) if dbias is not None else ()) + tuple(floats)
 
@@ -812,7 +814,9 @@ class _FlexOp(_Op):
     def layout(names):
       base = _layout_specs(names, axes, kv_whole)
       return tuple(
-        by_name.get(n, P() if n[:4] in ("scor", "mask", "dsco") else spec)
+        by_name.get(
+          n, P() if n.startswith(("score", "mask", "dscore")) else spec
+        )
         for n, spec in zip(names, base)
       )
 
@@ -901,9 +905,7 @@ def _flex_rule(
       return base[name]
     if name in ("bias", "dbias"):
       return f"{lead(fs.bias)} s t"
-    if name == "bm_dense":
-      return f"{lead(fs.block)} {next(fresh)} {next(fresh)}"
-    if name == "bm_state":
+    if name in ("bm_state", "bm_dense"):
       return f"{lead(fs.block)} {next(fresh)} {next(fresh)}"
     rank = consts[name]
     return " ".join(next(fresh) for _ in range(rank)) if rank else ""
@@ -928,22 +930,12 @@ def _flex_ops(
   return op, _partitioned(op)
 
 
-def _flex_dispatch(
-  op: _FlexOp, partitioned: Any, call: StaticCall, *args: jax.Array
+def _whole_under_vmap(
+  op: _Op, partitioned: Any, call: StaticCall, *args: jax.Array
 ) -> tuple[jax.Array, ...]:
-  """`_dispatch` for a flex call. Under `jax.vmap` the call runs whole,
-  vmapped (a vmapped axis is not folded into the batch: the functions see
-  the batch index)."""
-  sharding = explicit_sharding(args[0])
-  entries = spec_entries(sharding, 4) if sharding is not None else (None,) * 4
-  if mesh_axes(entries[1]):  # a sequence split: refused by the plan
-    return op.shard_map(call, sharding, *args)
-  if not call.backend.partitionable:
-    return tuple(op.run(call, *args))
-  if any(mesh_axes(e) for e in entries):
-    return op.shard_map(call, sharding, *args)
-  if jax.device_count() == 1:  # nothing to partition: the call itself
-    return tuple(op.run(call, *args))
+  """`partitioned(call, *args)`; under `jax.vmap` the call runs whole,
+  vmapped (a flex call: a vmapped axis is not folded into the batch, whose
+  index its functions see)."""
 
   @jax.custom_batching.custom_vmap
   def apply(*args):
