@@ -5,6 +5,8 @@ arguments and conventions are in docs/api.md.
   flash_attention               attention, any backend, one custom_vjp
   explain                       what a flash_attention call would run, and why
   flash_attention_with_kvcache  attention over a KV cache (docs/decoding.md)
+  flash_attention_varlen        FA3's varlen call on packed sequences
+                                (cu_seqlens; docs/varlen.md)
   reference_attention           materialized baseline attention (the oracle)
   dot_product_attention         jax.nn.dot_product_attention, flash-computed
   create_block_mask, BlockMask  flex attention's block masks (docs/flex.md);
@@ -62,6 +64,7 @@ _EXPORTS = {
   "segment_positions": "pallas_fa3.segments",
   "AttentionSpec": "pallas_fa3.spec",
   "StableMax": "pallas_fa3.stable_max",
+  "flash_attention_varlen": "pallas_fa3.varlen",
 }
 
 # `from pallas_fa3 import *`: the public names (imported by `__getattr__`).
@@ -112,6 +115,7 @@ if TYPE_CHECKING:
   )
   from pallas_fa3.spec import AttentionSpec as AttentionSpec
   from pallas_fa3.stable_max import StableMax as StableMax
+  from pallas_fa3.varlen import flash_attention_varlen as flash_attention_varlen
 
 
 def __getattr__(name: str):

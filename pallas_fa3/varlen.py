@@ -1,0 +1,539 @@
+"""Variable-length batches on the packed `[total, heads, dim]` layout, FA3's
+`flash_attn_varlen_func` (`flash_attention_varlen`): sequences given by
+`cu_seqlens` run as one `flash_attention` call of batch 1 whose segment ids
+come from `cu_seqlens` on the device (so the kernels visit only the tiles
+each sequence touches), with FA3's per-sequence causal and window rule and
+per-sequence indices for a score_mod or mask_mod; `explain` says how a call
+runs and `shard` splits a packed batch by whole sequences over devices:
+docs/varlen.md.
+
+Example:
+  >>> import jax, jax.numpy as jnp, pallas_fa3
+  >>> q = jax.random.normal(jax.random.key(0), (10, 4, 64))
+  >>> cu = jnp.array([0, 3, 10], jnp.int32)
+  >>> pallas_fa3.flash_attention_varlen(q, q, q, cu, cu, causal=True).shape
+  (10, 4, 64)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa3 import modifiers, segments
+from pallas_fa3.spec import check_bool
+
+# How the per-sequence causal / window rule runs (`explain` says which).
+BUILT_IN = "built-in"  # the call's own diagonal: queries and keys aligned
+PER_TOKEN = "per-token"  # a mask_mod over each token's tokens-after count
+
+
+class Packing(NamedTuple):
+  """Per-token int32 arrays of a packed call (`[total_q]` / `[total_k]`),
+  derived on the device from `cu_seqlens` (and `seqused`): each token's
+  sequence index (`seq_*`), position inside it (`pos_*`), count of its
+  sequence's used tokens after it (`after_*`), whether it is used
+  (`valid_*`: inside `cu_seqlens[-1]` and its sequence's used prefix),
+  and a bool scalar `bad`: the traced `cu_seqlens` / `seqused` are not a
+  valid packing (the output is then NaN)."""
+
+  seq_q: jax.Array
+  seq_k: jax.Array
+  pos_q: jax.Array
+  pos_k: jax.Array
+  after_q: jax.Array
+  after_k: jax.Array
+  valid_q: jax.Array
+  valid_k: jax.Array
+  bad: jax.Array
+
+  def segment_ids(self) -> segments.SegmentIds:
+    """The sequence index as segment ids `[1, total]`; unused queries
+    `PAD_Q`, unused keys `PAD_KV` (they meet nothing)."""
+    return segments.SegmentIds(
+      jnp.where(self.valid_q, self.seq_q, segments.PAD_Q)[None],
+      jnp.where(self.valid_k, self.seq_k, segments.PAD_KV)[None],
+    )
+
+
+def _is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
+  """`x` as an int32 1-D array (of `size` entries when given)."""
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise TypeError(
+      f"{name} must be an int32 array; got {type(x).__name__}: {x!r}"
+    )
+  dtype = jnp.dtype(x.dtype)
+  if dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype (int32); got {dtype}")
+  shape = tuple(int(s) for s in x.shape)
+  if len(shape) != 1 or (size is not None and shape[0] != size):
+    want = "[n + 1]" if size is None else f"({size},)"
+    raise ValueError(f"{name} must have shape {want}; got {shape}")
+  return jnp.asarray(x).astype(jnp.int32)
+
+
+def _check_max_seqlen(name: str, value: Any) -> int | None:
+  if value is None:
+    return None
+  if _is_traced(value) or isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+      f"{name} must be a static Python int (an upper bound on the"
+      f" sequences' lengths) or None; got {value!r}"
+    )
+  try:
+    bound = int(value)
+  except TypeError as e:
+    raise TypeError(f"{name} must be an int or None; got {value!r}") from e
+  if bound != value or bound < 0:
+    raise ValueError(f"{name} must be an int >= 0 or None; got {value!r}")
+  return bound
+
+
+def _check_concrete(
+  side: str, cu: Any, used: Any, total: int, max_seqlen: int | None
+) -> None:
+  """The checks a concrete `cu_seqlens_{side}` (and `seqused_{side}`)
+  allow, each naming the argument and its values."""
+  name = f"cu_seqlens_{side}"
+  cu = np.asarray(cu)
+  lengths = np.diff(cu)
+  if cu[0] != 0:
+    raise ValueError(f"{name} must start at 0; got {cu.tolist()}")
+  if np.any(lengths < 0):
+    raise ValueError(
+      f"{name} must be non-decreasing (lengths >= 0); got {cu.tolist()}"
+    )
+  if cu[-1] > total:
+    buffer = "q" if side == "q" else "k and v"
+    raise ValueError(
+      f"{name}[-1] = {int(cu[-1])} exceeds the {total} tokens of {buffer};"
+      f" {name}={cu.tolist()}"
+    )
+  if used is not None:
+    used = np.asarray(used)
+    if np.any(used < 0) or np.any(used > lengths):
+      raise ValueError(
+        f"seqused_{side} must lie in [0, length] of each sequence; got"
+        f" seqused_{side}={used.tolist()} for lengths {lengths.tolist()}"
+      )
+    lengths = used
+  if max_seqlen is not None and lengths.size and lengths.max() > max_seqlen:
+    raise ValueError(
+      f"max_seqlen_{side}={max_seqlen} is smaller than the longest"
+      f" sequence ({int(lengths.max())}) of {name}={cu.tolist()}"
+    )
+
+
+def _side(
+  cu: jax.Array, used: jax.Array | None, total: int, max_seqlen: int | None
+) -> tuple[jax.Array, ...]:
+  """(seq, pos, after, valid, bad) of one side's `total` tokens."""
+  n = cu.shape[0] - 1
+  t = jnp.arange(total, dtype=jnp.int32)
+  # The last sequence starting at or before t (empty ones are skipped).
+  seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, n - 1)
+  lengths = cu[1:] - cu[:-1]
+  used_len = lengths if used is None else used
+  pos = t - cu[seq]
+  length = used_len[seq]
+  valid = (t < cu[n]) & (pos < length)
+  after = jnp.where(valid, length - 1 - pos, 0)
+  bad = (cu[0] != 0) | jnp.any(lengths < 0) | (cu[n] > total)
+  if used is not None:
+    bad |= jnp.any((used < 0) | (used > lengths))
+  if max_seqlen is not None:
+    bad |= jnp.any(used_len > max_seqlen)
+  return seq.astype(jnp.int32), pos, after, valid, bad
+
+
+def packing(
+  cu_seqlens_q: jax.Array,
+  cu_seqlens_k: jax.Array,
+  total_q: int,
+  total_k: int,
+  *,
+  seqused_q: jax.Array | None = None,
+  seqused_k: jax.Array | None = None,
+  max_seqlen_q: int | None = None,
+  max_seqlen_k: int | None = None,
+) -> Packing:
+  """The `Packing` of checked int32 arrays (traced ones too)."""
+  sq = _side(cu_seqlens_q, seqused_q, total_q, max_seqlen_q)
+  sk = _side(cu_seqlens_k, seqused_k, total_k, max_seqlen_k)
+  return Packing(
+    sq[0], sk[0], sq[1], sk[1], sq[2], sk[2], sq[3], sk[3], sq[4] | sk[4]
+  )
+
+
+def _same(a: Any, b: Any) -> bool:
+  """Whether two index arrays are known to be equal before the call: the
+  same object, or equal concrete values (None twice counts)."""
+  if a is b:
+    return True
+  if a is None or b is None or _is_traced(a) or _is_traced(b):
+    return False
+  return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+class _Call(NamedTuple):
+  """A varlen call as one packed `flash_attention` call: its operands and
+  keywords, the packing, how the per-sequence rule runs, and the
+  sequences' count."""
+
+  q: Any
+  k: Any
+  v: Any
+  options: dict
+  packing: Packing
+  rule: str | None
+  n: int
+
+
+def _per_sequence_rule(p: Packing, causal: bool, window: tuple | None) -> Any:
+  """FA3's bottom-right causal/window rule inside each sequence as a
+  mask_mod: with `d = after_k[j] - after_q[i]` (key j sits `-d` past query
+  i's diagonal), `causal` is `d >= 0`, a window `(left, right)` is
+  `-right <= d <= left`."""
+  left, right = (None, None) if window is None else window
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  after_q, after_k = p.after_q[None], p.after_k[None]
+
+  def rule(b, h, i, j):
+    del h
+    d = after_k[b, j] - after_q[b, i]
+    ok = jnp.bool_(True)
+    if right is not None:
+      ok = ok & (d >= -right)
+    if left is not None:
+      ok = ok & (d <= left)
+    return ok
+
+  return rule
+
+
+def _in_sequence(p: Packing, score_mod: Any, mask_mod: Any) -> tuple:
+  """The user's functions called with the sequence index as `batch` and
+  positions inside the sequence as `q_idx` / `kv_idx`."""
+  seq, pos_q, pos_k = p.seq_q[None], p.pos_q[None], p.pos_k[None]
+  new_score = new_mask = None
+  if score_mod is not None:
+
+    def new_score(s, b, h, i, j):
+      return score_mod(s, seq[b, i], h, pos_q[b, i], pos_k[b, j])
+
+  if mask_mod is not None:
+
+    def new_mask(b, h, i, j):
+      return mask_mod(seq[b, i], h, pos_q[b, i], pos_k[b, j])
+
+  return new_score, new_mask
+
+
+def _and(first: Any, second: Any) -> Any:
+  if first is None or second is None:
+    return first or second
+  return lambda b, h, i, j: first(b, h, i, j) & second(b, h, i, j)
+
+
+def _prepare(
+  q: Any,
+  k: Any,
+  v: Any,
+  cu_seqlens_q: Any,
+  cu_seqlens_k: Any,
+  *,
+  max_seqlen_q: Any,
+  max_seqlen_k: Any,
+  seqused_q: Any,
+  seqused_k: Any,
+  causal: Any,
+  window_size: Any,
+  score_mod: Any,
+  mask_mod: Any,
+  fp8: Any,
+  **options: Any,
+) -> _Call:
+  """The varlen call checked and written as one packed call (batch 1).
+  Raises naming the argument and its value or shape."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+      raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+    if len(x.shape) != 3:
+      raise ValueError(
+        f"{name} must be [total_{'q' if name == 'q' else 'k'}, heads,"
+        f" head_dim]; got shape {tuple(x.shape)}"
+      )
+  total_q, total_k = int(q.shape[0]), int(k.shape[0])
+  if int(v.shape[0]) != total_k:
+    raise ValueError(
+      f"k and v must have the same total_k; got k.shape={tuple(k.shape)},"
+      f" v.shape={tuple(v.shape)}"
+    )
+  cu_q = _check_index_array("cu_seqlens_q", cu_seqlens_q, None)
+  n = cu_q.shape[0] - 1
+  if n < 1:
+    raise ValueError(
+      "cu_seqlens_q must have shape [n + 1] with n >= 1 sequences (0, then"
+      f" the cumulative lengths); got shape {tuple(cu_q.shape)}"
+    )
+  cu_k = _check_index_array("cu_seqlens_k", cu_seqlens_k, n + 1)
+  used_q = used_k = None
+  if seqused_q is not None:
+    used_q = _check_index_array("seqused_q", seqused_q, n)
+  if seqused_k is not None:
+    used_k = _check_index_array("seqused_k", seqused_k, n)
+  max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+  max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+  causal = check_bool("causal", causal)
+  window = modifiers.check_window_size(
+    window_size, seq_q=total_q + 1, seq_kv=total_k + 1, causal=causal
+  )
+  for side, cu, used, used_raw, total, bound in (
+    ("q", cu_seqlens_q, used_q, seqused_q, total_q, max_q),
+    ("k", cu_seqlens_k, used_k, seqused_k, total_k, max_k),
+  ):
+    if not _is_traced(cu) and not _is_traced(used_raw):
+      _check_concrete(side, cu, used, total, bound)
+  p = packing(
+    cu_q,
+    cu_k,
+    total_q,
+    total_k,
+    seqused_q=used_q,
+    seqused_k=used_k,
+    max_seqlen_q=max_q,
+    max_seqlen_k=max_k,
+  )
+  # Queries and keys of every sequence at the same places (self-attention
+  # packing): the call's own diagonal (offset 0) is each sequence's.
+  aligned = (
+    total_q == total_k
+    and _same(cu_seqlens_q, cu_seqlens_k)
+    and _same(seqused_q, seqused_k)
+  )
+  rule = None
+  if causal or window is not None:
+    rule = BUILT_IN if aligned else PER_TOKEN
+  if rule == PER_TOKEN and fp8 not in (False, None):
+    raise NotImplementedError(
+      "flash_attention_varlen(fp8=...) with causal or window_size needs"
+      " each sequence's queries and keys at the same places (pass the same"
+      " cu_seqlens array as cu_seqlens_q and cu_seqlens_k, equal seqused"
+      " and total_q == total_k): otherwise the per-sequence rule is a"
+      " mask_mod, which no FP8 backend takes"
+    )
+  new_score, new_mask = _in_sequence(p, score_mod, mask_mod)
+  if rule == PER_TOKEN:
+    new_mask = _and(_per_sequence_rule(p, causal, window), new_mask)
+  # Unused tokens are zeroed (times 1, or NaN where the traced packing is
+  # invalid): NaN/Inf there never meets a zero probability (0 * NaN).
+  poison = jnp.where(p.bad, jnp.nan, 1.0)
+  clean = lambda x, valid: (
+    jnp.where(valid[:, None, None], x, 0) * poison.astype(x.dtype)
+  )
+  options.update(
+    causal=causal and rule == BUILT_IN,
+    window_size=window if rule == BUILT_IN else None,
+    segment_ids=p.segment_ids(),
+    score_mod=new_score,
+    mask_mod=new_mask,
+    fp8=fp8,
+  )
+  return _Call(
+    clean(jnp.asarray(q), p.valid_q)[None],
+    clean(jnp.asarray(k), p.valid_k)[None],
+    clean(jnp.asarray(v), p.valid_k)[None],
+    options,
+    p,
+    rule,
+    n,
+  )
+
+
+def flash_attention_varlen(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  cu_seqlens_q: jax.Array,
+  cu_seqlens_k: jax.Array,
+  *,
+  max_seqlen_q: int | None = None,
+  max_seqlen_k: int | None = None,
+  seqused_q: jax.Array | None = None,
+  seqused_k: jax.Array | None = None,
+  causal: bool = False,
+  softmax_scale: float | None = None,
+  window_size: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  sinks: jax.Array | None = None,
+  score_mod: Any = None,
+  mask_mod: Any = None,
+  block_mask: Any = None,
+  return_lse: bool = False,
+  deterministic: bool = False,
+  fp8: Any = False,
+  implementation: Any = None,
+  config: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Attention over a batch of variable-length sequences packed without
+  padding, FA3's `flash_attn_varlen_func`.
+
+  Sequence s holds the queries `cu_seqlens_q[s] <= t < cu_seqlens_q[s+1]`
+  and the keys `cu_seqlens_k[s] <= t < cu_seqlens_k[s+1]` (of those, the
+  first `seqused_*[s]` when given) and is its own attention problem: no
+  token attends across sequences, `causal` is bottom-right within each
+  sequence (query t of a sequence of `n_q` queries and `n_k` keys sees
+  its key r iff `r <= t + n_k - n_q`; `n_q != n_k` allowed), and
+  `window_size` is each sequence's around that diagonal. A query that
+  sees no key gives 0 and lse -inf (the sink with sinks). Tokens past
+  `cu_seqlens[-1]` (a padded buffer) or past a sequence's `seqused` get 0
+  output and 0 gradient; their values (NaN, Inf) never reach an output
+  or a gradient.
+
+  How it runs (`pallas_fa3.varlen.explain` prints it): one
+  `flash_attention` call of batch 1 on the packed layout, with the
+  sequence index of each token as segment ids derived on the device (the
+  kernels visit only the key tiles each query tile's sequences hold).
+  The per-sequence causal/window rule is the call's own diagonal when
+  queries and keys sit at the same places (the same `cu_seqlens` array,
+  or equal concrete ones, as both, the same `seqused`, `total_q ==
+  total_k`): no cost beyond segment ids. Otherwise it is a mask_mod over
+  each token's count of its sequence's tokens after it, which the
+  kernels compile into their tile loops (they then also visit the key
+  tiles of a sequence past a query tile's diagonal).
+
+  Args:
+    q: `[total_q, heads_q, head_dim]`, float16, bfloat16 or float32.
+    k: `[total_k, heads_kv, head_dim]`, `heads_q % heads_kv == 0`.
+    v: `[total_k, heads_kv, head_dim_v]`.
+    cu_seqlens_q, cu_seqlens_k: int32 `[n + 1]`: 0, then the cumulative
+      lengths (device arrays; traced ones compile once for all packings).
+    max_seqlen_q, max_seqlen_k: static upper bounds of the lengths, or
+      None (FA3's; checked, not needed: the call runs by tiles).
+    seqused_q, seqused_k: int32 `[n]`, or None: only the first
+      `seqused[s]` tokens of sequence s take part (FA3's).
+    causal, softmax_scale, window_size, softcap, sinks, deterministic,
+      fp8, implementation, config: as in `pallas_fa3.flash_attention`,
+      per sequence.
+    score_mod, mask_mod: as in `flash_attention`, called with `batch` =
+      the sequence index and `q_idx` / `kv_idx` = positions inside the
+      sequence (docs/flex.md).
+    block_mask: a `BlockMask` over the packed layout (`batch 1, seq_q =
+      total_q, seq_kv = total_k`).
+    return_lse: also return the float32 natural-log lse `[heads_q,
+      total_q]` (FA3's layout).
+
+  Returns:
+    out `[total_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)` with
+    `return_lse`.
+
+  Raises:
+    TypeError / ValueError naming the argument and its value or shape:
+      concrete `cu_seqlens` that do not start at 0, decrease, or end past
+      their buffer, `seqused` outside `[0, length]`, a `max_seqlen`
+      smaller than a length, `n` not the same across the arrays. Traced
+      arrays cannot raise: an invalid traced packing gives NaN outputs
+      and gradients, never a silently wrong result.
+    NotImplementedError: as `flash_attention`; and `fp8` with causal or
+      a window where queries and keys are not aligned (see above).
+  """
+  from pallas_fa3.attention import flash_attention  # pylint: disable=g-import-not-at-top
+
+  call = _prepare(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=max_seqlen_q,
+    max_seqlen_k=max_seqlen_k,
+    seqused_q=seqused_q,
+    seqused_k=seqused_k,
+    causal=causal,
+    window_size=window_size,
+    score_mod=score_mod,
+    mask_mod=mask_mod,
+    fp8=fp8,
+    softmax_scale=softmax_scale,
+    softcap=softcap,
+    sinks=sinks,
+    block_mask=block_mask,
+    deterministic=deterministic,
+    implementation=implementation,
+    config=config,
+  )
+  return_lse = check_bool("return_lse", return_lse)
+  out, lse = flash_attention(
+    call.q, call.k, call.v, return_lse=True, **call.options
+  )
+  valid = call.packing.valid_q
+  # Unused rows: 0 (their cotangent is dropped here, so a NaN there never
+  # reaches a gradient either).
+  out = jnp.where(valid[:, None, None], out[0], 0).astype(out.dtype)
+  if not return_lse:
+    return out
+  return out, jnp.where(valid[None], lse[0], -jnp.inf)
+
+
+def explain(
+  q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **kwargs: Any
+) -> str:
+  """What `flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+  **kwargs)` would run, without running it: how the sequences are packed
+  and how their causal/window rule runs, then `pallas_fa3.explain` of the
+  packed call (backend, kernels, backward form, flex functions). Arrays or
+  `jax.ShapeDtypeStruct`s."""
+  from pallas_fa3.attention import explain as explain_packed  # pylint: disable=g-import-not-at-top
+
+  kwargs.pop("return_lse", None)
+  defaults = dict(
+    max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+    causal=False, window_size=None, score_mod=None, mask_mod=None,
+    fp8=False,
+  )  # fmt: skip
+  held = {}
+
+  def trace(q, k, v, cu_q, cu_k, arrays):
+    same_cu = cu_seqlens_q is cu_seqlens_k
+    options = {**defaults, **kwargs, **arrays}
+    call = _prepare(q, k, v, cu_q, cu_k if not same_cu else cu_q, **options)
+    held["call"] = call
+    held["plan"] = explain_packed(call.q, call.k, call.v, **call.options)
+    return jnp.zeros(())
+
+  abstract = lambda x: (
+    jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) if hasattr(x, "dtype") else x
+  )
+  arrays = {
+    name: kwargs.pop(name)
+    for name in ("seqused_q", "seqused_k", "sinks", "block_mask")
+    if kwargs.get(name) is not None
+  }
+  jax.eval_shape(
+    trace,
+    *(abstract(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)),
+    jax.tree.map(abstract, arrays),
+  )
+  call = held["call"]
+  how = {
+    None: "none (no causal or window_size)",
+    BUILT_IN: "the call's own diagonal (queries and keys aligned)",
+    PER_TOKEN: (
+      "a mask_mod over each token's count of its sequence's tokens after it"
+    ),
+  }[call.rule]
+  lines = [
+    f"varlen: {call.n} sequences packed as batch 1, {q.shape[0]} query and"
+    f" {k.shape[0]} key tokens; segment ids from cu_seqlens on the device"
+    " (tiles skipped by sequence)",
+    f"per-sequence causal/window: {how}",
+  ]
+  return "\n".join(lines + [held["plan"]])
