@@ -80,6 +80,7 @@ def flash_attention(
   mask_mod: Any = None,
   block_mask: flex.BlockMask | None = None,
   bias: jax.Array | None = None,
+  batch_invariant: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, computed FlashAttention-style.
 
@@ -151,6 +152,12 @@ def flash_attention(
       `mask_mod` (default: the block mask's own) or its dense mask.
     bias: `[batch|1, heads_q|1, seq_q, seq_kv]` added to the scaled
       logits (differentiable).
+    batch_invariant: True: each sequence's output and lse are bitwise the
+      same whatever else is in the batch and its place in it (every
+      backend's tiles are chosen without the batch, and each sequence's
+      tiles are reduced in a fixed order); implies `deterministic`. On
+      mosaic/interpret with segment_ids: NotImplementedError (their
+      kernel-or-twin choice is made for the whole batch).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in the input dtype; with
@@ -194,6 +201,7 @@ def flash_attention(
     mask_mod=mask_mod,
     block_mask=block_mask,
     bias=bias,
+    batch_invariant=batch_invariant,
   )
   return_lse = check_bool("return_lse", return_lse)
   context.check_array_shardings(call, q=q, k=k, v=v)
@@ -275,12 +283,16 @@ def _prepare(
   config: Any,
   fp8: Any,
   stable_max: Any,
+  batch_invariant: Any = False,
   **options: Any,
 ) -> tuple[StaticCall, backends.Plan, tuple]:
   """flash_attention's arguments checked once (`prepare.prepare`, with
   `options` its other keywords) into its call: the static call (spec,
   backend, config, the backward's plan), the plan, and the operands
   `_attention` takes. Raises naming the argument."""
+  if check_bool("batch_invariant", batch_invariant):
+    check_bool("deterministic", options.get("deterministic", False))
+    options["deterministic"] = True
   spec, sinks, segment_ids, flex_ops = prepare.prepare(
     q,
     k,
@@ -290,6 +302,14 @@ def _prepare(
     **options,
   )
   plan = backends.plan(spec, implementation, config)
+  sm90 = plan.backend.name in ("mosaic", "interpret")
+  if batch_invariant and spec.segmented and sm90:
+    raise NotImplementedError(
+      f"batch_invariant with segment_ids on implementation="
+      f"{plan.backend.name!r}: the sm90 forward decides between its kernel"
+      " and the blockwise twin for the whole batch at once; pass"
+      " implementation='blockwise'"
+    )
   # A sequence split runs the ring (context parallelism); see
   # pallas_fa3.parallel.context.
   call = StaticCall(
@@ -444,6 +464,7 @@ def flash_attention_with_kvcache(
   rotary_sin: jax.Array | None = None,
   rotary_interleaved: bool = True,
   cache_leftpad: jax.Array | None = None,
+  batch_invariant: bool = False,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -517,6 +538,13 @@ def flash_attention_with_kvcache(
       `cache_seqlens[b]`, as in FA3). Positions (masks, score_mod,
       rotary) stay slot indices; the slots before it are never read into
       the output (garbage, NaN included, is fine there).
+    batch_invariant: True: each sequence's output (and lse) is bitwise
+      the same whatever else is in the batch, its place in it and the
+      batch size: split-KV ranges are fixed runs of
+      `kvcache.INVARIANT_SPLIT_KEYS` keys from key 0 (or the capacity cut
+      into `num_splits`), never a count chosen from the batch or the SM
+      count, and merged in a fixed order. Costs a small batch of short
+      sequences its split parallelism (docs/decoding.md#batch-invariant-decoding).
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
@@ -556,6 +584,7 @@ def flash_attention_with_kvcache(
     rotary_cos=rotary_cos,
     rotary_sin=rotary_sin,
     rotary_interleaved=rotary_interleaved,
+    batch_invariant=batch_invariant,
   )
   sinks = modifiers.check_sinks(sinks, spec.heads_q)
   flex_spec, flex_ops = flex.prepare(

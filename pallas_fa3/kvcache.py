@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_fa3 import modifiers, rotary
 from pallas_fa3.parallel import sharding_checks
@@ -80,6 +81,9 @@ class DecodeSpec:
   leftpad: bool = False  # cache_leftpad given: keys start at it
   rotary_dim: int = 0  # rotary_cos/sin given: features rotated (0: none)
   rotary_interleaved: bool = True  # with rotary_dim: GPT-J pairs
+  # Split-KV ranges at fixed key positions (`invariant_split_tiles`), a
+  # fixed merge order: each sequence's output independent of the batch.
+  batch_invariant: bool = False
 
   @property
   def fp8_cache(self) -> bool:
@@ -114,6 +118,7 @@ class DecodeSpec:
       softcap=self.softcap,
       sinks=self.sinks,
       seq_new=self.seq_new,
+      batch_invariant=self.batch_invariant,
     )
     return (
       f"decode: batch {self.batch}, seq_q {self.seq_q}, heads"
@@ -171,6 +176,56 @@ def key_range(
     left = query_positions(spec, length, q0) - spec.window_left
     first = jnp.maximum(left, start)
   return first, end
+
+
+# batch_invariant=True: split-KV ranges are fixed runs of this many keys
+# from key 0 ("fixed split-size" decoding), so a sequence's ranges, and
+# hence its bits, follow its own length only, never the batch size or the
+# SM count. 2048: whole tiles of every decode tile (64..256 keys) and of
+# 64-key pages; one float32 partial per 2048 keys adds ~3% to the bytes
+# written at d128 (docs/decoding.md#batch-invariant-decoding).
+INVARIANT_SPLIT_KEYS = 2048
+
+
+def invariant_split_tiles(spec: DecodeSpec, tile: int) -> int:
+  """Tiles per split-KV range of a `batch_invariant` call with `tile`-key
+  tiles: `INVARIANT_SPLIT_KEYS` keys (at least one tile), or with
+  `num_splits` the capacity cut into that many equal runs. Split s covers
+  tiles `[s * per, (s + 1) * per)`, counted from key 0."""
+  if spec.num_splits:
+    return cdiv(cdiv(spec.capacity, tile), spec.num_splits)
+  return max(1, INVARIANT_SPLIT_KEYS // tile)
+
+
+def invariant_splits(
+  spec: DecodeSpec, tile: int, max_splits: int | None = None
+) -> int:
+  """Split-KV ranges of a `batch_invariant` call: `num_splits`, or those
+  covering the capacity at `invariant_split_tiles` each, at most
+  `max_splits` (longer runs then: `split_span` widens them)."""
+  if spec.num_splits:
+    return spec.num_splits
+  n = cdiv(cdiv(spec.capacity, tile), invariant_split_tiles(spec, tile))
+  return min(n, max_splits) if max_splits else n
+
+
+def split_span(
+  spec: DecodeSpec, t0: Any, t1: Any, split: Any, splits: int, tile: int
+) -> tuple[Any, Any]:
+  """[lo, hi) tiles of split `split` (of `splits`) of a sequence whose
+  visible keys lie in tiles `[t0, t1)` (t1 >= t0, int32): `[t0, t1)` cut
+  into `splits` equal runs, or with `spec.batch_invariant` the fixed runs
+  of `invariant_split_tiles` (longer when `splits` is capped), clipped to
+  `[t0, t1)`. hi <= lo: empty. Every decode backend cuts its ranges here
+  (traced int32 arithmetic the kernels lower too)."""
+  if spec.batch_invariant:
+    tiles = cdiv(spec.capacity, tile)
+    per = max(invariant_split_tiles(spec, tile), cdiv(tiles, splits))
+    origin = split * per
+    return jnp.maximum(origin, t0), jnp.minimum(origin + per, t1)
+  per = lax.div(t1 - t0 + splits - 1, jnp.int32(splits))
+  lo = t0 + split * per
+  return lo, jnp.minimum(lo + per, t1)
 
 
 def _array(
@@ -348,6 +403,7 @@ def make_decode_spec(
   rotary_cos: Any = None,
   rotary_sin: Any = None,
   rotary_interleaved: Any = True,
+  batch_invariant: Any = False,
 ) -> DecodeSpec:
   """Validates a `flash_attention_with_kvcache` call; returns its spec
   (`v_cache=None` with `head_dim_v`: V is `k_cache[..., :head_dim_v]`).
@@ -525,6 +581,7 @@ def make_decode_spec(
     leftpad=cache_leftpad is not None,
     rotary_dim=rotary_dim,
     rotary_interleaved=check_bool("rotary_interleaved", rotary_interleaved),
+    batch_invariant=check_bool("batch_invariant", batch_invariant),
   )
 
 

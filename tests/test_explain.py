@@ -94,6 +94,7 @@ def test_explain_takes_flash_attention_arguments_and_raises_the_same():
     config=None, deterministic=False, stable_max=None, fp8=False,
     window_size=None, softcap=None, sinks=None, segment_ids=None,
     score_mod=None, mask_mod=None, block_mask=None, bias=None,
+    batch_invariant=False,
   )  # fmt: skip
   assert set(ok) == keywords
   pallas_fa3.explain(Q, KV, KV, **ok)

@@ -13,11 +13,11 @@ import jax
 from pallas_fa3 import modifiers
 from pallas_fa3.backends.base import Backend
 from pallas_fa3.backends.blockwise.backward import blockwise_backward
-from pallas_fa3.backends.blockwise.decode import blockwise_decode
+from pallas_fa3.backends.blockwise.decode import blockwise_decode, decode_tile
 from pallas_fa3.backends.blockwise.forward import blockwise_forward
 from pallas_fa3.backends.blockwise.fp8 import blockwise_forward_fp8
 from pallas_fa3.backends.blockwise.tiles import BlockwiseConfig
-from pallas_fa3.kvcache import DecodeSpec
+from pallas_fa3.kvcache import DecodeSpec, invariant_splits
 from pallas_fa3.quant.config import default_tiles
 from pallas_fa3.spec import AttentionSpec
 
@@ -102,6 +102,11 @@ class BlockwiseBackend(Backend):
     self, spec: DecodeSpec, config: BlockwiseConfig | None
   ) -> BlockwiseConfig:
     return BlockwiseConfig() if config is None else config
+
+  def decode_splits(self, spec: DecodeSpec, config: BlockwiseConfig) -> int:
+    if spec.batch_invariant:  # fixed runs of keys (kvcache.split_span)
+      return invariant_splits(spec, decode_tile(spec, config.block_kv))
+    return spec.num_splits or 1
 
   def decode(self, spec, config, splits, operands):
     return blockwise_decode(spec, config.block_kv, splits, *operands)

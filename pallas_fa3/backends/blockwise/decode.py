@@ -16,7 +16,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_fa3 import flex
-from pallas_fa3.kvcache import DecodeSpec, key_range, visible_in_cache
+from pallas_fa3.kvcache import (
+  DecodeSpec,
+  key_range,
+  split_span,
+  visible_in_cache,
+)
 from pallas_fa3.lse import combine_splits, natural_from_log2
 from pallas_fa3.spec import HIGHEST, LOG2E, cdiv
 
@@ -40,16 +45,15 @@ def decode_tile(spec: DecodeSpec, block_kv: int) -> int:
 
 
 def split_ranges(
-  spec: DecodeSpec, lengths: jax.Array, tile: int, splits: int, starts=0
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(first tile `[b]`, end tile `[b]`, tiles per split `[b]`) of every
-  sequence: its visible keys' tiles (from `starts`, its cache_leftpad),
-  cut into `splits` equal ranges (the last ones may be short or empty)."""
+  spec: DecodeSpec, lengths: jax.Array, tile: int, starts=0
+) -> tuple[jax.Array, jax.Array]:
+  """(first tile `[b]`, end tile `[b]`) of every sequence's visible keys
+  (from `starts`, its cache_leftpad); `kvcache.split_span` cuts them into
+  the split-KV ranges."""
   first, end = key_range(spec, lengths, starts)
   t0 = jnp.broadcast_to(jnp.asarray(first, jnp.int32), lengths.shape) // tile
   t1 = jnp.maximum(cdiv(jnp.asarray(end, jnp.int32), tile), t0)
-  per = cdiv((t1 - t0), splits)
-  return t0, t1, per
+  return t0, t1
 
 
 def _tile_kv(
@@ -114,15 +118,14 @@ def blockwise_decode(
   tile = decode_tile(spec, block_kv)
   if starts is None:
     starts = jnp.zeros_like(lengths)
-  t0, t1, per = split_ranges(spec, lengths, tile, splits, starts)
+  t0, t1 = split_ranges(spec, lengths, tile, starts)
   stat = (hk, g, sq)
   compute = decode_compute_dtype(spec)
   if descale is None:
     descale = (jnp.ones((b, hk), f32),) * 2
 
-  def one_split(bi, qb, length, start, row, pages, kd, t0, t1, per, s):
-    lo = t0 + s * per
-    hi = jnp.minimum(lo + per, t1)
+  def one_split(bi, qb, length, start, row, pages, kd, t0, t1, s):
+    lo, hi = split_span(spec, t0, t1, s, splits, tile)
     kd = kd[:, None, None, None]  # [hk, 1, 1, 1]
 
     def step(j, carry):
@@ -190,11 +193,19 @@ def blockwise_decode(
   pages = (
     jnp.zeros((b, 1), jnp.int32) if page_table is None else page_table
   ).astype(jnp.int32)
-  per_sequence = jax.vmap(
-    jax.vmap(one_split, in_axes=(None,) * 10 + (0,)),
-    in_axes=(0,) * 10 + (None,),
-  )
-  outs, lses = per_sequence(
+  sink = None
+  if sinks is not None:
+    sink = sinks.astype(f32).reshape(b, hk, g, 1)
+
+  def one_sequence(args):
+    *seq_args, vd, sk = args
+    outs, lses = jax.vmap(one_split, in_axes=(None,) * 9 + (0,))(
+      *seq_args, jnp.arange(splits)
+    )  # [S, hk, g, sq, dv], [S, hk, g, sq]
+    outs = outs * vd[None, :, None, None, None]
+    return combine_splits(outs, lses, sk)
+
+  per_sequence = (
     jnp.arange(b, dtype=jnp.int32),
     qg,
     lengths,
@@ -204,15 +215,12 @@ def blockwise_decode(
     descale[0],
     t0,
     t1,
-    per,
-    jnp.arange(splits),
-  )  # [b, S, hk, g, sq, dv], [b, S, hk, g, sq]
-  outs = outs * descale[1][:, None, :, None, None, None]
-  sink = None
-  if sinks is not None:
-    sink = sinks.astype(f32).reshape(b, hk, g, 1)
-  out, lse = combine_splits(
-    jnp.moveaxis(outs, 1, 0), jnp.moveaxis(lses, 1, 0), sink
+    descale[1],
+    sink,
   )
+  if spec.batch_invariant:  # one sequence's program, whatever the batch
+    out, lse = lax.map(one_sequence, per_sequence)
+  else:
+    out, lse = jax.vmap(one_sequence)(per_sequence)
   out = jnp.moveaxis(out, 3, 1).reshape(spec.out_shape)  # [b, sq, hk, g, dv]
   return out.astype(spec.dtype), lse.reshape(spec.lse_shape)

@@ -19,7 +19,7 @@ from pallas_fa3.kernels.sm90.config import (
   RESERVED_SMEM,
   align_smem,
 )
-from pallas_fa3.kvcache import DecodeSpec
+from pallas_fa3.kvcache import DecodeSpec, invariant_splits
 from pallas_fa3.spec import cdiv, check_int_fields
 
 # Query rows of one CTA: one wgmma M (the rows of a GQA group times seq_q,
@@ -398,7 +398,10 @@ def query_tiles(spec: DecodeSpec) -> int:
 def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
   """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
   batch x grid heads x query tiles do not, each range at least 4 tiles
-  long."""
+  long; with `batch_invariant`, fixed runs of keys whatever the batch
+  (`kvcache.invariant_splits`)."""
+  if spec.batch_invariant:
+    return invariant_splits(spec, config.block_kv, MAX_SPLITS)
   ctas = spec.batch * grid_heads(spec) * query_tiles(spec)
   tiles = cdiv(spec.capacity, config.block_kv)
   if ctas >= HOPPER_SMS:

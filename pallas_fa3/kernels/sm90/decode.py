@@ -39,7 +39,7 @@ from pallas_fa3.kernels.sm90.config_decode import (
   out_cols,
 )
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kvcache import DecodeSpec, gather, key_range
+from pallas_fa3.kvcache import DecodeSpec, gather, key_range, split_span
 from pallas_fa3.lse import combine_splits, natural_from_log2
 from pallas_fa3.spec import LOG2E, cdiv
 
@@ -309,8 +309,8 @@ def split_tiles(
   from `start` (its cache_leftpad): its visible keys' tiles (`key_range`;
   with `qtile`, those query tile `qtile`'s queries see: causal tiles past
   them skipped; with a block mask's `span`, only its non-empty tiles' span)
-  cut into `plan.splits` equal ranges, as the blockwise twin cuts them
-  (`backends/blockwise/decode.split_ranges`)."""
+  cut into `plan.splits` ranges by `kvcache.split_span`, as the blockwise
+  twin cuts them."""
   bkv = plan.block_kv
   queries = None
   if qtile is not None:  # its first and last query
@@ -326,9 +326,8 @@ def split_tiles(
   if span is not None:  # a block mask's empty tiles are never loaded
     t0, t1 = jnp.maximum(t0, span[0]), jnp.minimum(t1, span[1])
   t1 = jnp.maximum(t1, t0)
-  per = lax.div(t1 - t0 + plan.splits - 1, jnp.int32(plan.splits))
-  lo = t0 + split * per
-  return lo, jnp.clip(t1 - lo, 0, per)
+  lo, hi = split_span(plan.spec, t0, t1, split, plan.splits, bkv)
+  return lo, jnp.maximum(hi - lo, 0)
 
 
 def cta_walk(plan: DecodePlan, refs: dict[str, Any]) -> tuple:
