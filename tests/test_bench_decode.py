@@ -2,6 +2,7 @@
 the bytes and FLOPs model, the default grids, skip reasons, the Triton
 baselines' wrappers (interpret mode) and the flags' usage errors."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -281,6 +282,8 @@ def test_headline_has_a_decode_table(tmp_path):
     (["--mode", "decode", "--num-splits", "0"], "--num-splits"),
     (["--mode", "fwd", "--cache-len", "128"], "--cache-len"),
     (["--ragged"], "--ragged"),
+    (["--q-len", "4"], "--q-len"),
+    (["--mode", "decode", "--q-len", "0"], "--q-len"),
     (["--mla"], "--mla"),
     (["--mode", "decode", "--mla", "--head-dim", "128"], "--head-dim"),
     (["--impl", "triton-gqa"], "--impl triton-gqa"),
@@ -320,3 +323,48 @@ def test_mla_sweep_reads_one_cache_and_names_the_baselines_it_skips(tmp_path):
     assert by_impl[name]["status"] == "skipped"
     assert "MLA's one 576-column cache" in by_impl[name]["reason"]
   assert "decode-mla-" in ours["spec"]
+
+
+def test_speculative_rows_q_len_1_4_8_16_at_the_targets_points():
+  """`--tags speculative`: q_len 1, 4, 8, 16 at batch 64 x 8k and 1 x 128k
+  (issue 67), the same K/V bytes at every q_len, FLOPs by the causal pairs
+  of the new tokens; the q_len 1 rows are the headline ones."""
+  argv = ["--mode", "decode", "--tags", "speculative"]
+  rows = command.grid(_parse(argv), "gpu")
+  assert sorted((s.batch, s.cache_len, s.seq_q) for s in rows) == sorted(
+    (b, n, q) for b, n in ((64, 8192), (1, 131072)) for q in (1, 4, 8, 16)
+  )
+  for s in rows:
+    one = dataclasses.replace(s, seq_q=1)
+    assert s.kv_bytes == one.kv_bytes
+    # query i of q sees L - q + 1 + i keys: q L - q (q - 1) / 2 pairs
+    pairs = s.seq_q * s.cache_len - s.seq_q * (s.seq_q - 1) // 2
+    assert s.flops == s.batch * 2 * pairs * s.heads_q * 2 * s.head_dim
+    assert (f"-q{s.seq_q}-" in s.name) == (s.seq_q > 1)
+    assert ("headline" in s.tags) == (s.seq_q == 1)
+  assert impls.REGISTRY["mosaic"].splits(rows[-1]) >= 1
+
+
+def test_speculative_sweep_on_a_cpu(tmp_path):
+  """`--q-len 4`: four causal new tokens per sequence through blockwise
+  against the reference; the one-query baselines say why they skip."""
+  argv = [
+    "bench", "--mode", "decode", "--q-len", "4", "--batch", "2",
+    "--cache-len", "128", "--page-size", "none", "--hidden", "128",
+    "--head-dim", "64", "--gqa", "2", "--num-splits", "auto", "--runs", "1",
+    "--warmup", "0", "--input-sets", "1", "--no-progress", "--no-plots",
+    "--impl", "blockwise", "reference", "xla", "--out", str(tmp_path),
+  ]  # fmt: skip
+  assert cli.main(argv) == 0
+  rows = json.loads((tmp_path / "results.json").read_text())["records"]
+  by_impl = {r["impl"]: r for r in rows}
+  ours = by_impl["blockwise"]
+  assert ours["status"] == "ok" and ours["seq_q"] == 4
+  assert ours["max_abs_err"] < 0.05
+  assert ours["tokens_per_s"] == pytest.approx(
+    2 * 4 / (ours["time_median_ms"] / 1e3)
+  )
+  assert by_impl["xla"]["status"] == "skipped"
+  assert "one query per sequence" in by_impl["xla"]["reason"]
+  md = (tmp_path / report.MARKDOWN_FILE).read_text()
+  assert "| 2x128 q4 |" in md

@@ -59,6 +59,7 @@ _DECODE_ONLY = {
   "page_size": "--page-size",
   "num_splits": "--num-splits",
   "ragged": "--ragged",
+  "q_len": "--q-len",
 }
 # What an unset flag holds (store_true flags: False; the others: None).
 _UNSET = {"sinks": False, "ragged": False, "mla": False}
@@ -337,6 +338,13 @@ def add_parser(
     " on a GPU; auto and 4 at batch 1 on a CPU)",
   )
   p.add_argument(
+    "--q-len",
+    nargs="+",
+    type=positive,
+    help="new query tokens per sequence, causal among themselves (2-16:"
+    " speculative decoding; " + _decode_unset("q_lens") + ")",
+  )
+  p.add_argument(
     "--mla",
     action="store_true",
     help="decode only: DeepSeek MLA's one latent cache (head_dim 576, V its"
@@ -422,6 +430,7 @@ def grid_axes(args, platform: str) -> tuple:
       page_sizes=args.page_size,
       num_splits=args.num_splits,
       ragged=args.ragged or None,
+      q_lens=args.q_len,
     )
   else:
     groups = (specs.PAPER_AXES if gpu else specs.CPU_AXES,)

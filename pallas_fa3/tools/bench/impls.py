@@ -244,6 +244,13 @@ def _no_mla(spec, who: str) -> str | None:
   return None
 
 
+# A decode baseline of one query per sequence (seq_q > 1: speculative).
+_ONE_QUERY = (
+  "{who} takes one query per sequence (its length mask is not causal"
+  " among several new tokens)"
+)
+
+
 def _dpa_unsupported(implementation):
   def check(spec, platform):
     decode = spec.mode == specs.DECODE
@@ -251,6 +258,8 @@ def _dpa_unsupported(implementation):
       return _no_fp8_cache(spec)
     if decode and _no_mla(spec, "jax.nn.dot_product_attention"):
       return _no_mla(spec, "jax.nn.dot_product_attention")
+    if decode and spec.seq_q > 1:
+      return _ONE_QUERY.format(who="jax.nn.dot_product_attention")
     if implementation == "cudnn":
       if platform != "gpu":
         return f"cuDNN attention needs a GPU (default backend: {platform})"
@@ -447,6 +456,8 @@ def _triton_unsupported(module, paged):
       return _no_fp8_cache(spec)
     if _no_mla(spec, name):
       return _no_mla(spec, name)
+    if spec.seq_q > 1:
+      return _ONE_QUERY.format(who=name)
     if platform != "gpu":
       return f"{name} is a Triton GPU kernel (default backend: {platform})"
     if spec.paged != paged:

@@ -66,6 +66,8 @@ def cache_columns(r: dict, paged: bool | None = None) -> list[str]:
   """The columns naming a decode record's case (`cache_header`); a table
   of one layout (`paged` True or False) names only the page size, if any."""
   size = f"{r['batch']}x{tokens(r['cache_len'])}" + ("r" if r["ragged"] else "")
+  if r.get("seq_q", 1) > 1:  # speculative: new tokens per sequence
+    size += f" q{r['seq_q']}"
   heads = f"{r['heads_q']}/{r['heads_kv']} d{r['head_dim']}"
   if paged is None:
     layout = [

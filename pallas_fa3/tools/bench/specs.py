@@ -185,9 +185,9 @@ class DecodeBenchSpec:
 
   Attributes:
     name: unique, human-readable identifier.
-    batch, cache_len, heads_q, heads_kv, head_dim: q `[batch, 1, heads_q,
-      head_dim]`; each sequence's cache holds `cache_len` tokens of
-      `heads_kv` heads (head_dim for K and V).
+    batch, cache_len, heads_q, heads_kv, head_dim: q `[batch, seq_q,
+      heads_q, head_dim]`; each sequence's cache holds `cache_len` tokens
+      of `heads_kv` heads (head_dim for K and V).
     dtype: a key of `DTYPES`; "fp8" is bf16 queries over an e4m3 cache.
     page_size: tokens per page of a paged cache; None: contiguous.
     num_splits: split-KV ranges per sequence; None: each backend's choice.
@@ -196,6 +196,9 @@ class DecodeBenchSpec:
     tags: free labels for selection (`--tags`) and reports.
     mla: DeepSeek MLA's one latent cache (`v_cache=None`): head_dim 576,
       V its first `MLA_HEAD_DIM_V` columns, read in place.
+    seq_q: new query tokens per sequence (1: a plain step; 2-16:
+      speculative / multi-token decoding), the last `seq_q` of its cache,
+      causal among themselves.
   """
 
   name: str
@@ -210,14 +213,14 @@ class DecodeBenchSpec:
   ragged: bool = False
   tags: tuple[str, ...] = ()
   mla: bool = False
-  # One new token per sequence, at the end of its cache: seeing all of it.
-  seq_q: int = dataclasses.field(default=1, init=False)
+  seq_q: int = 1
+  # The new tokens sit at the end of their cache, causal among themselves.
   causal: bool = dataclasses.field(default=True, init=False)
   mode: str = dataclasses.field(default=DECODE, init=False)
 
   def __post_init__(self):
     where = f"DecodeBenchSpec {self.name!r}: "
-    fields = ("batch", "cache_len", "heads_q", "heads_kv", "head_dim")
+    fields = ("batch", "cache_len", "heads_q", "heads_kv", "head_dim", "seq_q")
     optional = ("page_size", "num_splits")
     for field in fields + optional:
       value = getattr(self, field)
@@ -231,6 +234,11 @@ class DecodeBenchSpec:
       raise ValueError(
         f"{where}heads_q ({self.heads_q}) must be a multiple of heads_kv"
         f" ({self.heads_kv})"
+      )
+    if self.seq_q > self.cache_len:
+      raise ValueError(
+        f"{where}seq_q ({self.seq_q}) must be at most cache_len"
+        f" ({self.cache_len}): the new tokens are the cache's last ones"
       )
     if self.mla and self.head_dim != MLA_HEAD_DIM:
       raise ValueError(
@@ -309,6 +317,7 @@ class DecodeBenchSpec:
       self.dtype,
       self.batch,
       self.cache_len,
+      self.seq_q,
       self.heads_q,
       self.heads_kv,
       self.head_dim,
@@ -346,12 +355,13 @@ def spec_name(
   """A case's name, "<mode>-<dtype>-b<batch>-<length>-h<hq>x<hk>-<dims>-
   <the rest>": e.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-
   sinks-docs4" ("-d192-dv128-" where head_dim_v differs from head_dim) and
-  "decode-bf16-b64-L8192-h32x8-d128-page64-splits_auto-ragged"."""
+  "decode-bf16-b64-L8192-h32x8-d128-page64-splits_auto-ragged" ("-L8192-
+  q4-" with 4 new query tokens)."""
   dims = f"d{head_dim}" + (
     "" if head_dim_v in (None, head_dim) else f"-dv{head_dim_v}"
   )
   if mode == DECODE:
-    length = f"L{cache_len}"
+    length = f"L{cache_len}" + (f"-q{seq_q}" if (seq_q or 1) > 1 else "")
     rest = (
       ("contiguous" if page_size is None else f"page{page_size}")
       + f"-splits_{'auto' if num_splits is None else num_splits}"
@@ -492,7 +502,9 @@ class DecodeAxes:
 
   `hidden // head_dim` gives the query heads (as `--hidden` does for the
   other modes), `gqa` ratios divide them; None in `page_sizes` is a
-  contiguous cache, in `num_splits` the backend's own choice.
+  contiguous cache, in `num_splits` the backend's own choice; `q_lens`:
+  new query tokens per sequence (more than 1: speculative decoding, tagged
+  "speculative" and "q<n>").
   """
 
   batches: tuple[int, ...]
@@ -506,6 +518,10 @@ class DecodeAxes:
   ragged: bool = False
   tags: tuple[str, ...] = ()
   mla: bool = False  # MLA cases: one KV head, `gqa` query heads, d 576
+  q_lens: tuple[int, ...] = (1,)
+
+  def _q_tags(self, q: int) -> tuple[str, ...]:
+    return () if q == 1 else ("speculative", f"q{q}")
 
   def expand(self) -> list[DecodeBenchSpec]:
     """Every combination, in a stable order (dtype, d, gqa, batch, cache
@@ -515,28 +531,34 @@ class DecodeAxes:
       return self._expand_mla()
     check_head_dims(self.head_dims, self.hidden)
     specs = []
-    for dtype, d, gqa, b, n, ps, splits in itertools.product(
+    for dtype, d, gqa, b, n, q, ps, splits in itertools.product(
       self.dtypes,
       self.head_dims,
       self.gqa,
       self.batches,
       self.cache_lens,
+      self.q_lens,
       self.page_sizes,
       self.num_splits,
     ):
       heads_q = _query_heads(self.hidden, d, gqa)
-      tags = self.tags + (
-        DECODE,
-        dtype,
-        f"d{d}",
-        f"gqa{gqa}",
-        "contiguous" if ps is None else "paged",
-        "split-auto" if splits is None else "split-fixed",
+      tags = (
+        self.tags
+        + (
+          DECODE,
+          dtype,
+          f"d{d}",
+          f"gqa{gqa}",
+          "contiguous" if ps is None else "paged",
+          "split-auto" if splits is None else "split-fixed",
+        )
+        + self._q_tags(q)
       )
       fields = dict(
         dtype=dtype,
         batch=b,
         cache_len=n,
+        seq_q=q,
         heads_q=heads_q,
         heads_kv=heads_q // gqa,
         head_dim=d,
@@ -555,16 +577,17 @@ class DecodeAxes:
 
   def _expand_mla(self) -> list[DecodeBenchSpec]:
     specs = []
-    for dtype, hq, b, n, ps, splits in itertools.product(
+    for dtype, hq, b, n, q, ps, splits in itertools.product(
       self.dtypes,
       self.gqa,
       self.batches,
       self.cache_lens,
+      self.q_lens,
       self.page_sizes,
       self.num_splits,
     ):
       fields = dict(
-        dtype=dtype, batch=b, cache_len=n, heads_q=hq, heads_kv=1,
+        dtype=dtype, batch=b, cache_len=n, seq_q=q, heads_q=hq, heads_kv=1,
         head_dim=MLA_HEAD_DIM, page_size=ps, num_splits=splits,
         ragged=self.ragged,
       )  # fmt: skip
@@ -572,7 +595,7 @@ class DecodeAxes:
         DECODE, "mla", dtype, f"h{hq}",
         "contiguous" if ps is None else "paged",
         "split-auto" if splits is None else "split-fixed",
-      ) + (("ragged",) if self.ragged else ())  # fmt: skip
+      ) + (("ragged",) if self.ragged else ()) + self._q_tags(q)  # fmt: skip
       name = spec_name(DECODE, head_dim_v=MLA_HEAD_DIM_V, **fields)
       name = name.replace(f"{DECODE}-", f"{DECODE}-mla-", 1)
       specs.append(DecodeBenchSpec(name, tags=tags, mla=True, **fields))
@@ -600,6 +623,7 @@ CPU_AXES = GridAxes(
 # page 64; batch 1 x 128k, split-KV by each backend's choice), page 256,
 # fixed split counts at 128k, batch 8 x 32k with GQA groups 1/4/8 and paged.
 _GPU = dict(hidden=4096, head_dims=(128,))
+SPECULATIVE_Q_LENS = (1, 4, 8, 16)
 DECODE_GPU_GRID: tuple[DecodeAxes, ...] = (
   DecodeAxes(
     (64,), (8192,), page_sizes=(None, 64), tags=(HEADLINE_TAG,), **_GPU
@@ -609,6 +633,14 @@ DECODE_GPU_GRID: tuple[DecodeAxes, ...] = (
   DecodeAxes((1,), (131072,), num_splits=(1, 8, 32, 128), **_GPU),
   DecodeAxes((8,), (32768,), gqa=(1, 4, 8), **_GPU),
   DecodeAxes((8,), (32768,), page_sizes=(256,), **_GPU),
+  # Speculative decoding (issue 67): 1, 4, 8, 16 new tokens per sequence
+  # at the targets' two points (the same K/V bytes per step).
+  DecodeAxes(
+    (64,), (8192,), q_lens=SPECULATIVE_Q_LENS, tags=("speculative",), **_GPU
+  ),
+  DecodeAxes(
+    (1,), (131072,), q_lens=SPECULATIVE_Q_LENS, tags=("speculative",), **_GPU
+  ),
 )
 # The decode CPU grid: about a minute on two cores for blockwise, reference
 # and XLA: 8 query / 2 KV heads at d64, batch 4 at 1k/4k/16k contiguous and
@@ -646,8 +678,8 @@ def make_grid(
   tags: Iterable[str] = (),
 ) -> list:
   """The specs of one group of axes or of a union of them: each group
-  expanded in turn (`expand`), duplicates dropped (the first one's tags
-  kept), only the specs carrying every one of `tags`.
+  expanded in turn (`expand`), duplicates merged (the first one kept with
+  every group's tags), only the specs carrying every one of `tags`.
 
   Raises:
     ValueError: naming the flag: a head dim over MAX_HEAD_DIM or not
@@ -660,7 +692,10 @@ def make_grid(
   by_name = {}
   for axes in groups:
     for s in axes.expand():
-      by_name.setdefault(s.name, s)
+      first = by_name.setdefault(s.name, s)
+      extra = tuple(t for t in s.tags if t not in first.tags)
+      if extra:
+        by_name[s.name] = dataclasses.replace(first, tags=first.tags + extra)
   return select(by_name.values(), tags)
 
 
