@@ -160,6 +160,9 @@ class Plan:
     mode = "decode" if isinstance(spec, DecodeSpec) else "forward"
     lines.append(f"{mode}: {forward}")
     lines.append(f"backward: {backward}")
+    from pallas_fa3 import tangent  # (it imports the backends)
+
+    lines.append(f"jvp: {tangent.describe(spec, backend, self.config)}")
     lines += backend.describe_flex(spec, self.config)
     if (
       getattr(spec, "segmented", False)

@@ -142,6 +142,22 @@ class Backend:
     lines += describe_operands(fs)
     return ["flex:"] + lines
 
+  def describe_tangent(self, spec: AttentionSpec, config: Any) -> str | None:
+    """What computes `spec`'s tangents here (`pallas_fa3.explain`'s
+    "jvp:" line), or None: no tangent pass of its own (`pallas_fa3.tangent`
+    falls back to the blockwise twin's and the plan says so)."""
+    return None
+
+  def forward_tangent(
+    self, spec: AttentionSpec, config: Any, primals: Prefill, tangents: Any
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(out, lse, out's tangent, lse's tangent) at `primals` along
+    `tangents` (a `Prefill` of arrays: zeros where there is none, float0
+    for integers); served where `describe_tangent` is not None."""
+    raise NotImplementedError(
+      f"implementation={self.name!r} has no forward+tangent pass"
+    )
+
   def fp8_tiles(self, config: Any) -> tuple[int, int]:
     """(block_q, block_kv): the quantization tiles of an FP8 call."""
     raise NotImplementedError(f"implementation={self.name!r} has no FP8 path")

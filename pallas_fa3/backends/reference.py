@@ -74,6 +74,23 @@ class ReferenceBackend(Backend):
     dq, dk, dv, dbias, dfloats = pullback((dout, dlse))
     return dq, dk, dv, (dbias, flex_lib.spread_float_grads(flex, dfloats))
 
+  def describe_tangent(self, spec, config) -> str | None:
+    return "jax.jvp of the materialized forward in float32"
+
+  def forward_tangent(self, spec, config, primals, tangents):
+    q, k, v, sinks, ids, ops = primals
+
+    def forward(q, k, v, sinks, ops):
+      return oracle.reference_forward(
+        spec, q, k, v, sinks=sinks, segment_ids=ids, flex_ops=ops
+      )
+
+    dq, dk, dv, dsinks, _, dops = tangents
+    (out, lse), (dout, dlse) = jax.jvp(
+      forward, (q, k, v, sinks, ops), (dq, dk, dv, dsinks, dops)
+    )
+    return out, lse, dout, dlse
+
   def decode_splits(self, spec: DecodeSpec, config: Any) -> int:
     return 1  # one materialized pass
 

@@ -16,6 +16,7 @@ from pallas_fa3.backends.blockwise.backward import blockwise_backward
 from pallas_fa3.backends.blockwise.decode import blockwise_decode, decode_tile
 from pallas_fa3.backends.blockwise.forward import blockwise_forward
 from pallas_fa3.backends.blockwise.fp8 import blockwise_forward_fp8
+from pallas_fa3.backends.blockwise.tangent import blockwise_forward_tangent
 from pallas_fa3.backends.blockwise.tiles import BlockwiseConfig
 from pallas_fa3.kvcache import DecodeSpec, invariant_splits
 from pallas_fa3.quant.config import default_tiles
@@ -86,6 +87,15 @@ class BlockwiseBackend(Backend):
       spec, config, q, k, v, out, lse, dout, dlse, segment_ids=segment_ids,
       flex=flex,
     )  # fmt: skip
+
+  def describe_tangent(self, spec, config) -> str | None:
+    return (
+      "the blockwise forward+tangent pass (one walk, out, lse and their"
+      f" tangents), tiles {config.block_q}x{config.block_kv}"
+    )
+
+  def forward_tangent(self, spec, config, primals, tangents):
+    return blockwise_forward_tangent(spec, config, primals, tangents)
 
   def fp8_tiles(self, config: BlockwiseConfig) -> tuple[int, int]:
     return config.block_q, config.block_kv

@@ -1,0 +1,495 @@
+"""Forward-mode differentiation (issue 69): `jax.jvp`, `jax.linearize`,
+`jax.jacfwd` and `jax.hessian` through `flash_attention` and the other
+entry points, against `jax.jvp` of an independent float64 materialized
+attention written here (x64), with the tolerance rule; the jvp/vjp
+identity `<jvp(x; u), w> == <u, vjp(x; w)>`; the sCM/MeanFlow pattern
+(`jax.grad` of a loss holding a jvp); and reverse mode bit for bit the
+hand-written backward, as before the change.
+
+The 2- and 8-device shard_map cases: tests/multidevice/check_sharded_jvp.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import case_id
+
+import pallas_fa3
+from pallas_fa3 import tangent
+from pallas_fa3.backends.base import Backward
+from pallas_fa3.backends.blockwise import backend as blockwise_backend
+from pallas_fa3.parallel import partitioning
+from pallas_fa3.reference import reference_attention
+from pallas_fa3.testing import assert_within_tolerance
+
+_TILES = pallas_fa3.BlockwiseConfig(block_q=16, block_kv=16)
+
+
+def _golden(q, k, v, *, causal=False, window=None, softcap=None, sinks=None,
+            ids=None, bias=None, score_mod=None, mask_mod=None):  # fmt: skip
+  """(out, lse) of materialized attention in float64 (call under x64):
+  scale, softcap, bias, score_mod, masks (bottom-right causal and window,
+  segment ids, mask_mod), sinks in the denominator."""
+  f64 = lambda x: None if x is None else jnp.asarray(x, jnp.float64)
+  q, k, v, sinks, bias = map(f64, (q, k, v, sinks, bias))
+  b, sq, hq, d = q.shape
+  skv, hk = k.shape[1], k.shape[2]
+  kr, vr = (jnp.repeat(x, hq // hk, axis=2) for x in (k, v))
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(d)
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  if bias is not None:
+    s = s + bias
+  bi, hi, qi, ki = np.meshgrid(
+    np.arange(b), np.arange(hq), np.arange(sq), np.arange(skv), indexing="ij"
+  )
+  if score_mod is not None:
+    s = score_mod(s, bi, hi, qi, ki)
+  off = skv - sq
+  vis = np.ones(s.shape, bool)
+  if causal:
+    vis &= ki <= qi + off
+  if window is not None:
+    vis &= (ki >= qi + off - window[0]) & (ki <= qi + off + window[1])
+  if ids is not None:
+    vis = vis & (ids[0][:, None, :, None] == ids[1][:, None, None, :])
+  if mask_mod is not None:
+    vis = vis & mask_mod(bi, hi, qi, ki)
+  s = jnp.where(vis, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:
+    m = jnp.maximum(m, sinks[None, :, None, None])
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(s - m)
+  l = e.sum(-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sinks[None, :, None, None] - m)
+  safe = jnp.where(l == 0, 1.0, l)
+  out = jnp.einsum("bhqk,bkhd->bqhd", e / safe, vr)
+  lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(safe))[..., 0]
+  return out, lse
+
+
+def _golden_jvp(primals, tangents, **options):
+  with jax.enable_x64(True):
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)
+    f = lambda *a: _golden(*a[:3], sinks=a[3], bias=a[4], **options)
+    (out, lse), (dout, dlse) = jax.jvp(f, f64(primals), f64(tangents))
+    return tuple(np.asarray(x) for x in (out, lse, dout, dlse))
+
+
+def _inputs(rng, b, sq, skv, hq, hk, d, dv=None, dtype=jnp.bfloat16):
+  dv = d if dv is None else dv
+  shapes = [(b, sq, hq, d), (b, skv, hk, d), (b, skv, hk, dv)]
+  x = [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+  u = [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+  return x, u
+
+
+def _mod_array(rng, hq):
+  return jnp.asarray(rng.standard_normal(hq) * 0.1, jnp.float32)
+
+
+# (name, shape (b, sq, skv, hq, hk, d, dv), options, tangents of sinks/bias)
+_CASES = [
+  ("causal-gqa", (2, 40, 56, 4, 2, 64, None), dict(causal=True)),
+  ("window-mqa", (1, 48, 48, 4, 1, 32, None), dict(window=(9, 3))),
+  ("softcap-sinks", (1, 33, 47, 2, 2, 64, None), dict(softcap=3.0, sinks=1)),
+  ("dv-ne-d", (1, 24, 40, 2, 1, 32, 48), dict(causal=True)),
+  ("d128", (1, 20, 20, 2, 2, 128, None), dict()),
+  ("segments", (2, 32, 32, 2, 2, 32, None), dict(ids=1)),
+  ("bias-score-mask", (1, 32, 40, 2, 1, 32, None), dict(bias=1, mods=1)),
+]
+
+
+def _build(rng, shape, options):
+  """(flash_attention kwargs, golden kwargs, sinks, bias, their tangents)."""
+  b, sq, skv, hq, hk, d, dv = shape
+  kw, gold = {}, {}
+  sinks = bias = dsinks = dbias = None
+  if options.get("causal"):
+    kw["causal"] = gold["causal"] = True
+  if "window" in options:
+    kw["window_size"] = gold["window"] = options["window"]
+  if "softcap" in options:
+    kw["softcap"] = gold["softcap"] = options["softcap"]
+  if options.get("sinks"):
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    dsinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+  if options.get("ids"):  # row 0 of batch 1 meets no key: tangent 0
+    q_ids = np.repeat(np.arange(4), sq // 4)[None].repeat(b, 0)
+    kv_ids = np.repeat(np.arange(4), skv // 4)[None].repeat(b, 0)
+    q_ids[-1, :3] = 9
+    kw["segment_ids"] = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    gold["ids"] = (q_ids, kv_ids)
+  if options.get("bias"):
+    bias = jnp.asarray(rng.standard_normal((1, hq, sq, skv)), jnp.float32)
+    dbias = jnp.asarray(rng.standard_normal((1, hq, sq, skv)), jnp.float32)
+  if options.get("mods"):
+    slopes = _mod_array(rng, hq)  # captured array
+    kw["score_mod"] = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j)
+    kw["mask_mod"] = lambda b, h, i, j: (i + j) % 7 != 0
+    gold["score_mod"] = lambda s, b, h, i, j: (
+      s - np.asarray(slopes, np.float64)[h] * np.abs(i - j)
+    )
+    gold["mask_mod"] = lambda b, h, i, j: (i + j) % 7 != 0
+  return kw, gold, sinks, bias, dsinks, dbias
+
+
+def _flash(implementation, kw, config=None):
+  def f(q, k, v, sinks, bias):
+    return pallas_fa3.flash_attention(
+      q, k, v, sinks=sinks, bias=bias, return_lse=True,
+      implementation=implementation, config=config, **kw,
+    )  # fmt: skip
+
+  return f
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "reference"])
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c[0])
+def test_jvp_matches_the_float64_golden(implementation, case, rng):
+  _, shape, options = case
+  (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
+  kw, gold, sinks, bias, dsinks, dbias = _build(rng, shape, options)
+  config = _TILES if implementation == "blockwise" else None
+  primals = (q, k, v, sinks, bias)
+  tangents = (dq, dk, dv, dsinks, dbias)
+  got = jax.jit(lambda p, t: jax.jvp(_flash(implementation, kw, config), p, t))(
+    primals, tangents
+  )
+  (out, lse), (dout, dlse) = got
+  golden = _golden_jvp(primals, tangents, **gold)
+  # The naive low-precision computation of the rule: the materialized
+  # reference's jvp with bf16 intermediates.
+  naive_kw = {k_: v_ for k_, v_ in kw.items()}
+  naive = jax.jvp(
+    lambda q, k, v, s, b: reference_attention(
+      q,
+      k,
+      v,
+      sinks=s,
+      bias=b,
+      return_lse=True,
+      intermediate_dtype=jnp.bfloat16,
+      **naive_kw,
+    ),  # fmt: skip
+    primals,
+    tangents,
+  )
+  naive = (naive[0][0], naive[0][1], naive[1][0], naive[1][1])
+  for name, g, n, gd in zip(
+    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
+  ):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)[np.isfinite(gd)]))
+    assert_within_tolerance(name, g, n, gd)
+  if options.get("ids"):  # the rows that see no key: tangents exactly 0
+    assert np.all(np.asarray(dout[-1, :3]) == 0)
+    assert np.all(np.asarray(dlse[-1, :, :3]) == 0)
+
+
+def test_large_logits_give_finite_tangents(rng):
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 32, 32, 2, 2, 32, dtype=jnp.float32)
+  f = _flash("blockwise", dict(causal=True), _TILES)
+  _, (dout, dlse) = jax.jvp(lambda q: f(q * 1e4, k, v, None, None), (q,), (dq,))
+  assert np.all(np.isfinite(dout)) and np.all(np.isfinite(dlse))
+
+
+def _vdot(a, b):
+  return sum(
+    jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "reference"])
+def test_jvp_and_vjp_are_transposes(implementation, rng):
+  """<jvp(x; u), w> == <u, vjp(x; w)> (sinks and bias included)."""
+  shape = (1, 24, 40, 4, 2, 32, None)
+  (q, k, v), (dq, dk, dv) = _inputs(rng, *shape, dtype=jnp.float32)
+  kw, _, sinks, bias, dsinks, dbias = _build(
+    rng, shape, dict(causal=True, sinks=1, bias=1)
+  )
+  f = _flash(
+    implementation, kw, _TILES if implementation == "blockwise" else None
+  )
+  x, u = (q, k, v, sinks, bias), (dq, dk, dv, dsinks, dbias)
+  y, ydot = jax.jvp(f, x, u)
+  w = jax.tree.map(
+    lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), y
+  )
+  _, pullback = jax.vjp(f, *x)
+  lhs, rhs = _vdot(ydot, w), _vdot(u, pullback(w))
+  scale = float(jnp.sqrt(_vdot(ydot, ydot) * _vdot(w, w)))
+  assert abs(float(lhs - rhs)) <= 1e-5 * scale, (lhs, rhs)
+
+
+@contextlib.contextmanager
+def _count_passes():
+  """How often the blockwise backward and tangent pass are traced."""
+  cls = blockwise_backend.BlockwiseBackend
+  seen = {"backward": 0, "forward_tangent": 0}
+  saved = {n: getattr(cls, n) for n in seen}
+
+  def wrap(name):
+    def spied(self, *a, **kw):
+      seen[name] += 1
+      return saved[name](self, *a, **kw)
+
+    return spied
+
+  for n in seen:
+    setattr(cls, n, wrap(n))
+  try:
+    yield seen
+  finally:
+    for n, fn in saved.items():
+      setattr(cls, n, fn)
+
+
+def test_linearize_and_transpose_run_the_backward(rng):
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 24, 24, 2, 2, 32, dtype=jnp.float32)
+  f = lambda q, k, v: _flash("blockwise", dict(causal=True), _TILES)(
+    q, k, v, None, None
+  )
+  with _count_passes() as seen:
+    y, f_lin = jax.linearize(f, q, k, v)
+    ydot = f_lin(dq, dk, dv)
+    _, ydot_ref = jax.jvp(f, (q, k, v), (dq, dk, dv))
+    cts = jax.linear_transpose(f_lin, q, k, v)(y)
+  assert seen["backward"] >= 1  # the transpose is the hand-written backward
+  for a, b in zip(ydot, ydot_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  grads = jax.vjp(f, q, k, v)[1](y)
+  for a, b in zip(cts, grads):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_jacfwd_equals_jacrev_on_a_tiny_call(rng):
+  (q, k, v), _ = _inputs(rng, 1, 5, 7, 2, 1, 4, dtype=jnp.float32)
+  f = lambda q: pallas_fa3.flash_attention(
+    q, k, v, causal=True, implementation="blockwise", config=_TILES
+  )
+  np.testing.assert_allclose(
+    jax.jacfwd(f)(q), jax.jacrev(f)(q), rtol=1e-5, atol=1e-6
+  )
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "remat"])
+def test_jvp_under_transformations(transform, rng):
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 3, 16, 24, 2, 1, 16, dtype=jnp.float32)
+  f = lambda q, k, v: pallas_fa3.flash_attention(
+    q, k, v, causal=True, implementation="blockwise", config=_TILES
+  )
+  plain = [jax.jvp(f, (q[i : i + 1], k[i : i + 1], v[i : i + 1]),
+                   (dq[i : i + 1], dk[i : i + 1], dv[i : i + 1]))
+           for i in range(3)]  # fmt: skip
+  jvp = lambda q, k, v, dq, dk, dv: jax.jvp(f, (q, k, v), (dq, dk, dv))
+  if transform == "jit":
+    got = jax.jit(jvp)(q, k, v, dq, dk, dv)
+  elif transform == "remat":
+    got = jax.jvp(jax.checkpoint(f), (q, k, v), (dq, dk, dv))
+  else:  # over a leading axis of size 1 per example
+    got = jax.vmap(jvp)(*(x[:, None] for x in (q, k, v, dq, dk, dv)))
+    got = jax.tree.map(lambda x: x[:, 0], got)
+  for i in range(3):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain[i])):
+      np.testing.assert_allclose(a[i : i + 1], b, rtol=2e-6, atol=2e-6)
+
+
+def test_hessian_on_blockwise(rng):
+  (q, k, v), _ = _inputs(rng, 1, 4, 6, 1, 1, 3, dtype=jnp.float32)
+
+  def loss(q, implementation):
+    out = pallas_fa3.flash_attention(
+      q, k, v, causal=True, implementation=implementation
+    )
+    return jnp.sum(jnp.sin(out))
+
+  h = jax.hessian(loss)(q, "blockwise")
+  with jax.enable_x64(True):
+    h64 = jax.hessian(
+      lambda q: jnp.sum(jnp.sin(_golden(q, k, v, causal=True)[0]))
+    )(np.asarray(q, np.float64))
+  np.testing.assert_allclose(h, h64, rtol=1e-4, atol=1e-5)
+
+
+def _scm_loss(implementation):
+  """sCM / MeanFlow: a loss holding jvp(attention), its tangent under
+  stop_gradient, differentiated in reverse mode."""
+
+  def loss(q, k, v, dq):
+    f = lambda q: pallas_fa3.flash_attention(
+      q, k, v, causal=True, implementation=implementation
+    )
+    out, dout = jax.jvp(f, (q,), (dq,))
+    target = jax.lax.stop_gradient(out + 0.1 * dout)
+    return jnp.sum((out - target * 0.5) ** 2)
+
+  return loss
+
+
+def test_grad_of_a_loss_holding_a_jvp_runs_the_backward(rng):
+  (q, k, v), (dq, _, _) = _inputs(rng, 1, 24, 24, 2, 2, 32, dtype=jnp.float32)
+  with _count_passes() as seen:
+    got = jax.jit(jax.grad(_scm_loss("blockwise"), argnums=(0, 1, 2)))(
+      q, k, v, dq
+    )
+  assert seen["backward"] >= 1
+  want = jax.grad(_scm_loss("reference"), argnums=(0, 1, 2))(q, k, v, dq)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "reference"])
+def test_grad_through_the_tangent(implementation, rng):
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 20, 20, 2, 1, 16, dtype=jnp.float32)
+
+  def loss(q, k, v, implementation):
+    f = lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, causal=True, softcap=4.0, implementation=implementation
+    )
+    _, dout = jax.jvp(f, (q, k, v), (dq, dk, dv))
+    return jnp.sum(dout**2)
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, implementation)
+  with jax.enable_x64(True):
+    f64 = lambda x: np.asarray(x, np.float64)
+
+    def gold(q, k, v):
+      g = lambda q, k, v: _golden(q, k, v, causal=True, softcap=4.0)[0]
+      _, dout = jax.jvp(g, (q, k, v), tuple(map(f64, (dq, dk, dv))))
+      return jnp.sum(dout**2)
+
+    want = jax.grad(gold, argnums=(0, 1, 2))(*map(f64, (q, k, v)))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+_BITWISE = [
+  dict(causal=True),
+  dict(window_size=(7, 2), softcap=5.0, sinks=1),
+  dict(bias=1, score_mod=1),
+]
+
+
+def _legacy_attention(call, operands):
+  """The one custom_vjp every call went through before issue 69 (its
+  forward and backward, the sinks' gradient beside them)."""
+
+  @jax.custom_vjp
+  def run(operands):
+    return partitioning.run(call, operands)
+
+  def fwd(operands):
+    result = run(operands)
+    return result, (operands, result)
+
+  def bwd(residuals, cts):
+    operands, (out, lse) = residuals
+    back = dataclasses.replace(call, op="backward")
+    g = partitioning.run(back, Backward(operands, out, lse, *cts))
+    dflex = dsinks = None
+    if operands.flex is not None:
+      dflex = pallas_fa3.flex.cotangents(operands.flex, *g.dflex)
+    if operands.sinks is not None:
+      dsinks = pallas_fa3.modifiers.sinks_gradient(
+        operands.sinks, out, lse, *cts
+      )
+    return (
+      operands._replace(q=g.dq, k=g.dk, v=g.dv, sinks=dsinks, flex=dflex),
+    )
+
+  run.defvjp(fwd, bwd)
+  return run(operands)
+
+
+@pytest.mark.parametrize("options", _BITWISE, ids=case_id)
+def test_reverse_mode_is_the_hand_written_backward_bit_for_bit(options, rng):
+  """jax.grad (and under checkpoint) gives the gradients of the
+  custom_vjp before issue 69, bit for bit, and traces no tangent pass."""
+  (q, k, v), _ = _inputs(rng, 2, 40, 56, 4, 2, 32)
+  kw = dict(options)
+  if kw.get("sinks"):
+    kw["sinks"] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  if kw.get("bias"):
+    kw["bias"] = jnp.asarray(rng.standard_normal((1, 4, 40, 56)), jnp.float32)
+  if kw.get("score_mod"):
+    kw["score_mod"] = lambda s, b, h, i, j: s + 0.01 * (i - j)
+  f = lambda q, k, v: pallas_fa3.flash_attention(
+    q, k, v, return_lse=True, implementation="blockwise", **kw
+  )
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  dlse = jnp.asarray(rng.standard_normal((2, 4, 40)), jnp.float32)
+  grad = lambda f: jax.jit(lambda *x: jax.vjp(f, *x)[1]((dout, dlse)))
+  with _count_passes() as seen:
+    got = grad(f)(q, k, v)
+    remat = grad(jax.checkpoint(f))(q, k, v)
+  assert seen["backward"] == 2 and seen["forward_tangent"] == 0, seen
+  jax.clear_caches()  # flash_attention's inner jit traces again, patched
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(pallas_fa3.vjp, "call", _legacy_attention)
+    want = grad(f)(q, k, v), grad(jax.checkpoint(f))(q, k, v)
+  jax.clear_caches()
+  for a, b in zip(jax.tree.leaves((got, remat)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_jvp_is_refused_with_the_reason(rng):
+  (q, k, v), (dq, _, _) = _inputs(rng, 1, 32, 32, 2, 2, 64)
+  f = lambda q: pallas_fa3.flash_attention(
+    q, k, v, fp8=True, implementation="blockwise"
+  )
+  with pytest.raises(NotImplementedError, match="FP8"):
+    jax.jvp(f, (q,), (dq,))
+  plan = pallas_fa3.explain(q, k, v, fp8=True, implementation="blockwise")
+  assert "jvp: refused" in plan
+
+
+def test_explain_says_the_kernels_fall_back_to_the_twin(rng):
+  (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 64)
+  plan = pallas_fa3.explain(q, k, v, causal=True, implementation="interpret")
+  line = next(ln for ln in plan.splitlines() if ln.startswith("jvp:"))
+  assert "blockwise forward+tangent pass" in line and "fallback" in line
+  assert tangent.NO_FP8_JVP  # named once, imported by the refusal
+
+
+def test_dot_product_attention_jvp(rng):
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 24, 24, 2, 2, 32, dtype=jnp.float32)
+  f = lambda q, k, v: pallas_fa3.dot_product_attention(
+    q, k, v, is_causal=True, implementation="blockwise"
+  )
+  g = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  _, got = jax.jvp(f, (q, k, v), (dq, dk, dv))
+  _, want = jax.jvp(g, (q, k, v), (dq, dk, dv))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kvcache_jvp_and_no_gradient(rng):
+  b, hq, hk, d, cap = 2, 4, 2, 32, 48
+  q = jnp.asarray(rng.standard_normal((b, 1, hq, d)), jnp.float32)
+  dq = jnp.asarray(rng.standard_normal((b, 1, hq, d)), jnp.float32)
+  kc = jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.float32)
+  vc = jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.float32)
+  dkc = jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.float32)
+  lengths = jnp.asarray([30, 41], jnp.int32)
+  f = lambda q, kc: pallas_fa3.flash_attention_with_kvcache(
+    q, kc, vc, cache_seqlens=lengths, causal=True
+  )
+  _, got = jax.jvp(f, (q, kc), (dq, dkc))
+  for i, n in enumerate((30, 41)):
+    want = _golden_jvp(
+      (q[i : i + 1], kc[i : i + 1, :n], vc[i : i + 1, :n], None, None),
+      (dq[i : i + 1], dkc[i : i + 1, :n], jnp.zeros_like(vc[i : i + 1, :n]),
+       None, None),
+      causal=True,
+    )[2]  # fmt: skip
+    np.testing.assert_allclose(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: f(q, kc).sum())(q)
