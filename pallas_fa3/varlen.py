@@ -82,7 +82,7 @@ def _check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
 def _check_max_seqlen(name: str, value: Any) -> int | None:
   if value is None:
     return None
-  if _is_traced(value) or isinstance(value, (bool, np.bool_)):
+  if isinstance(value, (jax.Array, bool, np.bool_)):
     raise TypeError(
       f"{name} must be a static Python int (an upper bound on the"
       f" sequences' lengths) or None; got {value!r}"
@@ -337,7 +337,7 @@ def _prepare(
   # invalid): NaN/Inf there never meets a zero probability (0 * NaN).
   poison = jnp.where(p.bad, jnp.nan, 1.0)
   clean = lambda x, valid: (
-    jnp.where(valid[:, None, None], x, 0) * poison.astype(x.dtype)
+    jnp.where((valid | p.bad)[:, None, None], x, 0) * poison.astype(x.dtype)
   )
   options.update(
     causal=causal and rule == BUILT_IN,
@@ -471,16 +471,25 @@ def flash_attention_varlen(
     config=config,
   )
   return_lse = check_bool("return_lse", return_lse)
-  out, lse = flash_attention(
-    call.q, call.k, call.v, return_lse=True, **call.options
-  )
   valid = call.packing.valid_q
+  if call.q.shape[1] and call.k.shape[1]:
+    out, lse = flash_attention(
+      call.q, call.k, call.v, return_lse=True, **call.options
+    )
+  else:  # no query or no key at all: every row sees nothing
+    hq, dv = call.q.shape[2], call.v.shape[3]
+    out = jnp.zeros((1, call.q.shape[1], hq, dv), call.q.dtype)
+    lse = jnp.full((1, hq, call.q.shape[1]), -jnp.inf)
+    if sinks is not None:
+      lse = lse * 0 + jnp.asarray(sinks, jnp.float32)[None, :, None]
   # Unused rows: 0 (their cotangent is dropped here, so a NaN there never
   # reaches a gradient either).
-  out = jnp.where(valid[:, None, None], out[0], 0).astype(out.dtype)
+  # An invalid traced packing: NaN everywhere, gradients too.
+  poison = jnp.where(call.packing.bad, jnp.nan, 1.0)
+  out = jnp.where(valid[:, None, None], out[0], 0) * poison.astype(out.dtype)
   if not return_lse:
     return out
-  return out, jnp.where(valid[None], lse[0], -jnp.inf)
+  return out, jnp.where(valid[None], lse[0], -jnp.inf) * poison
 
 
 def explain(
