@@ -546,3 +546,137 @@ def explain(
     f"per-sequence causal/window: {how}",
   ]
   return "\n".join(lines + [held["plan"]])
+
+
+class Shards(NamedTuple):
+  """A packed batch split by whole sequences into `shards` pieces of equal
+  capacity (`shard`): q `[shards, capacity_q, heads_q, d]`, k and v
+  `[shards, capacity_k, heads_kv, d(v)]` (each piece its sequences' tokens,
+  then zeros), int32 `cu_seqlens_q` / `cu_seqlens_k` `[shards, m + 1]`
+  (each piece's own; empty sequences pad them to m), and `index_q` int32
+  `[total_q]`: each query token's row in the flattened pieces (`unshard`),
+  `shards * capacity_q` (a zero row) for tokens of no sequence."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  cu_seqlens_q: jax.Array
+  cu_seqlens_k: jax.Array
+  index_q: jax.Array
+
+
+def _assign(lq: np.ndarray, lk: np.ndarray, shards: int, caps: tuple) -> list:
+  """Sequences per shard: longest-work first onto the least-loaded shard
+  with room (work ~ lq * lk + lq + lk), each shard's in their order."""
+  work = lq * lk + lq + lk
+  load = np.zeros(shards)
+  used = np.zeros((shards, 2), np.int64)
+  groups = [[] for _ in range(shards)]
+  for s in np.argsort(-work, kind="stable"):
+    fits = [
+      r
+      for r in range(shards)
+      if caps[0] is None or used[r, 0] + lq[s] <= caps[0]
+      if caps[1] is None or used[r, 1] + lk[s] <= caps[1]
+    ]
+    if not fits:
+      raise ValueError(
+        f"sequence {s} ({lq[s]} queries, {lk[s]} keys) fits no shard within"
+        f" capacity_q={caps[0]}, capacity_k={caps[1]} (shards hold"
+        f" {used.tolist()} tokens)"
+      )
+    r = min(fits, key=lambda r: (load[r], r))
+    groups[r].append(int(s))
+    load[r] += work[s]
+    used[r] += (lq[s], lk[s])
+  return [sorted(g) for g in groups]
+
+
+def shard(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  cu_seqlens_q: Any,
+  cu_seqlens_k: Any,
+  shards: int,
+  *,
+  capacity_q: int | None = None,
+  capacity_k: int | None = None,
+) -> Shards:
+  """A packed varlen batch split by whole sequences into `shards` pieces
+  for data parallelism: place `Shards.q/k/v/cu_seqlens_*` with their
+  leading axis over the data axis, run `flash_attention_varlen` on each
+  piece (`jax.shard_map`; docs/varlen.md#sharding), and `unshard` the
+  outputs. The split is balanced by work and planned on the host, so
+  `cu_seqlens` must be concrete (a data loader's step); pass fixed
+  capacities to keep the pieces' shapes (and the compilation) fixed.
+
+  Args:
+    q, k, v: the packed layout of `flash_attention_varlen`.
+    cu_seqlens_q, cu_seqlens_k: concrete int32 `[n + 1]`.
+    shards: the number of pieces (the data axis' size).
+    capacity_q, capacity_k: tokens per piece (None: the fullest piece's).
+
+  Returns:
+    `Shards` (gathered on the device: differentiable in q, k, v).
+
+  Raises:
+    TypeError / ValueError naming the argument: traced or invalid
+      `cu_seqlens`, `shards` < 1, a sequence that fits no piece.
+  """
+  if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+    raise ValueError(f"shards must be an int >= 1; got {shards!r}")
+  cus = []
+  for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):  # fmt: skip
+    if _is_traced(cu):
+      raise TypeError(
+        f"shard plans on the host: {name} must be concrete, not traced"
+      )
+    _check_index_array(name, cu, None if not cus else len(cus[0]))
+    cu = np.asarray(cu)
+    _check_concrete(name[-1], cu, None, int(x.shape[0]), None)
+    cus.append(cu.astype(np.int64))
+  cu_q, cu_k = cus
+  for name, cap in (("capacity_q", capacity_q), ("capacity_k", capacity_k)):
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):  # fmt: skip
+      raise ValueError(f"{name} must be an int >= 1 or None; got {cap!r}")
+  lq, lk = np.diff(cu_q), np.diff(cu_k)
+  groups = _assign(lq, lk, shards, (capacity_q, capacity_k))
+  cap_q = capacity_q or max(1, max(int(lq[g].sum()) for g in groups))
+  cap_k = capacity_k or max(1, max(int(lk[g].sum()) for g in groups))
+  m = max(1, max(len(g) for g in groups))
+  total_q, total_k = int(q.shape[0]), int(k.shape[0])
+  src_q = np.full((shards, cap_q), total_q, np.int32)  # the zero row
+  src_k = np.full((shards, cap_k), total_k, np.int32)
+  pieces_cu = np.zeros((2, shards, m + 1), np.int32)
+  index_q = np.full(total_q, shards * cap_q, np.int32)
+  for r, group in enumerate(groups):
+    at = [0, 0]
+    for i, s in enumerate(group):
+      for side, (cu, src) in enumerate(((cu_q, src_q), (cu_k, src_k))):
+        n = int(cu[s + 1] - cu[s])
+        src[r, at[side] : at[side] + n] = np.arange(cu[s], cu[s + 1])
+        if side == 0:
+          index_q[cu[s] : cu[s + 1]] = r * cap_q + at[0] + np.arange(n)
+        at[side] += n
+        pieces_cu[side, r, i + 1 :] = at[side]
+  gather = lambda x, src: jnp.concatenate(
+    [jnp.asarray(x), jnp.zeros((1,) + x.shape[1:], x.dtype)]
+  )[src]
+  return Shards(
+    gather(q, src_q),
+    gather(k, src_k),
+    gather(v, src_k),
+    jnp.asarray(pieces_cu[0]),
+    jnp.asarray(pieces_cu[1]),
+    jnp.asarray(index_q),
+  )
+
+
+def unshard(x: jax.Array, shards: Shards) -> jax.Array:
+  """Per-piece outputs `[shards, capacity_q, ...]` back in the packed
+  order, `[total_q, ...]` (0 for tokens of no sequence); lse-shaped
+  `[shards, heads, capacity_q]` outputs: `unshard(lse.swapaxes(1, 2), s).T`."""
+  flat = x.reshape((-1,) + x.shape[2:])
+  flat = jnp.concatenate([flat, jnp.zeros((1,) + flat.shape[1:], flat.dtype)])
+  return flat[shards.index_q]

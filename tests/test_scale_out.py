@@ -46,6 +46,7 @@ SUITES = (
   "check_ring_window.py",
   "check_sequence_sharded.py",
   "check_ulysses.py",
+  "check_varlen_sharded.py",
 )
 SIMULATED_DEVICES = 8
 # One subprocess per suite, each under its own budget: all 8 in one
