@@ -265,9 +265,19 @@ class Sm90Backend(Backend):
 
   def _describe_decode(self, spec: DecodeSpec, config: Any) -> str:
     splits = self.decode_splits(spec, config)
+    kernel = config_decode.kernel_spec(spec)
+    why = "as asked"
+    if spec.batch_invariant:
+      why = "fixed runs of keys: batch_invariant"
+    elif not spec.num_splits:
+      pick = config_decode.split_choices(kernel, config)[splits - 1]
+      why = (
+        f"{pick.ctas} CTAs in {pick.waves:.2f} waves, {pick.steps} tiles on"
+        " the busiest SM: config_decode.split_table"
+      )
     return (
       f"the sm90 decode kernel ({self.name}), {config}, {splits} split-KV"
-      f" range(s) per sequence"
+      f" range(s) per sequence ({why})"
     )
 
   def backward(

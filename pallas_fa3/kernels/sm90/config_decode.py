@@ -395,16 +395,106 @@ def query_tiles(spec: DecodeSpec) -> int:
   return cdiv(packed_heads(spec) * spec.seq_q, DECODE_ROWS)
 
 
+# Per-SM shared memory on H100/H200 (228 KiB), and what each resident CTA
+# takes beside its own (1 KiB reserved by the system): how many decode
+# CTAs an SM holds at once.
+SM_SHARED_BYTES = 228 * 1024
+_CTA_RESERVED_SMEM = 1024
+# The shortest split-KV range the automatic count makes, in tiles: shorter
+# ones leave the K/V ring's stages idle and add a partial per few tiles.
+MIN_SPLIT_TILES = 4
+# Model time within this fraction of the best counts as a tie: the fewest
+# splits then wins (fewer partials written and merged).
+_SPLIT_TIE = 0.02
+
+
+def partial_rows(spec: DecodeSpec) -> int:
+  """Rows of each split's float32 partial (output and lse) per (sequence,
+  grid head): only the live packed rows (the group times seq_q, whole
+  8-row groups of the staging tile's swizzle) with one query tile; whole
+  64-row tiles with several."""
+  tiles = query_tiles(spec)
+  if tiles > 1:
+    return tiles * DECODE_ROWS
+  return cdiv(packed_heads(spec) * spec.seq_q, _TMA_ROWS) * _TMA_ROWS
+
+
+def ctas_per_sm(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
+  """Decode CTAs one SM holds at once (its shared memory)."""
+  smem = mla_smem_bytes if is_mla(spec) else decode_smem_bytes
+  return max(1, SM_SHARED_BYTES // (smem(spec, config) + _CTA_RESERVED_SMEM))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitChoice:
+  """One candidate split-KV count of a call and what it costs in the
+  model: `ctas` (batch x grid heads x query tiles x splits), the `waves`
+  they take over the SMs (CTAs / SMs, fractional), `tiles` per range,
+  `steps` (the K/V tiles the busiest SM streams: HBM-bound, each SM at its
+  share of the bandwidth) and the float32 partial bytes written (read
+  again by the merge)."""
+
+  splits: int
+  ctas: int
+  waves: float
+  tiles: int
+  steps: int
+  partial_bytes: int
+
+
+def split_choices(
+  spec: DecodeSpec, config: Sm90DecodeConfig
+) -> list[SplitChoice]:
+  """Every split count the automatic choice weighs: 1 up to the capacity's
+  tiles over `MIN_SPLIT_TILES` (at most `MAX_SPLITS`)."""
+  base = spec.batch * grid_heads(spec) * query_tiles(spec)
+  tiles = cdiv(spec.capacity, config.block_kv)
+  rows = partial_rows(spec)
+  out = []
+  for s in range(1, max(1, min(tiles // MIN_SPLIT_TILES, MAX_SPLITS)) + 1):
+    per = cdiv(tiles, s)
+    ctas = base * s
+    # out and lse in float32 (one split too: the merge rounds them)
+    written = ctas // query_tiles(spec) * rows * (spec.head_dim_v + 1) * 4
+    out.append(
+      SplitChoice(
+        s, ctas, ctas / HOPPER_SMS, per, cdiv(ctas, HOPPER_SMS) * per, written
+      )
+    )
+  return out
+
+
 def default_splits(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
-  """Split-KV ranges per sequence: enough CTAs to fill the SMs twice when
-  batch x grid heads x query tiles do not, each range at least 4 tiles
-  long; with `batch_invariant`, fixed runs of keys whatever the batch
-  (`kvcache.invariant_splits`)."""
+  """Split-KV ranges per sequence: the count whose CTAs fill their last
+  wave best, i.e. the fewest K/V tiles streamed by the busiest SM
+  (`split_choices`; within 2% of the best, the fewest splits); with
+  `batch_invariant`, fixed runs of keys whatever the batch
+  (`kvcache.invariant_splits`). `split_table` says why."""
   if spec.batch_invariant:
     return invariant_splits(spec, config.block_kv, MAX_SPLITS)
-  ctas = spec.batch * grid_heads(spec) * query_tiles(spec)
-  tiles = cdiv(spec.capacity, config.block_kv)
-  if ctas >= HOPPER_SMS:
-    return 1
-  wanted = cdiv(2 * HOPPER_SMS, ctas)
-  return max(1, min(wanted, tiles // 4, MAX_SPLITS))
+  return _best(split_choices(spec, config)).splits
+
+
+def _best(choices: list[SplitChoice]) -> SplitChoice:
+  least = min(c.steps for c in choices)
+  return next(c for c in choices if c.steps <= least * (1 + _SPLIT_TIE))
+
+
+def split_table(spec: DecodeSpec, config: Sm90DecodeConfig) -> str:
+  """The automatic split count's reasons, as a Markdown table: each
+  candidate's CTAs, waves, tiles per range, tiles on the busiest SM and
+  partial bytes, the chosen one marked."""
+  choices = split_choices(spec, config)
+  best = _best(choices)
+  lines = [
+    "| splits | CTAs | waves | tiles per range | tiles on the busiest SM"
+    " | partial bytes |",
+    "|---|---|---|---|---|---|",
+  ]
+  for c in choices:
+    mark = " (chosen)" if c is best else ""
+    lines.append(
+      f"| {c.splits}{mark} | {c.ctas} | {c.waves:.2f} | {c.tiles} |"
+      f" {c.steps} | {c.partial_bytes} |"
+    )
+  return "\n".join(lines)

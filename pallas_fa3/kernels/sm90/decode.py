@@ -553,20 +553,23 @@ def _consumer(
   lse_smem[...] = jnp.where(empty, -jnp.inf, natural_from_log2(m + log2_l))
   # O leaves in column chunks through one float32 staging tile, each
   # rewritten once the previous chunk's store has read it.
+  # With one query tile only its live rows leave (`partial_rows`: the
+  # group times seq_q in whole 8-row swizzle groups), not all 64.
   cols = o_smem.shape[1]
+  live = config_decode.partial_rows(spec) if qtile is None else DECODE_ROWS
+  o_src, lse_src = o_smem, lse_smem
+  if live < DECODE_ROWS:
+    o_src, lse_src = o_smem.at[pl.ds(0, live)], lse_smem.at[pl.ds(0, live)]
+  out_rows = slice(None) if qtile is None else pl.ds(row0, DECODE_ROWS)
   for c in range(0, spec.head_dim_v, cols):
     if c:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     o_smem[...] = o[:, c : c + cols]
     plgpu.commit_smem()
-    out_rows = slice(None) if qtile is None else pl.ds(row0, DECODE_ROWS)
     plgpu.copy_smem_to_gmem(
-      o_smem, o_dst.at[split, batch, head, out_rows, pl.ds(c, cols)]
+      o_src, o_dst.at[split, batch, head, out_rows, pl.ds(c, cols)]
     )
-  lse_out = lse_dst.at[split, batch, head]
-  if qtile is not None:
-    lse_out = lse_dst.at[split, batch, head, pl.ds(row0, DECODE_ROWS)]
-  plgpu.copy_smem_to_gmem(lse_smem, lse_out)
+  plgpu.copy_smem_to_gmem(lse_src, lse_dst.at[split, batch, head, out_rows])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -642,9 +645,10 @@ def build_decode(
       k_empty=consumer_release(stages, 1),
       v_empty=consumer_release(stages, 1),
     )
+  rows = config_decode.partial_rows(spec)  # live rows only (one tile)
   out_type = dict(
-    o=jax.ShapeDtypeStruct((splits, b, hk, qtiles * DECODE_ROWS, dv), _F32),
-    lse=jax.ShapeDtypeStruct((splits, b, hk, qtiles * DECODE_ROWS), _F32),
+    o=jax.ShapeDtypeStruct((splits, b, hk, rows, dv), _F32),
+    lse=jax.ShapeDtypeStruct((splits, b, hk, rows), _F32),
   )
   inputs = ["q", "k", "v", "lengths", "rows", "pages"]
   inputs += ["k_descale", "v_descale"] * plan.fp8 + ["starts"] * spec.leftpad
@@ -784,7 +788,7 @@ def merged_output(
     sink = jnp.broadcast_to(
       per_head, (spec.batch, heads, spec.seq_q, g)
     ).reshape(spec.batch, heads, spec.seq_q * g)
-    sink = pad_axis(sink, 2, config_decode.query_tiles(spec) * DECODE_ROWS)
+    sink = pad_axis(sink, 2, o_parts.shape[3])  # the partials' rows
   out, lse = combine_splits(o_parts, lse_parts, sink)
   out = unpack_rows(spec, out).astype(spec.dtype)
   lse = jnp.moveaxis(unpack_rows(spec, lse[..., None])[..., 0], 1, 2)
