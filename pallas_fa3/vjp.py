@@ -71,6 +71,9 @@ class Attention(hijax.HiPrim):
     )
     self.in_avals = (jax.tree.map(jax.typeof, operands),)
     self.out_aval = traced.out_avals
+    # The call's own effects (the Pallas interpreter's callbacks), seen by
+    # JAX as before (a cond under vmap refuses them, nothing drops them).
+    self.effects = traced.effects
     self.params = dict(static=static, traced=traced)
     super().__init__()
 

@@ -40,6 +40,7 @@ SUITES = (
   "check_sharded_attention.py",
   "check_sharded_decode.py",
   "check_sharded_flex.py",
+  "check_sharded_jvp.py",
   "check_ring_attention.py",
   "check_ring_segments.py",
   "check_ring_modifiers.py",
