@@ -29,6 +29,7 @@ TRAIN_MODEL_DEFAULTS = dict(
   dtype="bfloat16",
   softcap=None,
   sinks=False,
+  varlen=False,
 )
 TRAIN_DEFAULTS = dict(
   steps=1000,
@@ -158,6 +159,15 @@ def add_train_parser(sub, formatter_class) -> None:
     action=argparse.BooleanOptionalAction,
     default=m["sinks"],
     help="a learnable attention sink logit per head",
+  )
+  model.add_argument(
+    "--varlen",
+    action=argparse.BooleanOptionalAction,
+    default=m["varlen"],
+    help=(
+      "with --packed: attention as one flash_attention_varlen call over the"
+      " batch's documents (cu_seqlens) instead of segment ids"
+    ),
   )
   model.add_argument(
     "--implementation",
@@ -304,6 +314,7 @@ def train_configs(args):
     window_pattern=args.window_pattern or (),
     softcap=args.softcap,
     sinks=args.sinks,
+    varlen=args.varlen,
     attention_implementation=(
       None if args.implementation == "auto" else args.implementation
     ),

@@ -1,7 +1,8 @@
 """A GPT-style decoder-only transformer on pallas-fa3 attention (Flax nnx):
 `GPT` builds the byte-level model a `GPTConfig` describes (pre-norm blocks
 of `FlashMultiHeadAttention` and a GELU MLP, RoPE or learned positions;
-optionally packed sequences, sliding windows, softcap and sinks; KV-cache
+optionally packed sequences (segment ids, or `flash_attention_varlen`),
+sliding windows, softcap and sinks; KV-cache
 decoding after `init_cache`).
 More: docs/training.md#the-model
 
@@ -25,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_fa3
 from models.gpt_config import GPTConfig as GPTConfig
-from pallas_fa3.flax import FlashMultiHeadAttention
+from pallas_fa3 import varlen
+from pallas_fa3.flax import FlashMultiHeadAttention, rope
 from pallas_fa3.segments import segment_positions
 
 # GPT-2 initialization: weights ~ N(0, 0.02^2); the projections that write
@@ -112,6 +115,7 @@ class Block(nnx.Module):
     )
     self.norm_mlp = _make_norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs=rngs)
+    self.varlen = cfg.varlen
 
   def __call__(
     self,
@@ -125,6 +129,8 @@ class Block(nnx.Module):
       x = x + self.attn(h, decode=True, **decode)
     elif segment_ids is None:  # the unpacked call, exactly as before packing
       x = x + self.attn(h)
+    elif self.varlen:  # segment_ids holds the batch's cu_seqlens
+      x = x + _varlen_attention(self.attn, h, segment_ids, positions)
     else:
       rope = positions if self.attn.rope else None
       x = x + self.attn(h, segment_ids=segment_ids, positions=rope)
@@ -254,6 +260,8 @@ class GPT(nnx.Module):
         self.pos_embed[...].astype(dtype),
         precision=jax.lax.Precision.HIGHEST,
       )
+    if cfg.varlen and segment_ids is not None:  # the documents, flattened
+      segment_ids = varlen.cu_seqlens_of_rows(segment_ids)
     for block in self.blocks:
       x = block(x, segment_ids, positions, decoding)
     x = self.norm_out(x)
@@ -273,6 +281,37 @@ class GPT(nnx.Module):
       raise ValueError("decode=True needs the KV caches: call init_cache")
     start = jnp.zeros_like(lengths[...]) if prefill else lengths[...]
     return start[:, None] + jnp.arange(seq, dtype=jnp.int32)
+
+
+def _varlen_attention(
+  attn: FlashMultiHeadAttention,
+  h: jax.Array,
+  cu_seqlens: jax.Array,
+  positions: jax.Array,
+) -> jax.Array:
+  """`attn(h, segment_ids=...)` as one `flash_attention_varlen` call: the
+  layer's projections and RoPE, rows `[batch, seq]` flattened to tokens,
+  each document a sequence of `cu_seqlens` (the same array for queries
+  and keys: each document's own causal diagonal, at no extra cost)."""
+  q, k, v = attn.query(h), attn.key(h), attn.value(h)  # [b, s, heads, d]
+  if attn.rope:
+    q = rope.apply_rope(q, positions, attn.rope_base)
+    k = rope.apply_rope(k, positions, attn.rope_base)
+  tokens = lambda x: x.reshape((-1,) + x.shape[2:])
+  out = pallas_fa3.flash_attention_varlen(
+    tokens(q),
+    tokens(k),
+    tokens(v),
+    cu_seqlens,
+    cu_seqlens,
+    causal=attn.causal,
+    window_size=attn.window_size,
+    softcap=attn.softcap,
+    sinks=None if attn.sinks is None else attn.sinks[...],
+    implementation=attn.implementation,
+    config=attn.config,
+  )
+  return attn.out(out.reshape(q.shape[:2] + out.shape[1:]))
 
 
 def _packing_inputs(

@@ -63,6 +63,10 @@ class GPTConfig:
       a positive number, or None (off).
     sinks: each attention layer learns one sink logit per query head
       (`FlashMultiHeadAttention(sinks=True)`).
+    varlen: with `segment_ids` (packed documents), attention runs as one
+      `pallas_fa3.flash_attention_varlen` call over the batch's documents
+      (rows flattened, `cu_seqlens` from the ids) instead of
+      `flash_attention(segment_ids=)`: the same function.
   """
 
   vocab_size: int = 256
@@ -83,6 +87,7 @@ class GPTConfig:
   window_pattern: tuple[int | None, ...] = ()
   softcap: float | None = None
   sinks: bool = False
+  varlen: bool = False
 
   def __post_init__(self) -> None:
     for name in (
@@ -138,6 +143,7 @@ class GPTConfig:
     )
     object.__setattr__(self, "softcap", _check_softcap(self.softcap))
     _check_choice("sinks", self.sinks, (True, False))
+    _check_choice("varlen", self.varlen, (True, False))
 
   def layer_window(self, layer: int) -> int | None:
     """The left window of block `layer` (None: global causal attention)."""

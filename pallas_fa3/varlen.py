@@ -548,6 +548,24 @@ def explain(
   return "\n".join(lines + [held["plan"]])
 
 
+def cu_seqlens_of_rows(segment_ids: Any) -> jax.Array:
+  """int32 `[batch * seq + 1]`: the `cu_seqlens` of rows of packed
+  documents, ids `[batch, seq]` (`pallas_fa3.segment_ids_from_lengths`'s),
+  flattened to `[batch * seq]` tokens: a sequence starts where a row
+  starts or the id changes. A fixed size (empty sequences at the end), so
+  one compilation serves every packing; computed on the device."""
+  ids = jnp.asarray(segment_ids)
+  if ids.ndim != 2:
+    raise ValueError(
+      f"segment_ids must be [batch, seq]; got shape {tuple(ids.shape)}"
+    )
+  b, s = ids.shape
+  starts = jnp.ones((b, s), bool).at[:, 1:].set(ids[:, 1:] != ids[:, :-1])
+  t = jnp.arange(b * s, dtype=jnp.int32)
+  first = jnp.sort(jnp.where(starts.reshape(-1), t, b * s))
+  return jnp.append(first, b * s).astype(jnp.int32)
+
+
 class Shards(NamedTuple):
   """A packed batch split by whole sequences into `shards` pieces of equal
   capacity (`shard`): q `[shards, capacity_q, heads_q, d]`, k and v

@@ -257,6 +257,53 @@ def test_packed_training_runs_and_records_it(tmp_path):
   assert records[0]["run"] == {"packed": True}
 
 
+@pytest.mark.parametrize(
+  "options",
+  [
+    {},
+    pytest.param(
+      dict(window_pattern=(5, None), sinks=True, softcap=20.0, num_kv_heads=1),
+      marks=pytest.mark.slow,
+    ),
+  ],
+  ids=["rope", "window-sinks-softcap-mqa"],
+)
+def test_varlen_attention_is_the_segment_ids_function(options):
+  """GPTConfig(varlen=True): the batch's documents as one
+  flash_attention_varlen call give the segment-ids model's loss and
+  gradients (the same parameters)."""
+  batch = packing.packed_train_batch(
+    _corpus([5, 9, 30, 3, 17], [8]), step=0, data_seed=0, batch_size=3,
+    seq_len=24,
+  )  # fmt: skip
+  batch = packing.PackedBatch(*(jnp.asarray(x) for x in batch))
+  assert int(batch.segment_ids.max()) >= 1  # several documents per row
+  results = []
+  for varlen in (False, True):
+    cfg = dataclasses.replace(TINY, varlen=varlen, num_layers=2, **options)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    loss, grads = jax.jit(nnx.value_and_grad(packed_next_byte_loss))(
+      model, batch
+    )
+    results.append((loss, jax.tree.leaves(grads)))
+  (loss, grads), (v_loss, v_grads) = results
+  np.testing.assert_allclose(v_loss, loss, rtol=1e-6)
+  for g, v in zip(grads, v_grads):
+    np.testing.assert_allclose(v, g, rtol=1e-4, atol=1e-6)
+
+
+def test_varlen_training_runs(tmp_path):
+  cfg = dataclasses.replace(PACKED, steps=3, eval_interval=3)
+  summary = train(
+    dataclasses.replace(TINY, varlen=True), cfg, tmp_path, progress=False,
+    log=_quiet,
+  )  # fmt: skip
+  assert sorted(summary["losses"]) == [1, 2, 3]
+  assert all(np.isfinite(list(summary["losses"].values())))
+  saved = json.loads((tmp_path / SUMMARY_FILE).read_text())
+  assert saved["model_config"]["varlen"] is True
+
+
 def test_packed_step_is_deterministic():
   program = build_program(TINY, PACKED)
   corpus = data.load_stdlib_corpus(max_bytes=PACKED.max_bytes)
@@ -305,6 +352,10 @@ def test_cli_packed_flag():
   assert parse()[1].packed is False
   assert parse("--packed")[1].packed is True
   assert parse("--packed", "--no-packed")[1].packed is False
+  assert parse()[0].varlen is False
+  assert parse("--packed", "--varlen")[0].varlen is True
+  with pytest.raises(ValueError, match="GPTConfig.varlen"):
+    GPTConfig(varlen="yes")
 
 
 def test_config_packed_must_be_a_bool():

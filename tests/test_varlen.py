@@ -590,3 +590,11 @@ def test_interpret_kernels_against_golden(same_cu, rng):
     ("out", "dq", "dk", "dv"), got, gold[:1] + gold[2:5], nv[:1] + nv[2:5]
   ):
     _check(name, x, g, n, rows_q, rows_k)
+
+
+def test_cu_seqlens_of_rows():
+  ids = np.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, -1, -1]], np.int32)
+  cu = np.asarray(varlen.cu_seqlens_of_rows(jnp.asarray(ids)))
+  assert cu.tolist() == [0, 2, 5, 6, 10, 12] + [12] * 7
+  with pytest.raises(ValueError, match=r"segment_ids must be \[batch, seq\]"):
+    varlen.cu_seqlens_of_rows(jnp.zeros(4, jnp.int32))
