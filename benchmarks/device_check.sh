@@ -27,6 +27,10 @@
 #              of ours (bf16 and e4m3 caches), JAX's Triton
 #              decode_attention.gqa / paged_attention, XLA and cuDNN (a time
 #              budget cuts the baselines first)
+#   decode_modes issue 67's rows (`--tags decode-modes`): q_len 1, 4, 8, 16
+#              at batch 64 x 8k and 1 x 128k, batch_invariant=True at both,
+#              a flex decode (ALiBi + documents, page 64): ours, GB/s and %
+#              of the HBM peak (the e4m3 MLA row is decode_mla's fp8 one)
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
@@ -79,8 +83,10 @@ if [ "$QUICK" = 1 ]; then
   # and headline (15 -> 10).
   # The MLA step's 15 s came from smoke (50 -> 45), causal (20 -> 15) and
   # bench_fwd (30 -> 25).
-  T_SMOKE=45; T_CAUSAL=15; T_TESTS=35; T_FP8T=0; T_FWD=25; T_BWD=25; T_FP8=20
-  T_GRID=0; T_DEC=25; T_MLA=15; T_HEAD=10
+  # The decode_modes step's 15 s came from gpu_tests (35 -> 30), bench_fwd
+  # (25 -> 20) and bench_bwd (25 -> 20).
+  T_SMOKE=45; T_CAUSAL=15; T_TESTS=30; T_FP8T=0; T_FWD=20; T_BWD=20; T_FP8=20
+  T_GRID=0; T_DEC=25; T_MLA=15; T_MODES=15; T_HEAD=10
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
@@ -89,8 +95,10 @@ else
   # (60 -> 50), fp8_speed (35 -> 30), grid (35 -> 30), headline (15 -> 10).
   # The MLA step's 20 s came from gpu_tests (90 -> 80) and grid (30 -> 20),
   # its e4m3 cache's 10 s from bench_fwd (60 -> 55) and bench_bwd (50 -> 45).
-  T_SMOKE=70; T_CAUSAL=35; T_TESTS=80; T_FP8T=45; T_FWD=55; T_BWD=45; T_FP8=30
-  T_GRID=20; T_DEC=40; T_MLA=30; T_HEAD=10
+  # The decode_modes step's 30 s came from gpu_tests (80 -> 70), fp8_tests
+  # (45 -> 40), bench_fwd (55 -> 50), bench_bwd (45 -> 40), grid (20 -> 15).
+  T_SMOKE=70; T_CAUSAL=35; T_TESTS=70; T_FP8T=40; T_FWD=50; T_BWD=40; T_FP8=30
+  T_GRID=15; T_DEC=40; T_MLA=30; T_MODES=30; T_HEAD=10
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 16384
@@ -106,6 +114,10 @@ DECODE=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu --tags head
 DECODE_MLA=("$PY" -m pallas_fa3.tools.cli bench --mode decode --mla --grid gpu
             --tags headline --dtype bf16 fp8 --runs 10 --warmup 2 --no-progress
             --no-plots --impl mosaic blockwise)
+# Issue 67's decode rows: speculative q_len 1/4/8/16, batch-invariant, flex.
+DECODE_MODES=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu
+              --tags decode-modes --dtype bf16 --runs 10 --warmup 2
+              --no-progress --no-plots --impl mosaic)
 
 if [ "$GPU" = 1 ]; then
   # Every smoke item at once, each in its own process and killed (recorded
@@ -124,6 +136,8 @@ if [ "$GPU" = 1 ]; then
     --out "$OUT/decode"
   run_step decode_mla "$T_MLA" "${DECODE_MLA[@]}" \
     --time-budget $(( T_MLA - 12 )) --out "$OUT/decode_mla"
+  run_step decode_modes "$T_MODES" "${DECODE_MODES[@]}" \
+    --time-budget $(( T_MODES - 12 )) --out "$OUT/decode_modes"
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
   [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
@@ -144,6 +158,8 @@ else
   run_step decode 120 "${DECODE[@]}" --time-budget 0 --out "$OUT/decode"
   run_step decode_mla 120 "${DECODE_MLA[@]}" --time-budget 0 \
     --out "$OUT/decode_mla"
+  run_step decode_modes 120 "${DECODE_MODES[@]}" --time-budget 0 \
+    --out "$OUT/decode_modes"
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
   run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \

@@ -4,7 +4,8 @@
 
 Reads DIR/bench_fwd/results.json and DIR/bench_bwd/results.json (from
 `pallas-fa3 bench`), DIR/fp8/fp8.json (from fp8_device_check.py) and
-DIR/decode/results.json (from `pallas-fa3 bench --mode decode`); any of
+DIR/decode/results.json and DIR/decode_modes/results.json (from
+`pallas-fa3 bench --mode decode`: q_len, batch_invariant, flex); any of
 them may be missing (a step that timed out): its rows say so. One row per
 (pass, head dim, causal) at 16k tokens: TFLOPs/s of ours (mosaic), the
 blockwise twin on the GPU, cuDNN, XLA and attention_mgpu, and ours over the
@@ -107,9 +108,17 @@ def _decode_case(rec: dict) -> str:
   layout = (
     "contiguous" if rec["page_size"] is None else f"page {rec['page_size']}"
   )
+  modes = "".join(
+    (
+      f" q{rec['seq_q']}" if rec.get("seq_q", 1) > 1 else "",
+      " batch-invariant" if rec.get("batch_invariant") else "",
+      f" {rec['flex']}" if rec.get("flex") else "",
+    )
+  )
   return (
     f"b{rec['batch']} L{rec['cache_len']} {rec['heads_q']}/{rec['heads_kv']}"
     f" d{rec['head_dim']} {rec['dtype']} {layout} splits {rec['num_splits']}"
+    + modes
   )
 
 
@@ -155,6 +164,9 @@ def main(argv=None) -> int:
   lines += bench_rows(_load(out / "bench_bwd" / "results.json"), "bwd")
   lines += fp8_rows(_load(out / "fp8" / "fp8.json"))
   decode = _load(out / "decode" / "results.json")
+  modes = _load(out / "decode_modes" / "results.json")
+  if decode is not None and modes is not None:  # issue 67's rows after
+    decode = dict(decode, records=decode["records"] + modes["records"])
   peak = (decode or {}).get("hbm_peak", "unknown")
   text = (
     "TFLOPs/s (median; attention_mgpu on float16 copies)\n\n"

@@ -283,6 +283,8 @@ def test_headline_has_a_decode_table(tmp_path):
     (["--mode", "fwd", "--cache-len", "128"], "--cache-len"),
     (["--ragged"], "--ragged"),
     (["--q-len", "4"], "--q-len"),
+    (["--batch-invariant"], "--batch-invariant"),
+    (["--mode", "decode", "--decode-flex", "nope"], "--decode-flex"),
     (["--mode", "decode", "--q-len", "0"], "--q-len"),
     (["--mla"], "--mla"),
     (["--mode", "decode", "--mla", "--head-dim", "128"], "--head-dim"),
@@ -368,3 +370,34 @@ def test_speculative_sweep_on_a_cpu(tmp_path):
   assert "one query per sequence" in by_impl["xla"]["reason"]
   md = (tmp_path / report.MARKDOWN_FILE).read_text()
   assert "| 2x128 q4 |" in md
+
+
+def test_batch_invariant_and_flex_rows(tmp_path):
+  """`--batch-invariant --decode-flex alibi_doc`: ours with the options
+  (blockwise against the reference with the same functions), the
+  baselines say why they skip; the GPU grid tags issue 67's rows."""
+  argv = [
+    "bench", "--mode", "decode", "--batch-invariant", "--decode-flex",
+    "alibi_doc", "--batch", "2", "--cache-len", "1024", "--page-size",
+    "64", "--hidden", "128", "--head-dim", "64", "--gqa", "2",
+    "--num-splits", "auto", "--runs", "1", "--warmup", "0",
+    "--input-sets", "1", "--no-progress", "--no-plots", "--impl",
+    "blockwise", "reference", "xla", "--out", str(tmp_path),
+  ]  # fmt: skip
+  assert cli.main(argv) == 0
+  rows = json.loads((tmp_path / "results.json").read_text())["records"]
+  by_impl = {r["impl"]: r for r in rows}
+  ours = by_impl["blockwise"]
+  assert ours["status"] == "ok" and ours["max_abs_err"] < 0.05
+  assert ours["batch_invariant"] and ours["flex"] == "alibi_doc"
+  assert ours["splits"] == 1  # 1024 keys: one fixed 2048-key run
+  assert "batch_invariant" in by_impl["xla"]["reason"]
+  grid = command.grid(
+    _parse(["--mode", "decode", "--tags", "decode-modes"]), "gpu"
+  )
+  assert {(s.seq_q, s.batch_invariant, s.flex) for s in grid} >= {
+    (4, False, None), (8, False, None), (16, False, None), (1, True, None),
+    (1, False, "alibi_doc"),
+  }  # fmt: skip
+  for s in grid:  # the library checks each (shapes only)
+    assert impls.REGISTRY["mosaic"].splits(s) >= 1

@@ -64,6 +64,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_bwd",
     "decode",
     "decode_mla",
+    "decode_modes",
     "fp8_speed",
     "grid",
     "headline",
@@ -85,6 +86,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_fwd/results.json",
     "bench_bwd/results.json",
     "decode/results.json",
+    "decode_modes/results.json",
     "fp8/fp8.json",
     "grid/grid.json",
   ):
@@ -93,3 +95,8 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
   # The decode step's cases (the GPU grid's headline points) are listed.
   headline = (tmp_path / "headline.md").read_text()
   assert "Decoding" in headline and "b64 L8192 32/8 d128" in headline
+  # issue 67's rows: q_len 4, 8, 16, batch-invariant and flex decode
+  modes = json.loads((tmp_path / "decode_modes/results.json").read_text())
+  names = {r["spec"] for r in modes["records"]}
+  for part in ("-q4-", "-q8-", "-q16-", "-invariant", "-alibi_doc"):
+    assert any(part in n for n in names), (part, names)

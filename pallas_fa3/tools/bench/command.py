@@ -60,9 +60,16 @@ _DECODE_ONLY = {
   "num_splits": "--num-splits",
   "ragged": "--ragged",
   "q_len": "--q-len",
+  "batch_invariant": "--batch-invariant",
+  "decode_flex": "--decode-flex",
 }
 # What an unset flag holds (store_true flags: False; the others: None).
-_UNSET = {"sinks": False, "ragged": False, "mla": False}
+_UNSET = {
+  "sinks": False,
+  "ragged": False,
+  "mla": False,
+  "batch_invariant": False,
+}
 
 
 def out_dir(args: argparse.Namespace) -> str:
@@ -345,6 +352,18 @@ def add_parser(
     " speculative decoding; " + _decode_unset("q_lens") + ")",
   )
   p.add_argument(
+    "--batch-invariant",
+    action="store_true",
+    help="decode only: flash_attention_with_kvcache(batch_invariant=True),"
+    " split-KV ranges fixed in keys (ours only)",
+  )
+  p.add_argument(
+    "--decode-flex",
+    choices=specs.DECODE_FLEX,
+    help="decode only: a flex decode case (alibi_doc: ALiBi as a score_mod"
+    f" and {specs.DECODE_DOC_TOKENS}-token documents as a mask_mod; ours only)",
+  )
+  p.add_argument(
     "--mla",
     action="store_true",
     help="decode only: DeepSeek MLA's one latent cache (head_dim 576, V its"
@@ -431,6 +450,8 @@ def grid_axes(args, platform: str) -> tuple:
       num_splits=args.num_splits,
       ragged=args.ragged or None,
       q_lens=args.q_len,
+      batch_invariant=args.batch_invariant or None,
+      flex=args.decode_flex,
     )
   else:
     groups = (specs.PAPER_AXES if gpu else specs.CPU_AXES,)

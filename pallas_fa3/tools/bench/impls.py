@@ -17,12 +17,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa3 import (
   IMPLEMENTATIONS,
   backends,
   flash_attention,
   flash_attention_with_kvcache,
+  flex,
+  mods,
 )
 from pallas_fa3.kvcache import make_decode_spec
 from pallas_fa3.tools.bench import options, specs
@@ -122,8 +125,24 @@ def serving(mode: str) -> tuple[str, ...]:
   return tuple(n for n in ALL if mode in REGISTRY[n].modes)
 
 
+def decode_flex(spec) -> dict:
+  """`flash_attention_with_kvcache`'s flex keywords of a decode case
+  (`DecodeBenchSpec.flex`; {} without): "alibi_doc", ALiBi's score_mod
+  over the query heads and a mask_mod of `DECODE_DOC_TOKENS`-token
+  documents over the cache's positions."""
+  if getattr(spec, "flex", None) is None:
+    return {}
+  capacity = spec.pages_per_seq * spec.page_size if spec.paged else 0
+  ids = np.arange(capacity or spec.cache_len)[None] // specs.DECODE_DOC_TOKENS
+  return dict(
+    score_mod=mods.alibi(mods.alibi_slopes(spec.heads_q)),
+    mask_mod=mods.document_mask(jnp.asarray(ids, jnp.int32)),
+  )
+
+
 def decode_spec(spec):
-  """The library's `DecodeSpec` of a decode case (shapes only, no arrays)."""
+  """The library's `DecodeSpec` of a decode case (shapes only, no arrays;
+  its flex functions' spec too)."""
   shape = lambda *s: jax.ShapeDtypeStruct(s, spec.jax_dtype)
   cache_dtype = jnp.float8_e4m3fn if spec.fp8_cache else spec.jax_dtype
   if spec.paged:
@@ -135,7 +154,7 @@ def decode_spec(spec):
     (*rows, spec.heads_kv, spec.head_dim), cache_dtype
   )
   mla = getattr(spec, "mla", False)
-  return make_decode_spec(
+  made = make_decode_spec(
     shape(spec.batch, spec.seq_q, spec.heads_q, spec.head_dim),
     cache,
     None if mla else cache,
@@ -144,7 +163,16 @@ def decode_spec(spec):
     causal=spec.causal,
     num_splits=spec.num_splits,
     head_dim_v=spec.head_dim_v if mla else None,
+    batch_invariant=getattr(spec, "batch_invariant", False),
   )
+  fns = decode_flex(spec)
+  if not fns:
+    return made
+  fs, _ = flex.prepare(
+    **fns, block_mask=None, bias=None, batch=made.batch, heads=made.heads_q,
+    seq_q=made.capacity, seq_kv=made.capacity,
+  )  # fmt: skip
+  return dataclasses.replace(made, flex=fs)
 
 
 def _ours_unsupported(name):
@@ -190,6 +218,8 @@ def _ours_build(name, deterministic=False):
           k_descale=descale[0] if descale else None,
           v_descale=descale[1] if descale else None,
           head_dim_v=spec.head_dim_v if getattr(spec, "mla", False) else None,
+          batch_invariant=spec.batch_invariant,
+          **decode_flex(spec),
         )
       )
     sinks = options.sinks_for(spec.heads_q) if spec.sinks else None
@@ -251,6 +281,15 @@ _ONE_QUERY = (
 )
 
 
+def _ours_only(spec) -> str | None:
+  """Why a decode baseline skips a batch-invariant or flex case."""
+  if getattr(spec, "batch_invariant", False):
+    return "batch_invariant is flash_attention_with_kvcache's own mode"
+  if getattr(spec, "flex", None):
+    return f"the {spec.flex} flex case is flash_attention_with_kvcache's"
+  return None
+
+
 def _dpa_unsupported(implementation):
   def check(spec, platform):
     decode = spec.mode == specs.DECODE
@@ -260,6 +299,8 @@ def _dpa_unsupported(implementation):
       return _no_mla(spec, "jax.nn.dot_product_attention")
     if decode and spec.seq_q > 1:
       return _ONE_QUERY.format(who="jax.nn.dot_product_attention")
+    if decode and _ours_only(spec):
+      return _ours_only(spec)
     if implementation == "cudnn":
       if platform != "gpu":
         return f"cuDNN attention needs a GPU (default backend: {platform})"
@@ -458,6 +499,8 @@ def _triton_unsupported(module, paged):
       return _no_mla(spec, name)
     if spec.seq_q > 1:
       return _ONE_QUERY.format(who=name)
+    if _ours_only(spec):
+      return _ours_only(spec)
     if platform != "gpu":
       return f"{name} is a Triton GPU kernel (default backend: {platform})"
     if spec.paged != paged:

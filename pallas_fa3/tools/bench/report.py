@@ -68,6 +68,10 @@ def cache_columns(r: dict, paged: bool | None = None) -> list[str]:
   size = f"{r['batch']}x{tokens(r['cache_len'])}" + ("r" if r["ragged"] else "")
   if r.get("seq_q", 1) > 1:  # speculative: new tokens per sequence
     size += f" q{r['seq_q']}"
+  if r.get("batch_invariant"):
+    size += " inv"
+  if r.get("flex"):
+    size += f" {r['flex']}"
   heads = f"{r['heads_q']}/{r['heads_kv']} d{r['head_dim']}"
   if paged is None:
     layout = [

@@ -125,6 +125,8 @@ def _base_record(impl, spec) -> dict:
       num_splits=spec.splits_label,
       splits=None,
       ragged=spec.ragged,
+      batch_invariant=spec.batch_invariant,
+      flex=spec.flex,
     )
     work = dict(kv_bytes=spec.kv_bytes)
     rates = dict(gbps=None, pct_hbm=None, tokens_per_s=None, tflops=None)

@@ -67,6 +67,12 @@ CPU_MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 TINY_TAG = "correctness-only"
 TINY_MAX_SEQ = 512
 
+# Flex decode cases (`DecodeBenchSpec.flex`, `options.decode_flex`): ALiBi
+# as a score_mod with a document mask_mod (perfcmp's "alibi_doc").
+DECODE_FLEX = ("alibi_doc",)
+# Documents of the alibi_doc case: this many tokens each.
+DECODE_DOC_TOKENS = 512
+
 # The decode points the issue sets targets for (issue 29); `--tags headline`
 # selects them (benchmarks/device_check.sh does).
 HEADLINE_TAG = "headline"
@@ -199,6 +205,10 @@ class DecodeBenchSpec:
     seq_q: new query tokens per sequence (1: a plain step; 2-16:
       speculative / multi-token decoding), the last `seq_q` of its cache,
       causal among themselves.
+    batch_invariant: `flash_attention_with_kvcache(batch_invariant=True)`
+      (ours only): split-KV ranges fixed in keys.
+    flex: a flex decode case of `DECODE_FLEX` (ours only): "alibi_doc",
+      ALiBi as a score_mod and 512-token documents as a mask_mod.
   """
 
   name: str
@@ -214,6 +224,8 @@ class DecodeBenchSpec:
   tags: tuple[str, ...] = ()
   mla: bool = False
   seq_q: int = 1
+  batch_invariant: bool = False
+  flex: str | None = None
   # The new tokens sit at the end of their cache, causal among themselves.
   causal: bool = dataclasses.field(default=True, init=False)
   mode: str = dataclasses.field(default=DECODE, init=False)
@@ -239,6 +251,10 @@ class DecodeBenchSpec:
       raise ValueError(
         f"{where}seq_q ({self.seq_q}) must be at most cache_len"
         f" ({self.cache_len}): the new tokens are the cache's last ones"
+      )
+    if self.flex not in (None,) + DECODE_FLEX:
+      raise ValueError(
+        f"{where}flex {self.flex!r} is not one of {DECODE_FLEX} (or None)"
       )
     if self.mla and self.head_dim != MLA_HEAD_DIM:
       raise ValueError(
@@ -318,6 +334,8 @@ class DecodeBenchSpec:
       self.batch,
       self.cache_len,
       self.seq_q,
+      self.batch_invariant,
+      self.flex,
       self.heads_q,
       self.heads_kv,
       self.head_dim,
@@ -351,6 +369,8 @@ def spec_name(
   page_size=None,
   num_splits=None,
   ragged=False,
+  batch_invariant=False,
+  flex=None,
 ) -> str:
   """A case's name, "<mode>-<dtype>-b<batch>-<length>-h<hq>x<hk>-<dims>-
   <the rest>": e.g. "fwd-bf16-b4-s512-h2x2-d64-causal-win256_0-softcap30-
@@ -366,6 +386,8 @@ def spec_name(
       ("contiguous" if page_size is None else f"page{page_size}")
       + f"-splits_{'auto' if num_splits is None else num_splits}"
       + ("-ragged" if ragged else "")
+      + ("-invariant" if batch_invariant else "")
+      + (f"-{flex}" if flex else "")
     )
   else:
     length = f"s{seq_q}" if seq_q == seq_kv else f"s{seq_q}x{seq_kv}"
@@ -519,9 +541,17 @@ class DecodeAxes:
   tags: tuple[str, ...] = ()
   mla: bool = False  # MLA cases: one KV head, `gqa` query heads, d 576
   q_lens: tuple[int, ...] = (1,)
+  batch_invariant: bool = False
+  flex: str | None = None
 
   def _q_tags(self, q: int) -> tuple[str, ...]:
-    return () if q == 1 else ("speculative", f"q{q}")
+    """The q_len's, batch_invariant's and flex's tags not in `tags`."""
+    extra = (
+      (() if q == 1 else ("speculative", f"q{q}"))
+      + (("batch-invariant",) if self.batch_invariant else ())
+      + (("flex", self.flex) if self.flex else ())
+    )
+    return tuple(t for t in extra if t not in self.tags)
 
   def expand(self) -> list[DecodeBenchSpec]:
     """Every combination, in a stable order (dtype, d, gqa, batch, cache
@@ -565,6 +595,8 @@ class DecodeAxes:
         page_size=ps,
         num_splits=splits,
         ragged=self.ragged,
+        batch_invariant=self.batch_invariant,
+        flex=self.flex,
       )
       specs.append(
         DecodeBenchSpec(
@@ -589,7 +621,8 @@ class DecodeAxes:
       fields = dict(
         dtype=dtype, batch=b, cache_len=n, seq_q=q, heads_q=hq, heads_kv=1,
         head_dim=MLA_HEAD_DIM, page_size=ps, num_splits=splits,
-        ragged=self.ragged,
+        ragged=self.ragged, batch_invariant=self.batch_invariant,
+        flex=self.flex,
       )  # fmt: skip
       tags = self.tags + (
         DECODE, "mla", dtype, f"h{hq}",
@@ -624,6 +657,10 @@ CPU_AXES = GridAxes(
 # fixed split counts at 128k, batch 8 x 32k with GQA groups 1/4/8 and paged.
 _GPU = dict(hidden=4096, head_dims=(128,))
 SPECULATIVE_Q_LENS = (1, 4, 8, 16)
+# The issue-67 rows `benchmarks/device_check.sh`'s decode_modes step runs:
+# q_len 1, 4, 8, 16, batch-invariant and flex decode.
+DECODE_MODES_TAG = "decode-modes"
+_MODES = (DECODE_MODES_TAG,)
 DECODE_GPU_GRID: tuple[DecodeAxes, ...] = (
   DecodeAxes(
     (64,), (8192,), page_sizes=(None, 64), tags=(HEADLINE_TAG,), **_GPU
@@ -636,10 +673,25 @@ DECODE_GPU_GRID: tuple[DecodeAxes, ...] = (
   # Speculative decoding (issue 67): 1, 4, 8, 16 new tokens per sequence
   # at the targets' two points (the same K/V bytes per step).
   DecodeAxes(
-    (64,), (8192,), q_lens=SPECULATIVE_Q_LENS, tags=("speculative",), **_GPU
+    (64,),
+    (8192,),
+    q_lens=SPECULATIVE_Q_LENS,
+    tags=("speculative",) + _MODES,
+    **_GPU,
   ),
   DecodeAxes(
-    (1,), (131072,), q_lens=SPECULATIVE_Q_LENS, tags=("speculative",), **_GPU
+    (1,),
+    (131072,),
+    q_lens=SPECULATIVE_Q_LENS,
+    tags=("speculative",) + _MODES,
+    **_GPU,
+  ),
+  # batch_invariant=True at the headline points (its cost: fixed split
+  # ranges), and a flex decode (ALiBi + documents, page 64) beside them.
+  DecodeAxes((64,), (8192,), batch_invariant=True, tags=_MODES, **_GPU),
+  DecodeAxes((1,), (131072,), batch_invariant=True, tags=_MODES, **_GPU),
+  DecodeAxes(
+    (64,), (8192,), page_sizes=(64,), flex="alibi_doc", tags=_MODES, **_GPU
   ),
 )
 # The decode CPU grid: about a minute on two cores for blockwise, reference
