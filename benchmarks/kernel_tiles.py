@@ -64,6 +64,31 @@ def _q_steps(plan: DkdvPlan, bounds) -> int:
   return total
 
 
+def steps(spec, bounds) -> dict:
+  """Steps per kernel of one head of `spec` (batch 1), with the segment
+  ids' `bounds` (`segments.kernel_bounds(...)[0]`) or None."""
+  seq_q, seq_kv = spec.seq_q, spec.seq_kv
+  fwd = config.default_forward_config(spec)
+  plan = QueryPlan(
+    spec, fwd, round_up(seq_q, fwd.rows_per_cta), round_up(seq_kv, fwd.block_kv)
+  )
+  bwd = config_backward.default_backward_config(spec)
+  sq_pad = round_up(seq_q, 2 * bwd.block_q)
+  skv_pad = round_up(seq_kv, DkdvPlan(spec, bwd, 0, 0).kv_rows_per_cta)
+  dq_plan = QueryPlan(
+    spec,
+    bwd.dq_config,
+    sq_pad,
+    skv_pad,
+    row_blocks=1 if bwd.dq_head_splits == 2 else bwd.dq_consumers,
+  )
+  return {
+    "forward": _kv_steps(plan, bounds),
+    "dq": _kv_steps(dq_plan, bounds),
+    "dkdv": _q_steps(DkdvPlan(spec, bwd, sq_pad, skv_pad), bounds),
+  }
+
+
 def count(seq: int, docs: int, head_dim: int, causal: bool) -> dict:
   """Steps per kernel, unsegmented and segmented, for one head."""
   q = jax.ShapeDtypeStruct((1, seq, 1, head_dim), jnp.bfloat16)
@@ -74,27 +99,7 @@ def count(seq: int, docs: int, head_dim: int, causal: bool) -> dict:
   for seg in (False, True):
     spec = make_spec(q, q, q, causal=causal, segmented=seg)
     bounds = segments.kernel_bounds(spec, (ids, ids))[0] if seg else None
-    fwd = config.default_forward_config(spec)
-    pad = lambda n, m: round_up(n, m)  # noqa: E731
-    plan = QueryPlan(
-      spec, fwd, pad(seq, fwd.rows_per_cta), pad(seq, fwd.block_kv)
-    )
-    bwd = config_backward.default_backward_config(spec)
-    sq_pad = pad(seq, 2 * bwd.block_q)
-    skv_pad = pad(seq, DkdvPlan(spec, bwd, 0, 0).kv_rows_per_cta)
-    dq_plan = QueryPlan(
-      spec,
-      bwd.dq_config,
-      sq_pad,
-      skv_pad,
-      row_blocks=1 if bwd.dq_head_splits == 2 else bwd.dq_consumers,
-    )
-    name = "segmented" if seg else "unsegmented"
-    row[name] = {
-      "forward": _kv_steps(plan, bounds),
-      "dq": _kv_steps(dq_plan, bounds),
-      "dkdv": _q_steps(DkdvPlan(spec, bwd, sq_pad, skv_pad), bounds),
-    }
+    row["segmented" if seg else "unsegmented"] = steps(spec, bounds)
   return row
 
 
