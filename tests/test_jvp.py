@@ -513,3 +513,50 @@ def test_flax_layer_jvp(rng):
     )
     tangents.append(jax.jvp(layer, (x,), (dx,))[1])
   np.testing.assert_allclose(*tangents, rtol=2e-5, atol=2e-5)
+
+
+def test_varlen_jvp(rng):
+  t = 40
+  q, k, v, dq, dk, dv = (
+    jnp.asarray(rng.standard_normal((t, 2, 16)), jnp.float32) for _ in range(6)
+  )
+  cu = jnp.asarray([0, 15, 40], jnp.int32)
+  f = lambda q, k, v: pallas_fa3.flash_attention_varlen(
+    q, k, v, cu, cu, max_seqlen_q=25, max_seqlen_k=25, causal=True
+  )
+  _, got = jax.jvp(f, (q, k, v), (dq, dk, dv))
+  for a, b in ((0, 15), (15, 40)):
+    want = _golden_jvp(
+      (q[None, a:b], k[None, a:b], v[None, a:b], None, None),
+      (dq[None, a:b], dk[None, a:b], dv[None, a:b], None, None),
+      causal=True,
+    )[2]
+    np.testing.assert_allclose(got[a:b], want[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_interpret_jvp_runs_the_kernel_and_the_twins_tangent(rng):
+  """The kernels in interpret mode (races detected): the primal is the
+  forward kernel's, the tangent the blockwise pass's (the fallback the
+  plan names), within the rule of the golden; the gradient still runs."""
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 64, 64, 2, 2, 64)
+  x, u = (q, k, v, None, None), (dq, dk, dv, None, None)
+  f = _flash("interpret", dict(causal=True))
+  (out, lse), (dout, dlse) = jax.jit(lambda x, u: jax.jvp(f, x, u))(x, u)
+  golden = _golden_jvp(x, u, causal=True)
+  naive = jax.jvp(
+    lambda q, k, v: reference_attention(
+      q, k, v, causal=True, return_lse=True, intermediate_dtype=jnp.bfloat16
+    ),
+    (q, k, v),
+    (dq, dk, dv),
+  )
+  naive = (*naive[0], *naive[1])
+  for name, g, n, gd in zip(
+    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
+  ):
+    assert_within_tolerance(name, g, n, gd)
+  grads = jax.grad(
+    lambda q: f(q, k, v, None, None)[0].astype(jnp.float32).sum()
+  )(q)
+  assert np.all(np.isfinite(np.asarray(grads, np.float32)))
