@@ -2,7 +2,7 @@
 API at a glance (everything else is private or lives in a submodule); its
 arguments and conventions are in docs/api.md.
 
-  flash_attention               attention, any backend, one custom_vjp
+  flash_attention               attention, any backend; jax.grad and jax.jvp
   explain                       what a flash_attention call would run, and why
   flash_attention_with_kvcache  attention over a KV cache (docs/decoding.md)
   flash_attention_varlen        FA3's varlen call on packed sequences
