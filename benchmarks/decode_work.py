@@ -6,9 +6,12 @@ written and read back by the merge. Run it on two checkouts to compare
 wave); benchmarks/RESULTS.md records both.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/decode_work.py
+    ... decode_work.py --batch-invariant   # batch_invariant=True's cost
 """
 
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +20,11 @@ from pallas_fa3.kernels.sm90 import config_decode as cd
 from pallas_fa3.kvcache import make_decode_spec
 from pallas_fa3.spec import cdiv
 
-# (batch, cache tokens, query heads, KV heads, q_len): perfcmp's decode
-# spec (batch 4 x 8k, 32/8 heads), the bench's headline points, q_len 4
-# and 16, GQA 8 and MQA.
+# (batch, cache tokens, query heads, KV heads, q_len): batch 1 x 8k,
+# perfcmp's decode spec (batch 4 x 8k, 32/8 heads), the bench's headline
+# points, q_len 4 and 16, GQA 8 and MQA.
 SHAPES = (
+  (1, 8192, 32, 8, 1),
   (4, 8192, 32, 8, 1),
   (64, 8192, 32, 8, 1),
   (1, 131072, 32, 8, 1),
@@ -39,12 +43,13 @@ def _partial_rows(spec) -> int:
   return cd.query_tiles(spec) * cd.DECODE_ROWS
 
 
-def work(b, n, hq, hk, sq, d=128) -> dict:
-  """One decode step's modelled work at (batch, cache tokens, heads, q_len)."""
+def work(b, n, hq, hk, sq, d=128, **options) -> dict:
+  """One decode step's modelled work at (batch, cache tokens, heads, q_len);
+  `options`: `flash_attention_with_kvcache`'s (batch_invariant)."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   spec = make_decode_spec(
     s(b, sq, hq, d), s(b, n, hk, d), s(b, n, hk, d), cache_seqlens=n - sq,
-    causal=True,
+    causal=True, **options,
   )  # fmt: skip
   config = cd.default_decode_config(spec)
   splits = cd.default_splits(spec, config)
@@ -69,13 +74,14 @@ def work(b, n, hq, hk, sq, d=128) -> dict:
 
 
 def main() -> None:
+  options = {"batch_invariant": True} if "--batch-invariant" in sys.argv else {}
   print(
     "| shape | splits | CTAs | waves | tiles on the busiest SM | K/V MB |"
     " partials written MB | + merge read MB | partials / K/V |"
   )
   print("|---|---|---|---|---|---|---|---|---|")
   for shape in SHAPES:
-    w = work(*shape)
+    w = work(*shape, **options)
     print(
       f"| {w['shape']} | {w['splits']} | {w['ctas']} | {w['waves']:.2f} |"
       f" {w['busiest_sm_tiles']} | {w['kv_bytes'] / 1e6:.1f} |"
