@@ -52,12 +52,14 @@ def describe(spec: Any, backend: Backend, config: Any) -> str:
     return f"refused: {NO_FP8_JVP}"
   own = backend.describe_tangent(spec, config)
   if own is not None:
-    return own
+    return f"{own}; a gradient through the tangent differentiates it"
   twin, twin_config = tangent_backend(spec, backend, config)
   return (
     f"{twin.describe_tangent(spec, twin_config)} (fallback: {backend.name}"
     " has no fused forward+tangent kernel yet; the primal runs its forward"
-    " kernel)"
+    " kernel); a gradient through the tangent differentiates that pass;"
+    " jax.hessian (the backward's jvp) is refused: blockwise or reference"
+    " serve it"
   )
 
 
