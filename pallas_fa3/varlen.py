@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +28,15 @@ import numpy as np
 from pallas_fa3 import modifiers, segments
 from pallas_fa3.spec import check_bool
 
+# flash_attention_varlen's own keywords (`_check`'s), beside fp8.
+_OWN = (
+  "max_seqlen_q",
+  "max_seqlen_k",
+  "seqused_q",
+  "seqused_k",
+  "causal",
+  "window_size",
+)
 # How the per-sequence causal / window rule runs (`explain` says which).
 BUILT_IN = "built-in"  # the call's own diagonal: queries and keys aligned
 PER_TOKEN = "per-token"  # a mask_mod over each token's tokens-after count
@@ -182,10 +193,32 @@ def _same(a: Any, b: Any) -> bool:
   return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["cu_q", "cu_k", "used_q", "used_k"],
+  meta_fields=["max_q", "max_k", "causal", "window", "aligned"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+  """A varlen call's checked index arrays (int32; `used_*` None when
+  absent: a pytree's leaves) and canonical static options (its static
+  data)."""
+
+  cu_q: jax.Array
+  cu_k: jax.Array
+  used_q: jax.Array | None
+  used_k: jax.Array | None
+  max_q: int | None
+  max_k: int | None
+  causal: bool
+  window: tuple | None
+  aligned: bool
+
+
 class _Call(NamedTuple):
   """A varlen call as one packed `flash_attention` call: its operands and
-  keywords, the packing, how the per-sequence rule runs, and the
-  sequences' count."""
+  keywords, the packing, how the per-sequence rule runs (None, BUILT_IN,
+  PER_TOKEN)."""
 
   q: Any
   k: Any
@@ -193,7 +226,6 @@ class _Call(NamedTuple):
   options: dict
   packing: Packing
   rule: str | None
-  n: int
 
 
 def _per_sequence_rule(p: Packing, causal: bool, window: tuple | None) -> Any:
@@ -243,7 +275,7 @@ def _and(first: Any, second: Any) -> Any:
   return lambda b, h, i, j: first(b, h, i, j) & second(b, h, i, j)
 
 
-def _prepare(
+def _check(
   q: Any,
   k: Any,
   v: Any,
@@ -256,13 +288,11 @@ def _prepare(
   seqused_k: Any,
   causal: Any,
   window_size: Any,
-  score_mod: Any,
-  mask_mod: Any,
   fp8: Any,
-  **options: Any,
-) -> _Call:
-  """The varlen call checked and written as one packed call (batch 1).
-  Raises naming the argument and its value or shape."""
+) -> _Checked:
+  """Every check of a varlen call's own arguments (concrete index arrays
+  against their values too). Raises naming the argument and its value or
+  shape."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
       raise TypeError(f"{name} must be an array; got {type(x).__name__}")
@@ -302,16 +332,6 @@ def _prepare(
   ):
     if not _is_traced(cu) and not _is_traced(used_raw):
       _check_concrete(side, cu, used, total, bound)
-  p = packing(
-    cu_q,
-    cu_k,
-    total_q,
-    total_k,
-    seqused_q=used_q,
-    seqused_k=used_k,
-    max_seqlen_q=max_q,
-    max_seqlen_k=max_k,
-  )
   # Queries and keys of every sequence at the same places (self-attention
   # packing): the call's own diagonal (offset 0) is each sequence's.
   aligned = (
@@ -319,10 +339,8 @@ def _prepare(
     and _same(cu_seqlens_q, cu_seqlens_k)
     and _same(seqused_q, seqused_k)
   )
-  rule = None
-  if causal or window is not None:
-    rule = BUILT_IN if aligned else PER_TOKEN
-  if rule == PER_TOKEN and fp8 not in (False, None):
+  masked = causal or window is not None
+  if masked and not aligned and fp8 not in (False, None):
     raise NotImplementedError(
       "flash_attention_varlen(fp8=...) with causal or window_size needs"
       " each sequence's queries and keys at the same places (pass the same"
@@ -330,9 +348,39 @@ def _prepare(
       " and total_q == total_k): otherwise the per-sequence rule is a"
       " mask_mod, which no FP8 backend takes"
     )
+  return _Checked(
+    cu_q, cu_k, used_q, used_k, max_q, max_k, causal, window, aligned
+  )
+
+
+def _packed(
+  q: Any,
+  k: Any,
+  v: Any,
+  c: _Checked,
+  *,
+  score_mod: Any,
+  mask_mod: Any,
+  **options: Any,
+) -> _Call:
+  """The checked call written as one packed call of batch 1 (traceable:
+  the packing is derived on the device)."""
+  p = packing(
+    c.cu_q,
+    c.cu_k,
+    int(q.shape[0]),
+    int(k.shape[0]),
+    seqused_q=c.used_q,
+    seqused_k=c.used_k,
+    max_seqlen_q=c.max_q,
+    max_seqlen_k=c.max_k,
+  )
+  rule = None
+  if c.causal or c.window is not None:
+    rule = BUILT_IN if c.aligned else PER_TOKEN
   new_score, new_mask = _in_sequence(p, score_mod, mask_mod)
   if rule == PER_TOKEN:
-    new_mask = _and(_per_sequence_rule(p, causal, window), new_mask)
+    new_mask = _and(_per_sequence_rule(p, c.causal, c.window), new_mask)
   # Unused tokens are zeroed (times 1, or NaN where the traced packing is
   # invalid): NaN/Inf there never meets a zero probability (0 * NaN).
   poison = jnp.where(p.bad, jnp.nan, 1.0)
@@ -340,12 +388,11 @@ def _prepare(
     jnp.where((valid | p.bad)[:, None, None], x, 0) * poison.astype(x.dtype)
   )
   options.update(
-    causal=causal and rule == BUILT_IN,
-    window_size=window if rule == BUILT_IN else None,
+    causal=c.causal and rule == BUILT_IN,
+    window_size=c.window if rule == BUILT_IN else None,
     segment_ids=p.segment_ids(),
     score_mod=new_score,
     mask_mod=new_mask,
-    fp8=fp8,
   )
   return _Call(
     clean(jnp.asarray(q), p.valid_q)[None],
@@ -354,8 +401,39 @@ def _prepare(
     options,
     p,
     rule,
-    n,
   )
+
+
+def _attend(
+  static: tuple, q, k, v, c: _Checked, sinks, block_mask
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of a checked call; `static`: `_packed`'s static keywords
+  as sorted (name, value) pairs."""
+  from pallas_fa3.attention import flash_attention  # pylint: disable=g-import-not-at-top
+
+  call = _packed(q, k, v, c, sinks=sinks, block_mask=block_mask, **dict(static))
+  valid = call.packing.valid_q
+  if call.q.shape[1] and call.k.shape[1]:
+    out, lse = flash_attention(
+      call.q, call.k, call.v, return_lse=True, **call.options
+    )
+  else:  # no query or no key at all: every row sees nothing
+    hq, dv = call.q.shape[2], call.v.shape[3]
+    out = jnp.zeros((1, call.q.shape[1], hq, dv), call.q.dtype)
+    lse = jnp.full((1, hq, call.q.shape[1]), -jnp.inf)
+    if sinks is not None:
+      lse = lse * 0 + jnp.asarray(sinks, jnp.float32)[None, :, None]
+  # Unused rows: 0 (their cotangent is dropped here, so a NaN there never
+  # reaches a gradient either); an invalid traced packing: NaN everywhere,
+  # gradients too.
+  poison = jnp.where(call.packing.bad, jnp.nan, 1.0)
+  out = jnp.where(valid[:, None, None], out[0], 0) * poison.astype(out.dtype)
+  return out, jnp.where(valid[None], lse[0], -jnp.inf) * poison
+
+
+# Jitted per static options: an eager call compiles once per shapes and
+# options (the per-token rule's mask_mod is a new closure every trace).
+_attend_jit = jax.jit(_attend, static_argnums=0)
 
 
 def flash_attention_varlen(
@@ -445,9 +523,7 @@ def flash_attention_varlen(
     NotImplementedError: as `flash_attention`; and `fp8` with causal or
       a window where queries and keys are not aligned (see above).
   """
-  from pallas_fa3.attention import flash_attention  # pylint: disable=g-import-not-at-top
-
-  call = _prepare(
+  checked = _check(
     q,
     k,
     v,
@@ -459,37 +535,30 @@ def flash_attention_varlen(
     seqused_k=seqused_k,
     causal=causal,
     window_size=window_size,
-    score_mod=score_mod,
-    mask_mod=mask_mod,
     fp8=fp8,
-    softmax_scale=softmax_scale,
-    softcap=softcap,
-    sinks=sinks,
-    block_mask=block_mask,
-    deterministic=deterministic,
-    implementation=implementation,
-    config=config,
   )
   return_lse = check_bool("return_lse", return_lse)
-  valid = call.packing.valid_q
-  if call.q.shape[1] and call.k.shape[1]:
-    out, lse = flash_attention(
-      call.q, call.k, call.v, return_lse=True, **call.options
+  static = tuple(
+    sorted(
+      dict(
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        deterministic=deterministic,
+        fp8=fp8,
+        implementation=implementation,
+        config=config,
+      ).items()
     )
-  else:  # no query or no key at all: every row sees nothing
-    hq, dv = call.q.shape[2], call.v.shape[3]
-    out = jnp.zeros((1, call.q.shape[1], hq, dv), call.q.dtype)
-    lse = jnp.full((1, hq, call.q.shape[1]), -jnp.inf)
-    if sinks is not None:
-      lse = lse * 0 + jnp.asarray(sinks, jnp.float32)[None, :, None]
-  # Unused rows: 0 (their cotangent is dropped here, so a NaN there never
-  # reaches a gradient either).
-  # An invalid traced packing: NaN everywhere, gradients too.
-  poison = jnp.where(call.packing.bad, jnp.nan, 1.0)
-  out = jnp.where(valid[:, None, None], out[0], 0) * poison.astype(out.dtype)
-  if not return_lse:
-    return out
-  return out, jnp.where(valid[None], lse[0], -jnp.inf) * poison
+  )
+  try:
+    hash(static)
+    run = _attend_jit
+  except TypeError:  # an unhashable option: flash_attention says what
+    run = _attend
+  out, lse = run(static, q, k, v, checked, sinks, block_mask)
+  return (out, lse) if return_lse else out
 
 
 def explain(
@@ -503,32 +572,38 @@ def explain(
   from pallas_fa3.attention import explain as explain_packed  # pylint: disable=g-import-not-at-top
 
   kwargs.pop("return_lse", None)
-  defaults = dict(
-    max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-    causal=False, window_size=None, score_mod=None, mask_mod=None,
-    fp8=False,
-  )  # fmt: skip
+  defaults = dict.fromkeys(_OWN) | dict(
+    causal=False, score_mod=None, mask_mod=None, fp8=False
+  )
   held = {}
 
-  def trace(q, k, v, cu_q, cu_k, arrays):
-    same_cu = cu_seqlens_q is cu_seqlens_k
-    options = {**defaults, **kwargs, **arrays}
-    call = _prepare(q, k, v, cu_q, cu_k if not same_cu else cu_q, **options)
-    held["call"] = call
+  options = {**defaults, **kwargs}
+  own = {n: options.pop(n) for n in (*_OWN, "fp8")}
+  fns = {n: options.pop(n) for n in ("score_mod", "mask_mod")}
+  arrays = {n: options.pop(n) for n in ("sinks", "block_mask") if n in options}
+  index = (cu_seqlens_q, cu_seqlens_k, own["seqused_q"], own["seqused_k"])
+  if all(x is None or isinstance(x, jax.Array) for x in index):
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, **own)  # their values too
+  same = (cu_seqlens_q is cu_seqlens_k, own["seqused_q"] is own["seqused_k"])
+
+  def trace(q, k, v, index, arrays):
+    cu_q, cu_k, used_q, used_k = index
+    checked = _check(
+      q, k, v, cu_q, cu_q if same[0] else cu_k,
+      **own | dict(seqused_q=used_q, seqused_k=used_q if same[1] else used_k),
+    )  # fmt: skip
+    call = _packed(q, k, v, checked, fp8=own["fp8"], **fns, **options, **arrays)
+    held["call"], held["n"] = call, checked.cu_q.shape[0] - 1
     held["plan"] = explain_packed(call.q, call.k, call.v, **call.options)
     return jnp.zeros(())
 
   abstract = lambda x: (
     jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) if hasattr(x, "dtype") else x
   )
-  arrays = {
-    name: kwargs.pop(name)
-    for name in ("seqused_q", "seqused_k", "sinks", "block_mask")
-    if kwargs.get(name) is not None
-  }
   jax.eval_shape(
     trace,
-    *(abstract(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k)),
+    *(abstract(x) for x in (q, k, v)),
+    jax.tree.map(abstract, index),
     jax.tree.map(abstract, arrays),
   )
   call = held["call"]
@@ -540,7 +615,7 @@ def explain(
     ),
   }[call.rule]
   lines = [
-    f"varlen: {call.n} sequences packed as batch 1, {q.shape[0]} query and"
+    f"varlen: {held['n']} sequences packed as batch 1, {q.shape[0]} query and"
     f" {k.shape[0]} key tokens; segment ids from cu_seqlens on the device"
     " (tiles skipped by sequence)",
     f"per-sequence causal/window: {how}",
