@@ -598,3 +598,22 @@ def test_cu_seqlens_of_rows():
   assert cu.tolist() == [0, 2, 5, 6, 10, 12] + [12] * 7
   with pytest.raises(ValueError, match=r"segment_ids must be \[batch, seq\]"):
     varlen.cu_seqlens_of_rows(jnp.zeros(4, jnp.int32))
+
+
+def test_eager_calls_trace_once(monkeypatch, rng):
+  """Eager calls of one shape and options (the per-token rule's mask_mod a
+  new closure in each trace) trace the packed call once, not per call."""
+  traces = []
+  packed = varlen._packed
+  monkeypatch.setattr(
+    varlen, "_packed", lambda *a, **kw: traces.append(1) or packed(*a, **kw)
+  )
+  monkeypatch.setattr(
+    varlen, "_attend_jit", jax.jit(varlen._attend, static_argnums=0)
+  )
+  q, k, v, _ = _inputs(rng, 24, 30, 2, 1, 16, 16, jnp.float32)
+  for cu_k in ([0, 10, 30], [0, 20, 30]):
+    pallas_fa3.flash_attention_varlen(
+      q, k, v, jnp.asarray([0, 8, 24]), jnp.asarray(cu_k), causal=True
+    )
+  assert len(traces) == 1
