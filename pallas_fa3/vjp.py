@@ -140,13 +140,15 @@ class Tangent(hijax.HiPrim):
 
   def transpose(self, cotangents: Any, operands: Any, result: Any, dots: Any):
     grads = _backward(self.static, (operands, result), _instantiate(cotangents))
-    for acc, ct in zip(
-      jax.tree.leaves(dots, is_leaf=_is_accum), jax.tree.leaves(grads)
-    ):
-      if isinstance(acc, hijax.GradAccum) and not isinstance(
-        acc, hijax.NullAccum
-      ):
+
+    def accumulate(acc: Any, ct: Any) -> None:
+      # Only the linear inputs accumulate (an instantiated zero tangent,
+      # a known value, does not).
+      if _is_accum(acc) and not isinstance(acc, hijax.NullAccum):
         acc.accum(ct)
+
+    # The same tree as the operands (a mismatch raises, never misaligns).
+    jax.tree.map(accumulate, dots, grads, is_leaf=_is_accum)
 
   def vjp_fwd(self, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
     del nzs_in
