@@ -5,9 +5,9 @@ kernels run (`kernel_tiles.steps`), bf16, default configs, one head.
 
   JAX_PLATFORMS=cpu python benchmarks/varlen_tiles.py [--json PATH]
 
-Lengths come from a long-tailed (log-normal) distribution scaled to
---tokens in all. Two packings: self-attention (`cu_seqlens_q` is
-`cu_seqlens_k`: the built-in diagonal, causal tiles skipped per sequence)
+Lengths come from `pallas-fa3 bench --mode varlen`'s long-tailed
+(log-normal) distribution, scaled to --tokens in all. Two packings:
+self-attention (`cu_seqlens_q` is `cu_seqlens_k`: the built-in diagonal, causal tiles skipped per sequence)
 and chunked prefill (each sequence's queries the last quarter of its
 keys: the per-token mask_mod rule, whose kernels skip by sequence but walk
 a sequence's key tiles past a query tile's diagonal). Each against the
@@ -36,15 +36,9 @@ import pallas_fa3
 from pallas_fa3 import segments, varlen
 from pallas_fa3.spec import make_spec
 from pallas_fa3.tools.bench import timing
+from pallas_fa3.tools.bench.varlen_case import lengths
 
 KERNELS = ("forward", "dq", "dkdv")
-
-
-def lengths(seqs: int, tokens: int, seed: int) -> np.ndarray:
-  """`seqs` long-tailed lengths summing to about `tokens` (each >= 1)."""
-  rng = np.random.default_rng(seed)
-  raw = rng.lognormal(mean=0.0, sigma=1.2, size=seqs)
-  return np.maximum(1, np.round(raw / raw.sum() * tokens)).astype(np.int64)
 
 
 def _spec(sq: int, skv: int, d: int, **options):

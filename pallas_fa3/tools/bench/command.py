@@ -23,6 +23,7 @@ from pallas_fa3.tools.bench import (
   specs,
   terminal,
   timing,
+  varlen_case,
 )
 
 # --out unset: this folder's "bench" (the attention modes) or "decode".
@@ -198,14 +199,17 @@ def add_parser(
   p.add_argument(
     "--mode",
     nargs="+",
-    choices=specs.MODES + (specs.DECODE, flex_case.FLEX),
+    choices=specs.MODES + (specs.DECODE, flex_case.FLEX, varlen_case.VARLEN),
     metavar="MODE",
     help=f"passes to time, of {' '.join(specs.MODES)} ("
     + flags.unset(gpu.modes, cpu.modes)
     + "); or decode alone: one generation step over a KV cache; or flex"
     " alone: ALiBi, document masks and a dense bias through score_mod /"
-    " mask_mod / block_mask / bias beside jax.nn and our built-in options"
-    " (--seq, --head-dim and --dtype take their first value)",
+    " mask_mod / block_mask / bias beside jax.nn and our built-in options;"
+    " or varlen alone: 16 long-tailed sequences through"
+    " flash_attention_varlen beside segment ids, the padded call and"
+    " jax.nn's seq lengths (--seq: the packed tokens; --seq, --head-dim and"
+    " --dtype take their first value)",
   )
   p.add_argument(
     "--gqa",
@@ -514,24 +518,33 @@ def settings_from(args, platform: str) -> dict:
   return settings
 
 
-def run_flex(args: argparse.Namespace) -> int:
-  """`--mode flex` (`flex_case`): its own cases, one table."""
+# The modes with their own cases and table: (shapes, run) of each.
+_OWN_CASES = {
+  flex_case.FLEX: (flex_case.shapes, flex_case.run_flex),
+  varlen_case.VARLEN: (varlen_case.shapes, varlen_case.run_varlen),
+}
+
+
+def run_own_cases(args: argparse.Namespace, mode: str) -> int:
+  """`--mode flex` (`flex_case`) or `--mode varlen` (`varlen_case`): its
+  own cases, one table."""
   if len(args.mode) > 1:
-    args.parser.error("--mode flex cannot be combined with other modes")
+    args.parser.error(f"--mode {mode} cannot be combined with other modes")
+  shapes, run_cases = _OWN_CASES[mode]
   platform = runner.platform_name()
-  shape = flex_case.shapes(platform)
+  shape = shapes(platform)
   if args.seq:
     shape["seq"] = args.seq[0]
   if args.head_dim:
     shape["head_dim"] = args.head_dim[0]
   dtype = specs.DTYPES[args.dtype[0]] if args.dtype else "bfloat16"
   settings = settings_from(args, platform)
-  records = flex_case.run_flex(
+  records = run_cases(
     platform,
     dtype=dtype,
     runs=settings["runs"],
     warmup=settings["warmup"],
-    out_dir=args.out or os.path.join(OUT_ROOT, flex_case.FLEX),
+    out_dir=args.out or os.path.join(OUT_ROOT, mode),
     shape=shape,
   )
   failed = any(r["status"] == "error" for r in records)
@@ -540,8 +553,9 @@ def run_flex(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark described by the parsed `args`; returns an exit code."""
-  if args.mode and flex_case.FLEX in args.mode:
-    return run_flex(args)
+  for mode in _OWN_CASES:
+    if args.mode and mode in args.mode:
+      return run_own_cases(args, mode)
   if "interpret" in (args.impl or ()):  # before JAX starts: the interpreter
     interpret_pool.reserve()  # needs its threads (else interpret is skipped)
   check_flags(args)
