@@ -7,8 +7,8 @@ kernels run (`kernel_tiles.steps`), bf16, default configs, one head.
 
 Lengths come from `pallas-fa3 bench --mode varlen`'s long-tailed
 (log-normal) distribution, scaled to --tokens in all. Two packings:
-self-attention (`cu_seqlens_q` is `cu_seqlens_k`: the built-in diagonal, causal tiles skipped per sequence)
-and chunked prefill (each sequence's queries the last quarter of its
+self-attention (`cu_seqlens_q` is `cu_seqlens_k`: the built-in diagonal,
+causal tiles skipped per sequence) and chunked prefill (each sequence's queries the last quarter of its
 keys: the per-token mask_mod rule, whose kernels skip by sequence but walk
 a sequence's key tiles past a query tile's diagonal). Each against the
 same sequences alone (causal bottom-right) and against one padded
