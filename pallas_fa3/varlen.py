@@ -75,7 +75,10 @@ def _is_traced(x: Any) -> bool:
 
 
 def _check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
-  """`x` as an int32 1-D array (of `size` entries when given)."""
+  """`x` (an array, or a list or tuple of ints) as an int32 1-D array (of
+  `size` entries when given)."""
+  if isinstance(x, (list, tuple)):
+    x = np.asarray(x)
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise TypeError(
       f"{name} must be an int32 array; got {type(x).__name__}: {x!r}"
@@ -190,6 +193,7 @@ def _same(a: Any, b: Any) -> bool:
     return True
   if a is None or b is None or _is_traced(a) or _is_traced(b):
     return False
+  a, b = np.asarray(a), np.asarray(b)
   return a.shape == b.shape and bool(np.array_equal(a, b))
 
 

@@ -529,7 +529,8 @@ _CU = jnp.asarray([0, 4, 10], jnp.int32)
     (dict(cu_seqlens_q=jnp.asarray([0.0, 4.0, 10.0])), TypeError, r"cu_seqlens_q must have an integer dtype.*float32"),
     (dict(cu_seqlens_q=jnp.asarray([[0, 4, 10]])), ValueError, r"cu_seqlens_q must have shape \[n \+ 1\]; got \(1, 3\)"),
     (dict(cu_seqlens_q=jnp.asarray([0])), ValueError, r"n >= 1"),
-    (dict(cu_seqlens_q=[0, 4, 10]), TypeError, r"cu_seqlens_q must be an int32 array; got list"),
+    (dict(cu_seqlens_q=[0.5, 4, 10]), TypeError, r"cu_seqlens_q must have an integer dtype.*float64"),
+    (dict(cu_seqlens_q="0,4,10"), TypeError, r"cu_seqlens_q must be an int32 array; got str"),
     (dict(max_seqlen_q=5), ValueError, r"max_seqlen_q=5 is smaller than the longest sequence \(6\)"),
     (dict(max_seqlen_k=jnp.int32(8)), TypeError, r"max_seqlen_k must be a static"),
     (dict(seqused_q=jnp.asarray([1, 2, 3])), ValueError, r"seqused_q must have shape \(2,\); got \(3,\)"),
@@ -617,3 +618,11 @@ def test_eager_calls_trace_once(monkeypatch, rng):
       q, k, v, jnp.asarray([0, 8, 24]), jnp.asarray(cu_k), causal=True
     )
   assert len(traces) == 1
+
+
+def test_cu_seqlens_as_lists_or_numpy(rng):
+  q, k, v, _ = _inputs(rng, 10, 10, 2, 1, 16, 16, jnp.float32)
+  want = pallas_fa3.flash_attention_varlen(q, k, v, _CU, _CU, causal=True)
+  for cu in ([0, 4, 10], np.array([0, 4, 10], np.int32)):
+    got = pallas_fa3.flash_attention_varlen(q, k, v, cu, cu, causal=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
