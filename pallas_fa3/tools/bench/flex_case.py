@@ -141,20 +141,10 @@ def run_flex(
       for mode in modes:
         rec = dict(case=case, impl=name, mode=mode, batch=b, seq=s, heads=h,
                    head_dim=d, dtype=dtype)  # fmt: skip
-        try:
-          jitted, args = timing.mode_function(fn, mode, [(q, k, v, do)])
-          t, compiled = timing.measure(jitted, args, warmup, runs)
-        except Exception as e:  # pylint: disable=broad-except
-          rec.update(status="error", error=f"{type(e).__name__}: {e}"[:300])
-          records.append(rec)
-          continue
-        flops = flops_fwd * (1 if mode == "fwd" else 3.5)
-        rec.update(status="ok", ms=1e3 * t.median_s,
-                   tflops=flops / t.median_s / 1e12)  # fmt: skip
-        if mode == "fwd":
-          got = np.asarray(compiled(*args[0]), np.float32)
-          rec["max_err"] = float(np.abs(got - want).max())
-        if name == "ours" and case == "causal":
+        rec |= timing.measure_mode(
+          fn, mode, (q, k, v, do), warmup, runs, flops_fwd, want
+        )
+        if rec["status"] == "ok" and name == "ours" and case == "causal":
           baseline[mode] = rec["tflops"]
         records.append(rec)
   for rec in records:

@@ -111,6 +111,33 @@ def make_inputs(spec, dtype: str, num_sets: int, seed: int) -> list[tuple]:
   return jax.block_until_ready(sets)
 
 
+def measure_mode(
+  fn: Callable,
+  mode: str,
+  inputs: tuple,
+  warmup: int,
+  runs: int,
+  flops_fwd: float,
+  want: Any,
+) -> dict:
+  """One case of a mode with its own table (`--mode flex`, `--mode
+  varlen`): `fn(q, k, v)` timed in `mode` on `inputs = (q, k, v, dout)`;
+  the record's fields: status "ok", ms, TFLOP/s (`flops_fwd`, x3.5 for
+  fwd+bwd) and, in "fwd", the largest difference from `want`; or status
+  "error" and the error."""
+  try:
+    jitted, args = mode_function(fn, mode, [inputs])
+    t, compiled = measure(jitted, args, warmup, runs)
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(status="error", error=f"{type(e).__name__}: {e}"[:300])
+  flops = flops_fwd * (1 if mode == "fwd" else 3.5)
+  rec = dict(status="ok", ms=1e3 * t.median_s, tflops=flops / t.median_s / 1e12)
+  if mode == "fwd":
+    got = np.asarray(compiled(*args[0]), np.float32)
+    rec["max_err"] = float(np.abs(got - want).max())
+  return rec
+
+
 def mode_function(
   fn: Callable, mode: str, input_sets: Sequence[tuple]
 ) -> tuple[Callable, list[tuple]]:

@@ -139,19 +139,9 @@ def run_varlen(
   for name, fn in impls.items():
     for mode in modes:
       rec = dict(impl=name, mode=mode, **base)
-      try:
-        jitted, args = timing.mode_function(fn, mode, [(q, k, v, do)])
-        t, compiled = timing.measure(jitted, args, warmup, runs)
-      except Exception as e:  # pylint: disable=broad-except
-        rec.update(status="error", error=f"{type(e).__name__}: {e}"[:300])
-        records.append(rec)
-        continue
-      flops = 4 * h * d * pairs * (1 if mode == "fwd" else 3.5)
-      rec.update(status="ok", ms=1e3 * t.median_s,
-                 tflops=flops / t.median_s / 1e12)  # fmt: skip
-      if mode == "fwd":
-        got = np.asarray(compiled(*args[0]), np.float32)
-        rec["max_err"] = float(np.abs(got - want).max())
+      rec |= timing.measure_mode(
+        fn, mode, (q, k, v, do), warmup, runs, 4 * h * d * pairs, want
+      )
       records.append(rec)
   ours = {r["mode"]: r["tflops"] for r in records if r["impl"] == OURS and r["status"] == "ok"}  # fmt: skip
   for rec in records:
