@@ -100,6 +100,31 @@ class UserFunction:
       _SHIFTED[key] = fn
     return fn
 
+  def packed(self, group: int) -> UserFunction:
+    """The function of a decode tile whose rows pack a KV head's `group`
+    query heads (GQA): it takes the KV head as `head` and the packed row
+    `p = q_idx * group + h` as `q_idx`, and calls this one with head
+    `head * group + p % group` and `q_idx = p // group`. Cached: one per
+    (function, group)."""
+    shapes = tuple((jnp.shape(c), jnp.result_type(c)) for c in self.consts)
+    key = (self.converted, shapes, group)
+    fn = _PACKED.get(key)
+    if fn is None:
+      base, n = self.converted, len(scalar_args(4, self.score_dtype)) - 4
+
+      def converted(*args):
+        ins = list(args)
+        head, row = ins[n + 1], ins[n + 2]
+        ins[n + 1] = head * group + row % group
+        ins[n + 2] = row // group
+        return base(*ins)
+
+      fn = self._variant(converted)
+      if len(_PACKED) >= _LIFTED_MAX:
+        _PACKED.pop(next(iter(_PACKED)))
+      _PACKED[key] = fn
+    return fn
+
   def constants(self) -> tuple:
     """The arrays `converted` itself closes over (concrete ones JAX left
     in it), in the order `rebound` takes them."""
@@ -180,6 +205,9 @@ class UserFunction:
 # `UserFunction.shifted`'s, by (converted function, its consts' shapes,
 # batch, head).
 _SHIFTED: dict = {}
+# `UserFunction.packed`'s, by (converted function, its consts' shapes,
+# group).
+_PACKED: dict = {}
 
 # Closure conversions that had to lift integer tracers, by (function, its
 # arguments' types, the arrays left in it): one converted function (one

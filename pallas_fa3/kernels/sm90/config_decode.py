@@ -108,7 +108,8 @@ def _acc_regs(block_kv: int, head_dim_v: int) -> int:
 
 def flex_reason(spec: DecodeSpec, config: Sm90DecodeConfig) -> str | None:
   """Why the decode kernel cannot compile `spec.flex` (a score_mod and
-  mask_mod traced into its tile loop, one query head per CTA), or None."""
+  mask_mod traced into its tile loop, on packed rows or one query head
+  per CTA: `flex_packs`), or None."""
   from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
 
   fs, names = spec.flex, ", ".join(spec.flex.names())
@@ -378,15 +379,41 @@ def default_decode_config(spec: DecodeSpec) -> Sm90DecodeConfig:
   return best
 
 
+def flex_packs(spec: DecodeSpec) -> bool:
+  """Whether a flex call's functions run on the GQA-packed rows (each K/V
+  tile read once for the group): no block mask, and each function's
+  `UserFunction.packed` form is one the kernels compile (it reads no
+  captured array at a head or query index: a softcap score_mod, causal or
+  window mask_mods, kv-indexed arrays). Otherwise one query head per CTA:
+  ALiBi's slopes[head] or a document mask's ids[q_idx] at a packed row
+  would be a gather `flex_tile` does not load."""
+  from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
+
+  fs, g = spec.flex, spec.group_size
+  if fs is None:
+    return True
+  if fs.block is not None or g == 1:
+    return False
+  for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
+    if fn is not None:
+      try:
+        flex_tile.plan(fn.packed(g), score, spec.capacity * g, spec.capacity)
+      except flex_tile.Refused:
+        return False
+  return True
+
+
 def packed_heads(spec: DecodeSpec) -> int:
-  """Query heads packed into one CTA's rows: the KV head's group, or one
-  with flex options (a score_mod / mask_mod sees one head per tile)."""
-  return 1 if spec.flex is not None else spec.group_size
+  """Query heads packed into one CTA's rows: the KV head's group (flex
+  options too where `flex_packs`), else one (a score_mod / mask_mod then
+  sees one head per tile)."""
+  return spec.group_size if flex_packs(spec) else 1
 
 
 def grid_heads(spec: DecodeSpec) -> int:
-  """The grid's head axis: KV heads, or query heads with flex options."""
-  return spec.heads_q if spec.flex is not None else spec.heads_kv
+  """The grid's head axis: KV heads, or query heads with flex options that
+  do not pack."""
+  return spec.heads_kv if flex_packs(spec) else spec.heads_q
 
 
 def query_tiles(spec: DecodeSpec) -> int:

@@ -255,8 +255,9 @@ class DecodePlan:
     return config_decode.packed_heads(self.spec)
 
   def kv_head(self, head: Any) -> Any:
-    """The KV head of grid head `head` (a query head with flex options)."""
-    if self.spec.flex is None:
+    """The KV head of grid head `head` (a query head with flex options
+    that do not pack)."""
+    if self.packed == self.spec.group_size:
       return head
     return lax.div(head, jnp.int32(self.spec.group_size))
 
@@ -447,10 +448,18 @@ def tile_mask(
 
 def flex_view(spec: DecodeSpec) -> Any:
   """What `flex_tile` reads of a call, for a decode one: its flex options
-  over positions `0 .. capacity` (queries and keys alike)."""
+  over positions `0 .. capacity` (queries and keys alike); with packed
+  rows (`config_decode.flex_packs`) the functions' `packed` forms over
+  packed rows `q_idx * group + h` of the KV heads."""
+  fs, g = spec.flex, config_decode.packed_heads(spec)
+  if g > 1:
+    pack = lambda fn: None if fn is None else fn.packed(g)
+    fs = dataclasses.replace(
+      fs, score_mod=pack(fs.score_mod), mask_mod=pack(fs.mask_mod)
+    )
   return types.SimpleNamespace(
-    flex=spec.flex, seq_q=spec.capacity, seq_kv=spec.capacity,
-    batch=spec.batch, heads_q=spec.heads_q,
+    flex=fs, seq_q=spec.capacity * g, seq_kv=spec.capacity,
+    batch=spec.batch, heads_q=config_decode.grid_heads(spec),
     softmax_scale=spec.softmax_scale, softcap=spec.softcap,
     unaligned_rows=True,  # a tile's rows start at any position
   )  # fmt: skip
@@ -460,7 +469,8 @@ def _flex_scores(plan, refs, ops, t, scale_log2, q0, kv0, batch, head):
   """The tile's (scores, their base-2 scale, the flex mask or None): a
   score_mod on natural units (then scaled by log2 e), a mask_mod and a
   block mask's state, at query positions `q0 + row` and keys `kv0 +
-  col` of query head `head`."""
+  col` of query head `head` (packed rows: `q0 + row = q_idx * group + h`
+  of KV head `head`, `flex_view`'s packed functions)."""
   from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
 
   spec = plan.spec
@@ -520,10 +530,10 @@ def _consumer(
     # (a DecodeSpec serves as well as an AttentionSpec)
     t, scale_log2 = descaled(spec, s, k_descale)
     mask = mask_for(tile)
-    if spec.flex is not None:  # one query head per tile, rows its queries
+    if spec.flex is not None:  # packed rows, or one query head per tile
       t, scale_log2, fmask = _flex_scores(
-        plan, refs, ops, t, scale_log2, length - spec.seq_q + row0,
-        tile * bkv, batch, head,
+        plan, refs, ops, t, scale_log2,
+        (length - spec.seq_q) * plan.packed + row0, tile * bkv, batch, head,
       )  # fmt: skip
       mask = mask if fmask is None else mask & fmask
     x = jnp.where(mask, scaled_once(t, scale_log2), -jnp.inf)
@@ -757,7 +767,7 @@ def sm90_decode(
       positions = (last - (spec.seq_q - 1), last)
     flex = flex_tile.kernel_operands(
       flex_view(spec), flex_ops,
-      q_pad=spec.capacity + DECODE_ROWS,
+      q_pad=spec.capacity * config_decode.packed_heads(spec) + DECODE_ROWS,
       kv_pad=cdiv(spec.capacity, config.block_kv) * config.block_kv,
       block_kv=config.block_kv, positions=positions,
     )  # fmt: skip

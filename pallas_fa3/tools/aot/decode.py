@@ -265,10 +265,10 @@ def decode_sweep() -> Iterator[aot.SweepItem]:
 
 
 def decode_flex_sweep() -> Iterator[aot.SweepItem]:
-  """The decode kernel with flex options (one query head per CTA): ALiBi
-  as a score_mod with a document mask_mod, softcap as a score_mod, and a
-  document block mask, at d128 GQA 4, one query and a 4-query
-  chunk, paged (64-token pages)."""
+  """The decode kernel with flex options: ALiBi as a score_mod with a
+  document mask_mod and a document block mask (one query head per CTA),
+  softcap as a score_mod (on the GQA-packed rows), at d128 GQA 4, one
+  query and a 4-query chunk, paged (64-token pages)."""
   import functools
 
   import jax.numpy as jnp
