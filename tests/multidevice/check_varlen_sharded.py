@@ -43,7 +43,9 @@ def _packed(seed: int, n: int = 16):
   return cu_q, cu_k, q, k, v, dout
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+  "causal", [True, pytest.param(False, marks=pytest.mark.slow)]
+)
 def test_shard_by_sequences_matches_one_device(causal):
   cu_q, cu_k, q, k, v, dout = _packed(0)
   mesh = mh.mesh((8,), ("data",))
