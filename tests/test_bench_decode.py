@@ -301,19 +301,24 @@ def test_bad_flags_are_usage_errors(argv, flag, capsys, tmp_path):
   assert not os.listdir(tmp_path)  # nothing ran
 
 
+def _records_by_impl(flags, impls, tmp_path):
+  """`pallas-fa3 bench --mode decode <flags>` of `impls`, one quick run
+  each, to exit 0; its records by implementation."""
+  quick = ["--runs", "1", "--warmup", "0", "--input-sets", "1"]
+  argv = ["bench", "--mode", "decode", *flags, *quick, "--no-progress"]
+  argv += ["--no-plots", "--impl", *impls, "--out", str(tmp_path)]
+  assert cli.main(argv) == 0
+  rows = json.loads((tmp_path / "results.json").read_text())["records"]
+  return {r["impl"]: r for r in rows}
+
+
 def test_mla_sweep_reads_one_cache_and_names_the_baselines_it_skips(tmp_path):
   """`--mode decode --mla`: DeepSeek's 576 / 512 latent cache, one KV head;
   bytes count the one cache (V is its first 512 columns, read in place),
   tokens/s per step; the baselines that take two caches say why not."""
-  argv = [
-    "bench", "--mode", "decode", "--mla", "--batch", "2", "--cache-len",
-    "128", "--page-size", "64", "--gqa", "16", "--runs", "1", "--warmup",
-    "0", "--input-sets", "1", "--no-progress", "--no-plots", "--impl",
-    "blockwise", "reference", "xla", "triton-paged", "--out", str(tmp_path),
-  ]  # fmt: skip
-  assert cli.main(argv) == 0
-  rows = json.loads((tmp_path / "results.json").read_text())["records"]
-  by_impl = {r["impl"]: r for r in rows}
+  flags = "--mla --batch 2 --cache-len 128 --page-size 64 --gqa 16".split()
+  impls_ = ["blockwise", "reference", "xla", "triton-paged"]
+  by_impl = _records_by_impl(flags, impls_, tmp_path)
   ours = by_impl["blockwise"]
   assert ours["status"] == "ok" and ours["head_dim"] == 576
   assert ours["kv_bytes"] == 2 * 128 * 576 * 2  # batch x L x d x bf16
@@ -350,16 +355,11 @@ def test_speculative_rows_q_len_1_4_8_16_at_the_targets_points():
 def test_speculative_sweep_on_a_cpu(tmp_path):
   """`--q-len 4`: four causal new tokens per sequence through blockwise
   against the reference; the one-query baselines say why they skip."""
-  argv = [
-    "bench", "--mode", "decode", "--q-len", "4", "--batch", "2",
-    "--cache-len", "128", "--page-size", "none", "--hidden", "128",
-    "--head-dim", "64", "--gqa", "2", "--num-splits", "auto", "--runs", "1",
-    "--warmup", "0", "--input-sets", "1", "--no-progress", "--no-plots",
-    "--impl", "blockwise", "reference", "xla", "--out", str(tmp_path),
-  ]  # fmt: skip
-  assert cli.main(argv) == 0
-  rows = json.loads((tmp_path / "results.json").read_text())["records"]
-  by_impl = {r["impl"]: r for r in rows}
+  flags = "--q-len 4 --batch 2 --cache-len 128 --page-size none --hidden 128"
+  flags += " --head-dim 64 --gqa 2 --num-splits auto"
+  by_impl = _records_by_impl(
+    flags.split(), ["blockwise", "reference", "xla"], tmp_path
+  )
   ours = by_impl["blockwise"]
   assert ours["status"] == "ok" and ours["seq_q"] == 4
   assert ours["max_abs_err"] < 0.05
@@ -376,17 +376,12 @@ def test_batch_invariant_and_flex_rows(tmp_path):
   """`--batch-invariant --decode-flex alibi_doc`: ours with the options
   (blockwise against the reference with the same functions), the
   baselines say why they skip; the GPU grid tags issue 67's rows."""
-  argv = [
-    "bench", "--mode", "decode", "--batch-invariant", "--decode-flex",
-    "alibi_doc", "--batch", "2", "--cache-len", "1024", "--page-size",
-    "64", "--hidden", "128", "--head-dim", "64", "--gqa", "2",
-    "--num-splits", "auto", "--runs", "1", "--warmup", "0",
-    "--input-sets", "1", "--no-progress", "--no-plots", "--impl",
-    "blockwise", "reference", "xla", "--out", str(tmp_path),
-  ]  # fmt: skip
-  assert cli.main(argv) == 0
-  rows = json.loads((tmp_path / "results.json").read_text())["records"]
-  by_impl = {r["impl"]: r for r in rows}
+  flags = "--batch-invariant --decode-flex alibi_doc --batch 2 --cache-len"
+  flags += " 1024 --page-size 64 --hidden 128 --head-dim 64 --gqa 2"
+  flags += " --num-splits auto"
+  by_impl = _records_by_impl(
+    flags.split(), ["blockwise", "reference", "xla"], tmp_path
+  )
   ours = by_impl["blockwise"]
   assert ours["status"] == "ok" and ours["max_abs_err"] < 0.05
   assert ours["batch_invariant"] and ours["flex"] == "alibi_doc"
