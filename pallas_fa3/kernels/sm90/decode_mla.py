@@ -36,6 +36,7 @@ from pallas_fa3.kernels.sm90.config_decode import (
   MLA_CONSUMERS,
   Sm90DecodeConfig,
   mla_chunks,
+  partial_rows,
 )
 from pallas_fa3.kernels.sm90.decode import (
   FP8_DTYPE,
@@ -210,12 +211,25 @@ def _store_half(refs, plan, o, w):
     stage[...] = o[:, c : c + _OUT_COLS]
     plgpu.commit_smem()
     cols = pl.ds(w * half + c, _OUT_COLS)
-    plgpu.copy_smem_to_gmem(stage, o_ref.at[:, cols])
+    plgpu.copy_smem_to_gmem(_live(plan, stage), o_ref.at[:, cols])
+
+
+def _live(plan, staging: Any) -> Any:
+  """The rows of a 64-row staging tile a partial keeps: with one query
+  tile its live rows only (`config_decode.partial_rows`, whole 8-row
+  swizzle groups), else all."""
+  rows = _piece_rows(plan)
+  return staging if rows == DECODE_ROWS else staging.at[pl.ds(0, rows)]
+
+
+def _piece_rows(plan) -> int:
+  """Rows of one CTA's partial: the live rows with one query tile."""
+  return DECODE_ROWS if plan.query_tiles > 1 else partial_rows(plan.spec)
 
 
 def _piece() -> tuple:
   """This CTA's partial in the kernel's outputs `[query tiles x splits, b,
-  hk, 64, ...]`: indexed by grid coordinates alone (read again where
+  hk, rows, ...]` (`_piece_rows`): indexed by grid coordinates alone (read again where
   needed, never kept live through the loop)."""
   return (
     lax.axis_index("split"),
@@ -318,7 +332,7 @@ def _softmax_consumer(refs, plan, ops) -> None:
   plgpu.barrier_arrive(refs["done"].at[0])
   o = o * lax.broadcast_in_dim(inv_l, o.shape, [0])
   _store_half(refs, plan, o, 0)
-  plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[_piece()])
+  plgpu.copy_smem_to_gmem(_live(plan, lse_smem), refs["lse"].at[_piece()])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -406,9 +420,10 @@ def build_mla_decode(plan: DecodePlan, ops: KernelOps, interpret: Any) -> Any:
     done=consumer_release(1, 1),
   )
   pieces = plan.query_tiles * splits  # (query tile, split) pairs
+  rows = _piece_rows(plan)  # live rows only (one query tile)
   out_type = dict(
-    o=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS, spec.head_dim_v), _F32),
-    lse=jax.ShapeDtypeStruct((pieces, b, hk, DECODE_ROWS), _F32),
+    o=jax.ShapeDtypeStruct((pieces, b, hk, rows, spec.head_dim_v), _F32),
+    lse=jax.ShapeDtypeStruct((pieces, b, hk, rows), _F32),
   )
   if plan.fp8:  # TMA -> the e4m3 ring -> the converter -> one float16 slot
     raw_stages = cfg.num_stages
@@ -509,7 +524,8 @@ def sm90_mla_decode(
     *extra,
     *(() if starts is None else (starts.astype(jnp.int32),)),
   )
-  # [query tiles x splits, b, hk, 64, ...] -> [splits, b, hk, tiles x 64, ...]
+  # [query tiles x splits, b, hk, rows, ...] -> [splits, b, hk, tiles x rows,
+  # ...] (rows: 64, or the live ones with one query tile)
   o_parts, lse_parts = (
     jnp.moveaxis(
       x.reshape((plan.query_tiles, splits) + x.shape[1:]), 0, 3
