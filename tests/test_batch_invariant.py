@@ -66,7 +66,16 @@ DECODE_CASES = [
     marks=pytest.mark.slow,
   ),
   pytest.param("blockwise", None, 1, 0, None, 2560, id="blockwise-2-splits"),
-  pytest.param("blockwise", 64, 8, 8, 3, 384, id="blockwise-paged64-q8"),
+  pytest.param(
+    "blockwise",
+    64,
+    8,
+    8,
+    3,
+    384,
+    id="blockwise-paged64-q8",
+    marks=pytest.mark.slow,
+  ),
   pytest.param("reference", None, 2, 2, None, 384, id="reference"),
 ]
 
