@@ -101,8 +101,8 @@ class Attention(hijax.HiPrim):
 
   lin, linearized = hijax.linearize_from_jvp
 
-  def batch_dim_rule(self, axis_data: Any, dims: tuple) -> Any:
-    return _out_dims(self.out_aval, dims)
+  def batch(self, axis_data: Any, args: tuple, dims: Any) -> tuple:
+    return _batch(self, axis_data, args, dims)
 
   def __hash__(self) -> int:
     return hash((type(self), self.static, id(self.traced)))
@@ -138,17 +138,12 @@ class Tangent(hijax.HiPrim):
     del result
     return tangent.tangents(self.static, operands, dots)
 
+  def transpose_values(self, cotangents: Any, operands: Any, result: Any):
+    """The transpose's value: the tangents' cotangents (a `Prefill`)."""
+    return _backward(self.static, (operands, result), _instantiate(cotangents))
+
   def transpose(self, cotangents: Any, operands: Any, result: Any, dots: Any):
-    grads = _backward(self.static, (operands, result), _instantiate(cotangents))
-
-    def accumulate(acc: Any, ct: Any) -> None:
-      # Only the linear inputs accumulate (an instantiated zero tangent,
-      # a known value, does not).
-      if _is_accum(acc) and not isinstance(acc, hijax.NullAccum):
-        acc.accum(ct)
-
-    # The same tree as the operands (a mismatch raises, never misaligns).
-    jax.tree.map(accumulate, dots, grads, is_leaf=_is_accum)
+    _accumulate(dots, self.transpose_values(cotangents, operands, result))
 
   def vjp_fwd(self, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
     del nzs_in
@@ -162,15 +157,140 @@ class Tangent(hijax.HiPrim):
 
   lin, linearized = hijax.linearize_from_jvp
 
-  def batch_dim_rule(self, axis_data: Any, dims: tuple) -> Any:
-    return _out_dims(self.out_aval, dims)
+  def batch(self, axis_data: Any, args: tuple, dims: Any) -> tuple:
+    return _batch(self, axis_data, args, dims)
 
 
-def _out_dims(out_aval: Any, in_dims: Any) -> Any:
-  """vmap's output axes: none when no input is batched, else axis 0 for
-  every result (each depends on every operand's batch)."""
-  batched = any(d is not None for d in jax.tree.leaves(in_dims))
-  return jax.tree.map(lambda _: 0 if batched else None, out_aval)
+class Batched(hijax.HiPrim):
+  """`inner` (an `Attention` or `Tangent`) under `jax.vmap`: its arguments
+  batched on axis 0 where `in_dims` says 0 (None: not batched), every
+  result on axis 0. Each rule is `inner`'s, vmapped (the residuals and
+  cotangents of unbatched arguments summed over the batch)."""
+
+  def __init__(self, inner: Any, axis: tuple, in_dims: tuple, args: tuple):
+    self.in_avals = jax.tree.map(jax.typeof, args)
+    self.params = dict(inner=inner, axis=axis, in_dims=in_dims)
+    traced = jax.jit(self._vmap(inner.expand, in_dims)).trace(*args)
+    self.out_aval = traced.out_avals
+    self.effects = traced.effects
+    self.params["traced"] = traced
+    super().__init__()
+
+  def _vmap(self, fn: Any, in_axes: Any) -> Any:
+    """`fn` vmapped over this batch axis, every result on axis 0."""
+    size, name, spmd = self.params["axis"]
+    return jax.vmap(
+      fn,
+      in_axes=in_axes,
+      out_axes=0,
+      axis_size=size,
+      axis_name=name,
+      spmd_axis_name=spmd,
+    )
+
+  def expand(self, *args: Any) -> Any:
+    return self.params["traced"](*args)
+
+  def jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    dims = self.params["in_dims"]
+    return self._vmap(self.params["inner"].jvp, (dims, dims))(
+      primals, _instantiate(tangents)
+    )
+
+  lin, linearized = hijax.linearize_from_jvp
+
+  def vjp_fwd(self, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
+    inner = self.params["inner"]
+    return self._vmap(
+      lambda *a: inner.vjp_fwd(nzs_in, *a), self.params["in_dims"]
+    )(*args)
+
+  def vjp_bwd_retval(self, residuals: Any, cotangents: Any) -> Any:
+    inner = self.params["inner"]
+    cts = self._vmap(inner.vjp_bwd_retval, 0)(
+      residuals, _instantiate(cotangents)
+    )
+    return _unbatched(cts, self.params["in_dims"])
+
+  def transpose(self, cotangents: Any, operands: Any, result: Any, dots: Any):
+    ops_dims, result_dims, dots_dims = self.params["in_dims"]
+    grads = self._vmap(
+      self.params["inner"].transpose_values, (0, ops_dims, result_dims)
+    )(_instantiate(cotangents), operands, result)
+    _accumulate(dots, _unbatched(grads, dots_dims))
+
+  def batch(self, axis_data: Any, args: tuple, dims: Any) -> tuple:
+    return _batch(self, axis_data, args, dims)
+
+  def __hash__(self) -> int:
+    return hash((type(self), id(self.params["traced"])))
+
+  def __eq__(self, other: Any) -> bool:
+    return type(self) is type(other) and (
+      self.params["traced"] is other.params["traced"]
+    )
+
+
+def _batch(prim: Any, axis_data: Any, args: tuple, dims: Any) -> tuple:
+  """`prim` applied to `args` batched along `dims` (the hijax `batch`
+  rule): a `Batched` of it, every result on axis 0; `prim` itself where
+  nothing is batched."""
+  flat, tree = jax.tree.flatten(args)
+  flat_dims = _flat_dims(tree, dims)
+  if all(d is None for d in flat_dims):
+    out = prim(*args)
+    return out, jax.tree.map(lambda _: None, out)
+  front = [x if d is None else jax.numpy.moveaxis(x, d, 0)
+           for x, d in zip(flat, flat_dims)]  # fmt: skip
+  in_dims = tree.unflatten([None if d is None else 0 for d in flat_dims])
+  args = tree.unflatten(front)
+  spmd = axis_data.spmd_name or axis_data.explicit_mesh_axis
+  axis = (axis_data.size, axis_data.name, spmd)
+  out = Batched(prim, axis, in_dims, args)(*args)
+  return out, jax.tree.map(lambda _: 0, out)
+
+
+def _flat_dims(tree: Any, dims: Any) -> list:
+  """One axis (or None) per leaf of `tree` from `dims`, the arguments'
+  tree of axes or a prefix of it, whatever sequence type its nodes are
+  (JAX 0.11 passes the arguments' own NamedTuples, 0.12 plain tuples)."""
+  if dims is None or isinstance(dims, int):
+    return [dims] * tree.num_leaves
+  if tree.num_leaves == 1 and not tree.children():
+    return [dims]
+  if not isinstance(dims, (tuple, list)):  # a custom node (a BlockMask)
+    return tree.flatten_up_to(dims)
+  children = tree.children()
+  dims = tuple(dims)
+  if len(dims) != len(children):
+    raise ValueError(f"batch axes {dims!r} do not match the arguments {tree}")
+  return [d for c, x in zip(children, dims) for d in _flat_dims(c, x)]
+
+
+def _unbatched(cts: Any, dims: Any) -> Any:
+  """Cotangents computed per example (axis 0) for arguments batched along
+  `dims` (0 or None, a prefix of `cts`): those of unbatched ones summed."""
+
+  def one(d: Any, ct: Any) -> Any:
+    if d is not None or ct is None:
+      return ct
+    if ct.dtype == jax.dtypes.float0:
+      return np.zeros(ct.shape[1:], jax.dtypes.float0)
+    return ct.sum(axis=0)
+
+  return jax.tree.map(one, dims, cts, is_leaf=lambda d: d is None)
+
+
+def _accumulate(dots: Any, cts: Any) -> None:
+  """Adds `cts` into the linear inputs among `dots` (the same tree: a
+  mismatch raises, never misaligns); a known value (an instantiated zero
+  tangent) or a `NullAccum` takes nothing."""
+
+  def one(acc: Any, ct: Any) -> None:
+    if _is_accum(acc) and not isinstance(acc, hijax.NullAccum):
+      acc.accum(ct)
+
+  jax.tree.map(one, dots, cts, is_leaf=_is_accum)
 
 
 def _is_accum(x: Any) -> bool:
