@@ -212,20 +212,21 @@ def invariant_splits(
 def split_span(
   spec: DecodeSpec, t0: Any, t1: Any, split: Any, splits: int, tile: int
 ) -> tuple[Any, Any]:
-  """[lo, hi) tiles of split `split` (of `splits`) of a sequence whose
+  """(first tile, tiles) of split `split` (of `splits`) of a sequence whose
   visible keys lie in tiles `[t0, t1)` (t1 >= t0, int32): `[t0, t1)` cut
   into `splits` equal runs, or with `spec.batch_invariant` the fixed runs
   of `invariant_split_tiles` (longer when `splits` is capped), clipped to
-  `[t0, t1)`. hi <= lo: empty. Every decode backend cuts its ranges here
-  (traced int32 arithmetic the kernels lower too)."""
+  `[t0, t1)`; 0 tiles: an empty range. Every decode backend cuts its
+  ranges here (traced int32 arithmetic the kernels lower too)."""
   if spec.batch_invariant:
     tiles = cdiv(spec.capacity, tile)
     per = max(invariant_split_tiles(spec, tile), cdiv(tiles, splits))
     origin = split * per
-    return jnp.maximum(origin, t0), jnp.minimum(origin + per, t1)
+    lo = jnp.maximum(origin, t0)
+    return lo, jnp.clip(jnp.minimum(origin + per, t1) - lo, 0, per)
   per = lax.div(t1 - t0 + splits - 1, jnp.int32(splits))
   lo = t0 + split * per
-  return lo, jnp.minimum(lo + per, t1)
+  return lo, jnp.clip(t1 - lo, 0, per)
 
 
 def _array(

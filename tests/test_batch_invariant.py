@@ -170,13 +170,13 @@ def test_split_span_boundaries_are_fixed_key_positions():
     tuple(int(x) for x in kvcache.split_span(spec, t0, t1, s, 4, tile))
     for s in range(4)
   ]
-  assert spans == [(3, 16), (16, 32), (32, 40), (48, 40)]
+  assert spans == [(3, 13), (16, 16), (32, 8), (48, 0)]  # (first, tiles)
   plain = dataclasses.replace(spec, batch_invariant=False)
   spans = [
     tuple(int(x) for x in kvcache.split_span(plain, t0, t1, s, 4, tile))
     for s in range(4)
   ]
-  assert spans == [(3, 13), (13, 23), (23, 33), (33, 40)]
+  assert spans == [(3, 10), (13, 10), (23, 10), (33, 7)]
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "reference", "interpret"])

@@ -125,7 +125,8 @@ def blockwise_decode(
     descale = (jnp.ones((b, hk), f32),) * 2
 
   def one_split(bi, qb, length, start, row, pages, kd, t0, t1, s):
-    lo, hi = split_span(spec, t0, t1, s, splits, tile)
+    lo, count = split_span(spec, t0, t1, s, splits, tile)
+    hi = lo + count
     kd = kd[:, None, None, None]  # [hk, 1, 1, 1]
 
     def step(j, carry):

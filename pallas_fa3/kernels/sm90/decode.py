@@ -327,8 +327,7 @@ def split_tiles(
   if span is not None:  # a block mask's empty tiles are never loaded
     t0, t1 = jnp.maximum(t0, span[0]), jnp.minimum(t1, span[1])
   t1 = jnp.maximum(t1, t0)
-  lo, hi = split_span(plan.spec, t0, t1, split, plan.splits, bkv)
-  return lo, jnp.maximum(hi - lo, 0)
+  return split_span(plan.spec, t0, t1, split, plan.splits, bkv)
 
 
 def cta_walk(plan: DecodePlan, refs: dict[str, Any]) -> tuple:
