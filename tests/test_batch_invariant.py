@@ -53,31 +53,14 @@ def _decode(case, idx, **options):
 
 
 # (implementation, page_size, seq_q, seq_new, num_splits, capacity)
+_SLOW = pytest.mark.slow
 DECODE_CASES = [
   pytest.param("interpret", None, 1, 0, 3, 384, id="interpret-contiguous"),
-  pytest.param(
-    "interpret",
-    64,
-    4,
-    4,
-    3,
-    384,
-    id="interpret-paged64-q4",
-    marks=pytest.mark.slow,
-  ),
+  pytest.param("interpret", 64, 4, 4, 3, 384, id="interpret-paged64-q4", marks=_SLOW),
   pytest.param("blockwise", None, 1, 0, None, 2560, id="blockwise-2-splits"),
-  pytest.param(
-    "blockwise",
-    64,
-    8,
-    8,
-    3,
-    384,
-    id="blockwise-paged64-q8",
-    marks=pytest.mark.slow,
-  ),
+  pytest.param("blockwise", 64, 8, 8, 3, 384, id="blockwise-paged64-q8", marks=_SLOW),
   pytest.param("reference", None, 2, 2, None, 384, id="reference"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("impl,ps,sq,new,splits,cap", DECODE_CASES)
