@@ -422,11 +422,6 @@ def query_tiles(spec: DecodeSpec) -> int:
   return cdiv(packed_heads(spec) * spec.seq_q, DECODE_ROWS)
 
 
-# Per-SM shared memory on H100/H200 (228 KiB), and what each resident CTA
-# takes beside its own (1 KiB reserved by the system): how many decode
-# CTAs an SM holds at once.
-SM_SHARED_BYTES = 228 * 1024
-_CTA_RESERVED_SMEM = 1024
 # The shortest split-KV range the automatic count makes, in tiles: shorter
 # ones leave the K/V ring's stages idle and add a partial per few tiles.
 MIN_SPLIT_TILES = 4
@@ -444,12 +439,6 @@ def partial_rows(spec: DecodeSpec) -> int:
   if tiles > 1:
     return tiles * DECODE_ROWS
   return cdiv(packed_heads(spec) * spec.seq_q, _TMA_ROWS) * _TMA_ROWS
-
-
-def ctas_per_sm(spec: DecodeSpec, config: Sm90DecodeConfig) -> int:
-  """Decode CTAs one SM holds at once (its shared memory)."""
-  smem = mla_smem_bytes if is_mla(spec) else decode_smem_bytes
-  return max(1, SM_SHARED_BYTES // (smem(spec, config) + _CTA_RESERVED_SMEM))
 
 
 @dataclasses.dataclass(frozen=True)
