@@ -335,70 +335,83 @@ def dkdv_consumer(
       z = group_zero(spec, qi)
       k_parts = [k_smem.at[wg + z, c] for c in range(plan.splits)]
       v_parts = [v_smem.at[wg + z, c] for c in range(plan.splits)]
-    # S^T = K Q^T, [block_kv, sub]
-    t_t, scale_log2 = softcapped(spec, ops.scores(k_parts, q_parts))
     q0 = qi * cfg.block_q + h * sub
     head = lax.axis_index("heads") * spec.group_size + group_head
-    # A bias, then a score_mod (flex; grad_t its derivative).
-    y_t, scale_log2, grad_t = flex_tile.backward_scores(
-      spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
-      batch=lax.axis_index("batch"), head=head, q_axis=1,
-      params=bool(mine),
-    )  # fmt: skip
-    if mine:
-      grad_t, d_params = grad_t
-    x_t = scaled_once(y_t, scale_log2)
-    s_t = x_t - lax.broadcast_in_dim(
-      ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
-    )
-    p_t = jnp.exp2(jnp.minimum(s_t, 0.0))  # as `row_probabilities`
-    if masked:
-      # Causal/window only: padded keys' rows of dK, dV are sliced off.
-      if bounds is not None:  # lo <= query < hi, positions folded in
-        mask = masking.within_bounds(ops.col_index(sub), *bounds, q0, shape)
-      else:
-        mask = masking.visible_tile_at(
-          spec,
-          q0,
-          kv0,
-          ops.col_index(sub),
-          ops.row_index(cfg.block_kv),
-          shape,
-          1,
-          check_seq_kv=False,
-        )
-      p_t = jnp.where(mask, p_t, 0.0)
-    if spec.flex is not None:  # every step: the mask is not positional
-      fmask = flex_tile.kernel_mask(
-        spec, refs, ops, shape, q0=q0, kv0=kv0,
+
+    def grads(read_s, read_dp):
+      # S^T = K Q^T [block_kv, sub] waited for, dP^T = V dO^T in flight.
+      t_t, scale_log2 = softcapped(spec, read_s())
+      # A bias, then a score_mod (flex; grad_t its derivative).
+      y_t, scale_log2, grad_t = flex_tile.backward_scores(
+        spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
         batch=lax.axis_index("batch"), head=head, q_axis=1,
+        params=bool(mine),
       )  # fmt: skip
-      if fmask is not None:
-        p_t = jnp.where(fmask, p_t, 0.0)
-    # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T (and a
-    # score_mod's derivative).
-    pg_t = None
-    if spec.softcap is not None or grad_t is not None:
-      cap = t_t if spec.softcap is not None else None
-      ctx = cap if grad_t is None else (cap, grad_t)
-      pg_t = softcap_grad(p_t, ctx).astype(spec.dtype)
-    p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
-    pg_t = p_t if pg_t is None else pg_t
-    dv = ops.accumulate_pv(dv, p_t, do_smem.at[slot, chunk].at[rows_h])
-    # dP^T = V dO^T
-    dp_t = ops.scores(v_parts, do_parts)
-    # Loaded only now: the dK, dV accumulators leave few registers.
-    delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
-    dp_t = dp_t - lax.broadcast_in_dim(delta, shape, [1])
-    ds_t = pg_t.astype(jnp.float32) * dp_t
-    dk = ops.accumulate_pv(
-      dk, ds_t.astype(spec.dtype), q_smem.at[slot, chunk].at[rows_h]
-    )
-    if mine:  # dS before the score_mod's own derivative, times each's
-      pre = p_t.astype(jnp.float32) * dp_t
-      sums = tuple(
-        a + (pre * d_params[j]).sum(axis=1) for a, j in zip(sums, mine)
+      d_params = None
+      if mine:
+        grad_t, d_params = grad_t
+      x_t = scaled_once(y_t, scale_log2)
+      s_t = x_t - lax.broadcast_in_dim(
+        ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
       )
+      p_t = jnp.exp2(jnp.minimum(s_t, 0.0))  # as `row_probabilities`
+      if masked:
+        # Causal/window only: padded keys' rows of dK, dV are sliced off.
+        if bounds is not None:  # lo <= query < hi, positions folded in
+          mask = masking.within_bounds(ops.col_index(sub), *bounds, q0, shape)
+        else:
+          mask = masking.visible_tile_at(
+            spec,
+            q0,
+            kv0,
+            ops.col_index(sub),
+            ops.row_index(cfg.block_kv),
+            shape,
+            1,
+            check_seq_kv=False,
+          )
+        p_t = jnp.where(mask, p_t, 0.0)
+      if spec.flex is not None:  # every step: the mask is not positional
+        fmask = flex_tile.kernel_mask(
+          spec, refs, ops, shape, q0=q0, kv0=kv0,
+          batch=lax.axis_index("batch"), head=head, q_axis=1,
+        )  # fmt: skip
+        if fmask is not None:
+          p_t = jnp.where(fmask, p_t, 0.0)
+      # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T (and a
+      # score_mod's derivative).
+      pg_t = None
+      if spec.softcap is not None or grad_t is not None:
+        cap = t_t if spec.softcap is not None else None
+        ctx = cap if grad_t is None else (cap, grad_t)
+        pg_t = softcap_grad(p_t, ctx).astype(spec.dtype)
+      p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
+      pg_t = p_t if pg_t is None else pg_t
+
+      def with_dp():  # dV's wgmma in flight (tokamax's order, depth 1)
+        delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
+        dp_t = read_dp(wait_n=1) - lax.broadcast_in_dim(delta, shape, [1])
+        ds_t = (pg_t.astype(jnp.float32) * dp_t).astype(spec.dtype)
+        if not mine:
+          return (ds_t,)
+        # dS before the score_mod's own derivative, times each's
+        pre = p_t.astype(jnp.float32) * dp_t
+        return (ds_t,) + tuple(
+          a + (pre * d_params[j]).sum(axis=1) for a, j in zip(sums, mine)
+        )
+
+      like = (ops.tile(jnp.zeros(shape, spec.dtype)),) + sums
+      return ops.accumulate_pv_then(
+        dv, p_t, do_smem.at[slot, chunk].at[rows_h], with_dp, like
+      )
+
+    # dP^T issued right after S^T: its GEMM runs under P's exp2, and dP^T
+    # is read at depth 1 under P^T dO (dV), dS^T under dS^T Q (dK).
+    dv, (ds_t, *new_sums) = ops.score_pair(
+      (k_parts, q_parts), (v_parts, do_parts), grads
+    )
+    dk = ops.accumulate_pv(dk, ds_t, q_smem.at[slot, chunk].at[rows_h])
+    sums = tuple(new_sums)
     return dk, dv, sums
 
   def step(qi, carry, *, base, masked, group_head):

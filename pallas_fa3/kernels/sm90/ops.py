@@ -150,6 +150,31 @@ class KernelOps:
 
     return pl.run_state(pv)(plgpu.ACC.init(o))
 
+  def accumulate_pv_then(
+    self,
+    o: jax.Array,
+    p: jax.Array,
+    v_smem: Any,
+    then: Callable[[], tuple],
+    like: tuple,
+  ) -> tuple[jax.Array, tuple]:
+    """Issues o + P V (`p` in registers), then runs `then()` while it
+    computes (`then` may wait for older wgmma groups at depth 1, e.g. a
+    `score_pair` read, leaving this one in flight) and returns arrays
+    shaped as `like`. Returns (o + P V, what `then` returned) once every
+    wgmma is done. `then` must not write the registers `p` occupies."""
+    if self.interpreted:
+      out = async_proxy_read(o + self._dot_pv(p, v_smem))
+      return out, tuple(then())
+
+    def body(refs):
+      o_acc, out_refs = refs
+      self._wgmma_pv(o_acc, p, v_smem)
+      for ref, value in zip(out_refs, then()):
+        ref[...] = value
+
+    return pl.run_state(body)((plgpu.ACC.init(o), tuple(like)))
+
   def scores_then_pv(
     self,
     q_smem: Any,
@@ -225,14 +250,16 @@ class KernelOps:
     `with_scores` takes Q and K) and runs `body(read_1, read_2)` while they
     compute: `read_1` waits for S1 alone (`wait_group n`, n the wgmma
     groups of S2: one per chunk, each `plgpu.wgmma` commits its own),
-    `read_2` for both. Returns what `body` returns."""
+    `read_2(wait_n=0)` for both and all later groups but `wait_n` (an
+    `accumulate_pv_then` issued after them stays in flight with 1).
+    Returns what `body` returns."""
     pairs = [(_chunks(a), _chunks(b)) for a, b in (first, second)]
     if self.interpreted:
       s1, s2 = (
         async_proxy_read(sum(self._dot_qk(x, y) for x, y in zip(a, b)))
         for a, b in pairs
       )
-      return body(lambda: s1, lambda: s2)
+      return body(lambda: s1, lambda wait_n=0: s2)
 
     def scoped(acc1, acc2):
       for acc, (a, b) in zip((acc1, acc2), pairs):
@@ -241,7 +268,7 @@ class KernelOps:
       second_groups = len(pairs[1][0])
       return body(
         lambda: plgpu.wgmma_accumulator_load(acc1, wait_n=second_groups),
-        lambda: acc2[...],
+        lambda wait_n=0: plgpu.wgmma_accumulator_load(acc2, wait_n=wait_n),
       )
 
     shapes = [(a[0].shape[0], b[0].shape[0]) for a, b in pairs]
