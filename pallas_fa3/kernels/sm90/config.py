@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from pallas_fa3.kernels.sm90 import flex_tile
 from pallas_fa3.spec import AttentionSpec, cdiv, check_bool, check_int_fields
 
 # Hardware facts (sm90), each named once.
@@ -284,6 +285,17 @@ _FLEX_DEFAULTS = {
   ),
 }
 
+# A flex call whose functions add no tile or vector of registers
+# (`flex_tile.register_light`: a softcap or ALiBi score_mod, a positional
+# mask_mod) at d128 runs the plain 64 x 128 tiling: 0 spills, and the
+# per-step overhead (barriers, row max/sum shuffles) paid per 128 keys, not
+# 64: perfcmp model B, softcap score_mod 1.16 -> 1.02 of the plain causal
+# forward, ALiBi 1.42 -> 1.20 (RESULTS, issue 66). A bias or a vector read
+# (document ids) spills 16-28 B there and keeps 64 keys.
+_FLEX_LIGHT_DEFAULTS = {
+  128: Sm90ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+}
+
 # The heuristic default per head dim (bf16/fp16 alike): the largest K/V
 # tile and deepest ring that fit. docs/design_notes.md#default-tilings
 _DEFAULTS = {
@@ -326,7 +338,10 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
   if spec.segmented:
     config = _SEGMENTED_DEFAULTS.get(max(d, dv), config)
   if spec.flex is not None:
-    config = _FLEX_DEFAULTS.get(max(d, dv), config)
+    light = flex_tile.register_light(spec)
+    config = (_FLEX_LIGHT_DEFAULTS if light else _FLEX_DEFAULTS).get(
+      max(d, dv), config
+    )
   if spec.dtype.itemsize != 2:
     return config  # a dtype the kernel refuses: `forward_unsupported` says so
   block = None if spec.flex is None else spec.flex.block

@@ -645,6 +645,26 @@ def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
   return None
 
 
+def register_light(spec: Any) -> bool:
+  """Whether `spec.flex` adds no tile or vector of registers to a forward
+  step: no bias, and its functions read captured arrays by batch and head
+  alone (ALiBi's slopes, a softcap's constant), or none. Such calls run the
+  plain forward's wider key tiles without spills (`config._FLEX_DEFAULTS`)."""
+  fs = spec.flex
+  if fs.bias is not None or fs.block is not None:
+    return False
+  for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
+    if fn is None:
+      continue
+    try:
+      reads = plan(fn, score, spec.seq_q, spec.seq_kv)
+    except Refused:
+      return False
+    if any(isinstance(a, tuple) for r in reads for a in r.axes):
+      return False
+  return True
+
+
 def _functions(spec: Any) -> list:
   """(operand name prefix, UserFunction, is score_mod) of the call's."""
   fs = spec.flex
