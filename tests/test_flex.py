@@ -292,6 +292,49 @@ def test_interpret_d256_forward_without_overlap(case):
   assert_within_tolerance(f"{case} out", out, naive[0], golden[0])
 
 
+@pytest.mark.parametrize(
+  "case, light",
+  [("softcap", True), ("alibi", True), ("sliding_window", True),
+   ("document", False), ("bias", False)],
+)  # fmt: skip
+def test_interpret_d128_light_functions_take_128_key_tiles(case, light):
+  """A function adding no registers (`flex_tile.register_light`: no bias,
+  reads by batch/head alone) runs the plain d128 tiling, 64 x 128; ALiBi's
+  `|q_idx - kv_idx|` is formed in float from the two index vectors
+  (`flex_tile`'s `float_difference`): exact against the float64 golden,
+  forward and gradients."""
+  from pallas_fa3.kernels.sm90 import config as sm90_config, flex_tile
+  from pallas_fa3.spec import make_spec
+
+  params, options = CASES[case]
+  q, k, v, do = _inputs(d=128)
+  kw = options(params)
+  fspec, _ = flex.prepare(
+    **{n: kw.get(n) for n in ("score_mod", "mask_mod", "block_mask", "bias")},
+    batch=B, heads=HQ, seq_q=SQ, seq_kv=SKV,
+  )  # fmt: skip
+  spec = dataclasses.replace(make_spec(q, k, v), flex=fspec)
+  assert flex_tile.register_light(spec) is light
+  assert sm90_config.default_forward_config(spec).block_kv == (
+    128 if light else 64
+  )
+  if case != "alibi":
+    return
+  golden, naive = flex_golden_and_naive(q, k, v, do, params, options)
+
+  def loss(q, k, v, p):
+    out = pallas_fa3.flash_attention(
+      q, k, v, implementation="interpret", **options(p)
+    )
+    return (out.astype(jnp.float32) * do.astype(jnp.float32)).sum(), out
+
+  grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+    q, k, v, params
+  )
+  for name, got, n, g in zip(NAMES, (out, *grads), naive, golden):
+    assert_within_tolerance(f"{case} {name}", got, n, g)
+
+
 def test_kernel_backward_says_when_it_cannot():
   q, k, v, do = _inputs(d=64)
   grad = lambda **kw: jax.vjp(
