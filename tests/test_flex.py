@@ -299,10 +299,8 @@ def test_interpret_d256_forward_without_overlap(case):
 )  # fmt: skip
 def test_interpret_d128_light_functions_take_128_key_tiles(case, light):
   """A function adding no registers (`flex_tile.register_light`: no bias,
-  reads by batch/head alone) runs the plain d128 tiling, 64 x 128; ALiBi's
-  `|q_idx - kv_idx|` is formed in float from the two index vectors
-  (`flex_tile`'s `float_difference`): exact against the float64 golden,
-  forward and gradients."""
+  reads by batch/head alone) runs the plain d128 tiling, 64 x 128: ALiBi
+  there against the float64 golden, forward and gradients."""
   from pallas_fa3.kernels.sm90 import config as sm90_config, flex_tile
   from pallas_fa3.spec import make_spec
 

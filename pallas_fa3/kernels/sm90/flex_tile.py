@@ -99,15 +99,10 @@ class Tile:
 
 
 class _Val:
-  """A walked value. `parts`: a tile that is `a - b` of two integer index
-  vectors (`_Walk.difference`), as `(a, axis_a, b, axis_b, absolute)`,
-  so that its float conversion needs no integer tile."""
+  __slots__ = ("kind", "value", "dtype")
 
-  __slots__ = ("kind", "value", "dtype", "parts")
-
-  def __init__(self, kind: Kind, value: Any, dtype: Any, parts=None):
+  def __init__(self, kind: Kind, value: Any, dtype: Any):
     self.kind, self.value, self.dtype = kind, value, jnp.dtype(dtype)
-    self.parts = parts
 
 
 def _join(kinds: list[int]) -> int:
@@ -234,10 +229,6 @@ class _Walk:
       a, b = ins
       if a.kind.base and b.kind.base and a.kind.base != b.kind.base:
         return self.difference(a, b)
-    if len(ins) == 1 and ins[0].parts is not None:
-      as_float = self.float_difference(name, ins[0], dtype)
-      if as_float is not None:
-        return as_float
     kind = _join([v.kind.kind for v in ins])
     base = self.affine(name, ins, dtype)
     if kind == LIT or self.tile is None:
@@ -315,32 +306,7 @@ class _Walk:
     out = lax.broadcast_in_dim(shifted, t.shape, [axis_a]) - (
       lax.broadcast_in_dim(lb, t.shape, [axis_b])
     )
-    parts = (shifted, axis_a, lb, axis_b, False)
-    return _Val(Kind(TILE), out, jnp.int32, parts)
-
-  def float_difference(self, name: str, v: _Val, dtype: Any) -> _Val | None:
-    """`abs` of a difference keeps its parts; its conversion to a float
-    forms the tile from the two vectors converted (exact below 2^24): one
-    FADD per score (`abs` an operand modifier) where the integer tile costs
-    an IADD and an I2F, which shares the MUFU pipe with exp2 (ALiBi's
-    `|q_idx - kv_idx|`: 64 I2F per thread per 64 x 128 tile). None: any
-    other operation (on the integer tile)."""
-    a, axis_a, b, axis_b, absolute = v.parts
-    if name == "abs":
-      return _Val(
-        v.kind, jnp.abs(v.value), v.dtype, (a, axis_a, b, axis_b, True)
-      )
-    if name != "convert_element_type" or not jnp.issubdtype(
-      dtype, jnp.floating
-    ):
-      return None
-    shape = self.tile.shape
-    wide = lambda x, axis: lax.broadcast_in_dim(
-      x.astype(jnp.float32), shape, [axis]
-    )
-    out = wide(a, axis_a) - wide(b, axis_b)
-    out = jnp.abs(out) if absolute else out
-    return _Val(Kind(TILE), out.astype(dtype), dtype)
+    return _Val(Kind(TILE), out, jnp.int32)
 
   def affine(self, name: str, ins: list[_Val], dtype: Any) -> Kind | None:
     """The Kind of `index + c` kept exact (None: not such an index)."""
