@@ -70,6 +70,48 @@ def test_explain_says_each_backward_form_and_why(name):
   assert "forward: the sm90 forward kernel (mosaic), tiles " in text
 
 
+@pytest.mark.parametrize(
+  "q, kwargs, pair",
+  [
+    (_sds(2, 512, 8, 128), dict(softcap=30.0), True),
+    (_sds(2, 512, 8, 128), dict(segment_ids=(_IDS, _IDS)), True),
+    (_sds(2, 512, 8, 128), dict(), False),
+    (Q, dict(softcap=30.0), False),  # GQA: the shared-tile fused layout
+    (_sds(2, 512, 8, 64), dict(segment_ids=(_IDS, _IDS)), False),
+  ],
+)
+def test_d128_segment_ids_and_softcap_leave_the_spilling_fused_layout(
+  q, kwargs, pair
+):
+  """The fused kernel's own-tile layout spilled with segment ids or softcap
+  at d128 (no GQA group): the default runs the dK/dV and dQ pair there and
+  says why; elsewhere the fused kernel."""
+  text = pallas_fa3.explain(
+    q, q if q is not Q else KV, q if q is not Q else KV, causal=True,
+    implementation="mosaic", **kwargs,
+  )  # fmt: skip
+  backward = next(ln for ln in text.splitlines() if ln.startswith("backward:"))
+  if pair:
+    assert backward.startswith("backward: the dK/dV and dQ kernels"), text
+    assert "own-tile layout spills" in backward, backward
+  else:
+    assert backward.startswith("backward: the fused backward kernel"), text
+
+
+def test_light_flex_functions_take_the_plain_d128_forward_tiles():
+  """softcap / ALiBi score_mods add no registers: 64 x 128 at d128; a
+  document mask (vectors of ids) keeps 64 x 64."""
+  q = _sds(2, 512, 8, 128)
+  light = pallas_fa3.explain(
+    q, q, q, score_mod=mods.softcap(20.0), implementation="mosaic"
+  )
+  heavy = pallas_fa3.explain(
+    q, q, q, mask_mod=mods.document_mask(_IDS), implementation="mosaic"
+  )
+  assert "forward: the sm90 forward kernel (mosaic), tiles 64x128," in light
+  assert "forward: the sm90 forward kernel (mosaic), tiles 64x64," in heavy
+
+
 def test_explain_fused_flex_at_d64_and_the_automatic_choice():
   q, kv = _sds(2, 512, 8, 64), _sds(2, 512, 2, 64)
   text = pallas_fa3.explain(

@@ -324,6 +324,11 @@ def dkdv_consumer(
   # the sum over queries of dL/d(its output) times its derivative in each
   # (`flex_tile.param_grad_axes`), per query head.
   mine = () if plan.fused else flex_tile.kernel_params(spec, "dkdv")
+  # S^T and dP^T in flight together (tokamax's order: d128 B-lock 1.12 ->
+  # 1.03 of tokamax's) hold both tiles: with segment ids' bounds (32-40 B),
+  # a softcap's tanh (4 B) or a user's function beside them it spilled, so
+  # those keep S^T alone first (RESULTS, issue 66).
+  early_dp = seg is None and spec.softcap is None and spec.flex is None
 
   def part(qi, h, slot, carry, masked, group_head):
     dk, dv, sums = carry
@@ -338,9 +343,11 @@ def dkdv_consumer(
     q0 = qi * cfg.block_q + h * sub
     head = lax.axis_index("heads") * spec.group_size + group_head
 
-    def grads(read_s, read_dp):
-      # S^T = K Q^T [block_kv, sub] waited for, dP^T = V dO^T in flight.
-      t_t, scale_log2 = softcapped(spec, read_s())
+    def probabilities(s_t):
+      """P^T (rounded), P^T times the score's derivative (rounded) and a
+      score_mod's derivatives in its arrays, from S^T = K Q^T [block_kv,
+      sub]."""
+      t_t, scale_log2 = softcapped(spec, s_t)
       # A bias, then a score_mod (flex; grad_t its derivative).
       y_t, scale_log2, grad_t = flex_tile.backward_scores(
         spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
@@ -387,32 +394,44 @@ def dkdv_consumer(
         pg_t = softcap_grad(p_t, ctx).astype(spec.dtype)
       p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
       pg_t = p_t if pg_t is None else pg_t
+      return p_t, pg_t, d_params
 
-      def with_dp():  # dV's wgmma in flight (tokamax's order, depth 1)
-        delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
-        dp_t = read_dp(wait_n=1) - lax.broadcast_in_dim(delta, shape, [1])
-        ds_t = (pg_t.astype(jnp.float32) * dp_t).astype(spec.dtype)
-        if not mine:
-          return (ds_t,)
-        # dS before the score_mod's own derivative, times each's
-        pre = p_t.astype(jnp.float32) * dp_t
-        return (ds_t,) + tuple(
-          a + (pre * d_params[j]).sum(axis=1) for a, j in zip(sums, mine)
-        )
-
-      like = (ops.tile(jnp.zeros(shape, spec.dtype)),) + sums
-      return ops.accumulate_pv_then(
-        dv, p_t, do_smem.at[slot, chunk].at[rows_h], with_dp, like
+    def ds_and_sums(p_t, pg_t, d_params, dp_t):
+      """dS^T (rounded) from dP^T = V dO^T, and the arrays' sums."""
+      delta = ops.load_cols(dl_smem.at[slot].at[rows_h])
+      dp_t = dp_t - lax.broadcast_in_dim(delta, shape, [1])
+      ds_t = (pg_t.astype(jnp.float32) * dp_t).astype(spec.dtype)
+      # dS before the score_mod's own derivative, times each's
+      pre = p_t.astype(jnp.float32) * dp_t if mine else None
+      return (ds_t,) + tuple(
+        a + (pre * d_params[j]).sum(axis=1) for a, j in zip(sums, mine)
       )
 
-    # dP^T issued right after S^T: its GEMM runs under P's exp2, and dP^T
-    # is read at depth 1 under P^T dO (dV), dS^T under dS^T Q (dK).
-    dv, (ds_t, *new_sums) = ops.score_pair(
-      (k_parts, q_parts), (v_parts, do_parts), grads
-    )
+    do_chunk = do_smem.at[slot, chunk].at[rows_h]
+    if early_dp:
+      # dP^T issued right after S^T: its GEMM runs under P's exp2, and dP^T
+      # is read at depth 1 under P^T dO (dV), dS^T under dS^T Q (dK).
+      def grads(read_s, read_dp):
+        p_t, pg_t, d_params = probabilities(read_s())
+        return ops.accumulate_pv_then(
+          dv,
+          p_t,
+          do_chunk,
+          lambda: ds_and_sums(p_t, pg_t, d_params, read_dp(wait_n=1)),
+          (ops.tile(jnp.zeros(shape, spec.dtype)),) + sums,
+        )
+
+      dv, (ds_t, *new_sums) = ops.score_pair(
+        (k_parts, q_parts), (v_parts, do_parts), grads
+      )
+    else:  # S^T alone; dP^T issued and waited for after P^T dO
+      p_t, pg_t, d_params = probabilities(ops.scores(k_parts, q_parts))
+      dv = ops.accumulate_pv(dv, p_t, do_chunk)
+      ds_t, *new_sums = ds_and_sums(
+        p_t, pg_t, d_params, ops.scores(v_parts, do_parts)
+      )
     dk = ops.accumulate_pv(dk, ds_t, q_smem.at[slot, chunk].at[rows_h])
-    sums = tuple(new_sums)
-    return dk, dv, sums
+    return dk, dv, tuple(new_sums)
 
   def step(qi, carry, *, base, masked, group_head):
     slot = lax.rem(base + qi - first, cfg.num_stages)

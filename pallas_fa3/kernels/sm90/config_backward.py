@@ -305,6 +305,39 @@ class BackwardPlan:
     return f"{name}{tiles}{why}"
 
 
+# The fused kernel's own-tile consumers at d128 with segment ids or softcap
+# (no GQA group: those take the shared tile, `_FUSED_GQA_MODIFIER_DEFAULTS`)
+# spilled 252/228 B and 136/172 B (perfcmp, 4 x 4096, 16 heads; 124/160 B
+# at the aot profile's 1 x 4096, 8 heads). The shared-tile fused layout
+# compiles both without spills but models 1.34 and 1.41 of the plain causal
+# backward per block; the dK/dV and dQ pair 0 spills at 1.23 and 1.20
+# (fused, spilling: 1.12 and 1.17). The default runs the pair (issue 66).
+def fused_spills(spec: AttentionSpec, tiling: Sm90BackwardConfig) -> str | None:
+  """Why the default fused tiling is not run for `spec` (its measured
+  spills), or None."""
+  if (
+    spec.deterministic
+    or max(spec.head_dim, spec.head_dim_v) != 128
+    or tiling.dkdv_consumers != 2
+    or _dkdv_shared(tiling)
+  ):
+    return None
+  what = [
+    name
+    for name, on in (
+      ("segment ids", spec.segmented),
+      ("softcap", spec.softcap is not None),
+    )
+    if on
+  ]
+  if not what:
+    return None
+  return (
+    f"the fused kernel's own-tile layout spills with {' and '.join(what)} at"
+    " head dim 128 (124-252 B); the dK/dV and dQ kernels compile without"
+  )
+
+
 def backward_plan(
   spec: AttentionSpec, tiling: Sm90BackwardConfig | None = None
 ) -> BackwardPlan:
@@ -338,6 +371,10 @@ def backward_plan(
     if reason:
       return BackwardPlan("blockwise", spec, None, reason)
     tiling = default_backward_config(spec)
+    why = fused_spills(spec, tiling)
+    if why is not None:
+      det = dataclasses.replace(spec, deterministic=True)
+      return BackwardPlan("pair", spec, default_backward_config(det), why)
   if fused_backward(spec, tiling):
     return BackwardPlan("fused", spec, tiling)
   why = (
