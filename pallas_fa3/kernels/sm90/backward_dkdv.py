@@ -379,12 +379,10 @@ def dkdv_consumer(
           )
         p_t = jnp.where(mask, p_t, 0.0)
       if spec.flex is not None:  # every step: the mask is not positional
-        fmask = flex_tile.kernel_mask(
-          spec, refs, ops, shape, q0=q0, kv0=kv0,
+        p_t = flex_tile.kernel_hide(
+          spec, refs, ops, p_t, q0=q0, kv0=kv0,
           batch=lax.axis_index("batch"), head=head, q_axis=1,
         )  # fmt: skip
-        if fmask is not None:
-          p_t = jnp.where(fmask, p_t, 0.0)
       # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T (and a
       # score_mod's derivative).
       pg_t = None

@@ -307,12 +307,10 @@ def row_probabilities(
   arg = arg - lax.broadcast_in_dim(lse2, shape, [q_axis])
   p = jnp.exp2(jnp.minimum(arg, 0.0))
   if fx:  # every tile: the flex mask is not positional
-    mask = flex_tile.kernel_mask(
-      spec, flex_at[0], ops, shape, q0=q0, kv0=kv0, batch=flex_at[1],
+    p = flex_tile.kernel_hide(
+      spec, flex_at[0], ops, p, q0=q0, kv0=kv0, batch=flex_at[1],
       head=flex_at[2], q_axis=q_axis,
     )  # fmt: skip
-    if mask is not None:
-      p = jnp.where(mask, p, 0.0)
   if masked and bounds is not None:  # positions folded into the bounds
     rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
     lo, hi, dim = bounds

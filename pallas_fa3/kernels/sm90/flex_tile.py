@@ -877,45 +877,86 @@ def kernel_scores(
   softcapped) float32 scores in natural units, queries as rows from `q0`,
   keys as columns from `kv0`; returns the new scores and the mask (None:
   all visible)."""
-  mask = None
   bias = kernel_bias(spec, refs, ops, s.shape, q0, kv0, batch, head)
   if bias is not None:
     s = s + bias
-  for prefix, fn, score in _functions(spec):
+  fs = spec.flex
+  if fs.score_mod is not None:
+    fn = fs.score_mod
     tile = _tile(
-      refs, prefix, fn, score, False, ops, s.shape, 0, q0, kv0, batch, head
+      refs, "score", fn, True, False, ops, s.shape, 0, q0, kv0, batch, head
     )
-    if score:
-      s = evaluate(fn, tile, s)
-    else:
+    s = evaluate(fn, tile, s)
+
+  def mask_of(s):
+    mask = None
+    if fs.mask_mod is not None:
+      fn = fs.mask_mod
+      tile = _tile(
+        refs, "mask", fn, False, False, ops, s.shape, 0, q0, kv0, batch, head
+      )
       mask = evaluate(fn, tile)
-  return s, _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head, 0)
+    return _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head, 0)
+
+  if (
+    fs.block is None
+    or fs.mask_mod is None
+    or getattr(spec, "unaligned_rows", False)
+  ):
+    return s, mask_of(s)
+  # A block mask's full tiles run no mask code: the tile's one state
+  # (block-mask tiles hold whole kernel tiles) picks the branch, and the
+  # hidden scores leave it as -inf (no mask tile crosses the branch).
+  from pallas_fa3 import flex  # (flex does not import the kernels)
+
+  state = _block_state(spec, refs, q0, kv0, batch, head)
+  hide = lambda s: jnp.where(mask_of(s), s, -jnp.inf)
+  return lax.cond(state == flex.FULL, lambda s: s, hide, s), None
 
 
-def kernel_mask(
+def kernel_hide(
   spec: Any,
   refs: dict,
   ops: Any,
-  shape: tuple[int, int],
+  p: jax.Array,
   *,
   q0: Any,
   kv0: Any,
   batch: Any,
   head: Any,
   q_axis: int = 0,
-) -> jax.Array | None:
-  """The backward kernels' side: mask_mod and the block mask's state on a
-  `shape` tile (queries along `q_axis`; `head` the query head), None
-  without either. (score_mod and a bias are `backward_unsupported`.)"""
+) -> jax.Array:
+  """The backward kernels' side: the tile `p` (queries along `q_axis`;
+  `head` the query head) with the pairs mask_mod and the block mask's
+  state hide set to 0; as is without either. A block mask's full tiles
+  run no mask code (a branch on the tile's state). (score_mod and a bias
+  are `backward_unsupported`.)"""
   fs = spec.flex
-  mask = None
-  if fs.mask_mod is not None:
-    fn = fs.mask_mod
-    tile = _tile(
-      refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch, head
+
+  def hide(p):
+    mask = None
+    if fs.mask_mod is not None:
+      fn = fs.mask_mod
+      tile = _tile(
+        refs, "mask", fn, False, False, ops, p.shape, q_axis, q0, kv0,
+        batch, head,
+      )  # fmt: skip
+      mask = evaluate(fn, tile)
+    mask = _with_state(
+      spec, refs, ops, mask, p.shape, q0, kv0, batch, head, q_axis
     )
-    mask = evaluate(fn, tile)
-  return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+  if (
+    fs.block is None
+    or fs.mask_mod is None
+    or getattr(spec, "unaligned_rows", False)
+  ):
+    return hide(p)
+  from pallas_fa3 import flex  # (flex does not import the kernels)
+
+  state = _block_state(spec, refs, q0, kv0, batch, head)
+  return lax.cond(state == flex.FULL, lambda p: p, hide, p)
 
 
 # Largest head dim whose backward kernels take flex options beside segment
@@ -997,6 +1038,18 @@ def kernel_score_grad(
   return evaluate_with_grad(fn, tile, s, params)
 
 
+def _block_state(spec, refs, q0, kv0, batch, head):
+  """The block mask's state (EMPTY, PARTIAL, FULL) of the block-mask tile
+  holding the pair (`q0`, `kv0`)."""
+  nb, nh, bq, bkv = spec.flex.block
+  return refs["bm_state"][
+    batch if nb > 1 else 0,
+    head if nh > 1 else 0,
+    lax.div(q0, jnp.int32(bq)),
+    lax.div(kv0, jnp.int32(bkv)),
+  ]
+
+
 def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
   """`mask` and-ed with the block mask's state of the tile (empty hides,
   full shows every pair, partial asks mask_mod); as is without one."""
@@ -1007,12 +1060,7 @@ def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
   if fs.block is not None:  # the tile's state: empty hides, full shows all
     st_ref = refs["bm_state"]
     nb, nh, bq, bkv = fs.block
-    state = st_ref[
-      batch if nb > 1 else 0,
-      head if nh > 1 else 0,
-      lax.div(q0, jnp.int32(bq)),
-      lax.div(kv0, jnp.int32(bkv)),
-    ]
+    state = _block_state(spec, refs, q0, kv0, batch, head)
     # One int per row (not a splat tile): 0 hides, 1 asks mask_mod, 2 shows.
     n_q = s_shape[q_axis]
     per_row = lambda x: _vector(
