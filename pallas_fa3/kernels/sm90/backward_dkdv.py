@@ -326,9 +326,15 @@ def dkdv_consumer(
   mine = () if plan.fused else flex_tile.kernel_params(spec, "dkdv")
   # S^T and dP^T in flight together (tokamax's order: d128 B-lock 1.12 ->
   # 1.03 of tokamax's) hold both tiles: with segment ids' bounds (32-40 B),
-  # a softcap's tanh (4 B) or a user's function beside them it spilled, so
-  # those keep S^T alone first (RESULTS, issue 66).
-  early_dp = seg is None and spec.softcap is None and spec.flex is None
+  # a softcap's tanh (4 B), a causal or window mask (4-8 B at 8 heads) or
+  # a user's function beside them it spilled, so those keep S^T alone
+  # first (RESULTS, issue 66).
+  early_dp = (
+    seg is None
+    and spec.softcap is None
+    and spec.flex is None
+    and not spec.masked
+  )
 
   def part(qi, h, slot, carry, masked, group_head):
     dk, dv, sums = carry

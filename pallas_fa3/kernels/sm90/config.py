@@ -338,10 +338,9 @@ def default_forward_config(spec: AttentionSpec) -> Sm90ForwardConfig | None:
   if spec.segmented:
     config = _SEGMENTED_DEFAULTS.get(max(d, dv), config)
   if spec.flex is not None:
-    light = flex_tile.register_light(spec)
-    config = (_FLEX_LIGHT_DEFAULTS if light else _FLEX_DEFAULTS).get(
-      max(d, dv), config
-    )
+    config = _FLEX_DEFAULTS.get(max(d, dv), config)
+    if max(d, dv) in _FLEX_LIGHT_DEFAULTS and flex_tile.register_light(spec):
+      config = _FLEX_LIGHT_DEFAULTS[max(d, dv)]
   if spec.dtype.itemsize != 2:
     return config  # a dtype the kernel refuses: `forward_unsupported` says so
   block = None if spec.flex is None else spec.flex.block
