@@ -74,7 +74,7 @@ def _is_traced(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
+def check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
   """`x` (an array, or a list or tuple of ints) as an int32 1-D array (of
   `size` entries when given)."""
   if isinstance(x, (list, tuple)):
@@ -93,7 +93,7 @@ def _check_index_array(name: str, x: Any, size: int | None) -> jax.Array:
   return jnp.asarray(x).astype(jnp.int32)
 
 
-def _check_max_seqlen(name: str, value: Any) -> int | None:
+def check_max_seqlen(name: str, value: Any) -> int | None:
   if value is None:
     return None
   if isinstance(value, (jax.Array, bool, np.bool_)):
@@ -110,7 +110,7 @@ def _check_max_seqlen(name: str, value: Any) -> int | None:
   return bound
 
 
-def _check_concrete(
+def check_concrete(
   side: str, cu: Any, used: Any, total: int, max_seqlen: int | None
 ) -> None:
   """The checks a concrete `cu_seqlens_{side}` (and `seqused_{side}`)
@@ -311,21 +311,21 @@ def _check(
       f"k and v must have the same total_k; got k.shape={tuple(k.shape)},"
       f" v.shape={tuple(v.shape)}"
     )
-  cu_q = _check_index_array("cu_seqlens_q", cu_seqlens_q, None)
+  cu_q = check_index_array("cu_seqlens_q", cu_seqlens_q, None)
   n = cu_q.shape[0] - 1
   if n < 1:
     raise ValueError(
       "cu_seqlens_q must have shape [n + 1] with n >= 1 sequences (0, then"
       f" the cumulative lengths); got shape {tuple(cu_q.shape)}"
     )
-  cu_k = _check_index_array("cu_seqlens_k", cu_seqlens_k, n + 1)
+  cu_k = check_index_array("cu_seqlens_k", cu_seqlens_k, n + 1)
   used_q = used_k = None
   if seqused_q is not None:
-    used_q = _check_index_array("seqused_q", seqused_q, n)
+    used_q = check_index_array("seqused_q", seqused_q, n)
   if seqused_k is not None:
-    used_k = _check_index_array("seqused_k", seqused_k, n)
-  max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-  max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    used_k = check_index_array("seqused_k", seqused_k, n)
+  max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+  max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
   causal = check_bool("causal", causal)
   window = modifiers.check_window_size(
     window_size, seq_q=total_q + 1, seq_kv=total_k + 1, causal=causal
@@ -335,7 +335,7 @@ def _check(
     ("k", cu_seqlens_k, used_k, seqused_k, total_k, max_k),
   ):
     if not _is_traced(cu) and not _is_traced(used_raw):
-      _check_concrete(side, cu, used, total, bound)
+      check_concrete(side, cu, used, total, bound)
   # Queries and keys of every sequence at the same places (self-attention
   # packing): the call's own diagonal (offset 0) is each sequence's.
   aligned = (
@@ -729,9 +729,9 @@ def shard(
       raise TypeError(
         f"shard plans on the host: {name} must be concrete, not traced"
       )
-    _check_index_array(name, cu, None if not cus else len(cus[0]))
+    check_index_array(name, cu, None if not cus else len(cus[0]))
     cu = np.asarray(cu)
-    _check_concrete(name[-1], cu, None, int(x.shape[0]), None)
+    check_concrete(name[-1], cu, None, int(x.shape[0]), None)
     cus.append(cu.astype(np.int64))
   cu_q, cu_k = cus
   for name, cap in (("capacity_q", capacity_q), ("capacity_k", capacity_k)):
