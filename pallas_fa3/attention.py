@@ -20,6 +20,7 @@ from pallas_fa3 import (
   backends,
   flex,
   kvcache,
+  kvcache_ragged,
   modifiers,
   prepare,
   rotary,
@@ -465,6 +466,9 @@ def flash_attention_with_kvcache(
   rotary_interleaved: bool = True,
   cache_leftpad: jax.Array | None = None,
   batch_invariant: bool = False,
+  cu_seqlens_q: jax.Array | None = None,
+  max_seqlen_q: int | None = None,
+  cu_seqlens_k_new: jax.Array | None = None,
 ) -> Any:
   """Attention of new queries over each sequence's cached keys (decoding).
 
@@ -545,6 +549,27 @@ def flash_attention_with_kvcache(
       into `num_splits`), never a count chosen from the batch or the SM
       count, and merged in a fixed order. Costs a small batch of short
       sequences its split parallelism (docs/decoding.md#batch-invariant-decoding).
+    cu_seqlens_q: int32 `[n + 1]` (FA3's): a ragged batch (continuous
+      batching). q is packed `[total_q, heads_q, head_dim]` and sequence i
+      has the `cu_seqlens_q[i+1] - cu_seqlens_q[i]` new queries (0
+      allowed) at positions `L_i - n_i ..` (bottom-right per sequence);
+      k/v (optional) are packed `[total_k_new, heads_kv, d(v)]` the same
+      way by `cu_seqlens_k_new`; cache_seqlens, page_table,
+      cache_batch_idx, cache_leftpad, sinks' batch as above with batch n.
+      How it runs: the uniform call of the chosen backend on the queries
+      left-padded to `[n, max_seqlen_q, heads_q, head_dim]` (padded rows
+      are computed and dropped: `n * max_seqlen_q - total_q` extra query
+      rows), after one scatter of the new keys into the cache. Not (yet)
+      one launch of the decode kernel scheduled by work. Not with rotary
+      tables, nor appending to an e4m3 cache (NotImplementedError).
+      Returns out `[total_q, heads_q, head_dim_v]`, lse `[heads_q,
+      total_q]` (FA3's varlen layout); tokens past `cu_seqlens_q[-1]`
+      get 0 (lse -inf); an invalid traced `cu_seqlens_*` gives NaN.
+    max_seqlen_q: with cu_seqlens_q, a static Python int >= every
+      sequence's new queries (default: total_q): the padded width.
+    cu_seqlens_k_new: int32 `[n + 1]`: the packing of k/v (default:
+      cu_seqlens_q); sequence i's new keys are written at
+      `cache_seqlens[i] ..` and `L_i = cache_seqlens[i] + its new keys`.
 
   Returns:
     out `[batch, seq_q, heads_q, head_dim_v]` in q's dtype; `(out, lse)`
@@ -564,6 +589,11 @@ def flash_attention_with_kvcache(
     valid call the requested backend does not serve, and for `jax.grad`
     (forward only).
   """
+  ragged = (cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new)
+  if any(x is not None for x in ragged):  # the uniform call, left-padded
+    arguments = dict(locals())
+    del arguments["ragged"]
+    return kvcache_ragged.attend(flash_attention_with_kvcache, **arguments)
   spec = make_decode_spec(
     q,
     k_cache,

@@ -614,20 +614,30 @@ def cache_rows(spec: DecodeSpec, cache_batch_idx: Any) -> jax.Array:
 
 
 def token_slots(
-  spec: DecodeSpec, positions: jax.Array, rows: Any, page_table: Any
+  spec: DecodeSpec,
+  positions: jax.Array,
+  rows: Any,
+  page_table: Any,
+  seq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(cache row or page, slot) of token `positions[b, ...]` of every
-  sequence; positions past the capacity get row `cache_rows` (out of
+  sequence (with `seq`, same shape: of sequence `seq[...]`, a packed
+  layout's); positions past the capacity get row `cache_rows` (out of
   bounds: a scatter with mode="drop" skips them)."""
   past = positions >= spec.capacity
   if spec.paged:
     index = jnp.clip(positions // spec.page_size, 0, spec.pages_per_seq - 1)
-    target = jnp.take_along_axis(
-      page_table.astype(jnp.int32),
-      index.reshape(spec.batch, -1),
-      axis=1,
-    ).reshape(positions.shape)
+    if seq is None:
+      target = jnp.take_along_axis(
+        page_table.astype(jnp.int32),
+        index.reshape(spec.batch, -1),
+        axis=1,
+      ).reshape(positions.shape)
+    else:
+      target = page_table.astype(jnp.int32)[seq, index]
     slot = positions % spec.page_size
+  elif seq is not None:
+    target, slot = jnp.asarray(rows, jnp.int32)[seq], positions
   else:
     target = jnp.broadcast_to(
       rows.reshape((spec.batch,) + (1,) * (positions.ndim - 1)),
