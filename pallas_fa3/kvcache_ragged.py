@@ -123,19 +123,6 @@ def attend(
     cache_batch_idx=cache_batch_idx,
   )
   width = max(max_q, 1)  # the padded seq_q (the uniform call needs >= 1)
-  p = varlen.packing(
-    cu_q,
-    cu_q if k is None else cu_k,
-    total_q,
-    total_q if k is None else total_k,
-    max_seqlen_q=max_q,
-  )
-  # Query t of sequence s sits at row width - 1 - (tokens after it): the
-  # real queries last, where the bottom-right rule places them.
-  row_q = width - 1 - p.after_q
-  seq_q = jnp.where(p.valid_q, p.seq_q, n)  # n: dropped by the scatter
-  q_pad = jnp.zeros((n, width) + tuple(q.shape[1:]), q.dtype)
-  q_pad = q_pad.at[seq_q, row_q].set(jnp.asarray(q), mode="drop")
   new = np.zeros(n, np.int32)
   if k is not None:
     new = (
@@ -148,15 +135,23 @@ def attend(
   else:
     lengths = jnp.broadcast_to(jnp.asarray(cache_seqlens, jnp.int32), (n,))
     lengths = lengths + new
-  # The uniform call validates the caches and the lengths with them.
+  # The uniform call's checks, eagerly on the lengths with the new keys
+  # (concrete ones are checked against the cache).
+  spec_options = {
+    name: options[name]
+    for name in ("causal", "softmax_scale", "window_size", "softcap",
+                 "num_splits", "cache_leftpad", "batch_invariant")
+  }  # fmt: skip
   spec = kvcache.make_decode_spec(
-    q_pad,
+    jax.ShapeDtypeStruct((n, width) + tuple(q.shape[1:]), q.dtype),
     k_cache,
     v_cache,
     cache_seqlens=lengths,
     page_table=page_table,
     cache_batch_idx=cache_batch_idx,
     head_dim_v=head_dim_v,
+    sinks=options["sinks"] is not None,
+    **spec_options,
   )
   if k is not None:
     if spec.fp8_cache:
@@ -169,6 +164,46 @@ def attend(
       raise ValueError("v must be None when v_cache is None (k holds V)")
     if not spec.v_in_k and v is None:
       raise ValueError("k and v must be given together")
+  arrays = {n_: x for n_, x in options.items() if hasattr(x, "shape")}
+  static = tuple(
+    sorted((n_, x) for n_, x in options.items() if n_ not in arrays)
+  )
+  static += (("head_dim_v", head_dim_v),)
+  meta = (uniform, static, spec, n, width, max_q, return_lse)
+  operands = (
+    q, k_cache, v_cache, k, v, cu_q, cu_q if k is None else cu_k,
+    jnp.asarray(lengths), jnp.asarray(new), page_table, cache_batch_idx,
+    arrays,
+  )  # fmt: skip
+  try:
+    hash(meta)
+  except TypeError:  # an unhashable option (a block mask): op by op
+    return _device(meta, *operands)
+  return _device_jit(meta, *operands)
+
+
+def _device(
+  meta: tuple, q, k_cache, v_cache, k, v, cu_q, cu_k, lengths, new,
+  page_table, cache_batch_idx, arrays,
+) -> Any:  # fmt: skip
+  """The ragged call on the device (traceable): pad the queries, append
+  the new keys, run the uniform call, gather the real rows."""
+  uniform, static, spec, n, width, max_q, return_lse = meta
+  total_q = int(q.shape[0])
+  p = varlen.packing(
+    cu_q,
+    cu_k,
+    total_q,
+    total_q if k is None else int(k.shape[0]),
+    max_seqlen_q=max_q,
+  )
+  # Query t of sequence s sits at row width - 1 - (tokens after it): the
+  # real queries last, where the bottom-right rule places them.
+  row_q = width - 1 - p.after_q
+  seq_q = jnp.where(p.valid_q, p.seq_q, n)  # n: dropped by the scatter
+  q_pad = jnp.zeros((n, width) + tuple(q.shape[1:]), q.dtype)
+  q_pad = q_pad.at[seq_q, row_q].set(jnp.asarray(q), mode="drop")
+  if k is not None:
     k_cache, v_cache = _append(
       spec, p, k_cache, v_cache, k, v, lengths, new, page_table,
       cache_batch_idx,
@@ -177,12 +212,12 @@ def attend(
     q_pad,
     k_cache,
     v_cache,
-    cache_seqlens=jnp.asarray(lengths),
+    cache_seqlens=lengths,
     page_table=page_table,
     cache_batch_idx=cache_batch_idx,
     return_lse=True,
-    head_dim_v=head_dim_v,
-    **options,
+    **dict(static),
+    **arrays,
   )
   # Real rows back in the packed order; unused tokens 0 (lse -inf), an
   # invalid traced packing NaN everywhere.
@@ -195,6 +230,10 @@ def attend(
   if k is not None:
     result += (k_cache,) if spec.v_in_k else (k_cache, v_cache)
   return result[0] if len(result) == 1 else result
+
+
+# Jitted per static options and shapes: an eager call compiles once.
+_device_jit = jax.jit(_device, static_argnums=0)
 
 
 def _append(

@@ -38,8 +38,8 @@ class _Case:
   tokens and in unused pages: NaN keys, Inf values)."""
 
   def __init__(self, rng, lens_q, lens_new, cached, capacity, page_size,
-               pads=None, batch_idx=False):  # fmt: skip
-    n = len(lens_q)
+               pads=None, batch_idx=False, dtype=jnp.float32, d=_D):  # fmt: skip
+    n, self.d = len(lens_q), d
     self.lens_q, self.lens_new = np.asarray(lens_q), np.asarray(lens_new)
     self.cached = np.asarray(cached, np.int32)
     self.pads = np.zeros(n, np.int32) if pads is None else np.asarray(pads)
@@ -49,8 +49,8 @@ class _Case:
       pps = capacity // page_size
       pages = n * pps + 1
       kc, vc = (
-        normal(pages, page_size, _HK, _D),
-        normal(pages, page_size, _HK, _D),
+        normal(pages, page_size, _HK, d),
+        normal(pages, page_size, _HK, d),
       )
       self.page_table = rng.permutation(pages)[: n * pps].reshape(n, pps)
       used = np.zeros(pages, bool)
@@ -58,16 +58,18 @@ class _Case:
       kc[~used], vc[~used] = np.nan, np.inf
     else:
       rows = n + int(batch_idx)
-      kc, vc = normal(rows, capacity, _HK, _D), normal(rows, capacity, _HK, _D)
+      kc, vc = normal(rows, capacity, _HK, d), normal(rows, capacity, _HK, d)
       self.rows = rng.permutation(rows)[:n] if batch_idx else np.arange(n)
     self.page_size, self.capacity = page_size, capacity
     for i in range(n):
       for t in [*range(self.pads[i]), *range(self.cached[i], capacity)]:
         kc[self.slot(i, t)], vc[self.slot(i, t)] = np.nan, np.inf
-    self.k_cache, self.v_cache = jnp.asarray(kc), jnp.asarray(vc)
-    self.q = jnp.asarray(normal(int(self.lens_q.sum()), _HQ, _D))
-    self.k = jnp.asarray(normal(int(self.lens_new.sum()), _HK, _D))
-    self.v = jnp.asarray(normal(int(self.lens_new.sum()), _HK, _D))
+    self.dtype = np.dtype(dtype)
+    array = lambda x: jnp.asarray(x, dtype)
+    self.k_cache, self.v_cache = array(kc), array(vc)
+    self.q = array(normal(int(self.lens_q.sum()), _HQ, d))
+    self.k = array(normal(int(self.lens_new.sum()), _HK, d))
+    self.v = array(normal(int(self.lens_new.sum()), _HK, d))
     self.cu_q, self.cu_k = _cu(self.lens_q), _cu(self.lens_new)
 
   def slot(self, i, t):
@@ -90,40 +92,44 @@ class _Case:
     kc, vc = np.asarray(self.k_cache), np.asarray(self.v_cache)
     at = [self.slot(i, int(t)) for t in pos]
     a, b = int(self.cu_k[i]), int(self.cu_k[i + 1])
-    k = np.concatenate([np.array([kc[s] for s in at]).reshape(-1, _HK, _D), np.asarray(self.k[a:b])])  # fmt: skip
-    v = np.concatenate([np.array([vc[s] for s in at]).reshape(-1, _HK, _D), np.asarray(self.v[a:b])])  # fmt: skip
+    k = np.concatenate([np.array([kc[s] for s in at]).reshape(-1, _HK, self.d), np.asarray(self.k[a:b])])  # fmt: skip
+    v = np.concatenate([np.array([vc[s] for s in at]).reshape(-1, _HK, self.d), np.asarray(self.v[a:b])])  # fmt: skip
     kpos = np.arange(self.pads[i], self.cached[i] + b - a)
     return k.astype(dtype), v.astype(dtype), kpos
 
 
 def _attention(case, dtype, causal=False, window_size=None):
   """(out `[total_q, hq, d]`, lse `[hq, total_q]`) computed in `dtype`
-  per sequence (float64: the golden; float32: the naive)."""
+  per sequence (float64: the golden; the inputs' dtype: the naive; in
+  NumPy, bfloat16 in JAX op by op, NumPy's einsum has none)."""
+  xp = jnp if dtype == jnp.bfloat16 else np
   outs, lses = [], []
   for i in range(len(case.lens_q)):
     a, b = int(case.cu_q[i]), int(case.cu_q[i + 1])
     if a == b:
       continue
-    k, v, kpos = case.keys(i, dtype)
-    q = np.asarray(case.q[a:b]).astype(dtype)
+    k, v, kpos = (xp.asarray(x) for x in case.keys(i, dtype))
+    q = xp.asarray(np.asarray(case.q[a:b]).astype(dtype))
+    scale = xp.asarray(1 / np.sqrt(case.d), dtype)
     length = case.cached[i] + case.lens_new[i]
     qpos = length - (b - a) + np.arange(b - a)
-    k, v = np.repeat(k, _HQ // _HK, 1), np.repeat(v, _HQ // _HK, 1)
-    s = np.einsum("qhd,khd->hqk", q, k) * dtype(1 / np.sqrt(_D))
+    k, v = xp.repeat(k, _HQ // _HK, 1), xp.repeat(v, _HQ // _HK, 1)
+    s = xp.einsum("qhd,khd->hqk", q, k) * scale
     ok = np.ones((b - a, len(kpos)), bool)
-    d = kpos[None, :] - qpos[:, None]
+    d = np.asarray(kpos)[None, :] - qpos[:, None]
     if causal:
       ok &= d <= 0
     if window_size is not None:
       ok &= (d >= -window_size[0]) & (d <= window_size[1])
-    s = np.where(ok[None], s, -np.inf)
-    m = np.max(s, -1, keepdims=True, initial=-np.inf)
-    m = np.where(np.isfinite(m), m, 0)
-    e = np.exp(s - m)
+    s = xp.where(ok[None], s, -np.inf)
+    m = xp.max(s, -1, keepdims=True, initial=-np.inf)
+    m = xp.where(xp.isfinite(m), m, 0)
+    e = xp.exp(s - m)
     l = e.sum(-1, keepdims=True)
-    p = e / np.where(l == 0, 1, l)
-    outs.append(np.einsum("hqk,khd->qhd", p, v))
-    lses.append(np.where(l == 0, -np.inf, m + np.log(np.where(l == 0, 1, l)))[..., 0])  # fmt: skip
+    p = e / xp.where(l == 0, 1, l)
+    outs.append(np.asarray(xp.einsum("hqk,khd->qhd", p, v), np.float64))
+    lse = xp.where(l == 0, -np.inf, m + xp.log(xp.where(l == 0, 1, l)))
+    lses.append(np.asarray(lse[..., 0], np.float64))
   return np.concatenate(outs), np.concatenate(lses, axis=1)
 
 
@@ -159,7 +165,7 @@ def _alone(case, impl, i, **options):
 
 def _check(case, impl, out, lse, caches, alone=True, **options):
   golden = _attention(case, np.float64, **options)
-  naive = _attention(case, np.float32, **options)
+  naive = _attention(case, case.dtype.type, **options)
   assert_within_tolerance("out", out, naive[0], golden[0])
   assert_within_tolerance("lse", lse, naive[1], golden[1])
   for i in range(len(case.lens_q)):  # the new tokens are in the caches
@@ -251,7 +257,9 @@ def test_traced_cu_seqlens_and_padded_buffer(rng):
 
 
 def test_interpret_kernel_ragged(rng):
-  case = _Case(rng, [3, 1, 0], [3, 1, 0], [17, 40, 2], 64, 16)
+  case = _Case(
+    rng, [3, 1, 0], [3, 1, 0], [17, 40, 2], 64, 16, dtype=jnp.bfloat16, d=64
+  )
   out, lse, *caches = run_interpreted(_ragged, case, "interpret", causal=True)
   _check(case, "interpret", out, lse, caches, alone=False, causal=True)
 
@@ -282,7 +290,7 @@ def _bad_call(case, **over):
     (dict(cu_seqlens_k_new=jnp.asarray([0, 1, 2], jnp.int32)), ValueError, r"cu_seqlens_k_new must have shape \(4,\); got \(3,\)"),
     (dict(cu_seqlens_k_new=jnp.asarray([0, 1, 2, 5], jnp.int32)), ValueError, r"cu_seqlens_k_new\[-1\] = 5 exceeds the 3 tokens of k and v"),
     (dict(v=jnp.zeros((2, _HK, _D))), ValueError, r"v must be \[total_k_new.*got shape \(2, 2, 32\)"),
-    (dict(cache_seqlens=jnp.asarray([1, 2, 31], jnp.int32)), ValueError, r"cache_seqlens"),
+    (dict(cache_seqlens=jnp.asarray([1, 2, 32], jnp.int32)), ValueError, r"cache_seqlens"),
     (dict(k=None, v=None, cu_seqlens_k_new=jnp.asarray([0, 1, 2, 3], jnp.int32)), ValueError, r"cu_seqlens_k_new need k"),
     (dict(cu_seqlens_q=None, max_seqlen_q=4), ValueError, r"need cu_seqlens_q"),
     (dict(rotary_cos=jnp.ones((32, 8)), rotary_sin=jnp.ones((32, 8))), NotImplementedError, r"rotary_cos"),
