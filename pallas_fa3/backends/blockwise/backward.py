@@ -19,6 +19,7 @@ from pallas_fa3 import flex as flex_lib, masking, segments
 from pallas_fa3.backends.blockwise.tiles import (
   Tiling,
   clip_range,
+  dot_f32,
   flex_tile,
   id_tiles,
   live_tiles,
@@ -31,13 +32,7 @@ from pallas_fa3.backends.blockwise.tiles import (
   walk_tiles,
 )
 from pallas_fa3.lse import log2_of
-from pallas_fa3.spec import HIGHEST, AttentionSpec, cdiv, group_heads
-
-
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.einsum(
-    spec, a, b, preferred_element_type=jnp.float32, precision=HIGHEST
-  )
+from pallas_fa3.spec import AttentionSpec, cdiv, group_heads
 
 
 def blockwise_backward(
@@ -68,7 +63,7 @@ def blockwise_backward(
   hk, g = spec.heads_kv, spec.group_size
   stat = lambda x: x.reshape(spec.batch, hk, g, spec.seq_q)
 
-  delta = _dot(
+  delta = dot_f32(
     "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)
   )
   delta = stat(delta - dlse.astype(jnp.float32))
@@ -126,8 +121,8 @@ def blockwise_backward(
       # exact arithmetic and keeps P finite where lse's own rounding (at
       # |s| ~ 1e10 more than log(l)) would put the max's term above it.
       p = jnp.exp2(jnp.minimum(s - lse2_t[..., None], 0.0))
-      dv = dv + _dot("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile)
-      dp = _dot("bqhgd,bkhd->bhgqk", do_tile, v_tile)
+      dv = dv + dot_f32("bhgqk,bqhgd->bkhd", p.astype(spec.dtype), do_tile)
+      dp = dot_f32("bqhgd,bkhd->bhgqk", do_tile, v_tile)
       ds = p * (dp - delta_t[..., None])
       if pull is not None:  # back through score_mod and the bias
         ds, dbias_t, dfloats_t = pull(ds)
@@ -144,8 +139,8 @@ def blockwise_backward(
       if tanh is not None:  # d(c tanh(x / c)) / dx
         ds = ds * (1.0 - tanh * tanh)
       ds = ds.astype(spec.dtype)
-      dk = dk + _dot("bhgqk,bqhgd->bkhd", ds, q_tile)
-      dq_tile = _dot("bhgqk,bkhd->bqhgd", ds, k_tile)
+      dk = dk + dot_f32("bhgqk,bqhgd->bkhd", ds, q_tile)
+      dq_tile = dot_f32("bhgqk,bkhd->bqhgd", ds, k_tile)
       dq_acc = jax.lax.dynamic_update_slice_in_dim(
         dq_acc,
         seq_tile(dq_acc, i, t.block_q) + dq_tile,

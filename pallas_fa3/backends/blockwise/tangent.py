@@ -26,6 +26,7 @@ from pallas_fa3.backends.blockwise.tiles import (
   BlockwiseConfig,
   Tiling,
   clip_range,
+  dot_f32,
   flex_tile,
   id_tiles,
   live_tiles,
@@ -36,13 +37,7 @@ from pallas_fa3.backends.blockwise.tiles import (
   varying_like,
 )
 from pallas_fa3.lse import natural_from_log2
-from pallas_fa3.spec import HIGHEST, LOG2E, AttentionSpec, group_heads
-
-
-def _dot(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.einsum(
-    subscripts, a, b, preferred_element_type=jnp.float32, precision=HIGHEST
-  )
+from pallas_fa3.spec import LOG2E, AttentionSpec, group_heads
 
 
 def blockwise_forward_tangent(
@@ -157,11 +152,11 @@ def blockwise_forward_tangent(
       l = alpha * l + p.sum(axis=-1)
       ldot = alpha * ldot + ps.sum(axis=-1)
       p_lo = p.astype(spec.dtype)
-      acc = alpha[..., None] * acc + _dot("bhgqk,bkhd->bhgqd", p_lo, v_t)
+      acc = alpha[..., None] * acc + dot_f32("bhgqk,bkhd->bhgqd", p_lo, v_t)
       accdot = (
         alpha[..., None] * accdot
-        + _dot("bhgqk,bkhd->bhgqd", p_lo, dv_t)
-        + _dot("bhgqk,bkhd->bhgqd", ps, v_t.astype(jnp.float32))
+        + dot_f32("bhgqk,bkhd->bhgqd", p_lo, dv_t)
+        + dot_f32("bhgqk,bkhd->bhgqd", ps, v_t.astype(jnp.float32))
       )
       return m_new, l, acc, ldot, accdot
 

@@ -63,6 +63,14 @@ class Tiling:
     return cls(bq, bkv, cdiv(spec.seq_q, bq), cdiv(spec.seq_kv, bkv))
 
 
+def dot_f32(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """`einsum(subscripts, a, b)` accumulated in float32 at full precision
+  (the twin's GEMMs)."""
+  return jnp.einsum(
+    subscripts, a, b, preferred_element_type=jnp.float32, precision=HIGHEST
+  )
+
+
 def pad_seq(x: jax.Array, length: int, value: float = 0) -> jax.Array:
   """Pads axis 1 (sequence) up to `length`; a no-op when already that long."""
   pad = length - x.shape[1]
