@@ -560,8 +560,10 @@ def flash_attention_with_kvcache(
       left-padded to `[n, max_seqlen_q, heads_q, head_dim]` (padded rows
       are computed and dropped: `n * max_seqlen_q - total_q` extra query
       rows), after one scatter of the new keys into the cache. Not (yet)
-      one launch of the decode kernel scheduled by work. Not with rotary
-      tables, nor appending to an e4m3 cache (NotImplementedError).
+      one launch of the decode kernel scheduled by work. Rotary: k at
+      `cache_seqlens[i] + j`, q the same (all at `cache_seqlens[i]`
+      without causal or a window). Appending to an e4m3 cache is not
+      supported (NotImplementedError).
       Returns out `[total_q, heads_q, head_dim_v]`, lse `[heads_q,
       total_q]` (FA3's varlen layout); tokens past `cu_seqlens_q[-1]`
       get 0 (lse -inf); an invalid traced `cu_seqlens_*` gives NaN.

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import kvcache, varlen
+from pallas_fa3 import kvcache, rotary, varlen
+from pallas_fa3.spec import check_bool
 
 
 def _concrete(*xs: Any) -> bool:
@@ -106,11 +107,6 @@ def attend(
       _check_packed("v", v, total_k)
     name = "cu_seqlens_q" if cu_seqlens_k_new is None else "cu_seqlens_k_new"
     cu_k = varlen.check_index_array(name, cu_k_raw, n + 1)
-  if rotary_cos is not None:
-    raise NotImplementedError(
-      "rotary_cos/rotary_sin with cu_seqlens_q (a ragged batch) are not"
-      " supported: rotate q and k at their positions before the call"
-    )
   if _concrete(cu_seqlens_q):
     varlen.check_concrete("q", cu_seqlens_q, None, total_q, max_q)
   if k is not None and _concrete(cu_k_raw):
@@ -153,6 +149,19 @@ def attend(
     sinks=options["sinks"] is not None,
     **spec_options,
   )
+  rotary_sin = options.pop("rotary_sin")
+  interleaved = check_bool(
+    "rotary_interleaved", options.pop("rotary_interleaved")
+  )
+  if rotary.check_rotary(
+    rotary_cos, rotary_sin, head_dim=spec.head_dim, capacity=spec.capacity
+  ):
+    if k is None or spec.v_in_k:
+      raise ValueError(
+        "rotary_cos / rotary_sin rotate q and the appended k at their"
+        " positions: new tokens k and v (a v_cache) must be given with them"
+      )
+    options["rotary_tables"] = (rotary_cos, rotary_sin)
   if k is not None:
     if spec.fp8_cache:
       raise NotImplementedError(
@@ -164,12 +173,16 @@ def attend(
       raise ValueError("v must be None when v_cache is None (k holds V)")
     if not spec.v_in_k and v is None:
       raise ValueError("k and v must be given together")
-  arrays = {n_: x for n_, x in options.items() if hasattr(x, "shape")}
+  arrays = {
+    n_: x
+    for n_, x in options.items()
+    if hasattr(x, "shape") or n_ == "rotary_tables"
+  }
   static = tuple(
     sorted((n_, x) for n_, x in options.items() if n_ not in arrays)
   )
   static += (("head_dim_v", head_dim_v),)
-  meta = (uniform, static, spec, n, width, max_q, return_lse)
+  meta = (uniform, static, spec, n, width, max_q, return_lse, interleaved)
   operands = (
     q, k_cache, v_cache, k, v, cu_q, cu_q if k is None else cu_k,
     jnp.asarray(lengths), jnp.asarray(new), page_table, cache_batch_idx,
@@ -188,7 +201,7 @@ def _device(
 ) -> Any:  # fmt: skip
   """The ragged call on the device (traceable): pad the queries, append
   the new keys, run the uniform call, gather the real rows."""
-  uniform, static, spec, n, width, max_q, return_lse = meta
+  uniform, static, spec, n, width, max_q, return_lse, interleaved = meta
   total_q = int(q.shape[0])
   p = varlen.packing(
     cu_q,
@@ -197,6 +210,17 @@ def _device(
     total_q if k is None else int(k.shape[0]),
     max_seqlen_q=max_q,
   )
+  arrays = dict(arrays)
+  tables = arrays.pop("rotary_tables", None)
+  if tables is not None:  # FA3's positions: cache_seqlens[s] + i
+    start = lengths - new
+    per_token = spec.causal or spec.window_size is not None
+    rope = lambda x, seq, pos: rotary.apply_rotary(
+      x[None], *tables, jnp.clip(start[seq] + pos, 0)[None],
+      interleaved=interleaved,
+    )[0]  # fmt: skip
+    q = rope(q, p.seq_q, p.pos_q if per_token else 0)
+    k = rope(k, p.seq_k, p.pos_k)
   # Query t of sequence s sits at row width - 1 - (tokens after it): the
   # real queries last, where the bottom-right rule places them.
   row_q = width - 1 - p.after_q

@@ -203,7 +203,7 @@ def test_ragged_mix_against_alone_and_golden(
   cached = rng.integers(0, capacity - 40, size=6)
   case = _Case(rng, lens, lens, cached, capacity, page_size)
   out, lse, *caches = _ragged(case, impl, **options)
-  alone = impl == "blockwise" or page_size in (None, 16)
+  alone = impl == "blockwise"  # (the reference: the golden alone)
   _check(case, impl, out, lse, caches, alone=alone, **options)
 
 
@@ -226,6 +226,29 @@ def test_ragged_without_new_keys(rng):
   case = _Case(rng, [5, 1, 0, 2], [0, 0, 0, 0], [20, 33, 7, 1], 48, 16)
   out, lse = _ragged(case, "blockwise", with_new=False, causal=True)
   _check(case, "blockwise", out, lse, (case.k_cache, case.v_cache), causal=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_ragged_rotary_against_alone(rng, interleaved):
+  # FA3's positions: new key j of sequence i at cache_seqlens[i] + j, its
+  # queries the same (causal), as each sequence alone in the uniform call.
+  case = _Case(rng, [6, 1, 0, 3], [6, 1, 0, 3], [10, 25, 4, 0], 48, 16)
+  angles = rng.uniform(0, 6, size=(48, 8)).astype(np.float32)
+  tables = dict(
+    rotary_cos=jnp.asarray(np.cos(angles)),
+    rotary_sin=jnp.asarray(np.sin(angles)),
+    rotary_interleaved=interleaved,
+    causal=True,
+  )
+  out, lse, kc, _ = _ragged(case, "blockwise", **tables)
+  for i in (0, 1, 3):
+    a, b = int(case.cu_q[i]), int(case.cu_q[i + 1])
+    o, l = _alone(case, "blockwise", i, **tables)
+    np.testing.assert_allclose(out[a:b], o, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse[:, a:b], l, atol=2e-6, rtol=0)
+  # The rotated keys are in the cache: not the unrotated ones.
+  at = case.slot(0, int(case.cached[0]) + 1)
+  assert not np.allclose(kc[at], case.k[1])
 
 
 def test_traced_cu_seqlens_and_padded_buffer(rng):
@@ -293,7 +316,8 @@ def _bad_call(case, **over):
     (dict(cache_seqlens=jnp.asarray([1, 2, 32], jnp.int32)), ValueError, r"cache_seqlens"),
     (dict(k=None, v=None, cu_seqlens_k_new=jnp.asarray([0, 1, 2, 3], jnp.int32)), ValueError, r"cu_seqlens_k_new need k"),
     (dict(cu_seqlens_q=None, max_seqlen_q=4), ValueError, r"need cu_seqlens_q"),
-    (dict(rotary_cos=jnp.ones((32, 8)), rotary_sin=jnp.ones((32, 8))), NotImplementedError, r"rotary_cos"),
+    (dict(rotary_cos=jnp.ones((16, 8)), rotary_sin=jnp.ones((16, 8))), ValueError, r"rotary_cos"),
+    (dict(k=None, v=None, rotary_cos=jnp.ones((32, 8)), rotary_sin=jnp.ones((32, 8))), ValueError, r"new tokens k and v"),
   ],
 )  # fmt: skip
 def test_bad_input_names_the_argument(rng, over, error, match):
