@@ -562,8 +562,9 @@ def flash_attention_with_kvcache(
       rows), after one scatter of the new keys into the cache. Not (yet)
       one launch of the decode kernel scheduled by work. Rotary: k at
       `cache_seqlens[i] + j`, q the same (all at `cache_seqlens[i]`
-      without causal or a window). Appending to an e4m3 cache is not
-      supported (NotImplementedError).
+      without causal or a window). An e4m3 cache: new tokens divided by
+      their sequence's descales (not with `v_cache=None`:
+      NotImplementedError).
       Returns out `[total_q, heads_q, head_dim_v]`, lse `[heads_q,
       total_q]` (FA3's varlen layout); tokens past `cu_seqlens_q[-1]`
       get 0 (lse -inf); an invalid traced `cu_seqlens_*` gives NaN.

@@ -163,12 +163,18 @@ def attend(
       )
     options["rotary_tables"] = (rotary_cos, rotary_sin)
   if k is not None:
-    if spec.fp8_cache:
+    if spec.fp8_cache and spec.v_in_k:
       raise NotImplementedError(
-        "appending k/v to an e4m3 cache with cu_seqlens_q (a ragged batch)"
-        " is not supported: quantize them into the cache first"
-        " (quantize_kv_cache) and pass the longer cache_seqlens"
+        "appending k to an e4m3 cache with v_cache=None and cu_seqlens_q"
+        " (a ragged batch) is not supported: quantize it into the cache"
+        " first (quantize_kv_cache) and pass the longer cache_seqlens"
       )
+    if spec.fp8_cache:  # FA3's: new tokens / descale, rounded to e4m3
+      options["quantize"] = (
+        kvcache.check_descale("k_descale", options["k_descale"], True, n, spec.heads_kv, spec.head_dim),
+        kvcache.check_descale("v_descale", options["v_descale"], True, n, spec.heads_kv, spec.head_dim_v),
+        kvcache.rotation_signs(options["cache_rotation"], spec.head_dim),
+      )  # fmt: skip
     if spec.v_in_k and v is not None:
       raise ValueError("v must be None when v_cache is None (k holds V)")
     if not spec.v_in_k and v is None:
@@ -176,7 +182,7 @@ def attend(
   arrays = {
     n_: x
     for n_, x in options.items()
-    if hasattr(x, "shape") or n_ == "rotary_tables"
+    if hasattr(x, "shape") or n_ in ("rotary_tables", "quantize")
   }
   static = tuple(
     sorted((n_, x) for n_, x in options.items() if n_ not in arrays)
@@ -227,7 +233,13 @@ def _device(
   seq_q = jnp.where(p.valid_q, p.seq_q, n)  # n: dropped by the scatter
   q_pad = jnp.zeros((n, width) + tuple(q.shape[1:]), q.dtype)
   q_pad = q_pad.at[seq_q, row_q].set(jnp.asarray(q), mode="drop")
+  quantize = arrays.pop("quantize", None)
   if k is not None:
+    if quantize is not None:
+      k_descale, v_descale, signs = quantize
+      k = kvcache.rotate(k, signs)
+      k = kvcache.quantize_tokens(k[:, None], k_descale[p.seq_k])[:, 0]
+      v = kvcache.quantize_tokens(v[:, None], v_descale[p.seq_k])[:, 0]
     k_cache, v_cache = _append(
       spec, p, k_cache, v_cache, k, v, lengths, new, page_table,
       cache_batch_idx,

@@ -193,8 +193,19 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", "blockwise"])
-@pytest.mark.parametrize("page_size,capacity,options", LAYOUTS)
+# Every layout in blockwise; the reference on two in the default run.
+MIXES = [
+  pytest.param("blockwise", *p.values, id=f"blockwise-{p.id}") for p in LAYOUTS
+] + [
+  pytest.param(
+    "reference", *p.values, id=f"reference-{p.id}",
+    marks=() if p.values[0] in (None, 16) else pytest.mark.slow,
+  )
+  for p in LAYOUTS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl,page_size,capacity,options", MIXES)
 def test_ragged_mix_against_alone_and_golden(
   rng, impl, page_size, capacity, options
 ):
@@ -326,14 +337,28 @@ def test_bad_input_names_the_argument(rng, over, error, match):
     _bad_call(case, **over)
 
 
-def test_e4m3_cache_append_refused(rng):
-  case = _Case(rng, [1, 1], [1, 1], [3, 4], 16, None)
+def test_e4m3_cache_append_against_alone(rng):
+  # New tokens divided by their sequence's descales and rounded into the
+  # e4m3 cache, as the uniform call does for each sequence alone.
+  case = _Case(rng, [5, 1, 0, 2], [5, 1, 0, 2], [7, 20, 3, 0], 32, 16,
+               dtype=jnp.bfloat16)  # fmt: skip
   q8 = pallas_fa3.quantize_kv_cache(
-    jnp.nan_to_num(case.k_cache, posinf=0), jnp.nan_to_num(case.v_cache, posinf=0)
+    case.k_cache, case.v_cache, cache_seqlens=jnp.asarray(case.cached),
+    page_table=jnp.asarray(case.page_table, jnp.int32),
   )  # fmt: skip
-  with pytest.raises(NotImplementedError, match="e4m3"):
-    pallas_fa3.flash_attention_with_kvcache(
-      case.q, q8.k_cache, q8.v_cache, case.k, case.v,
-      cache_seqlens=jnp.asarray(case.cached), cu_seqlens_q=case.cu_q,
-      k_descale=q8.k_descale, v_descale=q8.v_descale,
-    )  # fmt: skip
+  case.k_cache, case.v_cache = q8.k_cache, q8.v_cache
+  extra = dict(k_descale=q8.k_descale, v_descale=q8.v_descale, causal=True)
+  out, lse, kc, vc = _ragged(case, "blockwise", **extra)
+  for i in (0, 1, 3):
+    a, b = int(case.cu_q[i]), int(case.cu_q[i + 1])
+    kw = dict(
+      k_descale=q8.k_descale[i : i + 1], v_descale=q8.v_descale[i : i + 1]
+    )
+    o, l = _alone(case, "blockwise", i, causal=True, **kw)
+    np.testing.assert_allclose(np.asarray(out[a:b], np.float32), np.asarray(o, np.float32), atol=1e-2, rtol=0)  # fmt: skip
+    np.testing.assert_allclose(lse[:, a:b], l, atol=1e-5, rtol=0)
+    c = int(case.cu_k[i])
+    for j in range(int(case.lens_new[i])):  # the tokens' e4m3 rounding
+      at = case.slot(i, int(case.cached[i]) + j)
+      want = np.asarray(case.k[c + j], np.float32) / np.asarray(q8.k_descale[i])[:, None]  # fmt: skip
+      np.testing.assert_array_equal(kc[at], jnp.asarray(np.clip(want, -448, 448)).astype(kc.dtype))  # fmt: skip
