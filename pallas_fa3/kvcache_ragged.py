@@ -110,6 +110,12 @@ def attend(
   if _concrete(cu_seqlens_q):
     varlen.check_concrete("q", cu_seqlens_q, None, total_q, max_q)
   if k is not None and _concrete(cu_k_raw):
+    if cu_seqlens_k_new is None and int(np.asarray(cu_k_raw)[-1]) > total_k:
+      raise ValueError(
+        f"k has {total_k} tokens (shape {tuple(k.shape)}) but cu_seqlens_q,"
+        " its packing when cu_seqlens_k_new is not given, ends at"
+        f" {int(np.asarray(cu_k_raw)[-1])}: pass cu_seqlens_k_new"
+      )
     side = "q" if cu_seqlens_k_new is None else "k_new"
     varlen.check_concrete(side, cu_k_raw, None, total_k, None)
   _check_batch(

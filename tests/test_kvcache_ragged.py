@@ -190,12 +190,14 @@ LAYOUTS = [
   pytest.param(1, 64, dict(causal=True), id="page1-causal"),
   pytest.param(16, 96, {}, id="page16-not-causal"),
   pytest.param(64, 128, dict(window_size=(24, 0)), id="page64-window"),
-]
+  pytest.param(256, 256, dict(causal=True), id="page256-causal", marks=pytest.mark.slow),
+]  # fmt: skip
 
 
 # Every layout in blockwise; the reference on two in the default run.
 MIXES = [
-  pytest.param("blockwise", *p.values, id=f"blockwise-{p.id}") for p in LAYOUTS
+  pytest.param("blockwise", *p.values, id=f"blockwise-{p.id}", marks=p.marks)
+  for p in LAYOUTS
 ] + [
   pytest.param(
     "reference", *p.values, id=f"reference-{p.id}",
@@ -218,7 +220,9 @@ def test_ragged_mix_against_alone_and_golden(
   _check(case, impl, out, lse, caches, alone=alone, **options)
 
 
-@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+@pytest.mark.parametrize(
+  "impl", [pytest.param("reference", marks=pytest.mark.slow), "blockwise"]
+)
 def test_ragged_new_keys_apart_from_queries_and_leftpad(rng, impl):
   # Speculative verification beside prefill: 3 queries over 1 new key,
   # 1 query over 0 new keys (the cache alone), an idle sequence that
@@ -239,7 +243,9 @@ def test_ragged_without_new_keys(rng):
   _check(case, "blockwise", out, lse, (case.k_cache, case.v_cache), causal=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(
+  "interleaved", [True, pytest.param(False, marks=pytest.mark.slow)]
+)
 def test_ragged_rotary_against_alone(rng, interleaved):
   # FA3's positions: new key j of sequence i at cache_seqlens[i] + j, its
   # queries the same (causal), as each sequence alone in the uniform call.
@@ -260,6 +266,29 @@ def test_ragged_rotary_against_alone(rng, interleaved):
   # The rotated keys are in the cache: not the unrotated ones.
   at = case.slot(0, int(case.cached[0]) + 1)
   assert not np.allclose(kc[at], case.k[1])
+
+
+def test_ragged_mla_one_cache(rng):
+  # v_cache None (MLA's layout): V is the K cache's first head_dim_v
+  # columns; the new k alone is written.
+  case = _Case(rng, [4, 1, 0], [4, 1, 0], [9, 30, 2], 48, 16)
+  run = lambda q, k, kw: pallas_fa3.flash_attention_with_kvcache(
+    q, case.k_cache, None, k, head_dim_v=16, causal=True, return_lse=True,
+    implementation="blockwise", **kw,
+  )  # fmt: skip
+  out, lse, kc = run(
+    case.q, case.k, dict(**case.cache_args(), cu_seqlens_q=case.cu_q)
+  )
+  assert out.shape == (5, _HQ, 16)
+  for i in (0, 1):
+    a, b = int(case.cu_q[i]), int(case.cu_q[i + 1])
+    kw = dict(cache_seqlens=jnp.asarray(case.cached[i : i + 1]))
+    kw["page_table"] = jnp.asarray(case.page_table[i : i + 1], jnp.int32)
+    o, l, _ = run(case.q[None, a:b], case.k[None, a:b], kw)
+    np.testing.assert_allclose(out[a:b], o[0], atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse[:, a:b], l[0], atol=2e-6, rtol=0)
+    at = case.slot(i, int(case.cached[i]))
+    np.testing.assert_array_equal(kc[at], case.k[a])
 
 
 def test_traced_cu_seqlens_and_padded_buffer(rng):
@@ -321,6 +350,7 @@ def _bad_call(case, **over):
     (dict(max_seqlen_q=1), ValueError, r"max_seqlen_q=1 is smaller than the longest sequence \(2\)"),
     (dict(max_seqlen_q=jnp.int32(4)), TypeError, r"max_seqlen_q must be a static Python int"),
     (dict(cache_seqlens=jnp.asarray([1, 2], jnp.int32)), ValueError, r"cache_seqlens has 2 sequences \(shape \(2,\)\) but cu_seqlens_q has 3"),
+    (dict(k=jnp.zeros((2, _HK, _D)), v=jnp.zeros((2, _HK, _D))), ValueError, r"k has 2 tokens .* cu_seqlens_q, its packing .* ends at 3"),
     (dict(cu_seqlens_k_new=jnp.asarray([0, 1, 2], jnp.int32)), ValueError, r"cu_seqlens_k_new must have shape \(4,\); got \(3,\)"),
     (dict(cu_seqlens_k_new=jnp.asarray([0, 1, 2, 5], jnp.int32)), ValueError, r"cu_seqlens_k_new\[-1\] = 5 exceeds the 3 tokens of k and v"),
     (dict(v=jnp.zeros((2, _HK, _D))), ValueError, r"v must be \[total_k_new.*got shape \(2, 2, 32\)"),
