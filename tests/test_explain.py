@@ -75,6 +75,8 @@ def test_explain_says_each_backward_form_and_why(name):
   [
     (_sds(2, 512, 8, 128), dict(softcap=30.0), True),
     (_sds(2, 512, 8, 128), dict(segment_ids=(_IDS, _IDS)), True),
+    (_sds(2, 512, 8, 128), dict(causal=False, window_size=(128, 128)), True),
+    (_sds(2, 512, 8, 128), dict(causal=False, window_size=(128, 0)), False),
     (_sds(2, 512, 8, 128), dict(), False),
     (Q, dict(softcap=30.0), False),  # GQA: the shared-tile fused layout
     (_sds(2, 512, 8, 64), dict(segment_ids=(_IDS, _IDS)), False),
@@ -83,13 +85,12 @@ def test_explain_says_each_backward_form_and_why(name):
 def test_d128_segment_ids_and_softcap_leave_the_spilling_fused_layout(
   q, kwargs, pair
 ):
-  """The fused kernel's own-tile layout spilled with segment ids or softcap
-  at d128 (no GQA group): the default runs the dK/dV and dQ pair there and
-  says why; elsewhere the fused kernel."""
-  text = pallas_fa3.explain(
-    q, q if q is not Q else KV, q if q is not Q else KV, causal=True,
-    implementation="mosaic", **kwargs,
-  )  # fmt: skip
+  """The fused kernel's own-tile layout spilled with segment ids, softcap or
+  a window open on both sides at d128 (no GQA group): the default runs the
+  dK/dV and dQ pair there and says why; elsewhere the fused kernel."""
+  kv = q if q is not Q else KV
+  kwargs = {"causal": True, **kwargs}
+  text = pallas_fa3.explain(q, kv, kv, implementation="mosaic", **kwargs)
   backward = next(ln for ln in text.splitlines() if ln.startswith("backward:"))
   if pair:
     assert backward.startswith("backward: the dK/dV and dQ kernels"), text
