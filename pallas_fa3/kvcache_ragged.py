@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa3 import kvcache, rotary, varlen
+from pallas_fa3 import cu_seqlens, kvcache, rotary
 from pallas_fa3.spec import check_bool
 
 
@@ -84,14 +84,14 @@ def attend(
     )
   _check_packed("q", q, None)
   total_q = int(q.shape[0])
-  cu_q = varlen.check_index_array("cu_seqlens_q", cu_seqlens_q, None)
+  cu_q = cu_seqlens.check_index_array("cu_seqlens_q", cu_seqlens_q, None)
   n = cu_q.shape[0] - 1
   if n < 1:
     raise ValueError(
       "cu_seqlens_q must have shape [n + 1] with n >= 1 sequences (0, then"
       f" the cumulative lengths); got shape {tuple(cu_q.shape)}"
     )
-  max_q = varlen.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+  max_q = cu_seqlens.check_max_seqlen("max_seqlen_q", max_seqlen_q)
   max_q = total_q if max_q is None else max_q
   if k is None and (v is not None or cu_seqlens_k_new is not None):
     raise ValueError(
@@ -106,9 +106,9 @@ def attend(
     if v is not None:
       _check_packed("v", v, total_k)
     name = "cu_seqlens_q" if cu_seqlens_k_new is None else "cu_seqlens_k_new"
-    cu_k = varlen.check_index_array(name, cu_k_raw, n + 1)
+    cu_k = cu_seqlens.check_index_array(name, cu_k_raw, n + 1)
   if _concrete(cu_seqlens_q):
-    varlen.check_concrete("q", cu_seqlens_q, None, total_q, max_q)
+    cu_seqlens.check_concrete("q", cu_seqlens_q, None, total_q, max_q)
   if k is not None and _concrete(cu_k_raw):
     if cu_seqlens_k_new is None and int(np.asarray(cu_k_raw)[-1]) > total_k:
       raise ValueError(
@@ -117,7 +117,7 @@ def attend(
         f" {int(np.asarray(cu_k_raw)[-1])}: pass cu_seqlens_k_new"
       )
     side = "q" if cu_seqlens_k_new is None else "k_new"
-    varlen.check_concrete(side, cu_k_raw, None, total_k, None)
+    cu_seqlens.check_concrete(side, cu_k_raw, None, total_k, None)
   _check_batch(
     n,
     cache_seqlens=cache_seqlens,
@@ -215,7 +215,7 @@ def _device(
   the new keys, run the uniform call, gather the real rows."""
   uniform, static, spec, n, width, max_q, return_lse, interleaved = meta
   total_q = int(q.shape[0])
-  p = varlen.packing(
+  p = cu_seqlens.packing(
     cu_q,
     cu_k,
     total_q,
@@ -280,7 +280,7 @@ _device_jit = jax.jit(_device, static_argnums=0)
 
 def _append(
   spec: kvcache.DecodeSpec,
-  p: varlen.Packing,
+  p: cu_seqlens.Packing,
   k_cache: Any,
   v_cache: Any,
   k: Any,

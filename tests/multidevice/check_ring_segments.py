@@ -212,8 +212,9 @@ def test_segment_skip_never_touches_a_shard_no_query_meets(causal, key, rng):
 
 
 def _conds_around_attention(jaxpr) -> int:
-  """How many `cond`s of `jaxpr` (nested ones too) hold a backend call (the
-  blockwise backend's: a `dot_general`; the ring's own merges have none)."""
+  """How many `cond`s of `jaxpr` (nested ones too, and inside the attention
+  primitive `pallas_fa3.vjp` binds) hold a backend call (the blockwise
+  backend's: a `dot_general`; the ring's own merges have none)."""
 
   def subs(eqn):
     for val in eqn.params.values():
@@ -222,6 +223,8 @@ def _conds_around_attention(jaxpr) -> int:
           yield x
         elif hasattr(getattr(x, "jaxpr", None), "eqns"):
           yield x.jaxpr
+        elif "traced" in getattr(x, "params", {}):  # `vjp.Attention`'s body
+          yield x.params["traced"].jaxpr.jaxpr
 
   def calls(jaxpr):
     return any(
