@@ -647,11 +647,13 @@ def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
 
 def register_light(spec: Any) -> bool:
   """Whether `spec.flex` adds no tile or vector of registers to a forward
-  step: no bias, and its functions read captured arrays by batch and head
-  alone (ALiBi's slopes, a softcap's constant), or none. Such calls run the
-  plain forward's wider key tiles without spills (`config._FLEX_DEFAULTS`)."""
+  step: a score_mod alone (no bias, mask_mod or block mask) reading
+  captured arrays by batch and head only (ALiBi's slopes, a softcap's
+  constant), or none. Such calls run the plain forward's wider key tiles
+  without spills (`config._FLEX_LIGHT_DEFAULTS`); a mask_mod's mask there
+  spilled 4-20 B (causal, sliding window, prefix-LM, chunked)."""
   fs = spec.flex
-  if fs.bias is not None or fs.block is not None:
+  if fs.bias is not None or fs.block is not None or fs.mask_mod is not None:
     return False
   for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
     if fn is None:
@@ -914,6 +916,11 @@ def kernel_scores(
   return lax.cond(state == flex.FULL, lambda s: s, hide, s), None
 
 
+# Largest head dim whose backward kernels branch past a block mask's full
+# tiles (`kernel_hide`; aot --flex, issue 66).
+BACKWARD_SKIP_MAX_HEAD_DIM = 64
+
+
 def kernel_hide(
   spec: Any,
   refs: dict,
@@ -947,10 +954,14 @@ def kernel_hide(
     )
     return p if mask is None else jnp.where(mask, p, 0.0)
 
+  # The branch measured without spills in the fused d64 backward (1.13 ->
+  # 1.00 of the plain one per visited block); the fused d96 (16/16 B) and
+  # the d128 pair (4/4 B at 8 heads) spilled with it: they mask every tile.
   if (
     fs.block is None
     or fs.mask_mod is None
     or getattr(spec, "unaligned_rows", False)
+    or max(spec.head_dim, spec.head_dim_v) > BACKWARD_SKIP_MAX_HEAD_DIM
   ):
     return hide(p)
   from pallas_fa3 import flex  # (flex does not import the kernels)
