@@ -890,30 +890,51 @@ def kernel_scores(
     )
     s = evaluate(fn, tile, s)
 
-  def mask_of(s):
-    mask = None
-    if fs.mask_mod is not None:
-      fn = fs.mask_mod
-      tile = _tile(
-        refs, "mask", fn, False, False, ops, s.shape, 0, q0, kv0, batch, head
-      )
-      mask = evaluate(fn, tile)
-    return _with_state(spec, refs, ops, mask, s.shape, q0, kv0, batch, head, 0)
+  if not _skips_full_tiles(spec):
+    return s, _mask(spec, refs, ops, s.shape, q0, kv0, batch, head, 0)
+  # The hidden scores leave the branch as -inf (no mask tile crosses it).
+  hide = lambda s: jnp.where(
+    _mask(spec, refs, ops, s.shape, q0, kv0, batch, head, 0), s, -jnp.inf
+  )
+  return _unless_full(spec, refs, q0, kv0, batch, head, hide, s), None
 
-  if (
-    fs.block is None
-    or fs.mask_mod is None
-    or getattr(spec, "unaligned_rows", False)
-  ):
-    return s, mask_of(s)
-  # A block mask's full tiles run no mask code: the tile's one state
-  # (block-mask tiles hold whole kernel tiles) picks the branch, and the
-  # hidden scores leave it as -inf (no mask tile crosses the branch).
+
+def _mask(spec, refs, ops, shape, q0, kv0, batch, head, q_axis):
+  """The tile's mask from mask_mod and the block mask's state (None:
+  neither)."""
+  mask = None
+  if spec.flex.mask_mod is not None:
+    fn = spec.flex.mask_mod
+    tile = _tile(
+      refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch, head
+    )
+    mask = evaluate(fn, tile)
+  return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
+
+
+def _skips_full_tiles(spec: Any, max_head_dim: int | None = None) -> bool:
+  """Whether a block mask's full tiles branch past the mask code: a block
+  mask with a mask_mod, rows aligned to its tiles (not decode's), and the
+  head dim at most `max_head_dim`."""
+  fs = spec.flex
+  return (
+    fs.block is not None
+    and fs.mask_mod is not None
+    and not getattr(spec, "unaligned_rows", False)
+    and (
+      max_head_dim is None
+      or max(spec.head_dim, spec.head_dim_v) <= max_head_dim
+    )
+  )
+
+
+def _unless_full(spec, refs, q0, kv0, batch, head, hide, x):
+  """`x` as is on a full tile, else `hide(x)`: the tile's one state (block-
+  mask tiles hold whole kernel tiles) picks the branch."""
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
   state = _block_state(spec, refs, q0, kv0, batch, head)
-  hide = lambda s: jnp.where(mask_of(s), s, -jnp.inf)
-  return lax.cond(state == flex.FULL, lambda s: s, hide, s), None
+  return lax.cond(state == flex.FULL, lambda x: x, hide, x)
 
 
 # Largest head dim whose backward kernels branch past a block mask's full
@@ -938,36 +959,17 @@ def kernel_hide(
   state hide set to 0; as is without either. A block mask's full tiles
   run no mask code (a branch on the tile's state). (score_mod and a bias
   are `backward_unsupported`.)"""
-  fs = spec.flex
 
   def hide(p):
-    mask = None
-    if fs.mask_mod is not None:
-      fn = fs.mask_mod
-      tile = _tile(
-        refs, "mask", fn, False, False, ops, p.shape, q_axis, q0, kv0,
-        batch, head,
-      )  # fmt: skip
-      mask = evaluate(fn, tile)
-    mask = _with_state(
-      spec, refs, ops, mask, p.shape, q0, kv0, batch, head, q_axis
-    )
+    mask = _mask(spec, refs, ops, p.shape, q0, kv0, batch, head, q_axis)
     return p if mask is None else jnp.where(mask, p, 0.0)
 
   # The branch measured without spills in the fused d64 backward (1.13 ->
   # 1.00 of the plain one per visited block); the fused d96 (16/16 B) and
   # the d128 pair (4/4 B at 8 heads) spilled with it: they mask every tile.
-  if (
-    fs.block is None
-    or fs.mask_mod is None
-    or getattr(spec, "unaligned_rows", False)
-    or max(spec.head_dim, spec.head_dim_v) > BACKWARD_SKIP_MAX_HEAD_DIM
-  ):
+  if not _skips_full_tiles(spec, BACKWARD_SKIP_MAX_HEAD_DIM):
     return hide(p)
-  from pallas_fa3 import flex  # (flex does not import the kernels)
-
-  state = _block_state(spec, refs, q0, kv0, batch, head)
-  return lax.cond(state == flex.FULL, lambda p: p, hide, p)
+  return _unless_full(spec, refs, q0, kv0, batch, head, hide, p)
 
 
 # Largest head dim whose backward kernels take flex options beside segment
