@@ -2,7 +2,8 @@
 `flash_attention(mask_mod=, score_mod=)` and `create_block_mask`: causal
 (bottom-right and top-left), sliding windows, document masks from segment
 ids, prefix-LM, chunked attention (Llama 4's, FA3's `attention_chunk`),
-softcap, ALiBi (FA2's convention) and a relative-position bias table, and
+softcap, ALiBi (FA2's convention), relative-position bias tables (clipped,
+and T5's log buckets), and
 `and_masks` / `or_masks` to combine masks. Each is a plain JAX function of
 scalars (the factories return one): docs/flex.md#ready-made-functions.
 
@@ -217,3 +218,43 @@ def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
     return score + table[h, d].astype(score.dtype)
 
   return relative
+
+
+def t5_relative_position_bias(
+  table: Any, *, bidirectional: bool = True, max_distance: int = 128
+) -> ScoreMod:
+  """T5's bucketed relative-position bias: `score + table[head,
+  bucket(kv_idx - q_idx)]`, table `[heads_q, num_buckets]`
+  (differentiable). Of the buckets (per direction when `bidirectional`,
+  the later keys' half after the earlier's), the first half holds exact
+  distances and the rest distances growing logarithmically up to
+  `max_distance`, the last bucket everything past it (T5 /
+  mesh-tensorflow's `relative_position_bucket`). Without `bidirectional`
+  later keys share bucket 0 (a decoder's are masked anyway)."""
+  table = jnp.asarray(table)
+  if table.ndim != 2 or table.shape[1] < (4 if bidirectional else 2):
+    raise ValueError(
+      "t5_relative_position_bias: table must be [heads_q, num_buckets] with"
+      f" num_buckets >= {4 if bidirectional else 2}; got shape"
+      f" {tuple(table.shape)}"
+    )
+  buckets = table.shape[1] // 2 if bidirectional else table.shape[1]
+  exact = buckets // 2
+  md = check_int("max_distance", max_distance, minimum=exact + 1)
+  ratio = float((buckets - exact) / np.log(md / exact))
+
+  def t5(score, b, h, q_idx, kv_idx):
+    del b
+    rel = kv_idx - q_idx
+    first = jnp.int32(0)
+    if bidirectional:
+      first = jnp.where(rel > 0, buckets, 0)
+      distance = jnp.abs(rel)
+    else:
+      distance = jnp.maximum(-rel, 0)
+    far = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact)
+    large = jnp.minimum(exact + (far * ratio).astype(jnp.int32), buckets - 1)
+    bucket = first + jnp.where(distance < exact, distance, large)
+    return score + table[h, bucket].astype(score.dtype)
+
+  return t5

@@ -39,6 +39,7 @@ _IDS = jnp.asarray(
   np.repeat(np.arange(4), [40, 70, 50, 32])[None].repeat(B, 0), jnp.int32
 )
 _QIDS = _IDS[:, SKV - SQ :]
+_DILATED = jnp.asarray(np.arange(SQ + SKV) % 3 == 0)
 
 # name -> (params, options(params)); every one at sq != skv.
 CASES = {
@@ -65,6 +66,28 @@ CASES = {
   "relative_bias": (
     0.5 * jax.random.normal(jax.random.key(7), (HQ, 2 * 16 + 1)),
     lambda p: dict(score_mod=mods.relative_position_bias(p, 16)),
+  ),
+  # T5's log buckets (causal: the decoder's one direction), a table per
+  # batch read at a clipped relative position, and a mask_mod reading a
+  # table at one (dilated keys beside causal): the forward kernel's
+  # skewed relative-position operands.
+  "t5_bias": (
+    0.5 * jax.random.normal(jax.random.key(16), (HQ, 16)),
+    lambda p: dict(
+      score_mod=mods.t5_relative_position_bias(
+        p, bidirectional=False, max_distance=64
+      ),
+      causal=True,
+    ),
+  ),
+  "relative_tables": (
+    0.3 * jax.random.normal(jax.random.key(17), (B, HQ, 40)),
+    lambda p: dict(
+      score_mod=lambda s, b, h, qi, ki: (
+        s + p[b, h, jnp.clip(qi - ki, -20, 19) + 20]
+      ),
+      mask_mod=lambda b, h, qi, ki: _DILATED[ki - qi + SQ] | (ki <= qi),
+    ),
   ),
   "bias": (
     0.5 * jax.random.normal(jax.random.key(8), (1, HQ, SQ, SKV)),
@@ -191,6 +214,7 @@ def test_float32_against_golden(case):
 # same document mask and a softcap score_mod (without a block mask: the
 # same tile functions, less the tile's state, `flex_tile._with_state`).
 # Each runs in the kernels: the fallback's warning is an error.
+RELATIVE_CASES = ("relative_bias", "t5_bias", "relative_tables")
 _KERNEL_QUICK = {
   "user_closure",
   "bias_batch",
@@ -198,7 +222,7 @@ _KERNEL_QUICK = {
 }
 KERNEL_CASES = [
   c if c in _KERNEL_QUICK else pytest.param(c, marks=pytest.mark.slow)
-  for c in sorted(set(CASES) - {"relative_bias"})
+  for c in sorted(set(CASES) - set(RELATIVE_CASES))
 ]
 
 
@@ -206,6 +230,22 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_interpret_kernel_against_golden(case):
   _check("interpret", case, d=64)
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    c if c == "relative_tables" else pytest.param(c, marks=pytest.mark.slow)
+    for c in RELATIVE_CASES
+  ],
+)
+def test_interpret_relative_position_tables(case):
+  """Tables read at a function of `kv_idx - q_idx` (issue 66, item 7): the
+  forward kernel loads them (an explicit implementation raises where it
+  cannot); their gradients and the rest of the backward are the blockwise
+  twin's, said by a warning."""
+  with pytest.warns(UserWarning, match="relative position"):
+    _check("interpret", case, d=64)
 
 
 @pytest.mark.slow
@@ -399,7 +439,8 @@ def test_interpret_backward_with_block_masks(state_edit):
 
 def test_kernels_refuse_a_gather_and_automatic_choice_falls_back():
   q, k, v, _ = _inputs(d=64)
-  rel = mods.relative_position_bias(jnp.zeros((HQ, 33)), 16)
+  table = jnp.zeros((HQ, 33))
+  rel = lambda s, b, h, qi, ki: s + table[h, (qi * ki) % 33]
   with pytest.raises(NotImplementedError, match="score_mod reads a captured"):
     pallas_fa3.flash_attention(
       q, k, v, score_mod=rel, implementation="interpret"
@@ -526,6 +567,7 @@ def test_flex_lowers_to_the_mosaic_gpu_kernel_for_cuda():
   for kw in (
     dict(score_mod=mods.alibi(mods.alibi_slopes(4)), mask_mod=_DOC4(ids)),
     dict(bias=jnp.zeros((1, 4, 256, 256), jnp.bfloat16), block_mask=bm),
+    dict(score_mod=mods.t5_relative_position_bias(jnp.zeros((4, 32)))),
   ):
     f = jax.jit(
       lambda q, k, v, kw=kw: pallas_fa3.flash_attention(
@@ -627,6 +669,36 @@ def test_interpret_fused_and_deterministic_flex_backward(deterministic):
   )
   for name, g, n, ref in zip(NAMES, (out,) + pull(do), naive, golden):
     assert_within_tolerance(f"{name} deterministic={deterministic}", g, n, ref)
+
+
+def test_t5_buckets_follow_the_published_formula():
+  """T5's buckets (32, max distance 128), worked by hand from
+  mesh-tensorflow's formula: exact below half a direction's buckets, then
+  `exact + int(log(d / exact) / log(128 / exact) * (buckets - exact))`,
+  capped; the later keys' direction after the earlier's."""
+  table = jnp.arange(32, dtype=jnp.float32)[None]
+  cases = {
+    True: {0: 0, -3: 3, 3: 19, -8: 8, -16: 10, -127: 15, -1000: 15, 1000: 31},
+    False: {5: 0, 0: 0, -5: 5, -16: 16, -32: 21, -200: 31},
+  }
+  for bidirectional, want in cases.items():
+    fn = mods.t5_relative_position_bias(table, bidirectional=bidirectional)
+    for rel, bucket in want.items():
+      got = fn(jnp.float32(0), 0, 0, jnp.int32(0), jnp.int32(rel))
+      assert int(got) == bucket, (bidirectional, rel, int(got), bucket)
+  with pytest.raises(ValueError, match="num_buckets"):
+    mods.t5_relative_position_bias(jnp.zeros((4,)))
+
+
+def test_explain_says_where_a_relative_table_runs():
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  text = pallas_fa3.explain(
+    q, q, q, implementation="mosaic",
+    score_mod=mods.t5_relative_position_bias(jnp.zeros((4, 32))),
+  )  # fmt: skip
+  assert "forward: the sm90 forward kernel" in text
+  assert "#0 at kv_idx - q_idx" in text
+  assert "backward: the blockwise twin" in text and "relative position" in text
 
 
 def test_score_mod_softcap_equals_builtin_softcap():

@@ -236,10 +236,22 @@ class Sm90Backend(Backend):
       if fn is None:
         continue
       score = name == "score_mod"
+      decode = isinstance(spec, DecodeSpec)
       try:
-        reads = flex_tile.plan(fn, score, *seqs)
-        where = "; ".join(_describe_read(r) for r in reads) or "no array"
-        how = f"elementwise on the tile's registers, reads {where}"
+        reads = flex_tile.plan(fn, score, *seqs, relative=not decode)
+        rels = () if decode else flex_tile.relative_reads(fn, score, *seqs)
+        where = "; ".join(
+          [_describe_read(r) for r in reads]
+          + [
+            f"#{r.const} at kv_idx - q_idx (a tile of its precomputed"
+            " relative-position operand; the backward kernels do not take"
+            " it)"
+            for r in rels
+          ]
+        )
+        how = (
+          f"elementwise on the tile's registers, reads {where or 'no array'}"
+        )
       except flex_tile.Refused as e:
         how = f"not in the kernels ({e})"
       lines.append(f"  {name} {fn!r}: {how}; {describe_arrays(fn, score)}")

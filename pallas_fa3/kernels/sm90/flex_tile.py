@@ -70,6 +70,10 @@ class Kind:
   # A SCALAR that is a shard's first batch ("b") or head ("h") index (a
   # `flex.UserFunction.shifted`'s offsets): `b + it` is the global `b`.
   offset_of: str | None = None
+  # A TILE that is a function of `kv_idx - q_idx` alone (and of the batch
+  # and head indices named here): a relative position, or a table read at
+  # one (`RelRead`).
+  rel: frozenset | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,20 @@ class Read:
 
   const: int
   axes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class RelRead:
+  """A read of captured array `const` at an index that is a function of
+  `kv_idx - q_idx` (a relative-position table: T5's buckets,
+  `table[h, kv_idx - q_idx + c]`): its value depends on the batch / head
+  indices in `deps` and the relative position alone. The kernel reads it
+  as a tile of a skewed operand (`relative_operand`); `eqn` is the jaxpr
+  equation that reads it (evaluated outside the kernel)."""
+
+  const: int
+  deps: frozenset
+  eqn: Any = dataclasses.field(compare=False, hash=False)
 
 
 @dataclasses.dataclass
@@ -96,6 +114,7 @@ class Tile:
   batch: Any
   head: Any
   refs: tuple
+  rel_refs: tuple = ()  # the `RelRead`s' skewed operands, in walk order
 
 
 class _Val:
@@ -124,6 +143,8 @@ class _Walk:
     self.tile = tile
     self.seq_q, self.seq_kv = seqs
     self.reads: list[Read] = []
+    self.rels: list[RelRead] = []
+    self.eqn = None  # the equation being applied (`RelRead.eqn`)
     # const index -> "b" / "h": a shifted function's shard offsets
     self.offsets = offsets or {}
 
@@ -173,6 +194,7 @@ class _Walk:
 
   def apply(self, eqn: Any, ins: list[_Val]) -> list[_Val]:
     name = eqn.primitive.name
+    self.eqn = eqn
     dtype = eqn.outvars[0].aval.dtype if eqn.outvars else None
     sub = next((eqn.params[k] for k in _CALLS if k in eqn.params), None)
     if sub is not None:  # jit, custom_jvp / custom_vjp: their body
@@ -230,7 +252,9 @@ class _Walk:
       if a.kind.base and b.kind.base and a.kind.base != b.kind.base:
         return self.difference(a, b)
     kind = _join([v.kind.kind for v in ins])
-    base = self.affine(name, ins, dtype)
+    base = self.affine(name, ins, dtype) or Kind(
+      kind, rel=_relative(name, ins, kind)
+    )
     if kind == LIT or self.tile is None:
       value = None
       if kind == LIT:
@@ -238,9 +262,9 @@ class _Walk:
           value = np.asarray(
             prim.bind(*(jnp.asarray(v.value) for v in ins), **params)
           )
-      return _Val(base or Kind(kind), value, dtype)
+      return _Val(base, value, dtype)
     out = prim.bind(*(self.lift(v, kind) for v in ins), **params)
-    return _Val(base or Kind(kind), out, dtype)
+    return _Val(base, out, dtype)
 
   def fold(self, name: str, ins: list[_Val], dtype: Any) -> _Val | None:
     """jnp indexing's wrap of negative indices, `select_n(i < 0, i, i +
@@ -306,7 +330,7 @@ class _Walk:
     out = lax.broadcast_in_dim(shifted, t.shape, [axis_a]) - (
       lax.broadcast_in_dim(lb, t.shape, [axis_b])
     )
-    return _Val(Kind(TILE), out, jnp.int32)
+    return _Val(Kind(TILE, rel=frozenset()), out, jnp.int32)
 
   def affine(self, name: str, ins: list[_Val], dtype: Any) -> Kind | None:
     """The Kind of `index + c` kept exact (None: not such an index)."""
@@ -333,6 +357,8 @@ class _Walk:
   def load(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
     """`array[index]` (a dynamic_slice of size 1 in every axis)."""
     aval = self.consts[array.kind.const]
+    if any(i.kind.rel is not None for i in index):
+      return self.load_relative(array, index, dtype)
     axes, vector = [], None
     for axis, i in enumerate(index):
       k = i.kind
@@ -382,6 +408,71 @@ class _Walk:
       along = t.q_axis if q_rows else 1 - t.q_axis
       x = t.ops.load_global(ref.at[tuple(at)], as_rows=along == 0)
     return _Val(kind, x.astype(aval.dtype), dtype)
+
+  def load_relative(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
+    """`array[index]` with one index a function of `kv_idx - q_idx` (the
+    others scalars): a `RelRead`, in the kernel one tile of its skewed
+    operand (`relative_operand`: row i, column `kv0 - q0 + M/2 + j` holds
+    the value at relative position `kv0 + j - q0 - i`)."""
+    deps = set()
+    for i in index:
+      k = i.kind
+      if k.rel is not None:
+        deps |= k.rel
+      elif k.kind in (LIT, SCALAR):
+        deps |= {k.scalar_of} if k.scalar_of else ({"b", "h"} if k.kind == SCALAR else set())  # fmt: skip
+      else:
+        self.refuse(
+          "reads a captured array at a relative position (`kv_idx -"
+          " q_idx`) and a query or key index together (a gather the"
+          " kernels cannot load)"
+        )
+    if array.kind.const in self.offsets:
+      self.refuse("reads a shard's offsets at a relative position")
+    number = len(self.rels)
+    self.rels.append(RelRead(array.kind.const, frozenset(deps), self.eqn))
+    kind = Kind(TILE, rel=frozenset(deps))
+    if self.tile is None:
+      return _Val(kind, None, dtype)
+    t = self.tile
+    if t.q_axis != 0:
+      raise NotImplementedError(
+        "relative-position reads in a tile with keys as rows"
+      )
+    ref = t.rel_refs[number]
+    at = (
+      t.batch if ref.shape[0] > 1 else 0,
+      t.head if ref.shape[1] > 1 else 0,
+    )
+    start = t.kv0 - t.q0 + ref.shape[3] // 2
+    x = t.ops.load_global_tile(
+      ref.at[at + (pl.ds(0, t.shape[0]), pl.ds(start, t.shape[1]))]
+    )
+    return _Val(kind, x.astype(self.consts[array.kind.const].dtype), dtype)
+
+
+def _relative(name: str, ins: list[_Val], kind: int) -> frozenset | None:
+  """`Kind.rel` of an elementwise result of `kind`: the batch / head
+  indices it depends on beside `kv_idx - q_idx`, or None where it depends
+  on a position otherwise (or is no TILE)."""
+  if kind != TILE:
+    return None
+  if name == "sub" and len(ins) == 2:
+    a, b = ins[0].kind, ins[1].kind
+    if a.base and b.base and a.base != b.base:  # (q + c) - (kv + c')
+      return frozenset()
+  deps = set()
+  for v in ins:
+    k = v.kind
+    if k.kind == LIT:
+      continue
+    if k.kind == SCALAR:
+      deps |= {k.scalar_of} if k.scalar_of else {"b", "h"}
+    elif k.kind == TILE and k.rel is not None:
+      deps |= k.rel
+    else:
+      return None
+  return frozenset(deps)
 
 
 def _vector(ops: Any, x: jax.Array, axis: int) -> jax.Array:
@@ -446,6 +537,69 @@ def _captured(converted: Any, avals: tuple, score: bool, grad: Any) -> tuple:
   return closed.jaxpr, tuple(closed.consts)
 
 
+def relative_operands(
+  fn: Any, score: bool, consts: tuple, rels: tuple[RelRead, ...],
+  batch: int, heads: int, rows: int, q_pad: int, kv_pad: int,
+) -> list[jax.Array]:  # fmt: skip
+  """Per `RelRead` of `fn` (`relative_reads`; `consts` the call's
+  `fn.consts`) its skewed operand `[batch|1, heads|1, rows, M]`, 32-bit:
+  row i, column m holds the read's value at relative position `kv_idx -
+  q_idx = m - i - M/2`, so a kernel tile of `rows` queries from `q0` and
+  keys from `kv0` is the slice starting at column `kv0 - q0 + M/2` (M/2 a
+  multiple of 128 covering both padded sequences). The values come from
+  the function's own equations, evaluated outside the kernel at every
+  relative position (and batch / head the read depends on)."""
+  jaxpr, left = captured(fn, score, False)
+  half = cdiv(max(q_pad, kv_pad), 128) * 128
+  m = 2 * half
+  # R[k]: the value at relative position k - (half + rows - 1)
+  deltas = jnp.arange(m + rows - 1, dtype=jnp.int32) - (half + rows - 1)
+  wanted = {id(r.eqn): n for n, r in enumerate(rels)}
+  s0 = (jnp.zeros((), jnp.float32),) if score else ()
+
+  def values(b, h, d):
+    out = {}
+    args = (*s0, b, h, jnp.int32(0), d, *consts)
+    _values_at(jaxpr, left, args, wanted, out)
+    return tuple(out[n] for n in range(len(rels)))
+
+  nb = batch if any("b" in r.deps for r in rels) else 1
+  nh = heads if any("h" in r.deps for r in rels) else 1
+  grid = jax.vmap(jax.vmap(jax.vmap(values, (None, None, 0)), (None, 0, None)), (0, None, None))  # fmt: skip
+  ar = lambda n: jnp.arange(n, dtype=jnp.int32)
+  every = grid(ar(nb), ar(nh), deltas)  # each [nb, nh, m + rows - 1]
+  skew = ar(m)[None, :] - ar(rows)[:, None] + (rows - 1)  # [rows, m]
+  out = []
+  for r, v in zip(rels, every):
+    v = v.reshape(v.shape[:3])  # (a dynamic_slice's one element)
+    v = v[: nb if "b" in r.deps else 1, : nh if "h" in r.deps else 1]
+    wide = jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating) else jnp.int32
+    out.append(v.astype(wide)[:, :, skew])
+  return out
+
+
+def _values_at(jaxpr: Any, consts: Any, args: Any, wanted: dict,
+               out: dict) -> list:  # fmt: skip
+  """`jaxpr` on `args` (its constants `consts`) with jax.numpy semantics,
+  the first result of each equation whose id is a key of `wanted` stored
+  in `out` under its value (inner jaxprs walked as `_Walk.run` does)."""
+  env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  read = lambda a: a.val if isinstance(a, jex_core.Literal) else env[a]
+  for eqn in jaxpr.eqns:
+    ins = [read(a) for a in eqn.invars]
+    sub = next((eqn.params[k] for k in _CALLS if k in eqn.params), None)
+    if sub is not None:
+      outs = _values_at(getattr(sub, "jaxpr", sub), (), ins, wanted, out)
+    else:
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    if id(eqn) in wanted:
+      out[wanted[id(eqn)]] = outs[0]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(a) for a in jaxpr.outvars]
+
+
 def _n_tangents(fn: Any, grad: Any) -> int:
   """The tangent arrays between `fn.consts` and the jaxpr's constants."""
   return len(float_positions(fn)) if grad == "params" else 0
@@ -474,15 +628,37 @@ def _walk(fn: Any, score: bool, tile: Tile | None, seqs, s=None, grad=False):
 
 
 def plan(
-  fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any = False
+  fn: Any,
+  score: bool,
+  seq_q: int,
+  seq_kv: int,
+  grad: Any = False,
+  relative: bool = False,
 ) -> tuple[Read, ...]:
   """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
-  tile; raises `Refused` naming what cannot be compiled. Walked once per
-  function and sizes (every check and kernel of a call asks again)."""
-  reads, refused = _plan(fn, score, seq_q, seq_kv, grad)
+  tile; raises `Refused` naming what cannot be compiled, including a read
+  at a relative position (`relative_reads`) unless `relative` (the
+  forward kernel's tiles take them). Walked once per function and sizes
+  (every check and kernel of a call asks again)."""
+  reads, rels, refused = _plan(fn, score, seq_q, seq_kv, grad)
   if refused is not None:
     raise Refused(refused)
+  if rels and not relative:
+    raise Refused(
+      f"{fn.name} reads a captured array at a relative position (a"
+      " function of kv_idx - q_idx: a relative-position table), which only"
+      " the forward kernel's tiles load"
+    )
   return reads
+
+
+def relative_reads(
+  fn: Any, score: bool, seq_q: int, seq_kv: int
+) -> tuple[RelRead, ...]:
+  """`fn`'s reads at a relative position (`RelRead`), in walk order: the
+  forward kernel's skewed operands (`relative_operand`); () where `plan`
+  refuses."""
+  return _plan(fn, score, seq_q, seq_kv, False)[1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -490,8 +666,8 @@ def _plan(fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any) -> tuple:
   try:
     walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
   except Refused as e:
-    return (), str(e)
-  return tuple(walk.reads), None
+    return (), (), str(e)
+  return tuple(walk.reads), tuple(walk.rels), None
 
 
 def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
@@ -619,8 +795,12 @@ def pad_consts(consts: tuple, reads: tuple[Read, ...], q_pad: int,
 # The forward kernel's side: what it refuses, its operands, one tile.
 
 
-def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
-  """Why the Hopper forward kernel cannot compile `spec.flex`, or None."""
+def kernel_unsupported(
+  spec: Any, block_q: int, block_kv: int, relative: bool = True
+) -> str | None:
+  """Why the Hopper forward kernel cannot compile `spec.flex`, or None
+  (`relative=False`: a read at a relative position refused, as the
+  backward kernels do)."""
   fs = spec.flex
   if fs.block is not None:
     if fs.dense or fs.mask_mod is None:
@@ -639,7 +819,7 @@ def kernel_unsupported(spec: Any, block_q: int, block_kv: int) -> str | None:
   for fn, score in ((fs.score_mod, True), (fs.mask_mod, False)):
     if fn is not None:
       try:
-        plan(fn, score, spec.seq_q, spec.seq_kv)
+        plan(fn, score, spec.seq_q, spec.seq_kv, relative=relative)
       except Refused as e:
         return str(e)
   return None
@@ -686,7 +866,10 @@ def _tile(
   ... (`kernel_operands`: the call's lifted consts, then the captured)."""
   n = len(fn.consts) + _n_tangents(fn, grad) + len(captured(fn, score, grad)[1])
   arrays = tuple(refs[f"{prefix}{i}"] for i in range(n))
-  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays)
+  rel = []  # `relative_operands`' (the forward's)
+  while f"{prefix}rel{len(rel)}" in refs:
+    rel.append(refs[f"{prefix}rel{len(rel)}"])
+  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(rel))
 
 
 def natural_units(spec: Any, t: jax.Array) -> jax.Array:
@@ -708,6 +891,7 @@ def kernel_operands(
   block_q: int | None = None,
   positions: tuple[jax.Array, jax.Array] | None = None,
   grad: bool = False,
+  tile_rows: int | None = None,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
@@ -721,8 +905,10 @@ def kernel_operands(
   `[batch]` each) the span of non-empty `block_kv`-key tiles of their
   block-mask rows (`bm_dspans`, `[2, batch, heads_q]`: the decode
   kernel's);
-  with a bias, `bias` padded to the padded sequences. `grad`: the
-  backward's score_mod operands (its jvp's arrays)."""
+  with a bias, `bias` padded to the padded sequences; per read at a
+  relative position its skewed operand for tiles of `tile_rows` query
+  rows (`{prefix}rel{k}`, `relative_operands`). `grad`: the backward's
+  score_mod operands (its jvp's arrays)."""
   out = {}
   if ops.bias is not None:  # whole tiles: padded to the padded sequences
     b = ops.bias
@@ -732,13 +918,23 @@ def kernel_operands(
   for prefix, fn, score in _functions(spec):
     consts = ops.score_consts if score else ops.mask_consts
     g = grad if score else False  # the backward's: the jvp's arrays
-    reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g)
+    reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g, relative=not g)
     tans = ()  # the params jaxpr's tangents: ones
     if g == "params":
       tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
     arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
+    rels = () if g else relative_reads(fn, score, spec.seq_q, spec.seq_kv)
+    if rels:
+      if tile_rows is None:
+        raise ValueError(f"{fn.name}: relative reads need tile_rows")
+      skewed = relative_operands(
+        fn, score, tuple(consts), rels, spec.batch, spec.heads_q,
+        tile_rows, q_pad, kv_pad,
+      )  # fmt: skip
+      for k, c in enumerate(skewed):
+        out[f"{prefix}rel{k}"] = c
   bm = ops.block_mask
   if bm is not None:
     from pallas_fa3 import flex  # (flex does not import the kernels)
@@ -1023,7 +1219,7 @@ def backward_unsupported(
           " shared-tile dK/dV kernel (two consumers, dkdv_head_splits=2:"
           " their gradients)"
         )
-  return kernel_unsupported(spec, block_q, block_kv)
+  return kernel_unsupported(spec, block_q, block_kv, relative=False)
 
 
 def kernel_score_grad(

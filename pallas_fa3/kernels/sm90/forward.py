@@ -498,6 +498,7 @@ def sm90_forward(
       kv_pad=plan.seq_kv_pad,
       rows_per_cta=tile_q,
       block_kv=config.block_kv,
+      tile_rows=config.block_q,
     )
   out, lse = _build(plan, ops, interpret, q.shape[1], tuple(extra))(
     q,

@@ -264,7 +264,8 @@ def flex_cases(seq: int, heads: int) -> dict:
   """name -> flash_attention keywords: each ready-made function of
   `pallas_fa3.mods` the kernels compile, a user closure, a dense bias and a
   block mask, at `seq` x `seq` with `heads` query heads (the --flex sweep;
-  `relative_position_bias` gathers by a computed index: refused)."""
+  T5's relative-position table: the forward only, the backward kernels
+  refuse it)."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -282,6 +283,9 @@ def flex_cases(seq: int, heads: int) -> dict:
     "chunked": dict(mask_mod=mods.chunked(1024)),
     "softcap": dict(score_mod=mods.softcap(30.0), causal=True),
     "alibi": dict(score_mod=mods.alibi(slopes), causal=True),
+    "t5_bias": dict(
+      score_mod=mods.t5_relative_position_bias(jnp.zeros((heads, 32)))
+    ),
     "closure": dict(
       score_mod=lambda s, b, h, qi, ki: s * (1 + slopes[h]),
       mask_mod=lambda b, h, qi, ki: ids[b, qi] >= ids[b, ki],
