@@ -494,6 +494,14 @@ def add_generate_parser(sub, formatter_class) -> None:
     help="recompute the whole sequence for every token (the check)",
   )
   p.add_argument(
+    "--slots",
+    type=int,
+    metavar="N",
+    help="serve the prompts as a continuous batch of N cache rows: a freed"
+    " row's next prompt is prefilled beside the others' decode steps, one"
+    " ragged kvcache call per layer and step (unset: one batch)",
+  )
+  p.add_argument(
     "--dtype",
     default=d["dtype"],
     choices=("float32", "bfloat16"),
@@ -524,6 +532,11 @@ def run_generate(args) -> int:
     args.parser.error(
       f"--max-new-tokens must be >= 1; got {args.max_new_tokens}"
     )
+  if args.slots is not None and (args.slots < 1 or args.no_cache):
+    args.parser.error(
+      f"--slots must be >= 1 and needs the KV cache; got {args.slots}"
+      + (" with --no-cache" if args.no_cache else "")
+    )
   try:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
   except ValueError as e:
@@ -542,6 +555,7 @@ def run_generate(args) -> int:
       max_new_tokens=args.max_new_tokens,
       sampling=sampling,
       use_cache=not args.no_cache,
+      slots=args.slots,
     )
   except (FileNotFoundError, NotImplementedError, ValueError) as e:
     return _error(args, str(e))
@@ -550,6 +564,8 @@ def run_generate(args) -> int:
       print(f"=== prompt {i}: {text!r} ===")
     print(bytes(tokens).decode("utf-8", errors="replace"))
   mode = "recomputed (--no-cache)" if args.no_cache else "KV cache"
+  if args.slots is not None:
+    mode += f", a continuous batch of {args.slots} rows"
   print(
     f"step {info['step']} of {info['checkpoint']}; {len(prompts)} prompt(s),"
     f" {args.dtype}, {mode}\n"

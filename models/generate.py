@@ -1,6 +1,8 @@
 """Text generation with the GPT of `models.gpt`: `generate` continues a batch
 of prompts with a prefill, then cached decode steps (or, with
-`use_cache=False`, by recomputing the whole sequence for every token), and
+`use_cache=False`, by recomputing the whole sequence for every token; or,
+with `slots=`, as a continuous batch: a prompt's prefill beside the other
+sequences' decode steps, one ragged kvcache call per layer and step), and
 returns a `Generation`.
 More: docs/generation.md#the-two-paths
 
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -35,6 +38,10 @@ from models.sampling import Sampling, sample
 # one compilation per bucket instead of one per length, at most this many
 # tokens of padding computed per step.
 NO_CACHE_BUCKET = 64
+# A continuous batch's packed step is padded to a multiple of this many
+# tokens, and its longest chunk bound (`max_seqlen_q`) to a power of two:
+# a few compilations, not one per mix of chunks.
+STEP_BUCKET = 16
 GREEDY = Sampling()
 
 
@@ -146,6 +153,7 @@ def generate(
   max_new_tokens: int,
   sampling: Sampling = GREEDY,
   use_cache: bool = True,
+  slots: int | None = None,
 ) -> Generation:
   """Continues each prompt by `max_new_tokens` tokens.
 
@@ -159,9 +167,18 @@ def generate(
       top-p sampling with a seed (`models.sampling.Sampling`).
     use_cache: decode with the KV caches; False recomputes the whole
       sequence for every token.
+    slots: None (every prompt in one batch), or serve the prompts as a
+      continuous batch of this many cache rows: each step packs, per
+      row, a newly admitted prompt whole (its prefill) or its sequence's
+      last token (a decode step), one ragged `flash_attention_with_kvcache`
+      call per layer (`cu_seqlens_q`); a finished sequence's row takes the
+      next waiting prompt at the next step, beside the others' decoding.
+      Each sequence's tokens are those of generating it alone (token i
+      drawn with `fold_in(key(seed), i)`, as in every path).
 
   Returns:
-    A `Generation`: the continuations and the timings.
+    A `Generation`: the continuations and the timings (with `slots`,
+    `prefill_s` counts the steps that admitted a prompt).
   """
   cfg = model.cfg
   prompts = check_prompts(
@@ -169,6 +186,12 @@ def generate(
   )
   if not isinstance(sampling, Sampling):
     raise TypeError(f"sampling must be a Sampling; got {sampling!r}")
+  if slots is not None:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+      raise ValueError(f"slots must be None or an int >= 1; got {slots!r}")
+    if not use_cache:
+      raise ValueError("slots (a continuous batch) needs use_cache=True")
+    return _generate_continuous(model, prompts, max_new_tokens, sampling, slots)
   run = _generate_cached if use_cache else _generate_uncached
   return run(model, prompts, max_new_tokens, sampling)
 
@@ -200,6 +223,28 @@ def _cached_programs(graphdef: Any, sampling: Sampling):
     _Compiled(prefill, donate_argnums=1),
     _Compiled(step, donate_argnums=1),
   )
+
+
+@functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
+def _continuous_program(graphdef: Any, sampling: Sampling):
+  """A continuous batch's step (donates the caches): empties the rows in
+  `restart`, runs the packed tokens (`cu_seqlens`; `bound`'s length the
+  static longest chunk), and samples each row's next token at its chunk's
+  last row with its own token index `counts`."""
+
+  def step(params, cache, rest, tokens, cu, restart, counts, bound):
+    m = nnx.merge(graphdef, params, cache, rest)
+    m.restart(restart)
+    logits = m(tokens, decode=True, cu_seqlens=cu, max_seqlen_q=bound.shape[0])[
+      0
+    ]
+    rows = logits[jnp.maximum(cu[1:] - 1, 0)]  # [slots, vocab]
+    base = jax.random.key(sampling.seed)
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(counts)
+    one = lambda row, key: sample(row[None], key, sampling)[0]
+    return jax.vmap(one)(rows, keys), nnx.state(m, nnx.Cache)
+
+  return _Compiled(step, donate_argnums=1)
 
 
 @functools.lru_cache(maxsize=_PROGRAM_CACHE_SIZE)
@@ -270,4 +315,58 @@ def _generate_uncached(model, prompts, max_new_tokens, sampling) -> Generation:
     prefill_s=times[0],
     decode_s=sum(times[1:]),
     compile_s=forward.seconds - compiled,
+  )
+
+
+def _generate_continuous(
+  model, prompts, max_new_tokens, sampling, slots
+) -> Generation:
+  rows = min(slots, len(prompts))
+  model = nnx.clone(model)
+  model.init_cache(rows, max(len(p) for p in prompts) + max_new_tokens)
+  graphdef, params, cache, rest = nnx.split(model, nnx.Param, nnx.Cache, ...)
+  step = _continuous_program(graphdef, sampling)
+  compiled = step.seconds
+  waiting = collections.deque(range(len(prompts)))
+  owner: list[int | None] = [None] * rows  # the prompt each row serves
+  out: list[list[int]] = [[] for _ in prompts]
+  seconds = {True: 0.0, False: 0.0}  # steps with / without a prefill
+  while waiting or any(o is not None for o in owner):
+    restart = np.zeros(rows, bool)
+    chunks = []
+    for r in range(rows):
+      if owner[r] is None and waiting:  # a free row takes the next prompt
+        owner[r], restart[r] = waiting.popleft(), True
+        chunks.append(prompts[owner[r]])
+      elif owner[r] is not None:  # its last token, one decode step
+        chunks.append(out[owner[r]][-1:])
+      else:
+        chunks.append([])
+    sizes = [len(c) for c in chunks]
+    cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    width = -(-int(cu[-1]) // STEP_BUCKET) * STEP_BUCKET
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : cu[-1]] = np.concatenate([c for c in chunks if c])
+    bound = 1 << (max(sizes) - 1).bit_length()
+    counts = np.array([len(out[o]) if o is not None else 0 for o in owner])
+    start, before = time.perf_counter(), step.seconds
+    new, cache = step(
+      params, cache, rest, jnp.asarray(tokens), jnp.asarray(cu),
+      jnp.asarray(restart), jnp.asarray(counts, jnp.int32),
+      jnp.zeros((bound,), jnp.int8),
+    )  # fmt: skip
+    new = np.asarray(new)  # (the host picks the next step's chunks)
+    took = time.perf_counter() - start - (step.seconds - before)
+    seconds[bool(restart.any())] += took
+    for r, o in enumerate(owner):
+      if o is not None:
+        out[o].append(int(new[r]))
+        if len(out[o]) == max_new_tokens:
+          owner[r] = None
+  return Generation(
+    tokens=out,
+    prompt_tokens=sum(len(p) for p in prompts),
+    prefill_s=seconds[True],
+    decode_s=seconds[False],
+    compile_s=step.seconds - compiled,
   )

@@ -30,6 +30,7 @@ import pallas_fa3
 from models.gpt_config import GPTConfig as GPTConfig
 from pallas_fa3 import varlen
 from pallas_fa3.flax import FlashMultiHeadAttention, rope
+from pallas_fa3.flax.decode import packed_positions
 from pallas_fa3.segments import segment_positions
 
 # GPT-2 initialization: weights ~ N(0, 0.02^2); the projections that write
@@ -125,7 +126,9 @@ class Block(nnx.Module):
     decode: dict[str, Any] | None = None,
   ) -> jax.Array:
     h = self.norm_attn(x)
-    if decode is not None:  # the attention's cache: prefill or a step
+    if decode is not None and "cu_seqlens" in decode:  # a packed batch
+      x = x + self.attn(h[0], decode=True, **decode)[None]
+    elif decode is not None:  # the attention's cache: prefill or a step
       x = x + self.attn(h, decode=True, **decode)
     elif segment_ids is None:  # the unpacked call, exactly as before packing
       x = x + self.attn(h)
@@ -196,6 +199,8 @@ class GPT(nnx.Module):
     decode: bool = False,
     prefill: bool = False,
     chunk_lengths: jax.Array | None = None,
+    cu_seqlens: jax.Array | None = None,
+    max_seqlen_q: int | None = None,
   ) -> jax.Array:
     """Next-token logits.
 
@@ -216,6 +221,13 @@ class GPT(nnx.Module):
       prefill: with `decode`: the chunk starts every sequence afresh.
       chunk_lengths: with `decode`: int32 `[batch]`, the tokens of a
         right-padded ragged chunk each sequence keeps.
+      cu_seqlens: with `decode`: int32 `[cache batch + 1]`: `tokens` is one
+        packed row `[1, total]`, cache sequence i's new tokens at
+        `cu_seqlens[i]:cu_seqlens[i+1]` (0 allowed): a continuous batch
+        (prompts' prefill beside other sequences' decode steps) through
+        the ragged kvcache call (`models.generate(..., slots=)`).
+      max_seqlen_q: with `cu_seqlens`: a static bound on any sequence's
+        new tokens.
 
     Returns:
       float32 logits `[batch, seq, vocab_size]`; position i sees tokens <= i
@@ -236,9 +248,16 @@ class GPT(nnx.Module):
           "decode=True takes no segment_ids or positions: positions come"
           " from the cached lengths"
         )
-      positions = self._decode_positions(seq, prefill)
-    elif prefill or chunk_lengths is not None:
-      raise ValueError("prefill and chunk_lengths need decode=True")
+      if cu_seqlens is not None:
+        if tokens.shape[0] != 1 or prefill or chunk_lengths is not None:
+          raise ValueError(
+            "cu_seqlens takes one packed row of tokens [1, total] (got"
+            f" {tuple(tokens.shape)}) and no prefill or chunk_lengths"
+          )
+        decoding = dict(cu_seqlens=cu_seqlens, max_seqlen_q=max_seqlen_q)
+      positions = self._decode_positions(seq, prefill, cu_seqlens)
+    elif prefill or chunk_lengths is not None or cu_seqlens is not None:
+      raise ValueError("prefill, chunk_lengths and cu_seqlens need decode=True")
     else:
       segment_ids, positions = _packing_inputs(
         tokens, segment_ids, positions, cfg.max_seq_len
@@ -271,7 +290,9 @@ class GPT(nnx.Module):
       logits = self.unembed(x)
     return logits.astype(jnp.float32)
 
-  def _decode_positions(self, seq: int, prefill: bool) -> jax.Array | None:
+  def _decode_positions(
+    self, seq: int, prefill: bool, cu_seqlens: Any = None
+  ) -> jax.Array | None:
     """The learned table's positions of a decode chunk (RoPE models: None,
     the attention layers take theirs from the cache)."""
     if self.cfg.position != "learned":
@@ -279,8 +300,20 @@ class GPT(nnx.Module):
     lengths = self.blocks[0].attn.cache_lengths
     if lengths is None:
       raise ValueError("decode=True needs the KV caches: call init_cache")
+    if cu_seqlens is not None:  # one packed row
+      return packed_positions(cu_seqlens, lengths[...], seq)[None]
     start = jnp.zeros_like(lengths[...]) if prefill else lengths[...]
     return start[:, None] + jnp.arange(seq, dtype=jnp.int32)
+
+  def restart(self, sequences: jax.Array) -> None:
+    """Empties the caches of the sequences where bool `[batch]`
+    `sequences` is set (their rows take a new prompt: a continuous
+    batch's slot)."""
+    for block in self.blocks:
+      lengths = block.attn.cache_lengths
+      if lengths is None:
+        raise ValueError("restart needs the KV caches: call init_cache")
+      lengths[...] = jnp.where(sequences, 0, lengths[...])
 
 
 def _varlen_attention(

@@ -83,6 +83,53 @@ def test_decode_calls_give_the_full_forward_logits(name, rng):
     )
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_continuous_batch_gives_each_prompt_its_own_tokens(name):
+  """`slots=2` serves 4 prompts of different lengths as a continuous batch
+  (a freed row's prompt prefilled beside the other row's decoding): each
+  sequence's tokens equal generating it alone, greedy and sampled."""
+  model = _model(MODELS[name])
+  prompts = PROMPTS + [b"class A:\n  pass"]
+  for sampling in (Sampling(), Sampling(temperature=1.0, top_k=50, seed=3)):
+    served = generate(
+      model, prompts, max_new_tokens=5, sampling=sampling, slots=2
+    )
+    alone = [
+      generate(model, [p], max_new_tokens=5, sampling=sampling).tokens[0]
+      for p in prompts
+    ]
+    assert served.tokens == alone
+  assert served.prompt_tokens == sum(map(len, prompts))
+  assert served.prefill_s > 0 and served.decode_s > 0
+  with pytest.raises(ValueError, match="slots"):
+    generate(model, prompts, max_new_tokens=2, slots=0)
+
+
+def test_packed_decode_calls_give_the_full_forward_logits(rng):
+  """A continuous batch's packed calls (`cu_seqlens`, rows 0 and 1 of 3, the
+  last empty): sequence 0 prefills 5 tokens beside sequence 1's 3, then 2
+  and 1 more: the forward pass's logits per sequence."""
+  model = _model(MODELS["learned-variants"], seed=1)
+  tokens = jnp.asarray(rng.integers(0, 256, (2, 12)), jnp.int32)
+  want = nnx.jit(lambda m, t: m(t))(model, tokens)
+  model.init_cache(3, 16)
+  step = nnx.jit(
+    lambda m, t, cu: m(t, decode=True, cu_seqlens=cu, max_seqlen_q=8)
+  )
+  first = step(model, jnp.concatenate([tokens[0, :5], tokens[1, :3]])[None],
+               jnp.array([0, 5, 8, 8]))  # fmt: skip
+  second = step(model, jnp.concatenate([tokens[0, 5:7], tokens[1, 3:4]])[None],
+                jnp.array([0, 2, 3, 3]))  # fmt: skip
+  got0 = jnp.concatenate([first[0, :5], second[0, :2]])
+  got1 = jnp.concatenate([first[0, 5:8], second[0, 2:3]])
+  for b, got in enumerate((got0, got1)):
+    n = got.shape[0]
+    assert_within_tolerance(f"logits {b}", got, want[b, :n], want[b, :n])
+  assert model.blocks[0].attn.cache_lengths[...].tolist() == [7, 4, 0]
+  with pytest.raises(ValueError, match="cu_seqlens"):
+    model(tokens, decode=True, cu_seqlens=jnp.array([0, 5, 8, 8]))
+
+
 def test_sampling_is_seeded():
   model = _model(MODELS["rope-gqa"])
   run = lambda s: generate(model, PROMPTS[:2], max_new_tokens=5, sampling=s)
@@ -175,6 +222,9 @@ def test_cli_generate_cached_and_uncached_print_the_same_text(run_dir, capsys):
   assert cli.main([*argv, "--no-cache"]) == 0
   uncached = capsys.readouterr()
   assert cached.out == uncached.out
+  assert cli.main([*argv, "--slots", "1"]) == 0  # one row: one at a time
+  served = capsys.readouterr()
+  assert served.out == cached.out and "continuous batch of 1" in served.err
   assert cached.out.startswith("=== prompt 0: 'def f(' ===\n")
   assert cached.out.count("=== prompt") == 2
   for err in (cached.err, uncached.err):
@@ -188,6 +238,7 @@ def test_cli_generate_cached_and_uncached_print_the_same_text(run_dir, capsys):
     (["--top-p", "2"], 2, "--top-p"),
     (["--max-new-tokens", "0"], 2, "--max-new-tokens"),
     (["--top-k", "3"], 2, "temperature > 0"),
+    (["--slots", "2", "--no-cache"], 2, "--slots"),
   ],
 )
 def test_cli_generate_usage_errors(run_dir, extra, code, match, capsys):

@@ -47,7 +47,9 @@ def _check(shape, dtype, key, deterministic=False, **options):
 
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no fallback to the blockwise twin
-    got = jax.jit(fwd_bwd)(q, k, v)
+    # Done before XLA compiles the golden: the CI's XLA CPU compiler
+    # segfaulted compiling it while the interpreted kernels still ran.
+    got = jax.block_until_ready(jax.jit(fwd_bwd)(q, k, v))
   golden, naive = golden_and_naive(q, k, v, dout, sinks=sinks, **options)
   for name, g, n, gold in zip(
     ("out", "lse", "dq", "dk", "dv"), got, naive, golden

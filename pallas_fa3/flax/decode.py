@@ -5,7 +5,9 @@ state: the KV cache (`DecodeState`: K and V per kv head after RoPE, and each
 sequence's length), the checks of a call, and what a prefill
 (`flash_attention` from position 0) or a decode step (a chunk appended at
 each sequence's length and attended by `flash_attention_with_kvcache`;
-ragged with `chunk_lengths`) does with it:
+ragged with `chunk_lengths`, or packed `[total, features]` with
+`cu_seqlens`: a continuous batch, through the ragged kvcache call) does
+with it:
 docs/flax.md#decoding-with-the-native-layers.
 """
 
@@ -61,6 +63,7 @@ def check_call_options(
   segment_ids: Any,
   prefill: Any,
   chunk_lengths: Any,
+  cu_seqlens: Any = None,
 ) -> bool:
   """Checks a layer call's options against its mode; returns `prefill`.
 
@@ -70,10 +73,16 @@ def check_call_options(
   """
   if not isinstance(prefill, bool):
     raise TypeError(f"prefill must be a bool; got {prefill!r}")
+  if cu_seqlens is not None and (prefill or chunk_lengths is not None):
+    raise ValueError(
+      "cu_seqlens (packed chunks appended per sequence) takes no prefill or"
+      " chunk_lengths: each sequence's chunk is its cu_seqlens range"
+    )
   if not decode:
     for name, given in (
       ("prefill", prefill),
       ("chunk_lengths", chunk_lengths is not None),
+      ("cu_seqlens", cu_seqlens is not None),
     ):
       if given:
         raise ValueError(
@@ -160,6 +169,88 @@ def _check_room(lengths: jax.Array, chunk: int, max_length: int) -> None:
       f" more overflows the cache of max_length {max_length} (init_cache"
       " with a longer input_shape)"
     )
+
+
+def packed_positions(cu_seqlens: jax.Array, lengths: jax.Array,
+                     total: int) -> jax.Array:  # fmt: skip
+  """Each packed token's position in its sequence: sequence i's tokens
+  (rows `cu_seqlens[i]:cu_seqlens[i+1]`) continue from its cached length
+  `lengths[i]`; int32 `[total]` (rows past `cu_seqlens[-1]`: the last
+  sequence's positions continued, never attended)."""
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  rows = jnp.arange(total, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu, rows, side="right").astype(jnp.int32) - 1
+  seq = jnp.clip(seq, 0, lengths.shape[0] - 1)
+  return lengths[seq] + rows - cu[seq]
+
+
+def packed_attend(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  state: DecodeState,
+  *,
+  cu_seqlens: Any,
+  max_seqlen_q: int | None,
+  causal: bool,
+  rope: bool,
+  rope_base: float,
+  implementation: str | None,
+  decode_config: Any,
+  window_size: Any,
+  softcap: float | None,
+  sinks: jax.Array | None,
+) -> tuple[jax.Array, DecodeState]:
+  """A continuous batch's decode call: `query [total, heads_q, head_dim]`
+  (`key`/`value` `[total, heads_kv, head_dim]`), sequence i's new tokens
+  the rows `cu_seqlens[i]:cu_seqlens[i+1]` (0 allowed), appended to cache
+  row i at its length and attended causally by the ragged
+  `flash_attention_with_kvcache(..., cu_seqlens_q=, cu_seqlens_k_new=)`:
+  a prefill chunk and single decode tokens in one call. Returns `(output
+  [total, heads_q, head_dim], the updated cache)`."""
+  if state.lengths.ndim != 1:
+    raise ValueError(
+      "cu_seqlens needs a cache with one batch axis ([batch, max_length,"
+      f" features] at init_cache); its lengths have shape"
+      f" {tuple(state.lengths.shape)}"
+    )
+  if query.ndim != 3:
+    raise ValueError(
+      "with cu_seqlens the inputs are packed [total, features] (no batch"
+      f" axis); the projected query has shape {tuple(query.shape)}"
+    )
+  if not causal:
+    raise ValueError("cu_seqlens (appended chunks) needs a causal layer")
+  n = state.lengths.shape[0]
+  if tuple(jnp.shape(cu_seqlens)) != (n + 1,):
+    raise ValueError(
+      f"cu_seqlens must be int32 [batch + 1] = ({n + 1},) for the cache's"
+      f" {n} sequences; got shape {tuple(jnp.shape(cu_seqlens))}"
+    )
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  if rope:
+    positions = packed_positions(cu, state.lengths, query.shape[0])
+    query = rope_lib.apply_rope(query, positions, rope_base)
+    key = rope_lib.apply_rope(key, positions, rope_base)
+  out, k_cache, v_cache = flash_attention_with_kvcache(
+    query,
+    state.key,
+    state.value,
+    key,
+    value,
+    cache_seqlens=state.lengths,
+    cu_seqlens_q=cu,
+    max_seqlen_q=max_seqlen_q,
+    cu_seqlens_k_new=cu,
+    causal=True,
+    window_size=window_size,
+    softcap=softcap,
+    sinks=sinks,
+    implementation=implementation,
+    config=decode_config,
+  )
+  lengths = state.lengths + (cu[1:] - cu[:-1])
+  return out, DecodeState(k_cache, v_cache, lengths)
 
 
 def decode_attend(

@@ -205,6 +205,8 @@ class FlashMultiHeadAttention(nnx.Module):
     decode: bool | None = None,
     prefill: bool = False,
     chunk_lengths: jax.Array | None = None,
+    cu_seqlens: jax.Array | None = None,
+    max_seqlen_q: int | None = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -237,6 +239,14 @@ class FlashMultiHeadAttention(nnx.Module):
       chunk_lengths: decode mode: int32 `[batch...]`, the tokens of the
         chunk each sequence keeps (right-padded ragged chunks; default:
         all).
+      cu_seqlens: decode mode: int32 `[batch + 1]` (a cache with one batch
+        axis): `inputs_q` is packed `[total, features]`, sequence i's new
+        tokens the rows `cu_seqlens[i]:cu_seqlens[i+1]` (0 allowed),
+        appended at its length: a continuous batch (a prompt's prefill
+        beside other sequences' decode tokens) in one ragged
+        `flash_attention_with_kvcache` call.
+      max_seqlen_q: with `cu_seqlens`: a static bound on any sequence's new
+        tokens (the ragged call's; default the whole packed length).
 
     Returns:
       `[batch..., seq_q, out_features]`.
@@ -254,6 +264,7 @@ class FlashMultiHeadAttention(nnx.Module):
       segment_ids=segment_ids,
       prefill=prefill,
       chunk_lengths=chunk_lengths,
+      cu_seqlens=cu_seqlens,
     )
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
       inputs_q, inputs_k, inputs_v
@@ -271,7 +282,10 @@ class FlashMultiHeadAttention(nnx.Module):
         )
     sinks = None if self.sinks is None else self.sinks[...]
     if decode:
-      return self.out(self._decode(inputs_q, prefill, chunk_lengths, sinks))
+      packed = None if cu_seqlens is None else (cu_seqlens, max_seqlen_q)
+      return self.out(
+        self._decode(inputs_q, prefill, chunk_lengths, sinks, packed)
+      )
     x = attend.attend(
       self.query(inputs_q),
       self.key(inputs_k),
@@ -295,8 +309,10 @@ class FlashMultiHeadAttention(nnx.Module):
     prefill: bool,
     chunk_lengths: Any,
     sinks: jax.Array | None,
+    packed: tuple | None = None,
   ) -> jax.Array:
-    """A decode call's attention output, updating the cache."""
+    """A decode call's attention output, updating the cache (`packed`:
+    `(cu_seqlens, max_seqlen_q)` of a continuous batch)."""
     if self.cached_key is None:
       raise ValueError(
         "decode mode needs a KV cache: call init_cache(input_shape, dtype)"
@@ -305,23 +321,30 @@ class FlashMultiHeadAttention(nnx.Module):
     state = decode_lib.DecodeState(
       self.cached_key[...], self.cached_value[...], self.cache_lengths[...]
     )
-    x, state = decode_lib.decode_attend(
-      self.query(inputs),
-      self.key(inputs),
-      self.value(inputs),
-      state,
-      prefill=prefill,
-      chunk_lengths=chunk_lengths,
+    common = dict(
       causal=self.causal,
       rope=self.rope,
       rope_base=self.rope_base,
       implementation=self.implementation,
-      config=self.config,
       decode_config=self.decode_config,
       window_size=self.window_size,
       softcap=self.softcap,
       sinks=sinks,
     )
+    qkv = (self.query(inputs), self.key(inputs), self.value(inputs))
+    if packed is not None:
+      x, state = decode_lib.packed_attend(
+        *qkv, state, cu_seqlens=packed[0], max_seqlen_q=packed[1], **common
+      )
+    else:
+      x, state = decode_lib.decode_attend(
+        *qkv,
+        state,
+        prefill=prefill,
+        chunk_lengths=chunk_lengths,
+        config=self.config,
+        **common,
+      )
     self.cached_key[...] = state.key
     self.cached_value[...] = state.value
     self.cache_lengths[...] = state.lengths
