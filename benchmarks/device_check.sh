@@ -31,6 +31,11 @@
 #              at batch 64 x 8k and 1 x 128k, batch_invariant=True at both,
 #              a flex decode (ALiBi + documents, page 64): ours, GB/s and %
 #              of the HBM peak (the e4m3 MLA row is decode_mla's fp8 one)
+#   varlen     `bench --mode varlen`: 16 long-tailed sequences, 64k tokens,
+#              flash_attention_varlen beside segment ids, padded, jax.nn
+#   ragged_decode  benchmarks/ragged_decode.py: one ragged kvcache call
+#              (2 prefill chunks, 12 decode tokens, 2 speculative runs of 4)
+#              against a call per sequence, ms per step
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
@@ -85,8 +90,11 @@ if [ "$QUICK" = 1 ]; then
   # bench_fwd (30 -> 25).
   # The decode_modes step's 15 s came from gpu_tests (35 -> 30), bench_fwd
   # (25 -> 20) and bench_bwd (25 -> 20).
-  T_SMOKE=45; T_CAUSAL=15; T_TESTS=30; T_FP8T=0; T_FWD=20; T_BWD=20; T_FP8=20
-  T_GRID=0; T_DEC=25; T_MLA=15; T_MODES=15; T_HEAD=10
+  # The varlen and ragged steps' 10 s each came from smoke (45 -> 40),
+  # gpu_tests (30 -> 25), bench_fwd (20 -> 15) and bench_bwd (20 -> 15).
+  T_SMOKE=40; T_CAUSAL=15; T_TESTS=25; T_FP8T=0; T_FWD=15; T_BWD=15; T_FP8=20
+  T_GRID=0; T_DEC=25; T_MLA=15; T_MODES=15; T_HEAD=10; T_VARLEN=10
+  T_RAGGED=10
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
@@ -97,8 +105,12 @@ else
   # its e4m3 cache's 10 s from bench_fwd (60 -> 55) and bench_bwd (50 -> 45).
   # The decode_modes step's 30 s came from gpu_tests (80 -> 70), fp8_tests
   # (45 -> 40), bench_fwd (55 -> 50), bench_bwd (45 -> 40), grid (20 -> 15).
-  T_SMOKE=70; T_CAUSAL=35; T_TESTS=70; T_FP8T=40; T_FWD=50; T_BWD=40; T_FP8=30
-  T_GRID=15; T_DEC=40; T_MLA=30; T_MODES=30; T_HEAD=10
+  # The varlen step's 20 s and the ragged step's 10 s came from smoke
+  # (70 -> 65), gpu_tests (70 -> 65), bench_fwd (50 -> 40), bench_bwd
+  # (40 -> 35) and grid (15 -> 10).
+  T_SMOKE=65; T_CAUSAL=35; T_TESTS=65; T_FP8T=40; T_FWD=40; T_BWD=35; T_FP8=30
+  T_GRID=10; T_DEC=40; T_MLA=30; T_MODES=30; T_HEAD=10; T_VARLEN=20
+  T_RAGGED=10
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 16384
@@ -118,6 +130,13 @@ DECODE_MLA=("$PY" -m pallas_fa3.tools.cli bench --mode decode --mla --grid gpu
 DECODE_MODES=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu
               --tags decode-modes --dtype bf16 --runs 10 --warmup 2
               --no-progress --no-plots --impl mosaic)
+# Issue 68: 16 long-tailed sequences through flash_attention_varlen beside
+# segment ids, the padded call and jax.nn (64k tokens at d128), and one
+# ragged kvcache call (prefill chunks beside decode tokens) against a call
+# per sequence.
+VARLEN=("$PY" -m pallas_fa3.tools.cli bench --mode varlen --runs 10 --warmup 2
+        --no-progress --no-plots)
+RAGGED=("$PY" benchmarks/ragged_decode.py --reps 10)
 
 if [ "$GPU" = 1 ]; then
   # Every smoke item at once, each in its own process and killed (recorded
@@ -138,6 +157,8 @@ if [ "$GPU" = 1 ]; then
     --time-budget $(( T_MLA - 12 )) --out "$OUT/decode_mla"
   run_step decode_modes "$T_MODES" "${DECODE_MODES[@]}" \
     --time-budget $(( T_MODES - 12 )) --out "$OUT/decode_modes"
+  run_step varlen "$T_VARLEN" "${VARLEN[@]}" --out "$OUT/varlen"
+  run_step ragged_decode "$T_RAGGED" "${RAGGED[@]}" --impl mosaic
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
   [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
@@ -160,6 +181,8 @@ else
     --out "$OUT/decode_mla"
   run_step decode_modes 120 "${DECODE_MODES[@]}" --time-budget 0 \
     --out "$OUT/decode_modes"
+  run_step varlen 120 "${VARLEN[@]}" --runs 1 --warmup 0 --out "$OUT/varlen"
+  run_step ragged_decode 120 "${RAGGED[@]}" --reps 1 --impl blockwise
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
   run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \

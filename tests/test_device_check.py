@@ -65,6 +65,8 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "decode",
     "decode_mla",
     "decode_modes",
+    "varlen",
+    "ragged_decode",
     "fp8_speed",
     "grid",
     "headline",
@@ -87,6 +89,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "bench_bwd/results.json",
     "decode/results.json",
     "decode_modes/results.json",
+    "varlen/varlen.json",
     "fp8/fp8.json",
     "grid/grid.json",
   ):
@@ -100,3 +103,6 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
   names = {r["spec"] for r in modes["records"]}
   for part in ("-q4-", "-q8-", "-q16-", "-invariant", "-alibi_doc"):
     assert any(part in n for n in names), (part, names)
+  # issue 68's rows: the varlen table and the ragged call's timing
+  assert "ours varlen" in (tmp_path / "varlen/varlen.md").read_text()
+  assert "ragged call" in (tmp_path / "ragged_decode.txt").read_text()
