@@ -36,6 +36,9 @@ import numpy as np
 import pytest
 from slow_cases import SLOW_CASES
 
+# A test whose xdist worker crashes runs once more (tests/crash_rerun.py).
+pytest_plugins = ["crash_rerun"]
+
 import pallas_fa3
 from pallas_fa3 import backends
 from pallas_fa3.spec import make_spec

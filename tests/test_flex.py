@@ -89,6 +89,24 @@ CASES = {
       mask_mod=lambda b, h, qi, ki: _DILATED[ki - qi + SQ] | (ki <= qi),
     ),
   ),
+  # Arrays read at an index computed from one position (not `+ c`): a
+  # mask_mod comparing ids at 3 q_idx // 2 with the key's, and a learnable
+  # table at q_idx % 7 and at 5 kv_idx % 7 (per-position operands).
+  "gathered_mask": (
+    (),
+    lambda p: dict(
+      mask_mod=lambda b, h, qi, ki: _IDS[b, (qi * 3) // 2 % SKV] >= _IDS[b, ki]
+    ),
+  ),
+  "gathered_table": (
+    0.3 * jax.random.normal(jax.random.key(18), (HQ, 7)),
+    lambda p: dict(
+      score_mod=lambda s, b, h, qi, ki: (
+        s + p[h, qi % 7] - 0.5 * p[h, (ki * 5) % 7]
+      ),
+      causal=True,
+    ),
+  ),
   "bias": (
     0.5 * jax.random.normal(jax.random.key(8), (1, HQ, SQ, SKV)),
     lambda p: dict(bias=p),
@@ -214,8 +232,13 @@ def test_float32_against_golden(case):
 # same document mask and a softcap score_mod (without a block mask: the
 # same tile functions, less the tile's state, `flex_tile._with_state`).
 # Each runs in the kernels: the fallback's warning is an error.
-RELATIVE_CASES = ("relative_bias", "t5_bias", "relative_tables")
+# Learnable arrays read at a computed index, or any at kv_idx - q_idx: the
+# forward kernel's, the backward the blockwise twin's (said).
+RELATIVE_CASES = (
+  "relative_bias", "t5_bias", "relative_tables", "gathered_table",
+)  # fmt: skip
 _KERNEL_QUICK = {
+  "gathered_mask",
   "user_closure",
   "bias_batch",
   "positional_closure",
@@ -240,11 +263,12 @@ def test_interpret_kernel_against_golden(case):
   ],
 )
 def test_interpret_relative_position_tables(case):
-  """Tables read at a function of `kv_idx - q_idx` (issue 66, item 7): the
-  forward kernel loads them (an explicit implementation raises where it
-  cannot); their gradients and the rest of the backward are the blockwise
-  twin's, said by a warning."""
-  with pytest.warns(UserWarning, match="relative position"):
+  """Tables read at a function of `kv_idx - q_idx` (issue 66, item 7), and
+  learnable ones at a computed position: the forward kernel loads them
+  (an explicit implementation raises where it cannot); their gradients
+  and the rest of the backward are the blockwise twin's, said by a
+  warning."""
+  with pytest.warns(UserWarning, match="relative position|computed index"):
     _check("interpret", case, d=64)
 
 

@@ -229,7 +229,9 @@ def test_decode_producer_skips_a_block_masks_empty_tiles():
 def test_what_the_kernel_refuses_names_the_reason_and_falls_back():
   q, _, caches, kw = _inputs(2, False)
   idx = jnp.asarray(np.arange(CAP)[::-1].copy(), jnp.int32)
-  gather = lambda b, h, qi, ki: idx[idx[ki]] >= 0  # a computed index
+  # an index computed from both positions (a function of one, or of
+  # kv_idx - q_idx, compiles: `flex_tile.DerivedRead`)
+  gather = lambda b, h, qi, ki: idx[(qi * ki) % CAP] >= 0
   with pytest.raises(NotImplementedError, match="mask_mod"):
     pallas_fa3.flash_attention_with_kvcache(
       q, *caches, **kw, mask_mod=gather, implementation="interpret"

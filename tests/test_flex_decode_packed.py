@@ -1,10 +1,12 @@
-"""Flex decode on the GQA-packed rows (issue 67 item 2): where the user's
-functions read no captured array at a head or query index (a softcap
-score_mod, window or causal mask_mods), the decode kernel runs them on the
-group's packed rows (`UserFunction.packed`: head `kv_head * g + row % g`,
-query `row // g`), one CTA per KV head; ALiBi's slopes[head], a document
-mask's ids[q_idx] and block masks keep one query head per CTA.
-docs/flex.md#decoding"""
+"""Flex decode on the GQA-packed rows (issue 67 item 2): the decode kernel
+runs the user's functions on the group's packed rows
+(`UserFunction.packed`: head `kv_head * g + row % g`, query `row // g`),
+one CTA per KV head: a softcap score_mod, window or causal mask_mods, and
+arrays read at the packed row's head or query (ALiBi's slopes[head], a
+document mask's ids[q_idx]: per-row operands built outside the kernel,
+`flex_tile.DerivedRead`); block masks keep one query head per CTA.
+(`tests/test_flex_decode_kernel.py`'s ALiBi and document cases, GQA 4,
+run packed.) docs/flex.md#decoding"""
 
 from __future__ import annotations
 
@@ -47,10 +49,11 @@ def _flex_spec(hq, hk, score_mod=None, mask_mod=None):
     (dict(score_mod=mods.softcap(20.0)), True),
     (dict(mask_mod=mods.sliding_window(40)), True),
     (dict(mask_mod=lambda b, h, q, k: q >= k), True),
-    (dict(score_mod=mods.alibi(mods.alibi_slopes(8))), False),
-    (dict(mask_mod=mods.document_mask(_IDS)), False),
+    (dict(score_mod=mods.alibi(mods.alibi_slopes(8))), True),
+    (dict(mask_mod=mods.document_mask(_IDS)), True),
+    (dict(mask_mod=lambda b, h, q, k: _IDS[b, q * k % 256] > 0), False),
   ],
-  ids=["softcap", "window", "causal", "alibi", "documents"],
+  ids=["softcap", "window", "causal", "alibi", "documents", "gather"],
 )
 def test_which_functions_pack(fns, packs):
   spec = _flex_spec(8, 2, **fns)

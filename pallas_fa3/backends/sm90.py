@@ -239,15 +239,16 @@ class Sm90Backend(Backend):
       decode = isinstance(spec, DecodeSpec)
       try:
         reads = flex_tile.plan(fn, score, *seqs, relative=not decode)
-        rels = () if decode else flex_tile.relative_reads(fn, score, *seqs)
+        derived = flex_tile.derived_reads(fn, score, *seqs)
+        at = {
+          "rel": "kv_idx - q_idx (a tile of its relative-position operand;"
+          " the backward kernels do not take it)",
+          "q": "a function of q_idx (a vector of its per-query operand)",
+          "kv": "a function of kv_idx (a vector of its per-key operand)",
+        }
         where = "; ".join(
           [_describe_read(r) for r in reads]
-          + [
-            f"#{r.const} at kv_idx - q_idx (a tile of its precomputed"
-            " relative-position operand; the backward kernels do not take"
-            " it)"
-            for r in rels
-          ]
+          + [f"#{r.const} at {at[r.over]}" for r in derived]
         )
         how = (
           f"elementwise on the tile's registers, reads {where or 'no array'}"

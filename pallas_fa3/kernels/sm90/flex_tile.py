@@ -70,10 +70,13 @@ class Kind:
   # A SCALAR that is a shard's first batch ("b") or head ("h") index (a
   # `flex.UserFunction.shifted`'s offsets): `b + it` is the global `b`.
   offset_of: str | None = None
-  # A TILE that is a function of `kv_idx - q_idx` alone (and of the batch
-  # and head indices named here): a relative position, or a table read at
-  # one (`RelRead`).
-  rel: frozenset | None = None
+  # The batch / head indices ("b", "h") the value depends on beside its
+  # kind's position (q_idx for a QVEC, kv_idx for a KVEC, kv_idx - q_idx for
+  # a `rel` TILE); None: not known (`_deps`).
+  deps: frozenset | None = None
+  # A TILE that is a function of `kv_idx - q_idx` (and `deps`) alone: a
+  # relative position, or a table read at one (`DerivedRead`).
+  rel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +90,18 @@ class Read:
 
 
 @dataclasses.dataclass(frozen=True)
-class RelRead:
-  """A read of captured array `const` at an index that is a function of
-  `kv_idx - q_idx` (a relative-position table: T5's buckets,
-  `table[h, kv_idx - q_idx + c]`): its value depends on the batch / head
-  indices in `deps` and the relative position alone. The kernel reads it
-  as a tile of a skewed operand (`relative_operand`); `eqn` is the jaxpr
-  equation that reads it (evaluated outside the kernel)."""
+class DerivedRead:
+  """A read of captured array `const` at an index computed from one
+  position by anything but `+ c` (`over` "q": `ids[b, q_idx // 2]`, a
+  GQA-packed decode row's `slopes[h * g + q_idx % g]`; "kv"), or from
+  `kv_idx - q_idx` (`over` "rel": a relative-position table, T5's
+  buckets): its value depends on that position and the batch / head
+  indices in `deps` alone. The kernel reads it from an operand built
+  outside (`derived_operands`: a vector per position, or a skewed tile
+  operand for "rel"); `eqn` is the jaxpr equation that reads it."""
 
   const: int
+  over: str
   deps: frozenset
   eqn: Any = dataclasses.field(compare=False, hash=False)
 
@@ -114,7 +120,7 @@ class Tile:
   batch: Any
   head: Any
   refs: tuple
-  rel_refs: tuple = ()  # the `RelRead`s' skewed operands, in walk order
+  derived: tuple = ()  # the `DerivedRead`s' operands, in walk order
 
 
 class _Val:
@@ -143,8 +149,8 @@ class _Walk:
     self.tile = tile
     self.seq_q, self.seq_kv = seqs
     self.reads: list[Read] = []
-    self.rels: list[RelRead] = []
-    self.eqn = None  # the equation being applied (`RelRead.eqn`)
+    self.derived: list[DerivedRead] = []
+    self.eqn = None  # the equation being applied (`DerivedRead.eqn`)
     # const index -> "b" / "h": a shifted function's shard offsets
     self.offsets = offsets or {}
 
@@ -252,9 +258,7 @@ class _Walk:
       if a.kind.base and b.kind.base and a.kind.base != b.kind.base:
         return self.difference(a, b)
     kind = _join([v.kind.kind for v in ins])
-    base = self.affine(name, ins, dtype) or Kind(
-      kind, rel=_relative(name, ins, kind)
-    )
+    base = self.affine(name, ins, dtype) or _derived_kind(name, ins, kind)
     if kind == LIT or self.tile is None:
       value = None
       if kind == LIT:
@@ -299,10 +303,13 @@ class _Walk:
       shift = jnp.asarray(start + x.kind.offset, jnp.int32)
       local, axis = self._local(x.kind.base)
       if k in (LIT, SCALAR):  # a vector along x's axis: local op y - shift
+        deps = _union(x.kind, y.kind)
         y = jnp.asarray(y.value, jnp.int32) - shift
         rhs = _vector(t.ops, lax.broadcast_in_dim(y, local.shape, ()), axis)
         return _Val(
-          Kind(x.kind.kind), _FLIP_PRIMS[op].bind(local, rhs), jnp.bool_
+          Kind(x.kind.kind, deps=deps),
+          _FLIP_PRIMS[op].bind(local, rhs),
+          jnp.bool_,
         )
       sv = _Val(Kind(SCALAR), shift, jnp.int32)
       rhs = lax.sub(self.lift(y, k).astype(jnp.int32), self.lift(sv, k))
@@ -330,7 +337,7 @@ class _Walk:
     out = lax.broadcast_in_dim(shifted, t.shape, [axis_a]) - (
       lax.broadcast_in_dim(lb, t.shape, [axis_b])
     )
-    return _Val(Kind(TILE, rel=frozenset()), out, jnp.int32)
+    return _Val(Kind(TILE, deps=frozenset(), rel=True), out, jnp.int32)
 
   def affine(self, name: str, ins: list[_Val], dtype: Any) -> Kind | None:
     """The Kind of `index + c` kept exact (None: not such an index)."""
@@ -357,8 +364,11 @@ class _Walk:
   def load(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
     """`array[index]` (a dynamic_slice of size 1 in every axis)."""
     aval = self.consts[array.kind.const]
-    if any(i.kind.rel is not None for i in index):
-      return self.load_relative(array, index, dtype)
+    if any(
+      i.kind.rel or (i.kind.kind in (QVEC, KVEC) and i.kind.base is None)
+      for i in index
+    ):
+      return self.load_derived(array, index, dtype)
     axes, vector = [], None
     for axis, i in enumerate(index):
       k = i.kind
@@ -382,9 +392,10 @@ class _Walk:
     offset = self.offsets.get(array.kind.const)
     if offset is None:
       self.reads.append(Read(array.kind.const, tuple(axes)))
-    kind = Kind(SCALAR, offset_of=offset)
+    deps = _union(*(i.kind for i in index if i.kind.kind in (LIT, SCALAR)))
+    kind = Kind(SCALAR, offset_of=offset, deps=deps)
     if vector is not None:
-      kind = Kind(vector[1].kind)
+      kind = Kind(vector[1].kind, deps=deps)
     if self.tile is None:
       return _Val(kind, None, dtype)
     t = self.tile
@@ -409,70 +420,97 @@ class _Walk:
       x = t.ops.load_global(ref.at[tuple(at)], as_rows=along == 0)
     return _Val(kind, x.astype(aval.dtype), dtype)
 
-  def load_relative(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
-    """`array[index]` with one index a function of `kv_idx - q_idx` (the
-    others scalars): a `RelRead`, in the kernel one tile of its skewed
-    operand (`relative_operand`: row i, column `kv0 - q0 + M/2 + j` holds
-    the value at relative position `kv0 + j - q0 - i`)."""
-    deps = set()
+  def load_derived(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
+    """`array[index]` with one index computed from one position (or from
+    `kv_idx - q_idx`) by anything but `+ c`, the others scalars: a
+    `DerivedRead`, in the kernel a vector (or for "rel" a tile) of its
+    operand (`derived_operands`)."""
+    over, deps = None, set()
     for i in index:
       k = i.kind
-      if k.rel is not None:
-        deps |= k.rel
-      elif k.kind in (LIT, SCALAR):
-        deps |= {k.scalar_of} if k.scalar_of else ({"b", "h"} if k.kind == SCALAR else set())  # fmt: skip
-      else:
+      here = "rel" if k.rel else {QVEC: "q", KVEC: "kv"}.get(k.kind)
+      if k.kind in (LIT, SCALAR):
+        pass
+      elif here is None or over is not None:
         self.refuse(
-          "reads a captured array at a relative position (`kv_idx -"
-          " q_idx`) and a query or key index together (a gather the"
+          "reads a captured array at an index computed from q_idx and"
+          " kv_idx together other than by kv_idx - q_idx (a gather the"
           " kernels cannot load)"
         )
+      else:
+        over = here
+      d = _deps(k)
+      deps |= {"b", "h"} if d is None else d
     if array.kind.const in self.offsets:
-      self.refuse("reads a shard's offsets at a relative position")
-    number = len(self.rels)
-    self.rels.append(RelRead(array.kind.const, frozenset(deps), self.eqn))
-    kind = Kind(TILE, rel=frozenset(deps))
+      self.refuse("reads a shard's offsets at a computed index")
+    number = len(self.derived)
+    self.derived.append(
+      DerivedRead(array.kind.const, over, frozenset(deps), self.eqn)
+    )
+    if over == "rel":
+      kind = Kind(TILE, deps=frozenset(deps), rel=True)
+    else:
+      kind = Kind(QVEC if over == "q" else KVEC, deps=frozenset(deps))
     if self.tile is None:
       return _Val(kind, None, dtype)
     t = self.tile
-    if t.q_axis != 0:
-      raise NotImplementedError(
-        "relative-position reads in a tile with keys as rows"
-      )
-    ref = t.rel_refs[number]
+    ref = t.derived[number]
     at = (
       t.batch if ref.shape[0] > 1 else 0,
       t.head if ref.shape[1] > 1 else 0,
     )
-    start = t.kv0 - t.q0 + ref.shape[3] // 2
-    x = t.ops.load_global_tile(
-      ref.at[at + (pl.ds(0, t.shape[0]), pl.ds(start, t.shape[1]))]
-    )
+    if over == "rel":
+      if t.q_axis != 0:
+        raise NotImplementedError(
+          "relative-position reads in a tile with keys as rows"
+        )
+      start = t.kv0 - t.q0 + ref.shape[3] // 2
+      x = t.ops.load_global_tile(
+        ref.at[at + (pl.ds(0, t.shape[0]), pl.ds(start, t.shape[1]))]
+      )
+    else:
+      along = t.q_axis if over == "q" else 1 - t.q_axis
+      start = t.q0 if over == "q" else t.kv0
+      x = t.ops.load_global(
+        ref.at[at + (pl.ds(start, t.shape[along]),)], as_rows=along == 0
+      )
     return _Val(kind, x.astype(self.consts[array.kind.const].dtype), dtype)
 
 
-def _relative(name: str, ins: list[_Val], kind: int) -> frozenset | None:
-  """`Kind.rel` of an elementwise result of `kind`: the batch / head
-  indices it depends on beside `kv_idx - q_idx`, or None where it depends
-  on a position otherwise (or is no TILE)."""
-  if kind != TILE:
-    return None
-  if name == "sub" and len(ins) == 2:
-    a, b = ins[0].kind, ins[1].kind
-    if a.base and b.base and a.base != b.base:  # (q + c) - (kv + c')
-      return frozenset()
-  deps = set()
-  for v in ins:
-    k = v.kind
-    if k.kind == LIT:
-      continue
-    if k.kind == SCALAR:
-      deps |= {k.scalar_of} if k.scalar_of else {"b", "h"}
-    elif k.kind == TILE and k.rel is not None:
-      deps |= k.rel
-    else:
+def _deps(k: Kind) -> frozenset | None:
+  """The batch / head indices a value of Kind `k` depends on beside its
+  position (None: not known)."""
+  if k.kind == LIT or (k.base is not None and k.deps is None):
+    return frozenset()
+  if k.scalar_of:
+    return frozenset({k.scalar_of})
+  return k.deps
+
+
+def _union(*kinds: Kind) -> frozenset | None:
+  out = set()
+  for k in kinds:
+    d = _deps(k)
+    if d is None:
       return None
-  return frozenset(deps)
+    out |= d
+  return frozenset(out)
+
+
+def _derived_kind(name: str, ins: list[_Val], kind: int) -> Kind:
+  """The Kind of an elementwise result of `kind`: its `deps`, and for a
+  TILE whether it is a function of `kv_idx - q_idx` (`rel`)."""
+  kinds = [v.kind for v in ins]
+  if kind != TILE:
+    return Kind(kind, deps=_union(*kinds))
+  if name == "sub" and len(ins) == 2:
+    a, b = kinds
+    if a.base and b.base and a.base != b.base:  # (q + c) - (kv + c')
+      return Kind(TILE, deps=frozenset(), rel=True)
+  if all(k.rel or k.kind in (LIT, SCALAR) for k in kinds):
+    deps = _union(*kinds)
+    return Kind(TILE, deps=deps, rel=deps is not None)
+  return Kind(TILE)
 
 
 def _vector(ops: Any, x: jax.Array, axis: int) -> jax.Array:
@@ -537,44 +575,52 @@ def _captured(converted: Any, avals: tuple, score: bool, grad: Any) -> tuple:
   return closed.jaxpr, tuple(closed.consts)
 
 
-def relative_operands(
-  fn: Any, score: bool, consts: tuple, rels: tuple[RelRead, ...],
-  batch: int, heads: int, rows: int, q_pad: int, kv_pad: int,
+def derived_operands(
+  fn: Any, score: bool, grad: Any, arrays: tuple,
+  reads: tuple[DerivedRead, ...], batch: int, heads: int, *,
+  q_pad: int, kv_pad: int, rows: int | None = None,
 ) -> list[jax.Array]:  # fmt: skip
-  """Per `RelRead` of `fn` (`relative_reads`; `consts` the call's
-  `fn.consts`) its skewed operand `[batch|1, heads|1, rows, M]`, 32-bit:
-  row i, column m holds the read's value at relative position `kv_idx -
-  q_idx = m - i - M/2`, so a kernel tile of `rows` queries from `q0` and
-  keys from `kv0` is the slice starting at column `kv0 - q0 + M/2` (M/2 a
-  multiple of 128 covering both padded sequences). The values come from
-  the function's own equations, evaluated outside the kernel at every
-  relative position (and batch / head the read depends on)."""
-  jaxpr, left = captured(fn, score, False)
-  half = cdiv(max(q_pad, kv_pad), 128) * 128
-  m = 2 * half
-  # R[k]: the value at relative position k - (half + rows - 1)
-  deltas = jnp.arange(m + rows - 1, dtype=jnp.int32) - (half + rows - 1)
-  wanted = {id(r.eqn): n for n, r in enumerate(rels)}
+  """Per `DerivedRead` of `fn`'s jaxpr (`captured(fn, score, grad)`;
+  `arrays` its `fn.consts`, then the params tangents) its operand, 32-bit,
+  `[batch|1, heads|1, ...]` by the batch / head indices it depends on:
+  over "q" (or "kv") the read's value at every query (key) position of
+  `q_pad` (`kv_pad`); over "rel" a skewed `[rows, M]` where row i, column
+  m holds the value at `kv_idx - q_idx = m - i - M/2`, so a kernel tile of
+  `rows` queries from `q0` and keys from `kv0` is the slice from column
+  `kv0 - q0 + M/2` (M/2 a multiple of 128 covering both padded
+  sequences). The values come from the function's own equations,
+  evaluated outside the kernel."""
+  jaxpr, left = captured(fn, score, grad)
   s0 = (jnp.zeros((), jnp.float32),) if score else ()
-
-  def values(b, h, d):
-    out = {}
-    args = (*s0, b, h, jnp.int32(0), d, *consts)
-    _values_at(jaxpr, left, args, wanted, out)
-    return tuple(out[n] for n in range(len(rels)))
-
-  nb = batch if any("b" in r.deps for r in rels) else 1
-  nh = heads if any("h" in r.deps for r in rels) else 1
-  grid = jax.vmap(jax.vmap(jax.vmap(values, (None, None, 0)), (None, 0, None)), (0, None, None))  # fmt: skip
   ar = lambda n: jnp.arange(n, dtype=jnp.int32)
-  every = grid(ar(nb), ar(nh), deltas)  # each [nb, nh, m + rows - 1]
-  skew = ar(m)[None, :] - ar(rows)[:, None] + (rows - 1)  # [rows, m]
   out = []
-  for r, v in zip(rels, every):
-    v = v.reshape(v.shape[:3])  # (a dynamic_slice's one element)
-    v = v[: nb if "b" in r.deps else 1, : nh if "h" in r.deps else 1]
+  for r in reads:
+    nb = batch if "b" in r.deps else 1
+    nh = heads if "h" in r.deps else 1
+    if r.over == "rel":
+      half = cdiv(max(q_pad, kv_pad), 128) * 128
+      # v[k]: the value at relative position k - (half + rows - 1)
+      positions = ar(2 * half + rows - 1) - (half + rows - 1)
+    else:
+      positions = ar(q_pad if r.over == "q" else kv_pad)
+
+    def value(b, h, x, r=r):
+      q, kv = (x, jnp.int32(0)) if r.over == "q" else (jnp.int32(0), x)
+      found = {}
+      args = (*s0, b, h, q, kv, *arrays)
+      _values_at(jaxpr, left, args, {id(r.eqn): 0}, found)
+      return found[0].reshape(())  # (a dynamic_slice's one element)
+
+    over_x = jax.vmap(value, (None, None, 0))
+    v = jax.vmap(jax.vmap(over_x, (None, 0, None)), (0, None, None))(
+      ar(nb), ar(nh), positions
+    )
     wide = jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating) else jnp.int32
-    out.append(v.astype(wide)[:, :, skew])
+    v = v.astype(wide)
+    if r.over == "rel":
+      m = 2 * half
+      v = v[:, :, ar(m)[None, :] - ar(rows)[:, None] + (rows - 1)]
+    out.append(v)
   return out
 
 
@@ -636,14 +682,14 @@ def plan(
   relative: bool = False,
 ) -> tuple[Read, ...]:
   """The captured-array reads of `fn` (a `flex.UserFunction`) in a kernel
-  tile; raises `Refused` naming what cannot be compiled, including a read
-  at a relative position (`relative_reads`) unless `relative` (the
-  forward kernel's tiles take them). Walked once per function and sizes
-  (every check and kernel of a call asks again)."""
-  reads, rels, refused = _plan(fn, score, seq_q, seq_kv, grad)
+  tile (beside its `derived_reads`); raises `Refused` naming what cannot be
+  compiled, including a read at a relative position unless `relative`
+  (the forward kernel's tiles take them). Walked once per function and
+  sizes (every check and kernel of a call asks again)."""
+  reads, derived, refused = _plan(fn, score, seq_q, seq_kv, grad)
   if refused is not None:
     raise Refused(refused)
-  if rels and not relative:
+  if not relative and any(r.over == "rel" for r in derived):
     raise Refused(
       f"{fn.name} reads a captured array at a relative position (a"
       " function of kv_idx - q_idx: a relative-position table), which only"
@@ -652,13 +698,13 @@ def plan(
   return reads
 
 
-def relative_reads(
-  fn: Any, score: bool, seq_q: int, seq_kv: int
-) -> tuple[RelRead, ...]:
-  """`fn`'s reads at a relative position (`RelRead`), in walk order: the
-  forward kernel's skewed operands (`relative_operand`); () where `plan`
+def derived_reads(
+  fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any = False
+) -> tuple[DerivedRead, ...]:
+  """`fn`'s reads at a computed index (`DerivedRead`), in walk order: the
+  kernels' operands built outside (`derived_operands`); () where `plan`
   refuses."""
-  return _plan(fn, score, seq_q, seq_kv, False)[1]
+  return _plan(fn, score, seq_q, seq_kv, grad)[1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -667,7 +713,7 @@ def _plan(fn: Any, score: bool, seq_q: int, seq_kv: int, grad: Any) -> tuple:
     walk, _ = _walk(fn, score, None, (seq_q, seq_kv), grad=grad)
   except Refused as e:
     return (), (), str(e)
-  return tuple(walk.reads), tuple(walk.rels), None
+  return tuple(walk.reads), tuple(walk.derived), None
 
 
 def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
@@ -679,8 +725,16 @@ def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
   kernel's keys). Raises `Refused` naming a read it cannot attribute (a
   computed or literal index, two different reads of one array)."""
   reads = plan(fn, True, seq_q, seq_kv, grad="params")
+  derived = {r.const for r in derived_reads(fn, True, seq_q, seq_kv, "params")}
   out = []
   for i in float_positions(fn):
+    if i in derived:
+      raise Refused(
+        f"score_mod reads floating captured array {i} (shape"
+        f" {tuple(jnp.shape(fn.consts[i]))}) at a computed index (by a"
+        " function of a position, or of kv_idx - q_idx): its gradient in"
+        " the backward kernels"
+      )
     axes = {r.axes for r in reads if r.const == i}
     ax = next(iter(axes)) if axes else ()
     named = [a for a in ax if a in ("b", "h")]
@@ -844,6 +898,8 @@ def register_light(spec: Any) -> bool:
       return False
     if any(isinstance(a, tuple) for r in reads for a in r.axes):
       return False
+    if derived_reads(fn, score, spec.seq_q, spec.seq_kv):
+      return False
   return True
 
 
@@ -866,10 +922,10 @@ def _tile(
   ... (`kernel_operands`: the call's lifted consts, then the captured)."""
   n = len(fn.consts) + _n_tangents(fn, grad) + len(captured(fn, score, grad)[1])
   arrays = tuple(refs[f"{prefix}{i}"] for i in range(n))
-  rel = []  # `relative_operands`' (the forward's)
-  while f"{prefix}rel{len(rel)}" in refs:
-    rel.append(refs[f"{prefix}rel{len(rel)}"])
-  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(rel))
+  derived = []  # `derived_operands`'
+  while f"{prefix}d{len(derived)}" in refs:
+    derived.append(refs[f"{prefix}d{len(derived)}"])
+  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(derived))
 
 
 def natural_units(spec: Any, t: jax.Array) -> jax.Array:
@@ -906,9 +962,9 @@ def kernel_operands(
   block-mask rows (`bm_dspans`, `[2, batch, heads_q]`: the decode
   kernel's);
   with a bias, `bias` padded to the padded sequences; per read at a
-  relative position its skewed operand for tiles of `tile_rows` query
-  rows (`{prefix}rel{k}`, `relative_operands`). `grad`: the backward's
-  score_mod operands (its jvp's arrays)."""
+  computed index its operand (`{prefix}d{k}`, `derived_operands`; for a
+  relative position, skewed for tiles of `tile_rows` query rows). `grad`:
+  the backward's score_mod operands (its jvp's arrays)."""
   out = {}
   if ops.bias is not None:  # whole tiles: padded to the padded sequences
     b = ops.bias
@@ -925,16 +981,15 @@ def kernel_operands(
     arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
-    rels = () if g else relative_reads(fn, score, spec.seq_q, spec.seq_kv)
-    if rels:
-      if tile_rows is None:
-        raise ValueError(f"{fn.name}: relative reads need tile_rows")
-      skewed = relative_operands(
-        fn, score, tuple(consts), rels, spec.batch, spec.heads_q,
-        tile_rows, q_pad, kv_pad,
-      )  # fmt: skip
-      for k, c in enumerate(skewed):
-        out[f"{prefix}rel{k}"] = c
+    derived = derived_reads(fn, score, spec.seq_q, spec.seq_kv, g)
+    if any(r.over == "rel" for r in derived) and tile_rows is None:
+      raise ValueError(f"{fn.name}: relative-position reads need tile_rows")
+    built = derived_operands(
+      fn, score, g, tuple(consts) + tans, derived, spec.batch, spec.heads_q,
+      q_pad=q_pad, kv_pad=kv_pad, rows=tile_rows,
+    )  # fmt: skip
+    for k, c in enumerate(built):
+      out[f"{prefix}d{k}"] = c
   bm = ops.block_mask
   if bm is not None:
     from pallas_fa3 import flex  # (flex does not import the kernels)
