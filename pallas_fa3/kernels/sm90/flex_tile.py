@@ -576,12 +576,12 @@ def _captured(converted: Any, avals: tuple, score: bool, grad: Any) -> tuple:
 
 
 def derived_operands(
-  fn: Any, score: bool, grad: Any, arrays: tuple,
-  reads: tuple[DerivedRead, ...], batch: int, heads: int, *,
-  q_pad: int, kv_pad: int, rows: int | None = None,
+  fn: Any, score: bool, grad: Any, arrays: tuple, seqs: tuple[int, int],
+  batch: int, heads: int, *, q_pad: int, kv_pad: int, rows: int | None = None,
 ) -> list[jax.Array]:  # fmt: skip
   """Per `DerivedRead` of `fn`'s jaxpr (`captured(fn, score, grad)`;
-  `arrays` its `fn.consts`, then the params tangents) its operand, 32-bit,
+  `arrays` its `fn.consts`, then the params tangents; `seqs` the call's
+  `(seq_q, seq_kv)`) its operand, 32-bit,
   `[batch|1, heads|1, ...]` by the batch / head indices it depends on:
   over "q" (or "kv") the read's value at every query (key) position of
   `q_pad` (`kv_pad`); over "rel" a skewed `[rows, M]` where row i, column
@@ -590,6 +590,9 @@ def derived_operands(
   `kv0 - q0 + M/2` (M/2 a multiple of 128 covering both padded
   sequences). The values come from the function's own equations,
   evaluated outside the kernel."""
+  # The reads of a fresh walk, whose equations are those of this jaxpr
+  # (`_plan`'s cached ones may be of an evicted `captured` entry).
+  reads = _walk(fn, score, None, seqs, grad=grad)[0].derived
   jaxpr, left = captured(fn, score, grad)
   s0 = (jnp.zeros((), jnp.float32),) if score else ()
   ar = lambda n: jnp.arange(n, dtype=jnp.int32)
@@ -985,8 +988,8 @@ def kernel_operands(
     if any(r.over == "rel" for r in derived) and tile_rows is None:
       raise ValueError(f"{fn.name}: relative-position reads need tile_rows")
     built = derived_operands(
-      fn, score, g, tuple(consts) + tans, derived, spec.batch, spec.heads_q,
-      q_pad=q_pad, kv_pad=kv_pad, rows=tile_rows,
+      fn, score, g, tuple(consts) + tans, (spec.seq_q, spec.seq_kv),
+      spec.batch, spec.heads_q, q_pad=q_pad, kv_pad=kv_pad, rows=tile_rows,
     )  # fmt: skip
     for k, c in enumerate(built):
       out[f"{prefix}d{k}"] = c
