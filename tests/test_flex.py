@@ -714,6 +714,19 @@ def test_t5_buckets_follow_the_published_formula():
     mods.t5_relative_position_bias(jnp.zeros((4,)))
 
 
+def test_a_relative_table_too_large_for_its_operand_is_refused(monkeypatch):
+  from pallas_fa3.kernels.sm90 import flex_tile
+
+  monkeypatch.setattr(flex_tile, "RELATIVE_OPERAND_MAX_BYTES", 2**18)
+  q, k, v, _ = _inputs(d=64)
+  table = jnp.zeros((HQ, 33))
+  rel = mods.relative_position_bias(table, 16)
+  with pytest.raises(NotImplementedError, match="MiB at seq_q=160"):
+    pallas_fa3.flash_attention(
+      q, k, v, score_mod=rel, implementation="interpret"
+    )
+
+
 def test_explain_says_where_a_relative_table_runs():
   q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
   text = pallas_fa3.explain(

@@ -879,7 +879,35 @@ def kernel_unsupported(
         plan(fn, score, spec.seq_q, spec.seq_kv, relative=relative)
       except Refused as e:
         return str(e)
+      size = relative_operand_bytes(spec, fn, score, block_q)
+      if size > RELATIVE_OPERAND_MAX_BYTES:
+        return (
+          f"{fn.name} reads a relative-position table whose skewed operand"
+          f" would take {size / 2**20:.0f} MiB at seq_q={spec.seq_q},"
+          f" seq_kv={spec.seq_kv} (more than"
+          f" {RELATIVE_OPERAND_MAX_BYTES / 2**20:.0f} MiB)"
+        )
   return None
+
+
+# The most memory a call's relative-position operands may take (`rows x
+# (q_pad + kv_pad)` words per batch / head they depend on): past it the
+# forward kernel refuses them (the blockwise twin serves the call).
+RELATIVE_OPERAND_MAX_BYTES = 512 * 2**20
+
+
+def relative_operand_bytes(spec: Any, fn: Any, score: bool, rows: int) -> int:
+  """Bytes of `fn`'s relative-position operands (`derived_operands`) for
+  tiles of `rows` query rows (0 without such reads)."""
+  total = 0
+  half = cdiv(max(spec.seq_q, spec.seq_kv), 128) * 128
+  for r in derived_reads(fn, score, spec.seq_q, spec.seq_kv):
+    if r.over == "rel":
+      n = (spec.batch if "b" in r.deps else 1) * (
+        spec.heads_q if "h" in r.deps else 1
+      )
+      total += n * rows * (2 * half + 128) * 4
+  return total
 
 
 def register_light(spec: Any) -> bool:
