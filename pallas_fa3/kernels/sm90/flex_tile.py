@@ -7,9 +7,12 @@ the whole tile. Elementwise operations run on the kernel's registers in the
 wgmma layouts, broadcast only as far as they need; an array the function
 closes over is read by scalar loads where its indices depend on batch and
 head alone, and as one row or column vector from global memory where one
-index is `q_idx + c` or `kv_idx + c` (document ids, lengths per query).
-Anything else (a gather by a computed index, a reduction, a loop) is refused
-with the reason, and the automatic choice runs the blockwise twin instead.
+index is `q_idx + c` or `kv_idx + c` (document ids, lengths per query); a
+read at any other function of one position, or of `kv_idx - q_idx` (a
+relative-position table), from an operand built outside the kernel
+(`DerivedRead`). Anything else (a gather by both positions, a reduction,
+a loop) is refused with the reason, and the automatic choice runs the
+blockwise twin instead.
 `plan` is the static check; `evaluate` the kernel side. docs/flex.md#in-the-kernels
 """
 
