@@ -596,6 +596,8 @@ def derived_operands(
   # The reads of a fresh walk, whose equations are those of this jaxpr
   # (`_plan`'s cached ones may be of an evicted `captured` entry).
   reads = _walk(fn, score, None, seqs, grad=grad)[0].derived
+  if rows is None and any(r.over == "rel" for r in reads):
+    raise ValueError(f"{fn.name}: relative-position reads need `rows`")
   jaxpr, left = captured(fn, score, grad)
   s0 = (jnp.zeros((), jnp.float32),) if score else ()
   ar = lambda n: jnp.arange(n, dtype=jnp.int32)
@@ -604,9 +606,9 @@ def derived_operands(
     nb = batch if "b" in r.deps else 1
     nh = heads if "h" in r.deps else 1
     if r.over == "rel":
-      half = cdiv(max(q_pad, kv_pad), 128) * 128
-      # v[k]: the value at relative position k - (half + rows - 1)
-      positions = ar(2 * half + rows - 1) - (half + rows - 1)
+      m = relative_columns(q_pad, kv_pad)
+      # v[k]: the value at relative position k - (m / 2 + rows - 1)
+      positions = ar(m + rows - 1) - (m // 2 + rows - 1)
     else:
       positions = ar(q_pad if r.over == "q" else kv_pad)
 
@@ -624,10 +626,15 @@ def derived_operands(
     wide = jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating) else jnp.int32
     v = v.astype(wide)
     if r.over == "rel":
-      m = 2 * half
       v = v[:, :, ar(m)[None, :] - ar(rows)[:, None] + (rows - 1)]
     out.append(v)
   return out
+
+
+def relative_columns(q_pad: int, kv_pad: int) -> int:
+  """M, the columns of a relative-position operand (`derived_operands`):
+  twice a multiple of 128 covering both padded sequences."""
+  return 2 * cdiv(max(q_pad, kv_pad), 128) * 128
 
 
 def _values_at(jaxpr: Any, consts: Any, args: Any, wanted: dict,
@@ -903,13 +910,13 @@ def relative_operand_bytes(spec: Any, fn: Any, score: bool, rows: int) -> int:
   """Bytes of `fn`'s relative-position operands (`derived_operands`) for
   tiles of `rows` query rows (0 without such reads)."""
   total = 0
-  half = cdiv(max(spec.seq_q, spec.seq_kv), 128) * 128
+  m = relative_columns(spec.seq_q, spec.seq_kv)
   for r in derived_reads(fn, score, spec.seq_q, spec.seq_kv):
     if r.over == "rel":
       n = (spec.batch if "b" in r.deps else 1) * (
         spec.heads_q if "h" in r.deps else 1
       )
-      total += n * rows * (2 * half + 128) * 4
+      total += n * rows * m * 4
   return total
 
 
@@ -1015,9 +1022,6 @@ def kernel_operands(
     arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):
       out[f"{prefix}{i}"] = c
-    derived = derived_reads(fn, score, spec.seq_q, spec.seq_kv, g)
-    if any(r.over == "rel" for r in derived) and tile_rows is None:
-      raise ValueError(f"{fn.name}: relative-position reads need tile_rows")
     built = derived_operands(
       fn, score, g, tuple(consts) + tans, (spec.seq_q, spec.seq_kv),
       spec.batch, spec.heads_q, q_pad=q_pad, kv_pad=kv_pad, rows=tile_rows,
