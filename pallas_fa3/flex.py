@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_fa3.kvcache import DecodeSpec, query_positions
 from pallas_fa3.spec import cdiv, check_int
@@ -125,6 +126,41 @@ class UserFunction:
       _PACKED[key] = fn
     return fn
 
+  def frozen(self) -> UserFunction:
+    """This function taking its floating arrays as integers of the same
+    width (`frozen_consts`: their bits), bitcast back before it reads
+    them: it computes the same scores, and to JAX and the kernels its
+    arrays carry no gradient, so a backward that needs none of theirs
+    plans as for a function without learnable arrays (the fused kernel,
+    no per-array sums). Itself where no array is floating. Cached: one
+    per (function, its consts' types)."""
+    floats = differentiable(self.consts)
+    if not any(floats) or not _bits_only(self.consts):
+      return self
+    types = tuple((jnp.shape(c), jnp.result_type(c)) for c in self.consts)
+    key = (self.converted, types)
+    fn = _FROZEN.get(key)
+    if fn is None:
+      base, n = self.converted, len(scalar_args(4, self.score_dtype))
+
+      def converted(*args):
+        ins = list(args)
+        for i, ((_, dtype), f) in enumerate(zip(types, floats)):
+          if f:
+            ins[n + i] = lax.bitcast_convert_type(ins[n + i], dtype)
+        return base(*ins)
+
+      # (placeholder consts: their shapes and integer types)
+      consts = tuple(
+        np.zeros(shape, _BITS[jnp.dtype(dt).itemsize] if f else dt)
+        for (shape, dt), f in zip(types, floats)
+      )
+      fn = self._variant(converted, consts=consts, shift=self.shift)
+      if len(_FROZEN) >= _LIFTED_MAX:
+        _FROZEN.pop(next(iter(_FROZEN)))
+      _FROZEN[key] = fn
+    return fn
+
   def constants(self) -> tuple:
     """The arrays `converted` itself closes over (concrete ones JAX left
     in it), in the order `rebound` takes them."""
@@ -208,6 +244,10 @@ _SHIFTED: dict = {}
 # `UserFunction.packed`'s, by (converted function, its consts' shapes,
 # group).
 _PACKED: dict = {}
+# `UserFunction.frozen`'s, by (converted function, its consts' types).
+_FROZEN: dict = {}
+# The integer type of a floating array's bits, by its item size.
+_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 # Closure conversions that had to lift integer tracers, by (function, its
 # arguments' types, the arrays left in it): one converted function (one
@@ -525,6 +565,8 @@ class FlexSpec:
     bias: the bias's leading dims `(b|1, h|1)`, or None.
     block: a block mask's `(b|1, h|1, block_q, block_kv)`, or None.
     dense: the block mask carries a dense mask (`from_dense`).
+    bias_grad: whether the backward computes dbias (False where the bias
+      was not differentiated: its cotangent is zeros, no dS is written).
   """
 
   score_mod: Any = None
@@ -532,6 +574,7 @@ class FlexSpec:
   bias: tuple[int, int] | None = None
   block: tuple[int, int, int, int] | None = None
   dense: bool = False
+  bias_grad: bool = True
 
   @property
   def masks(self) -> bool:
@@ -816,6 +859,8 @@ def differentiable(consts: tuple) -> tuple[bool, ...]:
 def cotangents(ops: FlexOperands, dbias: Any, dscore: tuple) -> FlexOperands:
   """The operands' cotangent tree: `dbias`, the score_mod arrays' `dscore`
   (floating ones; float0 zeros for integer ones), zeros for the mask's."""
+  if ops.bias is not None and dbias is None:  # (not differentiated)
+    dbias = zero_cotangent(ops.bias)
   return FlexOperands(
     dbias if ops.bias is not None else None,
     tuple(
@@ -824,6 +869,37 @@ def cotangents(ops: FlexOperands, dbias: Any, dscore: tuple) -> FlexOperands:
     ),
     tuple(zero_cotangent(c) for c in ops.mask_consts),
     jax.tree.map(zero_cotangent, ops.block_mask),
+  )
+
+
+def frozen(
+  fs: FlexSpec, ops: FlexOperands
+) -> tuple[FlexSpec, FlexOperands]:
+  """The call's flex options for a backward that needs no gradient of the
+  score_mod's arrays (none of them was differentiated): the function
+  `UserFunction.frozen`, its floating arrays passed as their bits. The
+  same scores; `cotangents` of the original operands gives those arrays
+  zeros."""
+  fn = fs.score_mod
+  if fn is None or fn.frozen() is fn:
+    return fs, ops
+  consts = tuple(
+    lax.bitcast_convert_type(c, _BITS[jnp.dtype(c.dtype).itemsize]) if d else c
+    for c, d in zip(map(jnp.asarray, ops.score_consts), differentiable(ops.score_consts))
+  )  # fmt: skip
+  return dataclasses.replace(fs, score_mod=fn.frozen()), ops._replace(
+    score_consts=consts
+  )
+
+
+def _bits_only(consts: tuple) -> bool:
+  """Whether every floating array of `consts` is real (has an integer type
+  of its width to pass its bits as)."""
+  return all(
+    jnp.issubdtype(jnp.result_type(c), jnp.floating)
+    and jnp.dtype(jnp.result_type(c)).itemsize in _BITS
+    for c, d in zip(consts, differentiable(consts))
+    if d
   )
 
 

@@ -81,12 +81,15 @@ class Attention(hijax.HiPrim):
     return self.traced(operands)
 
   def vjp_fwd(self, nzs_in: Any, operands: Any) -> tuple[Any, tuple]:
-    del nzs_in
     result = self(operands)
-    return result, (operands, result)
+    return result, (operands, result, Needed.of(nzs_in[0]))
 
   def vjp_bwd_retval(self, residuals: tuple, cotangents: Any) -> tuple:
-    return (_backward(self.static, residuals, _instantiate(cotangents)),)
+    *residuals, needed = residuals
+    grads = _backward(
+      self.static, tuple(residuals), _instantiate(cotangents), needed
+    )
+    return (grads,)
 
   def jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
     (operands,), (dots,) = primals, tangents
@@ -304,17 +307,62 @@ def _instantiate(tree: Any) -> Any:
   )
 
 
-def _backward(static: StaticCall, residuals: tuple, cotangents: Any) -> Any:
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Needed:
+  """Which gradients a reverse-mode call needs beyond q, k, v (a static
+  residual): `score_consts`, whether any of the score_mod's arrays was
+  differentiated (else the backward runs the function `flex.frozen`: no
+  per-array sums, and the fused kernel where it takes the options);
+  `bias`, whether the bias was (else no dbias: the kernels write no dS)."""
+
+  score_consts: bool = True
+  bias: bool = True
+
+  @classmethod
+  def of(cls, nonzero: Any) -> Needed:
+    """From the call's operands' tree of nonzero-tangent flags."""
+    flex_nz = getattr(nonzero, "flex", None)
+    if flex_nz is None:
+      return cls()
+    return cls(
+      score_consts=any(jax.tree.leaves(flex_nz.score_consts)),
+      bias=bool(flex_nz.bias),
+    )
+
+
+def _backward(
+  static: StaticCall,
+  residuals: tuple,
+  cotangents: Any,
+  needed: Needed = Needed(),
+) -> Any:
   """The cotangents of a forward call's operands: the backend's backward
   on the residuals (an op "backward" call), the sinks' gradient from out
-  and lse, zeros for the segment ids."""
+  and lse, zeros for the segment ids and for what `needed` says is not
+  needed."""
   reason = no_gradient(static)
   if reason:
     raise NotImplementedError(reason)
   operands, (out, lse) = residuals
   dout, dlse = cotangents
   backward = dataclasses.replace(static, op="backward")
-  grads = call(backward, Backward(operands, out, lse, dout, dlse))
+  run = operands
+  fs = static.spec.flex
+  if fs is not None:
+    ops = operands.flex
+    if not needed.score_consts:
+      fs, ops = flex.frozen(fs, ops)
+    if not needed.bias and fs.bias is not None:
+      fs = dataclasses.replace(fs, bias_grad=False)
+    if fs is not static.spec.flex:  # (the kernels' plan: for these options)
+      spec = dataclasses.replace(static.spec, flex=fs)
+      plan = static.backward_plan
+      if plan is not None:
+        plan = static.backend.plan_backward(spec, static.config)
+      backward = dataclasses.replace(backward, spec=spec, backward_plan=plan)
+      run = operands._replace(flex=ops)
+  grads = call(backward, Backward(run, out, lse, dout, dlse))
   dq, dk, dv = grads.dq, grads.dk, grads.dv
   dflex = None
   if operands.flex is not None:  # (dbias, d score_mod's arrays)

@@ -662,9 +662,14 @@ def _run_flex(call: StaticCall, operands: Any) -> Any:
   if not backward:
     return outs
   dq, dk, dv, *rest = outs
-  dbias = rest.pop(0) if spec.flex.bias is not None else None
+  dbias = rest.pop(0) if _dbias(spec.flex) else None
   dscore = flex.spread_float_grads(ops, tuple(rest))
   return Grads(dq, dk, dv, FlexGrads(dbias, dscore))
+
+
+def _dbias(fs: flex.FlexSpec) -> bool:
+  """Whether a flex call's backward returns dbias (a differentiated bias)."""
+  return fs.bias is not None and fs.bias_grad
 
 
 def _flex_operand_names(fs: flex.FlexSpec) -> tuple[str, ...]:
@@ -752,7 +757,7 @@ def _flex_names(
   score = () if fs.score_mod is None else fs.score_mod.consts
   if not backward:
     return names, ("out", "lse")
-  results = ("q", "k", "v") + ("dbias",) * (fs.bias is not None)
+  results = ("q", "k", "v") + ("dbias",) * _dbias(fs)
   floats = flex.differentiable(score)
   results += tuple(f"dscore{i}" for i, d in enumerate(floats) if d)
   return names, results
@@ -786,7 +791,8 @@ def _flex_compute(
   dbias, dscore = grads.dflex
   n = len(call.spec.flex.score_mod.consts) if call.spec.flex.score_mod else 0
   floats = [d for d in dscore[:n] if d is not None]  # (offsets after)
-  return (dq, dk, dv) + ((dbias,) if dbias is not None else ()) + tuple(floats)
+  dbias = (dbias,) if _dbias(call.spec.flex) else ()
+  return (dq, dk, dv) + dbias + tuple(floats)
 
 
 @dataclasses.dataclass(frozen=True)

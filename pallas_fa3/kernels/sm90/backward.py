@@ -232,8 +232,9 @@ def _kernels(
   if spec.flex is None:
     return grads
   dbias = None
-  if spec.flex.bias is not None:  # dS per query head, float32: summed to
-    ds = rest.pop(0)[:, :, : spec.seq_q, : spec.seq_kv]  # the bias's shape
+  if spec.flex.bias is not None and spec.flex.bias_grad:  # dS per query
+    ds = rest.pop(0)[:, :, : spec.seq_q, : spec.seq_kv]  # head, float32:
+    # summed to the bias's shape
     nb, nh = spec.flex.bias
     axes = tuple(a for a, n in ((0, nb), (1, nh)) if n == 1)
     dbias = ds.sum(axes, keepdims=True).astype(flex.bias.dtype)

@@ -499,7 +499,8 @@ def dq_kernel(
   scratch["ds_stage"] = scratch["dp_stage"] = None
   n_params = param_count(spec)
   parts = 2 if shared else 1  # consumers summing over one row's keys
-  if spec.flex is not None and spec.flex.bias is not None:  # dS: dbias
+  fs = spec.flex
+  if fs is not None and fs.bias is not None and fs.bias_grad:  # dS: dbias
     # as `_dq_consumer` (a lone consumer's halves) or each shared one's
     sub = cfg.block_kv // (2 if consumers == 1 or shared else 1)
     # Two staging tiles each where they fit beside the kernel's (d192),

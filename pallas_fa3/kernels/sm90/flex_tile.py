@@ -43,7 +43,7 @@ _ELEMENTWISE = frozenset(
   tan erf erfc is_finite not and or xor eq ne lt le gt ge select_n
   convert_element_type clamp shift_left shift_right_arithmetic
   shift_right_logical nextafter copy copy_p atan2 asin acos atan sinh cosh
-  asinh acosh atanh reduce_precision""".split()
+  asinh acosh atanh reduce_precision bitcast_convert_type""".split()
 )
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _FLIP_PRIMS = {
@@ -217,6 +217,9 @@ class _Walk:
       else v
       for v in ins
     ]
+    if name == "bitcast_convert_type" and ins[0].kind.kind == CONST:
+      # (a frozen function's array: its bits, read as `dtype`)
+      return [_Val(ins[0].kind, None, dtype)]
     if any(v.kind.kind == CONST for v in ins):
       if name != "dynamic_slice" or ins[0].kind.kind != CONST:
         self.refuse(
@@ -421,7 +424,10 @@ class _Walk:
       q_rows = vector[1].base == "q"
       along = t.q_axis if q_rows else 1 - t.q_axis
       x = t.ops.load_global(ref.at[tuple(at)], as_rows=along == 0)
-    return _Val(kind, x.astype(aval.dtype), dtype)
+    x = x.astype(aval.dtype)
+    if array.dtype != aval.dtype:  # an array's bits, viewed as floats
+      x = lax.bitcast_convert_type(x, array.dtype)
+    return _Val(kind, x, dtype)
 
   def load_derived(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
     """`array[index]` with one index computed from one position (or from
@@ -477,7 +483,7 @@ class _Walk:
       x = t.ops.load_global(
         ref.at[at + (pl.ds(start, t.shape[along]),)], as_rows=along == 0
       )
-    return _Val(kind, x.astype(self.consts[array.kind.const].dtype), dtype)
+    return _Val(kind, x.astype(array.dtype), dtype)  # (the value read)
 
 
 def _deps(k: Kind) -> frozenset | None:
@@ -804,7 +810,10 @@ def _inputs(walk: _Walk, n_consts: int, score: bool, tile: Tile | None,
   ]
   if score:
     idx = [_Val(Kind(TILE), s, jnp.float32)] + idx
-  return idx + [_Val(Kind(CONST, const=i), None, None) for i in range(n_consts)]
+  return idx + [
+    _Val(Kind(CONST, const=i), None, walk.consts[i].dtype)
+    for i in range(n_consts)
+  ]
 
 
 def evaluate(fn: Any, tile: Tile, s: Any = None) -> jax.Array:
