@@ -42,10 +42,16 @@ FORMS = {
     "the dK/dV and dQ kernels",
     "a bias",
   ),
-  "flex_d128_pair": (
+  "flex_d128_shared_tile": (
     dict(mask_mod=mods.document_mask(_IDS)),
+    "the fused backward kernel (dQ by reduce-add), tiles 64x64, 2 stages,"
+    " dK/dV consumers 2 (head splits 2)",
+    None,
+  ),
+  "flex_deterministic_pair": (
+    dict(mask_mod=mods.document_mask(_IDS), deterministic=True),
     "the dK/dV and dQ kernels",
-    "flex options in the own-tile layout at head dim 128",
+    "deterministic=True",
   ),
   "bias_softcap_blockwise": (
     dict(

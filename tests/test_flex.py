@@ -626,15 +626,15 @@ def _backward_kernels(deterministic, d=64, **kw):
 
 def test_fused_backward_takes_masks_and_score_mods_without_arrays():
   """A mask_mod, a block mask or a score_mod without floating arrays:
-  the fused kernel (no dQ kernel) unless deterministic, at d64/d96 and in
-  d192's shared-tile layout (d128's own-tile consumer spilled with flex:
-  the pair); a bias or a score_mod's learnable arrays: the dK/dV and dQ
-  kernels."""
+  the fused kernel (no dQ kernel) unless deterministic, at d64/d96 in its
+  own tiles, at d128 and d192 in its shared-tile layout (d128's own-tile
+  consumer spilled with flex); a bias or a score_mod's learnable arrays:
+  the dK/dV and dQ kernels."""
   ids = jnp.asarray(np.arange(256)[None] // 64, jnp.int32)
   bm = pallas_fa3.create_block_mask(mods.document_mask(ids), 1, None, 256, 256)
   fused = {"fa3_bwd_dkdv"}
   pair = {"fa3_bwd_dkdv", "fa3_bwd_dq"}
-  for d, want in ((64, fused), (128, pair), (192, fused)):
+  for d, want in ((64, fused), (128, fused), (192, fused)):
     assert _backward_kernels(False, d, mask_mod=_DOC4(ids)) == want, d
   assert _backward_kernels(False, block_mask=bm, causal=True) == fused
   assert _backward_kernels(False, score_mod=mods.softcap(5.0)) == fused
@@ -666,14 +666,19 @@ def test_vmapped_fused_flex_backward_lowers_to_the_fused_kernel():
 
 
 @pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "det"])
-def test_interpret_fused_and_deterministic_flex_backward(deterministic):
+@pytest.mark.parametrize(
+  "deterministic, d",
+  [(False, 64), (True, 64), (False, 128)],
+  ids=["fused", "det", "fused_d128_shared_tile"],
+)
+def test_interpret_fused_and_deterministic_flex_backward(deterministic, d):
   """A document mask_mod with a score_mod (softcap) and a block mask that
-  skips tiles, through the fused kernel and through the dK/dV + dQ pair,
-  against the float64 golden; the fused kernel's dQ slots of query tiles
-  outside a CTA's block-mask span are never written (the interpreter's
-  slab sums only the spans)."""
-  q, k, v, do = _inputs(d=64)
+  skips tiles, through the fused kernel (own tiles at d64, the shared-tile
+  layout at d128) and through the dK/dV + dQ pair, against the float64
+  golden; the fused kernel's dQ slots of query tiles outside a CTA's
+  block-mask span are never written (the interpreter's slab sums only the
+  spans)."""
+  q, k, v, do = _inputs(d=d)
   bm = pallas_fa3.create_block_mask(
     _DOC, B, None, SQ, SKV, block_q=64, block_kv=64
   )

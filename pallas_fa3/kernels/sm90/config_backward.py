@@ -193,10 +193,12 @@ def fused_backward(spec: AttentionSpec, config: Sm90BackwardConfig) -> bool:
 
 # The own-tile fused consumer with flex options: up to d96. At d128 its
 # 64 x 128 dK and dV beside the functions' reads and a score_mod's
-# derivative spilled 72-300 B (aot --flex, every ready-made case); the
-# shared-tile fused layout compiles there without spills but runs in
-# lockstep (1.13-1.15x tokamax's modeled cycles in issue 43's table,
-# against the deterministic pair's 1.00-1.02), so d128 keeps the pair.
+# derivative spilled 48-336 B (ALiBi, softcap and document block-mask
+# cases, 4 x 4096 x 16 heads, 2026-12-07); there the fused kernel runs its
+# shared-tile layout (`fused_flex_config`'s second choice): 0 spills, model
+# B 1.38-1.41x the plain fused backward, against the pair's 1.64-1.68x with
+# a score_mod (its dK/dV kernel shared-tile too) and 1.28x with spills
+# (8/16 B) with a document block mask (RESULTS.md, issue 66).
 FUSED_FLEX_OWN_TILE_MAX_DIM = 96
 
 
@@ -226,21 +228,28 @@ def fused_flex_config(
   spec: AttentionSpec, tiling: Sm90BackwardConfig | None = None
 ) -> Sm90BackwardConfig | None:
   """The tiling the fused kernel runs `spec`'s flex options with (`tiling`,
-  or the default), or None where the dK/dV and dQ kernels take them:
+  or the default, else the first of the fused space that takes them: the
+  shared-tile layout at d128), or None where the dK/dV and dQ kernels take
+  them:
   `deterministic`, a tiling that does not fuse, `fused_flex_unsupported`,
   or what `flex_tile.backward_unsupported` names."""
   if spec.deterministic:
     return None
-  fused = tiling or default_backward_config(spec)
-  if (
-    fused_backward(spec, fused)
-    and fused_flex_unsupported(spec, fused) is None
-    and flex_tile.backward_unsupported(
-      spec, fused.block_q, fused.block_kv, fused
-    )
-    is None
-  ):
-    return fused
+  candidates = [tiling or default_backward_config(spec)]
+  if tiling is None:  # then the shared-tile layout (`FUSED_FLEX_OWN_...`)
+    d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
+    small = dict(block_choices=(64,), stage_choices=(2,))
+    candidates += _fused_space(d, size, dv, **small)
+  for fused in candidates:
+    if (
+      fused_backward(spec, fused)
+      and fused_flex_unsupported(spec, fused) is None
+      and flex_tile.backward_unsupported(
+        spec, fused.block_q, fused.block_kv, fused
+      )
+      is None
+    ):
+      return fused
   return None
 
 
