@@ -872,9 +872,7 @@ def cotangents(ops: FlexOperands, dbias: Any, dscore: tuple) -> FlexOperands:
   )
 
 
-def frozen(
-  fs: FlexSpec, ops: FlexOperands
-) -> tuple[FlexSpec, FlexOperands]:
+def frozen(fs: FlexSpec, ops: FlexOperands) -> tuple[FlexSpec, FlexOperands]:
   """The call's flex options for a backward that needs no gradient of the
   score_mod's arrays (none of them was differentiated): the function
   `UserFunction.frozen`, its floating arrays passed as their bits. The

@@ -740,7 +740,8 @@ def test_explain_says_where_a_relative_table_runs():
   )  # fmt: skip
   assert "forward: the sm90 forward kernel" in text
   assert "#0 at kv_idx - q_idx" in text
-  assert "backward: the blockwise twin" in text and "relative position" in text
+  # (a constant table: no gradient, so the backward kernels read it too)
+  assert "backward: the fused backward kernel" in text
 
 
 def test_score_mod_softcap_equals_builtin_softcap():

@@ -1,9 +1,10 @@
 """Gradients only of what was differentiated (`vjp.Needed`): a score_mod
 whose arrays are not differentiated runs its backward as a function
 without learnable arrays (`UserFunction.frozen`: the fused kernel, no
-per-array sums), an undifferentiated bias writes no dS; the gradients
-that are taken stay right (float64 golden, tolerance rule), and those of
-differentiated arrays still come back."""
+per-array sums, relative-position tables read in the backward kernels),
+an undifferentiated bias writes no dS; the gradients that are taken stay
+right (float64 golden, tolerance rule), and those of differentiated arrays
+still come back."""
 
 from __future__ import annotations
 
@@ -131,3 +132,86 @@ def test_undifferentiated_arrays_against_golden(impl):
   dparams = jax.jit(jax.grad(run, argnums=3))(q, k, v, params)
   for i, (g, n, ref) in enumerate(zip(dparams, naive[4], golden[4])):
     assert_within_tolerance(f"{impl} dparams[{i}]", g, n, ref)
+
+
+_SQ, _SKV = 160, 192
+_DILATED = jnp.asarray(np.arange(_SQ + _SKV) % 3 == 0)
+# Tables read at a function of kv_idx - q_idx (and one at a function of
+# q_idx), passed in and not differentiated: the backward kernels read them
+# (the dQ kernel's tiles have queries as rows, the dK/dV kernels' keys).
+FROZEN_TABLES = {
+  "clipped": (
+    (HQ, 33),
+    lambda t: dict(score_mod=mods.relative_position_bias(t, 16)),
+  ),
+  "t5_causal": (
+    (HQ, 16),
+    lambda t: dict(
+      score_mod=mods.t5_relative_position_bias(
+        t, bidirectional=False, max_distance=64
+      ),
+      causal=True,
+    ),
+  ),
+  "per_batch_and_mask": (
+    (B, HQ, 40),
+    lambda t: dict(
+      score_mod=lambda s, b, h, qi, ki: (
+        s + t[b, h, jnp.clip(qi - ki, -20, 19) + 20]
+      ),
+      mask_mod=lambda b, h, qi, ki: _DILATED[ki - qi + _SQ] | (ki <= qi),
+    ),
+  ),
+  "gathered": (
+    (HQ, 7),
+    lambda t: dict(
+      score_mod=lambda s, b, h, qi, ki: (
+        s + t[h, qi % 7] - 0.5 * t[h, (ki * 5) % 7]
+      ),
+      causal=True,
+    ),
+  ),
+}
+
+
+@pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
+@pytest.mark.parametrize(
+  "case, d, deterministic",
+  [
+    ("per_batch_and_mask", 64, False),  # the fused kernel's own tiles
+    ("t5_causal", 128, False),  # its shared-tile layout
+    ("per_batch_and_mask", 64, True),  # the pair, own-tile dK/dV
+    pytest.param("t5_causal", 128, True, marks=pytest.mark.slow),
+    pytest.param("clipped", 64, False, marks=pytest.mark.slow),
+    pytest.param("gathered", 64, False, marks=pytest.mark.slow),
+  ],
+)
+def test_interpret_undifferentiated_tables_in_the_backward_kernels(
+  case, d, deterministic
+):
+  """A relative-position table (or a table read at a computed position)
+  that is not differentiated: the backward kernels read it (no fallback:
+  its warning is an error here), tiles with queries as rows skewed one way
+  and the own-tile dK/dV consumers' (keys as rows) the other; dq, dk, dv
+  against the float64 golden."""
+  shape, options = FROZEN_TABLES[case]
+  ks = jax.random.split(jax.random.key(5), 5)
+  q = jax.random.normal(ks[0], (B, _SQ, HQ, d), jnp.float32)
+  k, v = (jax.random.normal(x, (B, _SKV, HK, d), jnp.float32) for x in ks[1:3])
+  do = jax.random.normal(ks[3], (B, _SQ, HQ, d), jnp.float32)
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
+  table = 0.5 * jax.random.normal(ks[4], shape, jnp.float32)
+  golden, naive = flex_golden_and_naive(q, k, v, do, table, options)
+
+  def run(q, k, v, t):
+    o = pallas_fa3.flash_attention(
+      q, k, v, implementation="interpret", deterministic=deterministic,
+      **options(t),
+    )  # fmt: skip
+    return (o.astype(jnp.float32) * do.astype(jnp.float32)).sum()
+
+  taken = jax.jit(jax.grad(run, argnums=(0, 1, 2)))(q, k, v, table)
+  for name, g, n, ref in zip(
+    ("dq", "dk", "dv"), taken, naive[1:4], golden[1:4]
+  ):
+    assert_within_tolerance(f"{case} d{d} {name}", g, n, ref)

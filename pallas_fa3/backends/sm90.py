@@ -242,7 +242,7 @@ class Sm90Backend(Backend):
         derived = flex_tile.derived_reads(fn, score, *seqs)
         at = {
           "rel": "kv_idx - q_idx (a tile of its relative-position operand;"
-          " the backward kernels do not take it)",
+          " the backward kernels take it unless it is differentiated)",
           "q": "a function of q_idx (a vector of its per-query operand)",
           "kv": "a function of kv_idx (a vector of its per-key operand)",
         }

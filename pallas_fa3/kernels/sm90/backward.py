@@ -163,6 +163,8 @@ def _kernels(
       kv_rows_per_cta=dkdv_plan.kv_rows_per_cta if by_spans else None,
       block_q=config.block_q,
       grad="params" if flex_tile.kernel_params(spec, "dkdv") else True,
+      tile_rows=config.block_q if dkdv_plan.shared else config.block_kv,
+      keys_as_rows=not dkdv_plan.shared,  # (as the bias below)
     )  # fmt: skip
     if "bias" in fx and not dkdv_plan.shared:  # keys as the tiles' rows:
       # the bias transposed (the shared-tile consumers' rows are queries)
@@ -214,6 +216,7 @@ def _kernels(
       spec, flex, q_pad=sq_pad, kv_pad=skv_pad,
       rows_per_cta=dq_plan.rows_per_cta, block_kv=dq_plan.config.block_kv,
       grad="params" if param_count(spec) else True,
+      tile_rows=dq_plan.config.block_q,
     )  # fmt: skip
   dq = dq_kernel(
     spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1], tuple(dq_fx)

@@ -468,12 +468,9 @@ class _Walk:
       t.batch if ref.shape[0] > 1 else 0,
       t.head if ref.shape[1] > 1 else 0,
     )
-    if over == "rel":
-      if t.q_axis != 0:
-        raise NotImplementedError(
-          "relative-position reads in a tile with keys as rows"
-        )
-      start = t.kv0 - t.q0 + ref.shape[3] // 2
+    if over == "rel":  # (keys as rows: the operand skewed the other way)
+      start = t.kv0 - t.q0 if t.q_axis == 0 else t.q0 - t.kv0
+      start = start + ref.shape[3] // 2
       x = t.ops.load_global_tile(
         ref.at[at + (pl.ds(0, t.shape[0]), pl.ds(start, t.shape[1]))]
       )
@@ -587,6 +584,7 @@ def _captured(converted: Any, avals: tuple, score: bool, grad: Any) -> tuple:
 def derived_operands(
   fn: Any, score: bool, grad: Any, arrays: tuple, seqs: tuple[int, int],
   batch: int, heads: int, *, q_pad: int, kv_pad: int, rows: int | None = None,
+  keys_as_rows: bool = False,
 ) -> list[jax.Array]:  # fmt: skip
   """Per `DerivedRead` of `fn`'s jaxpr (`captured(fn, score, grad)`;
   `arrays` its `fn.consts`, then the params tangents; `seqs` the call's
@@ -597,8 +595,11 @@ def derived_operands(
   m holds the value at `kv_idx - q_idx = m - i - M/2`, so a kernel tile of
   `rows` queries from `q0` and keys from `kv0` is the slice from column
   `kv0 - q0 + M/2` (M/2 a multiple of 128 covering both padded
-  sequences). The values come from the function's own equations,
-  evaluated outside the kernel."""
+  sequences); `keys_as_rows` (the dK/dV kernels' transposed tiles): row i,
+  column m the value at `kv_idx - q_idx = i - m + M/2`, a tile of `rows`
+  keys from `kv0` and queries from `q0` the slice from `q0 - kv0 + M/2`.
+  The values come from the function's own equations, evaluated outside the
+  kernel."""
   # The reads of a fresh walk, whose equations are those of this jaxpr
   # (`_plan`'s cached ones may be of an evicted `captured` entry).
   reads = _walk(fn, score, None, seqs, grad=grad)[0].derived
@@ -613,8 +614,10 @@ def derived_operands(
     nh = heads if "h" in r.deps else 1
     if r.over == "rel":
       m = relative_columns(q_pad, kv_pad)
-      # v[k]: the value at relative position k - (m / 2 + rows - 1)
-      positions = ar(m + rows - 1) - (m // 2 + rows - 1)
+      # v[k]: the value at relative position k - (m / 2 + rows - 1), or
+      # with keys as rows k - (m / 2 - 1)
+      first = m // 2 - 1 if keys_as_rows else m // 2 + rows - 1
+      positions = ar(m + rows - 1) - first
     else:
       positions = ar(q_pad if r.over == "q" else kv_pad)
 
@@ -632,7 +635,8 @@ def derived_operands(
     wide = jnp.float32 if jnp.issubdtype(v.dtype, jnp.floating) else jnp.int32
     v = v.astype(wide)
     if r.over == "rel":
-      v = v[:, :, ar(m)[None, :] - ar(rows)[:, None] + (rows - 1)]
+      i, k = ar(rows)[:, None], ar(m)[None, :]
+      v = v[:, :, i - k + (m - 1) if keys_as_rows else k - i + (rows - 1)]
     out.append(v)
   return out
 
@@ -743,7 +747,7 @@ def param_grad_axes(fn: Any, seq_q: int, seq_kv: int) -> tuple:
   attributed (`param_kernel`: the dQ kernel's rows are queries, the dK/dV
   kernel's keys). Raises `Refused` naming a read it cannot attribute (a
   computed or literal index, two different reads of one array)."""
-  reads = plan(fn, True, seq_q, seq_kv, grad="params")
+  reads = plan(fn, True, seq_q, seq_kv, grad="params", relative=True)
   derived = {r.const for r in derived_reads(fn, True, seq_q, seq_kv, "params")}
   out = []
   for i in float_positions(fn):
@@ -998,6 +1002,7 @@ def kernel_operands(
   positions: tuple[jax.Array, jax.Array] | None = None,
   grad: bool = False,
   tile_rows: int | None = None,
+  keys_as_rows: bool = False,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
@@ -1013,8 +1018,9 @@ def kernel_operands(
   kernel's);
   with a bias, `bias` padded to the padded sequences; per read at a
   computed index its operand (`{prefix}d{k}`, `derived_operands`; for a
-  relative position, skewed for tiles of `tile_rows` query rows). `grad`:
-  the backward's score_mod operands (its jvp's arrays)."""
+  relative position, skewed for tiles of `tile_rows` query rows, or with
+  `keys_as_rows` of `tile_rows` keys). `grad`: the backward's score_mod
+  operands (its jvp's arrays)."""
   out = {}
   if ops.bias is not None:  # whole tiles: padded to the padded sequences
     b = ops.bias
@@ -1024,7 +1030,7 @@ def kernel_operands(
   for prefix, fn, score in _functions(spec):
     consts = ops.score_consts if score else ops.mask_consts
     g = grad if score else False  # the backward's: the jvp's arrays
-    reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g, relative=not g)
+    reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g, relative=True)
     tans = ()  # the params jaxpr's tangents: ones
     if g == "params":
       tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
@@ -1034,6 +1040,7 @@ def kernel_operands(
     built = derived_operands(
       fn, score, g, tuple(consts) + tans, (spec.seq_q, spec.seq_kv),
       spec.batch, spec.heads_q, q_pad=q_pad, kv_pad=kv_pad, rows=tile_rows,
+      keys_as_rows=keys_as_rows,
     )  # fmt: skip
     for k, c in enumerate(built):
       out[f"{prefix}d{k}"] = c
@@ -1302,7 +1309,7 @@ def backward_unsupported(
   fn = fs.score_mod
   if fn is not None:
     try:
-      plan(fn, True, spec.seq_q, spec.seq_kv, grad=True)
+      plan(fn, True, spec.seq_q, spec.seq_kv, grad=True, relative=True)
     except Refused as e:
       return f"{e} (its derivative, in the backward kernels)"
     if float_positions(fn):  # their gradients: the kernels' row sums
@@ -1321,7 +1328,7 @@ def backward_unsupported(
           " shared-tile dK/dV kernel (two consumers, dkdv_head_splits=2:"
           " their gradients)"
         )
-  return kernel_unsupported(spec, block_q, block_kv, relative=False)
+  return kernel_unsupported(spec, block_q, block_kv)
 
 
 def kernel_score_grad(
