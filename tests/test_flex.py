@@ -115,6 +115,14 @@ CASES = {
     0.5 * jax.random.normal(jax.random.key(9), (B, 1, SQ, SKV)),
     lambda p: dict(bias=p, mask_mod=mods.causal_top_left),
   ),
+  # One per (batch, head): dbias is dS itself (the dQ kernel writes it in
+  # the bias's dtype, nothing summed).
+  "bias_full": (
+    (0.5 * jax.random.normal(jax.random.key(19), (B, HQ, SQ, SKV))).astype(
+      jnp.bfloat16
+    ),
+    lambda p: dict(bias=p, causal=True),
+  ),
   # A learnable offset per (batch, head), the dQ kernel's 2-D attribution
   # (on every other key: a row-wide offset would have a zero gradient).
   "batch_head_offset": (
@@ -238,6 +246,7 @@ RELATIVE_CASES = (
   "relative_bias", "t5_bias", "relative_tables", "gathered_table",
 )  # fmt: skip
 _KERNEL_QUICK = {
+  "bias_full",
   "gathered_mask",
   "user_closure",
   "bias_batch",

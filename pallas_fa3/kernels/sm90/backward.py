@@ -218,8 +218,21 @@ def _kernels(
       grad="params" if param_count(spec) else True,
       tile_rows=dq_plan.config.block_q,
     )  # fmt: skip
+  ds_dtype, sum_axes = jnp.float32, ()
+  if spec.flex is not None and spec.flex.bias is not None:
+    sum_axes = dbias_sum_axes(spec)
+    if not sum_axes:  # dS is dbias: written in the bias's dtype
+      ds_dtype = flex.bias.dtype
   dq = dq_kernel(
-    spec, config, sq_pad, skv_pad, ops, interpret, qp.shape[1], tuple(dq_fx)
+    spec,
+    config,
+    sq_pad,
+    skv_pad,
+    ops,
+    interpret,
+    qp.shape[1],
+    tuple(dq_fx),
+    ds_dtype,
   )(
     qp,
     kp,
@@ -236,11 +249,10 @@ def _kernels(
     return grads
   dbias = None
   if spec.flex.bias is not None and spec.flex.bias_grad:  # dS per query
-    ds = rest.pop(0)[:, :, : spec.seq_q, : spec.seq_kv]  # head, float32:
-    # summed to the bias's shape
-    nb, nh = spec.flex.bias
-    axes = tuple(a for a, n in ((0, nb), (1, nh)) if n == 1)
-    dbias = ds.sum(axes, keepdims=True).astype(flex.bias.dtype)
+    ds = rest.pop(0)[:, :, : spec.seq_q, : spec.seq_kv]  # head: summed
+    if sum_axes:  # (float32) over the bias's broadcast axes
+      ds = ds.sum(sum_axes, keepdims=True)
+    dbias = ds.astype(flex.bias.dtype)
   dscore = [None] * len(flex.score_consts)
   fn = spec.flex.score_mod
   if rest or dkdv_sums:  # per row sums of each floating array's derivative
@@ -260,6 +272,15 @@ def _kernels(
         rows = out[0].sum(0)[r, ..., :n]  # over the parts: [b, hq, rows]
         dscore[i] = _attributed(rows, axes[j], flex.score_consts[i], first)
   return grads + ((dbias, tuple(dscore)),)
+
+
+def dbias_sum_axes(spec: AttentionSpec) -> tuple[int, ...]:
+  """The axes (batch 0, query head 1) over which dS is summed into dbias:
+  those the bias broadcasts over where the call has more than one."""
+  nb, nh = spec.flex.bias
+  return tuple(
+    a for a, n, m in ((0, nb, spec.batch), (1, nh, spec.heads_q)) if n == 1 < m
+  )
 
 
 def _attributed(

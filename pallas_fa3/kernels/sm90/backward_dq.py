@@ -123,8 +123,8 @@ def _dq_consumer(
   halves = 2 if plan.row_blocks == 1 else 1
   sub = cfg.block_kv // halves
 
-  # With a bias, dS (float32) leaves per part through two staging tiles
-  # by turns: one is rewritten once its store two parts ago has read it.
+  # With a bias, dS leaves per part through two staging tiles by turns:
+  # one is rewritten once its store two parts ago has read it.
   ds_out = refs.get("dbias")
   if ds_out is not None:
     ds_stage = refs["ds_stage"].at[wg]
@@ -218,13 +218,13 @@ def _ds_and_sums(
 
 
 def _store_ds(ds_stage: Any, step: Any, ds: Any, dst: Any) -> None:
-  """dbias: float32 dS to `dst` by TMA through the staging tiles
-  `ds_stage` by turns (`step`'s), each rewritten once its last store has
-  read it."""
+  """dbias: dS (in the staging tiles' dtype) to `dst` by TMA through the
+  staging tiles `ds_stage` by turns (`step`'s), each rewritten once its
+  last store has read it."""
   n = ds_stage.shape[0]
   stage = ds_stage.at[lax.rem(step, n)]
   plgpu.wait_smem_to_gmem(n - 1, wait_read_only=True)
-  stage[...] = ds
+  stage[...] = ds.astype(stage.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(stage, dst)
 
@@ -237,7 +237,7 @@ def _zero_skipped(
   read it) into the key columns `cols` (offset, width) of each K/V tile
   outside the walk, in `ds_out` (this tile's rows of dS)."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  stage[...] = ops.tile(jnp.zeros(stage.shape, jnp.float32))
+  stage[...] = ops.tile(jnp.zeros(stage.shape, stage.dtype))
   plgpu.commit_smem()
 
   @pl.loop(0, plan.num_kv_blocks)
@@ -298,7 +298,7 @@ def _dq_shared_consumer(
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP
   cols = pl.ds(w * dc, dc)  # my head-dim columns of dQ
-  # With a bias, my half of each dS (float32) leaves through two staging
+  # With a bias, my half of each dS leaves through two staging
   # tiles by turns, as in `_dq_consumer`; a score_mod's floating arrays
   # get per-row sums over my key halves (the XLA side adds the two
   # consumers' sums).
@@ -398,10 +398,13 @@ def dq_kernel(
   interpret: Any,
   q_rows: int,
   flex_names: tuple[str, ...] = (),
+  ds_dtype: Any = jnp.float32,
 ) -> Callable[..., tuple]:
   """The dQ kernel: `(q, k, v, dout, lse2, delta, segment_ids=None) ->
-  (dq,)`, then with a bias float32 dS `[b, hq, seq_q_pad, kv tiles x
-  block_kv]` (0 on the tiles it skips), then with a score_mod's floating
+  (dq,)`, then with a bias dS `[b, hq, seq_q_pad, kv tiles x block_kv]`
+  in `ds_dtype` (float32 where XLA sums it over the bias's broadcast axes,
+  else the bias's own: dbias itself; 0 on the tiles it skips), then with a
+  score_mod's floating
   arrays their per-row sums `[parts, n, b, hq, seq_q_pad]` (`_dq_consumer`;
   shared-tile, each consumer's over its key halves: 2 parts);
   q, dout and dq have `q_rows` rows (TMA reads past them zeros, drops
@@ -505,7 +508,8 @@ def dq_kernel(
     sub = cfg.block_kv // (2 if consumers == 1 or shared else 1)
     # Two staging tiles each where they fit beside the kernel's (d192),
     # else one, stored before it is rewritten (shared-tile d256)
-    tile_bytes = blocks * parts * cfg.block_q * sub * 4
+    size = jnp.dtype(ds_dtype).itemsize
+    tile_bytes = blocks * parts * cfg.block_q * sub * size
     base = backward_kernel_smem_bytes(config, d, spec.dtype.itemsize, dv)["dq"]
     base += blocks * parts * n_params * cfg.block_q * 4  # (`dp_stage`)
     n_ds = 2 if base + 2 * tile_bytes <= MAX_SMEM_BYTES else 1
@@ -516,12 +520,12 @@ def dq_kernel(
       )
     scratch["ds_stage"] = plgpu.SMEM(
       (blocks * parts, n_ds, cfg.block_q, sub),
-      jnp.float32,
-      transforms=common.smem_transforms(jnp.float32, sub),
+      ds_dtype,
+      transforms=common.smem_transforms(ds_dtype, sub),
     )
     out_type["dbias"] = jax.ShapeDtypeStruct(
       (spec.batch, spec.heads_q, seq_q_pad, plan.num_kv_blocks * cfg.block_kv),
-      jnp.float32,
+      ds_dtype,
     )
   if n_params:  # per row, each floating array's sum (`_dq_consumer`)
     scratch["dp_stage"] = plgpu.SMEM(
