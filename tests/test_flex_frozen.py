@@ -91,20 +91,26 @@ def test_undifferentiated_slopes_run_the_fused_backward():
 
 def test_undifferentiated_bias_writes_no_ds():
   """A bias not differentiated: the dQ kernel has no float32 dS output
-  (`[b, h, sq, skv]`); differentiated, it has."""
-  q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((B, S, HK, D), jnp.bfloat16)
+  (`[b, h, sq, skv]`); differentiated (one bias for two batch rows, summed
+  over them), it has; with one batch row dS is dbias, written in the
+  bias's dtype (no float32 temporary either)."""
+  q = jax.ShapeDtypeStruct((2, S, HQ, D), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, S, HK, D), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((1, HQ, S, S), jnp.bfloat16)
 
   def loss(q, k, v, b):
     o = pallas_fa3.flash_attention(q, k, v, bias=b, implementation="mosaic")
     return o.astype(jnp.float32).sum()
 
-  ds = f"tensor<{B}x{HQ}x{S}x{S}xf32>"
+  ds = f"x{HQ}x{S}x{S}xf32>"
   frozen = _lowered(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, bias)
   learned = _lowered(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, k, bias)
   assert "fa3_bwd_dq" in frozen and ds not in frozen
-  assert ds in learned
+  assert f"tensor<2{ds}" in learned
+  one = (jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype) for x in (q, k))
+  q1, k1 = one
+  alone = _lowered(jax.grad(loss, argnums=(0, 1, 2, 3)), q1, k1, k1, bias)
+  assert "fa3_bwd_dq" in alone and ds not in alone
 
 
 @pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")

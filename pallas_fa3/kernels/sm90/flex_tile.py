@@ -124,6 +124,26 @@ class Tile:
   head: Any
   refs: tuple
   derived: tuple = ()  # the `DerivedRead`s' operands, in walk order
+  scalars: Scalars | None = None  # its scalar reads: recorded or replayed
+
+
+class Scalars:
+  """A function's scalar reads (indices from batch, head and other
+  scalars: the same at every step of a key loop), in walk order: recorded
+  by `preload_scalars`' walk before the loop, then replayed by each step's
+  walk instead of loads there (a global load between the P V wgmma's issue
+  and its wait made ptxas wait before the softmax's exp2: ALiBi's slope,
+  0 of 66 exp2 under the wgmma; RESULTS.md, issue 66)."""
+
+  def __init__(self, values: list | None = None):
+    self.values = [] if values is None else values
+    self.replaying = values is not None
+    self.next = 0
+
+  def take(self) -> Any:
+    x = self.values[self.next]
+    self.next += 1
+    return x
 
 
 class _Val:
@@ -416,6 +436,8 @@ class _Walk:
         start = t.q0 if base == "q" else t.kv0
         n = t.shape[t.q_axis] if base == "q" else t.shape[1 - t.q_axis]
         at.append(pl.ds(start + offset, n))
+    if vector is None and t.scalars is not None and t.scalars.replaying:
+      return _Val(kind, t.scalars.take(), dtype)  # (loaded before the loop)
     if not aval.shape:  # (0-d arrays travel as [1])
       x = ref[0]
     elif vector is None:
@@ -427,6 +449,8 @@ class _Walk:
     x = x.astype(aval.dtype)
     if array.dtype != aval.dtype:  # an array's bits, viewed as floats
       x = lax.bitcast_convert_type(x, array.dtype)
+    if vector is None and t.scalars is not None:
+      t.scalars.values.append(x)
     return _Val(kind, x, dtype)
 
   def load_derived(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
@@ -971,6 +995,7 @@ def _functions(spec: Any) -> list:
 def _tile(
   refs: dict, prefix: str, fn: Any, score: bool, grad: bool, ops: Any,
   shape: tuple, q_axis: int, q0: Any, kv0: Any, batch: Any, head: Any,
+  scalars: Scalars | None = None,
 ) -> Tile:  # fmt: skip
   """The `Tile` of a function whose arrays are the operands `prefix0`,
   ... (`kernel_operands`: the call's lifted consts, then the captured)."""
@@ -979,7 +1004,30 @@ def _tile(
   derived = []  # `derived_operands`'
   while f"{prefix}d{len(derived)}" in refs:
     derived.append(refs[f"{prefix}d{len(derived)}"])
-  return Tile(ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(derived))
+  return Tile(
+    ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(derived), scalars
+  )
+
+
+def preload_scalars(
+  spec: Any, refs: dict, ops: Any, shape: tuple, q0: Any, batch: Any,
+  head: Any,
+) -> dict[str, list]:  # fmt: skip
+  """Per function of the forward's flex options (by operand prefix), its
+  scalar reads loaded now, for `kernel_scores(..., scalars=)` to replay at
+  every step of the key loop of the tile of `shape` from query `q0` (a walk
+  on a zero tile: its tile values are dead code, only the loads stay)."""
+  out = {}
+  for prefix, fn, score in _functions(spec):
+    rec = Scalars()
+    tile = _tile(
+      refs, prefix, fn, score, False, ops, shape, 0, q0, jnp.int32(0),
+      batch, head, rec,
+    )  # fmt: skip
+    s = ops.tile(jnp.zeros(shape, jnp.float32)) if score else None
+    _walk(fn, score, tile, (1, 1), s)
+    out[prefix] = rec.values
+  return out
 
 
 def natural_units(spec: Any, t: jax.Array) -> jax.Array:
@@ -1179,11 +1227,16 @@ def kernel_scores(
   kv0: Any,
   batch: Any,
   head: Any,
+  scalars: dict[str, list] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """One forward tile through the flex options: `s` the scaled (and
   softcapped) float32 scores in natural units, queries as rows from `q0`,
   keys as columns from `kv0`; returns the new scores and the mask (None:
-  all visible)."""
+  all visible). `scalars`: the functions' scalar reads, loaded before the
+  key loop (`preload_scalars`)."""
+  replay = lambda prefix: (
+    Scalars(scalars[prefix]) if scalars and prefix in scalars else None
+  )
   bias = kernel_bias(spec, refs, ops, s.shape, q0, kv0, batch, head)
   if bias is not None:
     s = s + bias
@@ -1191,28 +1244,31 @@ def kernel_scores(
   if fs.score_mod is not None:
     fn = fs.score_mod
     tile = _tile(
-      refs, "score", fn, True, False, ops, s.shape, 0, q0, kv0, batch, head
-    )
+      refs, "score", fn, True, False, ops, s.shape, 0, q0, kv0, batch, head,
+      replay("score"),
+    )  # fmt: skip
     s = evaluate(fn, tile, s)
 
-  if not _skips_full_tiles(spec):
-    return s, _mask(spec, refs, ops, s.shape, q0, kv0, batch, head, 0)
-  # The hidden scores leave the branch as -inf (no mask tile crosses it).
-  hide = lambda s: jnp.where(
-    _mask(spec, refs, ops, s.shape, q0, kv0, batch, head, 0), s, -jnp.inf
+  mask_at = lambda shape: _mask(
+    spec, refs, ops, shape, q0, kv0, batch, head, 0, replay("mask")
   )
+  if not _skips_full_tiles(spec):
+    return s, mask_at(s.shape)
+  # The hidden scores leave the branch as -inf (no mask tile crosses it).
+  hide = lambda s: jnp.where(mask_at(s.shape), s, -jnp.inf)
   return _unless_full(spec, refs, q0, kv0, batch, head, hide, s), None
 
 
-def _mask(spec, refs, ops, shape, q0, kv0, batch, head, q_axis):
+def _mask(spec, refs, ops, shape, q0, kv0, batch, head, q_axis, scalars=None):
   """The tile's mask from mask_mod and the block mask's state (None:
   neither)."""
   mask = None
   if spec.flex.mask_mod is not None:
     fn = spec.flex.mask_mod
     tile = _tile(
-      refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch, head
-    )
+      refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch,
+      head, scalars,
+    )  # fmt: skip
     mask = evaluate(fn, tile)
   return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
 

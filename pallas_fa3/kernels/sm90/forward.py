@@ -154,6 +154,12 @@ def _query_tile(
     span = tile_span(refs["bm_spans"], batch, q_tile, head)
 
   walk = kv_walk(plan, tile.row0, row0, cfg.block_q, span)
+  scalars = None  # the functions' reads by batch / head, before the loop
+  if spec.flex is not None:
+    shape = (cfg.block_q, cfg.block_kv)
+    scalars = flex_tile.preload_scalars(
+      spec, refs, ops, shape, row0, batch, head
+    )
   # Padded keys matter only where rows see keys after their own position
   # (bottom-right causal rows never see a key at or past seq_kv).
   check_seq_kv = spec.window_right != 0
@@ -170,8 +176,9 @@ def _query_tile(
         s = flex_tile.natural_units(spec, s)
         scale_log2 = jnp.float32(LOG2E)
       s, mask = flex_tile.kernel_scores(
-        spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head
-      )
+        spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head,
+        scalars=scalars,
+      )  # fmt: skip
     builtin = None
     if masked and bounds is not None:  # positions folded into the bounds
       cols = ops.col_index(cfg.block_kv)
