@@ -125,6 +125,9 @@ class Tile:
   refs: tuple
   derived: tuple = ()  # the `DerivedRead`s' operands, in walk order
   scalars: Scalars | None = None  # its scalar reads: recorded or replayed
+  # A position difference converted to float from float vectors (no
+  # conversion per score; `_Walk.float_difference`), else per score.
+  float_differences: bool = False
 
 
 class Scalars:
@@ -147,10 +150,14 @@ class Scalars:
 
 
 class _Val:
-  __slots__ = ("kind", "value", "dtype")
+  __slots__ = ("kind", "value", "dtype", "parts")
 
-  def __init__(self, kind: Kind, value: Any, dtype: Any):
+  def __init__(self, kind: Kind, value: Any, dtype: Any, parts: Any = None):
     self.kind, self.value, self.dtype = kind, value, jnp.dtype(dtype)
+    # A position difference's vectors (`_Walk.difference`): (a, its axis,
+    # b, its axis, the integer abs / neg applied since), so a conversion
+    # to float converts the vectors, not the tile.
+    self.parts = parts
 
 
 def _join(kinds: list[int]) -> int:
@@ -275,6 +282,10 @@ class _Walk:
     folded = self.fold(name, ins, dtype)
     if folded is not None:
       return folded
+    if self.tile is not None and len(ins) == 1 and ins[0].parts is not None:
+      floated = self.float_difference(name, prim, params, ins[0], dtype)
+      if floated is not None:
+        return floated
     if name in _FLIP and self.tile is not None:
       compared = self.compare(name, ins)
       if compared is not None:
@@ -363,7 +374,36 @@ class _Walk:
     out = lax.broadcast_in_dim(shifted, t.shape, [axis_a]) - (
       lax.broadcast_in_dim(lb, t.shape, [axis_b])
     )
-    return _Val(Kind(TILE, deps=frozenset(), rel=True), out, jnp.int32)
+    kind = Kind(TILE, deps=frozenset(), rel=True)
+    return _Val(kind, out, jnp.int32, (shifted, axis_a, lb, axis_b, ()))
+
+  def float_difference(
+    self, name: str, prim: Any, params: dict, x: _Val, dtype: Any
+  ) -> _Val | None:
+    """On a position difference (`x.parts`): an integer abs / neg kept
+    pending, and where the tile asks (`Tile.float_differences`) a
+    conversion to float done on the two vectors (exact below 2^24) and the
+    tile formed in float (ALiBi's `|q - kv|`: no integer-to-float
+    conversion per score, which shares the exp2's pipe; the key vector's
+    floats stay in registers across the loop); None for anything else."""
+    a, axis_a, b, axis_b, pending = x.parts
+    if name in ("abs", "neg") and jnp.issubdtype(dtype, jnp.integer):
+      out = prim.bind(x.value, **params)  # (dead code unless used as int)
+      return _Val(x.kind, out, dtype, (a, axis_a, b, axis_b, pending + (name,)))
+    if (
+      name != "convert_element_type"
+      or not jnp.issubdtype(dtype, jnp.floating)
+      or not self.tile.float_differences
+    ):
+      return None
+    f32 = lambda v: v.astype(jnp.float32)
+    shape = self.tile.shape
+    out = lax.broadcast_in_dim(f32(a), shape, [axis_a]) - (
+      lax.broadcast_in_dim(f32(b), shape, [axis_b])
+    )
+    for op in pending:
+      out = jnp.abs(out) if op == "abs" else -out
+    return _Val(x.kind, out.astype(dtype), dtype)
 
   def affine(self, name: str, ins: list[_Val], dtype: Any) -> Kind | None:
     """The Kind of `index + c` kept exact (None: not such an index)."""
@@ -1228,12 +1268,13 @@ def kernel_scores(
   batch: Any,
   head: Any,
   scalars: dict[str, list] | None = None,
+  float_differences: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """One forward tile through the flex options: `s` the scaled (and
   softcapped) float32 scores in natural units, queries as rows from `q0`,
   keys as columns from `kv0`; returns the new scores and the mask (None:
   all visible). `scalars`: the functions' scalar reads, loaded before the
-  key loop (`preload_scalars`)."""
+  key loop (`preload_scalars`); `float_differences`: `Tile`'s."""
   replay = lambda prefix: (
     Scalars(scalars[prefix]) if scalars and prefix in scalars else None
   )
@@ -1247,6 +1288,7 @@ def kernel_scores(
       refs, "score", fn, True, False, ops, s.shape, 0, q0, kv0, batch, head,
       replay("score"),
     )  # fmt: skip
+    tile = dataclasses.replace(tile, float_differences=float_differences)
     s = evaluate(fn, tile, s)
 
   mask_at = lambda shape: _mask(
