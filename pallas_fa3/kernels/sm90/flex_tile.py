@@ -124,19 +124,22 @@ class Tile:
   head: Any
   refs: tuple
   derived: tuple = ()  # the `DerivedRead`s' operands, in walk order
-  scalars: Scalars | None = None  # its scalar reads: recorded or replayed
+  scalars: Loads | None = None  # its scalar reads: recorded or replayed
+  vectors: Loads | None = None  # its vector and tile reads: likewise
   # A position difference converted to float from float vectors (no
   # conversion per score; `_Walk.float_difference`), else per score.
   float_differences: bool = False
 
 
-class Scalars:
-  """A function's scalar reads (indices from batch, head and other
-  scalars: the same at every step of a key loop), in walk order: recorded
-  by `preload_scalars`' walk before the loop, then replayed by each step's
-  walk instead of loads there (a global load between the P V wgmma's issue
-  and its wait made ptxas wait before the softmax's exp2: ALiBi's slope,
-  0 of 66 exp2 under the wgmma; RESULTS.md, issue 66)."""
+class Loads:
+  """A function's reads, in walk order: recorded by a walk ahead of time,
+  then replayed by the step's walk instead of loads there. Its scalar
+  reads (indices from batch, head and other scalars: the same at every
+  step of a key loop) are loaded before the loop (`preload_scalars`), its
+  vector and tile reads before the step's P V wgmma is issued
+  (`prefetch`): a global load between that issue and its wait made ptxas
+  wait before the softmax's exp2s (ALiBi's slope: 0 of 66 exp2 under the
+  wgmma; RESULTS.md, issue 66)."""
 
   def __init__(self, values: list | None = None):
     self.values = [] if values is None else values
@@ -476,8 +479,9 @@ class _Walk:
         start = t.q0 if base == "q" else t.kv0
         n = t.shape[t.q_axis] if base == "q" else t.shape[1 - t.q_axis]
         at.append(pl.ds(start + offset, n))
-    if vector is None and t.scalars is not None and t.scalars.replaying:
-      return _Val(kind, t.scalars.take(), dtype)  # (loaded before the loop)
+    stream = t.scalars if vector is None else t.vectors
+    if stream is not None and stream.replaying:
+      return _Val(kind, stream.take(), dtype)  # (loaded ahead)
     if not aval.shape:  # (0-d arrays travel as [1])
       x = ref[0]
     elif vector is None:
@@ -489,8 +493,8 @@ class _Walk:
     x = x.astype(aval.dtype)
     if array.dtype != aval.dtype:  # an array's bits, viewed as floats
       x = lax.bitcast_convert_type(x, array.dtype)
-    if vector is None and t.scalars is not None:
-      t.scalars.values.append(x)
+    if stream is not None:
+      stream.values.append(x)
     return _Val(kind, x, dtype)
 
   def load_derived(self, array: _Val, index: list[_Val], dtype: Any) -> _Val:
@@ -527,6 +531,8 @@ class _Walk:
     if self.tile is None:
       return _Val(kind, None, dtype)
     t = self.tile
+    if t.vectors is not None and t.vectors.replaying:
+      return _Val(kind, t.vectors.take(), dtype)  # (loaded ahead)
     ref = t.derived[number]
     at = (
       t.batch if ref.shape[0] > 1 else 0,
@@ -544,7 +550,10 @@ class _Walk:
       x = t.ops.load_global(
         ref.at[at + (pl.ds(start, t.shape[along]),)], as_rows=along == 0
       )
-    return _Val(kind, x.astype(array.dtype), dtype)  # (the value read)
+    x = x.astype(array.dtype)  # (the value read)
+    if t.vectors is not None:
+      t.vectors.values.append(x)
+    return _Val(kind, x, dtype)
 
 
 def _deps(k: Kind) -> frozenset | None:
@@ -1035,7 +1044,7 @@ def _functions(spec: Any) -> list:
 def _tile(
   refs: dict, prefix: str, fn: Any, score: bool, grad: bool, ops: Any,
   shape: tuple, q_axis: int, q0: Any, kv0: Any, batch: Any, head: Any,
-  scalars: Scalars | None = None,
+  scalars: Loads | None = None, vectors: Loads | None = None,
 ) -> Tile:  # fmt: skip
   """The `Tile` of a function whose arrays are the operands `prefix0`,
   ... (`kernel_operands`: the call's lifted consts, then the captured)."""
@@ -1045,8 +1054,9 @@ def _tile(
   while f"{prefix}d{len(derived)}" in refs:
     derived.append(refs[f"{prefix}d{len(derived)}"])
   return Tile(
-    ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(derived), scalars
-  )
+    ops, shape, q_axis, q0, kv0, batch, head, arrays, tuple(derived), scalars,
+    vectors,
+  )  # fmt: skip
 
 
 def preload_scalars(
@@ -1059,10 +1069,36 @@ def preload_scalars(
   on a zero tile: its tile values are dead code, only the loads stay)."""
   out = {}
   for prefix, fn, score in _functions(spec):
-    rec = Scalars()
+    rec = Loads()
     tile = _tile(
       refs, prefix, fn, score, False, ops, shape, 0, q0, jnp.int32(0),
       batch, head, rec,
+    )  # fmt: skip
+    s = ops.tile(jnp.zeros(shape, jnp.float32)) if score else None
+    _walk(fn, score, tile, (1, 1), s)
+    out[prefix] = rec.values
+  return out
+
+
+def prefetch(
+  spec: Any, refs: dict, ops: Any, shape: tuple, q0: Any, kv0: Any,
+  batch: Any, head: Any, scalars: dict[str, list],
+) -> dict[str, Any]:  # fmt: skip
+  """The forward tile's per-step loads (from query `q0`, key `kv0`), issued
+  now for `kernel_scores(..., fetched=)`: the bias tile, the block mask's
+  state, and per function its vector and tile reads (a walk on a zero
+  tile whose arithmetic is dead code; its scalar reads replayed from
+  `scalars`, `preload_scalars`')."""
+  out = {}
+  if spec.flex.bias is not None:
+    out["bias"] = kernel_bias(spec, refs, ops, shape, q0, kv0, batch, head)
+  if spec.flex.block is not None:
+    out["bm_state"] = _block_state(spec, refs, q0, kv0, batch, head)
+  for prefix, fn, score in _functions(spec):
+    rec = Loads()
+    tile = _tile(
+      refs, prefix, fn, score, False, ops, shape, 0, q0, kv0, batch, head,
+      Loads(scalars[prefix]), rec,
     )  # fmt: skip
     s = ops.tile(jnp.zeros(shape, jnp.float32)) if score else None
     _walk(fn, score, tile, (1, 1), s)
@@ -1269,16 +1305,22 @@ def kernel_scores(
   head: Any,
   scalars: dict[str, list] | None = None,
   float_differences: bool = False,
+  fetched: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """One forward tile through the flex options: `s` the scaled (and
   softcapped) float32 scores in natural units, queries as rows from `q0`,
   keys as columns from `kv0`; returns the new scores and the mask (None:
   all visible). `scalars`: the functions' scalar reads, loaded before the
-  key loop (`preload_scalars`); `float_differences`: `Tile`'s."""
-  replay = lambda prefix: (
-    Scalars(scalars[prefix]) if scalars and prefix in scalars else None
+  key loop (`preload_scalars`); `float_differences`: `Tile`'s; `fetched`:
+  this tile's loads, issued earlier (`prefetch`)."""
+  replay = lambda loads, prefix: (
+    Loads(loads[prefix]) if loads and prefix in loads else None
   )
-  bias = kernel_bias(spec, refs, ops, s.shape, q0, kv0, batch, head)
+  fetched = fetched or {}
+  if "bias" in fetched:
+    bias = fetched["bias"]
+  else:
+    bias = kernel_bias(spec, refs, ops, s.shape, q0, kv0, batch, head)
   if bias is not None:
     s = s + bias
   fs = spec.flex
@@ -1286,22 +1328,27 @@ def kernel_scores(
     fn = fs.score_mod
     tile = _tile(
       refs, "score", fn, True, False, ops, s.shape, 0, q0, kv0, batch, head,
-      replay("score"),
+      replay(scalars, "score"), replay(fetched, "score"),
     )  # fmt: skip
     tile = dataclasses.replace(tile, float_differences=float_differences)
     s = evaluate(fn, tile, s)
 
+  state = fetched.get("bm_state")
   mask_at = lambda shape: _mask(
-    spec, refs, ops, shape, q0, kv0, batch, head, 0, replay("mask")
-  )
+    spec, refs, ops, shape, q0, kv0, batch, head, 0,
+    replay(scalars, "mask"), replay(fetched, "mask"), state,
+  )  # fmt: skip
   if not _skips_full_tiles(spec):
     return s, mask_at(s.shape)
   # The hidden scores leave the branch as -inf (no mask tile crosses it).
   hide = lambda s: jnp.where(mask_at(s.shape), s, -jnp.inf)
-  return _unless_full(spec, refs, q0, kv0, batch, head, hide, s), None
+  return _unless_full(spec, refs, q0, kv0, batch, head, hide, s, state), None
 
 
-def _mask(spec, refs, ops, shape, q0, kv0, batch, head, q_axis, scalars=None):
+def _mask(
+  spec, refs, ops, shape, q0, kv0, batch, head, q_axis, scalars=None,
+  vectors=None, state=None,
+):  # fmt: skip
   """The tile's mask from mask_mod and the block mask's state (None:
   neither)."""
   mask = None
@@ -1309,10 +1356,12 @@ def _mask(spec, refs, ops, shape, q0, kv0, batch, head, q_axis, scalars=None):
     fn = spec.flex.mask_mod
     tile = _tile(
       refs, "mask", fn, False, False, ops, shape, q_axis, q0, kv0, batch,
-      head, scalars,
+      head, scalars, vectors,
     )  # fmt: skip
     mask = evaluate(fn, tile)
-  return _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis)
+  return _with_state(
+    spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis, state
+  )
 
 
 def _skips_full_tiles(spec: Any, max_head_dim: int | None = None) -> bool:
@@ -1331,12 +1380,14 @@ def _skips_full_tiles(spec: Any, max_head_dim: int | None = None) -> bool:
   )
 
 
-def _unless_full(spec, refs, q0, kv0, batch, head, hide, x):
+def _unless_full(spec, refs, q0, kv0, batch, head, hide, x, state=None):
   """`x` as is on a full tile, else `hide(x)`: the tile's one state (block-
-  mask tiles hold whole kernel tiles) picks the branch."""
+  mask tiles hold whole kernel tiles; `state` where loaded already) picks
+  the branch."""
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
-  state = _block_state(spec, refs, q0, kv0, batch, head)
+  if state is None:
+    state = _block_state(spec, refs, q0, kv0, batch, head)
   return lax.cond(state == flex.FULL, lambda x: x, hide, x)
 
 
@@ -1466,9 +1517,12 @@ def _block_state(spec, refs, q0, kv0, batch, head):
   ]
 
 
-def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
+def _with_state(
+  spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis, state=None
+):  # fmt: skip
   """`mask` and-ed with the block mask's state of the tile (empty hides,
-  full shows every pair, partial asks mask_mod); as is without one."""
+  full shows every pair, partial asks mask_mod; `state` where loaded
+  already); as is without one."""
   from pallas_fa3 import flex  # (flex does not import the kernels)
 
   fs = spec.flex
@@ -1476,7 +1530,8 @@ def _with_state(spec, refs, ops, mask, shape, q0, kv0, batch, head, q_axis):
   if fs.block is not None:  # the tile's state: empty hides, full shows all
     st_ref = refs["bm_state"]
     nb, nh, bq, bkv = fs.block
-    state = _block_state(spec, refs, q0, kv0, batch, head)
+    if state is None:
+      state = _block_state(spec, refs, q0, kv0, batch, head)
     # One int per row (not a splat tile): 0 hides, 1 asks mask_mod, 2 shows.
     n_q = s_shape[q_axis]
     per_row = lambda x: _vector(
