@@ -1502,7 +1502,16 @@ def kernel_score_grad(
   tile = _tile(
     refs, "score", fn, True, g, ops, s.shape, q_axis, q0, kv0, batch, head
   )
+  d = max(spec.head_dim, spec.head_dim_v)
+  tile = dataclasses.replace(
+    tile, float_differences=d <= BACKWARD_FLOAT_DIFFERENCE_MAX_HEAD_DIM
+  )
   return evaluate_with_grad(fn, tile, s, params)
+
+
+# The widest head dim whose backward kernels form a position difference
+# converted to float from float vectors (`Tile.float_differences`).
+BACKWARD_FLOAT_DIFFERENCE_MAX_HEAD_DIM = 64
 
 
 def _block_state(spec, refs, q0, kv0, batch, head):
