@@ -201,3 +201,50 @@ def test_linen_prefill_and_steps_under_jit(rng):
   got = jnp.concatenate(outs, axis=1)
   assert_within_tolerance("decode", got, want, want)
   np.testing.assert_array_equal(cache["cache_lengths"], [_SEQ] * _BATCH)
+
+
+def test_linen_packed_continuous_batch(rng):
+  """The linen layer's continuous batch (`cu_seqlens`, a cache of 3 rows,
+  the last idle): sequence 0 prefills 5 tokens beside sequence 1's 3, then
+  2 and 1 more tokens; each sequence's rows equal the full causal call on
+  its tokens (the reference backend)."""
+  module = FlashMultiHeadDotProductAttention(
+    num_heads=_HEADS,
+    num_kv_heads=_KV_HEADS,
+    causal=True,
+    rope=True,
+    sinks=True,
+    implementation="blockwise",
+  )
+  x = normal(rng, (2, 7, _FEATURES))
+  params = module.init(jax.random.key(3), x)
+  params = jax.tree.map(lambda p: p + 0.1 * jnp.ones_like(p), params)
+  want = module.clone(implementation="reference").apply(params, x)
+  decoder = module.clone(decode=True)
+  cache = decoder.init(jax.random.key(0), jnp.zeros((3, _CACHE, _FEATURES)))
+  step = jax.jit(
+    lambda cache, chunk, cu: decoder.apply(
+      {**params, "cache": cache},
+      chunk,
+      cu_seqlens=cu,
+      max_seqlen_q=8,
+      mutable=["cache"],
+    )  # fmt: skip
+  )
+  first, state = step(
+    cache["cache"],
+    jnp.concatenate([x[0, :5], x[1, :3]]),
+    jnp.array([0, 5, 8, 8]),
+  )
+  second, state = step(
+    state["cache"],
+    jnp.concatenate([x[0, 5:7], x[1, 3:4]]),
+    jnp.array([0, 2, 3, 3]),
+  )
+  got0 = jnp.concatenate([first[:5], second[:2]])
+  got1 = jnp.concatenate([first[5:8], second[2:3]])
+  assert_within_tolerance("sequence 0", got0, want[0], want[0])
+  assert_within_tolerance("sequence 1", got1, want[1, :4], want[1, :4])
+  np.testing.assert_array_equal(state["cache"]["cache_lengths"], [7, 4, 0])
+  with pytest.raises(ValueError, match="cu_seqlens"):
+    decoder.init(jax.random.key(0), x[0], cu_seqlens=jnp.array([0, 7]))

@@ -115,6 +115,8 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     segment_ids: Any = None,
     prefill: bool = False,
     chunk_lengths: jax.Array | None = None,
+    cu_seqlens: jax.Array | None = None,
+    max_seqlen_q: int | None = None,
   ) -> jax.Array:
     """Attends `inputs_q` over `inputs_k`/`inputs_v` (self-attention if None).
 
@@ -140,6 +142,15 @@ class FlashMultiHeadDotProductAttention(nn.Module):
         (`flash_attention_with_kvcache`).
       chunk_lengths: decode: int32 `[batch...]`, the tokens of the chunk
         each sequence keeps (right-padded ragged chunks; default: all).
+      cu_seqlens: decode, with a cache of one batch axis: int32
+        `[batch + 1]`; `inputs_q` is packed `[total, features]`, sequence
+        i's new tokens the rows `cu_seqlens[i]:cu_seqlens[i+1]` (0 allowed),
+        appended to cache row i and attended in one ragged
+        `flash_attention_with_kvcache` call (a continuous batch: prefill
+        chunks beside decode tokens). The cache comes from an earlier
+        `init` with a `[batch, max_length, features]` input.
+      max_seqlen_q: with `cu_seqlens`: a static bound on any sequence's new
+        tokens (default: the total).
 
     Returns:
       `[batch..., seq_q, out_features]`.
@@ -153,6 +164,7 @@ class FlashMultiHeadDotProductAttention(nn.Module):
       segment_ids=segment_ids,
       prefill=prefill,
       chunk_lengths=chunk_lengths,
+      cu_seqlens=cu_seqlens,
     )
     inputs_q, inputs_k, inputs_v = attend.self_attention_inputs(
       inputs_q, inputs_k, inputs_v
@@ -202,8 +214,16 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     # Flax's convention: the first decode call (init) creates the cache
     # from its input's shape and computes the plain call.
     if decode and self.has_variable("cache", "cached_key"):
-      x = self._decode(query, key, value, prefill, chunk_lengths, options)
+      packed = None if cu_seqlens is None else (cu_seqlens, max_seqlen_q)
+      x = self._decode(
+        query, key, value, prefill, chunk_lengths, options, packed
+      )
     else:
+      if cu_seqlens is not None:
+        raise ValueError(
+          "cu_seqlens appends to an existing cache: init the layer with"
+          " decode=True on a [batch, max_length, features] input first"
+        )
       if decode:
         self._init_cache(inputs_q.shape, num_kv_heads, head_dim, key.dtype)
       x = attend.attend(
@@ -233,21 +253,36 @@ class FlashMultiHeadDotProductAttention(nn.Module):
     ):
       self.variable("cache", name, lambda v=value: v)
 
-  def _decode(self, query, key, value, prefill, chunk_lengths, options):
-    """A decode call's attention output, updating the `cache` collection."""
+  def _decode(
+    self, query, key, value, prefill, chunk_lengths, options, packed=None
+  ):
+    """A decode call's attention output, updating the `cache` collection
+    (`packed`: `(cu_seqlens, max_seqlen_q)` of a continuous batch)."""
     names = ("cached_key", "cached_value", "cache_lengths")
     variables = [self.get_variable("cache", n) for n in names]
     state = decode_lib.DecodeState(*variables)
-    x, state = decode_lib.decode_attend(
-      query,
-      key,
-      value,
-      state,
-      prefill=prefill,
-      chunk_lengths=chunk_lengths,
-      decode_config=self.decode_config,
-      **options,
-    )
+    if packed is not None:
+      x, state = decode_lib.packed_attend(
+        query,
+        key,
+        value,
+        state,
+        cu_seqlens=packed[0],
+        max_seqlen_q=packed[1],
+        decode_config=self.decode_config,
+        **{n: v for n, v in options.items() if n != "config"},
+      )
+    else:
+      x, state = decode_lib.decode_attend(
+        query,
+        key,
+        value,
+        state,
+        prefill=prefill,
+        chunk_lengths=chunk_lengths,
+        decode_config=self.decode_config,
+        **options,
+      )
     for name, new in zip(names, state):
       self.put_variable("cache", name, new)
     return x
