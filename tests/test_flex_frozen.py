@@ -114,7 +114,14 @@ def test_undifferentiated_bias_writes_no_ds():
 
 
 @pytest.mark.filterwarnings("error:the sm90 backward kernels cannot")
-@pytest.mark.parametrize("impl", ["interpret", "blockwise"])
+@pytest.mark.parametrize(
+  "impl",
+  [
+    # (the kernels' frozen reads also run in the tables' test below)
+    pytest.param("interpret", marks=pytest.mark.slow),
+    "blockwise",
+  ],
+)
 def test_undifferentiated_arrays_against_golden(impl):
   """Slopes and a bias passed into a jitted gradient of q, k, v only: the
   gradients taken, against the float64 golden; then with the slopes and
