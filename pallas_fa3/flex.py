@@ -128,7 +128,7 @@ class UserFunction:
 
   def frozen(self) -> UserFunction:
     """This function taking its floating arrays as integers of the same
-    width (`frozen_consts`: their bits), bitcast back before it reads
+    width (`flex.frozen`'s operands: their bits), bitcast back before it reads
     them: it computes the same scores, and to JAX and the kernels its
     arrays carry no gradient, so a backward that needs none of theirs
     plans as for a function without learnable arrays (the fused kernel,
@@ -152,7 +152,7 @@ class UserFunction:
 
       # (placeholder consts: their shapes and integer types)
       consts = tuple(
-        np.zeros(shape, _BITS[jnp.dtype(dt).itemsize] if f else dt)
+        np.zeros(shape, _bits_type(dt) if f else dt)
         for (shape, dt), f in zip(types, floats)
       )
       fn = self._variant(converted, consts=consts, shift=self.shift)
@@ -881,10 +881,11 @@ def frozen(fs: FlexSpec, ops: FlexOperands) -> tuple[FlexSpec, FlexOperands]:
   fn = fs.score_mod
   if fn is None or fn.frozen() is fn:
     return fs, ops
+  floats = differentiable(ops.score_consts)
   consts = tuple(
-    lax.bitcast_convert_type(c, _BITS[jnp.dtype(c.dtype).itemsize]) if d else c
-    for c, d in zip(map(jnp.asarray, ops.score_consts), differentiable(ops.score_consts))
-  )  # fmt: skip
+    lax.bitcast_convert_type(c, _bits_type(c.dtype)) if f else c
+    for c, f in zip(map(jnp.asarray, ops.score_consts), floats)
+  )
   return dataclasses.replace(fs, score_mod=fn.frozen()), ops._replace(
     score_consts=consts
   )
@@ -899,6 +900,11 @@ def _bits_only(consts: tuple) -> bool:
     for c, d in zip(consts, differentiable(consts))
     if d
   )
+
+
+def _bits_type(dtype: Any) -> Any:
+  """The integer type a floating `dtype`'s bits travel as."""
+  return _BITS[jnp.dtype(dtype).itemsize]
 
 
 def zero_cotangent(x: Any) -> Any:

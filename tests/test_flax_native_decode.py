@@ -161,17 +161,20 @@ def test_ragged_chunk_needs_a_causal_layer(rng):
     )
 
 
-def test_linen_prefill_and_steps_under_jit(rng):
-  module = FlashMultiHeadDotProductAttention(
+def _linen(**kwargs):
+  """The linen layer as the tests use it (causal, RoPE, blockwise)."""
+  return FlashMultiHeadDotProductAttention(
     num_heads=_HEADS,
     num_kv_heads=_KV_HEADS,
     causal=True,
     rope=True,
-    softcap=5.0,
-    sinks=True,
-    window_size=(4, None),
     implementation="blockwise",
+    **kwargs,
   )
+
+
+def test_linen_prefill_and_steps_under_jit(rng):
+  module = _linen(softcap=5.0, sinks=True, window_size=(4, None))
   x = normal(rng, (_BATCH, _SEQ, _FEATURES))
   params = module.init(jax.random.key(int(rng.integers(2**30))), x)
   params = jax.tree.map(lambda p: p + 0.1 * jnp.ones_like(p), params)
@@ -208,14 +211,7 @@ def test_linen_packed_continuous_batch(rng):
   the last idle): sequence 0 prefills 5 tokens beside sequence 1's 3, then
   2 and 1 more tokens; each sequence's rows equal the full causal call on
   its tokens (the reference backend)."""
-  module = FlashMultiHeadDotProductAttention(
-    num_heads=_HEADS,
-    num_kv_heads=_KV_HEADS,
-    causal=True,
-    rope=True,
-    sinks=True,
-    implementation="blockwise",
-  )
+  module = _linen(sinks=True)
   x = normal(rng, (2, 7, _FEATURES))
   params = module.init(jax.random.key(3), x)
   params = jax.tree.map(lambda p: p + 0.1 * jnp.ones_like(p), params)

@@ -219,7 +219,8 @@ def _kernels(
       tile_rows=dq_plan.config.block_q,
     )  # fmt: skip
   ds_dtype, sum_axes = jnp.float32, ()
-  if spec.flex is not None and spec.flex.bias is not None:
+  fs = spec.flex
+  if fs is not None and fs.bias is not None and fs.bias_grad:
     sum_axes = dbias_sum_axes(spec)
     if not sum_axes:  # dS is dbias: written in the bias's dtype
       ds_dtype = flex.bias.dtype

@@ -240,7 +240,7 @@ def fused_flex_config(
     d, dv, size = spec.head_dim, spec.head_dim_v, spec.dtype.itemsize
     small = dict(block_choices=(64,), stage_choices=(2,))
     candidates += _fused_space(d, size, dv, **small)
-  for fused in candidates:
+  for fused in dict.fromkeys(candidates):  # (the default is the space's first)
     if (
       fused_backward(spec, fused)
       and fused_flex_unsupported(spec, fused) is None

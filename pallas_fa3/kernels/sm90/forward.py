@@ -67,12 +67,6 @@ from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
 
 # The widest dv at which O's rescale moves between the GEMM issues (`step`).
 EARLY_RESCALE_MAX_DV = 64
-# The widest dv at which a flex function's position difference converted
-# to float is formed from float vectors (`flex_tile.Tile.float_differences`):
-# ALiBi d64 causal 1.68 -> 1.42x the plain forward (model B: no conversion
-# per score beside the exp2s); at d128 the key vector's floats spilled
-# 32 B and took the exp2s out from under the wgmma (1.05 -> 1.14x).
-FLOAT_DIFFERENCE_MAX_DV = 64
 
 # The K/V ring's barriers, in `pipeline.kv_producer`'s order.
 _RING = ("k_full", "v_full", "k_empty", "v_empty")
@@ -191,7 +185,8 @@ def _query_tile(
       s, mask = flex_tile.kernel_scores(
         spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head,
         scalars=scalars, fetched=fetched,
-        float_differences=spec.head_dim_v <= FLOAT_DIFFERENCE_MAX_DV,
+        float_differences=max(spec.head_dim, spec.head_dim_v)
+        <= flex_tile.FLOAT_DIFFERENCE_MAX_HEAD_DIM,
       )  # fmt: skip
     builtin = None
     if masked and bounds is not None:  # positions folded into the bounds
