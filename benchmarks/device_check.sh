@@ -36,6 +36,9 @@
 #   ragged_decode  benchmarks/ragged_decode.py: one ragged kvcache call
 #              (2 prefill chunks, 12 decode tokens, 2 speculative runs of 4)
 #              against a call per sequence, ms per step
+#   jvp        benchmarks/jvp_cost.py: jax.jvp (the forward and the
+#              forward-tangent kernel) against the forward at 8k, d128,
+#              TFLOP/s on the primal
 #   fp8_speed  FP8 forward at 16k: quantization, kernel, total; Table-3 RMSE
 #   grid       the forward's persistent vs per-tile grid, d64/d128 at 16k
 #              (not in --quick)
@@ -92,9 +95,10 @@ if [ "$QUICK" = 1 ]; then
   # (25 -> 20) and bench_bwd (25 -> 20).
   # The varlen and ragged steps' 10 s each came from smoke (45 -> 40),
   # gpu_tests (30 -> 25), bench_fwd (20 -> 15) and bench_bwd (20 -> 15).
-  T_SMOKE=40; T_CAUSAL=15; T_TESTS=25; T_FP8T=0; T_FWD=15; T_BWD=15; T_FP8=20
+  # The jvp step's 10 s came from smoke (40 -> 35) and causal (15 -> 10).
+  T_SMOKE=35; T_CAUSAL=10; T_TESTS=25; T_FP8T=0; T_FWD=15; T_BWD=15; T_FP8=20
   T_GRID=0; T_DEC=25; T_MLA=15; T_MODES=15; T_HEAD=10; T_VARLEN=10
-  T_RAGGED=10
+  T_RAGGED=10; T_JVP=10
 else
   export PALLAS_FA3_GPU_TIER=full
   DIMS_FWD="64 128 256"; DIMS_BWD="128 256"; DIMS_FP8="128 256"
@@ -108,9 +112,11 @@ else
   # The varlen step's 20 s and the ragged step's 10 s came from smoke
   # (70 -> 65), gpu_tests (70 -> 65), bench_fwd (50 -> 40), bench_bwd
   # (40 -> 35) and grid (15 -> 10).
-  T_SMOKE=65; T_CAUSAL=35; T_TESTS=65; T_FP8T=40; T_FWD=40; T_BWD=35; T_FP8=30
+  # The jvp step's 15 s came from gpu_tests (65 -> 60), bench_fwd (40 -> 35)
+  # and bench_bwd (35 -> 30).
+  T_SMOKE=65; T_CAUSAL=35; T_TESTS=60; T_FP8T=40; T_FWD=35; T_BWD=30; T_FP8=30
   T_GRID=10; T_DEC=40; T_MLA=30; T_MODES=30; T_HEAD=10; T_VARLEN=20
-  T_RAGGED=10
+  T_RAGGED=10; T_JVP=15
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n 8)
 BENCH=("$PY" -m pallas_fa3.tools.cli bench --dtype bf16 --seq 16384 --tokens 16384
@@ -137,6 +143,9 @@ DECODE_MODES=("$PY" -m pallas_fa3.tools.cli bench --mode decode --grid gpu
 VARLEN=("$PY" -m pallas_fa3.tools.cli bench --mode varlen --runs 10 --warmup 2
         --no-progress --no-plots)
 RAGGED=("$PY" benchmarks/ragged_decode.py --reps 10)
+# Issue 69: jax.jvp (forward kernel + forward-tangent kernel) against the
+# forward, TFLOP/s on the primal (target: jvp >= 0.45x the forward's).
+JVP=("$PY" benchmarks/jvp_cost.py --seq 8192 --head-dims 128)
 
 if [ "$GPU" = 1 ]; then
   # Every smoke item at once, each in its own process and killed (recorded
@@ -159,6 +168,8 @@ if [ "$GPU" = 1 ]; then
     --time-budget $(( T_MODES - 12 )) --out "$OUT/decode_modes"
   run_step varlen "$T_VARLEN" "${VARLEN[@]}" --out "$OUT/varlen"
   run_step ragged_decode "$T_RAGGED" "${RAGGED[@]}" --impl mosaic
+  run_step jvp "$T_JVP" "${JVP[@]}" --implementation mosaic --dtype bfloat16 \
+    --runs 5 --json "$OUT/jvp.json"
   run_step fp8_speed "$T_FP8" "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget $(( T_FP8 - 15 ))
   [ "$T_GRID" -gt 0 ] && run_step grid "$T_GRID" "$PY" benchmarks/grid_check.py \
@@ -183,6 +194,8 @@ else
     --out "$OUT/decode_modes"
   run_step varlen 120 "${VARLEN[@]}" --runs 1 --warmup 0 --out "$OUT/varlen"
   run_step ragged_decode 120 "${RAGGED[@]}" --reps 1 --impl blockwise
+  run_step jvp 120 "$PY" benchmarks/jvp_cost.py --seq 256 --head-dims 64 \
+    --runs 1 --json "$OUT/jvp.json"
   run_step fp8_speed 120 "$PY" benchmarks/fp8_device_check.py \
     --out "$OUT/fp8" --head-dim $DIMS_FP8 --time-budget 0
   run_step grid 60 "$PY" benchmarks/grid_check.py --out "$OUT/grid" \

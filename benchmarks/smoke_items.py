@@ -247,8 +247,36 @@ _DQ_BY_COLS = pallas_fa3.Sm90Config(
   backward=pallas_fa3.Sm90BackwardConfig(64, 64, 2, 2, 1)
 )
 
+
 # (name, what it is the first run of, function): each runs in a process of
 # its own under its own timeout (`smoke`), so a hang is reported as a hang.
+def _jvp_item():
+  """jax.jvp through the forward kernel and the forward-tangent kernel
+  (GQA, causal, ragged) against the blockwise twin's tangent pass."""
+  q, k, v, _ = random_inputs(
+    jax.random.key(69), Shape(1, 200, 330, 4, 2, 128), jnp.bfloat16
+  )
+  dq, dk, dv, _ = random_inputs(
+    jax.random.key(70), Shape(1, 200, 330, 4, 2, 128), jnp.bfloat16
+  )
+  f = lambda impl: jax.jit(
+    lambda x, u: jax.jvp(
+      lambda q, k, v: pallas_fa3.flash_attention(
+        q, k, v, causal=True, return_lse=True, implementation=impl
+      ),
+      x,
+      u,
+    )[1]
+  )((q, k, v), (dq, dk, dv))
+  got, twin = f("mosaic"), f("blockwise")
+  result = {}
+  for name, a, b in zip(("dout", "dlse"), got, twin):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    result[f"{name}_vs_twin_err"] = float(np.max(np.abs(a - b)))
+    result[f"{name}_vs_twin_bound"] = 0.02 * float(np.max(np.abs(b)))
+  return result
+
+
 SMOKE_ITEMS = {
   "fwd bf16 d128": (
     "pingpong turn barriers (named, inline PTX)",
@@ -312,5 +340,9 @@ SMOKE_ITEMS = {
   "fwd+bwd bf16 d64 flex fused": (
     "the fused backward with a mask_mod and a score_mod's derivative",
     _flex_item,
+  ),
+  "jvp bf16 d128 tangent kernel": (
+    "the forward-tangent kernel (K and K', V and V' on one ring barrier)",
+    _jvp_item,
   ),
 }

@@ -32,10 +32,15 @@ NO_SECOND_ORDER_KERNEL = (
 )
 
 
-def tangent_backend(spec: Any, backend: Backend, config: Any) -> tuple:
+def tangent_backend(
+  spec: Any, backend: Backend, config: Any, *, differentiable: bool = False
+) -> tuple:
   """(backend, config) whose tangent pass serves a call of `backend`:
-  its own, or the blockwise twin's (default tiles)."""
-  if backend.describe_tangent(spec, config) is not None:
+  its own, or the blockwise twin's (default tiles): where it has none, or
+  where the pass will be differentiated (`differentiable`) and its own is
+  a kernel."""
+  own = backend.describe_tangent(spec, config) is not None
+  if own and (backend.tangent_differentiable or not differentiable):
     return backend, config
   twin = blockwise.BACKEND
   return twin, twin.make_config(spec, None)
@@ -51,15 +56,23 @@ def describe(spec: Any, backend: Backend, config: Any) -> str:
   if spec.fp8 is not None:
     return f"refused: {NO_FP8_JVP}"
   own = backend.describe_tangent(spec, config)
-  if own is not None:
+  twin, twin_config = tangent_backend(
+    spec, backend, config, differentiable=True
+  )
+  if own is not None and twin is backend:
     return f"{own}; a gradient through the tangent differentiates it"
-  twin, twin_config = tangent_backend(spec, backend, config)
+  twin_words = twin.describe_tangent(spec, twin_config)
+  if own is not None:
+    return (
+      f"{own}; a gradient through the tangent differentiates {twin_words}"
+      " instead (the same function); jax.hessian (the backward's jvp) is"
+      " refused: blockwise or reference serve it"
+    )
   return (
-    f"{twin.describe_tangent(spec, twin_config)} (fallback: {backend.name}"
-    " has no fused forward+tangent kernel yet; the primal runs its forward"
-    " kernel); a gradient through the tangent differentiates that pass;"
-    " jax.hessian (the backward's jvp) is refused: blockwise or reference"
-    " serve it"
+    f"{twin_words} (fallback: {backend.tangent_fallback(spec, config)};"
+    " the primal runs its forward kernel); a gradient through the tangent"
+    " differentiates that pass; jax.hessian (the backward's jvp) is"
+    " refused: blockwise or reference serve it"
   )
 
 
@@ -69,9 +82,19 @@ def check(static: StaticCall) -> None:
     raise NotImplementedError(NO_FP8_JVP)
 
 
-def tangents(static: StaticCall, operands: Any, dots: Any) -> tuple:
+def tangents(
+  static: StaticCall,
+  operands: Any,
+  dots: Any,
+  result: Any = None,
+  *,
+  differentiable: bool = False,
+) -> tuple:
   """(out's tangent, lse's tangent) of a forward or decode call at
-  `operands` along `dots` (the same tree, zeros instantiated)."""
+  `operands` along `dots` (the same tree, zeros instantiated); `result`
+  the call's own (out, lse) where known (a kernel pass reads them rather
+  than recomputing them). `differentiable`: JAX will differentiate the
+  pass (a pure-JAX one serves)."""
   spec = static.spec
   check(static)
   if static.op == "decode":
@@ -79,9 +102,12 @@ def tangents(static: StaticCall, operands: Any, dots: Any) -> tuple:
       lambda ops: oracle.reference_decode(spec, *ops), (operands,), (dots,)
     )
     return dout, dlse
-  backend, config = tangent_backend(spec, static.backend, static.config)
-  _, _, dout, dlse = backend.forward_tangent(spec, config, operands, dots)
-  return dout, dlse
+  backend, config = tangent_backend(
+    spec, static.backend, static.config, differentiable=differentiable
+  )
+  if result is None:
+    return backend.forward_tangent(spec, config, operands, dots)[2:]
+  return backend.tangent_of_result(spec, config, operands, result, dots)
 
 
 def backward_tangents(static: StaticCall, operands: Any, dots: Any) -> Any:

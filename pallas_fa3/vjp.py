@@ -138,8 +138,12 @@ class Tangent(hijax.HiPrim):
     super().__init__()
 
   def expand(self, operands: Any, result: Any, dots: Any) -> Any:
+    return tangent.tangents(self.static, operands, dots, result)
+
+  def differentiable(self, operands: Any, result: Any, dots: Any) -> Any:
+    """The tangents by a pass JAX can differentiate (pure JAX)."""
     del result
-    return tangent.tangents(self.static, operands, dots)
+    return tangent.tangents(self.static, operands, dots, differentiable=True)
 
   def transpose_values(self, cotangents: Any, operands: Any, result: Any):
     """The transpose's value: the tangents' cotangents (a `Prefill`)."""
@@ -149,14 +153,18 @@ class Tangent(hijax.HiPrim):
     _accumulate(dots, self.transpose_values(cotangents, operands, result))
 
   def vjp_fwd(self, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
+    # The value by `expand` (the kernel where one serves); the pullback
+    # differentiates the pure-JAX pass, traced only if a cotangent comes
+    # (none where the tangent is used under stop_gradient).
     del nzs_in
-    return jax.vjp(self.expand, *args)
+    return self(*args), args
 
-  def vjp_bwd_retval(self, pullback: Any, cotangents: Any) -> tuple:
+  def vjp_bwd_retval(self, args: Any, cotangents: Any) -> tuple:
+    _, pullback = jax.vjp(self.differentiable, *args)
     return pullback(_instantiate(cotangents))
 
   def jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
-    return jax.jvp(self.expand, primals, _instantiate(tangents))
+    return jax.jvp(self.differentiable, primals, _instantiate(tangents))
 
   lin, linearized = hijax.linearize_from_jvp
 

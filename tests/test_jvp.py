@@ -456,12 +456,102 @@ def test_fp8_jvp_is_refused_with_the_reason(rng):
   assert "jvp: refused" in plan
 
 
-def test_explain_says_the_kernels_fall_back_to_the_twin(rng):
+def _jvp_line(*args, **kw):
+  plan = pallas_fa3.explain(*args, implementation="interpret", **kw)
+  return next(ln for ln in plan.splitlines() if ln.startswith("jvp:"))
+
+
+def test_explain_names_the_tangent_kernel_or_its_fallback(rng):
   (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 64)
-  plan = pallas_fa3.explain(q, k, v, causal=True, implementation="interpret")
-  line = next(ln for ln in plan.splitlines() if ln.startswith("jvp:"))
+  line = _jvp_line(q, k, v, causal=True)
+  assert "forward-tangent kernel (fa3_fwd_tangent" in line
+  assert "fallback" not in line and "blockwise" in line  # (grad through it)
+  slopes = _mod_array(rng, 2)
+  line = _jvp_line(q, k, v, score_mod=lambda s, b, h, i, j: s + slopes[h])
   assert "blockwise forward+tangent pass" in line and "fallback" in line
+  assert "does not take score_mod" in line
+  (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 96)
+  assert "multiples of 64" in _jvp_line(q, k, v)
+  (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 256)
+  assert "spills above 192" in _jvp_line(q, k, v)
   assert tangent.NO_FP8_JVP  # named once, imported by the refusal
+
+
+# The tangent kernel's cases (interpret mode, races detected): each option
+# it takes, ragged lengths, GQA/MQA, dv != d.
+_KERNEL_CASES = [
+  ("causal-gqa-segments", (2, 40, 56, 4, 2, 64, None), dict(causal=1, ids=1)),
+  (
+    "softcap-sinks-d128",
+    (1, 33, 47, 2, 2, 128, None),
+    dict(softcap=3.0, sinks=1),
+  ),
+  ("window-mqa-dv", (1, 70, 70, 4, 1, 64, 128), dict(window=(9, 3))),
+  ("d192-one-consumer", (1, 40, 72, 2, 1, 192, 128), dict(causal=1)),
+  pytest.param(
+    ("causal-sq-gt-skv", (1, 150, 90, 2, 1, 64, None), dict(causal=1)),
+    marks=pytest.mark.slow,
+  ),
+]
+
+
+@pytest.mark.parametrize("case", _KERNEL_CASES, ids=lambda c: c[0])
+def test_tangent_kernel_matches_the_float64_golden(case, rng):
+  """The forward-tangent kernel (interpret mode) within the tolerance rule
+  of the float64 golden, rows that see no key exactly 0."""
+  _, shape, options = case
+  (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
+  kw, gold, sinks, bias, dsinks, dbias = _build(rng, shape, options)
+  primals, tangents = (q, k, v, sinks, bias), (dq, dk, dv, dsinks, dbias)
+  assert "fa3_fwd_tangent" in _jvp_line(q, k, v, sinks=sinks, **kw)
+  with _count_passes() as seen:
+    got = jax.jit(lambda p, t: jax.jvp(_flash("interpret", kw), p, t))(
+      primals, tangents
+    )
+  if not options.get("ids"):  # (ids trace the twin beside the kernel)
+    assert seen["forward_tangent"] == 0  # not the twin's pass
+  golden = _golden_jvp(primals, tangents, **gold)
+  naive = jax.jvp(
+    lambda q, k, v, s, b: reference_attention(
+      q, k, v, sinks=s, bias=b, return_lse=True,
+      intermediate_dtype=jnp.bfloat16, **kw,
+    ),
+    primals,
+    tangents,
+  )  # fmt: skip
+  (out, lse), (dout, dlse) = got
+  naive = (*naive[0], *naive[1])
+  for name, g, n, gd in zip(
+    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
+  ):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)[np.isfinite(gd)]))
+    assert_within_tolerance(name, g, n, gd)
+  if options.get("ids"):  # the rows that see no key: tangents exactly 0
+    assert np.all(np.asarray(dout[-1, :3]) == 0)
+    assert np.all(np.asarray(dlse[-1, :, :3]) == 0)
+
+
+def test_grad_through_the_kernels_tangent_runs_the_twins_pass(rng):
+  """sCM's pattern and a gradient through the tangent itself, the kernel
+  serving the tangent: the gradient differentiates the blockwise pass
+  (the same function), equal to the blockwise call's own."""
+  (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 64, 64, 2, 2, 64)
+
+  def loss(q, k, v, implementation):
+    f = lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, causal=True, implementation=implementation
+    )
+    out, dout = jax.jvp(f, (q, k, v), (dq, dk, dv))
+    tgt = jax.lax.stop_gradient(dout.astype(jnp.float32))
+    return jnp.sum(out.astype(jnp.float32) * tgt) + jnp.sum(
+      dout.astype(jnp.float32) ** 2
+    )
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "interpret")
+  want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "blockwise")
+  for a, b in zip(got, want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * np.abs(b).max())
 
 
 def test_dot_product_attention_jvp(rng):
@@ -535,10 +625,10 @@ def test_varlen_jvp(rng):
 
 
 @pytest.mark.slow
-def test_interpret_jvp_runs_the_kernel_and_the_twins_tangent(rng):
+def test_interpret_jvp_runs_the_kernel_and_the_kernels_tangent(rng):
   """The kernels in interpret mode (races detected): the primal is the
-  forward kernel's, the tangent the blockwise pass's (the fallback the
-  plan names), within the rule of the golden; the gradient still runs."""
+  forward kernel's, the tangent the tangent kernel's, within the rule of
+  the golden; the gradient still runs."""
   (q, k, v), (dq, dk, dv) = _inputs(rng, 1, 64, 64, 2, 2, 64)
   x, u = (q, k, v, None, None), (dq, dk, dv, None, None)
   f = _flash("interpret", dict(causal=True))

@@ -146,6 +146,7 @@ def test_default_configs_compile_without_spills(default_reports):
   assert kinds == {
     "fa3_fwd",
     "fa3_fwd_fp8",
+    "fa3_fwd_tangent",
     "fa3_bwd_dkdv",
     "fa3_bwd_dq",
     "fp8_quantize",
@@ -175,6 +176,16 @@ def test_default_profiles_describe_warp_specialized_wgmma_kernels(
       assert any(s.startswith("dec") for s in k["setmaxnreg"]), k["name"]
       # The steady-state loop issues wgmma and synchronizes by mbarrier.
       assert k["loop"]["wgmma"] > 0 and k["loop"]["mbarrier"] > 0, k["name"]
+      if k["name"].startswith("fa3_fwd_tangent"):
+        # S waited alone with S' in flight (its two chunks: wait_group 2),
+        # S' with P V' in flight (1); P = exp2 of the scores less the lse;
+        # K with K' and V with V' on one barrier each (2 copies of a
+        # warpgroup's 128 arrivals, as are the two consumers' releases).
+        assert k["wait_group"].get("2", 0) > 0, k["name"]
+        assert k["wait_group"].get("1", 0) > 0, k["name"]
+        assert k["loop"]["ex2"] > 0 and not k["wgmma_serialized"], k["name"]
+        assert 256 in k["mbarrier_arrival_counts"], k["name"]
+        continue
       if k["name"].startswith("fa3_fwd"):
         # Online softmax: one exp2 per score, its argument scaled by a
         # multiply (FMUL then FADD since large logits stay finite, issue 31).

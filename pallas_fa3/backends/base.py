@@ -158,6 +158,29 @@ class Backend:
       f"implementation={self.name!r} has no forward+tangent pass"
     )
 
+  # Whether JAX can differentiate this backend's tangent pass (pure JAX):
+  # a gradient through a kernel's tangent differentiates the blockwise
+  # twin's pass instead (`pallas_fa3.tangent.tangents`).
+  tangent_differentiable = True
+
+  def tangent_fallback(self, spec: AttentionSpec, config: Any) -> str:
+    """Why `describe_tangent` is None for `spec`: the plan's words."""
+    del spec, config
+    return f"{self.name} has no fused forward+tangent kernel"
+
+  def tangent_of_result(
+    self,
+    spec: AttentionSpec,
+    config: Any,
+    primals: Prefill,
+    result: tuple[jax.Array, jax.Array],
+    tangents: Any,
+  ) -> tuple[jax.Array, jax.Array]:
+    """(out's tangent, lse's tangent) given the call's own (out, lse)
+    `result`; a pass that recomputes them (`forward_tangent`) ignores it."""
+    del result
+    return self.forward_tangent(spec, config, primals, tangents)[2:]
+
   def fp8_tiles(self, config: Any) -> tuple[int, int]:
     """(block_q, block_kv): the quantization tiles of an FP8 call."""
     raise NotImplementedError(f"implementation={self.name!r} has no FP8 path")

@@ -201,6 +201,73 @@ class Sm90Backend(Backend):
     operands = (q, k, v, sinks, bounds[:2], segment_ids, flex)
     return _on_device(keys_exact, run, twin, operands)
 
+  # -- forward mode ------------------------------------------------------------
+  tangent_differentiable = False  # (a kernel)
+
+  def _tangent_kernel(self, spec: AttentionSpec) -> tuple:
+    """(the tangent kernel's tiling, why it cannot serve `spec` or None)."""
+    from pallas_fa3.kernels.sm90 import forward_tangent as kernel  # pylint: disable=g-import-not-at-top
+
+    config = kernel.tangent_config(spec)
+    return config, kernel.tangent_unsupported(spec, config)
+
+  def describe_tangent(self, spec, config) -> str | None:
+    if isinstance(spec, DecodeSpec):
+      return None
+    cfg, reason = self._tangent_kernel(spec)
+    if reason is not None:
+      return None
+    return (
+      f"the forward-tangent kernel (fa3_fwd_tangent: {cfg.consumers} x"
+      f" {cfg.block_q}"
+      f" query rows per CTA, {cfg.block_kv}-key tiles of K, K', V, V' in"
+      f" {cfg.num_stages} stages) from the forward kernel's out and lse"
+    )
+
+  def tangent_fallback(self, spec, config) -> str:
+    _, reason = self._tangent_kernel(spec)
+    return f"the forward-tangent kernel does not take {reason}"
+
+  def forward_tangent(self, spec, config, primals, tangents):
+    q, k, v, sinks, ids, flex = primals
+    result = self.forward(
+      spec, config, q, k, v, sinks=sinks, segment_ids=ids, flex=flex
+    )
+    return (
+      *result,
+      *self.tangent_of_result(spec, config, primals, result, tangents),
+    )
+
+  def tangent_of_result(self, spec, config, primals, result, tangents):
+    from pallas_fa3.kernels.sm90 import forward_tangent as kernel  # pylint: disable=g-import-not-at-top
+
+    cfg, reason = self._tangent_kernel(spec)
+    assert reason is None, reason
+    q, k, v, sinks, ids, _ = primals
+    dots = (*tangents[:3], tangents[3] if sinks is not None else None)
+
+    def run(operands):
+      q, k, v, sinks, bounds, _, result, dots = operands
+      return kernel.sm90_forward_tangent(
+        spec, cfg, (q, k, v, sinks), result, dots,
+        interpret=self._params(), segment_ids=bounds,
+      )  # fmt: skip
+
+    def twin(operands):
+      q, k, v, sinks, _, ids, _, dots = operands
+      primals_ = (q, k, v, sinks, ids, None)
+      tangents_ = (*dots[:3], dots[3], tangents[4], tangents[5])
+      return blockwise.BACKEND.forward_tangent(
+        spec, blockwise.BlockwiseConfig(), primals_, tangents_
+      )[2:]
+
+    if ids is None:
+      return run((q, k, v, sinks, None, None, result, dots))
+    # As the forward: the kernel where each id's keys are contiguous.
+    bounds, (keys_exact, _) = segments.kernel_bounds(spec, ids)
+    operands = (q, k, v, sinks, bounds[:2], ids, result, dots)
+    return _on_device(keys_exact, run, twin, operands)
+
   def plan_backward(self, spec: AttentionSpec, config: Sm90Config) -> Any:
     if spec.fp8 is not None:
       return None  # (no gradient)

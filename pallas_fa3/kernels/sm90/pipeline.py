@@ -279,6 +279,10 @@ def kv_producer(
 
   `v_tile(v_ref, batch, kv_head, cols)` is the global-memory slice of one V
   tile (the FP8 kernel reads V transposed); `registers` its setmaxnreg.
+  `k_ref` / `v_ref` may be tuples of arrays streamed side by side (the
+  tangent kernel's K and its tangent): slot `s` of the ring is then
+  `k_smem.at[s, i]` for the i-th, all on the slot's one barrier (one
+  arrival each).
   """
   (k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_empty, v_empty) = refs
   cfg = walk.plan.config
@@ -298,23 +302,25 @@ def kv_producer(
       def _wait_k():  # the slot's previous tile has been read by both
         plgpu.barrier_wait(k_empty.at[slot])
 
-      plgpu.copy_gmem_to_smem(
-        k_ref.at[tile.batch, cols, tile.kv_head],
-        k_smem.at[slot],
-        k_full.at[slot],
-        oob_mode=compat.ZERO_FILL,
-      )
+      for src, dst in _side_by_side(k_ref, k_smem, slot):
+        plgpu.copy_gmem_to_smem(
+          src.at[tile.batch, cols, tile.kv_head],
+          dst,
+          k_full.at[slot],
+          oob_mode=compat.ZERO_FILL,
+        )
 
       @pl.when(g >= stages)
       def _wait_v():
         plgpu.barrier_wait(v_empty.at[slot])
 
-      plgpu.copy_gmem_to_smem(
-        v_tile(v_ref, tile.batch, tile.kv_head, cols),
-        v_smem.at[slot],
-        v_full.at[slot],
-        oob_mode=compat.ZERO_FILL,
-      )
+      for src, dst in _side_by_side(v_ref, v_smem, slot):
+        plgpu.copy_gmem_to_smem(
+          v_tile(src, tile.batch, tile.kv_head, cols),
+          dst,
+          v_full.at[slot],
+          oob_mode=compat.ZERO_FILL,
+        )
 
   total = walk.for_each(tile_loads)
 
@@ -325,3 +331,11 @@ def kv_producer(
     slot = lax.rem(g, stages)
     plgpu.barrier_wait(k_empty.at[slot])
     plgpu.barrier_wait(v_empty.at[slot])
+
+
+def _side_by_side(ref: Any, ring: Any, slot: Any) -> list[tuple[Any, Any]]:
+  """(source, ring tile) pairs of one slot: one array, or a tuple of them
+  (`kv_producer`)."""
+  if not isinstance(ref, tuple):
+    return [(ref, ring.at[slot])]
+  return [(r, ring.at[slot, i]) for i, r in enumerate(ref)]

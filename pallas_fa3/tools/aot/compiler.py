@@ -279,6 +279,40 @@ def compile_forward(
   )
 
 
+def compile_tangent(
+  spec: AttentionSpec,
+  config: sm90.Sm90ForwardConfig,
+  mesh: Mesh | None = None,
+) -> CompileReport:
+  """Compiles the forward-tangent kernel (jax.jvp's tangents of out and
+  lse from the forward's) for `spec`/`config` for sm_90a."""
+  import jax.numpy as jnp
+
+  from pallas_fa3.kernels.sm90 import forward_tangent
+
+  mesh = h200_mesh() if mesh is None else mesh
+  sinks = dsinks = ids = None  # constant stand-ins: the kernel reads them
+  if spec.sinks:
+    sinks = dsinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
+  if spec.segmented:
+    ids = packed_bounds(spec)[:2]
+  q, k, v, o, lse, _, _ = bf16_operands(spec, mesh, backward=True)
+  return compile_report(
+    f"tangent d={spec.head_dim}{_dv_label(spec)} {spec.dtype}"
+    f" causal={spec.causal}{modifier_label(spec)} {config}",
+    lambda q, k, v, o, lse, dq, dk, dv: forward_tangent.sm90_forward_tangent(
+      spec,
+      config,
+      (q, k, v, sinks),
+      (o, lse),
+      (dq, dk, dv, dsinks),
+      segment_ids=ids,
+    ),  # fmt: skip
+    [q, k, v, o, lse, q, k, v],
+    short_label(spec, config),
+  )
+
+
 def packed_bounds(spec: AttentionSpec) -> tuple:
   """(lo, hi, q_lo, q_hi): the key bounds of each query row and the query
   bounds of each key for documents of 512 tokens (the segmented kernels'

@@ -14,12 +14,13 @@ from pallas_fa3.tools.aot.compiler import (
   SweepItem,
   compile_backward,
   compile_forward,
+  compile_tangent,
 )
 from pallas_fa3.tools.aot.decode import decode_defaults
 from pallas_fa3.tools.aot.fp8 import compile_forward_fp8, compile_quantize
 
 if TYPE_CHECKING:
-  pass
+  from pallas_fa3.spec import AttentionSpec
 
 # `--modifiers`: (window_size, softcap, sinks, causal) at `PROFILE_SHAPE`.
 MODIFIER_CASES = (
@@ -164,6 +165,7 @@ def defaults_sweep(
         b, s, s, hq, hk, d, d, jnp.dtype(jnp.bfloat16), causal, d**-0.5
       )
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      yield from tangent_items(spec)
       for det in (False, True):  # the fused backward, and dK/dV + dQ
         bwd = dataclasses.replace(spec, deterministic=det)
         config = sm90_bwd_config.default_backward_config(bwd)
@@ -190,10 +192,21 @@ def defaults_sweep(
       b, s, s, hq, hk, d, dv, jnp.dtype(jnp.bfloat16), True, d**-0.5
     )
     yield compile_forward, spec, sm90_config.default_forward_config(spec)
+    yield from tangent_items(spec)
     for det in (False, True):
       bwd = dataclasses.replace(spec, deterministic=det)
       yield compile_backward, bwd, sm90_bwd_config.default_backward_config(bwd)
   yield from decode_defaults(head_dims)
+
+
+def tangent_items(spec: AttentionSpec) -> Iterator[SweepItem]:
+  """The forward-tangent kernel of `spec` (jax.jvp's tangents), where it
+  serves the call (none where the blockwise pass does)."""
+  from pallas_fa3.kernels.sm90 import forward_tangent
+
+  config = forward_tangent.tangent_config(spec)
+  if forward_tangent.tangent_unsupported(spec, config) is None:
+    yield compile_tangent, spec, config
 
 
 def modifiers_sweep() -> Iterator[SweepItem]:
@@ -218,11 +231,13 @@ def modifiers_sweep() -> Iterator[SweepItem]:
         q, kv, kv, causal=causal, window_size=window, softcap=cap, sinks=sinks
       )
       yield compile_forward, spec, sm90_config.default_forward_config(spec)
+      yield from tangent_items(spec)
       # With causal, packed documents too (segment ids).
       for packed in (False, True) if causal else (False,):
         one = dataclasses.replace(spec, segmented=packed)
         if packed:
           yield compile_forward, one, sm90_config.default_forward_config(one)
+          yield from tangent_items(one)
         for det in (False, True):
           bwd = dataclasses.replace(one, deterministic=det)
           config = sm90_bwd_config.default_backward_config(bwd)
