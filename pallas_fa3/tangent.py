@@ -10,11 +10,12 @@ differentiates the materialized decode: docs/api.md#forward-mode.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 
-from pallas_fa3 import reference as oracle
+from pallas_fa3 import flex, reference as oracle
 from pallas_fa3.backends import blockwise
 from pallas_fa3.backends.base import Backend, StaticCall
 from pallas_fa3.kvcache import DecodeSpec
@@ -89,12 +90,16 @@ def tangents(
   result: Any = None,
   *,
   differentiable: bool = False,
+  needed: Any = None,
 ) -> tuple:
   """(out's tangent, lse's tangent) of a forward or decode call at
   `operands` along `dots` (the same tree, zeros instantiated); `result`
   the call's own (out, lse) where known (a kernel pass reads them rather
   than recomputing them). `differentiable`: JAX will differentiate the
-  pass (a pure-JAX one serves)."""
+  pass (a pure-JAX one serves). `needed` (`vjp.Needed`): whether the
+  score_mod's arrays and the bias have tangents; where they have none the
+  pass takes the function with frozen arrays (`flex.frozen`) and a bias
+  without a tangent, as a kernel can."""
   spec = static.spec
   check(static)
   if static.op == "decode":
@@ -102,6 +107,8 @@ def tangents(
       lambda ops: oracle.reference_decode(spec, *ops), (operands,), (dots,)
     )
     return dout, dlse
+  if needed is not None and spec.flex is not None and not differentiable:
+    spec, operands = _without_tangents(spec, operands, needed)
   backend, config = tangent_backend(
     spec, static.backend, static.config, differentiable=differentiable
   )
@@ -125,3 +132,17 @@ def backward_tangents(static: StaticCall, operands: Any, dots: Any) -> Any:
     lambda ops: partitioning.run(static, ops), (operands,), (dots,)
   )
   return dgrads
+
+
+def _without_tangents(spec: Any, operands: Any, needed: Any) -> tuple:
+  """(spec, operands) whose flex options say which arrays carry no tangent:
+  a score_mod over frozen arrays (`flex.frozen`), a bias with
+  `bias_grad=False`. The same scores."""
+  fs, ops = spec.flex, operands.flex
+  if not needed.score_consts:
+    fs, ops = flex.frozen(fs, ops)
+  if not needed.bias and fs.bias is not None:
+    fs = dataclasses.replace(fs, bias_grad=False)
+  if fs is spec.flex:
+    return spec, operands
+  return dataclasses.replace(spec, flex=fs), operands._replace(flex=ops)

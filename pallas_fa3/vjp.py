@@ -94,11 +94,22 @@ class Attention(hijax.HiPrim):
   def jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
     (operands,), (dots,) = primals, tangents
     result = self(operands)
-    dots = _instantiate(dots)
     if self.static.op == "backward":
-      return result, tangent.backward_tangents(self.static, operands, dots)
+      return result, tangent.backward_tangents(
+        self.static, operands, _instantiate(dots)
+      )
     tangent.check(self.static)
-    return result, Tangent(self.static, operands, result, dots)(
+    # Which flex arrays have tangents (symbolic zeros: none), before the
+    # zeros become arrays: a kernel computes the tangent of a call whose
+    # score_mod arrays and bias carry none.
+    nonzero = jax.tree.map(
+      lambda t: not isinstance(t, hijax.Zero),
+      tangents[0],
+      is_leaf=lambda t: isinstance(t, hijax.Zero),
+    )
+    needed = Needed.of(nonzero)
+    dots = _instantiate(dots)
+    return result, Tangent(self.static, operands, result, dots, needed)(
       operands, result, dots
     )
 
@@ -128,17 +139,27 @@ class Tangent(hijax.HiPrim):
   JAX autodiff of the tangent pass (pure JAX). `result`, the call's
   (out, lse), is read by the transpose only."""
 
-  def __init__(self, static: StaticCall, operands: Any, result: Any, dots: Any):
+  def __init__(
+    self,
+    static: StaticCall,
+    operands: Any,
+    result: Any,
+    dots: Any,
+    needed: Needed | None = None,
+  ):
     args = (operands, result, dots)
     self.in_avals = jax.tree.map(jax.typeof, args)
     self.out_aval = jax.tree.map(
       lambda x: jax.typeof(x).to_tangent_aval(), result
     )
-    self.params = dict(static=static)
+    # `needed`: which flex arrays have nonzero tangents (`Needed`).
+    self.params = dict(static=static, needed=needed or Needed())
     super().__init__()
 
   def expand(self, operands: Any, result: Any, dots: Any) -> Any:
-    return tangent.tangents(self.static, operands, dots, result)
+    return tangent.tangents(
+      self.static, operands, dots, result, needed=self.needed
+    )
 
   def differentiable(self, operands: Any, result: Any, dots: Any) -> Any:
     """The tangents by a pass JAX can differentiate (pure JAX)."""

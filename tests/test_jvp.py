@@ -468,8 +468,20 @@ def test_explain_names_the_tangent_kernel_or_its_fallback(rng):
   assert "fallback" not in line and "blockwise" in line  # (grad through it)
   slopes = _mod_array(rng, 2)
   line = _jvp_line(q, k, v, score_mod=lambda s, b, h, i, j: s + slopes[h])
-  assert "blockwise forward+tangent pass" in line and "fallback" in line
-  assert "does not take score_mod" in line
+  assert "fa3_fwd_tangent" in line  # (a constant array: no tangent)
+  lines = []
+
+  def traced(slopes):  # learnable: explain assumes a tangent
+    mod = lambda s, b, h, i, j: s + slopes[h]
+    lines.append(_jvp_line(q, k, v, score_mod=mod))
+    return slopes
+
+  jax.eval_shape(traced, slopes)
+  assert "blockwise forward+tangent pass" in lines[0]
+  assert "fallback" in lines[0]
+  assert "tangents of a score_mod's arrays" in lines[0]
+  line = _jvp_line(q, k, v, mask_mod=lambda b, h, i, j: (i + j) % 7 != 0)
+  assert "fa3_fwd_tangent" in line
   (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 96)
   assert "multiples of 64" in _jvp_line(q, k, v)
   (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 256)
@@ -529,6 +541,100 @@ def test_tangent_kernel_matches_the_float64_golden(case, rng):
   if options.get("ids"):  # the rows that see no key: tangents exactly 0
     assert np.all(np.asarray(dout[-1, :3]) == 0)
     assert np.all(np.asarray(dlse[-1, :, :3]) == 0)
+
+
+@pytest.mark.parametrize(
+  "options,kernel",
+  [
+    (dict(mods=1, causal=1), True),  # slopes and ids captured: no tangent
+    (dict(bias=1), True),  # a bias closed over: no tangent
+    (dict(bias=1, bias_tangent=1), False),  # its tangent: the twin's pass
+  ],
+  ids=["score-and-mask-mods", "bias", "bias-with-tangent"],
+)
+def test_tangent_kernel_with_flex_options(options, kernel, rng):
+  """A score_mod and a bias whose arrays carry no tangent, and a mask_mod,
+  in the tangent kernel (interpret mode), within the rule of the float64
+  golden; a bias with a tangent takes the blockwise pass."""
+  shape = (1, 40, 72, 4, 2, 64, None)
+  (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
+  kw, gold, _, bias, _, dbias = _build(rng, shape, options)
+  if not options.get("bias_tangent") and bias is not None:
+    dbias = jnp.zeros_like(bias)
+  attend = lambda q, k, v, b: pallas_fa3.flash_attention(
+    q, k, v, bias=b, return_lse=True, implementation="interpret", **kw
+  )
+  if options.get("bias_tangent"):
+    run = lambda x, u: jax.jvp(attend, x, u)
+    x, u = (q, k, v, bias), (dq, dk, dv, dbias)
+  else:
+    run = lambda x, u: jax.jvp(lambda q, k, v: attend(q, k, v, bias), x, u)
+    x, u = (q, k, v), (dq, dk, dv)
+  with _count_passes() as seen:
+    (out, lse), (dout, dlse) = jax.jit(run)(x, u)
+  assert (seen["forward_tangent"] == 0) == kernel
+  primals, tangents = (q, k, v, None, bias), (dq, dk, dv, None, dbias)
+  golden = _golden_jvp(primals, tangents, **gold)
+  naive = jax.jvp(
+    lambda q, k, v, b: reference_attention(
+      q, k, v, bias=b, return_lse=True, intermediate_dtype=jnp.bfloat16,
+      **kw,
+    ),
+    (q, k, v, bias),
+    (dq, dk, dv, dbias),
+  )  # fmt: skip
+  naive = (*naive[0], *naive[1])
+  for name, g, n, gd in zip(
+    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
+  ):
+    assert_within_tolerance(name, g, n, gd)
+
+
+@pytest.mark.parametrize("which", ["t5-table", "block-mask"])
+def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
+  """A T5 relative-position table (a lookup at q - kv) and a document
+  block mask (empty tiles skipped, partial ones masked) in the tangent
+  kernel, against the blockwise call's tangent (float32 twin) within the
+  rule of the float64 golden."""
+  from pallas_fa3 import mods
+
+  b, s, h = 1, 256, 2
+  (q, k, v), (dq, dk, dv) = _inputs(rng, b, s, s, h, h, 64)
+  if which == "t5-table":
+    table = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
+    kw = dict(score_mod=mods.t5_relative_position_bias(table, max_distance=64))
+  else:
+    ids = jnp.asarray(np.arange(s)[None] // 100, jnp.int32)
+    doc = mods.document_mask(ids)
+    kw = dict(
+      mask_mod=doc,
+      block_mask=pallas_fa3.create_block_mask(
+        doc, 1, None, s, s, block_q=128, block_kv=128
+      ),
+    )
+  attend = lambda impl: (
+    lambda q, k, v: pallas_fa3.flash_attention(
+      q, k, v, return_lse=True, implementation=impl, **kw
+    )
+  )
+  assert "fa3_fwd_tangent" in _jvp_line(q, k, v, **kw)
+  with _count_passes() as seen:
+    _, (dout, dlse) = jax.jit(lambda x, u: jax.jvp(attend("interpret"), x, u))(
+      (q, k, v), (dq, dk, dv)
+    )
+  assert seen["forward_tangent"] == 0
+  gold_kw = {n: f for n, f in kw.items() if n != "block_mask"}
+  gold = _golden_jvp((q, k, v, None, None), (dq, dk, dv, None, None), **gold_kw)
+  gold = gold[2:]
+  _, naive = jax.jvp(
+    lambda q, k, v: reference_attention(
+      q, k, v, return_lse=True, intermediate_dtype=jnp.bfloat16, **kw
+    ),
+    (q, k, v),
+    (dq, dk, dv),
+  )
+  for name, g, n, gd in zip(("dout", "dlse"), (dout, dlse), naive, gold):
+    assert_within_tolerance(name, g, n, np.asarray(gd))
 
 
 def test_grad_through_the_kernels_tangent_runs_the_twins_pass(rng):

@@ -243,29 +243,29 @@ class Sm90Backend(Backend):
 
     cfg, reason = self._tangent_kernel(spec)
     assert reason is None, reason
-    q, k, v, sinks, ids, _ = primals
+    q, k, v, sinks, ids, flex = primals
     dots = (*tangents[:3], tangents[3] if sinks is not None else None)
 
     def run(operands):
-      q, k, v, sinks, bounds, _, result, dots = operands
+      q, k, v, sinks, bounds, _, flex, result, dots = operands
       return kernel.sm90_forward_tangent(
         spec, cfg, (q, k, v, sinks), result, dots,
-        interpret=self._params(), segment_ids=bounds,
+        interpret=self._params(), segment_ids=bounds, flex=flex,
       )  # fmt: skip
 
     def twin(operands):
-      q, k, v, sinks, _, ids, _, dots = operands
-      primals_ = (q, k, v, sinks, ids, None)
+      q, k, v, sinks, _, ids, flex, _, dots = operands
+      primals_ = (q, k, v, sinks, ids, flex)
       tangents_ = (*dots[:3], dots[3], tangents[4], tangents[5])
       return blockwise.BACKEND.forward_tangent(
         spec, blockwise.BlockwiseConfig(), primals_, tangents_
       )[2:]
 
     if ids is None:
-      return run((q, k, v, sinks, None, None, result, dots))
+      return run((q, k, v, sinks, None, None, flex, result, dots))
     # As the forward: the kernel where each id's keys are contiguous.
     bounds, (keys_exact, _) = segments.kernel_bounds(spec, ids)
-    operands = (q, k, v, sinks, bounds[:2], ids, result, dots)
+    operands = (q, k, v, sinks, bounds[:2], ids, flex, result, dots)
     return _on_device(keys_exact, run, twin, operands)
 
   def plan_backward(self, spec: AttentionSpec, config: Sm90Config) -> Any:

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat
+from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   SegmentRefs,
@@ -106,11 +106,18 @@ def tangent_unsupported(
   """Why the kernel cannot compute `spec`'s tangents (None: it can)."""
   if spec.fp8 is not None:
     return "fp8"
-  if spec.flex is not None:
-    return (
-      f"{', '.join(spec.flex.names())}: the tangent kernel computes the"
-      " built-in scores only"
-    )
+  fs = spec.flex
+  if fs is not None:
+    if fs.score_mod is not None and fs.score_mod.frozen() is not fs.score_mod:
+      return (
+        "tangents of a score_mod's arrays (they are differentiated: the"
+        " kernel reads a score_mod whose arrays carry none)"
+      )
+    if fs.bias is not None and fs.bias_grad:
+      return "a bias's tangent (the kernel reads a bias that carries none)"
+    reason = flex_tile.kernel_unsupported(spec, config.block_q, config.block_kv)
+    if reason is not None:
+      return reason
   if spec.stable_max is not None:
     return "stable_max"
   d, dv = spec.head_dim, spec.head_dim_v
@@ -178,9 +185,10 @@ def _consumer(
   if seg is not None:
     bounds = (*(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1)), 0)
 
-  walk = common.kv_walk(
-    plan, cta_row0, row0, cfg.block_q, cta_span(seg, batch, q_tile)
-  )
+  span = cta_span(seg, batch, q_tile)
+  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
+    span = common.tile_span(refs["bm_spans"], batch, q_tile, head)
+  walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   scale = jnp.float32(spec.softmax_scale)
   shape = (cfg.block_q, cfg.block_kv)
   # The shapes `then` below returns: P o S' for the GEMM, its row sum.
@@ -198,8 +206,9 @@ def _consumer(
 
     def body(read_s, read_sdot):  # S' computes while P is formed
       p, t = common.row_probabilities(
-        ops, spec, read_s(), lse2, row0, kv0, masked=masked, bounds=bounds
-      )
+        ops, spec, read_s(), lse2, row0, kv0, masked=masked, bounds=bounds,
+        flex_at=(refs, batch, head),
+      )  # fmt: skip
       plgpu.barrier_wait(v_full.at[slot])
 
       def then(in_flight=1):  # P o S' in natural units, its row sum,
@@ -263,7 +272,11 @@ def _consumer(
 
 
 def _build(
-  plan: QueryPlan, ops: KernelOps, interpret: Any, q_rows: int
+  plan: QueryPlan,
+  ops: KernelOps,
+  interpret: Any,
+  q_rows: int,
+  flex_names: tuple[str, ...] = (),
 ) -> Callable:
   spec, cfg = plan.spec, plan.config
   d, dv, st = spec.head_dim, spec.head_dim_v, cfg.num_stages
@@ -277,6 +290,8 @@ def _build(
         *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
       )
       tiles = dataclasses.replace(walk, spans=refs["spans"])
+    elif refs.get("bm_spans") is not None:  # a block mask's: the producer
+      tiles = dataclasses.replace(walk, spans=refs["bm_spans"])  # skips too
     wg = lax.axis_index("wg")
     pl.when(wg < consumers)(functools.partial(_consumer, refs, plan, ops, seg))
 
@@ -329,10 +344,13 @@ def _build(
   )
   inputs = ["q", "k", "v", "o", "lse", "dq", "dk", "dv"]
   inputs += ["seed"] * spec.sinks + ["lo", "hi", "spans"] * spec.segmented
+  inputs += list(flex_names)  # flex_tile.kernel_operands'
   return common.build_kernel(
     fa3_fwd_tangent,
     inputs=inputs,
-    optional=[n for n in ("seed", "lo", "hi", "spans") if n not in inputs],
+    optional=[
+      n for n in ("seed", "lo", "hi", "spans", "bm_spans") if n not in inputs
+    ],
     out_type=out_type,
     scratch=scratch,
     grid=walk.grid[0],
@@ -354,6 +372,7 @@ def sm90_forward_tangent(
   *,
   interpret: Any = None,
   segment_ids: Any = None,
+  flex: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the tangent kernel.
 
@@ -369,6 +388,10 @@ def sm90_forward_tangent(
       same kernel on a CPU.
     segment_ids: with `spec.segmented`, each query row's key bounds
       `(lo, hi)` (`segments.kernel_bounds`, exact for contiguous ids).
+    flex: `spec.flex`'s operands (`flex.FlexOperands`): a mask_mod, a
+      block mask, a score_mod over arrays without tangents and a bias
+      without one (`tangent_unsupported`), read as the dQ kernel reads
+      them (the score_mod's derivative chains S' into its scores).
 
   Returns:
     (out' `[b, sq, hq, dv]` in `spec.dtype`, float32 lse' `[b, hq, sq]`);
@@ -403,12 +426,19 @@ def sm90_forward_tangent(
     extra += (pad_axis(seed, 2, plan.seq_q_pad),)
   if segment_ids is not None:
     extra += id_operands(plan, *segment_ids)
+  fx = {}
+  if spec.flex is not None:  # as the dQ kernel takes them
+    fx = flex_tile.kernel_operands(
+      spec, flex, q_pad=plan.seq_q_pad, kv_pad=plan.seq_kv_pad,
+      rows_per_cta=rows, block_kv=config.block_kv, grad=True,
+      tile_rows=config.block_q,
+    )  # fmt: skip
   by_q = lambda x: tma_extent(x, 1, config.block_q)
   by_kv = lambda x: tma_extent(x, 1, config.block_kv)
   qp = by_q(q)
-  dout, dlse = _build(plan, ops, interpret, qp.shape[1])(
+  dout, dlse = _build(plan, ops, interpret, qp.shape[1], tuple(fx))(
     qp, by_kv(k), by_kv(v), by_q(out.astype(spec.dtype)), lse2,
     by_q(dq.astype(spec.dtype)), by_kv(dk.astype(spec.dtype)),
-    by_kv(dv.astype(spec.dtype)), *extra,
+    by_kv(dv.astype(spec.dtype)), *extra, *fx.values(),
   )  # fmt: skip
   return dout[:, : spec.seq_q], dlse[:, :, : spec.seq_q]

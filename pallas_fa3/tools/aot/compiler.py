@@ -281,11 +281,14 @@ def compile_forward(
 
 def compile_tangent(
   spec: AttentionSpec,
-  config: sm90.Sm90ForwardConfig,
+  config: Any,
   mesh: Mesh | None = None,
+  flex: Any = None,
+  label: str = "",
 ) -> CompileReport:
   """Compiles the forward-tangent kernel (jax.jvp's tangents of out and
-  lse from the forward's) for `spec`/`config` for sm_90a."""
+  lse from the forward's) for `spec`/`config` for sm_90a. `flex`:
+  `spec.flex`'s operands (`label` names them)."""
   import jax.numpy as jnp
 
   from pallas_fa3.kernels.sm90 import forward_tangent
@@ -299,7 +302,7 @@ def compile_tangent(
   q, k, v, o, lse, _, _ = bf16_operands(spec, mesh, backward=True)
   return compile_report(
     f"tangent d={spec.head_dim}{_dv_label(spec)} {spec.dtype}"
-    f" causal={spec.causal}{modifier_label(spec)} {config}",
+    f" causal={spec.causal}{modifier_label(spec)}{label} {config}",
     lambda q, k, v, o, lse, dq, dk, dv: forward_tangent.sm90_forward_tangent(
       spec,
       config,
@@ -307,7 +310,8 @@ def compile_tangent(
       (o, lse),
       (dq, dk, dv, dsinks),
       segment_ids=ids,
-    ),  # fmt: skip
+      flex=flex,
+    ),
     [q, k, v, o, lse, q, k, v],
     short_label(spec, config),
   )

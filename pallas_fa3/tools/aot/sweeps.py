@@ -201,7 +201,8 @@ def defaults_sweep(
 
 def tangent_items(spec: AttentionSpec) -> Iterator[SweepItem]:
   """The forward-tangent kernel of `spec` (jax.jvp's tangents), where it
-  serves the call (none where the blockwise pass does)."""
+  serves the call (none where the blockwise pass does; `flex_sweep` adds
+  its flex operands)."""
   from pallas_fa3.kernels.sm90 import forward_tangent
 
   config = forward_tangent.tangent_config(spec)
@@ -320,7 +321,8 @@ SEGMENTED_FLEX_CASES = ("sliding_window", "softcap", "alibi", "bias")
 
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
-  at `PROFILE_SHAPE`, the deterministic dK/dV and dQ kernels of the
+  at `PROFILE_SHAPE`, the tangent kernel where it takes the case (its
+  arrays and bias without tangents), the deterministic dK/dV and dQ kernels of the
   cases they differentiate (`flex_tile.backward_unsupported`), the fused
   kernel of those it takes (masks, a score_mod without floating arrays:
   the default backward where the tiling fuses), ALiBi
@@ -359,6 +361,14 @@ def flex_sweep() -> Iterator[SweepItem]:
         spec,
         config,
       )
+      # jax.jvp's tangent kernel, its arrays and bias carrying no tangent
+      tfs, tops = flex.frozen(fspec, ops)
+      if tfs.bias is not None:
+        tfs = dataclasses.replace(tfs, bias_grad=False)
+      for fn, tspec, tconfig in tangent_items(
+        dataclasses.replace(spec, flex=tfs)
+      ):
+        yield functools.partial(fn, flex=tops, label=label), tspec, tconfig
       det = dataclasses.replace(spec, deterministic=True)
       tiling = sm90_bwd_config.default_backward_config(det)
       if tiling is not None and not any(
