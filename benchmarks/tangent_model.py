@@ -7,7 +7,8 @@ the masked loop weighted by the causal share of masked tiles, as
 `compare_ext.block_cost` does).
 
   $PERFCMP_WORK/venv/bin/python benchmarks/tangent_model.py OUT \\
-      --head-dim 128 [--causal] [--option plain|alibi_doc|softcap_mod|bias]
+      --head-dim 128 [--causal]
+      [--option plain|alibi_doc|softcap_mod|bias|bias_tangent]
 
 4 x 4096 tokens, 16 heads, bf16. Prints model B of both kernels, their
 ratio, the tangent kernel's spills and its exp2s under an in-flight wgmma.
@@ -44,8 +45,8 @@ def _options(option: str, causal: bool) -> tuple[dict, list]:
     kw.update(score_mod=mods.alibi(slopes), mask_mod=mods.document_mask(ids))
   elif option == "softcap_mod":
     kw.update(score_mod=mods.softcap(30.0))
-  elif option == "bias":  # a bias closed over by the jvp: no tangent
-    return kw, [(B, H, S, S)]
+  elif option in ("bias", "bias_tangent"):  # closed over (no tangent) or
+    return kw, [(B, H, S, S)]  # differentiated along with q, k, v
   elif option != "plain":
     raise SystemExit(f"unknown --option {option!r}")
   return kw, []
@@ -97,12 +98,16 @@ def main() -> None:
     )
 
   def jvp(q, k, v, dq, dk, dv, *bias):
+    if args.option == "bias_tangent":
+      b, db = bias
+      return jax.jvp(attend, (q, k, v, b), (dq, dk, dv, db))
     f = lambda q, k, v: attend(q, k, v, *bias)
     return jax.jvp(f, (q, k, v), (dq, dk, dv))
 
   bias = [arr(s) for s in extra]
+  tangent_bias = bias * (2 if args.option == "bias_tangent" else 1)
   dirs = {
-    "tangent": _compile(out / "tangent", jvp, qkv * 2 + bias),
+    "tangent": _compile(out / "tangent", jvp, qkv * 2 + tangent_bias),
     "forward": _compile(out / "forward", attend, qkv + bias),
   }
   case = ("pfa3", "fwd", d, int(args.causal), B, S, "")

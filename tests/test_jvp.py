@@ -548,14 +548,15 @@ def test_tangent_kernel_matches_the_float64_golden(case, rng):
   [
     (dict(mods=1, causal=1), True),  # slopes and ids captured: no tangent
     (dict(bias=1), True),  # a bias closed over: no tangent
-    (dict(bias=1, bias_tangent=1), False),  # its tangent: the twin's pass
+    (dict(bias=1, bias_tangent=1), True),  # its tangent: a tile a step
+    (dict(bias=1, bias_tangent=1, mods=1, causal=1), True),
   ],
-  ids=["score-and-mask-mods", "bias", "bias-with-tangent"],
+  ids=["score-and-mask-mods", "bias", "bias-with-tangent", "all-three"],
 )
 def test_tangent_kernel_with_flex_options(options, kernel, rng):
-  """A score_mod and a bias whose arrays carry no tangent, and a mask_mod,
-  in the tangent kernel (interpret mode), within the rule of the float64
-  golden; a bias with a tangent takes the blockwise pass."""
+  """A score_mod whose arrays carry no tangent, a mask_mod, and a bias
+  with and without a tangent in the tangent kernel (interpret mode),
+  within the rule of the float64 golden."""
   shape = (1, 40, 72, 4, 2, 64, None)
   (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
   kw, gold, _, bias, _, dbias = _build(rng, shape, options)

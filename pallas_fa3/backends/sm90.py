@@ -245,12 +245,16 @@ class Sm90Backend(Backend):
     assert reason is None, reason
     q, k, v, sinks, ids, flex = primals
     dots = (*tangents[:3], tangents[3] if sinks is not None else None)
+    fs = spec.flex
+    if fs is not None and fs.bias is not None and fs.bias_grad:
+      dots += (tangents[5].bias,)  # the bias's tangent
 
     def run(operands):
       q, k, v, sinks, bounds, _, flex, result, dots = operands
       return kernel.sm90_forward_tangent(
-        spec, cfg, (q, k, v, sinks), result, dots,
+        spec, cfg, (q, k, v, sinks), result, dots[:4],
         interpret=self._params(), segment_ids=bounds, flex=flex,
+        dbias=dots[4] if len(dots) > 4 else None,
       )  # fmt: skip
 
     def twin(operands):

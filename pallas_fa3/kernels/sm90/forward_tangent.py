@@ -113,8 +113,6 @@ def tangent_unsupported(
         "tangents of a score_mod's arrays (they are differentiated: the"
         " kernel reads a score_mod whose arrays carry none)"
       )
-    if fs.bias is not None and fs.bias_grad:
-      return "a bias's tangent (the kernel reads a bias that carries none)"
     reason = flex_tile.kernel_unsupported(spec, config.block_q, config.block_kv)
     if reason is not None:
       return reason
@@ -209,14 +207,18 @@ def _consumer(
         ops, spec, read_s(), lse2, row0, kv0, masked=masked, bounds=bounds,
         flex_at=(refs, batch, head),
       )  # fmt: skip
+      bias_dot = None
+      if refs.get("dbias") is not None:  # the bias's tangent tile
+        bias_dot = flex_tile.kernel_bias(
+          spec, {"bias": refs["dbias"]}, ops, shape, row0, kv0, batch, head
+        )
       plgpu.barrier_wait(v_full.at[slot])
 
       def then(in_flight=1):  # P o S' in natural units, its row sum,
         # while P V' (`in_flight` groups issued after S') computes
         sdot = read_sdot(wait_n=in_flight)
         plgpu.barrier_arrive(k_empty.at[slot])  # K, K' read
-        ps = common.softcap_grad(p * sdot, t) * scale
-        return ps.astype(spec.dtype), ps.sum(axis=1)
+        return _p_times_tangent(p, sdot * scale, t, bias_dot, spec.dtype)
 
       if cfg.consumers == 1:  # (d > 128) P V' not in flight meanwhile:
         # the accumulator, P and P o S' at once spilled 140/168 B at d256
@@ -269,6 +271,22 @@ def _consumer(
   plgpu.copy_smem_to_gmem(o_tile, refs["dout"].at[tile])
   plgpu.copy_smem_to_gmem(rows_smem.at[0], refs["dlse"].at[batch, head, rows])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _p_times_tangent(
+  p: Any, sdot: Any, ctx: Any, dbias: Any, dtype: Any
+) -> tuple:
+  """(P o S' rounded for the GEMM, its float32 row sum): `sdot` the raw
+  scores' tangent times the scale, `ctx` `row_probabilities`' (the
+  softcap's tanh t, or (t, the score_mod's derivative g)), `dbias` the
+  bias's tangent tile or None: S' = g ((1 - t^2) sdot + dbias), the bias
+  added after the softcap and before the score_mod."""
+  cap, g = ctx if isinstance(ctx, tuple) else (ctx, None)
+  x = sdot if cap is None else sdot * (1.0 - cap * cap)
+  if dbias is not None:
+    x = x + dbias
+  ps = p * (x if g is None else x * g)
+  return ps.astype(dtype), ps.sum(axis=1)
 
 
 def _build(
@@ -373,6 +391,7 @@ def sm90_forward_tangent(
   interpret: Any = None,
   segment_ids: Any = None,
   flex: Any = None,
+  dbias: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the tangent kernel.
 
@@ -390,8 +409,9 @@ def sm90_forward_tangent(
       `(lo, hi)` (`segments.kernel_bounds`, exact for contiguous ids).
     flex: `spec.flex`'s operands (`flex.FlexOperands`): a mask_mod, a
       block mask, a score_mod over arrays without tangents and a bias
-      without one (`tangent_unsupported`), read as the dQ kernel reads
-      them (the score_mod's derivative chains S' into its scores).
+      (`tangent_unsupported`), read as the dQ kernel reads them (the
+      score_mod's derivative chains S' into its scores).
+    dbias: the bias's tangent (its shape) where `spec.flex.bias_grad`.
 
   Returns:
     (out' `[b, sq, hq, dv]` in `spec.dtype`, float32 lse' `[b, hq, sq]`);
@@ -433,6 +453,12 @@ def sm90_forward_tangent(
       rows_per_cta=rows, block_kv=config.block_kv, grad=True,
       tile_rows=config.block_q,
     )  # fmt: skip
+    if dbias is not None:  # padded as the bias: whole tiles by plain loads
+      fx["dbias"] = jnp.pad(
+        dbias,
+        [(0, 0), (0, 0)]
+        + [(0, n - m) for n, m in zip(fx["bias"].shape[2:], dbias.shape[2:])],
+      )
   by_q = lambda x: tma_extent(x, 1, config.block_q)
   by_kv = lambda x: tma_extent(x, 1, config.block_kv)
   qp = by_q(q)

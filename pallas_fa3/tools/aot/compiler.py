@@ -299,6 +299,10 @@ def compile_tangent(
     sinks = dsinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
   if spec.segmented:
     ids = packed_bounds(spec)[:2]
+  dbias = None  # a bias's tangent: a stand-in the shape of the bias
+  fs = spec.flex
+  if fs is not None and fs.bias is not None and fs.bias_grad:
+    dbias = jnp.zeros_like(flex.bias)
   q, k, v, o, lse, _, _ = bf16_operands(spec, mesh, backward=True)
   return compile_report(
     f"tangent d={spec.head_dim}{_dv_label(spec)} {spec.dtype}"
@@ -311,6 +315,7 @@ def compile_tangent(
       (dq, dk, dv, dsinks),
       segment_ids=ids,
       flex=flex,
+      dbias=dbias,
     ),
     [q, k, v, o, lse, q, k, v],
     short_label(spec, config),

@@ -321,8 +321,8 @@ SEGMENTED_FLEX_CASES = ("sliding_window", "softcap", "alibi", "bias")
 
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
-  at `PROFILE_SHAPE`, the tangent kernel where it takes the case (its
-  arrays and bias without tangents), the deterministic dK/dV and dQ kernels of the
+  at `PROFILE_SHAPE`, the tangent kernel where it takes the case (the
+  score_mod's arrays without tangents, a bias with one), the deterministic dK/dV and dQ kernels of the
   cases they differentiate (`flex_tile.backward_unsupported`), the fused
   kernel of those it takes (masks, a score_mod without floating arrays:
   the default backward where the tiling fuses), ALiBi
@@ -361,10 +361,9 @@ def flex_sweep() -> Iterator[SweepItem]:
         spec,
         config,
       )
-      # jax.jvp's tangent kernel, its arrays and bias carrying no tangent
+      # jax.jvp's tangent kernel: the score_mod's arrays without tangents
+      # (else the blockwise pass), a bias with one (a tile a step)
       tfs, tops = flex.frozen(fspec, ops)
-      if tfs.bias is not None:
-        tfs = dataclasses.replace(tfs, bias_grad=False)
       for fn, tspec, tconfig in tangent_items(
         dataclasses.replace(spec, flex=tfs)
       ):
