@@ -8,7 +8,8 @@ the masked loop weighted by the causal share of masked tiles, as
 
   $PERFCMP_WORK/venv/bin/python benchmarks/tangent_model.py OUT \\
       --head-dim 128 [--causal]
-      [--option plain|alibi_doc|softcap_mod|bias|bias_tangent]
+      [--option plain|alibi_doc|alibi_doc_tangent|t5_tangent|softcap_mod|
+                bias|bias_tangent]
 
 4 x 4096 tokens, 16 heads, bf16. Prints model B of both kernels, their
 ratio, the tangent kernel's spills and its exp2s under an in-flight wgmma.
@@ -47,6 +48,12 @@ def _options(option: str, causal: bool) -> tuple[dict, list]:
     kw.update(score_mod=mods.softcap(30.0))
   elif option in ("bias", "bias_tangent"):  # closed over (no tangent) or
     return kw, [(B, H, S, S)]  # differentiated along with q, k, v
+  elif option == "alibi_doc_tangent":  # the slopes differentiated too
+    ids = jnp.asarray(np.arange(S)[None].repeat(B, 0) // 512, jnp.int32)
+    kw.update(mask_mod=mods.document_mask(ids))
+    return kw, [(H,)]
+  elif option == "t5_tangent":  # a T5 table differentiated too
+    return kw, [(H, 32)]
   elif option != "plain":
     raise SystemExit(f"unknown --option {option!r}")
   return kw, []
@@ -92,20 +99,39 @@ def main() -> None:
   )
   qkv = [arr((B, S, H, d))] * 3
 
-  def attend(q, k, v, *bias):
-    return pallas_fa3.flash_attention(
-      q, k, v, implementation="mosaic", bias=bias[0] if bias else None, **kw
-    )
+  # (extra: the slopes or the table)
+  slopes = args.option in ("alibi_doc_tangent", "t5_tangent")
 
-  def jvp(q, k, v, dq, dk, dv, *bias):
-    if args.option == "bias_tangent":
-      b, db = bias
-      return jax.jvp(attend, (q, k, v, b), (dq, dk, dv, db))
-    f = lambda q, k, v: attend(q, k, v, *bias)
+  def attend(q, k, v, *extra):
+    if slopes:
+      mod = (
+        mods.alibi(extra[0])
+        if args.option == "alibi_doc_tangent"
+        else mods.t5_relative_position_bias(extra[0])
+      )
+      return pallas_fa3.flash_attention(
+        q, k, v, implementation="mosaic", score_mod=mod, **kw
+      )
+    return pallas_fa3.flash_attention(
+      q, k, v, implementation="mosaic", bias=extra[0] if extra else None,
+      **kw,
+    )  # fmt: skip
+
+  def jvp(q, k, v, dq, dk, dv, *extra):
+    if args.option in ("bias_tangent", "alibi_doc_tangent", "t5_tangent"):
+      x, dx = extra
+      return jax.jvp(attend, (q, k, v, x), (dq, dk, dv, dx))
+    f = lambda q, k, v: attend(q, k, v, *extra)
     return jax.jvp(f, (q, k, v), (dq, dk, dv))
 
-  bias = [arr(s) for s in extra]
-  tangent_bias = bias * (2 if args.option == "bias_tangent" else 1)
+  bias = [
+    jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)
+    if slopes
+    else arr(s)
+    for s in extra
+  ]
+  two = args.option in ("bias_tangent", "alibi_doc_tangent", "t5_tangent")
+  tangent_bias = bias * (2 if two else 1)
   dirs = {
     "tangent": _compile(out / "tangent", jvp, qkv * 2 + tangent_bias),
     "forward": _compile(out / "forward", attend, qkv + bias),

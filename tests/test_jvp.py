@@ -471,15 +471,13 @@ def test_explain_names_the_tangent_kernel_or_its_fallback(rng):
   assert "fa3_fwd_tangent" in line  # (a constant array: no tangent)
   lines = []
 
-  def traced(slopes):  # learnable: explain assumes a tangent
+  def traced(slopes):  # learnable: its tangent enters S' in the kernel
     mod = lambda s, b, h, i, j: s + slopes[h]
     lines.append(_jvp_line(q, k, v, score_mod=mod))
     return slopes
 
   jax.eval_shape(traced, slopes)
-  assert "blockwise forward+tangent pass" in lines[0]
-  assert "fallback" in lines[0]
-  assert "tangents of a score_mod's arrays" in lines[0]
+  assert "fa3_fwd_tangent" in lines[0]
   line = _jvp_line(q, k, v, mask_mod=lambda b, h, i, j: (i + j) % 7 != 0)
   assert "fa3_fwd_tangent" in line
   (q, k, v), _ = _inputs(rng, 1, 64, 64, 2, 2, 96)
@@ -591,16 +589,93 @@ def test_tangent_kernel_with_flex_options(options, kernel, rng):
     assert_within_tolerance(name, g, n, gd)
 
 
-@pytest.mark.parametrize("which", ["t5-table", "block-mask"])
+def test_tangent_kernel_takes_the_score_mods_arrays_tangents(rng):
+  """ALiBi with slopes differentiated in forward mode (their tangent
+  enters S' through the score_mod's jvp along them) and a mask_mod, in the
+  tangent kernel, within the rule of the float64 golden."""
+  shape = (1, 40, 72, 4, 2, 64, None)
+  (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
+  slopes, dslopes = _mod_array(rng, 4), _mod_array(rng, 4)
+  mask = lambda b, h, i, j: (i + j) % 7 != 0
+  mod = lambda sl: lambda s, b, h, i, j: s - sl[h] * jnp.abs(i - j)
+
+  def attend(implementation, **kw):
+    return lambda q, k, v, sl: pallas_fa3.flash_attention(
+      q, k, v, causal=True, score_mod=mod(sl), mask_mod=mask,
+      return_lse=True, implementation=implementation, **kw,
+    )  # fmt: skip
+
+  x, u = (q, k, v, slopes), (dq, dk, dv, dslopes)
+  with _count_passes() as seen:
+    (out, lse), (dout, dlse) = jax.jit(
+      lambda x, u: jax.jvp(attend("interpret"), x, u)
+    )(x, u)
+  assert seen["forward_tangent"] == 0
+  with jax.enable_x64(True):
+    f64 = lambda t: tuple(np.asarray(a, np.float64) for a in t)
+    gold = jax.jvp(
+      lambda q, k, v, sl: _golden(
+        q, k, v, causal=True, score_mod=mod(sl), mask_mod=mask
+      ),
+      f64(x),
+      f64(u),
+    )
+  gold = tuple(np.asarray(a) for a in (*gold[0], *gold[1]))
+  naive = jax.jvp(
+    lambda q, k, v, sl: reference_attention(
+      q, k, v, causal=True, score_mod=mod(sl), mask_mod=mask,
+      return_lse=True, intermediate_dtype=jnp.bfloat16,
+    ),
+    x,
+    u,
+  )  # fmt: skip
+  naive = (*naive[0], *naive[1])
+  for name, g, n, gd in zip(
+    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, gold
+  ):
+    assert_within_tolerance(name, g, n, gd)
+
+
+@pytest.mark.parametrize("which", ["t5-table", "t5-table-tangent", "block-mask"])
 def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
-  """A T5 relative-position table (a lookup at q - kv) and a document
-  block mask (empty tiles skipped, partial ones masked) in the tangent
-  kernel, against the blockwise call's tangent (float32 twin) within the
-  rule of the float64 golden."""
+  """A T5 relative-position table (a lookup at q - kv; with its own
+  tangent, looked up the same way) and a document block mask (empty tiles
+  skipped, partial ones masked) in the tangent kernel, within the rule of
+  the float64 golden."""
   from pallas_fa3 import mods
 
   b, s, h = 1, 256, 2
   (q, k, v), (dq, dk, dv) = _inputs(rng, b, s, s, h, h, 64)
+  if which == "t5-table-tangent":
+    table = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
+    dtable = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
+    t5 = lambda t: mods.t5_relative_position_bias(t, max_distance=64)
+    f = lambda impl: lambda q, k, v, t: pallas_fa3.flash_attention(
+      q, k, v, score_mod=t5(t), return_lse=True, implementation=impl
+    )
+    with _count_passes() as seen:
+      got = jax.jit(lambda x, u: jax.jvp(f("interpret"), x, u))(
+        (q, k, v, table), (dq, dk, dv, dtable)
+      )
+    assert seen["forward_tangent"] == 0
+    with jax.enable_x64(True):
+      f64 = lambda t: tuple(np.asarray(a, np.float64) for a in t)
+      gold = jax.jvp(
+        lambda q, k, v, t: _golden(q, k, v, score_mod=t5(t)),
+        f64((q, k, v, table)),
+        f64((dq, dk, dv, dtable)),
+      )[1]
+    naive = jax.jvp(
+      lambda q, k, v, t: reference_attention(
+        q, k, v, score_mod=t5(t), return_lse=True,
+        intermediate_dtype=jnp.bfloat16,
+      ),
+      (q, k, v, table),
+      (dq, dk, dv, dtable),
+    )[1]  # fmt: skip
+    for name, g, n, gd in zip(("dout", "dlse"), got[1], naive, gold):
+      assert_within_tolerance(name, g, n, np.asarray(gd))
+    return
   if which == "t5-table":
     table = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
     kw = dict(score_mod=mods.t5_relative_position_bias(table, max_distance=64))

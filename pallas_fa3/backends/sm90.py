@@ -239,22 +239,33 @@ class Sm90Backend(Backend):
     )
 
   def tangent_of_result(self, spec, config, primals, result, tangents):
-    from pallas_fa3.kernels.sm90 import forward_tangent as kernel  # pylint: disable=g-import-not-at-top
+    from pallas_fa3.kernels.sm90 import (  # pylint: disable=g-import-not-at-top
+      flex_tile,
+      forward_tangent as kernel,
+    )
 
     cfg, reason = self._tangent_kernel(spec)
     assert reason is None, reason
     q, k, v, sinks, ids, flex = primals
     dots = (*tangents[:3], tangents[3] if sinks is not None else None)
     fs = spec.flex
-    if fs is not None and fs.bias is not None and fs.bias_grad:
-      dots += (tangents[5].bias,)  # the bias's tangent
+    flex_dots = (None, ())  # the bias's tangent, the score_mod arrays'
+    if fs is not None:
+      bias_dot = tangents[5].bias if fs.bias_grad else None
+      positions = ()
+      if fs.score_mod is not None:
+        positions = flex_tile.float_positions(fs.score_mod)
+      consts = tangents[5].score_consts
+      flex_dots = (bias_dot, tuple(consts[i] for i in positions))
+    dots = (*dots, flex_dots)
 
     def run(operands):
       q, k, v, sinks, bounds, _, flex, result, dots = operands
+      bias_dot, score_dots = dots[4]
       return kernel.sm90_forward_tangent(
         spec, cfg, (q, k, v, sinks), result, dots[:4],
         interpret=self._params(), segment_ids=bounds, flex=flex,
-        dbias=dots[4] if len(dots) > 4 else None,
+        dbias=bias_dot, score_tangents=score_dots or None,
       )  # fmt: skip
 
     def twin(operands):

@@ -1125,6 +1125,7 @@ def kernel_operands(
   grad: bool = False,
   tile_rows: int | None = None,
   keys_as_rows: bool = False,
+  param_tangents: tuple | None = None,
 ) -> dict[str, jax.Array]:
   """The forward kernel's flex operands by name: each function's arrays
   (`score0`, ... and `mask0`, ...), and with a block mask its tile states
@@ -1142,7 +1143,10 @@ def kernel_operands(
   computed index its operand (`{prefix}d{k}`, `derived_operands`; for a
   relative position, skewed for tiles of `tile_rows` query rows, or with
   `keys_as_rows` of `tile_rows` keys). `grad`: the backward's score_mod
-  operands (its jvp's arrays)."""
+  operands (its jvp's arrays); with `grad="params"` the jvp along each
+  floating array runs with tangent ones (its derivative), or with
+  `param_tangents` (one per floating array, in order) along them (the
+  tangent kernel's: the score_mod's tangent in each array)."""
   out = {}
   if ops.bias is not None:  # whole tiles: padded to the padded sequences
     b = ops.bias
@@ -1153,8 +1157,10 @@ def kernel_operands(
     consts = ops.score_consts if score else ops.mask_consts
     g = grad if score else False  # the backward's: the jvp's arrays
     reads = plan(fn, score, spec.seq_q, spec.seq_kv, grad=g, relative=True)
-    tans = ()  # the params jaxpr's tangents: ones
-    if g == "params":
+    tans = ()  # the params jaxpr's tangents: ones, or those given
+    if g == "params" and param_tangents is not None:
+      tans = tuple(param_tangents)
+    elif g == "params":
       tans = tuple(jnp.ones_like(consts[i]) for i in float_positions(fn))
     arrays = tuple(consts) + tans + captured(fn, score, g)[1]
     for i, c in enumerate(pad_consts(arrays, reads, q_pad, kv_pad)):

@@ -46,6 +46,12 @@ from pallas_fa3.spec import AttentionSpec
 # 64 x 256 float32 O' accumulator, S and S' of 32 keys) spills 140/168 B.
 MAX_HEAD_DIM = 192
 
+# The widest head dim at which two consumers also form the score_mod's
+# tangent along its arrays' (one more tile beside S', P and O'): at d128
+# that spilled 24/36 B (12/20 with P V' waited first, 8/16 with the tile
+# in bf16 too); d192's one consumer does not spill.
+SCORE_TANGENTS_MAX_HEAD_DIM = 64
+
 # O's tile is read and O' written back in 64-column chunks (one 128-byte
 # swizzle atom of 16-bit values).
 _CHUNK = 64
@@ -108,14 +114,23 @@ def tangent_unsupported(
     return "fp8"
   fs = spec.flex
   if fs is not None:
-    if fs.score_mod is not None and fs.score_mod.frozen() is not fs.score_mod:
-      return (
-        "tangents of a score_mod's arrays (they are differentiated: the"
-        " kernel reads a score_mod whose arrays carry none)"
-      )
     reason = flex_tile.kernel_unsupported(spec, config.block_q, config.block_kv)
     if reason is not None:
       return reason
+    if _score_tangents(spec):  # its jvp along its arrays' tangents
+      d = max(spec.head_dim, spec.head_dim_v)
+      if config.consumers == 2 and d > SCORE_TANGENTS_MAX_HEAD_DIM:
+        return (
+          f"tangents of the score_mod's arrays at head dim {d}: its two"
+          " consumers spill (24/36 B at d128; d <= 64 and d192 do not)"
+        )
+      try:
+        flex_tile.plan(
+          fs.score_mod, True, spec.seq_q, spec.seq_kv, grad="params",
+          relative=True,
+        )  # fmt: skip
+      except flex_tile.Refused as e:
+        return f"tangents of the score_mod's arrays: {e}"
   if spec.stable_max is not None:
     return "stable_max"
   d, dv = spec.head_dim, spec.head_dim_v
@@ -133,6 +148,17 @@ def tangent_unsupported(
       f" shared memory, more than {MAX_SMEM_BYTES}"
     )
   return None
+
+
+def _score_tangents(spec: AttentionSpec) -> bool:
+  """Whether the score_mod has floating arrays (their tangents then enter
+  S': `sm90_forward_tangent`'s `score_tangents`)."""
+  fs = spec.flex
+  return bool(
+    fs is not None
+    and fs.score_mod is not None
+    and flex_tile.float_positions(fs.score_mod)
+  )
 
 
 def _consumer(
@@ -189,6 +215,7 @@ def _consumer(
   walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   scale = jnp.float32(spec.softmax_scale)
   shape = (cfg.block_q, cfg.block_kv)
+  params = _score_tangents(spec)
   # The shapes `then` below returns: P o S' for the GEMM, its row sum.
   like = (
     ops.tile(jnp.zeros(shape, spec.dtype)),
@@ -203,10 +230,12 @@ def _consumer(
     plgpu.barrier_wait(k_full.at[slot])
 
     def body(read_s, read_sdot):  # S' computes while P is formed
-      p, t = common.row_probabilities(
+      p, t, *arrays_dot = common.row_probabilities(
         ops, spec, read_s(), lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head),
+        flex_at=(refs, batch, head), params=params,
       )  # fmt: skip
+      # The score_mod's tangent along its arrays' (one tile per array).
+      extra = sum(arrays_dot[0]) if arrays_dot else None
       bias_dot = None
       if refs.get("dbias") is not None:  # the bias's tangent tile
         bias_dot = flex_tile.kernel_bias(
@@ -218,7 +247,7 @@ def _consumer(
         # while P V' (`in_flight` groups issued after S') computes
         sdot = read_sdot(wait_n=in_flight)
         plgpu.barrier_arrive(k_empty.at[slot])  # K, K' read
-        return _p_times_tangent(p, sdot * scale, t, bias_dot, spec.dtype)
+        return _p_times_tangent(p, sdot * scale, t, bias_dot, extra, spec.dtype)
 
       if cfg.consumers == 1:  # (d > 128) P V' not in flight meanwhile:
         # the accumulator, P and P o S' at once spilled 140/168 B at d256
@@ -274,18 +303,21 @@ def _consumer(
 
 
 def _p_times_tangent(
-  p: Any, sdot: Any, ctx: Any, dbias: Any, dtype: Any
+  p: Any, sdot: Any, ctx: Any, dbias: Any, darrays: Any, dtype: Any
 ) -> tuple:
   """(P o S' rounded for the GEMM, its float32 row sum): `sdot` the raw
   scores' tangent times the scale, `ctx` `row_probabilities`' (the
   softcap's tanh t, or (t, the score_mod's derivative g)), `dbias` the
-  bias's tangent tile or None: S' = g ((1 - t^2) sdot + dbias), the bias
-  added after the softcap and before the score_mod."""
+  bias's tangent tile, `darrays` the score_mod's tangent along its arrays'
+  (None: none): S' = g ((1 - t^2) sdot + dbias) + darrays, the bias added
+  after the softcap and before the score_mod."""
   cap, g = ctx if isinstance(ctx, tuple) else (ctx, None)
   x = sdot if cap is None else sdot * (1.0 - cap * cap)
   if dbias is not None:
     x = x + dbias
-  ps = p * (x if g is None else x * g)
+  if g is not None:
+    x = x * g
+  ps = p * (x if darrays is None else x + darrays)
   return ps.astype(dtype), ps.sum(axis=1)
 
 
@@ -392,6 +424,7 @@ def sm90_forward_tangent(
   segment_ids: Any = None,
   flex: Any = None,
   dbias: Any = None,
+  score_tangents: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs the tangent kernel.
 
@@ -412,6 +445,8 @@ def sm90_forward_tangent(
       (`tangent_unsupported`), read as the dQ kernel reads them (the
       score_mod's derivative chains S' into its scores).
     dbias: the bias's tangent (its shape) where `spec.flex.bias_grad`.
+    score_tangents: the tangents of the score_mod's floating arrays, in
+      their order (zeros where one has none), where it has any.
 
   Returns:
     (out' `[b, sq, hq, dv]` in `spec.dtype`, float32 lse' `[b, hq, sq]`);
@@ -446,12 +481,18 @@ def sm90_forward_tangent(
     extra += (pad_axis(seed, 2, plan.seq_q_pad),)
   if segment_ids is not None:
     extra += id_operands(plan, *segment_ids)
+  if _score_tangents(spec) and score_tangents is None:
+    raise ValueError(
+      "score_tangents: the score_mod has floating arrays; pass their"
+      " tangents (zeros where they have none)"
+    )
   fx = {}
   if spec.flex is not None:  # as the dQ kernel takes them
     fx = flex_tile.kernel_operands(
       spec, flex, q_pad=plan.seq_q_pad, kv_pad=plan.seq_kv_pad,
-      rows_per_cta=rows, block_kv=config.block_kv, grad=True,
-      tile_rows=config.block_q,
+      rows_per_cta=rows, block_kv=config.block_kv,
+      grad="params" if _score_tangents(spec) else True,
+      tile_rows=config.block_q, param_tangents=score_tangents,
     )  # fmt: skip
     if dbias is not None:  # padded as the bias: whole tiles by plain loads
       fx["dbias"] = jnp.pad(

@@ -299,10 +299,18 @@ def compile_tangent(
     sinks = dsinks = jnp.zeros((spec.batch, spec.heads_q), "float32")
   if spec.segmented:
     ids = packed_bounds(spec)[:2]
-  dbias = None  # a bias's tangent: a stand-in the shape of the bias
+  dbias = score_tangents = None  # tangents of a bias, a score_mod's arrays
   fs = spec.flex
   if fs is not None and fs.bias is not None and fs.bias_grad:
     dbias = jnp.zeros_like(flex.bias)
+  if fs is not None and fs.score_mod is not None:
+    from pallas_fa3.kernels.sm90 import flex_tile
+
+    positions = flex_tile.float_positions(fs.score_mod)
+    if positions:
+      score_tangents = tuple(
+        jnp.zeros_like(flex.score_consts[i]) for i in positions
+      )
   q, k, v, o, lse, _, _ = bf16_operands(spec, mesh, backward=True)
   return compile_report(
     f"tangent d={spec.head_dim}{_dv_label(spec)} {spec.dtype}"
@@ -316,6 +324,7 @@ def compile_tangent(
       segment_ids=ids,
       flex=flex,
       dbias=dbias,
+      score_tangents=score_tangents,
     ),
     [q, k, v, o, lse, q, k, v],
     short_label(spec, config),
