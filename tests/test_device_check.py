@@ -67,6 +67,7 @@ def test_device_check_rehearsal_kills_a_hung_step(tmp_path, quick):
     "decode_modes",
     "varlen",
     "ragged_decode",
+    "jvp",
     "fp8_speed",
     "grid",
     "headline",
