@@ -589,11 +589,12 @@ def test_tangent_kernel_with_flex_options(options, kernel, rng):
     assert_within_tolerance(name, g, n, gd)
 
 
-def test_tangent_kernel_takes_the_score_mods_arrays_tangents(rng):
+@pytest.mark.parametrize("d", [64, 128])  # (d128: 32-key tiles)
+def test_tangent_kernel_takes_the_score_mods_arrays_tangents(d, rng):
   """ALiBi with slopes differentiated in forward mode (their tangent
   enters S' through the score_mod's jvp along them) and a mask_mod, in the
   tangent kernel, within the rule of the float64 golden."""
-  shape = (1, 40, 72, 4, 2, 64, None)
+  shape = (1, 40, 72, 4, 2, d, None)
   (q, k, v), (dq, dk, dv) = _inputs(rng, *shape)
   slopes, dslopes = _mod_array(rng, 4), _mod_array(rng, 4)
   mask = lambda b, h, i, j: (i + j) % 7 != 0
@@ -636,7 +637,9 @@ def test_tangent_kernel_takes_the_score_mods_arrays_tangents(rng):
     assert_within_tolerance(name, g, n, gd)
 
 
-@pytest.mark.parametrize("which", ["t5-table", "t5-table-tangent", "block-mask"])
+@pytest.mark.parametrize(
+  "which", ["t5-table", "t5-table-tangent", "block-mask"]
+)
 def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
   """A T5 relative-position table (a lookup at q - kv; with its own
   tangent, looked up the same way) and a document block mask (empty tiles
@@ -650,8 +653,10 @@ def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
     table = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
     dtable = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
     t5 = lambda t: mods.t5_relative_position_bias(t, max_distance=64)
-    f = lambda impl: lambda q, k, v, t: pallas_fa3.flash_attention(
-      q, k, v, score_mod=t5(t), return_lse=True, implementation=impl
+    f = lambda impl: (
+      lambda q, k, v, t: pallas_fa3.flash_attention(
+        q, k, v, score_mod=t5(t), return_lse=True, implementation=impl
+      )
     )
     with _count_passes() as seen:
       got = jax.jit(lambda x, u: jax.jvp(f("interpret"), x, u))(

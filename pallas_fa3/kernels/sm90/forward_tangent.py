@@ -46,10 +46,11 @@ from pallas_fa3.spec import AttentionSpec
 # 64 x 256 float32 O' accumulator, S and S' of 32 keys) spills 140/168 B.
 MAX_HEAD_DIM = 192
 
-# The widest head dim at which two consumers also form the score_mod's
-# tangent along its arrays' (one more tile beside S', P and O'): at d128
-# that spilled 24/36 B (12/20 with P V' waited first, 8/16 with the tile
-# in bf16 too); d192's one consumer does not spill.
+# The widest head dim at which two consumers form the score_mod's tangent
+# along its arrays' (one more tile beside S', P and O') on 64-key tiles:
+# at d128 that spilled 24/36 B (12/20 with P V' waited first, 8/16 with
+# the tile in bf16), so there the tiles take 32 keys (0 spills, model B
+# unchanged: the tensor core bounds it either way).
 SCORE_TANGENTS_MAX_HEAD_DIM = 64
 
 # O's tile is read and O' written back in 64-column chunks (one 128-byte
@@ -85,10 +86,15 @@ def tangent_config(spec: AttentionSpec) -> Sm90TangentConfig:
   """The tangent kernel's tiling. Up to d = dv = 128: two consumers of 64
   rows and 64-key tiles (S, S', P, P o S' and the float32 O' accumulator
   in 240 registers; Q, Q', O and two stages of K, K', V, V' fill shared
-  memory at d128). Wider (d192): one consumer and 32-key tiles, so
-  that Q, Q', O and the ring fit in shared memory and the 64 x dv O'
-  accumulator beside S and S' in its 256 registers."""
-  if max(spec.head_dim, spec.head_dim_v) <= 128:
+  memory at d128), 32-key tiles where a score_mod's arrays' tangents add
+  a tile at d128 (`SCORE_TANGENTS_MAX_HEAD_DIM`). Wider (d192): one
+  consumer and 32-key tiles, so that Q, Q', O and the ring fit in shared
+  memory and the 64 x dv O' accumulator beside S and S' in its 256
+  registers."""
+  d = max(spec.head_dim, spec.head_dim_v)
+  if d <= 128:
+    if d > SCORE_TANGENTS_MAX_HEAD_DIM and _score_tangents(spec):
+      return Sm90TangentConfig(block_kv=32)
     return Sm90TangentConfig()
   return Sm90TangentConfig(block_kv=32, consumers=1)
 
@@ -118,12 +124,6 @@ def tangent_unsupported(
     if reason is not None:
       return reason
     if _score_tangents(spec):  # its jvp along its arrays' tangents
-      d = max(spec.head_dim, spec.head_dim_v)
-      if config.consumers == 2 and d > SCORE_TANGENTS_MAX_HEAD_DIM:
-        return (
-          f"tangents of the score_mod's arrays at head dim {d}: its two"
-          " consumers spill (24/36 B at d128; d <= 64 and d192 do not)"
-        )
       try:
         flex_tile.plan(
           fs.score_mod, True, spec.seq_q, spec.seq_kv, grad="params",
