@@ -84,6 +84,15 @@ def _golden_jvp(primals, tangents, **options):
     return tuple(np.asarray(x) for x in (out, lse, dout, dlse))
 
 
+def _assert_rule(got, naive, golden, names=("out", "lse", "dout", "dlse")):
+  """Each of `got` finite where its golden is, and within the tolerance
+  rule of the float64 `golden` against the low-precision `naive`."""
+  for name, g, n, gd in zip(names, got, naive, golden):
+    gd = np.asarray(gd)
+    assert np.all(np.isfinite(np.asarray(g, np.float32)[np.isfinite(gd)]))
+    assert_within_tolerance(name, g, n, gd)
+
+
 def _inputs(rng, b, sq, skv, hq, hk, d, dv=None, dtype=jnp.bfloat16):
   dv = d if dv is None else dv
   shapes = [(b, sq, hq, d), (b, skv, hk, d), (b, skv, hk, dv)]
@@ -188,11 +197,7 @@ def test_jvp_matches_the_float64_golden(implementation, case, rng):
     tangents,
   )
   naive = (naive[0][0], naive[0][1], naive[1][0], naive[1][1])
-  for name, g, n, gd in zip(
-    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
-  ):
-    assert np.all(np.isfinite(np.asarray(g, np.float32)[np.isfinite(gd)]))
-    assert_within_tolerance(name, g, n, gd)
+  _assert_rule((out, lse, dout, dlse), naive, golden)
   if options.get("ids"):  # the rows that see no key: tangents exactly 0
     assert np.all(np.asarray(dout[-1, :3]) == 0)
     assert np.all(np.asarray(dlse[-1, :, :3]) == 0)
@@ -531,11 +536,7 @@ def test_tangent_kernel_matches_the_float64_golden(case, rng):
   )  # fmt: skip
   (out, lse), (dout, dlse) = got
   naive = (*naive[0], *naive[1])
-  for name, g, n, gd in zip(
-    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
-  ):
-    assert np.all(np.isfinite(np.asarray(g, np.float32)[np.isfinite(gd)]))
-    assert_within_tolerance(name, g, n, gd)
+  _assert_rule((out, lse, dout, dlse), naive, golden)
   if options.get("ids"):  # the rows that see no key: tangents exactly 0
     assert np.all(np.asarray(dout[-1, :3]) == 0)
     assert np.all(np.asarray(dlse[-1, :, :3]) == 0)
@@ -583,10 +584,7 @@ def test_tangent_kernel_with_flex_options(options, kernel, rng):
     (dq, dk, dv, dbias),
   )  # fmt: skip
   naive = (*naive[0], *naive[1])
-  for name, g, n, gd in zip(
-    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
-  ):
-    assert_within_tolerance(name, g, n, gd)
+  _assert_rule((out, lse, dout, dlse), naive, golden)
 
 
 @pytest.mark.parametrize("d", [64, 128])  # (d128: 32-key tiles)
@@ -631,10 +629,7 @@ def test_tangent_kernel_takes_the_score_mods_arrays_tangents(d, rng):
     u,
   )  # fmt: skip
   naive = (*naive[0], *naive[1])
-  for name, g, n, gd in zip(
-    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, gold
-  ):
-    assert_within_tolerance(name, g, n, gd)
+  _assert_rule((out, lse, dout, dlse), naive, gold)
 
 
 @pytest.mark.parametrize(
@@ -678,8 +673,7 @@ def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
       (q, k, v, table),
       (dq, dk, dv, dtable),
     )[1]  # fmt: skip
-    for name, g, n, gd in zip(("dout", "dlse"), got[1], naive, gold):
-      assert_within_tolerance(name, g, n, np.asarray(gd))
+    _assert_rule(got[1], naive, gold, ("dout", "dlse"))
     return
   if which == "t5-table":
     table = jnp.asarray(rng.standard_normal((h, 8)), jnp.float32)
@@ -714,8 +708,7 @@ def test_tangent_kernel_reads_tables_and_skips_blocks(which, rng):
     (q, k, v),
     (dq, dk, dv),
   )
-  for name, g, n, gd in zip(("dout", "dlse"), (dout, dlse), naive, gold):
-    assert_within_tolerance(name, g, n, np.asarray(gd))
+  _assert_rule((dout, dlse), naive, gold, ("dout", "dlse"))
 
 
 def test_grad_through_the_kernels_tangent_runs_the_twins_pass(rng):
@@ -829,10 +822,7 @@ def test_interpret_jvp_runs_the_kernel_and_the_kernels_tangent(rng):
     (dq, dk, dv),
   )
   naive = (*naive[0], *naive[1])
-  for name, g, n, gd in zip(
-    ("out", "lse", "dout", "dlse"), (out, lse, dout, dlse), naive, golden
-  ):
-    assert_within_tolerance(name, g, n, gd)
+  _assert_rule((out, lse, dout, dlse), naive, golden)
   grads = jax.grad(
     lambda q: f(q, k, v, None, None)[0].astype(jnp.float32).sum()
   )(q)

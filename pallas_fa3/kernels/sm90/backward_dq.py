@@ -6,7 +6,6 @@ More: docs/design_notes.md#backward-kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,12 @@ from pallas_fa3.kernels.sm90.common import (
 from pallas_fa3.kernels.sm90.config import MAX_SMEM_BYTES, Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import backward_kernel_smem_bytes
 from pallas_fa3.kernels.sm90.ops import KernelOps
-from pallas_fa3.kernels.sm90.pipeline import TileWalk, kv_producer
+from pallas_fa3.kernels.sm90.pipeline import (
+  TileWalk,
+  kv_producer,
+  query_walk,
+  release_rest,
+)
 from pallas_fa3.spec import AttentionSpec
 
 # A consumer's refs, by name (`build_kernel`'s dict).
@@ -176,13 +180,10 @@ def _dq_consumer(
   for i, row_sums in enumerate(sums):  # out through shared memory
     refs["dp_stage"].at[wg, i][...] = row_sums
 
-  @pl.loop(walk.steps, walk.cta_steps)
-  def _drain(j):  # tiles loaded for the other consumer's rows (causal)
-    slot = lax.rem(j, cfg.num_stages)
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
+  release_rest(  # tiles loaded for the other consumer's rows (causal)
+    None, (k_full, v_full, k_empty, v_empty), cfg.num_stages, 0,
+    walk.steps, walk.cta_steps,
+  )  # fmt: skip
 
   if ds_out is not None:  # dS = 0 on every tile my walk skipped
     _zero_skipped(
@@ -432,14 +433,7 @@ def dq_kernel(
   loads = _TILE_LOADS + (2 if spec.segmented else 0)
 
   def fa3_bwd_dq(refs: dict[str, Any]) -> None:
-    seg, tiles = None, TileWalk(plan, plan.num_tiles)
-    if spec.segmented:
-      seg = SegmentRefs(
-        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
-      )
-      tiles = dataclasses.replace(tiles, spans=refs["spans"])
-    elif refs.get("bm_spans") is not None:  # a block mask's: skipped by
-      tiles = dataclasses.replace(tiles, spans=refs["bm_spans"])  # the producer
+    seg, tiles = query_walk(spec, refs, TileWalk(plan, plan.num_tiles))
     wg = lax.axis_index("wg")
     if shared:
       for w in range(consumers):

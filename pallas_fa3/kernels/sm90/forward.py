@@ -15,7 +15,6 @@ Design and measurements: docs/design_notes.md#forward-kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,7 @@ from pallas_fa3.kernels.sm90.pipeline import (
   Turns,
   kv_producer,
   num_ctas,
+  query_walk,
   release_rest,
   run_consumer,
   turn_barriers,
@@ -366,14 +366,7 @@ def _build(
     qo = refs["qo_smem"]
     if layout == "shared":  # Q's tiles, then O's on the way out
       qo = (qo, qo)
-    seg, tiles = None, walk
-    if spec.segmented:  # the rows' key bounds, their shared tile, the spans
-      seg = SegmentRefs(
-        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
-      )
-      tiles = dataclasses.replace(walk, spans=refs["spans"])
-    elif refs.get("bm_spans") is not None:  # a block mask's: the producer
-      tiles = dataclasses.replace(walk, spans=refs["bm_spans"])  # skips too
+    seg, tiles = query_walk(spec, refs, walk)
     turns = () if refs["turns"] is None else (refs["turns"],)
     wg = lax.axis_index("wg")
 

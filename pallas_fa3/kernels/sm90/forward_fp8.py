@@ -47,6 +47,7 @@ from pallas_fa3.kernels.sm90.pipeline import (
   Turns,
   kv_producer,
   num_ctas,
+  query_walk,
   release_rest,
   run_consumer,
   turn_barriers,
@@ -326,12 +327,7 @@ def _build(
 
   def fa3_fwd_fp8(refs: dict[str, Any]) -> None:
     refs = dict(refs, q=tuple(refs.pop(f"q{t}") for t in range(terms)))
-    seg, tiles_walk = None, walk
-    if spec.segmented:  # the rows' key bounds, their shared tile, the spans
-      seg = SegmentRefs(
-        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
-      )
-      tiles_walk = dataclasses.replace(walk, spans=refs["spans"])
+    seg, tiles_walk = query_walk(spec, refs, walk)
     turns = () if refs["turns"] is None else (refs["turns"],)
     wg = lax.axis_index("wg")
 

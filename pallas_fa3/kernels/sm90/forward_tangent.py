@@ -28,7 +28,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
-  SegmentRefs,
   bounds_scratch,
   cta_span,
   id_operands,
@@ -38,7 +37,12 @@ from pallas_fa3.kernels.sm90.common import (
 )
 from pallas_fa3.kernels.sm90.config import MAX_SMEM_BYTES
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
-from pallas_fa3.kernels.sm90.pipeline import TileWalk, kv_producer
+from pallas_fa3.kernels.sm90.pipeline import (
+  TileWalk,
+  kv_producer,
+  query_walk,
+  release_rest,
+)
 from pallas_fa3.lse import log2_of
 from pallas_fa3.spec import AttentionSpec
 
@@ -274,13 +278,10 @@ def _consumer(
   r = ops.rows(jnp.zeros((cfg.block_q,), jnp.float32))
   acc, r = common.walk_steps(walk, step, (acc, r), masked=plan.needs_mask)
 
-  @pl.loop(walk.steps, walk.cta_steps)
-  def _drain(j):  # tiles streamed for the other consumer's rows (causal)
-    slot = lax.rem(j, cfg.num_stages)
-    plgpu.barrier_wait(k_full.at[slot])
-    plgpu.barrier_wait(v_full.at[slot])
-    plgpu.barrier_arrive(k_empty.at[slot])
-    plgpu.barrier_arrive(v_empty.at[slot])
+  release_rest(  # tiles streamed for the other consumer's rows (causal)
+    None, (k_full, v_full, k_empty, v_empty), cfg.num_stages, 0,
+    walk.steps, walk.cta_steps,
+  )  # fmt: skip
 
   if refs["seed"] is not None:  # the sink's exp(sink - lse) sink'
     r = r + ops.load_rows(rows_smem.at[1])
@@ -334,14 +335,7 @@ def _build(
   walk = TileWalk(plan, plan.num_tiles)
 
   def fa3_fwd_tangent(refs: dict[str, Any]) -> None:
-    seg, tiles = None, walk
-    if spec.segmented:
-      seg = SegmentRefs(
-        *(refs[n] for n in ("lo", "hi", "bounds_smem", "spans"))
-      )
-      tiles = dataclasses.replace(walk, spans=refs["spans"])
-    elif refs.get("bm_spans") is not None:  # a block mask's: the producer
-      tiles = dataclasses.replace(walk, spans=refs["bm_spans"])  # skips too
+    seg, tiles = query_walk(spec, refs, walk)
     wg = lax.axis_index("wg")
     pl.when(wg < consumers)(functools.partial(_consumer, refs, plan, ops, seg))
 

@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_fa3.kernels.sm90 import compat
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
+  SegmentRefs,
   cta_kv_range,
   tile_span,
 )
@@ -93,20 +94,27 @@ class Turns:
 
 
 def release_rest(
-  turns: Turns, ring: tuple, stages: int, base: Any, steps: Any, cta_steps: Any
+  turns: Turns | None,
+  ring: tuple,
+  stages: int,
+  base: Any,
+  steps: Any,
+  cta_steps: Any,
 ) -> None:
   """A consumer's end of one query tile's K/V walk after its `steps` tiles:
   the K/V tiles the CTA loaded only for the other consumer (causal: `steps`
   to `cta_steps`, global step `base + j`) are waited for and released
   (every warpgroup waits on every phase of a barrier it uses) with one turn
-  each, as the other consumer takes one per step."""
+  each, as the other consumer takes one per step (`turns` None: no
+  pingpong, the dQ and tangent kernels)."""
   k_full, v_full, k_empty, v_empty = ring
 
   @pl.loop(steps, cta_steps)
   def _drain(j):
     slot = lax.rem(base + j, stages)
-    turns.wait()
-    turns.pass_on()
+    if turns is not None:
+      turns.wait()
+      turns.pass_on()
     plgpu.barrier_wait(k_full.at[slot])
     plgpu.barrier_wait(v_full.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
@@ -339,3 +347,16 @@ def _side_by_side(ref: Any, ring: Any, slot: Any) -> list[tuple[Any, Any]]:
   if not isinstance(ref, tuple):
     return [(ref, ring.at[slot])]
   return [(r, ring.at[slot, i]) for i, r in enumerate(ref)]
+
+
+def query_walk(spec: Any, refs: dict[str, Any], walk: TileWalk) -> tuple:
+  """(segment refs or None, the walk) of a kernel with query tiles as CTA
+  tiles (forward, FP8 forward, dQ, tangent): with segment ids their refs
+  and the walk over their spans; with a block mask the walk over its
+  spans (the producer skips its empty tiles too); else `walk`."""
+  if spec.segmented:  # the rows' key bounds, their shared tile, the spans
+    seg = SegmentRefs(*(refs[n] for n in ("lo", "hi", "bounds_smem", "spans")))
+    return seg, dataclasses.replace(walk, spans=refs["spans"])
+  if refs.get("bm_spans") is not None:
+    return None, dataclasses.replace(walk, spans=refs["bm_spans"])
+  return None, walk
