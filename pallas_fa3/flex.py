@@ -891,6 +891,20 @@ def frozen(fs: FlexSpec, ops: FlexOperands) -> tuple[FlexSpec, FlexOperands]:
   )
 
 
+def as_differentiated(
+  fs: FlexSpec, ops: FlexOperands, *, score_consts: bool, bias: bool
+) -> tuple[FlexSpec, FlexOperands]:
+  """The call's flex options for a pass that differentiates (backward) or
+  carries tangents of (forward mode) only what is said: without
+  `score_consts` the score_mod over frozen arrays (`frozen`), without
+  `bias` a bias with `bias_grad=False`. The same scores."""
+  if not score_consts:
+    fs, ops = frozen(fs, ops)
+  if not bias and fs.bias is not None:
+    fs = dataclasses.replace(fs, bias_grad=False)
+  return fs, ops
+
+
 def _bits_only(consts: tuple) -> bool:
   """Whether every floating array of `consts` is real (has an integer type
   of its width to pass its bits as)."""

@@ -98,8 +98,8 @@ def tangents(
   than recomputing them). `differentiable`: JAX will differentiate the
   pass (a pure-JAX one serves). `needed` (`vjp.Needed`): whether the
   score_mod's arrays and the bias have tangents; where they have none the
-  pass takes the function with frozen arrays (`flex.frozen`) and a bias
-  without a tangent, as a kernel can."""
+  pass takes the function over frozen arrays and reads no bias tangent
+  (`flex.as_differentiated`)."""
   spec = static.spec
   check(static)
   if static.op == "decode":
@@ -108,7 +108,12 @@ def tangents(
     )
     return dout, dlse
   if needed is not None and spec.flex is not None and not differentiable:
-    spec, operands = _without_tangents(spec, operands, needed)
+    fs, ops = flex.as_differentiated(
+      spec.flex, operands.flex, score_consts=needed.score_consts,
+      bias=needed.bias,
+    )  # fmt: skip
+    spec = dataclasses.replace(spec, flex=fs)
+    operands = operands._replace(flex=ops)
   backend, config = tangent_backend(
     spec, static.backend, static.config, differentiable=differentiable
   )
@@ -132,17 +137,3 @@ def backward_tangents(static: StaticCall, operands: Any, dots: Any) -> Any:
     lambda ops: partitioning.run(static, ops), (operands,), (dots,)
   )
   return dgrads
-
-
-def _without_tangents(spec: Any, operands: Any, needed: Any) -> tuple:
-  """(spec, operands) whose flex options say which arrays carry no tangent:
-  a score_mod over frozen arrays (`flex.frozen`), a bias with
-  `bias_grad=False`. The same scores."""
-  fs, ops = spec.flex, operands.flex
-  if not needed.score_consts:
-    fs, ops = flex.frozen(fs, ops)
-  if not needed.bias and fs.bias is not None:
-    fs = dataclasses.replace(fs, bias_grad=False)
-  if fs is spec.flex:
-    return spec, operands
-  return dataclasses.replace(spec, flex=fs), operands._replace(flex=ops)

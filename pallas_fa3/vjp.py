@@ -100,8 +100,8 @@ class Attention(hijax.HiPrim):
       )
     tangent.check(self.static)
     # Which flex arrays have tangents (symbolic zeros: none), before the
-    # zeros become arrays: a kernel computes the tangent of a call whose
-    # score_mod arrays and bias carry none.
+    # zeros become arrays: the tangent pass then runs the score_mod over
+    # frozen arrays and reads no bias tangent.
     nonzero = jax.tree.map(
       lambda t: not isinstance(t, hijax.Zero),
       tangents[0],
@@ -379,11 +379,9 @@ def _backward(
   run = operands
   fs = static.spec.flex
   if fs is not None:
-    ops = operands.flex
-    if not needed.score_consts:
-      fs, ops = flex.frozen(fs, ops)
-    if not needed.bias and fs.bias is not None:
-      fs = dataclasses.replace(fs, bias_grad=False)
+    fs, ops = flex.as_differentiated(
+      fs, operands.flex, score_consts=needed.score_consts, bias=needed.bias
+    )
     if fs is not static.spec.flex:  # (the kernels' plan: for these options)
       spec = dataclasses.replace(static.spec, flex=fs)
       plan = static.backward_plan

@@ -247,40 +247,36 @@ class Sm90Backend(Backend):
     cfg, reason = self._tangent_kernel(spec)
     assert reason is None, reason
     q, k, v, sinks, ids, flex = primals
-    dots = (*tangents[:3], tangents[3] if sinks is not None else None)
     fs = spec.flex
-    flex_dots = (None, ())  # the bias's tangent, the score_mod arrays'
-    if fs is not None:
-      bias_dot = tangents[5].bias if fs.bias_grad else None
-      positions = ()
-      if fs.score_mod is not None:
-        positions = flex_tile.float_positions(fs.score_mod)
-      consts = tangents[5].score_consts
-      flex_dots = (bias_dot, tuple(consts[i] for i in positions))
-    dots = (*dots, flex_dots)
+    positions = ()  # the score_mod's floating arrays
+    if fs is not None and fs.score_mod is not None:
+      positions = flex_tile.float_positions(fs.score_mod)
 
-    def run(operands):
-      q, k, v, sinks, bounds, _, flex, result, dots = operands
-      bias_dot, score_dots = dots[4]
+    def run(operands):  # (the tangents are operands: vmap batches them)
+      q, k, v, sinks, bounds, _, flex, result, tangents = operands
+      dsinks = None if sinks is None else tangents[3]
+      bias_dot = tangents[5].bias if fs is not None and fs.bias_grad else None
+      score_dots = None
+      if positions:
+        score_dots = tuple(tangents[5].score_consts[i] for i in positions)
       return kernel.sm90_forward_tangent(
-        spec, cfg, (q, k, v, sinks), result, dots[:4],
+        spec, cfg, (q, k, v, sinks), result, (*tangents[:3], dsinks),
         interpret=self._params(), segment_ids=bounds, flex=flex,
-        dbias=bias_dot, score_tangents=score_dots or None,
+        dbias=bias_dot, score_tangents=score_dots,
       )  # fmt: skip
 
     def twin(operands):
-      q, k, v, sinks, _, ids, flex, _, dots = operands
-      primals_ = (q, k, v, sinks, ids, flex)
-      tangents_ = (*dots[:3], dots[3], tangents[4], tangents[5])
+      q, k, v, sinks, _, ids, flex, _, tangents = operands
       return blockwise.BACKEND.forward_tangent(
-        spec, blockwise.BlockwiseConfig(), primals_, tangents_
-      )[2:]
+        spec, blockwise.BlockwiseConfig(), (q, k, v, sinks, ids, flex),
+        tangents,
+      )[2:]  # fmt: skip
 
     if ids is None:
-      return run((q, k, v, sinks, None, None, flex, result, dots))
+      return run((q, k, v, sinks, None, None, flex, result, tangents))
     # As the forward: the kernel where each id's keys are contiguous.
     bounds, (keys_exact, _) = segments.kernel_bounds(spec, ids)
-    operands = (q, k, v, sinks, bounds[:2], ids, flex, result, dots)
+    operands = (q, k, v, sinks, bounds[:2], ids, flex, result, tangents)
     return _on_device(keys_exact, run, twin, operands)
 
   def plan_backward(self, spec: AttentionSpec, config: Sm90Config) -> Any:

@@ -20,9 +20,7 @@ from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
-  cta_span,
   id_operands,
-  tile_span,
 )
 from pallas_fa3.kernels.sm90.config import MAX_SMEM_BYTES, Sm90BackwardConfig
 from pallas_fa3.kernels.sm90.config_backward import backward_kernel_smem_bytes
@@ -30,6 +28,7 @@ from pallas_fa3.kernels.sm90.ops import KernelOps
 from pallas_fa3.kernels.sm90.pipeline import (
   TileWalk,
   kv_producer,
+  query_span,
   query_walk,
   release_rest,
 )
@@ -118,9 +117,7 @@ def _dq_consumer(
   delta = ops.load_rows(dl_smem.at[wg])
   bounds = _row_bounds(seg, ops, wg)
 
-  span = cta_span(seg, batch, lax.axis_index("q_tiles"))
-  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
-    span = tile_span(refs["bm_spans"], batch, lax.axis_index("q_tiles"), head)
+  span = query_span(refs, seg, batch, lax.axis_index("q_tiles"), head)
   walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   # A lone consumer takes each K/V tile in halves of `block_kv / 2` keys
   # (64-byte swizzle: a half is a whole wgmma K step).
@@ -292,9 +289,7 @@ def _dq_shared_consumer(
   delta = ops.load_rows(dl_smem.at[0])
   bounds = _row_bounds(seg, ops, 0)
 
-  span = cta_span(seg, batch, lax.axis_index("q_tiles"))
-  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
-    span = tile_span(refs["bm_spans"], batch, lax.axis_index("q_tiles"), head)
+  span = query_span(refs, seg, batch, lax.axis_index("q_tiles"), head)
   walk = common.kv_walk(plan, row0, row0, cfg.block_q, span)
   half, dc = cfg.block_kv // 2, spec.head_dim // 2
   mine = pl.ds(w * half, half)  # my key columns of S, dP

@@ -41,7 +41,6 @@ from pallas_fa3.kernels.sm90.common import (
   scaled_once,
   smem_transforms,
   softcapped,
-  tile_span,
   tma_extent,
   walk_steps,
 )
@@ -57,6 +56,7 @@ from pallas_fa3.kernels.sm90.pipeline import (
   Turns,
   kv_producer,
   num_ctas,
+  query_span,
   query_walk,
   release_rest,
   run_consumer,
@@ -147,11 +147,9 @@ def _query_tile(
   plgpu.barrier_wait(q_bar.at[wg])
   if seg is not None:
     bounds = tuple(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1))
+  if seg is not None or refs.get("bm_spans") is not None:
     q_tile = lax.div(tile.row0, jnp.int32(plan.rows_per_cta))
-    span = tile_span(seg.spans, batch, q_tile)
-  elif refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
-    q_tile = lax.div(tile.row0, jnp.int32(plan.rows_per_cta))
-    span = tile_span(refs["bm_spans"], batch, q_tile, head)
+    span = query_span(refs, seg, batch, q_tile, head)
 
   walk = kv_walk(plan, tile.row0, row0, cfg.block_q, span)
   # A flex function's loads run ahead of the wgmma they would wait for: its

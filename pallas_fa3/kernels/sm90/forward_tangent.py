@@ -4,7 +4,8 @@ of out and lse in one pass over K/V, given the call's own out and lse.
 With the forward's lse known, P = exp(S - lse) needs no online softmax: per
 K/V tile a consumer issues S = Q K^T and S' = Q' K^T + Q K'^T, forms P
 while S' computes, issues P V' and, while that runs, P o S' (in natural
-units, through the softcap's derivative) and its row sum; then (P o S') V.
+units, through the softcap's and score_mod's derivatives, with a bias's
+and the score_mod's arrays' tangents) and its row sum; then (P o S') V.
 At the end O' = acc - rowsum(P o S') O and lse' = rowsum(P o S') (plus a
 sink's `exp(sink - lse) sink'`). The dQ kernel's structure: a producer
 streams K with K' and V with V' side by side into a 2-stage ring, one or
@@ -29,7 +30,6 @@ from pallas_fa3.kernels.sm90 import common, compat, flex_tile
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   bounds_scratch,
-  cta_span,
   id_operands,
   pad_axis,
   round_up,
@@ -40,6 +40,7 @@ from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
 from pallas_fa3.kernels.sm90.pipeline import (
   TileWalk,
   kv_producer,
+  query_span,
   query_walk,
   release_rest,
 )
@@ -213,9 +214,7 @@ def _consumer(
   if seg is not None:
     bounds = (*(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1)), 0)
 
-  span = cta_span(seg, batch, q_tile)
-  if refs.get("bm_spans") is not None:  # a block mask's non-empty tiles
-    span = common.tile_span(refs["bm_spans"], batch, q_tile, head)
+  span = query_span(refs, seg, batch, q_tile, head)
   walk = common.kv_walk(plan, cta_row0, row0, cfg.block_q, span)
   scale = jnp.float32(spec.softmax_scale)
   shape = (cfg.block_q, cfg.block_kv)
@@ -423,7 +422,7 @@ def sm90_forward_tangent(
   """Runs the tangent kernel.
 
   Args:
-    spec: the call (bf16/fp16, no flex: `tangent_unsupported`).
+    spec: the call (bf16/fp16; what it takes: `tangent_unsupported`).
     config: the tiling (`tangent_config`).
     primals: `(q, k, v, sinks)` as the forward takes them (sinks float32
       `[b, hq]` or None).
@@ -435,9 +434,8 @@ def sm90_forward_tangent(
     segment_ids: with `spec.segmented`, each query row's key bounds
       `(lo, hi)` (`segments.kernel_bounds`, exact for contiguous ids).
     flex: `spec.flex`'s operands (`flex.FlexOperands`): a mask_mod, a
-      block mask, a score_mod over arrays without tangents and a bias
-      (`tangent_unsupported`), read as the dQ kernel reads them (the
-      score_mod's derivative chains S' into its scores).
+      block mask, a score_mod, a bias, read as the dQ kernel reads them
+      (the score_mod's derivative chains S' into its scores).
     dbias: the bias's tangent (its shape) where `spec.flex.bias_grad`.
     score_tangents: the tangents of the score_mod's floating arrays, in
       their order (zeros where one has none), where it has any.

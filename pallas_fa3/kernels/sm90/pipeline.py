@@ -360,3 +360,14 @@ def query_walk(spec: Any, refs: dict[str, Any], walk: TileWalk) -> tuple:
   if refs.get("bm_spans") is not None:
     return None, dataclasses.replace(walk, spans=refs["bm_spans"])
   return None, walk
+
+
+def query_span(
+  refs: dict[str, Any], seg: Any, batch: Any, q_tile: Any, head: Any
+) -> tuple[Any, Any] | None:
+  """The (first, end) K/V tiles query tile `q_tile`'s consumers walk, from
+  `query_walk`'s spans: its segment ids' (`seg`), a block mask's (per
+  head), or None."""
+  if seg is not None:
+    return tile_span(seg.spans, batch, q_tile)
+  return tile_span(refs.get("bm_spans"), batch, q_tile, head)

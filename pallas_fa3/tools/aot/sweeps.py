@@ -322,7 +322,8 @@ SEGMENTED_FLEX_CASES = ("sliding_window", "softcap", "alibi", "bias")
 def flex_sweep() -> Iterator[SweepItem]:
   """The default forward of every head dim with each of `flex_cases`, bf16
   at `PROFILE_SHAPE`, the tangent kernel where it takes the case (the
-  score_mod's arrays without tangents, a bias with one), the deterministic dK/dV and dQ kernels of the
+  score_mod's arrays without tangents, a bias with one), the deterministic
+  dK/dV and dQ kernels of the
   cases they differentiate (`flex_tile.backward_unsupported`), the fused
   kernel of those it takes (masks, a score_mod without floating arrays:
   the default backward where the tiling fuses), ALiBi
@@ -361,8 +362,9 @@ def flex_sweep() -> Iterator[SweepItem]:
         spec,
         config,
       )
-      # jax.jvp's tangent kernel: the score_mod's arrays without tangents
-      # (else the blockwise pass), a bias with one (a tile a step)
+      # jax.jvp's tangent kernel: the score_mod's arrays without tangents,
+      # a bias with one (a tile a step); `benchmarks/tangent_model.py`
+      # compiles the arrays' tangents (traced arrays)
       tfs, tops = flex.frozen(fspec, ops)
       for fn, tspec, tconfig in tangent_items(
         dataclasses.replace(spec, flex=tfs)
