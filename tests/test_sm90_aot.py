@@ -369,3 +369,40 @@ def test_head_dims_select_the_defaults():
   assert len(some) == sum(spec.head_dim == 128 for _, spec, _ in every) > 0
   # Pairs keep their value head dim; the e4m3 decode cache is d128's.
   assert {(s.head_dim, s.head_dim_v) for _, s, _ in some} >= {(128, 64)}
+
+
+_PIPELINED_DKDV = """
+import dataclasses, json, sys
+import jax
+from pallas_fa3.kernels.sm90 import config_backward
+from pallas_fa3.spec import make_spec
+from pallas_fa3.tools.aot import compiler
+q = jax.ShapeDtypeStruct((1, 4096, 8, 128), "bfloat16")
+spec = make_spec(q, q, q, causal=False, deterministic=True)
+rep = compiler.compile_backward(spec, config_backward.default_backward_config(spec))
+print(json.dumps([dataclasses.asdict(k) for k in rep.kernels]))
+"""
+
+
+@_needs_packages
+@pytest.mark.timeout(900)
+def test_pipelined_deterministic_dkdv_kernel_compiles_asynchronous():
+  # The deterministic d128 dK/dV kernel without a mask keeps dK's wgmma in
+  # flight into the next step (`dkdv_consumer`'s `pipelined`), a form the
+  # causal default tier does not compile: 0 spills, ptxas keeps the wgmma
+  # asynchronous, and a step waits at depth 1 (dP^T under P^T dO).
+  run = subprocess.run(
+    [sys.executable, "-c", _PIPELINED_DKDV],
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert run.returncode == 0, run.stderr[-4000:]
+  kernels = json.loads(run.stdout.strip().splitlines()[-1])
+  dkdv = [k for k in kernels if k["name"].startswith("fa3_bwd_dkdv")]
+  assert len(dkdv) == 1, [k["name"] for k in kernels]
+  for k in kernels:
+    assert (k["spill_store_bytes"], k["spill_load_bytes"]) == (0, 0), k["name"]
+    assert not k["wgmma_serialized"], k["name"]
+  assert dkdv[0]["wait_group"].get("1", 0) > 0

@@ -135,6 +135,22 @@ _CASES = [
     True,
     Sm90BackwardConfig(64, 64, 3, 2, 2, 2, 2),
   ),
+  # One query head a K/V head, no mask: the dK/dV consumers' pipelined
+  # loop (dK's GEMM in flight into the next step, which releases the last
+  # step's slot); 3 stages wrap the ring at d 64, ragged tails at d 128
+  # (the default tiling).
+  (
+    Shape(1, 200, 264, 2, 2, 64),
+    jnp.bfloat16,
+    False,
+    Sm90BackwardConfig(64, 64, 3),
+  ),
+  (
+    Shape(1, 150, 140, 2, 2, 128),
+    jnp.bfloat16,
+    False,
+    Sm90BackwardConfig(64, 64, 2),
+  ),
   # block_q 128 at d 64: one dQ consumer (128 rows) taking K/V in halves.
   (
     Shape(1, 200, 260, 2, 1, 64),

@@ -336,7 +336,7 @@ def dkdv_consumer(
     and not spec.masked
   )
 
-  def part(qi, h, slot, carry, masked, group_head):
+  def part(qi, h, slot, carry, masked, group_head, accs=None, release=None):
     dk, dv, sums = carry
     rows_h = pl.ds(h * sub, sub)
     q_parts = [q_smem.at[slot, c].at[rows_h] for c in range(plan.splits)]
@@ -412,6 +412,23 @@ def dkdv_consumer(
       )
 
     do_chunk = do_smem.at[slot, chunk].at[rows_h]
+    if accs is not None:  # `pipelined` (no mask): dK's GEMM left in flight
+      dk_acc, dv_acc = accs
+
+      def grads_p(read_s, read_dp):
+        s_t = read_s()  # also waits for the last step's dK
+        release()
+        p_t, pg_t, d_params = probabilities(s_t)
+        dv_new = ops.mma(dv_acc, p_t, do_chunk)
+        dp_t = read_dp(wait_n=1)
+        return dv_new, ds_and_sums(p_t, pg_t, d_params, dp_t)[0]
+
+      dv_acc, ds_t = ops.score_pair(
+        (k_parts, q_parts), (v_parts, do_parts), grads_p
+      )
+      ops.mma_wait(0)  # dV: only dK (and dS^T) in flight into the next step
+      dk_acc = ops.mma(dk_acc, ds_t, q_smem.at[slot, chunk].at[rows_h])
+      return dk_acc, dv_acc
     if early_dp:
       # dP^T issued right after S^T: its GEMM runs under P's exp2, and dP^T
       # is read at depth 1 under P^T dO (dV), dS^T under dS^T Q (dK).
@@ -449,17 +466,19 @@ def dkdv_consumer(
     plgpu.barrier_arrive(empty.at[slot])
     return carry
 
+  end = first + per_head
+
   def per_group_head(h, carry):
-    # Causal/window: every step masks (exact on visible tiles too); a
-    # separate masked loop spilled (docs/design_notes.md#backward-kernels).
     base = h * per_head
     zero_rows = lambda: ops.rows(jnp.zeros((cfg.block_kv,), jnp.float32))
-    dk, dv, sums = lax.fori_loop(
-      first,
-      first + per_head,
-      functools.partial(step, base=base, masked=spec.masked, group_head=h),
-      carry + (tuple(zero_rows() for _ in mine),),
+    run = lambda a, b, masked, c: lax.fori_loop(
+      a, b, functools.partial(step, base=base, masked=masked, group_head=h), c
     )
+    # Causal/window: every step masks (exact on visible tiles too); a
+    # separate masked loop spilled (d256; at d128 4/8 B in the producer at
+    # 8 heads: docs/design_notes.md#backward-kernels).
+    carry = carry + (tuple(zero_rows() for _ in mine),)
+    dk, dv, sums = run(first, end, spec.masked, carry)
     if mine:  # this head's sums, out through shared memory
       stage = refs["dp_stage"].at[wg]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last head's
@@ -480,10 +499,54 @@ def dkdv_consumer(
 
     return dk, dv
 
-  zeros = lambda w: ops.tile(jnp.zeros((cfg.block_kv, w), jnp.float32))
-  dk, dv = lax.fori_loop(
-    0, spec.group_size, per_group_head, (zeros(plan.chunk), zeros(plan.chunk_v))
+  # One query head a K/V head, whole query tiles, no mask, flex, softcap
+  # or segment ids: dK's GEMM stays in flight into the next step, whose
+  # S^T wait covers it before the last step's slot is released (tokamax's
+  # order; d128 B-lock 1.03 -> 0.99 of tokamax's, RESULTS), instead of a
+  # wait for dK at the end of every step.
+  pipelined = (
+    early_dp and not plan.fused and spec.group_size == 1 and halves == 1
   )
+
+  def pipelined_steps(accs):
+    stages = cfg.num_stages
+
+    def step_p(qi, accs):
+      t = qi - first
+      slot = lax.rem(t, stages)
+      for bar in full:
+        plgpu.barrier_wait(bar.at[slot])
+
+      def release():  # the last step's slot: its dK GEMM is done
+        @pl.when(t > 0)
+        def _():
+          plgpu.commit_smem()  # lse, delta read by ordinary loads
+          plgpu.barrier_arrive(empty.at[lax.rem(t + stages - 1, stages)])
+
+      return part(qi, 0, slot, (None, None, ()), False, 0, accs, release)
+
+    accs = ops.accumulating_loop(first, end, step_p, accs)
+    ops.mma_wait(0)
+
+    @pl.when(per_head > 0)
+    def _():
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(empty.at[lax.rem(per_head - 1, stages)])
+
+    return accs
+
+  zeros = lambda w: ops.tile(jnp.zeros((cfg.block_kv, w), jnp.float32))
+  if pipelined:
+    dk, dv = ops.with_accumulators(
+      (zeros(plan.chunk), zeros(plan.chunk_v)), pipelined_steps
+    )
+  else:
+    dk, dv = lax.fori_loop(
+      0,
+      spec.group_size,
+      per_group_head,
+      (zeros(plan.chunk), zeros(plan.chunk_v)),
+    )
   cols = pl.ds(chunk * plan.chunk, plan.chunk)
   cols_v = pl.ds(chunk * plan.chunk_v, plan.chunk_v)
   store_dkdv(  # K, V are done: stage dK, dV in them

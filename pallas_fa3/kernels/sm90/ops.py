@@ -322,6 +322,56 @@ class KernelOps:
     shapes = [plgpu.ACC(a, _F32) for a, f in zip(accs, fresh) if f]
     return pl.run_scoped(scoped, *shapes)
 
+  def with_accumulators(
+    self, inits: tuple[jax.Array, ...], body: Callable[[tuple], tuple]
+  ) -> tuple[jax.Array, ...]:
+    """Runs `accs = body(accs)` on float32 accumulators initialised to
+    `inits` that live across `body`'s loops (`accumulating_loop`; wgmma
+    into them with `mma`, waited for with `mma_wait`) and returns their
+    values once every wgmma is done: a GEMM may stay in flight from one
+    loop step into the next. Compiled, `accs` are wgmma accumulator refs;
+    interpreted, values."""
+    if self.interpreted:
+      return tuple(body(tuple(inits)))
+
+    def run(refs):
+      body(refs)
+      plgpu.wgmma_wait(0)
+
+    return pl.run_state(run)(tuple(plgpu.ACC.init(x) for x in inits))
+
+  def accumulating_loop(
+    self, lower: Any, upper: Any, step: Callable[[Any, tuple], tuple],
+    accs: tuple,
+  ) -> tuple:  # fmt: skip
+    """`lax.fori_loop(lower, upper, step, accs)` over `with_accumulators`'
+    `accs` (compiled, the refs are closed over, not carried)."""
+    if self.interpreted:
+      return lax.fori_loop(lower, upper, step, accs)
+
+    def body(i, carry):
+      step(i, accs)
+      return carry
+
+    lax.fori_loop(lower, upper, body, ())
+    return accs
+
+  def mma(self, acc: Any, a: Any, b_smem: Any) -> Any:
+    """Issues `acc + A B` into a `with_accumulators` accumulator (A in
+    registers, B in shared memory) as its own wgmma group, without
+    waiting; returns the accumulator."""
+    if self.interpreted:
+      return async_proxy_read(
+        acc + jnp.dot(a, b_smem[...], preferred_element_type=_F32)
+      )
+    plgpu.wgmma(acc, a, b_smem)
+    return acc
+
+  def mma_wait(self, n: int) -> None:
+    """Waits for every wgmma group but the `n` newest."""
+    if not self.interpreted:
+      plgpu.wgmma_wait(n)
+
   def accumulate_ss(
     self, acc: jax.Array, a_smem: Any, b_smem: Any
   ) -> jax.Array:

@@ -371,9 +371,11 @@ def compile_backward(
   flex: Any = None,
   label: str = "",
   learnable: tuple | None = None,
+  fused: bool | None = None,
 ) -> CompileReport:
   """Compiles the backward for sm_90a (the fused kernel, or with
-  `spec.deterministic` the dK/dV and dQ kernels); ptxas's report. `flex`:
+  `spec.deterministic` the dK/dV and dQ kernels; `fused` as a
+  `config_backward.BackwardPlan` says, when given); ptxas's report. `flex`:
   `spec.flex`'s operands (`label` names them). `learnable = (make_score_mod,
   arrays)`: the score_mod `make_score_mod(*arrays)` over arrays that are
   operands of the compiled call (traced, so they carry gradients: the dQ
@@ -404,6 +406,7 @@ def compile_backward(
       *a,
       segment_ids=packed_bounds(spec) if spec.segmented else None,
       flex=ops,
+      fused=fused,
     )
 
   if arrays:
@@ -411,6 +414,8 @@ def compile_backward(
     shapes = [
       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in arrays
     ] + shapes
+  pair = fused is False and not spec.deterministic
+  label += " (the pair)" if pair else ""
   return compile_report(
     f"bwd{'-det' if spec.deterministic else ''} d={spec.head_dim}{_dv_label(spec)}"
     f" {spec.dtype} causal={spec.causal}{modifier_label(spec)}{label}"

@@ -6,6 +6,7 @@ docs/kernels.md#verification-without-a-gpu.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -211,15 +212,15 @@ def tangent_items(spec: AttentionSpec) -> Iterator[SweepItem]:
 
 
 def modifiers_sweep() -> Iterator[SweepItem]:
-  """The default forward and both backwards (fused; dK/dV + dQ) of every
-  head dim with each of `MODIFIER_CASES` (windows, softcap, sinks), and the
-  forward and both backwards of the causal cases with segment ids, bf16 at
-  `PROFILE_SHAPE`; then the FP8 forward with the same options."""
+  """The default forward and both backwards (what a call runs, fused or
+  the pair, `backward_items`; deterministic) of every head dim with each
+  of `MODIFIER_CASES` (windows, softcap, sinks), and the same of the
+  causal cases with segment ids, bf16 at `PROFILE_SHAPE`; then the FP8
+  forward with the same options."""
   import jax
 
   from pallas_fa3.kernels.sm90 import (
     config as sm90_config,
-    config_backward as sm90_bwd_config,
   )
   from pallas_fa3.spec import make_spec
 
@@ -240,10 +241,25 @@ def modifiers_sweep() -> Iterator[SweepItem]:
           yield compile_forward, one, sm90_config.default_forward_config(one)
           yield from tangent_items(one)
         for det in (False, True):
-          bwd = dataclasses.replace(one, deterministic=det)
-          config = sm90_bwd_config.default_backward_config(bwd)
-          yield compile_backward, bwd, config
+          yield from backward_items(dataclasses.replace(one, deterministic=det))
   yield from _fp8_modifiers()
+
+
+def backward_items(spec: AttentionSpec) -> Iterator[SweepItem]:
+  """The backward kernels a call of `spec` without a tiling runs (its
+  `config_backward.backward_plan`: the fused kernel, or the pair where
+  the fused one spills or `deterministic`); none where the blockwise twin
+  runs."""
+  from pallas_fa3.kernels.sm90 import config_backward as sm90_bwd_config
+
+  plan = sm90_bwd_config.backward_plan(spec)
+  if plan.form != "blockwise":
+    fused = plan.form == "fused"
+    yield (
+      functools.partial(compile_backward, fused=fused),
+      plan.spec,
+      plan.tiling,
+    )
 
 
 def _fp8_modifiers() -> Iterator[SweepItem]:
