@@ -391,14 +391,7 @@ def test_pipelined_deterministic_dkdv_kernel_compiles_asynchronous():
   # flight into the next step (`dkdv_consumer`'s `pipelined`), a form the
   # causal default tier does not compile: 0 spills, ptxas keeps the wgmma
   # asynchronous, and a step waits at depth 1 (dP^T under P^T dO).
-  run = subprocess.run(
-    [sys.executable, "-c", _PIPELINED_DKDV],
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert run.returncode == 0, run.stderr[-4000:]
+  run = _run_python(_PIPELINED_DKDV)
   kernels = json.loads(run.stdout.strip().splitlines()[-1])
   dkdv = [k for k in kernels if k["name"].startswith("fa3_bwd_dkdv")]
   assert len(dkdv) == 1, [k["name"] for k in kernels]
