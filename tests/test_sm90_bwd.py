@@ -135,14 +135,15 @@ _CASES = [
     True,
     Sm90BackwardConfig(64, 64, 3, 2, 2, 2, 2),
   ),
-  # One query head a K/V head, no mask: the dK/dV consumers' pipelined
-  # loop (dK's GEMM in flight into the next step, which releases the last
-  # step's slot); 3 stages wrap the ring at d 64, ragged tails at d 128
-  # (the default tiling).
+  # One query head a K/V head: the dK/dV consumers' pipelined loop (dK's
+  # GEMM in flight into the next step, which releases the last step's
+  # slot). Causal with a whole tile as offset at d 64, 3 stages wrapping
+  # the ring (the masked diagonal's loop first, then the pipelined one),
+  # and not causal with ragged tails at d 128 (the default tiling).
   (
     Shape(1, 200, 264, 2, 2, 64),
     jnp.bfloat16,
-    False,
+    True,
     Sm90BackwardConfig(64, 64, 3),
   ),
   (

@@ -265,28 +265,32 @@ def dkdv_producer(
   steps = spec.group_size * per_head
   stages = cfg.num_stages
 
-  @pl.loop(0, steps)
+  # `stages` more turns than loads: the last ones only wait for the last
+  # slots' releases (the drain inside the loop: after it, the empty
+  # barriers' address stayed live through the loop and spilled from the
+  # producer's 24 registers, d128 with softcap or a causal split).
+  @pl.loop(0, steps + stages)
   def _load(t):
     slot = lax.rem(t, stages)
-    head = kv_head * spec.group_size + lax.div(t, per_head)
-    q0 = (first + lax.rem(t, per_head)) * cfg.block_q
 
     @pl.when(t >= stages)
     def _():
       plgpu.barrier_wait(empty.at[slot])
 
-    tile = (batch, pl.ds(q0, cfg.block_q), head)
-    row = (batch, head, pl.ds(q0, cfg.block_q))
-    copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan, False)
-    copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan, True)
-    plgpu.copy_gmem_to_smem(
-      lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
-    )
-    plgpu.copy_gmem_to_smem(dl_ref.at[row], dl_smem.at[slot], full[3].at[slot])
-
-  @pl.loop(jnp.maximum(steps - stages, 0), steps)
-  def _drain(t):
-    plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
+    @pl.when(t < steps)
+    def _():
+      head = kv_head * spec.group_size + lax.div(t, per_head)
+      q0 = (first + lax.rem(t, per_head)) * cfg.block_q
+      tile = (batch, pl.ds(q0, cfg.block_q), head)
+      row = (batch, head, pl.ds(q0, cfg.block_q))
+      copy_chunks(q_ref, tile, q_smem.at[slot], full[0].at[slot], plan, False)
+      copy_chunks(do_ref, tile, do_smem.at[slot], full[1].at[slot], plan, True)
+      plgpu.copy_gmem_to_smem(
+        lse_ref.at[row], lse_smem.at[slot], full[2].at[slot]
+      )
+      plgpu.copy_gmem_to_smem(
+        dl_ref.at[row], dl_smem.at[slot], full[3].at[slot]
+      )
 
 
 def dkdv_consumer(
@@ -499,47 +503,74 @@ def dkdv_consumer(
 
     return dk, dv
 
-  # One query head a K/V head, whole query tiles, no mask, flex, softcap
-  # or segment ids: dK's GEMM stays in flight into the next step, whose
-  # S^T wait covers it before the last step's slot is released (tokamax's
-  # order; d128 B-lock 1.03 -> 0.99 of tokamax's, RESULTS), instead of a
-  # wait for dK at the end of every step.
+  # One query head a K/V head, whole query tiles, no flex, softcap or
+  # segment ids: the unmasked steps keep dK's GEMM in flight into the next
+  # step, whose S^T wait covers it before the last step's slot is released
+  # (tokamax's order; d128 B-lock 1.03 -> 0.99 of tokamax's not causal,
+  # 1.11 -> 1.00 causal, RESULTS), instead of a wait for dK at the end of
+  # every step. Causal with a whole number of tiles as offset: the
+  # diagonal's masked steps first, in the loop above (FA3's split,
+  # `masking.q_blocks_unmasked`); with a window or another offset every
+  # step masks and nothing is pipelined.
   pipelined = (
-    early_dp and not plan.fused and spec.group_size == 1 and halves == 1
+    seg is None
+    and spec.softcap is None
+    and spec.flex is None
+    and not plan.fused
+    and spec.group_size == 1
+    and halves == 1
   )
+  start = first
+  if pipelined and spec.masked:
+    pipelined = (
+      spec.causal
+      and spec.window_size is None
+      and all(spec.causal_offset % t == 0 for t in (cfg.block_q, cfg.block_kv))
+    )
+    if pipelined:
+      start, _ = masking.q_blocks_unmasked(
+        spec, kv0, kv0 + cfg.block_kv, cfg.block_q, plan.num_q_blocks
+      )
+      start = jnp.clip(start, first, end)
 
   def pipelined_steps(accs):
     stages = cfg.num_stages
 
-    def step_p(qi, accs):
-      t = qi - first
-      slot = lax.rem(t, stages)
+    def step_p(qi, accs, prev):  # prev: the last step's slot (-1: none)
+      slot = lax.rem(qi - first, stages)
       for bar in full:
         plgpu.barrier_wait(bar.at[slot])
 
       def release():  # the last step's slot: its dK GEMM is done
-        @pl.when(t > 0)
+        @pl.when(prev >= 0)
         def _():
           plgpu.commit_smem()  # lse, delta read by ordinary loads
-          plgpu.barrier_arrive(empty.at[lax.rem(t + stages - 1, stages)])
+          plgpu.barrier_arrive(empty.at[prev])
 
-      return part(qi, 0, slot, (None, None, ()), False, 0, accs, release)
+      accs = part(qi, 0, slot, (None, None, ()), False, 0, accs, release)
+      return accs, slot
 
-    accs = ops.accumulating_loop(first, end, step_p, accs)
+    # The last slot carried out of the loop (recomputed after it, its
+    # operands stayed live through the loop and spilled 4 B at 8 heads).
+    accs, last = ops.accumulating_loop(start, end, step_p, accs, jnp.int32(-1))
     ops.mma_wait(0)
 
-    @pl.when(per_head > 0)
+    @pl.when(last >= 0)
     def _():
       plgpu.commit_smem()
-      plgpu.barrier_arrive(empty.at[lax.rem(per_head - 1, stages)])
+      plgpu.barrier_arrive(empty.at[last])
 
     return accs
 
   zeros = lambda w: ops.tile(jnp.zeros((cfg.block_kv, w), jnp.float32))
   if pipelined:
-    dk, dv = ops.with_accumulators(
-      (zeros(plan.chunk), zeros(plan.chunk_v)), pipelined_steps
+    dk, dv, _ = lax.fori_loop(  # the masked diagonal (causal), waited
+      first,
+      start,
+      functools.partial(step, base=0, masked=True, group_head=0),
+      (zeros(plan.chunk), zeros(plan.chunk_v), ()),
     )
+    dk, dv = ops.with_accumulators((dk, dv), pipelined_steps)
   else:
     dk, dv = lax.fori_loop(
       0,

@@ -341,20 +341,21 @@ class KernelOps:
     return pl.run_state(run)(tuple(plgpu.ACC.init(x) for x in inits))
 
   def accumulating_loop(
-    self, lower: Any, upper: Any, step: Callable[[Any, tuple], tuple],
-    accs: tuple,
-  ) -> tuple:  # fmt: skip
-    """`lax.fori_loop(lower, upper, step, accs)` over `with_accumulators`'
-    `accs` (compiled, the refs are closed over, not carried)."""
+    self, lower: Any, upper: Any, step: Callable[..., tuple],
+    accs: tuple, carry: Any = (),
+  ) -> tuple[tuple, Any]:  # fmt: skip
+    """`lax.fori_loop` of `(accs, carry) = step(i, accs, carry)` over
+    `with_accumulators`' `accs` (compiled, the refs are closed over, only
+    `carry` is carried). Returns (accs, carry)."""
     if self.interpreted:
-      return lax.fori_loop(lower, upper, step, accs)
+      return lax.fori_loop(
+        lower, upper, lambda i, ac: step(i, *ac), (accs, carry)
+      )
 
-    def body(i, carry):
-      step(i, accs)
-      return carry
+    def body(i, c):
+      return step(i, accs, c)[1]
 
-    lax.fori_loop(lower, upper, body, ())
-    return accs
+    return accs, lax.fori_loop(lower, upper, body, carry)
 
   def mma(self, acc: Any, a: Any, b_smem: Any) -> Any:
     """Issues `acc + A B` into a `with_accumulators` accumulator (A in
