@@ -85,6 +85,8 @@ def test_explain_says_each_backward_form_and_why(name):
     (_sds(2, 512, 8, 128), dict(causal=False, window_size=(128, 0)), False),
     (_sds(2, 512, 8, 128), dict(), False),
     (Q, dict(softcap=30.0), False),  # GQA: the shared-tile fused layout
+    # both: the pair's dK/dV spilled 12-20 B in its loop; the shared tile
+    (_sds(2, 512, 8, 128), dict(softcap=30.0, segment_ids=(_IDS, _IDS)), False),
     (_sds(2, 512, 8, 64), dict(segment_ids=(_IDS, _IDS)), False),
   ],
 )

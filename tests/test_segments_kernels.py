@@ -239,6 +239,14 @@ BACKWARD_CASES = [
     id="dkdv-dq-causal-sq>skv",
     marks=_SLOW,
   ),
+  # softcap beside segment ids at d128, one query head a K/V head: the
+  # default's shared-tile fused layout (the pair spilled)
+  pytest.param(
+    Shape(1, 192, 192, 2, 2, 128),
+    False,
+    dict(causal=True, softcap=30.0),
+    id="fused-d128-softcap-shared-tile",
+  ),
   pytest.param(
     Shape(1, 256, 256, 2, 1, 128),
     False,

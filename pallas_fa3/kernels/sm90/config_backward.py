@@ -690,6 +690,10 @@ _FLEX_KEY_PARAM_DEFAULTS = {
 # benchmarks/RESULTS.md, issue 43), the deterministic pair 16-84 B; the
 # shared-tile fused layout compiles all of them with 0. (128/96 has no
 # 32-column halves of V: it keeps the own tiles, spilling in 5 of 22.)
+# Without a group, softcap with segment ids takes it too: the pair
+# `fused_spills` picks for either alone spilled 12-20 B inside its dK/dV
+# loop with both (perfcmp 4 x 4096 x 16: model B 7750 against the shared
+# tile's 8500, 1.41x the plain causal backward; issue 66).
 _FUSED_GQA_MODIFIER_DEFAULTS = {
   (128, dv): Sm90BackwardConfig(
     block_q=64, block_kv=64, num_stages=2, dkdv_consumers=2,
@@ -738,8 +742,10 @@ def default_backward_config(spec: AttentionSpec) -> Sm90BackwardConfig:
   if (
     not spec.deterministic
     and flex is None
-    and spec.group_size > 1
-    and _modified(spec)
+    and (
+      (spec.group_size > 1 and _modified(spec))
+      or (spec.softcap is not None and spec.segmented)
+    )
     and (d, dv) in _FUSED_GQA_MODIFIER_DEFAULTS
   ):
     return _FUSED_GQA_MODIFIER_DEFAULTS[d, dv]
