@@ -247,6 +247,30 @@ def q_tile_range(
   return first, jnp.maximum(jnp.asarray(end, jnp.int32) - first, 0)
 
 
+def unmasked_from(
+  plan: DkdvPlan, kv0: Any, first: Any, end: Any, seg: Any
+) -> Any:
+  """FA3's causal split of a consumer's query tiles `[first, end)`: the
+  first that sees every key of its tile from `kv0` (the steps from it on
+  need no mask), or None where the split does not apply (a window, an
+  offset that is not a whole number of tiles, segment ids, flex or a GQA
+  group: those spilled or gained nothing, RESULTS issue 43)."""
+  spec, cfg = plan.spec, plan.config
+  if not (
+    spec.causal
+    and spec.window_size is None
+    and all(spec.causal_offset % t == 0 for t in (cfg.block_q, cfg.block_kv))
+    and seg is None
+    and spec.flex is None
+    and spec.group_size == 1
+  ):
+    return None
+  lo, _ = masking.q_blocks_unmasked(  # no left window: the rest
+    spec, kv0, kv0 + cfg.block_kv, cfg.block_q, plan.num_q_blocks
+  )
+  return jnp.clip(lo, first, end)
+
+
 def dkdv_producer(
   refs: dict[str, Any], plan: DkdvPlan, seg: Any = None
 ) -> None:
@@ -475,14 +499,15 @@ def dkdv_consumer(
   def per_group_head(h, carry):
     base = h * per_head
     zero_rows = lambda: ops.rows(jnp.zeros((cfg.block_kv,), jnp.float32))
-    run = lambda a, b, masked, c: lax.fori_loop(
-      a, b, functools.partial(step, base=base, masked=masked, group_head=h), c
-    )
     # Causal/window: every step masks (exact on visible tiles too); a
-    # separate masked loop spilled (d256; at d128 4/8 B in the producer at
-    # 8 heads: docs/design_notes.md#backward-kernels).
-    carry = carry + (tuple(zero_rows() for _ in mine),)
-    dk, dv, sums = run(first, end, spec.masked, carry)
+    # separate masked loop spilled (docs/design_notes.md#backward-kernels);
+    # `pipelined` below splits the plain causal calls.
+    dk, dv, sums = lax.fori_loop(
+      first,
+      end,
+      functools.partial(step, base=base, masked=spec.masked, group_head=h),
+      carry + (tuple(zero_rows() for _ in mine),),
+    )
     if mine:  # this head's sums, out through shared memory
       stage = refs["dp_stage"].at[wg]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last head's
@@ -508,10 +533,8 @@ def dkdv_consumer(
   # step, whose S^T wait covers it before the last step's slot is released
   # (tokamax's order; d128 B-lock 1.03 -> 0.99 of tokamax's not causal,
   # 1.11 -> 1.00 causal, RESULTS), instead of a wait for dK at the end of
-  # every step. Causal with a whole number of tiles as offset: the
-  # diagonal's masked steps first, in the loop above (FA3's split,
-  # `masking.q_blocks_unmasked`); with a window or another offset every
-  # step masks and nothing is pipelined.
+  # every step. With a mask, only FA3's causal split (`unmasked_from`):
+  # the diagonal's masked steps first, waited, in the loop above.
   pipelined = (
     seg is None
     and spec.softcap is None
@@ -522,16 +545,8 @@ def dkdv_consumer(
   )
   start = first
   if pipelined and spec.masked:
-    pipelined = (
-      spec.causal
-      and spec.window_size is None
-      and all(spec.causal_offset % t == 0 for t in (cfg.block_q, cfg.block_kv))
-    )
-    if pipelined:
-      start, _ = masking.q_blocks_unmasked(
-        spec, kv0, kv0 + cfg.block_kv, cfg.block_q, plan.num_q_blocks
-      )
-      start = jnp.clip(start, first, end)
+    start = unmasked_from(plan, kv0, first, end, seg)
+    pipelined = start is not None
 
   def pipelined_steps(accs):
     stages = cfg.num_stages
@@ -912,31 +927,16 @@ def fused_consumer(
 
   # Causal, with a whole number of tiles as its offset: the query tiles
   # that see all of my keys skip the mask in a loop of their own (FA3's
-  # split), the diagonal's mask. Windows, other offsets (d128: 84-92 B at
-  # 100/300, 1000/1100; with windows up to 452 B), segment ids, flex and a
-  # GQA group (d128: 88-112 B) spill or gain nothing: every step masks in
-  # one loop (RESULTS, issue 43).
-  tiles = (cfg.block_q, cfg.block_kv)
-  split = (
-    spec.causal
-    and spec.window_size is None
-    and all(spec.causal_offset % t == 0 for t in tiles)
-    and seg is None
-    and spec.flex is None
-    and spec.group_size == 1
-  )
+  # split, `unmasked_from`; d128 windows and other offsets spilled 84-452
+  # B, a GQA group 88-112 B): elsewhere every step masks in one loop.
   end = first + per_head
-  if split:
-    lo, _ = masking.q_blocks_unmasked(  # no left window: the rest
-      spec, kv0, kv0 + cfg.block_kv, cfg.block_q, plan.num_q_blocks
-    )
-    lo = jnp.clip(lo, first, end)
+  lo = unmasked_from(plan, kv0, first, end, seg)
 
   def per_group_head(h, carry):
     run = lambda a, b, masked, c: lax.fori_loop(
       a, b, functools.partial(step, h=h, masked=masked), c
     )
-    if not split:
+    if lo is None:
       return run(first, end, spec.masked, carry)
     carry = run(first, lo, True, carry)
     return run(lo, end, False, carry)

@@ -362,10 +362,8 @@ class KernelOps:
     registers, B in shared memory) as its own wgmma group, without
     waiting; returns the accumulator."""
     if self.interpreted:
-      return async_proxy_read(
-        acc + jnp.dot(a, b_smem[...], preferred_element_type=_F32)
-      )
-    plgpu.wgmma(acc, a, b_smem)
+      return async_proxy_read(acc + self._dot_pv(a, b_smem))
+    self._wgmma_pv(acc, a, b_smem)
     return acc
 
   def mma_wait(self, n: int) -> None:
