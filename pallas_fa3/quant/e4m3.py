@@ -226,7 +226,7 @@ def online_softmax_fp8(
   # `s` holds raw scores, `m` the running max of scaled ones. The scores
   # are scaled once (a multiply behind an optimization barrier, not an FFMA
   # in the exponent), so the row max's exponent is exact at any finite
-  # scale (kernels/sm90/common.scaled_once).
+  # scale (kernels/sm90/scores.scaled_once).
   tile_scale = (
     scale_log2 if jnp.ndim(scale_log2) == 0 else scale_log2[..., None]
   )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_fa3 import flex
+from pallas_fa3.backends.blockwise.tiles import scaled_scores
 from pallas_fa3.kvcache import (
   DecodeSpec,
   key_range,
@@ -142,22 +143,14 @@ def blockwise_decode(
         precision=HIGHEST,
       )
       fmask = None
-      if spec.flex is not None:  # natural units through the user functions
-        if spec.softcap is None:
-          x = s_ * (f32(spec.softmax_scale) * kd)
-        else:
-          t = jnp.tanh(s_ * (f32(spec.softmax_scale / spec.softcap) * kd))
-          x = t * f32(spec.softcap)
+      # natural units through the user functions, then base 2
+      x, _ = scaled_scores(spec, s_, base2=spec.flex is None, descale=kd)
+      if spec.flex is not None:
         x, fmask = flex.decode_scores(
           spec, flex_ops, x[None], bi[None], length[None], pos
         )
         x = x[0] * f32(LOG2E)
         fmask = None if fmask is None else fmask[0]
-      elif spec.softcap is None:
-        x = s_ * (f32(spec.softmax_scale * LOG2E) * kd)
-      else:
-        t = jnp.tanh(s_ * (f32(spec.softmax_scale / spec.softcap) * kd))
-        x = t * f32(spec.softcap * LOG2E)
       x = lax.optimization_barrier(x)  # one rounding: see blockwise_tiles
       seen = pos >= j * tile  # a clamped tile's start repeats keys
       mask = visible_in_cache(spec, length, jnp.arange(sq)[:, None], pos, start)

@@ -105,8 +105,8 @@ def blockwise_forward_fp8(
   def q_tile_fn(iq):
     q_tile = jax.lax.dynamic_slice_in_dim(qp, iq * block_q, block_q, axis=1)
     q_pos = iq * block_q + jnp.arange(block_q)
-    # As the kernel: float32(scale * log2 e) * sq, then * sk_j per step.
-    scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * qs[..., iq]
+    # As the kernel: float32(scale * log2 e) * (sq * sk_j) per step.
+    q_descale = qs[..., iq]
 
     def kv_step(j, carry):
       o, m, l = carry
@@ -119,16 +119,18 @@ def blockwise_forward_fp8(
         preferred_element_type=_F32,
         precision=HIGHEST,
       )
-      step_scale = (scale_log2 * ks[:, :, None, j])[..., None]
+      descale = (q_descale * ks[:, :, None, j])[..., None]  # [b, hk, g, 1]
       kv_pos = j * block_kv + jnp.arange(block_kv)
       mask = masking.visible(spec, q_pos, kv_pos)
       if ids is not None:  # [b, bq, bkv] -> [b, 1, 1, bq, bkv]
         q_ids = jax.lax.dynamic_slice_in_dim(ids[0], iq * block_q, block_q, 1)
         kv_ids = jax.lax.dynamic_slice_in_dim(ids[1], j * block_kv, block_kv, 1)
         mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
-      if spec.softcap is not None:  # as the kernel: tanh of the descaled score
-        cap = jnp.float32(LOG2E * spec.softcap)
-        s = jnp.tanh(s * (step_scale[..., None] / cap))
+      if spec.softcap is None:
+        step_scale = jnp.float32(spec.softmax_scale * LOG2E) * descale
+      else:  # as the kernel: tanh of the descaled score
+        factor = jnp.float32(spec.softmax_scale / spec.softcap) * descale
+        s = jnp.tanh(s * factor[..., None])
         step_scale = jnp.float32(spec.softcap * LOG2E)
       p, alpha, m, l = online_softmax_fp8(
         s, m, l, scale_log2=step_scale, mask=mask

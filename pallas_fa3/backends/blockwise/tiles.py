@@ -99,6 +99,23 @@ def seq_tile(x: jax.Array, index: Any, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
+def scaled_scores(
+  spec: Any, s: jax.Array, *, base2: bool, descale: Any = None
+) -> tuple[jax.Array, jax.Array | None]:
+  """(scaled scores, the softcap's tanh or None): `s * scale`, or with
+  softcap `c * tanh(s * scale / c)`, in base 2 (times log2 e) with
+  `base2`, else natural units (what a score_mod takes); `descale` (an e4m3
+  operand's scale) folded into the scale. The twin of the kernels'
+  `kernels/sm90/scores.softcapped`."""
+  unit = LOG2E if base2 else 1.0
+  if spec.softcap is None:
+    scale = jnp.float32(spec.softmax_scale * unit)
+    return s * (scale if descale is None else scale * descale), None
+  factor = jnp.float32(spec.softmax_scale / spec.softcap)
+  t = jnp.tanh(s * (factor if descale is None else factor * descale))
+  return t * jnp.float32(spec.softcap * unit), t
+
+
 def scores_log2(
   spec: AttentionSpec,
   q_tile: jax.Array,
@@ -124,23 +141,15 @@ def scores_log2(
     preferred_element_type=jnp.float32,
     precision=HIGHEST,
   )
-  t = pull = None
-  if flex_tile is not None:  # natural units through the user's functions
-    if spec.softcap is None:
-      s = s * jnp.float32(spec.softmax_scale)
-    else:
-      t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
-      s = t * jnp.float32(spec.softcap)
+  pull = None
+  # natural units through the user's functions, then base 2
+  s, t = scaled_scores(spec, s, base2=flex_tile is None)
+  if flex_tile is not None:
     if pullback:
       s, pull = jax.vjp(flex_tile.scores, s, flex_tile.bias, flex_tile.floats)
     else:
       s = flex_tile.scores(s, flex_tile.bias, flex_tile.floats)
     s = s * jnp.float32(LOG2E)
-  elif spec.softcap is None:
-    s = s * jnp.float32(spec.softmax_scale * LOG2E)
-  else:
-    t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
-    s = t * jnp.float32(spec.softcap * LOG2E)
   # Scaled once, then used by both the max and exp2(s - max): without the
   # barrier XLA contracts the scaling into the subtraction (an FMA) in one
   # fusion only, and at large logits the max's own exponent is off by a

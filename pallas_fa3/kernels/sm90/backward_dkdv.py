@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90 import compat, flex_tile
+from pallas_fa3.kernels.sm90 import compat, flex_tile, scores
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   build_kernel,
@@ -35,11 +35,7 @@ from pallas_fa3.kernels.sm90.common import (
   dkdv_operands,
   load_bounds,
   producer_regs,
-  row_probabilities,
-  scaled_once,
   smem_transforms,
-  softcap_grad,
-  softcapped,
   swizzle64,
   tile_index,
   tile_span,
@@ -381,49 +377,22 @@ def dkdv_consumer(
       """P^T (rounded), P^T times the score's derivative (rounded) and a
       score_mod's derivatives in its arrays, from S^T = K Q^T [block_kv,
       sub]."""
-      t_t, scale_log2 = softcapped(spec, s_t)
-      # A bias, then a score_mod (flex; grad_t its derivative).
-      y_t, scale_log2, grad_t = flex_tile.backward_scores(
-        spec, refs, ops, t_t, scale_log2, q0=q0, kv0=kv0,
-        batch=lax.axis_index("batch"), head=head, q_axis=1,
-        params=bool(mine),
+      # Causal/window only: padded keys' rows of dK, dV are sliced off.
+      at = scores.At(
+        q0, kv0, q_axis=1, masked=masked,
+        bounds=None if bounds is None else (*bounds, 0), check_seq_kv=False,
+        flex=(refs, lax.axis_index("batch"), head),
       )  # fmt: skip
-      d_params = None
-      if mine:
-        grad_t, d_params = grad_t
-      x_t = scaled_once(y_t, scale_log2)
-      s_t = x_t - lax.broadcast_in_dim(
-        ops.load_cols(lse_smem.at[slot].at[rows_h]), shape, [1]
+      lse_t = lambda: ops.load_cols(lse_smem.at[slot].at[rows_h])
+      p_t, ctx, *d_params = scores.probabilities(
+        ops, spec, s_t, lse_t, at, params=bool(mine)
       )
-      p_t = jnp.exp2(jnp.minimum(s_t, 0.0))  # as `row_probabilities`
-      if masked:
-        # Causal/window only: padded keys' rows of dK, dV are sliced off.
-        if bounds is not None:  # lo <= query < hi, positions folded in
-          mask = masking.within_bounds(ops.col_index(sub), *bounds, q0, shape)
-        else:
-          mask = masking.visible_tile_at(
-            spec,
-            q0,
-            kv0,
-            ops.col_index(sub),
-            ops.row_index(cfg.block_kv),
-            shape,
-            1,
-            check_seq_kv=False,
-          )
-        p_t = jnp.where(mask, p_t, 0.0)
-      if spec.flex is not None:  # every step: the mask is not positional
-        p_t = flex_tile.kernel_hide(
-          spec, refs, ops, p_t, q0=q0, kv0=kv0,
-          batch=lax.axis_index("batch"), head=head, q_axis=1,
-        )  # fmt: skip
+      d_params = d_params[0] if mine else None
       # Softcap: dS^T takes P^T (1 - t^2), rounded like P^T (and a
       # score_mod's derivative).
       pg_t = None
-      if spec.softcap is not None or grad_t is not None:
-        cap = t_t if spec.softcap is not None else None
-        ctx = cap if grad_t is None else (cap, grad_t)
-        pg_t = softcap_grad(p_t, ctx).astype(spec.dtype)
+      if ctx is not None:
+        pg_t = scores.times_derivative(p_t, ctx).astype(spec.dtype)
       p_t = p_t.astype(spec.dtype)  # only the rounded P^T stays live
       pg_t = p_t if pg_t is None else pg_t
       return p_t, pg_t, d_params
@@ -680,19 +649,16 @@ def dkdv_shared_consumer(
     def grads(read_s, read_dp):  # dP is in flight while P is computed
       # Causal/window: masked on every tile (exact there too); padded
       # keys' rows of dK, dV are sliced off.
-      p, t = row_probabilities(
-        ops,
-        spec,
-        read_s(),
-        ops.load_rows(lse_smem.at[slot]),
-        qi * cfg.block_q,
-        kv0 + w * half,
-        masked=spec.masked,
-        check_seq_kv=False,
-        bounds=bounds,
-        flex_at=(refs, batch, kv_head * spec.group_size + h),
+      at = scores.At(
+        qi * cfg.block_q, kv0 + w * half, masked=spec.masked, bounds=bounds,
+        check_seq_kv=False, flex=(refs, batch, kv_head * spec.group_size + h),
+      )  # fmt: skip
+      p, t = scores.probabilities(
+        ops, spec, read_s(), ops.load_rows(lse_smem.at[slot]), at
       )
-      pg = None if t is None else softcap_grad(p, t).astype(spec.dtype)
+      pg = None
+      if t is not None:
+        pg = scores.times_derivative(p, t).astype(spec.dtype)
       p = p.astype(spec.dtype)
       pg = p if pg is None else pg
       delta = ops.load_rows(dl_smem.at[slot])
@@ -875,25 +841,16 @@ def fused_consumer(
     def grads(read_s, read_dp):
       # flex: a mask_mod, a block mask, a score_mod (its derivative in
       # t_t); no bias or learnable arrays (`fused_flex_unsupported`).
-      flex_at = None
-      if spec.flex is not None:
-        flex_at = (refs, batch, kv_head * spec.group_size + h)
-      p_t, t_t = row_probabilities(
-        ops,
-        spec,
-        read_s(),
-        ops.load_cols(lse_smem.at[slot]),
-        qi * cfg.block_q,
-        kv0,
-        masked=masked,
-        check_seq_kv=False,
-        q_axis=1,
-        bounds=bounds,
-        flex_at=flex_at,
+      at = scores.At(
+        qi * cfg.block_q, kv0, q_axis=1, masked=masked, bounds=bounds,
+        check_seq_kv=False, flex=(refs, batch, kv_head * spec.group_size + h),
+      )  # fmt: skip
+      p_t, t_t = scores.probabilities(
+        ops, spec, read_s(), ops.load_cols(lse_smem.at[slot]), at
       )
       delta = ops.load_cols(dl_smem.at[slot])
       # P^T (1 - t^2) with softcap, times a score_mod's derivative
-      pg_t = softcap_grad(p_t, t_t)
+      pg_t = scores.times_derivative(p_t, t_t)
       ds_t = pg_t * (read_dp() - lax.broadcast_in_dim(delta, shape, [1]))
       return p_t.astype(spec.dtype), ds_t.astype(spec.dtype)
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat, flex_tile
+from pallas_fa3.kernels.sm90 import common, compat, flex_tile, scores
 from pallas_fa3.kernels.sm90.common import (
   SegmentRefs,
   bounds_scratch,
@@ -80,7 +80,7 @@ def _tile_loads(
 def _row_bounds(
   seg: SegmentRefs | None, ops: KernelOps, b: int | Any
 ) -> tuple | None:
-  """Block `b`'s rows' key bounds as `row_probabilities` takes them."""
+  """Block `b`'s rows' key bounds as `scores.At` takes them."""
   if seg is None:
     return None
   lo, hi = (ops.load_rows(seg.bounds_smem.at[i, b]) for i in (0, 1))
@@ -144,10 +144,12 @@ def _dq_consumer(
 
     def accumulate(read_dp):  # dP = dO V^T is in flight meanwhile
       kv0 = (walk.first + j) * cfg.block_kv + h * sub
-      p, t, *d_params = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head), params=n_params > 0,
-      )  # fmt: skip
+      at = scores.At(
+        row0, kv0, masked=masked, bounds=bounds, flex=(refs, batch, head)
+      )
+      p, t, *d_params = scores.probabilities(
+        ops, spec, s, lse2, at, params=n_params > 0
+      )
       d_mine = [d_params[0][i] for i in mine] if n_params else []
       ds, new_sums = _ds_and_sums(p, t, read_dp, delta, sums, d_mine)
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)
@@ -202,17 +204,17 @@ def _dq_consumer(
 def _ds_and_sums(
   p: Any, t: Any, read_dp: Any, delta: Any, sums: tuple, derivatives: list
 ) -> tuple[Any, tuple]:
-  """dS = P (dP - delta) (1 - t^2) g (`common.softcap_grad`; `t` the
+  """dS = P (dP - delta) (1 - t^2) g (`scores.times_derivative`; `t` the
   softcap's tanh and the score_mod's derivative g), and `sums` plus each
   row's sum of dS before g times each of `derivatives` (a score_mod's
   derivatives in its floating arrays). Without them P (1 - t^2) g is
   formed before `read_dp()` waits for dP (the wgmma still in flight)."""
   minus_delta = lambda dp: dp - lax.broadcast_in_dim(delta, p.shape, [0])
   if not derivatives:
-    return common.softcap_grad(p, t) * minus_delta(read_dp()), sums
+    return scores.times_derivative(p, t) * minus_delta(read_dp()), sums
   ds = p * minus_delta(read_dp())
   sums = tuple(a + (ds * d).sum(axis=1) for a, d in zip(sums, derivatives))
-  return common.softcap_grad(ds, t), sums
+  return scores.times_derivative(ds, t), sums
 
 
 def _store_ds(ds_stage: Any, step: Any, ds: Any, dst: Any) -> None:
@@ -314,10 +316,12 @@ def _dq_shared_consumer(
     kv0 = (walk.first + j) * cfg.block_kv + w * half
 
     def gradient(read_dp):  # dP = dO V^T is in flight while P is computed
-      p, t, *d_params = common.row_probabilities(
-        ops, spec, s, lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head), params=bool(params),
-      )  # fmt: skip
+      at = scores.At(
+        row0, kv0, masked=masked, bounds=bounds, flex=(refs, batch, head)
+      )
+      p, t, *d_params = scores.probabilities(
+        ops, spec, s, lse2, at, params=bool(params)
+      )
       d_mine = [d_params[0][i] for i in params] if params else []
       ds, new_sums = _ds_and_sums(p, t, read_dp, delta, sums, d_mine)
       if ds_out is not None:  # dbias: dS itself (no softcap with a bias)

@@ -20,10 +20,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa3 import masking, segments
-from pallas_fa3.kernels.sm90 import compat, flex_tile, hardware
+from pallas_fa3.kernels.sm90 import compat, hardware
 from pallas_fa3.kernels.sm90.config import NUM_CONSUMERS, Sm90ForwardConfig
 from pallas_fa3.kernels.sm90.ops import KernelOps
-from pallas_fa3.spec import LOG2E, AttentionSpec, cdiv
+from pallas_fa3.spec import AttentionSpec, cdiv
 
 # setmaxnreg per warpgroup role, within the CTA's register pool
 # (`hardware.split_problems`). Two consumers: FA3's split, 2 * 240 + 24 = 504
@@ -234,117 +234,6 @@ def swizzle64(dtype: Any) -> tuple:
   rows for 16-bit types, where the 128-byte swizzle steps 64)."""
   cols = 64 * 8 // (jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(64))
-
-
-def softcapped(spec: AttentionSpec, s: jax.Array) -> tuple[jax.Array, Any]:
-  """(scores, their base-2 scale): raw scores and `scale * log2(e)`, or
-  with softcap `tanh(s * scale / c)` and `c * log2(e)` (the tanh is also
-  the backward's `1 - tanh^2`)."""
-  if spec.softcap is None:
-    return s, jnp.float32(spec.softmax_scale * LOG2E)
-  t = jnp.tanh(s * jnp.float32(spec.softmax_scale / spec.softcap))
-  return t, jnp.float32(spec.softcap * LOG2E)
-
-
-def scaled_once(s: jax.Array, scale: Any) -> jax.Array:
-  """`s * scale`, rounded once: an optimization barrier keeps LLVM from
-  contracting the multiply into a later `x - max` (an FFMA). With the FFMA
-  the row max's own exponent is the product's rounding error, which at
-  large logits (|s * scale| ~ 1e10, one ulp ~ 1000) sends exp2 to 0 or
-  inf; with one rounding it is exactly 0. Costs an FMUL and an FADD per
-  score where FA3 spends one FFMA (docs/numerics.md#large-logits)."""
-  return lax.optimization_barrier(s * scale)
-
-
-def row_probabilities(
-  ops: KernelOps,
-  spec: AttentionSpec,
-  s: jax.Array,
-  lse2: jax.Array,
-  q0: Any,
-  kv0: Any,
-  *,
-  masked: bool,
-  check_seq_kv: bool = True,
-  q_axis: int = 0,
-  bounds: tuple | None = None,
-  flex_at: tuple | None = None,
-  params: bool = False,
-) -> tuple[jax.Array, ...]:
-  """P = exp2(S * scale * log2(e) - lse2) of a tile with query rows as its
-  rows (`lse2` a per-row vector), positions `q0 + row`, `kv0 + col`; hidden
-  entries 0 where `masked`. `q_axis=1`: a transposed tile, P^T of S^T
-  (keys as rows, `lse2` per column). The exponent is clamped at 0: exact
-  for every key a row sees (lse >= each of its scores); it keeps P finite
-  for keys past seq_kv (zero K rows: P = exp2(-lse2) would overflow where
-  lse < -88) without masking them, and at large logits, where lse's own
-  rounding (one ulp of |s| ~ 1e10 is ~1000) can put a score above it.
-  Shared by the dQ kernel,
-  the shared-tile dK/dV consumer and the fused consumer. `bounds`: segment
-  ids as `(lo, hi, dim)`, vectors along tile dim `dim`: per query row (dim
-  `q_axis`; keys `kv0 + col` in `[lo, hi)`) or per key (queries in
-  `[lo, hi)`), applied where `masked`. Returns (P, the softcap's tanh or
-  None). Segment bounds come folded with the positional rule
-  (`segments.kernel_bounds`) and replace it. `flex_at = (refs, batch,
-  query head)` with `spec.flex`: the score_mod's scores (the second result
-  is then `(tanh or None, its derivative)`, for `softcap_grad`) and the
-  flex mask on every tile (`flex_tile`). `params` (with a score_mod):
-  a third result, its derivatives in its floating arrays (tiles)."""
-  shape = s.shape
-  t, scale_log2 = softcapped(spec, s)
-  fx = flex_at is not None and spec.flex is not None
-  grad = None
-  if fx:  # a bias, then a score_mod (with its derivative)
-    x, scale_log2, grad = flex_tile.backward_scores(
-      spec, flex_at[0], ops, t, scale_log2, q0=q0, kv0=kv0,
-      batch=flex_at[1], head=flex_at[2], q_axis=q_axis, params=params,
-    )  # fmt: skip
-    if params:
-      grad, d_params = grad
-    arg = scaled_once(x, scale_log2)
-  else:
-    arg = scaled_once(t, scale_log2)
-  arg = arg - lax.broadcast_in_dim(lse2, shape, [q_axis])
-  p = jnp.exp2(jnp.minimum(arg, 0.0))
-  if fx:  # every tile: the flex mask is not positional
-    p = flex_tile.kernel_hide(
-      spec, flex_at[0], ops, p, q0=q0, kv0=kv0, batch=flex_at[1],
-      head=flex_at[2], q_axis=q_axis,
-    )  # fmt: skip
-  if masked and bounds is not None:  # positions folded into the bounds
-    rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
-    lo, hi, dim = bounds
-    index = rows if dim == 1 else cols  # along the other dim
-    base = kv0 if dim == q_axis else q0  # per query row: keys
-    p = jnp.where(
-      masking.within_bounds(index, lo, hi, base, shape, dim), p, 0.0
-    )
-  elif masked:
-    rows, cols = ops.row_index(shape[0]), ops.col_index(shape[1])
-    mask = masking.visible_tile_at(
-      spec,
-      q0,
-      kv0,
-      rows if q_axis == 0 else cols,
-      cols if q_axis == 0 else rows,
-      shape,
-      q_axis,
-      check_seq_kv=check_seq_kv,
-    )
-    p = jnp.where(mask, p, 0.0)
-  t = None if spec.softcap is None else t
-  ctx = t if grad is None else (t, grad)
-  return (p, ctx, d_params) if params else (p, ctx)
-
-
-def softcap_grad(ds: jax.Array, t: Any) -> jax.Array:
-  """dS times the score's derivative: the softcap's `1 - tanh^2` (`t` the
-  tanh; as is with None), and with `(t, g)` (`row_probabilities` with a
-  score_mod) a score_mod's `g` too."""
-  if isinstance(t, tuple):
-    t, g = t
-    ds = ds * g
-  return ds if t is None else ds * (1.0 - t * t)
 
 
 def round_up(n: int, multiple: int) -> int:

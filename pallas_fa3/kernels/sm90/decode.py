@@ -22,16 +22,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import compat, config_decode, hardware
+from pallas_fa3.kernels.sm90 import (
+  compat,
+  config_decode,
+  flex_tile,
+  hardware,
+  scores,
+)
 from pallas_fa3.kernels.sm90.common import (
   LONE_CONSUMER_REGS,
   LONE_PRODUCER_REGS,
   build_kernel,
   consumer_release,
   pad_axis,
-  scaled_once,
   smem_transforms,
-  softcapped,
 )
 from pallas_fa3.kernels.sm90.config_decode import (
   DECODE_ROWS,
@@ -62,18 +66,6 @@ def converted_q(q_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   scale = jnp.exp2(jnp.maximum(e, 0.0))
   q16 = q_rows.astype(jnp.float32) / scale[:, :, None, None]
   return q16.astype(COMPUTE_DTYPE), scale
-
-
-def descaled(spec: Any, s: jax.Array, k_descale: Any) -> tuple[Any, Any]:
-  """`softcapped` for scores of a descaled K: (scores, their base-2
-  scale) with `k_descale` folded into the scale (or, with softcap, into
-  the tanh's argument)."""
-  if k_descale is None:
-    return softcapped(spec, s)
-  if spec.softcap is None:
-    return s, jnp.float32(spec.softmax_scale * LOG2E) * k_descale
-  factor = jnp.float32(spec.softmax_scale / spec.softcap) * k_descale
-  return jnp.tanh(s * factor), jnp.float32(spec.softcap * LOG2E)
 
 
 def convert_tile(
@@ -424,27 +416,6 @@ def query_rows(plan: DecodePlan, ops: KernelOps, length: Any, row0: Any):
   return length - plan.spec.seq_q + lax.div(rows, g)
 
 
-def tile_mask(
-  plan: DecodePlan, ops: KernelOps, pos: Any, length: Any, start: Any,
-  tile: Any,
-) -> jax.Array:  # fmt: skip
-  """`[64, block_kv]`: which keys of K tile `tile` the rows at positions
-  `pos` see (the length, cache_leftpad `start` or None, the causal rule
-  and window)."""
-  spec, bkv = plan.spec, plan.block_kv
-  keys = tile * bkv + ops.col_index(bkv)
-  ok = lambda a, b: lax.broadcast_in_dim(a, (DECODE_ROWS, bkv), [b])
-  mask = ok(keys < length, 1)
-  if start is not None:  # cache_leftpad
-    mask = mask & ok(keys >= start, 1)
-  rpos = lambda off: ok(pos + off, 0)
-  if spec.window_right is not None:
-    mask = mask & (ok(keys, 1) <= rpos(spec.window_right))
-  if spec.window_left is not None:
-    mask = mask & (ok(keys, 1) >= rpos(-spec.window_left))
-  return mask
-
-
 def flex_view(spec: DecodeSpec) -> Any:
   """What `flex_tile` reads of a call, for a decode one: its flex options
   over positions `0 .. capacity` (queries and keys alike); with packed
@@ -462,24 +433,6 @@ def flex_view(spec: DecodeSpec) -> Any:
     softmax_scale=spec.softmax_scale, softcap=spec.softcap,
     unaligned_rows=True,  # a tile's rows start at any position
   )  # fmt: skip
-
-
-def _flex_scores(plan, refs, ops, t, scale_log2, q0, kv0, batch, head):
-  """The tile's (scores, their base-2 scale, the flex mask or None): a
-  score_mod on natural units (then scaled by log2 e), a mask_mod and a
-  block mask's state, at query positions `q0 + row` and keys `kv0 +
-  col` of query head `head` (packed rows: `q0 + row = q_idx * group + h`
-  of KV head `head`, `flex_view`'s packed functions)."""
-  from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
-
-  spec = plan.spec
-  if spec.flex.score_mod is not None:
-    t = flex_tile.natural_units(spec, t)
-    scale_log2 = jnp.float32(LOG2E)
-  t, mask = flex_tile.kernel_scores(
-    flex_view(spec), refs, ops, t, q0=q0, kv0=kv0, batch=batch, head=head
-  )
-  return t, scale_log2, mask
 
 
 def _consumer(
@@ -506,8 +459,6 @@ def _consumer(
 
   pos = query_rows(plan, ops, length, row0)
 
-  mask_for = lambda tile: tile_mask(plan, ops, pos, length, start, tile)
-
   def step(j, carry):
     o, m, l = carry
     slot, tile = lax.rem(j, stages), first + j
@@ -526,21 +477,17 @@ def _consumer(
     plgpu.barrier_wait(k_full.at[slot])
     s = ops.scores(q_smem, k_smem.at[slot])
     plgpu.barrier_arrive(k_empty.at[slot])
-    # (a DecodeSpec serves as well as an AttentionSpec)
-    t, scale_log2 = descaled(spec, s, k_descale)
-    mask = mask_for(tile)
-    if spec.flex is not None:  # packed rows, or one query head per tile
-      t, scale_log2, fmask = _flex_scores(
-        plan, refs, ops, t, scale_log2,
-        (length - spec.seq_q) * plan.packed + row0, tile * bkv, batch, head,
-      )  # fmt: skip
-      mask = mask if fmask is None else mask & fmask
-    x = jnp.where(mask, scaled_once(t, scale_log2), -jnp.inf)
-    m_new = jnp.maximum(m, x.max(axis=1))
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_ref)
-    p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, x.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
+    # (a DecodeSpec serves as well as an AttentionSpec.) A flex function
+    # sees packed rows `q_idx * group + h` (`flex_view`), or one query head.
+    at = scores.At(
+      (length - spec.seq_q) * plan.packed + row0,
+      tile * bkv,
+      decode=(pos, length, start),
+      flex=(refs, batch, head),
+    )
+    view = None if spec.flex is None else flex_view(spec)
+    x = scores.logits(ops, spec, s, at, descale=k_descale, flex_spec=view)
+    p, alpha, m_new, l = scores.online_softmax(x, m, l)
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
     if plan.fp8:
       plgpu.barrier_wait(v_full.at[slot])
@@ -758,8 +705,6 @@ def sm90_decode(
     extra = (descale[0] * q_scale, descale[1])
   flex = {}
   if spec.flex is not None:  # positions to the capacity, tiles past it
-    from pallas_fa3.kernels.sm90 import flex_tile  # pylint: disable=g-import-not-at-top
-
     positions = None
     if flex_ops.block_mask is not None:  # the queries' first and last
       last = lengths.astype(jnp.int32) - 1

@@ -23,12 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import compat, hardware
+from pallas_fa3.kernels.sm90 import compat, hardware, scores
 from pallas_fa3.kernels.sm90.common import (
   PRODUCER_REGS,
   build_kernel,
   consumer_release,
-  scaled_once,
   smem_transforms,
 )
 from pallas_fa3.kernels.sm90.config_decode import (
@@ -44,11 +43,9 @@ from pallas_fa3.kernels.sm90.decode import (
   convert_tile,
   converted_q,
   cta_walk,
-  descaled,
   merged_output,
   pack_queries,
   query_rows,
-  tile_mask,
   zero_rows_from,
 )
 from pallas_fa3.kernels.sm90.ops import COMPILED, INTERPRETED, KernelOps
@@ -285,17 +282,9 @@ def _softmax_consumer(refs, plan, ops) -> None:
 
     chunks = [ring[c].at[slot] for c in range(len(ring))]
     s = ops.scores(list(q_smem), chunks)
-    t, scale_log2 = descaled(spec, s, k_descale)
-    x = jnp.where(
-      tile_mask(plan, ops, pos, length, start, tile),
-      scaled_once(t, scale_log2),
-      -jnp.inf,
-    )
-    m_new = jnp.maximum(m, x.max(axis=1))
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_ref)
-    p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, x.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
+    at = scores.At(0, tile * bkv, decode=(pos, length, start))
+    x = scores.logits(ops, spec, s, at, descale=k_descale)
+    p, alpha, m_new, l = scores.online_softmax(x, m, l)
     p16 = p.astype(plan.compute_dtype)
 
     @pl.when(j > 0)

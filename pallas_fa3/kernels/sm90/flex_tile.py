@@ -1106,7 +1106,7 @@ def _walk_ahead(spec, refs, ops, shape, q0, kv0, batch, head, scalars=None):
 
 def natural_units(spec: Any, t: jax.Array) -> jax.Array:
   """The scaled (and softcapped) scores score_mod takes, from the kernels'
-  raw or softcapped ones (`common.softcapped`'s first result)."""
+  raw or softcapped ones (`scores.softcapped`'s first result)."""
   natural = spec.softmax_scale if spec.softcap is None else spec.softcap
   return t * jnp.float32(natural)
 
@@ -1275,9 +1275,9 @@ def backward_scores(
   params: bool = False,
 ) -> tuple[jax.Array, Any, Any]:  # fmt: skip
   """The backward kernels' scores of a tile of raw (or softcapped) scores
-  `t` with `common.softcapped`'s `scale_log2`, through the bias and
+  `t` with `scores.softcapped`'s `scale_log2`, through the bias and
   score_mod (their forward's order: bias, then score_mod): (scores, the
-  factor to base 2 for `common.scaled_once`, the score_mod's derivative or
+  factor to base 2 for `scores.scaled_once`, the score_mod's derivative or
   None; with `params`, `(derivative, derivatives in its floating
   arrays)`)."""
   fs = spec.flex

@@ -25,8 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90 import compat, flex_tile
+from pallas_fa3.kernels.sm90 import compat, flex_tile, scores
 from pallas_fa3.kernels.sm90.common import (
   CONSUMER_REGS,
   MASK_EVERY_STEP_HEAD_DIM,
@@ -38,9 +37,7 @@ from pallas_fa3.kernels.sm90.common import (
   consumer_release,
   id_operands,
   kv_walk,
-  scaled_once,
   smem_transforms,
-  softcapped,
   tma_extent,
   walk_steps,
 )
@@ -70,32 +67,6 @@ EARLY_RESCALE_MAX_DV = 64
 
 # The K/V ring's barriers, in `pipeline.kv_producer`'s order.
 _RING = ("k_full", "v_full", "k_empty", "v_empty")
-
-
-def _online_softmax(
-  s: jax.Array,
-  m: jax.Array,
-  l: jax.Array,
-  *,
-  scale_log2: jax.Array,
-  mask: jax.Array | None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """One online-softmax step in base 2; returns (p, alpha, m_new, l_new).
-
-  `s` holds raw (or softcapped: `common.softcapped`) scores, `m` the running
-  max of the scaled ones. The scores are scaled once (`scaled_once`: a
-  multiply, not fused into the exponent's subtraction), so the row max's
-  own exponent is exactly 0 at any finite scale.
-  """
-  x = scaled_once(s, scale_log2)
-  if mask is not None:
-    x = jnp.where(mask, x, -jnp.inf)
-  m_new = jnp.maximum(m, x.max(axis=1))
-  # A row with no visible key yet (max -inf) exponentiates against 0: no NaN.
-  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_ref)
-  p = jnp.exp2(x - lax.broadcast_in_dim(m_ref, s.shape, [0]))
-  return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
 def _query_tile(
@@ -170,42 +141,22 @@ def _query_tile(
   check_seq_kv = spec.window_right != 0
 
   def softmax(s, j, m, l, *, masked: bool, fetched=None):
-    mask = None
-    s, scale_log2 = softcapped(spec, s)
-    kv0 = (walk.first + j) * cfg.block_kv
-    if spec.flex is not None:
-      # score_mod and the bias act on natural units (then base 2); a mask
-      # alone leaves the scores raw, scaled once in the exponent as always
-      units = spec.flex.score_mod is not None or spec.flex.bias is not None
-      if units:
-        s = flex_tile.natural_units(spec, s)
-        scale_log2 = jnp.float32(LOG2E)
-      s, mask = flex_tile.kernel_scores(
-        spec, refs, ops, s, q0=row0, kv0=kv0, batch=batch, head=head,
-        scalars=scalars, fetched=fetched,
-        float_differences=max(spec.head_dim, spec.head_dim_v)
-        <= flex_tile.FLOAT_DIFFERENCE_MAX_HEAD_DIM,
-      )  # fmt: skip
-    builtin = None
-    if masked and bounds is not None:  # positions folded into the bounds
-      cols = ops.col_index(cfg.block_kv)
-      builtin = masking.within_bounds(cols, *bounds, kv0, s.shape)
-    elif masked:  # 1-D index vectors: no index tile lives in registers
-      builtin = masking.visible_tile_at(
-        spec,
-        row0,
-        kv0,
-        ops.row_index(cfg.block_q),
-        ops.col_index(cfg.block_kv),
-        s.shape,
-        0,
-        check_seq_kv=check_seq_kv,
-      )
-    if builtin is not None:
-      mask = builtin if mask is None else mask & builtin
-    return _online_softmax(s, m, l, scale_log2=scale_log2, mask=mask)
+    at = scores.At(
+      row0,
+      (walk.first + j) * cfg.block_kv,
+      masked=masked,
+      bounds=None if bounds is None else (*bounds, 0),
+      check_seq_kv=check_seq_kv,
+      flex=(refs, batch, head),
+    )
+    x = scores.logits(
+      ops, spec, s, at, scalars=scalars, fetched=fetched,
+      float_differences=max(spec.head_dim, spec.head_dim_v)
+      <= flex_tile.FLOAT_DIFFERENCE_MAX_HEAD_DIM,
+    )  # fmt: skip
+    return scores.online_softmax(x, m, l)
 
-  def scores(slot):  # S = Q K^T in this consumer's turn, K released
+  def qk(slot):  # S = Q K^T in this consumer's turn, K released
     plgpu.barrier_wait(k_full.at[slot])
     s = ops.with_scores(
       q_smem, k_smem.at[slot], lambda read: (turns.pass_on(), read())[1]
@@ -240,7 +191,7 @@ def _query_tile(
     o, m, l = carry
     slot = slot_of(j)
     turns.wait()
-    p, alpha, m, l = softmax(scores(slot), j, m, l, masked=masked)
+    p, alpha, m, l = softmax(qk(slot), j, m, l, masked=masked)
     o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
     plgpu.barrier_wait(v_full.at[slot])
     o = ops.accumulate_pv(o, p.astype(spec.dtype), v_smem.at[slot])
@@ -255,7 +206,7 @@ def _query_tile(
 
   # S_0 and its softmax: O starts at 0, so no P V is in flight yet.
   turns.wait()
-  s0 = scores(slot_of(0))
+  s0 = qk(slot_of(0))
   p0, _, m0, l0 = softmax(s0, 0, m0, l0, masked=plan.needs_mask)
   # The shapes `scores_then_pv` returns: P, alpha, m, l in float32.
   like = (ops.tile(jnp.zeros(s0.shape, jnp.float32)), m0, m0, l0)

@@ -21,8 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3 import masking
-from pallas_fa3.kernels.sm90 import compat, hardware
+from pallas_fa3.kernels.sm90 import compat, hardware, scores
 from pallas_fa3.kernels.sm90.common import (
   MASK_EVERY_STEP_HEAD_DIM,
   QueryPlan,
@@ -174,9 +173,8 @@ def query_tile(
         q_bar.at[wg],
       )
   q_terms = tuple(q_smem.at[t] for t in range(len(q_refs)))
-  # The Q tile's descale, folded into the softmax scale.
+  # The Q tile's descale, folded with K's into the softmax scale.
   q_scale = qs_ref[batch, head, lax.div(row0, jnp.int32(cfg.block_q))]
-  scale_log2 = jnp.float32(spec.softmax_scale * LOG2E) * q_scale
   plgpu.barrier_wait(q_bar.at[wg])
   if seg is not None:
     bounds = tuple(ops.load_rows(seg.bounds_smem.at[i, wg]) for i in (0, 1))
@@ -187,15 +185,15 @@ def query_tile(
   check_seq_kv = spec.window_right != 0  # as the bf16 kernel
 
   def mask_for(j):
-    """Step j's mask from 1-D index vectors (no index tile in registers)."""
-    kv0 = (walk.first + j) * cfg.block_kv
-    cols = ops.col_index(cfg.block_kv)
-    if bounds is not None:  # positions folded into the bounds
-      return masking.within_bounds(cols, *bounds, kv0, shape)
-    return masking.visible_tile_at(
-      spec, row0, kv0, ops.row_index(cfg.block_q), cols, shape, 0,
+    """Step j's mask (`scores.builtin_mask`)."""
+    at = scores.At(
+      row0,
+      (walk.first + j) * cfg.block_kv,
+      masked=True,
+      bounds=None if bounds is None else (*bounds, 0),
       check_seq_kv=check_seq_kv,
-    )  # fmt: skip
+    )
+    return scores.builtin_mask(ops, spec, shape, at)
 
   last_kv = plan.seq_kv_pad // cfg.block_kv - 1
 
@@ -209,10 +207,7 @@ def query_tile(
     """Softmax of S_j with its scales `sc` (loaded a step ahead): (P_j in
     float32, O's rescale factor, m, l)."""
     k_scale, v_ratio = sc
-    step = scale_log2 * k_scale
-    if spec.softcap is not None:  # cap * tanh(scaled / cap), in base 2
-      s = jnp.tanh(s * (step / jnp.float32(LOG2E * spec.softcap)))
-      step = jnp.float32(spec.softcap * LOG2E)
+    s, step = scores.softcapped(spec, s, q_scale * k_scale)
     p, alpha, m, l = online_softmax_fp8(
       s, m, l, scale_log2=step, mask=mask_for(j) if masked else None
     )

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa3.kernels.sm90 import common, compat, flex_tile
+from pallas_fa3.kernels.sm90 import common, compat, flex_tile, scores
 from pallas_fa3.kernels.sm90.common import (
   QueryPlan,
   bounds_scratch,
@@ -233,10 +233,12 @@ def _consumer(
     plgpu.barrier_wait(k_full.at[slot])
 
     def body(read_s, read_sdot):  # S' computes while P is formed
-      p, t, *arrays_dot = common.row_probabilities(
-        ops, spec, read_s(), lse2, row0, kv0, masked=masked, bounds=bounds,
-        flex_at=(refs, batch, head), params=params,
-      )  # fmt: skip
+      at = scores.At(
+        row0, kv0, masked=masked, bounds=bounds, flex=(refs, batch, head)
+      )
+      p, t, *arrays_dot = scores.probabilities(
+        ops, spec, read_s(), lse2, at, params=params
+      )
       # The score_mod's tangent along its arrays' (one tile per array).
       extra = sum(arrays_dot[0]) if arrays_dot else None
       bias_dot = None
@@ -306,7 +308,7 @@ def _p_times_tangent(
   p: Any, sdot: Any, ctx: Any, dbias: Any, darrays: Any, dtype: Any
 ) -> tuple:
   """(P o S' rounded for the GEMM, its float32 row sum): `sdot` the raw
-  scores' tangent times the scale, `ctx` `row_probabilities`' (the
+  scores' tangent times the scale, `ctx` `scores.probabilities`' (the
   softcap's tanh t, or (t, the score_mod's derivative g)), `dbias` the
   bias's tangent tile, `darrays` the score_mod's tangent along its arrays'
   (None: none): S' = g ((1 - t^2) sdot + dbias) + darrays, the bias added
