@@ -136,19 +136,12 @@ def _query_tile(
     scalars = flex_tile.preload_scalars(
       spec, refs, ops, shape, row0, batch, head
     )
-  # Padded keys matter only where rows see keys after their own position
-  # (bottom-right causal rows never see a key at or past seq_kv).
-  check_seq_kv = spec.window_right != 0
 
   def softmax(s, j, m, l, *, masked: bool, fetched=None):
-    at = scores.At(
-      row0,
-      (walk.first + j) * cfg.block_kv,
-      masked=masked,
-      bounds=None if bounds is None else (*bounds, 0),
-      check_seq_kv=check_seq_kv,
-      flex=(refs, batch, head),
-    )
+    at = scores.query_tile_at(
+      spec, row0, (walk.first + j) * cfg.block_kv, masked=masked,
+      bounds=bounds, flex=(refs, batch, head),
+    )  # fmt: skip
     x = scores.logits(
       ops, spec, s, at, scalars=scalars, fetched=fetched,
       float_differences=max(spec.head_dim, spec.head_dim_v)

@@ -182,17 +182,11 @@ def query_tile(
 
   walk = kv_walk(plan, tile.row0, row0, cfg.block_q, span)
   shape = (cfg.block_q, cfg.block_kv)
-  check_seq_kv = spec.window_right != 0  # as the bf16 kernel
 
   def mask_for(j):
-    """Step j's mask (`scores.builtin_mask`)."""
-    at = scores.At(
-      row0,
-      (walk.first + j) * cfg.block_kv,
-      masked=True,
-      bounds=None if bounds is None else (*bounds, 0),
-      check_seq_kv=check_seq_kv,
-    )
+    """Step j's mask (the bf16 kernel's rule, `scores.builtin_mask`)."""
+    kv0 = (walk.first + j) * cfg.block_kv
+    at = scores.query_tile_at(spec, row0, kv0, masked=True, bounds=bounds)
     return scores.builtin_mask(ops, spec, shape, at)
 
   last_kv = plan.seq_kv_pad // cfg.block_kv - 1

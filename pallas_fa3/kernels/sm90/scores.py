@@ -52,6 +52,21 @@ class At:
   flex: tuple | None = None
 
 
+def query_tile_at(
+  spec: Any, row0: Any, kv0: Any, *, masked: bool, bounds: tuple | None,
+  flex: tuple | None = None,
+) -> At:  # fmt: skip
+  """A forward kernel's step: queries as rows from `row0`, keys from `kv0`;
+  `bounds` the rows' key bounds `(lo, hi)` (segment ids) or None. Padded
+  keys are tested only where rows see keys after their own position
+  (bottom-right causal rows never reach one)."""
+  return At(
+    row0, kv0, masked=masked,
+    bounds=None if bounds is None else (*bounds, 0),
+    check_seq_kv=spec.window_right != 0, flex=flex,
+  )  # fmt: skip
+
+
 def softcapped(
   spec: Any, s: jax.Array, descale: Any = None
 ) -> tuple[jax.Array, Any]:
