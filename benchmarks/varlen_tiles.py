@@ -12,7 +12,8 @@ causal tiles skipped per sequence) and chunked prefill (each sequence's queries 
 keys: the per-token mask_mod rule, whose kernels skip by sequence but walk
 a sequence's key tiles past a query tile's diagonal). Each against the
 same sequences alone (causal bottom-right) and against one padded
-`[seqs, max_len]` batch. Then, with --time-tokens > 0, the blockwise
+`[seqs, max_len]` batch; chunked prefill causal also as it would walk
+with each sequence's diagonal folded into the segment bounds. Then, with --time-tokens > 0, the blockwise
 backend on this CPU (float32, 4 heads of d64, jit, compile excluded,
 median of --runs): the self-attention packing causal, forward and
 forward+backward, through the built-in diagonal (the same cu_seqlens
@@ -60,6 +61,25 @@ def packed_steps(lq, lk, d: int, causal: bool) -> dict:
     int(cu_q[-1]), int(cu_k[-1]), d, causal=causal and aligned, segmented=True
   )
   return steps(spec, segments.kernel_bounds(spec, p.segment_ids())[0])
+
+
+def folded_steps(lq, lk, d: int) -> dict:
+  """Steps of the causal call if each sequence's bottom-right diagonal
+  were folded into the segment bounds (per query row its last key, per
+  key its first query) instead of the per-token mask_mod: what the kernels
+  would walk with that rule (not yet built; issue 68)."""
+  cq = np.concatenate([[0], np.cumsum(lq)])
+  ck = np.concatenate([[0], np.cumsum(lk)])
+  lo, hi = np.zeros(cq[-1], np.int32), np.zeros(cq[-1], np.int32)
+  q_lo, q_hi = np.zeros(ck[-1], np.int32), np.zeros(ck[-1], np.int32)
+  for b in range(len(lq)):
+    qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
+    after = qe - 1 - np.arange(qs, qe)  # the sequence's queries after i
+    lo[qs:qe], hi[qs:qe] = ks, ke - after
+    q_lo[ks:ke] = np.maximum(qs, qe - ke + np.arange(ks, ke))
+    q_hi[ks:ke] = qe
+  spec = _spec(int(cq[-1]), int(ck[-1]), d, segmented=True)
+  return steps(spec, tuple(jnp.asarray(x)[None] for x in (lo, hi, q_lo, q_hi)))
 
 
 def alone_steps(lq, lk, d: int, causal: bool) -> dict:
@@ -173,6 +193,18 @@ def main(argv=None) -> int:
             padded=pad[kernel],
           )
         )
+  lq = packings["chunked prefill"][0]
+  fold = folded_steps(lq, lk, args.head_dim)
+  own = alone_steps(lq, lk, args.head_dim, True)
+  print("\nchunked prefill, causal, the diagonal folded into the bounds:")
+  print("| kernel | alone (sum) | folded | ratio |\n|---|---|---|---|")
+  for kernel in KERNELS:
+    ratio = fold[kernel] / own[kernel]
+    print(f"| {kernel} | {own[kernel]} | {fold[kernel]} | {ratio:.3f} |")
+    rows.append(
+      dict(packing="chunked prefill, folded", causal=True, kernel=kernel,
+           alone=own[kernel], varlen=fold[kernel], padded=None)
+    )  # fmt: skip
   timed = []
   if args.time_tokens:
     short = lengths(args.seqs, args.time_tokens, args.seed)
