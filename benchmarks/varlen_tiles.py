@@ -13,13 +13,13 @@ keys: the per-token mask_mod rule, whose kernels skip by sequence but walk
 a sequence's key tiles past a query tile's diagonal). Each against the
 same sequences alone (causal bottom-right) and against one padded
 `[seqs, max_len]` batch; chunked prefill causal also as it would walk
-with each sequence's diagonal folded into the segment bounds. Then, with --time-tokens > 0, the blockwise
-backend on this CPU (float32, 4 heads of d64, jit, compile excluded,
-median of --runs): the self-attention packing causal, forward and
-forward+backward, through the built-in diagonal (the same cu_seqlens
-array twice), the per-token mask_mod (an equal copy, so the rule cannot
-know), `flash_attention(segment_ids=)` on the same layout, and the padded
-batch.
+with each sequence's diagonal folded into the segment bounds. Then, with
+--time-tokens > 0, the blockwise backend on this CPU (float32, 4 heads
+of d64, jit, compile excluded, median of --runs): the self-attention
+packing causal, forward and forward+backward, through the built-in
+diagonal (the same cu_seqlens array twice), the per-token mask_mod (an
+equal copy, so the rule cannot know), `flash_attention(segment_ids=)` on
+the same layout, and the padded batch.
 """
 
 from __future__ import annotations
@@ -170,11 +170,11 @@ def main(argv=None) -> int:
   print(f"lengths (keys): {lk.tolist()}")
   print("| packing | mask | kernel | alone (sum) | varlen | ratio | padded |")
   print("|---|---|---|---|---|---|---|")
-  rows = []
+  rows, alone = [], {}
   for name, (lq, lk_) in packings.items():
     for causal in (False, True):
       got = packed_steps(lq, lk_, args.head_dim, causal)
-      own = alone_steps(lq, lk_, args.head_dim, causal)
+      own = alone[name, causal] = alone_steps(lq, lk_, args.head_dim, causal)
       pad = padded_steps(lq, lk_, args.head_dim, causal)
       for kernel in KERNELS:
         mask = "causal" if causal else "full"
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         )
   lq = packings["chunked prefill"][0]
   fold = folded_steps(lq, lk, args.head_dim)
-  own = alone_steps(lq, lk, args.head_dim, True)
+  own = alone["chunked prefill", True]
   print("\nchunked prefill, causal, the diagonal folded into the bounds:")
   print("| kernel | alone (sum) | folded | ratio |\n|---|---|---|---|")
   for kernel in KERNELS:

@@ -115,20 +115,16 @@ def builtin_mask(
     return mask
   if not at.masked:
     return None
-  q_idx, kv_idx = (rows, cols) if at.q_axis == 0 else (cols, rows)
   if at.bounds is not None:  # positions folded into the bounds
     lo, hi, dim = at.bounds
     index = rows if dim == 1 else cols  # along the other dim
     base = at.kv0 if dim == at.q_axis else at.q0  # per query row: keys
     return masking.within_bounds(index, lo, hi, base, shape, dim)
+  q_idx, kv_idx = (rows, cols) if at.q_axis == 0 else (cols, rows)
   return masking.visible_tile_at(
     spec, at.q0, at.kv0, q_idx, kv_idx, shape, at.q_axis,
     check_seq_kv=at.check_seq_kv,
   )  # fmt: skip
-
-
-def _flex_view(spec: Any, flex_spec: Any) -> Any:
-  return spec if flex_spec is None else flex_spec
 
 
 def logits(
@@ -157,8 +153,9 @@ def logits(
       t = flex_tile.natural_units(spec, t)
       scale_log2 = jnp.float32(LOG2E)
     refs, batch, head = at.flex
+    view = spec if flex_spec is None else flex_spec
     t, mask = flex_tile.kernel_scores(
-      _flex_view(spec, flex_spec), refs, ops, t, q0=at.q0, kv0=at.kv0,
+      view, refs, ops, t, q0=at.q0, kv0=at.kv0,
       batch=batch, head=head, scalars=scalars, fetched=fetched,
       float_differences=float_differences,
     )  # fmt: skip
